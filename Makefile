@@ -1,0 +1,40 @@
+# The two commands that matter: `make run` (the demo on the local stack) and `make test`.
+# Both install what they need first; nothing else has to be set up by hand.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .install.stamp
+
+.PHONY: install run test test-unit test-integration protos bench lint clean
+
+$(STAMP): pyproject.toml
+	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server; }
+	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(PYTHON) -m rlharvest.services.demo
+
+test: install
+	$(PYTHON) -m pytest -q -ra
+
+test-unit: install
+	$(PYTHON) -m pytest -q -ra tests/unit
+
+test-integration: install
+	$(PYTHON) -m pytest -q -ra tests/integration
+
+protos:
+	$(PYTHON) tools/gen_protos.py
+
+bench: install
+	for b in bench/*.py; do $(PYTHON) $$b --quick || exit 1; done
+
+lint:
+	$(PYTHON) -m ruff check common services sim tests bench tools
+
+clean:
+	rm -rf $(STAMP) build dist *.egg-info .pytest_cache

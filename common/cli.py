@@ -1,0 +1,55 @@
+"""Turn a service's config model into command-line flags, without repeating its fields.
+
+Every field ``max_running`` becomes ``--max-running VALUE`` (booleans: ``--json-logs`` /
+``--no-json-logs``); ``--config FILE`` names a TOML or YAML file. Unknown flags are errors that
+list the known ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlharvest.common.config import ConfigError, ServiceConfig
+
+
+def parse_flags(model: type[ServiceConfig], args: list[str]) -> dict[str, Any]:
+    fields = model.model_fields
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --name value")
+        name, eq, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        if key not in fields and key.startswith("no_") and key[3:] in fields and not eq:
+            flags[key[3:]] = False
+            i += 1
+            continue
+        if key not in fields:
+            known = " ".join("--" + f.replace("_", "-") for f in sorted(fields))
+            raise ConfigError(f"unknown flag --{name}; known flags: --config {known}")
+        if not eq:
+            if fields[key].annotation is bool:
+                flags[key] = True
+                i += 1
+                continue
+            if i + 1 >= len(args):
+                raise ConfigError(f"flag --{name} needs a value")
+            value = args[i + 1]
+            i += 1
+        flags[key] = value
+        i += 1
+    return flags
+
+
+def describe_flags(model: type[ServiceConfig]) -> str:
+    """Help text listing every flag with its default and description."""
+    lines = []
+    for name, info in model.model_fields.items():
+        default = "<generated>" if info.default_factory else repr(info.default)
+        text = f"  --{name.replace('_', '-')}  (default {default})"
+        if info.description:
+            text += f"  {info.description}"
+        lines.append(text)
+    return "Flags (also RLH_<NAME> environment variables and --config FILE keys):\n\n" + "\n\n".join(lines)

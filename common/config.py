@@ -1,0 +1,88 @@
+"""Service configuration: one pydantic-settings model per service.
+
+Precedence, highest first: command-line flags, ``RLH_`` environment variables, a TOML or YAML
+file, the model's defaults. Unknown keys and bad values are errors that name the key, so a typo in
+a config file never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+ENV_PREFIX = "RLH_"
+
+
+class ConfigError(ValueError):
+    """A configuration the service refuses to start with; the message names every bad key."""
+
+
+class ServiceConfig(BaseSettings):
+    """Base of every service's config. Subclasses add fields; the loading rules live here."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # Set by load_config for the duration of one load; pydantic-settings reads it in the hook below.
+    _config_file: ClassVar[Path | None] = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = cls._config_file
+        if path is not None:
+            if path.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+Config = TypeVar("Config", bound=ServiceConfig)
+
+
+def load_config(model: type[Config], config_file: str | Path | None = None,
+                flags: dict[str, Any] | None = None) -> Config:
+    """Build ``model`` from flags > RLH_ environment > file > defaults, or raise ConfigError."""
+    path = Path(config_file) if config_file else None
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        if path.suffix not in (".toml", ".yaml", ".yml"):
+            raise ConfigError(f"config file {path}: use a .toml, .yaml or .yml file")
+    model._config_file = path
+    try:
+        return model(**(flags or {}))
+    except ValidationError as exc:
+        raise ConfigError(_describe(model, path, exc)) from None
+    except ValueError as exc:  # a file that does not parse
+        raise ConfigError(f"config file {path}: {exc}") from None
+    finally:
+        model._config_file = None
+
+
+def _describe(model: type[ServiceConfig], path: Path | None, exc: ValidationError) -> str:
+    lines = [f"invalid {model.__name__}" + (f" (file {path})" if path else "") + ":"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(sorted(model.model_fields))
+            lines.append(f"  {key}: unknown key (known keys: {known})")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r}; env {ENV_PREFIX}{key.upper()})")
+    return "\n".join(lines)

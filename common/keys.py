@@ -1,0 +1,72 @@
+"""The etcd key layout, in one place. Every key rlharvest writes lives under ROOT.
+
+/rlharvest/v1/members/<service>/<member_id>      JSON member info, attached to the member's lease
+/rlharvest/v1/election/<name>/<lease_id_hex>     election candidates; lowest create revision leads
+/rlharvest/v1/versions/<name>                    versioned record: JSON {"version": int, ...}
+/rlharvest/v1/weights/<job>/announced            latest weight version announced for a job
+/rlharvest/v1/weights/<job>/holders/<agent_id>   which agents hold which versions (transfer agents)
+/rlharvest/v1/pairing/<worker_id>                the transfer agent a rollout worker pulls from
+/rlharvest/v1/placement/...                      placement scheduler state (nodes, groups, permits)
+"""
+
+from __future__ import annotations
+
+ROOT = "/rlharvest/v1"
+
+SERVICES = (
+    "rollout_worker",
+    "rollout_manager",
+    "transfer_agent",
+    "trainer",
+    "coexecutor",
+    "placement_scheduler",
+)
+
+
+def _segment(value: str, what: str) -> str:
+    if not value or "/" in value:
+        raise ValueError(f"{what} {value!r} must be non-empty and contain no '/'")
+    return value
+
+
+def members_prefix(service: str | None = None) -> str:
+    if service is None:
+        return f"{ROOT}/members/"
+    return f"{ROOT}/members/{_segment(service, 'service')}/"
+
+
+def member_key(service: str, member_id: str) -> str:
+    return members_prefix(service) + _segment(member_id, "member id")
+
+
+def parse_member_key(key: str) -> tuple[str, str]:
+    """(service, member_id) of a key under members_prefix()."""
+    rest = key.removeprefix(members_prefix())
+    service, _, member_id = rest.partition("/")
+    if not service or not member_id:
+        raise ValueError(f"{key!r} is not a member key")
+    return service, member_id
+
+
+def election_prefix(name: str) -> str:
+    return f"{ROOT}/election/{_segment(name, 'election name')}/"
+
+
+def versioned_key(name: str) -> str:
+    return f"{ROOT}/versions/{_segment(name, 'record name')}"
+
+
+def weights_announced_key(job: str) -> str:
+    return f"{ROOT}/weights/{_segment(job, 'job')}/announced"
+
+
+def weights_holder_key(job: str, agent_id: str) -> str:
+    return f"{ROOT}/weights/{_segment(job, 'job')}/holders/{_segment(agent_id, 'agent id')}"
+
+
+def pairing_key(worker_id: str) -> str:
+    return f"{ROOT}/pairing/{_segment(worker_id, 'worker id')}"
+
+
+def placement_prefix() -> str:
+    return f"{ROOT}/placement/"

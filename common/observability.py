@@ -1,0 +1,100 @@
+"""Structured logs, Prometheus metrics and /healthz over aiohttp, uvloop and graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, service: str):
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "service": self._service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(service: str, level: str = "info", json_logs: bool = True) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter(service) if json_logs else
+                         logging.Formatter(f"%(asctime)s {service} %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+HealthCheck = Callable[[], dict[str, Any]]
+
+
+async def start_http(host: str, port: int, health: HealthCheck,
+                     registry: CollectorRegistry = REGISTRY) -> tuple[web.AppRunner, int]:
+    """Serve /metrics (Prometheus text) and /healthz (JSON from ``health``; 503 unless "ok")."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        report = health()
+        return web.json_response(report, status=200 if report.get("status") == "ok" else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    # Bind the socket ourselves so port 0 can pick a free port and we can report which.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    await web.SockSite(runner, sock).start()
+    return runner, sock.getsockname()[1]
+
+
+def run_service(main: Callable[[asyncio.Event], Awaitable[None]], use_uvloop: bool = True) -> None:
+    """Run ``main(stop_event)`` on uvloop; SIGTERM and SIGINT set the event so ``main`` can shut
+    down gracefully, a second signal exits at once."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                logging.getLogger(__name__).warning("second %s: exiting now", sig.name)
+                sys.exit(128 + sig.value)
+            logging.getLogger(__name__).info("%s after %.1fs: shutting down", sig.name,
+                                             time.monotonic() - started)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await main(stop)
+
+    if use_uvloop:
+        import uvloop
+
+        uvloop.run(runner())
+    else:
+        asyncio.run(runner())

@@ -1,0 +1,238 @@
+"""Membership, watches, leader election and versioned records in etcd (aetcd, asyncio).
+
+Liveness is a lease: a member's key is attached to its lease, and disappears within the lease TTL
+once the member stops renewing (a SIGKILL included). Watchers see that as a ``leave`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aetcd
+
+from rlharvest.common import keys
+
+log = logging.getLogger(__name__)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r} must look like host:port")
+    return host or "127.0.0.1", int(port)
+
+
+async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
+    """A connected client; fails with a clear error when etcd does not answer within timeout."""
+    host, port = parse_endpoint(endpoint)
+    client = aetcd.Client(host=host, port=port, timeout=timeout)
+    try:
+        await asyncio.wait_for(client.status(), timeout)
+    except Exception as exc:
+        await client.close()
+        raise ConnectionError(f"etcd at {endpoint} did not answer: {exc!r}") from exc
+    return client
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    kind: str  # "join" | "update" | "leave"
+    service: str
+    member_id: str
+    info: dict[str, Any]  # empty on leave
+
+
+class Membership:
+    """A registered member: its key lives as long as keepalives renew the lease."""
+
+    def __init__(self, client: aetcd.Client, key: str, lease: aetcd.Lease, info: dict[str, Any]):
+        self._client = client
+        self.key = key
+        self.lease = lease
+        self.info = dict(info)
+        self._keepalive = asyncio.create_task(self._renew(), name=f"keepalive {key}")
+
+    async def _renew(self) -> None:
+        period = max(self.lease.ttl / 3, 0.2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.lease.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
+                log.warning("lease refresh for %s failed: %r", self.key, exc)
+
+    async def update(self, **changes: Any) -> None:
+        self.info.update(changes)
+        await self._client.put(self.key.encode(), json.dumps(self.info).encode(), lease=self.lease)
+
+    async def close(self) -> None:
+        """Leave at once (revoking the lease deletes the key) instead of waiting for the TTL."""
+        self._keepalive.cancel()
+        try:
+            await self.lease.revoke()
+        except Exception as exc:
+            log.warning("could not revoke lease of %s: %r", self.key, exc)
+
+
+async def register(client: aetcd.Client, service: str, member_id: str, info: dict[str, Any],
+                   ttl: int = 5) -> Membership:
+    key = keys.member_key(service, member_id)
+    lease = await client.lease(ttl)
+    await client.put(key.encode(), json.dumps(info).encode(), lease=lease)
+    return Membership(client, key, lease, info)
+
+
+async def list_members(client: aetcd.Client, service: str | None = None) -> dict[str, dict]:
+    """member key -> info for every live member (of one service, or all)."""
+    found = await client.get_prefix(keys.members_prefix(service).encode())
+    return {kv.key.decode(): json.loads(kv.value) for kv in found}
+
+
+async def watch_members(client: aetcd.Client, service: str | None = None,
+                        retry_delay: float = 0.5) -> AsyncIterator[MemberEvent]:
+    """Current members as ``join`` events, then every change, without gaps.
+
+    The watch starts at the snapshot's revision + 1. If the watch breaks (etcd restarted, revision
+    compacted) it re-lists and emits the difference, so a consumer's view always converges.
+    """
+    prefix = keys.members_prefix(service)
+    known: dict[str, dict] = {}
+    while True:
+        try:
+            snapshot = await client.get_prefix(prefix.encode())
+            current = {kv.key.decode(): json.loads(kv.value) for kv in snapshot}
+            for event in _diff(known, current):
+                yield event
+            known = current
+            watch = await client.watch_prefix(prefix.encode(),
+                                              start_revision=snapshot.header.revision + 1)
+            try:
+                async for ev in watch:
+                    event = _to_event(ev, known)
+                    if event is not None:
+                        yield event
+            finally:
+                await watch.cancel()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("watch on %s broke (%r); re-listing", prefix, exc)
+            await asyncio.sleep(retry_delay)
+
+
+def _diff(old: dict[str, dict], new: dict[str, dict]) -> list[MemberEvent]:
+    events = []
+    for key in old.keys() - new.keys():
+        events.append(MemberEvent("leave", *keys.parse_member_key(key), {}))
+    for key, info in new.items():
+        if key not in old:
+            events.append(MemberEvent("join", *keys.parse_member_key(key), info))
+        elif old[key] != info:
+            events.append(MemberEvent("update", *keys.parse_member_key(key), info))
+    return events
+
+
+def _to_event(ev: aetcd.Event, known: dict[str, dict]) -> MemberEvent | None:
+    key = ev.kv.key.decode()
+    service, member_id = keys.parse_member_key(key)
+    if ev.kind == "DELETE":
+        if known.pop(key, None) is None:
+            return None
+        return MemberEvent("leave", service, member_id, {})
+    info = json.loads(ev.kv.value)
+    kind = "update" if key in known else "join"
+    known[key] = info
+    return MemberEvent(kind, service, member_id, info)
+
+
+class Election:
+    """Leader election (etcd's recipe): each candidate writes a key under the election prefix with
+    its lease; the oldest key (lowest create revision) leads. A candidate waits on the deletion of
+    the key just ahead of it, so a crash hands over within the lease TTL and nobody herds."""
+
+    def __init__(self, client: aetcd.Client, name: str, candidate: str, ttl: int = 5):
+        self._client = client
+        self._prefix = keys.election_prefix(name)
+        self._candidate = candidate
+        self._ttl = ttl
+        self._membership: Membership | None = None
+
+    @property
+    def key(self) -> str | None:
+        return self._membership.key if self._membership else None
+
+    async def campaign(self) -> None:
+        """Returns once this candidate leads. Cancel it to stop campaigning."""
+        lease = await self._client.lease(self._ttl)
+        key = f"{self._prefix}{lease.id:x}"
+        await self._client.put(key.encode(), self._candidate.encode(), lease=lease)
+        self._membership = Membership(self._client, key, lease, {"candidate": self._candidate})
+        while True:
+            ahead = await self._key_ahead(key)
+            if ahead is None:
+                return
+            try:
+                await self._client.watch_once(ahead.encode(), kind=aetcd.EventKind.DELETE,
+                                              timeout=self._ttl)
+            except aetcd.WatchTimeoutError:
+                pass  # re-check: the key may have gone before the watch started
+
+    async def _key_ahead(self, mine: str) -> str | None:
+        found = await self._client.get_prefix(self._prefix.encode(), sort_target="create",
+                                              sort_order="ascend")
+        ordered = [kv.key.decode() for kv in found]
+        if mine not in ordered:
+            raise RuntimeError(f"election key {mine} vanished: the lease expired; campaign again")
+        index = ordered.index(mine)
+        return ordered[index - 1] if index > 0 else None
+
+    async def leader(self) -> str | None:
+        found = await self._client.get_prefix(self._prefix.encode(), sort_target="create",
+                                              sort_order="ascend")
+        for kv in found:
+            return kv.value.decode()
+        return None
+
+    async def resign(self) -> None:
+        if self._membership is not None:
+            await self._membership.close()
+            self._membership = None
+
+
+class StaleVersionError(ValueError):
+    """A versioned record may only move forward."""
+
+
+async def get_versioned(client: aetcd.Client, key: str) -> dict | None:
+    found = await client.get(key.encode())
+    return json.loads(found.value) if found is not None else None
+
+
+async def put_versioned(client: aetcd.Client, key: str, version: int, record: dict[str, Any],
+                        attempts: int = 20) -> None:
+    """Write ``record`` with ``version`` if it is newer than the stored one (compare-and-swap on the
+    key's mod revision, retried under contention). Raises StaleVersionError otherwise."""
+    value = json.dumps({**record, "version": version}).encode()
+    for _ in range(attempts):
+        found = await client.get(key.encode())
+        tx = client.transactions
+        if found is None:
+            compare = [tx.version(key.encode()) == 0]
+        else:
+            stored = json.loads(found.value)["version"]
+            if stored >= version:
+                raise StaleVersionError(f"{key}: version {version} is not newer than {stored}")
+            compare = [tx.mod(key.encode()) == found.mod_revision]
+        ok, _ = await client.transaction(compare=compare, success=[tx.put(key.encode(), value)],
+                                            failure=[])
+        if ok:
+            return
+    raise RuntimeError(f"{key}: gave up after {attempts} contended attempts")
+

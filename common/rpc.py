@@ -1,0 +1,131 @@
+"""gRPC bootstrap shared by every service: server with health + reflection + size limits +
+keepalive, graceful stop within a bound, and client channels with retry/backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # weight chunks are tens of MB; bigger is refused
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def _size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]
+
+
+class Server:
+    """A started grpc.aio server plus its health service; ``stop`` drains within ``grace``."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.HealthServicer,
+                 port: int, service_names: list[str]):
+        self.grpc = server
+        self.health = health_servicer
+        self.port = port
+        self.service_names = service_names
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.set_serving(False)
+        await self.grpc.stop(grace)
+
+
+async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
+                       service_names: list[str], host: str = "127.0.0.1", port: int = 0,
+                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Server:
+    """Start a server on host:port (0 picks a free port). ``register`` adds the servicers;
+    ``service_names`` are their full names for health and reflection."""
+    server = grpc.aio.server(options=_size_options(max_message_bytes) + _KEEPALIVE)
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    await server.start()
+    started = Server(server, health_servicer, bound, service_names)
+    await started.set_serving(True)
+    return started
+
+
+def _retry_service_config(service_names: list[str]) -> str:
+    # Transparent retries for idempotent unary calls when a peer restarts; streams are not retried
+    # here: their owners resume them with their own state (a manager re-dispatches, etc.).
+    return json.dumps({"methodConfig": [{
+        "name": [{"service": name} for name in service_names],
+        "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                        "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+    }]})
+
+
+def channel(target: str, service_names: list[str] | None = None,
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    options = _size_options(max_message_bytes) + _KEEPALIVE
+    if service_names:
+        options.append(("grpc.service_config", _retry_service_config(service_names)))
+    return grpc.aio.insecure_channel(target, options=options)
+
+
+T = TypeVar("T")
+
+
+async def with_backoff(call: Callable[[], Awaitable[T]], attempts: int = 5,
+                       first_delay: float = 0.1, max_delay: float = 2.0,
+                       retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> T:
+    """Retry ``call`` with exponential backoff and jitter on the given status codes."""
+    delay = first_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in retry_on or attempt == attempts:
+                raise
+            log.info("call failed with %s (attempt %d/%d); retrying in %.2fs",
+                     exc.code().name, attempt, attempts, delay)
+        await asyncio.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, max_delay)
+    raise AssertionError("unreachable")
+
+
+async def wait_healthy(target: str, timeout: float = 30.0, service: str = "") -> None:
+    """Block until the server at ``target`` reports SERVING (used by launchers and tests)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with channel(target) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if loop.time() >= deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout}s")
+            await asyncio.sleep(0.1)

@@ -1,0 +1,42 @@
+"""Configuration of a rollout worker (file, RLH_ environment, flags; see common/config.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+
+from rlharvest.common.config import ServiceConfig
+from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class WorkerConfig(ServiceConfig):
+    worker_id: str = Field(default_factory=_default_worker_id, pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="host others dial; defaults to host")
+    metrics_port: int = Field(0, ge=0, lt=65536, description="/metrics and /healthz; 0 = free port")
+    etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
+    lease_ttl: int = Field(5, ge=1, le=300, description="seconds until a dead worker's key expires")
+    kind: Literal["dedicated", "spot", "seed"] = "dedicated"
+    model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
+    model_seed: int = 0
+    weights: str = Field("", description="optional safetensors file loaded at start")
+    weight_version: int = Field(0, ge=0, description="version of the initial weights")
+    max_running: int = Field(64, ge=1, le=4096, description="concurrently executing requests")
+    max_len: int = Field(512, ge=8, le=131072, description="prompt + completion tokens per request")
+    max_pending: int = Field(4096, ge=1, description="queued requests beyond max_running")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "
+                                                       "reader beyond this slows the engine")
+    drain_timeout: float = Field(15.0, ge=0, description="seconds to wait for requests to migrate")
+    shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    json_logs: bool = True

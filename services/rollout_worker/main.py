@@ -1,0 +1,101 @@
+"""`rlharvest-rollout-worker`: serve one inference engine to rollout managers over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlharvest.common import registry, rpc
+from rlharvest.common.cli import describe_flags, parse_flags
+from rlharvest.common.config import ConfigError, load_config
+from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
+from rlharvest.services.rollout_worker.config import WorkerConfig
+from rlharvest.services.rollout_worker.service import WorkerService
+
+log = logging.getLogger("rlharvest.rollout_worker")
+
+SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
+KINDS = {"dedicated": common_pb2.WORKER_KIND_DEDICATED, "spot": common_pb2.WORKER_KIND_SPOT,
+         "seed": common_pb2.WORKER_KIND_SEED}
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=describe_flags(WorkerConfig))
+def main(ctx: typer.Context,
+         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
+    try:
+        cfg = load_config(WorkerConfig, config, parse_flags(WorkerConfig, ctx.args))
+    except ConfigError as exc:
+        typer.echo(f"rlharvest-rollout-worker: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_service(lambda stop: serve(cfg, stop))
+
+
+def build_engine(cfg: WorkerConfig):
+    import torch
+
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
+                         max_len=cfg.max_len, weight_version=cfg.weight_version)
+    if cfg.weights:
+        engine.load_safetensors(cfg.weights, cfg.weight_version)
+    return engine
+
+
+async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
+    setup_logging("rollout_worker", cfg.log_level, cfg.json_logs)
+    engine = build_engine(cfg)
+    etcd = await registry.connect(cfg.etcd)
+    membership: registry.Membership | None = None
+
+    def on_version_change(version: int) -> None:
+        if membership is not None:
+            asyncio.get_running_loop().create_task(membership.update(weight_version=version))
+
+    service = WorkerService(engine, cfg.worker_id, endpoint="", model=cfg.model,
+                            kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
+                            session_queue=cfg.session_queue, on_version_change=on_version_change)
+    server = await rpc.start_server(
+        [lambda s: rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, s)],
+        [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
+    endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
+    service.set_endpoint(endpoint)
+    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health)
+    engine_task = asyncio.create_task(service.run_engine(), name="engine")
+    membership = await registry.register(etcd, "rollout_worker", cfg.worker_id, {
+        "endpoint": endpoint, "metrics": f"{cfg.advertise_host or cfg.host}:{metrics_port}",
+        "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
+        "weight_version": engine.weight_version, "draining": False,
+    }, ttl=cfg.lease_ttl)
+    log.info("worker %s serving on %s (metrics on %d), weight version %d", cfg.worker_id,
+             endpoint, metrics_port, engine.weight_version)
+
+    stopped = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({engine_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done:
+        stopped.cancel()
+        engine_task.result()  # re-raises: a broken engine must not look like a healthy worker
+
+    await membership.update(draining=True)
+    clean = await service.drain(cfg.drain_timeout)
+    await server.stop(cfg.shutdown_grace)
+    engine_task.cancel()
+    await membership.close()
+    await http.cleanup()
+    await etcd.close()
+    service.close()
+    log.info("worker %s stopped (%s)", cfg.worker_id, "drained" if clean else "drain timed out")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,18 @@
+"""Prometheus metrics of a rollout worker (one worker per process, so the default registry)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS_ADDED = Counter("rlh_worker_requests_added_total", "Requests accepted", ["resumed"])
+REQUESTS_FINISHED = Counter("rlh_worker_requests_finished_total", "Requests finished", ["reason"])
+COMMAND_ERRORS = Counter("rlh_worker_command_errors_total", "Refused commands", ["code"])
+TOKENS_GENERATED = Counter("rlh_worker_tokens_generated_total", "Tokens sampled")
+PREFILL_TOKENS = Counter("rlh_worker_prefill_tokens_total", "Prompt + resumed tokens prefilled")
+ENGINE_STEPS = Counter("rlh_worker_engine_steps_total", "Engine steps run")
+STEP_SECONDS = Histogram("rlh_worker_step_seconds", "Wall time of one engine step",
+                         buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+PENDING = Gauge("rlh_worker_pending_requests", "Requests waiting for a batch slot")
+EXECUTING = Gauge("rlh_worker_executing_requests", "Requests in the running batch")
+KV_USED = Gauge("rlh_worker_kv_used_tokens", "KV cache tokens in use")
+WEIGHT_VERSION = Gauge("rlh_worker_weight_version", "Loaded weight version")
+SESSIONS = Gauge("rlh_worker_sessions", "Open manager sessions")
+DRAINING = Gauge("rlh_worker_draining", "1 while the worker drains before exit")

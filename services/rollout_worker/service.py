@@ -1,0 +1,382 @@
+"""The rollout worker's async shell: moves commands from manager sessions into the engine and
+batched step outputs back out. The engine runs one step at a time in a dedicated thread; every
+engine mutation (add, abort, weight load) is applied on the event loop between steps, so the engine
+itself needs no locks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
+from rlharvest.services.rollout_worker import metrics
+from rlharvest.services.rollout_worker.engine import (
+    Engine,
+    EngineInputError,
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_LOAD_PERIOD = 1.0  # an idle worker still reports load this often: the manager's heartbeat
+
+
+@dataclass(eq=False)
+class _Session:
+    queue: asyncio.Queue
+    requests: set[str] = field(default_factory=set)
+    client_done: bool = False
+    closed: bool = False
+
+    def offer(self, event: pb.WorkerEvent | None) -> None:
+        """Best-effort, non-blocking send (errors, heartbeats); step outputs use ``put``."""
+        if not self.closed and not self.queue.full():
+            self.queue.put_nowait(event)
+
+
+@dataclass
+class _Owned:
+    session: _Session
+    next_position: int  # completion index of the next token this worker will produce
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
+                          max_tokens=msg.max_tokens, stop_token_ids=tuple(msg.stop_token_ids),
+                          seed=msg.seed)
+
+
+class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
+    def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
+                 capacity: int, max_len: int, session_queue: int = 256,
+                 on_version_change: Callable[[int], None] | None = None):
+        self._engine = engine
+        self._info = dict(worker_id=worker_id, endpoint=endpoint, model=model, kind=kind,
+                          capacity=capacity, max_len=max_len)
+        self._session_queue = session_queue
+        self._on_version_change = on_version_change
+        self._commands: deque[Callable[[], object]] = deque()
+        self._owned: dict[str, _Owned] = {}
+        self._sessions: set[_Session] = set()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._step = 0
+        self._tokens_window: deque[tuple[float, int]] = deque()
+        self.draining = False
+        self._drain_deadline = 0.0
+        metrics.WEIGHT_VERSION.set(engine.weight_version)
+
+    # ---- the engine loop -------------------------------------------------------------------
+
+    async def run_engine(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self._commands:
+                await self._commands.popleft()()
+            if not self._engine.has_work():
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_LOAD_PERIOD)
+                except asyncio.TimeoutError:
+                    self._heartbeat()
+                continue
+            started = time.perf_counter()
+            outputs = await loop.run_in_executor(self._executor, self._engine.step)
+            metrics.STEP_SECONDS.observe(time.perf_counter() - started)
+            metrics.ENGINE_STEPS.inc()
+            self._step += 1
+            await self._deliver(outputs)
+
+    def _enqueue(self, command: Callable[[], object]) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    async def _deliver(self, outputs: list[RequestOutput]) -> None:
+        load = self._load_proto()
+        by_session: dict[_Session, list[common_pb2.TokenDelta]] = {}
+        new_tokens = 0
+        for out in outputs:
+            owned = self._owned.get(out.request_id)
+            if owned is None:
+                continue
+            new_tokens += len(out.new_token_ids)
+            by_session.setdefault(owned.session, []).append(self._delta(out, owned))
+            owned.next_position += len(out.new_token_ids)
+            if out.finished:
+                self._release(out.request_id, out.finish_reason)
+        metrics.TOKENS_GENERATED.inc(new_tokens)
+        self._tokens_window.append((time.monotonic(), new_tokens))
+        for session, deltas in by_session.items():
+            if not session.closed:
+                # Awaiting a full queue is the backpressure: a slow reader slows the engine.
+                await session.queue.put(pb.WorkerEvent(step=pb.StepOutputs(
+                    step=self._step, deltas=deltas, load=load)))
+            self._maybe_end(session)
+
+    def _delta(self, out: RequestOutput, owned: _Owned) -> common_pb2.TokenDelta:
+        return common_pb2.TokenDelta(
+            request_id=out.request_id, position=owned.next_position,
+            token_ids=out.new_token_ids, logprobs=out.new_logprobs,
+            weight_version=self._engine.weight_version, finished=out.finished,
+            finish_reason=out.finish_reason)
+
+    def _release(self, request_id: str, reason: str) -> None:
+        owned = self._owned.pop(request_id, None)
+        if owned is not None:
+            owned.session.requests.discard(request_id)
+            metrics.REQUESTS_FINISHED.labels(reason).inc()
+
+    def _heartbeat(self) -> None:
+        event = pb.WorkerEvent(load=self._load_proto())
+        for session in self._sessions:
+            session.offer(event)
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def _refuse(self, session: _Session, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        metrics.COMMAND_ERRORS.labels(code.name).inc()
+        session.offer(pb.WorkerEvent(error=pb.CommandError(
+            request_id=request_id, code=code.value[0], message=message)))
+
+    def _add(self, session: _Session, msg: pb.AddRequest) -> None:
+        rid = msg.request_id
+        if self.draining:
+            return self._refuse(session, rid, grpc.StatusCode.UNAVAILABLE,
+                                "worker is draining before shutdown; dispatch elsewhere")
+        if not rid:
+            return self._refuse(session, rid, grpc.StatusCode.INVALID_ARGUMENT, "empty request_id")
+        if msg.weight_version != self._engine.weight_version:
+            return self._refuse(session, rid, grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request wants weight version {msg.weight_version}, this worker "
+                                f"holds {self._engine.weight_version}")
+        if rid in self._owned:
+            return self._refuse(session, rid, grpc.StatusCode.ALREADY_EXISTS,
+                                f"request id {rid!r} is already running on this worker")
+        request = EngineRequest(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
+                                sampling=sampling_from_proto(msg.sampling),
+                                generated_token_ids=list(msg.generated_token_ids))
+        # Reserve the id now so a duplicate in the same batch of commands is caught.
+        self._owned[rid] = _Owned(session, len(request.generated_token_ids))
+        session.requests.add(rid)
+
+        async def apply() -> None:
+            if session.closed or self._owned.get(rid) is None:
+                return
+            if msg.weight_version != self._engine.weight_version:  # a load slipped in between
+                self._drop(rid)
+                return self._refuse(session, rid, grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"weights changed to {self._engine.weight_version} before "
+                                    f"request {rid!r} started")
+            try:
+                self._engine.add(request)
+            except EngineInputError as exc:
+                self._drop(rid)
+                return self._refuse(session, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            metrics.REQUESTS_ADDED.labels(str(bool(request.generated_token_ids)).lower()).inc()
+            metrics.PREFILL_TOKENS.inc(len(request.prompt_token_ids) + len(request.generated_token_ids))
+
+        self._enqueue(apply)
+
+    def _drop(self, rid: str) -> None:
+        owned = self._owned.pop(rid, None)
+        if owned is not None:
+            owned.session.requests.discard(rid)
+
+    def _abort(self, session: _Session, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            owned = self._owned.get(rid)
+            if owned is None or owned.session is not session:
+                self._refuse(session, rid, grpc.StatusCode.NOT_FOUND,
+                             f"no request {rid!r} of this session on this worker")
+                continue
+
+            async def apply(rid: str = rid) -> None:
+                owned = self._owned.get(rid)
+                if owned is None:  # finished meanwhile: its final delta already went out
+                    return
+                try:
+                    final = self._engine.abort(rid)
+                except KeyError:  # aborted before the engine saw it: confirm all the same
+                    final = RequestOutput(rid, [], [], finished=True, finish_reason="abort")
+                delta = self._delta(final, owned)
+                self._release(rid, "abort")
+                owned.session.offer(pb.WorkerEvent(step=pb.StepOutputs(
+                    step=self._step, deltas=[delta], load=self._load_proto())))
+                self._maybe_end(owned.session)
+
+            self._enqueue(apply)
+
+    # ---- RPCs --------------------------------------------------------------------------------
+
+    async def Session(self, request_iterator: AsyncIterator[pb.WorkerCommand],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerEvent]:
+        session = _Session(asyncio.Queue(maxsize=self._session_queue))
+        self._sessions.add(session)
+        metrics.SESSIONS.set(len(self._sessions))
+        reader = asyncio.create_task(self._read(request_iterator, session))
+        try:
+            session.offer(pb.WorkerEvent(load=self._load_proto()))
+            if self.draining:
+                session.offer(self._draining_event())
+            while True:
+                event = await session.queue.get()
+                if event is None:
+                    return
+                yield event
+        finally:
+            reader.cancel()
+            self._close(session)
+
+    async def _read(self, commands: AsyncIterator[pb.WorkerCommand], session: _Session) -> None:
+        try:
+            async for command in commands:
+                which = command.WhichOneof("command")
+                if which == "add":
+                    self._add(session, command.add)
+                elif which == "abort":
+                    self._abort(session, list(command.abort.request_ids))
+                else:
+                    self._refuse(session, "", grpc.StatusCode.INVALID_ARGUMENT,
+                                 "command has neither add nor abort set")
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            return
+        session.client_done = True
+        self._maybe_end(session)
+
+    def _maybe_end(self, session: _Session) -> None:
+        """A session whose client half-closed ends once its last request finished."""
+        if session.client_done and not session.requests and not session.closed:
+            session.offer(None)
+
+    def _close(self, session: _Session) -> None:
+        """The manager went away: abort its requests (it re-dispatches them elsewhere)."""
+        session.closed = True
+        self._sessions.discard(session)
+        metrics.SESSIONS.set(len(self._sessions))
+        while not session.queue.empty():  # unblock an engine loop awaiting put() on this queue
+            session.queue.get_nowait()
+        for rid in list(session.requests):
+            self._enqueue(lambda rid=rid: self._abort_orphan(rid))
+
+    async def _abort_orphan(self, rid: str) -> None:
+        if self._owned.pop(rid, None) is None:
+            return
+        try:
+            self._engine.abort(rid)
+            metrics.REQUESTS_FINISHED.labels("abort").inc()
+        except KeyError:
+            pass
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        return pb.WorkerInfo(**self._info, vocab_size=self._engine.vocab_size,
+                             weight_version=self._engine.weight_version, load=self._load_proto(),
+                             draining=self.draining)
+
+    async def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
+        path = Path(request.path)
+        if not request.path or not path.is_file():
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no weights file at {request.path!r}")
+        if request.version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 0")
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def apply() -> None:
+            try:
+                done.set_result(await self.load_weights_file(path, request.version))
+            except Exception as exc:  # surfaced to the caller as a status below
+                done.set_exception(exc)
+
+        self._enqueue(apply)
+        try:
+            count = await done
+        except EngineInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.LoadWeightsResponse(weight_version=self._engine.weight_version,
+                                      tensors_loaded=count)
+
+    async def load_weights_file(self, path: Path, version: int) -> int:
+        """Between steps: load, then abort requests of the old version — continuing them would
+        mix weight versions inside one completion (the on-policy invariant)."""
+        from safetensors.torch import load_file
+
+        loop = asyncio.get_running_loop()
+        tensors = await loop.run_in_executor(self._executor, load_file, str(path))
+        await loop.run_in_executor(self._executor, self._engine.load_weights, tensors, version)
+        stale = list(self._owned)
+        for rid in stale:
+            owned = self._owned[rid]
+            final = self._engine.abort(rid)
+            owned.session.offer(pb.WorkerEvent(step=pb.StepOutputs(
+                step=self._step, deltas=[self._delta(final, owned)], load=self._load_proto())))
+            self._release(rid, "abort")
+        metrics.WEIGHT_VERSION.set(version)
+        log.info("loaded weights version %d from %s (%d tensors; %d requests of the old version "
+                 "aborted)", version, path, len(tensors), len(stale))
+        if self._on_version_change is not None:
+            self._on_version_change(version)
+        return len(tensors)
+
+    # ---- load and drain ----------------------------------------------------------------------
+
+    def _load_proto(self) -> common_pb2.Load:
+        load = self._engine.load()
+        metrics.PENDING.set(load.pending)
+        metrics.EXECUTING.set(load.executing)
+        metrics.KV_USED.set(load.kv_used_tokens)
+        return common_pb2.Load(pending=load.pending, executing=load.executing,
+                               kv_used_tokens=load.kv_used_tokens,
+                               kv_capacity_tokens=load.kv_capacity_tokens,
+                               weight_version=load.weight_version,
+                               tokens_per_second=self._tokens_per_second())
+
+    def _tokens_per_second(self, window: float = 5.0) -> float:
+        now = time.monotonic()
+        while self._tokens_window and self._tokens_window[0][0] < now - window:
+            self._tokens_window.popleft()
+        if len(self._tokens_window) < 2:
+            return 0.0
+        span = now - self._tokens_window[0][0]
+        return sum(n for _, n in self._tokens_window) / max(span, 1e-3)
+
+    def _draining_event(self) -> pb.WorkerEvent:
+        return pb.WorkerEvent(draining=pb.Draining(deadline_unix=self._drain_deadline,
+                                                   reason="worker shutting down"))
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new work, tell every manager to migrate, and wait for the requests to leave.
+        Returns True when none were left behind."""
+        self.draining = True
+        metrics.DRAINING.set(1)
+        self._drain_deadline = time.time() + timeout
+        for session in self._sessions:
+            session.offer(self._draining_event())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._owned and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = len(self._owned)
+        if left:
+            log.warning("drain timed out with %d requests still here", left)
+        return left == 0
+
+    def set_endpoint(self, endpoint: str) -> None:
+        self._info["endpoint"] = endpoint
+
+    def health(self) -> dict:
+        load = self._engine.load()
+        return {"status": "ok", "draining": self.draining, "weight_version": load.weight_version,
+                "pending": load.pending, "executing": load.executing,
+                "sessions": len(self._sessions)}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

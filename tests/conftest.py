@@ -1,0 +1,51 @@
+"""Shared fixtures: a real etcd for the session, and real service processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rlharvest.common.local_etcd import LocalEtcd
+from rlharvest.services.launcher import LocalStack
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[LocalEtcd]:
+    with LocalEtcd() as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_endpoint(etcd_server: LocalEtcd) -> str:
+    return etcd_server.endpoint
+
+
+@pytest.fixture
+async def etcd_client(etcd_endpoint: str):
+    from rlharvest.common import registry
+
+    client = await registry.connect(etcd_endpoint)
+    await client.delete_prefix(b"/rlharvest/")  # every test starts from an empty keyspace
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def stack(etcd_server: LocalEtcd, tmp_path: Path) -> Iterator[LocalStack]:
+    """Service processes against the session's etcd; killed after the test, logs shown on failure."""
+    local = LocalStack(tmp_path / "logs", etcd=etcd_server)
+    yield local
+    for proc in local.processes:
+        proc.kill()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    local = item.funcargs.get("stack") if hasattr(item, "funcargs") else None
+    if report.failed and isinstance(local, LocalStack):
+        for proc in local.processes:
+            report.sections.append((f"log of {proc.name}", proc.log_tail(60)))
