@@ -1,0 +1,189 @@
+"""The intra-group round-robin meta-iteration and its cycle-time analysis (WEAVE §4.3, Theorem 1,
+Appendix "Proof of Meta-iteration Schedule's Optimality").
+
+``simulate_round_robin`` replays the group's schedule with the *same* permit state machine the
+service runs (``permits.PhaseQueues``: each node runs its jobs' phases in round-robin order, a
+finished phase makes the job's next phase wait on the other pool), on worst-case durations, and
+reports each member's steady-state iteration time T^co-exec. ``fast_round_robin`` is the same
+replay on plain integers (held equal to it by a property test); Algorithm 1 (line 10) uses it.
+
+Every member runs each phase once per meta-iteration, so in steady state all members share one
+period, bounded below by max(T_cycle, T_load). Theorem 1 says it equals T_cycle when the group
+is not overloaded (proved for one rollout node; property-tested here). With overlapping
+multi-node rollout placements the period can exceed the bound, which is why we simulate.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rlharvest.services.placement_scheduler.model import Group, Job, PlacementError, Pool
+from rlharvest.services.placement_scheduler.permits import PhaseQueues
+
+# Iterations of the slowest member to simulate; the later half is the steady state we measure.
+DEFAULT_ITERATIONS = 8
+
+
+@dataclass(frozen=True)
+class Member:
+    """One job as the schedule sees it: phase durations and the rollout nodes it is pinned to."""
+
+    job_id: str
+    t_roll: float
+    t_train: float
+    rollout_node_ids: tuple[str, ...]
+
+
+def members_of(group: Group) -> list[Member]:
+    """The group's jobs in round-robin (admission) order."""
+    return [Member(j.job_id, j.t_roll, j.t_train, group.placements[j.job_id].rollout_node_ids)
+            for j in group.jobs.values()]
+
+
+def t_cycle(jobs: Iterable[Job | Member]) -> float:
+    """T_G^cycle = max_j (T_j^roll + T_j^train) (§4.2)."""
+    return max((j.t_roll + j.t_train for j in jobs), default=0.0)
+
+
+def t_load(members: Iterable[Member]) -> float:
+    """T_G^load: work on the bottleneck node. Every member trains on every training node, so the
+    training side is Σ T_train; a rollout node carries the rollouts pinned to it (§4.2)."""
+    train, per_node = 0.0, {}
+    for m in members:
+        train += m.t_train
+        for node_id in m.rollout_node_ids:
+            per_node[node_id] = per_node.get(node_id, 0.0) + m.t_roll
+    return max(train, max(per_node.values(), default=0.0))
+
+
+def theorem1_meta_iteration_s(members: Sequence[Member]) -> float | None:
+    """Theorem 1: for a group that is not overloaded (T_load <= T_cycle) the round-robin
+    meta-iteration completes in exactly T_cycle, the longest member's solo time, which maximises
+    the utilisation of both pools. None for an overloaded group, where the theorem is silent."""
+    cycle = t_cycle(members)
+    return cycle if t_load(members) <= cycle else None
+
+
+def utilization(members: Sequence[Member], meta_iteration_s: float) -> tuple[float, float]:
+    """(U_R, U_T) of one rollout and one training node over a meta-iteration (Appendix)."""
+    if meta_iteration_s <= 0:
+        raise PlacementError(f"meta-iteration must be > 0 s, got {meta_iteration_s}")
+    return (sum(m.t_roll for m in members) / meta_iteration_s,
+            sum(m.t_train for m in members) / meta_iteration_s)
+
+
+def simulate_round_robin(members: Sequence[Member], train_node_ids: Sequence[str] = ("train",),
+                         iterations: int = DEFAULT_ITERATIONS) -> dict[str, float]:
+    """Steady-state iteration time of every member under the group's FIFO round-robin schedule.
+
+    Runs until every member has finished ``iterations`` iterations and averages each member's
+    iteration time over the later half of its completions (the first meta-iteration includes
+    start-up queueing that does not repeat).
+    """
+    if iterations < 2:
+        raise PlacementError(f"need >= 2 simulated iterations to measure a period, "
+                             f"got {iterations}")
+    if not members:
+        return {}
+    queues = PhaseQueues()
+    durations: dict[tuple[str, Pool], float] = {}
+    for m in members:
+        queues.add_job(m.job_id, m.rollout_node_ids, train_node_ids)
+        durations[(m.job_id, Pool.ROLLOUT)] = m.t_roll
+        durations[(m.job_id, Pool.TRAIN)] = m.t_train
+    done: dict[str, list[float]] = {m.job_id: [] for m in members}
+    events: list[tuple[float, int, str, Pool]] = []
+    seq, now, unfinished = 0, 0.0, len(members)
+    while True:
+        for job_id, phase in queues.runnable():
+            if queues.acquire(job_id, phase, now) is not None:
+                seq += 1
+                heapq.heappush(events, (now + durations[(job_id, phase)], seq, job_id, phase))
+        if unfinished == 0:
+            break
+        now, _, job_id, phase = heapq.heappop(events)
+        queues.release(job_id, phase, now)
+        if phase is Pool.TRAIN:
+            done[job_id].append(now)
+            unfinished -= len(done[job_id]) == iterations
+    return {job_id: _steady_period(times) for job_id, times in done.items()}
+
+
+def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERATIONS
+                     ) -> dict[str, float]:
+    """``simulate_round_robin`` with plain integer state, for Algorithm 1's inner loop.
+
+    Same rules as ``PhaseQueues`` (each node runs its jobs' phases in round-robin order, a gang
+    phase starts when it is its turn on all its nodes, the training pool acts as one resource
+    because every member trains on all of it) and the same tie-breaking (phases that can start
+    together start in admission order; events at equal times complete in start order), so it
+    returns identical periods; a property test holds the two together.
+    """
+    if iterations < 2:
+        raise PlacementError(f"need >= 2 simulated iterations to measure a period, "
+                             f"got {iterations}")
+    index: dict[str, int] = {}
+    for m in members:
+        for node_id in m.rollout_node_ids:
+            index.setdefault(node_id, len(index))
+    train = len(index)
+    phase_nodes = [[tuple(index[n] for n in m.rollout_node_ids), (train,)] for m in members]
+    durations = [(m.t_roll, m.t_train) for m in members]
+    cycle: list[list[int]] = [[] for _ in range(train + 1)]
+    for j, nodes in enumerate(phase_nodes):
+        for n in (*nodes[0], train):
+            cycle[n].append(j)
+    turn = [0] * (train + 1)
+    busy = [False] * (train + 1)
+    phase = [0] * len(members)  # 0: next/running phase is rollout, 1: training
+    running = [False] * len(members)
+    done: list[list[float]] = [[] for _ in members]
+    events: list[tuple[float, int, int]] = []
+    dirty, seq, now, unfinished = set(range(train + 1)), 0, 0.0, len(members)
+    while True:
+        for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]}):
+            nodes = phase_nodes[j][phase[j]]
+            if not running[j] and all(not busy[n] and cycle[n][turn[n]] == j for n in nodes):
+                for n in nodes:
+                    busy[n] = True
+                running[j] = True
+                seq += 1
+                heapq.heappush(events, (now + durations[j][phase[j]], seq, j))
+        dirty.clear()
+        if unfinished == 0:
+            break
+        now, _, j = heapq.heappop(events)
+        for n in phase_nodes[j][phase[j]]:
+            busy[n] = False
+            turn[n] = (turn[n] + 1) % len(cycle[n])
+            dirty.add(n)
+        if phase[j]:
+            done[j].append(now)
+            unfinished -= len(done[j]) == iterations
+        phase[j] ^= 1
+        running[j] = False
+        dirty.update(phase_nodes[j][phase[j]])
+    return {m.job_id: _steady_period(done[j]) for j, m in enumerate(members)}
+
+
+def co_execution_periods(members: Sequence[Member], iterations: int = DEFAULT_ITERATIONS
+                         ) -> dict[str, float]:
+    """T^co-exec of every member: the simulated round-robin period, never below the sound lower
+    bound max(T_cycle, T_load). A finite replay can still be in its start-up transient (a short
+    job drifting into step with a long one); the bound corrects that underestimate."""
+    bound = max(t_cycle(members), t_load(members))
+    return {j: max(p, bound) for j, p in fast_round_robin(members, iterations).items()}
+
+
+def _steady_period(completions: Sequence[float]) -> float:
+    half = len(completions) // 2
+    return (completions[-1] - completions[half]) / (len(completions) - 1 - half)
+
+
+def slo_violations(periods: Mapping[str, float], jobs: Mapping[str, Job],
+                   tolerance: float = 1e-9) -> list[str]:
+    """Members whose T^co-exec exceeds SLO × T^solo (the constraint of §4.2)."""
+    return [j for j, period in periods.items()
+            if period > jobs[j].slo_budget * (1 + tolerance) + tolerance]

@@ -1,0 +1,185 @@
+"""Inter-group scheduling: WEAVE Algorithm 1 on hand-built cases (§4.2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlharvest.services.placement_scheduler.inter_group import (
+    Decision, InterGroupScheduler, Strategy)
+from rlharvest.services.placement_scheduler.model import (
+    H20, H800, Job, JobProfile, Placement, PlacementError, Pool, PoolSpec)
+
+ROLL = PoolSpec(Pool.ROLLOUT, "H20", 8, 1.85, 1000.0)
+TRAIN = PoolSpec(Pool.TRAIN, "H800", 8, 5.28, 1000.0)
+
+
+def job(job_id: str, t_roll: float, t_train: float, slo: float = 2.0, mem: float = 100.0,
+        nodes: int = 1) -> Job:
+    return Job(job_id, t_roll, t_train, slo, nodes, nodes, mem, mem)
+
+
+@pytest.fixture
+def scheduler() -> InterGroupScheduler:
+    return InterGroupScheduler(ROLL, TRAIN)
+
+
+def test_first_job_gets_an_isolated_group_at_full_cost(scheduler) -> None:
+    decision = scheduler.submit(job("A", 100, 100))
+    assert decision.strategy is Strategy.ISOLATED
+    assert decision.marginal_cost_per_hour == pytest.approx(8 * 1.85 + 8 * 5.28)
+    assert scheduler.cost_per_hour() == pytest.approx(decision.marginal_cost_per_hour)
+
+
+def test_complementary_job_is_packed_into_the_bubble_for_free(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    decision = scheduler.submit(job("B", 100, 100))
+    assert decision.strategy is Strategy.DIRECT_PACKING and decision.marginal_cost_per_hour == 0
+    assert decision.periods == {"A": 200.0, "B": 200.0}
+    assert len(scheduler.groups) == 1
+
+
+def test_saturated_group_is_pruned(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    scheduler.submit(job("B", 100, 100))  # T_load = 200 = T_cycle: saturated
+    assert scheduler.groups["group-1"].saturated
+    assert scheduler.submit(job("C", 10, 10, slo=100.0)).strategy is Strategy.ISOLATED
+
+
+def test_rollout_heavy_arrival_scales_the_rollout_pool_instead_of_a_new_group(scheduler) -> None:
+    scheduler.submit(job("A", 300, 100))
+    decision = scheduler.submit(job("B", 250, 50, slo=1.5))  # would overload the shared node
+    assert decision.strategy is Strategy.ROLLOUT_SCALING
+    assert decision.new_rollout_nodes == 1 and decision.rollout_node_ids == ()
+    assert decision.marginal_cost_per_hour == pytest.approx(8 * 1.85)
+    group = scheduler.group_of("B")
+    assert len(group.rollout_nodes) == 2 and len(group.train_nodes) == 1
+
+
+def test_placement_breaking_memory_residency_is_rejected(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100, mem=600))
+    decision = scheduler.submit(job("B", 100, 100, mem=600))  # 1200 GB > 1000 GB per node
+    assert decision.strategy is Strategy.ISOLATED
+
+
+def test_placement_breaking_an_existing_members_slo_is_rejected(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100, slo=1.0))
+    # B alone fits A's bubbles, but its long solo time would stretch A's cycle past A's SLO.
+    decision = scheduler.submit(job("B", 50, 200, slo=2.0))
+    assert decision.strategy is Strategy.ISOLATED
+
+
+def test_placement_breaking_the_new_jobs_own_slo_is_rejected(scheduler) -> None:
+    scheduler.submit(job("A", 300, 300, slo=2.0))
+    decision = scheduler.submit(job("B", 50, 50, slo=1.5))  # would iterate every 600 s, not 150
+    assert decision.strategy is Strategy.ISOLATED
+
+
+def test_minimum_marginal_cost_wins_over_an_earlier_costlier_option(scheduler) -> None:
+    scheduler.submit(job("A", 300, 100, slo=1.0))
+    scheduler.submit(job("X", 100, 100, slo=1.5))  # A's 400 s cycle is too slow for X: group-2
+    arrival = job("B", 150, 100, slo=1.6)
+    # group-1 (scanned first) takes B only by adding a rollout node; group-2 takes it for free.
+    decision = scheduler.schedule(arrival)
+    assert decision.strategy is Strategy.DIRECT_PACKING and decision.group_id == "group-2"
+    alone = InterGroupScheduler(ROLL, TRAIN)
+    alone.submit(job("A", 300, 100, slo=1.0))
+    assert alone.schedule(arrival).strategy is Strategy.ROLLOUT_SCALING
+
+
+def test_job_failure_keeps_the_group_running_and_resubmission_is_a_new_arrival(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    scheduler.submit(job("B", 100, 100))
+    cost = scheduler.cost_per_hour()
+    assert scheduler.leave("B") == []  # A keeps the group's nodes
+    assert scheduler.cost_per_hour() == cost and list(scheduler.group_of("A").jobs) == ["A"]
+    again = scheduler.submit(job("B", 100, 100))
+    assert again.strategy is Strategy.DIRECT_PACKING and again.group_id == "group-1"
+    assert sorted(scheduler.leave("A") + scheduler.leave("B")) == ["rollout-1", "train-1"]
+    assert scheduler.cost_per_hour() == 0
+
+
+def test_drift_past_saturation_asks_for_resubmission_of_that_job_only(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    scheduler.submit(job("B", 80, 80, slo=1.5))
+    assert scheduler.observe_drift("B", 90, 90) is False
+    assert scheduler.observe_drift("B", 160, 40) is True  # roll node now carries 260 s > 200 s
+    scheduler.leave("B")
+    assert list(scheduler.group_of("A").jobs) == ["A"]  # A is never moved
+    again = scheduler.submit(job("B", 160, 40, slo=1.2))  # budget 240 s < 260 s on A's node
+    assert "rollout-1" not in again.rollout_node_ids
+    assert again.periods["A"] <= 400 and again.periods["B"] <= 240
+
+
+def test_stale_decision_is_refused(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    decision = scheduler.schedule(job("B", 50, 50))
+    scheduler.submit(job("C", 40, 40, slo=5.0))  # joins group-1 first
+    with pytest.raises(PlacementError, match="stale"):
+        scheduler.admit(decision)
+
+
+def test_state_survives_a_restart_through_a_plain_dict(scheduler) -> None:
+    for name, r, t in (("A", 300, 100), ("B", 250, 50), ("C", 100, 100)):
+        scheduler.submit(job(name, r, t, slo=1.5))
+    restored = InterGroupScheduler(ROLL, TRAIN)
+    restored.restore(scheduler.to_dict())
+    assert restored.to_dict() == scheduler.to_dict()
+    probe = job("D", 60, 60)
+    assert restored.schedule(probe).group_id == scheduler.schedule(probe).group_id
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(t_roll=-1.0), "t_roll must be a finite number >= 0"),
+    (dict(t_train=float("nan")), "t_train must be a finite number >= 0"),
+    (dict(slo=0.9), "slo must be >= 1"),
+    (dict(rollout_nodes=0), "rollout_nodes must be an integer >= 1"),
+    (dict(t_roll=0.0, t_train=0.0), "zero-length phases"),
+])
+def test_bad_submissions_get_precise_errors(kwargs, message) -> None:
+    fields = dict(job_id="bad", t_roll=10.0, t_train=10.0, slo=1.2) | kwargs
+    with pytest.raises(PlacementError, match=message):
+        Job(**fields)
+
+
+def test_job_larger_than_any_pool_or_node_is_refused() -> None:
+    small = InterGroupScheduler(PoolSpec(Pool.ROLLOUT, "H20", 8, 1.85, 1000.0, max_nodes=2), TRAIN)
+    with pytest.raises(PlacementError, match="needs 3 rollout nodes but the H20 pool has only 2"):
+        small.schedule(job("big", 10, 10, nodes=3))
+    with pytest.raises(PlacementError, match="can never be resident"):
+        small.schedule(job("fat", 10, 10, mem=5000))
+
+
+def test_placement_on_unknown_nodes_is_refused(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    group = scheduler.group_of("A")
+    with pytest.raises(PlacementError, match=r"nodes \['rollout-9'\] are not in group"):
+        group.add(job("B", 10, 10), Placement("B", ("rollout-9",), ("train-1",)))
+
+
+def test_profile_estimate_assumes_every_response_hits_the_token_limit() -> None:
+    profile = JobProfile(batch_size=256, prompt_tokens=512, max_response_tokens=8192,
+                         decode_s_per_token=0.02, prefill_s=4.0, train_tokens_per_s=50_000.0,
+                         turns=2, env_s_per_turn=3.0, sync_s=10.0)
+    submitted = Job.from_profile("p", profile, slo=1.5)
+    assert submitted.t_roll == pytest.approx(2 * (4.0 + 8192 * 0.02 + 3.0))
+    assert submitted.t_train == pytest.approx(256 * (512 + 2 * 8192) / 50_000 + 10.0)
+    longer = JobProfile(**{**profile.__dict__, "max_response_tokens": 16384})
+    assert Job.from_profile("q", longer).t_solo > submitted.t_solo
+    with pytest.raises(PlacementError, match="train_tokens_per_s must be > 0"):
+        JobProfile(**{**profile.__dict__, "train_tokens_per_s": 0.0})
+
+
+def test_table1_costs_make_training_nodes_the_expensive_ones() -> None:
+    assert H800.node_cost_per_hour / H20.node_cost_per_hour == pytest.approx(5.28 / 1.85)
+
+
+def test_a_decision_breaking_residency_is_refused_and_leaves_no_nodes_behind(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100, mem=600))
+    arrival = job("B", 100, 100, mem=600)
+    version = scheduler.groups["group-1"].version
+    for shared, fresh in ((("rollout-1",), 0), ((), 1)):  # 1200 GB > 1000 GB on both nodes sets
+        forced = Decision(arrival, Strategy.DIRECT_PACKING, "group-1", version, shared, fresh, 0,
+                          0.0)
+        with pytest.raises(PlacementError, match="host memory"):
+            scheduler.admit(forced)
+    assert scheduler.nodes_in_use(Pool.ROLLOUT) == 1 and len(scheduler.groups) == 1

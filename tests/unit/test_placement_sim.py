@@ -1,0 +1,78 @@
+"""The cluster simulator drives the same placement core (WEAVE §6.4–§6.5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlharvest.services.placement_scheduler.model import H20, H800, PlacementError
+from rlharvest.sim import baselines, cluster, optimum, workloads
+
+ROLL, TRAIN = workloads.pools(5, H20, H800)
+
+
+def weave() -> baselines.Placer:
+    return baselines.Weave(ROLL, TRAIN)
+
+
+def solo() -> baselines.Placer:
+    return baselines.SoloDisaggregation(ROLL, TRAIN)
+
+
+def test_simulation_is_deterministic_for_a_seed() -> None:
+    first = cluster.simulate(workloads.poisson_jobs(40, "mixed", seed=7), weave)
+    second = cluster.simulate(workloads.poisson_jobs(40, "mixed", seed=7), weave)
+    other = cluster.simulate(workloads.poisson_jobs(40, "mixed", seed=8), weave)
+    assert first == second
+    assert other != first
+
+
+@pytest.mark.parametrize("workload", workloads.WORKLOADS)
+def test_weave_meets_every_slo_and_costs_less_than_solo_disaggregation(workload) -> None:
+    jobs = workloads.poisson_jobs(60, workload, seed=1, mean_interarrival_s=600)
+    ours, base = cluster.simulate(jobs, weave), cluster.simulate(jobs, solo)
+    assert ours.slo_attainment == 1.0
+    assert ours.mean_cost_per_hour < base.mean_cost_per_hour
+    assert base.slo_attainment == 1.0 and base.mean_slowdown == pytest.approx(1.0)
+
+
+def test_slo_blind_baselines_miss_slos_that_weave_keeps() -> None:
+    jobs = workloads.poisson_jobs(60, "mixed", seed=2, mean_interarrival_s=600)
+    random_ = cluster.simulate(jobs, lambda: baselines.RandomPlacer(ROLL, TRAIN, seed=0))
+    greedy = cluster.simulate(jobs, lambda: baselines.MostIdlePlacer(ROLL, TRAIN))
+    assert random_.slo_attainment < 1.0 and greedy.slo_attainment < 1.0
+    assert cluster.simulate(jobs, weave).slo_attainment == 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weave_is_never_cheaper_than_the_brute_force_optimum(seed) -> None:
+    jobs = workloads.static_jobs(6, "mixed", seed)
+    best = optimum.offline_optimum(jobs, ROLL, TRAIN)
+    cost, attainment = cluster.static_cost(jobs, weave)
+    assert attainment == 1.0
+    assert best <= cost + 1e-9
+    assert best < cluster.static_cost(jobs, solo)[0]
+
+
+def test_optimum_refuses_intractable_instances() -> None:
+    with pytest.raises(PlacementError, match="intractable"):
+        optimum.offline_optimum(workloads.static_jobs(20, "mixed", 0), ROLL, TRAIN, max_jobs=12)
+
+
+def test_trace_round_trips_through_csv(tmp_path) -> None:
+    jobs = workloads.poisson_jobs(10, "rollout_heavy", seed=3)
+    path = tmp_path / "trace.csv"
+    workloads.save_trace(path, jobs)
+    assert workloads.load_trace(path) == jobs
+    path.write_text("job_id,arrival_s\nx,1\n")
+    with pytest.raises(PlacementError, match="lacks columns"):
+        workloads.load_trace(path)
+
+
+def test_table6_profiles_shape_the_workloads() -> None:
+    rollout_heavy = workloads.static_jobs(50, "rollout_heavy", 0)
+    train_heavy = workloads.static_jobs(50, "train_heavy", 0)
+    assert all(j.t_roll > j.t_train for j in rollout_heavy)
+    assert all(j.t_train > j.t_roll for j in train_heavy)
+    assert all(1 <= j.slo <= 2 for j in rollout_heavy)
+    with pytest.raises(PlacementError, match="unknown workload"):
+        workloads.static_jobs(1, "nope", 0)
