@@ -24,6 +24,11 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# The server side must accept the clients' keepalive pings, or it answers GOAWAY too_many_pings.
+_SERVER_PING_POLICY = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 def _size_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -57,7 +62,8 @@ async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Server:
     """Start a server on host:port (0 picks a free port). ``register`` adds the servicers;
     ``service_names`` are their full names for health and reflection."""
-    server = grpc.aio.server(options=_size_options(max_message_bytes) + _KEEPALIVE)
+    server = grpc.aio.server(
+        options=_size_options(max_message_bytes) + _KEEPALIVE + _SERVER_PING_POLICY)
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -1,0 +1,95 @@
+"""Token delivery over the worker's gRPC Session stream vs the same engine in-process.
+
+Both sides run the same requests (same model, batch, seeds, lengths) on a TorchEngine with the
+same thread count; the gRPC side adds a real worker process, protobuf encoding and loopback
+transport. Prints tokens/s of each and the ratio (issue target: >= 0.9).
+
+    python bench/worker_delivery.py [--quick] [--batch 32] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
+from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams  # noqa: E402
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
+from tests.integration.worker_client import WorkerSession, add, start_worker  # noqa: E402
+
+PROMPT = CharTokenizer().encode("Compute 12+34*2=")
+
+
+def in_process(model: str, batch: int, tokens: int, threads: int) -> tuple[float, int]:
+    torch.set_num_threads(threads)
+    engine = TorchEngine(model=model, max_running=batch, max_len=len(PROMPT) + tokens + 8)
+    for i in range(batch):
+        engine.add(EngineRequest(f"r{i}", list(PROMPT), SamplingParams(max_tokens=tokens, seed=i)))
+    produced = 0
+    start = time.perf_counter()
+    while engine.has_work():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    return produced / (time.perf_counter() - start), produced
+
+
+async def over_grpc(endpoint: str, batch: int, tokens: int) -> tuple[float, int]:
+    session = WorkerSession(endpoint)
+    try:
+        ids = [f"g{i}" for i in range(batch)]
+        start = time.perf_counter()
+        await session.send(*(add(r, list(PROMPT), max_tokens=tokens, seed=i)
+                             for i, r in enumerate(ids)))
+        got = await session.finish(ids, timeout=600)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(c.tokens) for c in got.completions.values())
+        return produced / elapsed, produced
+    finally:
+        await session.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.repeats = 48, 1
+
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-bench-")))
+    stack.start_etcd()
+    try:
+        worker = start_worker(stack, "bench-worker", "--max-running", str(args.batch),
+                              "--max-len", str(len(PROMPT) + args.tokens + 8),
+                              "--model", args.model, "--torch-threads", str(args.threads),
+                              "--log-level", "warning")
+        asyncio.run(over_grpc(worker.endpoint, args.batch, 8))  # warm-up
+        in_process(args.model, args.batch, 8, args.threads)
+        local, remote = [], []
+        for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
+            local.append(in_process(args.model, args.batch, args.tokens, args.threads)[0])
+            remote.append(asyncio.run(over_grpc(worker.endpoint, args.batch, args.tokens))[0])
+    finally:
+        stack.stop()
+    best_local, best_remote = max(local), max(remote)
+    print(f"model={args.model} batch={args.batch} tokens/request={args.tokens} "
+          f"threads={args.threads} repeats={args.repeats}")
+    print(f"in-process engine : {best_local:10.0f} tokens/s")
+    print(f"gRPC Session      : {best_remote:10.0f} tokens/s")
+    print(f"ratio gRPC / in-process = {best_remote / best_local:.3f}  (target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Membership, lease expiry after SIGKILL, watch events and election failover on a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlharvest.common import keys, registry
+
+pytestmark = pytest.mark.integration
+HELPER = Path(__file__).with_name("member_process.py")
+
+
+def _spawn(endpoint: str, mode: str, name: str, ttl: int = 2) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(HELPER), endpoint, mode, name, str(ttl)],
+                            stdout=subprocess.PIPE, text=True)
+    return proc
+
+
+async def _ready(proc: subprocess.Popen) -> None:
+    line = await asyncio.to_thread(proc.stdout.readline)
+    assert line.strip() == "ready", f"helper process did not start: {line!r}"
+
+
+async def test_member_key_disappears_within_ttl_after_sigkill(etcd_client, etcd_endpoint):
+    proc = _spawn(etcd_endpoint, "member", "victim", ttl=2)
+    try:
+        await _ready(proc)
+        key = keys.member_key("rollout_worker", "victim")
+        assert key in await registry.list_members(etcd_client, "rollout_worker")
+        await asyncio.sleep(3)  # longer than the TTL: keepalives must hold the key
+        assert key in await registry.list_members(etcd_client, "rollout_worker")
+        proc.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        while key in await registry.list_members(etcd_client, "rollout_worker"):
+            assert time.monotonic() - killed_at < 2 + 2, "key outlived its lease"
+            await asyncio.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_watch_reports_join_update_and_leave(etcd_client):
+    before = await registry.register(etcd_client, "rollout_worker", "early", {"v": 0}, ttl=5)
+    events: list[registry.MemberEvent] = []
+
+    async def consume():
+        async for event in registry.watch_members(etcd_client, "rollout_worker"):
+            events.append(event)
+
+    task = asyncio.create_task(consume())
+    try:
+        later = await registry.register(etcd_client, "rollout_worker", "late", {"v": 0}, ttl=5)
+        await later.update(v=1)
+        await before.close()
+        for _ in range(100):
+            if len(events) >= 4:
+                break
+            await asyncio.sleep(0.05)
+        summary = [(e.kind, e.member_id, e.info.get("v")) for e in events]
+        assert summary == [("join", "early", 0), ("join", "late", 0), ("update", "late", 1),
+                           ("leave", "early", None)]
+        await later.close()
+    finally:
+        task.cancel()
+
+
+async def test_election_fails_over_when_leader_is_sigkilled(etcd_client, etcd_endpoint):
+    leader = _spawn(etcd_endpoint, "elect", "first", ttl=2)
+    try:
+        await _ready(leader)
+        election = registry.Election(etcd_client, "test-election", "second", ttl=2)
+        campaign = asyncio.create_task(election.campaign())
+        await asyncio.sleep(1.0)
+        assert not campaign.done(), "two leaders at once"
+        assert await election.leader() == "first"
+        leader.send_signal(signal.SIGKILL)
+        await asyncio.wait_for(campaign, timeout=10)
+        assert await election.leader() == "second"
+        await election.resign()
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+async def test_versioned_record_only_moves_forward(etcd_client):
+    key = keys.versioned_key("weights-demo")
+    await registry.put_versioned(etcd_client, key, 1, {"by": "a"})
+    await registry.put_versioned(etcd_client, key, 3, {"by": "b"})
+    with pytest.raises(registry.StaleVersionError, match="not newer than 3"):
+        await registry.put_versioned(etcd_client, key, 2, {"by": "c"})
+    assert await registry.get_versioned(etcd_client, key) == {"by": "b", "version": 3}
+
+
+async def test_concurrent_versioned_writers_keep_the_highest(etcd_client):
+    key = keys.versioned_key("race")
+
+    async def write(v: int) -> None:
+        try:
+            await registry.put_versioned(etcd_client, key, v, {})
+        except registry.StaleVersionError:
+            pass
+
+    await asyncio.gather(*(write(v) for v in range(1, 21)))
+    assert (await registry.get_versioned(etcd_client, key))["version"] == 20
+
+
+async def test_unreachable_etcd_is_a_clear_error():
+    with pytest.raises(ConnectionError, match="did not answer"):
+        await registry.connect("127.0.0.1:1", timeout=1)

@@ -1,0 +1,259 @@
+"""The rollout worker as a real process: etcd membership, streaming, abort, resume, limits,
+weight loading, graceful shutdown and bad input — over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlharvest.common import keys, registry
+from rlharvest.common.pb import rollout_worker_pb2 as pb
+from rlharvest.common.tiny_model import build_model
+from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.services.launcher import LocalStack
+
+from .worker_client import WorkerSession, abort, add, start_worker
+
+pytestmark = pytest.mark.integration
+TOK = CharTokenizer()
+PROMPT = TOK.encode("12+7=")
+
+
+@pytest.fixture(scope="module")
+def module_stack(etcd_server, tmp_path_factory):
+    local = LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server)
+    yield local
+    for proc in local.processes:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def worker(module_stack):
+    """A long-lived worker for the tests that leave it healthy."""
+    return start_worker(module_stack, "shared-worker", "--max-running", "4",
+                        "--max-message-bytes", str(2 * 1024 * 1024))
+
+
+@pytest.fixture
+async def session(worker):
+    s = WorkerSession(worker.endpoint)
+    yield s
+    await s.close()
+
+
+async def test_streams_batched_step_outputs_with_contiguous_positions(session):
+    ids = [f"r{i}" for i in range(3)]
+    await session.send(*(add(r, PROMPT, max_tokens=12, seed=i) for i, r in enumerate(ids)))
+    got = await session.finish(ids)
+    for r in ids:
+        assert len(got.completions[r].tokens) == 12, r
+        assert got.completions[r].finish_reason == "length"
+        assert got.completions[r].versions == {0}
+        assert all(lp <= 0 for lp in got.completions[r].logprobs)
+    # One message per engine step carries every request's new tokens, not one per request.
+    assert got.max_deltas_per_message == 3
+
+
+async def test_same_seed_gives_same_completion_on_same_weights(session):
+    await session.send(add("a", PROMPT, max_tokens=10, seed=7), add("b", PROMPT, max_tokens=10, seed=7),
+                       add("c", PROMPT, max_tokens=10, seed=8))
+    got = await session.finish(["a", "b", "c"])
+    assert got.completions["a"].tokens == got.completions["b"].tokens
+    assert got.completions["a"].tokens != got.completions["c"].tokens
+
+
+async def test_abort_ends_a_running_request_with_reason_abort(session):
+    await session.send(add("long", PROMPT, max_tokens=200))
+    await session.read_until(lambda c: len(c.completions.get("long", None).tokens
+                                            if "long" in c.completions else []) >= 3)
+    await session.send(abort("long"))
+    got = await session.finish(["long"])
+    assert got.completions["long"].finish_reason == "abort"
+    assert len(got.completions["long"].tokens) < 200
+
+
+async def test_resumed_request_continues_exactly_as_uninterrupted(worker, module_stack):
+    other = start_worker(module_stack, "resume-target", "--max-running", "4")
+    first, second = WorkerSession(worker.endpoint), WorkerSession(other.endpoint)
+    try:
+        agree = 0
+        seeds = range(8)
+        for seed in seeds:
+            rid = f"full-{seed}"
+            await first.send(add(rid, PROMPT, max_tokens=24, seed=seed))
+            full = (await first.finish([rid])).completions[rid].tokens
+            cut = 5 + seed
+            resumed_id = f"resumed-{seed}"
+            second.expect_resume(resumed_id, full[:cut])
+            await second.send(add(resumed_id, PROMPT, max_tokens=24, seed=seed, generated=full[:cut]))
+            resumed = (await second.finish([resumed_id])).completions[resumed_id]
+            assert len(resumed.tokens) == 24 and resumed.finish_reason == "length"
+            agree += resumed.tokens == full
+        # Same weights, randomness keyed by (seed, position): the continuation must match.
+        assert agree == len(seeds)
+    finally:
+        await first.close()
+        await second.close()
+        other.process.terminate()
+
+
+async def test_concurrency_limit_queues_the_excess(session):
+    ids = [f"q{i}" for i in range(7)]
+    await session.send(*(add(r, PROMPT, max_tokens=60, seed=i) for i, r in enumerate(ids)))
+    got = await session.read_until(lambda c: any(l.executing == 4 and l.pending == 3 for l in c.loads))
+    assert max(l.executing for l in got.loads) <= 4
+    await session.send(abort(*ids))
+    await session.finish(ids)
+
+
+async def test_every_bad_input_gets_a_precise_status_and_the_worker_keeps_serving(session):
+    await session.send(
+        add("ok", PROMPT, max_tokens=8),
+        add("empty", [], max_tokens=8),
+        add("vocab", [1, 100000], max_tokens=8),
+        add("zero", PROMPT, max_tokens=0),
+        add("version", PROMPT, max_tokens=8, version=42),
+        add("", PROMPT, max_tokens=8),
+        pb.WorkerCommand(),
+        abort("never-added"),
+    )
+    await session.send(add("ok", PROMPT, max_tokens=8))  # duplicate of a running id
+    got = await session.finish(["ok", "empty", "vocab", "zero", "version", "never-added"])
+    errors = got.errors
+    assert errors["empty"][0] == grpc.StatusCode.INVALID_ARGUMENT and "empty" in errors["empty"][1]
+    assert errors["vocab"][0] == grpc.StatusCode.INVALID_ARGUMENT and "100000" in errors["vocab"][1]
+    assert errors["zero"][0] == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in errors["zero"][1]
+    assert errors["version"][0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert "42" in errors["version"][1]
+    assert errors["never-added"][0] == grpc.StatusCode.NOT_FOUND
+    assert errors["ok"][0] == grpc.StatusCode.ALREADY_EXISTS
+    assert errors[""][0] == grpc.StatusCode.INVALID_ARGUMENT
+    await session.read_until(lambda c: "ok" in c.completions and c.completions["ok"].finish_reason)
+    assert got.completions["ok"].finish_reason == "length"
+    assert len(got.completions["ok"].tokens) == 8
+
+
+async def test_oversized_message_is_refused_and_other_sessions_go_on(worker):
+    big = WorkerSession(worker.endpoint)
+    try:
+        await big.send(add("huge", [100] * 3_000_000, max_tokens=4))  # 3 MB > the 2 MiB limit
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await big.finish(["huge"], timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await big.close()
+    fine = WorkerSession(worker.endpoint)
+    try:
+        await fine.send(add("after", PROMPT, max_tokens=4))
+        assert (await fine.finish(["after"])).completions["after"].finish_reason == "length"
+    finally:
+        await fine.close()
+
+
+async def test_health_metrics_and_info(worker, session):
+    await session.send(add("m", PROMPT, max_tokens=4))
+    await session.finish(["m"])
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics").read().decode())
+    assert "rlh_worker_tokens_generated_total" in text
+    health = json.loads(await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/healthz").read()))
+    assert health["status"] == "ok" and health["weight_version"] == 0
+    info = await session.stub.GetInfo(pb.GetInfoRequest())
+    assert (info.worker_id, info.capacity, info.vocab_size) == ("shared-worker", 4, TOK.vocab_size)
+
+
+async def test_registration_and_lease_expiry_after_sigkill(stack, etcd_client):
+    handle = start_worker(stack, "doomed", "--kind", "spot")
+    key = keys.member_key("rollout_worker", "doomed")
+    info = (await registry.list_members(etcd_client, "rollout_worker"))[key]
+    assert info["endpoint"] == handle.endpoint and info["kind"] == "spot"
+    assert info["weight_version"] == 0 and info["capacity"] == 64
+    handle.process.kill()
+    killed = time.monotonic()
+    while key in await registry.list_members(etcd_client, "rollout_worker"):
+        assert time.monotonic() - killed < 4, "member outlived its 2 s lease"
+        await asyncio.sleep(0.1)
+
+
+async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_client, tmp_path):
+    handle = start_worker(stack, "loader")
+    session = WorkerSession(handle.endpoint)
+    try:
+        await session.send(add("before", PROMPT, max_tokens=16, temperature=0))
+        before = (await session.finish(["before"])).completions["before"]
+        model = build_model("tiny", seed=1)  # other weights: greedy output must change
+        path = tmp_path / "v5.safetensors"
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()
+                   if k != "lm_head.weight"}, str(path))
+        reply = await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(path), version=5))
+        assert reply.weight_version == 5 and reply.tensors_loaded > 0
+        await session.send(add("stale", PROMPT, max_tokens=4, version=0),
+                           add("after", PROMPT, max_tokens=16, temperature=0, version=5))
+        got = await session.finish(["stale", "after"])
+        assert got.errors["stale"][0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert got.completions["after"].versions == {5}
+        after = got.completions["after"]
+        # Tied embeddings make a random tiny model's greedy tokens alike; its logprobs are not.
+        assert (after.tokens, after.logprobs) != (before.tokens, before.logprobs)
+        key = keys.member_key("rollout_worker", "loader")
+        for _ in range(50):
+            if (await registry.list_members(etcd_client))[key]["weight_version"] == 5:
+                break
+            await asyncio.sleep(0.1)
+        assert (await registry.list_members(etcd_client))[key]["weight_version"] == 5
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(tmp_path / "no"), version=6))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        bad = tmp_path / "bad.safetensors"
+        save_file({"model.nonexistent.weight": torch.zeros(2)}, str(bad))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(bad), version=7))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "nonexistent" in err.value.details()
+        assert (await session.stub.GetInfo(pb.GetInfoRequest())).weight_version == 5
+    finally:
+        await session.close()
+
+
+async def test_sigterm_drains_then_exits_cleanly(stack, etcd_client):
+    handle = start_worker(stack, "drainer")
+    session = WorkerSession(handle.endpoint)
+    try:
+        await session.send(add("d1", PROMPT, max_tokens=400), add("d2", PROMPT, max_tokens=400))
+        await session.read_until(lambda c: "d1" in c.completions)
+        handle.process.process.send_signal(signal.SIGTERM)
+        await session.read_until(lambda c: c.draining, timeout=10)
+        await session.send(add("late", PROMPT, max_tokens=4))
+        await session.send(abort("d1", "d2"))  # what a manager does: migrate them away
+        got = await session.finish(["d1", "d2", "late"])
+        assert got.errors["late"][0] == grpc.StatusCode.UNAVAILABLE
+        assert {got.completions[r].finish_reason for r in ("d1", "d2")} == {"abort"}
+        code = await asyncio.to_thread(handle.process.process.wait, 30)
+        assert code == 0, handle.process.log_tail()
+        members = await registry.list_members(etcd_client, "rollout_worker")
+        assert keys.member_key("rollout_worker", "drainer") not in members  # revoked, not expired
+    finally:
+        await session.close()
+
+
+def test_malformed_config_exits_with_a_message_naming_the_key(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text("max_runing = 3\n")
+    run = subprocess.run([sys.executable, "-m", "rlharvest.services.rollout_worker.main",
+                          "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "max_runing: unknown key" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "rlharvest.services.rollout_worker.main",
+                          "--max-running", "-4"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "max_running" in run.stderr

@@ -1,0 +1,78 @@
+"""docker-compose.yml, the systemd units and the example configs are read and checked here: no
+Docker engine or systemd runs on the test machines, so this is what keeps them correct."""
+
+from __future__ import annotations
+
+import configparser
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlharvest.common.cli import parse_flags
+from rlharvest.common.config import load_config
+from rlharvest.services.rollout_worker.config import WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+CONFIGS = {"rlharvest-rollout-worker": WorkerConfig}
+
+
+def _check_command(argv: list[str]) -> None:
+    program = Path(argv[0]).name
+    assert program in SCRIPTS, f"{program} is not a console script in pyproject.toml"
+    args = argv[1:]
+    config_file = None
+    if "--config" in args:
+        i = args.index("--config")
+        config_file = args[i + 1]
+        args = args[:i] + args[i + 2:]
+    flags = parse_flags(CONFIGS[program], args)  # raises on an unknown flag
+    CONFIGS[program](**flags)  # raises on a bad value
+    return config_file
+
+
+def test_compose_services_run_real_commands_with_valid_flags():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert "etcd" in services
+    for name, svc in services.items():
+        if name == "etcd":
+            continue
+        assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
+        env = svc["environment"]
+        assert env["RLH_ETCD"] == "etcd:2379", name
+        _check_command(svc["command"])
+        assert (ROOT / svc["build"]["dockerfile"]).is_file()
+
+
+def test_every_console_script_has_a_compose_service_and_a_systemd_unit():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    programs = {svc["command"][0] for n, svc in compose["services"].items() if n != "etcd"}
+    units = {p.stem for p in (ROOT / "deploy" / "systemd").glob("*.service")}
+    for script in SCRIPTS:
+        if script == "rlharvest":
+            continue
+        assert script in programs, f"{script} has no docker-compose.yml entry"
+        assert script in units, f"{script} has no deploy/systemd unit"
+
+
+@pytest.mark.parametrize("unit", sorted((ROOT / "deploy" / "systemd").glob("*.service")),
+                         ids=lambda p: p.name)
+def test_systemd_unit_is_well_formed(unit: Path):
+    parser = configparser.ConfigParser(strict=True, interpolation=None)
+    parser.optionxform = str
+    parser.read(unit)
+    assert set(parser.sections()) == {"Unit", "Service", "Install"}
+    service = parser["Service"]
+    assert service["KillSignal"] == "SIGTERM"
+    assert int(service["TimeoutStopSec"]) > 0
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0].startswith("/"), "systemd needs an absolute ExecStart path"
+    assert Path(argv[0]).name == unit.stem
+    config_file = _check_command(argv)
+    example = ROOT / "deploy" / (Path(config_file).name.replace(".toml", ".example.toml"))
+    assert example.is_file(), f"no example for {config_file}"
+    load_config(CONFIGS[unit.stem], example)  # the example config itself must load
