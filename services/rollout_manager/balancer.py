@@ -1,0 +1,160 @@
+"""RLBoost's load balancer: Algorithm 2, SELECTINSTANCE and CONTINUOUSLB (§4.2.1).
+
+Pure functions over a snapshot of the eligible instances (same weight version as the requests,
+healthy, not draining; the caller filters). The paper's loops ("while true", "wait any
+completion") become calls the service repeats: ``select_instance`` returns None where the paper
+waits, and ``continuous_lb`` is one iteration of the monitor loop.
+
+m_pending and m_exec are derived from what the manager already tracks instead of being queried
+(line 5, lines 16-17): a worker admits requests FIFO into its ``capacity`` batch slots, so of the
+requests assigned to it, ``min(assigned, capacity)`` execute and the rest pend. Counting the
+manager's own in-flight dispatches this way keeps JSQ exact during a dispatch burst, when a
+queried count would lag behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
+from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
+
+__all__ = ["InstanceLoad", "SelectFn", "ThroughputProfile", "select_instance",
+           "dispatch_waiting", "continuous_lb", "rebalance"]
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """One eligible instance as Algorithm 2 sees it."""
+
+    worker_id: str
+    capacity: int
+    # Assigned requests that have produced no token on this worker yet, oldest first. The newest
+    # ones are the tail of its FIFO queue: the ones to move when it is overloaded.
+    queued: tuple[str, ...] = ()
+    # Requests producing tokens, in the order to move them when it runs above the plateau.
+    running: tuple[str, ...] = ()
+    plateau: int | None = None  # B for this instance's kind at the current context; None: no P
+
+    @property
+    def assigned(self) -> int:
+        return len(self.queued) + len(self.running)
+
+    @property
+    def pending(self) -> int:
+        return max(0, self.assigned - self.capacity)
+
+    @property
+    def executing(self) -> int:
+        return min(self.assigned, self.capacity)
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self.capacity - self.assigned)
+
+
+# (instances, Θ) -> the instance to dispatch to, or None to hold. select_instance is Algorithm 2's;
+# the benchmark injects round-robin here to compare against.
+SelectFn = Callable[[Sequence["InstanceLoad"], int], "str | None"]
+
+
+def select_instance(instances: Sequence[InstanceLoad], theta: int) -> str | None:
+    """SELECTINSTANCE (lines 1-12): join the shortest queue among instances with fewer than Θ
+    pending requests; None means hold the request until a completion (delayed dispatch).
+
+    Ties on m_pending (the paper leaves them open) go to the instance with the most free batch
+    slots, so that an empty step spreads over workers instead of filling one, then to the id.
+    """
+    if theta < 1:
+        raise ValueError(f"theta={theta}: at least one pending request per instance must be "
+                         "allowed, or nothing is ever dispatched")
+    candidates = [i for i in instances if i.pending < theta]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda i: (i.pending, -i.free_slots, i.worker_id)).worker_id
+
+
+def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
+                     theta: int, select: SelectFn = select_instance) -> list[Dispatch]:
+    """SELECTINSTANCE for each waiting request in order, until one has to be held."""
+    by_id = {i.worker_id: i for i in instances}
+    out: list[Dispatch] = []
+    for request_id in request_ids:
+        target = select(list(by_id.values()), theta)
+        if target is None:
+            break  # every instance has Θ pending: the rest wait for a completion (line 12)
+        load = by_id[target]
+        by_id[target] = replace(load, queued=load.queued + (request_id,))
+        out.append(Dispatch(request_id, target))
+    return out
+
+
+def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
+    """One iteration of CONTINUOUSLB (lines 14-27).
+
+    Pending case: move one request from the instance with the most pending to one with none.
+    Deviation: the destination must also have a free batch slot. Moving a request into a queue
+    gains nothing, and when the source has one pending request it would bounce back and forth.
+
+    Executing case (nothing pending anywhere, some instance idle): move max(m_exec_j - B, 0)
+    requests from the busiest instance j, where B is j's batching plateau, capped by the idle
+    instance's capacity. Without a profile (first step) B is unknown and nothing moves.
+    """
+    if len(instances) < 2:
+        return []
+    overloaded = [i for i in instances if i.pending > 0]
+    if overloaded:
+        return _migrate_pending(instances, overloaded)
+    return _migrate_executing(instances)
+
+
+def _migrate_pending(instances: Sequence[InstanceLoad],
+                     overloaded: Sequence[InstanceLoad]) -> list[Migrate]:
+    receivers = [i for i in instances if i.pending == 0 and i.free_slots > 0]
+    if not receivers:
+        return []
+    src = max(overloaded, key=lambda i: (i.pending, i.worker_id))
+    dst = max(receivers, key=lambda i: (i.free_slots, i.worker_id))
+    # The newest queued request is last in the source's FIFO queue; a source whose capacity we
+    # underestimate may have no queued one, and then its newest running request goes.
+    request_id = (src.queued or src.running)[-1]
+    return [Migrate(request_id, src.worker_id, dst.worker_id, "pending")]
+
+
+def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
+    idle = [i for i in instances if i.executing == 0]
+    if not idle:
+        return []
+    dst = max(idle, key=lambda i: (i.capacity, i.worker_id))
+    src = max(instances, key=lambda i: (i.executing, i.worker_id))
+    if src.plateau is None or src is dst:
+        return []
+    count = min(max(src.executing - src.plateau, 0), dst.capacity)
+    movable = src.running + src.queued
+    return [Migrate(r, src.worker_id, dst.worker_id, "executing") for r in movable[:count]]
+
+
+def rebalance(instances: Sequence[InstanceLoad], max_moves: int) -> list[Migrate]:
+    """Run CONTINUOUSLB until it is satisfied or ``max_moves`` requests moved.
+
+    The pending case moves one request per iteration "until the receiver is saturated" (§4.2.1);
+    each iteration sees the snapshot updated with the previous moves.
+    """
+    by_id = {i.worker_id: i for i in instances}
+    moves: list[Migrate] = []
+    while len(moves) < max_moves:
+        step = continuous_lb(list(by_id.values()))
+        if not step:
+            break
+        for m in step[: max_moves - len(moves)]:
+            _apply_move(by_id, m)
+            moves.append(m)
+    return moves
+
+
+def _apply_move(by_id: dict[str, InstanceLoad], move: Migrate) -> None:
+    src, dst = by_id[move.src], by_id[move.dst]
+    by_id[move.src] = replace(src, queued=tuple(r for r in src.queued if r != move.request_id),
+                              running=tuple(r for r in src.running if r != move.request_id))
+    by_id[move.dst] = replace(dst, queued=dst.queued + (move.request_id,))

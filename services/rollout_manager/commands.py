@@ -1,0 +1,56 @@
+"""What the manager's pure policies decide; the async service executes them.
+
+The policies never send anything. They return these flat, immutable commands, and the request
+tracker has already been updated when a command is returned: a request's assignee changes at the
+moment a move is *decided*, so any message its former worker sends afterwards is stale and dropped.
+That ordering is what guarantees a completion has no gap and no duplicate token (RLBoost §4.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+# Why a request left a worker. "pending" and "executing" are Algorithm 2's two migration cases.
+MigrationCause = Literal["pending", "executing", "drain", "version", "lost", "protocol"]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Send the request (prompt + tokens so far: ``RequestTracker.resume_payload``) to a worker."""
+
+    request_id: str
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Abort the request on ``src`` and send its resume payload to ``dst``."""
+
+    request_id: str
+    src: str
+    dst: str
+    cause: MigrationCause
+
+
+@dataclass(frozen=True)
+class Release:
+    """The request left ``worker_id`` and waits in the manager for a new worker (tokens kept).
+
+    The worker is usually gone; where it may still be reachable, the service sends an abort.
+    """
+
+    request_id: str
+    worker_id: str
+    cause: MigrationCause
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The request cannot be completed; ``reason`` says why and what the operator can do."""
+
+    request_id: str
+    reason: str
+
+
+Command = Union[Dispatch, Migrate, Release, Fail]

@@ -1,0 +1,112 @@
+"""Worker loss, draining and starvation (RLBoost §4.2 and §5: preempted requests are re-routed
+through SELECTINSTANCE and continue from their last token).
+
+* A worker is **lost** when its stream broke or its etcd lease vanished (events the service reports)
+  or when it has requests but produced no token for ``stall_timeout_s`` (detected here, on the
+  injected clock), or when a drain deadline passed. Its requests go back to the manager with every
+  token kept and are re-dispatched like new ones (§4.2.1: SELECTINSTANCE re-routes on preemption).
+* A **draining** worker (SIGTERM, spot notice) takes nothing new; its requests move to eligible
+  workers as fast as SELECTINSTANCE finds room for them (Θ respected). Until then they keep
+  decoding where they are: the worker is alive until its deadline, so holding them there loses
+  nothing and keeps them progressing.
+* A request that waits while **no** worker holds its weight version fails once that has lasted
+  ``no_worker_timeout_s``; the reason tells the operator what to check. Waiting because every
+  eligible worker is at Θ is normal delayed dispatch, never a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, select_instance
+from rlharvest.services.rollout_manager.commands import Fail, MigrationCause, Migrate, Release
+from rlharvest.services.rollout_manager.worker_pool import WorkerState, WorkerView
+
+@dataclass(frozen=True)
+class FailureConfig:
+    stall_timeout_s: float = 60.0
+    no_worker_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0 or self.no_worker_timeout_s < 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0 and "
+                             f"no_worker_timeout_s={self.no_worker_timeout_s} >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerLoss:
+    worker_id: str
+    reason: str
+
+
+class FailurePolicy:
+    def __init__(self, config: FailureConfig, clock: Callable[[], float]) -> None:
+        self._config = config
+        self._clock = clock
+        self._starved_since: dict[int, float] = {}  # weight version -> first seen without workers
+
+    def detect_losses(self, workers: Iterable[WorkerView],
+                      busy: Callable[[str], bool]) -> list[WorkerLoss]:
+        """Workers to declare lost now: stalled while busy, or past their drain deadline."""
+        now = self._clock()
+        losses = []
+        for w in workers:
+            if w.state is WorkerState.LOST:
+                continue
+            if w.drain_deadline is not None and now >= w.drain_deadline:
+                losses.append(WorkerLoss(w.worker_id, "drain deadline passed"))
+            elif busy(w.worker_id) and now - w.last_progress_at >= self._config.stall_timeout_s:
+                losses.append(WorkerLoss(
+                    w.worker_id, f"no token for {now - w.last_progress_at:.1f}s while it had "
+                    f"requests (stall_timeout_s={self._config.stall_timeout_s})"))
+        return losses
+
+    @staticmethod
+    def release_all(worker_id: str, request_ids: Iterable[str],
+                    cause: MigrationCause) -> list[Release]:
+        return [Release(r, worker_id, cause) for r in request_ids]
+
+    @staticmethod
+    def evacuate(src: str, request_ids: Sequence[str], instances: Sequence[InstanceLoad],
+                 theta: int, cause: MigrationCause, keep_without_room: bool,
+                 select: SelectFn = select_instance) -> list[Migrate | Release]:
+        """Move requests off ``src`` onto the eligible ``instances`` through SELECTINSTANCE.
+
+        Requests for which no instance has room stay on ``src`` when ``keep_without_room`` (a
+        draining worker still decodes correctly) and are released to wait otherwise (a worker
+        that changed weight version must not produce one more token for them).
+        """
+        by_id = {i.worker_id: i for i in instances if i.worker_id != src}
+        out: list[Migrate | Release] = []
+        for request_id in request_ids:
+            target = select(list(by_id.values()), theta)
+            if target is None:
+                if not keep_without_room:
+                    out.append(Release(request_id, src, cause))
+                continue
+            load = by_id[target]
+            by_id[target] = replace(load, queued=load.queued + (request_id,))
+            out.append(Migrate(request_id, src, target, cause))
+        return out
+
+    def starved(self, waiting_by_version: Mapping[int, Sequence[str]],
+                has_eligible: Callable[[int], bool]) -> list[Fail]:
+        """Fail the waiting requests of any version that has had no eligible worker for too long."""
+        now = self._clock()
+        fails: list[Fail] = []
+        for version in list(self._starved_since):
+            if not waiting_by_version.get(version) or has_eligible(version):
+                del self._starved_since[version]
+        for version, request_ids in waiting_by_version.items():
+            if not request_ids or has_eligible(version):
+                continue
+            since = self._starved_since.setdefault(version, now)
+            if now - since >= self._config.no_worker_timeout_s:
+                reason = (f"no healthy worker held weight version {version} for "
+                          f"{now - since:.0f}s (no_worker_timeout_s="
+                          f"{self._config.no_worker_timeout_s}); start rollout workers or check "
+                          "that the transfer agents serve this version")
+                fails.extend(Fail(r, reason) for r in request_ids)
+                del self._starved_since[version]
+        return fails

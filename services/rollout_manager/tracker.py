@@ -1,0 +1,392 @@
+"""Token-level request tracking (RLBoost §4.2, "Live Request Tracking and Migration").
+
+The manager holds every token a worker has produced, so a request that leaves a worker (preemption,
+drain, rebalancing) resumes elsewhere as prompt + tokens so far: the new worker only prefills.
+Two rules keep every completion contiguous, with no gap and no duplicate:
+
+* only the request's *current* assignee may append tokens: a late message from a worker the
+  request was migrated away from is dropped, never appended;
+* a delta is appended only at the position where the completion currently ends.
+
+``tokens_regenerated`` counts tokens accepted at a position that was accepted before and later
+discarded. Migration never discards, so it stays 0; only ``restart_from_prompt`` (the "recompute"
+strategy RLBoost §6.4.3 compares against) makes it grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams
+
+
+class StepError(ValueError):
+    """A step the tracker refuses; the message names the offending request and the limit."""
+
+
+class RequestState(str, Enum):
+    WAITING = "waiting"  # in the manager, on no worker (new, or released by a lost worker)
+    PENDING = "pending"  # assigned to a worker, no token from it yet on this assignment
+    EXECUTING = "executing"  # its assignee has produced tokens on this assignment
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    max_requests: int = 65_536
+    max_prompt_tokens: int = 32_768
+    max_new_tokens: int = 32_768
+    vocab_size: int = 128
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    group_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens for one request from one engine step (mirrors the wire ``TokenDelta``)."""
+
+    request_id: str
+    position: int  # index in the completion of token_ids[0]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    weight_version: int
+    finished: bool = False
+    finish_reason: str = ""  # "length" | "stop" | "abort" when finished
+
+
+@dataclass(frozen=True)
+class ResumePayload:
+    """What a worker needs to (re)start a request: it prefills prompt + generated, then decodes.
+
+    ``sampling.max_tokens`` keeps counting the tokens generated before the resume (engine.py), so
+    the worker decodes at most ``remaining_tokens`` more.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    generated_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    weight_version: int
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.generated_token_ids)
+
+    def to_engine_request(self) -> EngineRequest:
+        return EngineRequest(self.request_id, list(self.prompt_token_ids), self.sampling,
+                             list(self.generated_token_ids))
+
+
+@dataclass
+class TrackedRequest:
+    request_id: str
+    group_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    weight_version: int
+    created_at: float
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    worker_id: str | None = None
+    migrations: int = 0  # moves from one worker to another (or back to the manager)
+    finished_at: float | None = None
+    finish_reason: str = ""  # "length" | "stop" once finished; the failure reason once failed
+    high_water: int = 0  # most tokens ever held; positions below it that come again are regenerated
+
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.token_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.FAILED)
+
+
+@dataclass(frozen=True)
+class DroppedDelta:
+    request_id: str
+    worker_id: str
+    reason: str  # "unknown" | "done" | "stale" | "version" | "position" | "malformed"
+    tokens: int
+
+
+@dataclass
+class ApplyReport:
+    """Outcome of one batch of step outputs: what to forward, what finished, what was refused."""
+
+    accepted: list[TokenDelta] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # the assignee aborted it: back to waiting
+    dropped: list[DroppedDelta] = field(default_factory=list)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(len(d.token_ids) for d in self.accepted)
+
+
+@dataclass
+class TrackerCounters:
+    tokens_generated: int = 0  # accepted tokens, regenerated ones included
+    tokens_regenerated: int = 0  # accepted at a position that had been held and discarded before
+    tokens_dropped_stale: int = 0  # sent by a worker the request had already left
+    migrations: int = 0
+    finished: int = 0
+    failed: int = 0
+
+
+class RequestTracker:
+    """Every request of every step, at token granularity. Synchronous and I/O-free."""
+
+    def __init__(self, limits: StepLimits, clock: Callable[[], float]) -> None:
+        self._limits = limits
+        self._clock = clock
+        self._requests: dict[str, TrackedRequest] = {}
+        # Waiting requests, in dispatch order: released ones (they carry progress) before new ones.
+        self._waiting_released: dict[str, None] = {}
+        self._waiting_new: dict[str, None] = {}
+        self._by_worker: dict[str, dict[str, None]] = {}  # assignment order kept
+        self.counters = TrackerCounters()
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def add_step(self, requests: Sequence[NewRequest]) -> list[str]:
+        """Validate a whole step, then track it; nothing is added when any request is refused."""
+        self._validate_step(requests)
+        now = self._clock()
+        for new in requests:
+            self._requests[new.request_id] = TrackedRequest(
+                new.request_id, new.group_id, tuple(new.prompt_token_ids), new.sampling,
+                new.weight_version, created_at=now)
+            self._waiting_new[new.request_id] = None
+        return [r.request_id for r in requests]
+
+    def _validate_step(self, requests: Sequence[NewRequest]) -> None:
+        lim = self._limits
+        if not requests:
+            raise StepError("the step has no requests; send at least one prompt")
+        if len(requests) > lim.max_requests:
+            raise StepError(f"the step has {len(requests)} requests, above the limit of "
+                            f"{lim.max_requests}; split it or raise max_requests")
+        seen: set[str] = set()
+        for r in requests:
+            where = f"request {r.request_id!r}"
+            if not r.request_id:
+                raise StepError("a request has an empty request_id; give every request an id")
+            if r.request_id in seen or r.request_id in self._requests:
+                raise StepError(f"{where} appears twice; request ids must be unique per manager")
+            seen.add(r.request_id)
+            if not r.prompt_token_ids:
+                raise StepError(f"{where} has an empty prompt")
+            if len(r.prompt_token_ids) > lim.max_prompt_tokens:
+                raise StepError(f"{where} has a prompt of {len(r.prompt_token_ids)} tokens, above "
+                                f"the limit of {lim.max_prompt_tokens}")
+            bad = [t for t in r.prompt_token_ids if not 0 <= t < lim.vocab_size]
+            if bad:
+                raise StepError(f"{where} has token id {bad[0]} outside the vocabulary "
+                                f"[0, {lim.vocab_size})")
+            if not 0 < r.sampling.max_tokens <= lim.max_new_tokens:
+                raise StepError(f"{where} asks for max_tokens={r.sampling.max_tokens}; it must be "
+                                f"in [1, {lim.max_new_tokens}]")
+            if r.weight_version < 0:
+                raise StepError(f"{where} has weight_version {r.weight_version}; versions are >= 0")
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def get(self, request_id: str) -> TrackedRequest:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not tracked by this manager") from None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def all(self) -> Iterable[TrackedRequest]:
+        return self._requests.values()
+
+    def waiting(self) -> list[TrackedRequest]:
+        """Requests on no worker, in dispatch order (released ones first, then oldest first)."""
+        ids = list(self._waiting_released) + list(self._waiting_new)
+        return [self._requests[i] for i in ids]
+
+    def on_worker(self, worker_id: str) -> list[TrackedRequest]:
+        """Requests assigned to ``worker_id``, oldest assignment first."""
+        return [self._requests[i] for i in self._by_worker.get(worker_id, ())]
+
+    def assigned_count(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def unfinished(self) -> int:
+        return len(self._requests) - self.counters.finished - self.counters.failed
+
+    def resume_payload(self, request_id: str) -> ResumePayload:
+        req = self.get(request_id)
+        if req.done:
+            raise ValueError(f"request {request_id!r} is {req.state.value}; nothing to resume")
+        return ResumePayload(req.request_id, req.prompt_token_ids, tuple(req.token_ids),
+                             req.sampling, req.weight_version)
+
+    # ---- assignment ---------------------------------------------------------------------------
+
+    def assign(self, request_id: str, worker_id: str) -> None:
+        """Waiting -> pending on ``worker_id``. Raises if the request is not waiting."""
+        req = self.get(request_id)
+        if req.state is not RequestState.WAITING:
+            raise ValueError(f"request {request_id!r} is {req.state.value}, not waiting; "
+                             "use move() for a request that is on a worker")
+        self._waiting_released.pop(request_id, None)
+        self._waiting_new.pop(request_id, None)
+        self._attach(req, worker_id)
+
+    def move(self, request_id: str, dst: str) -> None:
+        """Pending/executing on a worker -> pending on ``dst``; the old worker's output is stale."""
+        req = self.get(request_id)
+        if req.worker_id is None or req.done:
+            raise ValueError(f"request {request_id!r} is {req.state.value}, on no worker; "
+                             "use assign() for a waiting request")
+        if req.worker_id == dst:
+            raise ValueError(f"request {request_id!r} is already on {dst!r}")
+        self._detach(req)
+        self._count_migration(req)
+        self._attach(req, dst)
+
+    def release(self, request_id: str) -> None:
+        """Take the request off its worker; it waits in the manager with every token kept."""
+        req = self.get(request_id)
+        if req.worker_id is None or req.done:
+            raise ValueError(f"request {request_id!r} is {req.state.value}, on no worker")
+        self._detach(req)
+        self._count_migration(req)
+        req.state = RequestState.WAITING
+        self._waiting_released[request_id] = None
+
+    def restart_from_prompt(self, request_id: str) -> None:
+        """Discard a waiting request's tokens: the recompute baseline of RLBoost §6.4.3 only.
+
+        The manager itself never calls this; the benchmark does, to measure what migration saves.
+        """
+        req = self.get(request_id)
+        if req.state is not RequestState.WAITING:
+            raise ValueError(f"request {request_id!r} is {req.state.value}; release it first")
+        req.token_ids.clear()
+        req.logprobs.clear()
+
+    def fail(self, request_id: str, reason: str) -> None:
+        req = self.get(request_id)
+        if req.done:
+            return
+        if req.worker_id is not None:
+            self._detach(req)
+        self._waiting_released.pop(request_id, None)
+        self._waiting_new.pop(request_id, None)
+        req.state = RequestState.FAILED
+        req.finish_reason = reason
+        req.finished_at = self._clock()
+        self.counters.failed += 1
+
+    def _attach(self, req: TrackedRequest, worker_id: str) -> None:
+        req.worker_id = worker_id
+        req.state = RequestState.PENDING
+        self._by_worker.setdefault(worker_id, {})[req.request_id] = None
+
+    def _detach(self, req: TrackedRequest) -> None:
+        assert req.worker_id is not None
+        on_worker = self._by_worker[req.worker_id]
+        del on_worker[req.request_id]
+        if not on_worker:
+            del self._by_worker[req.worker_id]
+        req.worker_id = None
+
+    def _count_migration(self, req: TrackedRequest) -> None:
+        req.migrations += 1
+        self.counters.migrations += 1
+
+    # ---- step outputs -------------------------------------------------------------------------
+
+    def apply_outputs(self, worker_id: str, deltas: Iterable[TokenDelta]) -> ApplyReport:
+        """Append the tokens of one batch of step outputs from ``worker_id``.
+
+        A delta is dropped (and reported) when its request is unknown or done, when ``worker_id``
+        is not the request's current assignee, when it was produced by another weight version,
+        when it does not start exactly where the completion ends, or when it is malformed.
+        """
+        report = ApplyReport()
+        for delta in deltas:
+            reason = self._refusal(worker_id, delta)
+            if reason:
+                report.dropped.append(DroppedDelta(delta.request_id, worker_id, reason,
+                                                   len(delta.token_ids)))
+                if reason == "stale":
+                    self.counters.tokens_dropped_stale += len(delta.token_ids)
+                continue
+            req = self._requests[delta.request_id]
+            self._append(req, delta, report)
+        return report
+
+    def _refusal(self, worker_id: str, delta: TokenDelta) -> str:
+        req = self._requests.get(delta.request_id)
+        if req is None:
+            return "unknown"
+        if req.done:
+            return "done"
+        if req.worker_id != worker_id:
+            return "stale"
+        if delta.weight_version != req.weight_version:
+            return "version"
+        if delta.position != len(req.token_ids):
+            return "position"
+        if len(delta.token_ids) != len(delta.logprobs):
+            return "malformed"
+        if len(req.token_ids) + len(delta.token_ids) > req.sampling.max_tokens:
+            return "malformed"
+        if any(not 0 <= t < self._limits.vocab_size for t in delta.token_ids):
+            return "malformed"
+        return ""
+
+    def _append(self, req: TrackedRequest, delta: TokenDelta, report: ApplyReport) -> None:
+        if delta.token_ids:
+            start = len(req.token_ids)
+            req.token_ids.extend(delta.token_ids)
+            req.logprobs.extend(delta.logprobs)
+            regenerated = max(0, min(req.high_water, len(req.token_ids)) - start)
+            req.high_water = max(req.high_water, len(req.token_ids))
+            self.counters.tokens_generated += len(delta.token_ids)
+            self.counters.tokens_regenerated += regenerated
+            req.state = RequestState.EXECUTING
+            report.accepted.append(delta)
+        if delta.finished and delta.finish_reason == "abort":
+            # The worker gave the request up on its own; it keeps its tokens and waits for another.
+            self.release(req.request_id)
+            report.aborted.append(req.request_id)
+            return
+        reason = self._finish_reason(req, delta)
+        if reason:
+            self._finish(req, reason)
+            report.finished.append(req.request_id)
+
+    def _finish_reason(self, req: TrackedRequest, delta: TokenDelta) -> str:
+        # The manager decides completion itself as well: a worker lost right after producing the
+        # last token must not cause a resume with nothing left to generate.
+        if req.token_ids and req.token_ids[-1] in req.sampling.stop_token_ids:
+            return "stop"
+        if len(req.token_ids) >= req.sampling.max_tokens:
+            return "length"
+        return (delta.finish_reason or "stop") if delta.finished else ""
+
+    def _finish(self, req: TrackedRequest, reason: str) -> None:
+        self._detach(req)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finished_at = self._clock()
+        self.counters.finished += 1

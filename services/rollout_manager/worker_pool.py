@@ -1,0 +1,97 @@
+"""The manager's view of its rollout workers (RLBoost §5, "Rollout manager").
+
+Only what the policies need: which version a worker holds, how many requests it can execute at
+once, whether it is healthy, draining or lost, and when it last made progress. Which requests sit
+on a worker is the tracker's business, not duplicated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+
+class WorkerState(str, Enum):
+    HEALTHY = "healthy"
+    DRAINING = "draining"  # SIGTERM or spot notice: takes no new work, its requests move away
+    LOST = "lost"  # stream broke, lease vanished, stalled, or drain deadline passed
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    weight_version: int
+    capacity: int  # requests it executes concurrently (its batch slots)
+    kind: str  # hardware/provisioning class; each kind keeps its own throughput profile
+    joined_at: float
+    last_progress_at: float  # last accepted token, or when it last went from idle to busy
+    state: WorkerState = WorkerState.HEALTHY
+    drain_deadline: float | None = None
+    lost_reason: str = ""
+
+    def eligible_for(self, weight_version: int) -> bool:
+        """May take requests of ``weight_version`` (on-policy: only the exact version)."""
+        return self.state is WorkerState.HEALTHY and self.weight_version == weight_version
+
+
+class WorkerPool:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._workers: dict[str, WorkerView] = {}
+
+    def join(self, worker_id: str, weight_version: int, capacity: int, kind: str) -> WorkerView:
+        """Register a worker; a lost worker coming back under the same id starts a fresh record."""
+        if capacity <= 0:
+            raise ValueError(f"worker {worker_id!r} reports capacity {capacity}; a worker must "
+                             "execute at least one request at a time")
+        current = self._workers.get(worker_id)
+        if current is not None and current.state is not WorkerState.LOST:
+            raise ValueError(f"worker {worker_id!r} is already registered ({current.state.value});"
+                             " a worker id must be unique while it is alive")
+        now = self._clock()
+        view = WorkerView(worker_id, weight_version, capacity, kind, now, now)
+        self._workers[worker_id] = view
+        return view
+
+    def get(self, worker_id: str) -> WorkerView:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise KeyError(f"worker {worker_id!r} is not registered with this manager") from None
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def all(self) -> Iterable[WorkerView]:
+        return self._workers.values()
+
+    def eligible(self, weight_version: int) -> list[WorkerView]:
+        return [w for w in self._workers.values() if w.eligible_for(weight_version)]
+
+    def set_version(self, worker_id: str, weight_version: int) -> None:
+        self.get(worker_id).weight_version = weight_version
+
+    def note_progress(self, worker_id: str) -> None:
+        self.get(worker_id).last_progress_at = self._clock()
+
+    def mark_draining(self, worker_id: str, deadline: float) -> None:
+        w = self.get(worker_id)
+        if w.state is WorkerState.HEALTHY:
+            w.state = WorkerState.DRAINING
+            w.drain_deadline = deadline
+
+    def mark_lost(self, worker_id: str, reason: str) -> bool:
+        """Returns False when the worker was already lost (events can repeat: stream + lease)."""
+        w = self.get(worker_id)
+        if w.state is WorkerState.LOST:
+            return False
+        w.state = WorkerState.LOST
+        w.lost_reason = reason
+        return True
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a lost worker's record once nothing refers to it."""
+        if self.get(worker_id).state is not WorkerState.LOST:
+            raise ValueError(f"worker {worker_id!r} is not lost; mark it lost before forgetting it")
+        del self._workers[worker_id]

@@ -1,0 +1,336 @@
+"""RLBoost Algorithm 2 (§4.2.1): SELECTINSTANCE, CONTINUOUSLB and the batching plateau B."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlharvest.services.rollout_manager.balancer import (
+    InstanceLoad,
+    continuous_lb,
+    dispatch_waiting,
+    rebalance,
+    select_instance,
+)
+from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
+from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate, Release
+from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
+from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
+from rlharvest.services.rollout_worker.engine import SamplingParams
+
+
+def inst(wid: str, capacity: int = 4, queued: int = 0, running: int = 0,
+         plateau: int | None = None) -> InstanceLoad:
+    return InstanceLoad(wid, capacity, tuple(f"{wid}-q{i}" for i in range(queued)),
+                        tuple(f"{wid}-r{i}" for i in range(running)), plateau)
+
+
+# ---- SELECTINSTANCE ---------------------------------------------------------------------------
+
+def test_jsq_picks_the_instance_with_the_fewest_pending_requests():
+    loads = [inst("a", capacity=2, running=2, queued=3), inst("b", capacity=2, running=2,
+                                                              queued=1),
+             inst("c", capacity=2, running=2, queued=2)]
+    assert [i.pending for i in loads] == [3, 1, 2]
+    assert select_instance(loads, theta=10) == "b"
+
+
+def test_jsq_ties_go_to_the_instance_with_the_most_free_slots():
+    loads = [inst("a", capacity=8, running=6), inst("b", capacity=8, running=1),
+             inst("c", capacity=8, running=3)]
+    assert select_instance(loads, theta=1) == "b"
+
+
+def test_delayed_dispatch_holds_the_request_when_every_instance_has_theta_pending():
+    loads = [inst("a", capacity=1, running=1, queued=2), inst("b", capacity=1, running=1,
+                                                              queued=3)]
+    assert select_instance(loads, theta=2) is None
+    assert select_instance(loads, theta=3) == "a"
+
+
+def test_theta_below_one_is_refused():
+    with pytest.raises(ValueError, match="theta=0"):
+        select_instance([inst("a")], theta=0)
+
+
+@settings(max_examples=80, deadline=None)
+@given(caps=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+       busy=st.lists(st.integers(0, 9), min_size=5, max_size=5),
+       theta=st.integers(1, 4), waiting=st.integers(0, 40))
+def test_dispatch_never_exceeds_theta_pending_and_always_joins_a_shortest_queue(
+        caps, busy, theta, waiting):
+    loads = {f"w{i}": inst(f"w{i}", capacity=c, running=busy[i]) for i, c in enumerate(caps)}
+    ids = [f"r{i}" for i in range(waiting)]
+    dispatches = dispatch_waiting(ids, list(loads.values()), theta)
+    assert [d.request_id for d in dispatches] == ids[:len(dispatches)]  # in order, then held
+    for d in dispatches:
+        chosen = loads[d.worker_id]
+        assert chosen.pending < theta
+        assert chosen.pending == min(i.pending for i in loads.values())
+        loads[d.worker_id] = InstanceLoad(chosen.worker_id, chosen.capacity,
+                                          chosen.queued + (d.request_id,), chosen.running)
+    if len(dispatches) < waiting:
+        assert all(i.pending >= theta for i in loads.values())
+
+
+# ---- CONTINUOUSLB: pending requests ------------------------------------------------------------
+
+def test_pending_requests_migrate_one_at_a_time_from_the_most_loaded_instance():
+    loads = [inst("a", capacity=2, running=2, queued=3), inst("b", capacity=2, running=2,
+                                                              queued=1),
+             inst("c", capacity=4, running=1)]
+    moves = continuous_lb(loads)
+    assert moves == [Migrate("a-q2", "a", "c", "pending")]  # the newest request of a's queue
+
+
+def test_pending_migration_continues_until_the_receiver_is_saturated():
+    loads = [inst("a", capacity=2, running=2, queued=6), inst("c", capacity=4, running=1)]
+    moves = rebalance(loads, max_moves=100)
+    assert len(moves) == 3  # c had three free slots
+    assert all(m.src == "a" and m.dst == "c" and m.cause == "pending" for m in moves)
+
+
+def test_a_single_pending_request_does_not_bounce_between_full_instances():
+    loads = [inst("a", capacity=2, running=2, queued=1), inst("b", capacity=2, running=2)]
+    assert rebalance(loads, max_moves=10) == []
+
+
+def test_rebalance_respects_its_move_budget():
+    loads = [inst("a", capacity=1, running=1, queued=9), inst("b", capacity=9)]
+    assert len(rebalance(loads, max_moves=4)) == 4
+
+
+# ---- CONTINUOUSLB: executing requests down to the plateau -------------------------------------
+
+def test_executing_requests_migrate_from_the_busiest_instance_down_to_the_plateau():
+    loads = [inst("a", capacity=16, running=12, plateau=5), inst("b", capacity=16, running=3,
+                                                                 plateau=5),
+             inst("idle", capacity=16)]
+    moves = continuous_lb(loads)
+    assert len(moves) == 7  # 12 - B
+    assert {m.src for m in moves} == {"a"} and {m.dst for m in moves} == {"idle"}
+    assert all(m.cause == "executing" for m in moves)
+    assert [m.request_id for m in moves] == [f"a-r{i}" for i in range(7)]  # in the given order
+
+
+def test_executing_requests_stay_when_the_batch_is_below_the_plateau():
+    loads = [inst("a", capacity=16, running=5, plateau=5), inst("idle", capacity=16)]
+    assert continuous_lb(loads) == []
+
+
+def test_no_executing_migration_before_a_profile_exists():
+    loads = [inst("a", capacity=16, running=12, plateau=None), inst("idle", capacity=16)]
+    assert continuous_lb(loads) == []
+
+
+def test_executing_migration_is_capped_by_the_idle_instance_capacity():
+    loads = [inst("a", capacity=32, running=30, plateau=2), inst("idle", capacity=4)]
+    assert len(continuous_lb(loads)) == 4
+
+
+def test_executing_migration_waits_while_anything_is_pending():
+    loads = [inst("a", capacity=2, running=2, queued=1, plateau=1), inst("b", capacity=2,
+                                                                         running=2),
+             inst("idle", capacity=4)]
+    assert [m.cause for m in continuous_lb(loads)] == ["pending"]
+
+
+# ---- the batching plateau B -------------------------------------------------------------------
+
+def decode_throughput(batch: int, context: float) -> float:
+    """Roofline decode step: reading the weights bounds small batches; past the knee the batch's
+    KV reads (batch * context tokens) take longer and throughput stops growing."""
+    return batch / max(0.02, 2e-6 * batch * context)
+
+
+def captured_profile(context: float, epsilon: float = 0.1) -> ThroughputProfile:
+    profile = ThroughputProfile(epsilon=epsilon, min_samples=1)
+    for b in range(1, 65):
+        profile.record(b, decode_throughput(b, context), context)
+    profile.finish_step()
+    return profile
+
+
+def test_there_is_no_plateau_before_a_step_has_been_captured():
+    profile = ThroughputProfile()
+    profile.record(8, 100.0, 300.0)
+    assert profile.plateau(300.0) is None
+
+
+def test_plateau_is_the_smallest_batch_within_epsilon_of_the_best_throughput():
+    profile = ThroughputProfile(epsilon=0.1, min_samples=1)
+    for batch, tput in {1: 10.0, 2: 19.0, 4: 30.0, 8: 37.0, 16: 40.0, 32: 41.0}.items():
+        profile.record(batch, tput, 100.0)
+    profile.finish_step()
+    assert profile.plateau(100.0) == 8  # 37 >= 0.9 * 41, 30 is not
+
+
+def test_plateau_is_calibrated_to_the_current_context_length():
+    profile = captured_profile(context=500.0)
+    at_500, at_1000, at_2000 = (profile.plateau(c) for c in (500.0, 1000.0, 2000.0))
+    assert at_500 > at_1000 > at_2000
+    # Against the plateau measured directly at 1000 tokens of context:
+    direct = captured_profile(context=1000.0).plateau(1000.0)
+    assert abs(at_1000 - direct) <= 1
+    assert abs(at_2000 - at_500 / 4) <= 1
+
+
+def test_batch_sizes_seen_too_rarely_do_not_shape_the_profile():
+    profile = ThroughputProfile(epsilon=0.1, min_samples=3)
+    for _ in range(3):
+        profile.record(4, 100.0, 200.0)
+    profile.record(2, 1000.0, 200.0)  # one noisy sample
+    profile.finish_step()
+    assert profile.plateau(200.0) == 4
+
+
+def test_a_step_without_enough_samples_keeps_the_previous_profile():
+    profile = captured_profile(context=500.0)
+    before = profile.plateau(500.0)
+    profile.finish_step()
+    assert profile.plateau(500.0) == before
+
+
+def test_epsilon_outside_zero_one_is_refused():
+    with pytest.raises(ValueError, match="epsilon=1.0"):
+        ThroughputProfile(epsilon=1.0)
+
+
+# ---- the manager loop: on-policy under random events -------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def token_at(request_id: str, position: int, version: int) -> int:
+    """What a worker holding ``version`` generates; wrong-version tokens would show."""
+    return 3 + (hash(request_id) + 31 * position + 1009 * version) % 120
+
+
+class FakeWorkers:
+    """Workers as the manager sees them through commands and step outputs (not our code)."""
+
+    def __init__(self, control: RolloutControl) -> None:
+        self.control = control
+        self.version: dict[str, int] = {}
+        self.position: dict[str, dict[str, int]] = defaultdict(dict)  # worker -> request -> pos
+        self.late: dict[str, dict[str, int]] = defaultdict(dict)  # aborted, one step still due
+        self.finished: list[str] = []
+
+    def execute(self, commands) -> None:
+        for c in commands:
+            if isinstance(c, (Dispatch, Migrate)):
+                dst = c.worker_id if isinstance(c, Dispatch) else c.dst
+                r = self.control.tracker.get(c.request_id)
+                assert self.version[dst] == r.weight_version, "dispatched to a wrong version"
+                assert self.control.pool.get(dst).eligible_for(r.weight_version)
+                if isinstance(c, Migrate):
+                    self._abort(c.src, c.request_id)
+                self.position[dst][c.request_id] = len(
+                    self.control.tracker.resume_payload(c.request_id).generated_token_ids)
+            elif isinstance(c, Release):
+                self._abort(c.worker_id, c.request_id)
+            elif isinstance(c, Fail):
+                raise AssertionError(f"request failed: {c.reason}")
+
+    def _abort(self, worker: str, request_id: str) -> None:
+        pos = self.position[worker].pop(request_id, None)
+        if pos is not None:
+            self.late[worker][request_id] = pos
+
+    def step(self, worker: str, tokens: int) -> None:
+        deltas = []
+        late = self.late.pop(worker, {})
+        late_deltas: set[int] = set()
+        for held in (self.position[worker], late):
+            for rid, pos in list(held.items()):
+                r = self.control.tracker.get(rid)
+                n = min(tokens, r.sampling.max_tokens - pos)
+                ids = tuple(token_at(rid, p, self.version[worker]) for p in range(pos, pos + n))
+                done = pos + n >= r.sampling.max_tokens
+                deltas.append(TokenDelta(rid, pos, ids, (0.0,) * n, self.version[worker], done,
+                                         "length" if done else ""))
+                if held is late:
+                    late_deltas.add(id(deltas[-1]))
+                if held is self.position[worker]:
+                    held[rid] = pos + n
+                    if done:
+                        del held[rid]
+        report = self.control.step_outputs(worker, deltas)
+        # A worker the request has left may still send its in-flight step: never appended.
+        assert not [d for d in report.accepted if id(d) in late_deltas], "stale tokens appended"
+        self.finished += report.finished
+
+    def kill(self, worker: str) -> None:
+        self.position.pop(worker, None)
+        self.late.pop(worker, None)
+
+
+EVENTS = st.lists(st.tuples(
+    st.sampled_from(["join", "kill", "drain", "version", "step", "tick", "wait"]),
+    st.integers(0, 5), st.integers(1, 2)), max_size=60)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=EVENTS, n_requests=st.integers(1, 12), lengths=st.lists(
+    st.integers(1, 12), min_size=12, max_size=12))
+def test_every_request_finishes_once_on_its_version_with_contiguous_tokens(
+        events, n_requests, lengths):
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=1, failure=FailureConfig(
+        stall_timeout_s=5.0, no_worker_timeout_s=1e9)), clock)
+    workers = FakeWorkers(control)
+    step_version = 1
+    control.add_step([NewRequest(f"r{i}", "g", (1, 2), SamplingParams(max_tokens=lengths[i]),
+                                 step_version) for i in range(n_requests)])
+    alive: set[str] = set()
+    for kind, w, arg in events:
+        wid = f"w{w}"
+        if kind == "join" and wid not in alive:
+            control.worker_joined(wid, arg, capacity=w % 3 + 1, kind="k")
+            workers.version[wid] = arg
+            alive.add(wid)
+        elif kind == "kill" and wid in alive:
+            workers.execute(control.worker_lost(wid, "stream broke"))
+            workers.kill(wid)
+            alive.discard(wid)
+        elif kind == "drain" and wid in alive:
+            workers.execute(control.worker_draining(wid, deadline=clock.now + arg))
+        elif kind == "version" and wid in alive:
+            workers.version[wid] = arg  # it loaded another version: its commands change too
+            workers.execute(control.worker_version_changed(wid, arg))
+        elif kind == "step" and wid in alive:
+            workers.step(wid, arg)
+        elif kind == "tick":
+            workers.execute(control.tick())
+        elif kind == "wait":
+            clock.now += arg * 3.0
+            workers.execute(control.tick())
+            alive = {x for x in alive if control.pool.get(x).state.value != "lost"}
+    # Bring up a healthy worker of the step's version and run to completion.
+    control.worker_joined("final", step_version, capacity=4, kind="k")
+    workers.version["final"] = step_version
+    alive.add("final")
+    for _ in range(200):
+        if not control.tracker.unfinished():
+            break
+        workers.execute(control.tick())
+        for wid in sorted(alive):
+            if control.pool.get(wid).state.value != "lost":
+                workers.step(wid, 2)
+        clock.now += 0.1
+    ids = [f"r{i}" for i in range(n_requests)]
+    assert sorted(workers.finished) == sorted(ids)  # each finished exactly once
+    for rid, length in zip(ids, lengths):
+        r = control.tracker.get(rid)
+        assert r.state is RequestState.FINISHED
+        assert r.token_ids == [token_at(rid, p, step_version) for p in range(length)]
+    assert control.tracker.counters.tokens_regenerated == 0

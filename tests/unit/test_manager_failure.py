@@ -1,0 +1,251 @@
+"""Worker loss, draining and starvation (RLBoost §4.2: preemption loses no generated token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate, Release
+from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
+from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager.policy_sim import (
+    Scenario,
+    SimWorker,
+    long_tail_lengths,
+    simulate,
+)
+from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
+from rlharvest.services.rollout_manager.worker_pool import WorkerState
+from rlharvest.services.rollout_worker.engine import SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(theta: int = 2, stall: float = 10.0, no_worker: float = 30.0):
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=theta, failure=FailureConfig(
+        stall_timeout_s=stall, no_worker_timeout_s=no_worker)), clock)
+    return control, clock
+
+
+def add(control: RolloutControl, n: int, version: int = 1, max_tokens: int = 50) -> list[str]:
+    return control.add_step([NewRequest(f"r{i}", "g", (1, 2, 3),
+                                        SamplingParams(max_tokens=max_tokens), version)
+                             for i in range(n)])
+
+
+def emit(control: RolloutControl, worker: str, request_id: str, tokens: list[int],
+         version: int = 1):
+    pos = len(control.tracker.get(request_id).token_ids)
+    return control.step_outputs(worker, [TokenDelta(request_id, pos, tuple(tokens),
+                                                    (0.0,) * len(tokens), version)])
+
+
+def placed(commands) -> dict[str, str]:
+    return {c.request_id: (c.worker_id if isinstance(c, Dispatch) else c.dst)
+            for c in commands if isinstance(c, (Dispatch, Migrate))}
+
+
+# ---- loss -------------------------------------------------------------------------------------
+
+def test_a_lost_worker_loses_no_token_and_its_requests_resume_from_their_last_token():
+    control, clock = make()
+    control.worker_joined("spot", 1, capacity=4, kind="k")
+    add(control, 2)
+    assert set(placed(control.tick()).values()) == {"spot"}
+    emit(control, "spot", "r0", [10, 11, 12])
+    released = control.worker_lost("spot", "stream broke: connection reset")
+    assert sorted(released, key=str) == [Release("r0", "spot", "lost"),
+                                         Release("r1", "spot", "lost")]
+    control.worker_joined("dedicated", 1, capacity=4, kind="k")
+    assert placed(control.tick()) == {"r0": "dedicated", "r1": "dedicated"}
+    payload = control.tracker.resume_payload("r0")
+    assert payload.generated_token_ids == (10, 11, 12) and payload.remaining_tokens == 47
+    emit(control, "dedicated", "r0", [13])
+    assert control.tracker.get("r0").token_ids == [10, 11, 12, 13]
+    assert control.tracker.counters.tokens_regenerated == 0
+
+
+def test_lost_twice_is_lost_once():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    assert len(control.worker_lost("w", "stream broke")) == 1
+    assert control.worker_lost("w", "lease vanished") == []
+    assert control.pool.get("w").lost_reason == "stream broke"
+
+
+def test_tokens_a_lost_worker_sends_after_the_loss_are_dropped():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    emit(control, "w", "r0", [10])
+    control.worker_lost("w", "lease vanished")
+    report = control.step_outputs("w", [TokenDelta("r0", 1, (11,), (0.0,), 1)])
+    assert [d.reason for d in report.dropped] == ["stale"]
+    assert control.tracker.get("r0").token_ids == [10]
+
+
+def test_a_busy_worker_without_progress_for_the_stall_timeout_is_lost():
+    control, clock = make(stall=10.0)
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    control.worker_joined("v", 1, capacity=4, kind="k")
+    add(control, 2)
+    on = {worker: rid for rid, worker in placed(control.tick()).items()}
+    assert sorted(on) == ["v", "w"]
+    clock.now = 8.0
+    emit(control, "w", on["w"], [10])
+    emit(control, "v", on["v"], [10])
+    clock.now = 17.0
+    control.tick()
+    assert control.pool.get("w").state is WorkerState.HEALTHY  # progressed at 8.0
+    emit(control, "v", on["v"], [11])
+    clock.now = 18.5
+    commands = control.tick()
+    assert control.pool.get("w").state is WorkerState.LOST
+    assert "no token for 10.5s" in control.pool.get("w").lost_reason
+    assert placed(commands) == {on["w"]: "v"}  # re-dispatched at once to the healthy worker
+    assert control.pool.get("v").state is WorkerState.HEALTHY
+
+
+def test_an_idle_worker_never_stalls_and_its_stall_clock_starts_when_it_gets_work():
+    control, clock = make(stall=10.0)
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    clock.now = 100.0
+    control.tick()
+    assert control.pool.get("w").state is WorkerState.HEALTHY
+    add(control, 1)
+    control.tick()  # dispatched at 100
+    clock.now = 109.0
+    control.tick()
+    assert control.pool.get("w").state is WorkerState.HEALTHY
+    clock.now = 110.0
+    control.tick()
+    assert control.pool.get("w").state is WorkerState.LOST
+
+
+# ---- drain ------------------------------------------------------------------------------------
+
+def test_a_draining_worker_moves_its_requests_to_workers_with_room_and_takes_no_new_work():
+    control, clock = make(theta=1)
+    control.worker_joined("spot", 1, capacity=4, kind="k")
+    add(control, 3)
+    control.tick()
+    emit(control, "spot", "r0", [10, 11])
+    control.worker_joined("a", 1, capacity=1, kind="k")
+    control.worker_joined("b", 1, capacity=1, kind="k")
+    commands = control.worker_draining("spot", deadline=clock.now + 30.0)
+    # a and b each take one into a free slot and one more pending (Θ=1): room for all three.
+    assert all(isinstance(c, Migrate) and c.cause == "drain" for c in commands)
+    assert {c.src for c in commands} == {"spot"} and len(commands) == 3
+    assert control.tracker.on_worker("spot") == []
+    assert control.tracker.resume_payload("r0").generated_token_ids == (10, 11)
+    add_more = control.add_step([NewRequest("late", "g", (1,), SamplingParams(), 1)])
+    assert "spot" not in placed(control.tick()).values() and add_more == ["late"]
+
+
+def test_a_draining_worker_keeps_decoding_what_finds_no_room_until_its_deadline():
+    control, clock = make(theta=1, stall=100.0)
+    control.worker_joined("spot", 1, capacity=4, kind="k")
+    add(control, 4)
+    control.tick()
+    control.worker_joined("small", 1, capacity=1, kind="k")
+    moved = control.worker_draining("spot", deadline=10.0)
+    assert len(moved) == 2  # one slot + Θ=1 pending on "small"
+    assert len(control.tracker.on_worker("spot")) == 2
+    kept = control.tracker.on_worker("spot")[0].request_id
+    emit(control, "spot", kept, [10])  # still a valid assignee: its tokens count
+    assert control.tracker.get(kept).token_ids == [10]
+    clock.now = 10.0
+    commands = control.tick()
+    assert control.pool.get("spot").state is WorkerState.LOST
+    assert control.pool.get("spot").lost_reason == "drain deadline passed"
+    assert {c.request_id for c in commands if isinstance(c, Release)} == {
+        r for r in ("r0", "r1", "r2", "r3") if r not in {m.request_id for m in moved}}
+
+
+def test_requests_leave_a_worker_that_loads_another_version_even_without_room():
+    control, _ = make(theta=1)
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 2)
+    control.tick()
+    emit(control, "w", "r0", [10])
+    commands = control.worker_version_changed("w", 2)
+    assert sorted(commands, key=str) == [Release("r0", "w", "version"),
+                                         Release("r1", "w", "version")]
+    assert control.tick() == []  # nothing is dispatched to w: it holds version 2 now
+    assert control.tracker.get("r0").state is RequestState.WAITING
+
+
+# ---- starvation -------------------------------------------------------------------------------
+
+def test_requests_without_any_eligible_worker_fail_at_the_deadline_with_a_clear_reason():
+    control, clock = make(no_worker=30.0)
+    control.worker_joined("old", 0, capacity=4, kind="k")  # wrong version: not eligible
+    add(control, 2, version=1)
+    assert control.tick() == []
+    clock.now = 29.0
+    assert control.tick() == []
+    clock.now = 30.0
+    fails = control.tick()
+    assert sorted(c.request_id for c in fails) == ["r0", "r1"]
+    assert all(isinstance(c, Fail) and "weight version 1" in c.reason
+               and "start rollout workers" in c.reason for c in fails)
+    assert control.tracker.get("r0").state is RequestState.FAILED
+    assert control.tracker.unfinished() == 0
+
+
+def test_the_starvation_clock_resets_when_an_eligible_worker_appears():
+    control, clock = make(no_worker=30.0)
+    add(control, 1)
+    control.tick()
+    clock.now = 20.0
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    control.tick()
+    control.worker_lost("w", "stream broke")
+    control.tick()  # from here on r0 waits with no eligible worker
+    clock.now = 45.0
+    assert control.tick() == []  # 25 s since it was last without a worker
+    clock.now = 50.0
+    assert [type(c) for c in control.tick()] == [Fail]
+
+
+def test_waiting_behind_theta_is_delayed_dispatch_not_starvation():
+    control, clock = make(theta=1, no_worker=5.0)
+    control.worker_joined("w", 1, capacity=1, kind="k")
+    add(control, 5)
+    control.tick()
+    clock.now = 1000.0
+    control.pool.note_progress("w")
+    assert not [c for c in control.tick() if isinstance(c, Fail)]
+    assert len(control.tracker.waiting()) == 3
+
+
+def test_stall_and_no_worker_timeouts_must_be_positive():
+    with pytest.raises(ValueError, match="stall_timeout_s=0"):
+        FailureConfig(stall_timeout_s=0)
+
+
+# ---- preemption end to end (RLBoost §6.4.3) ---------------------------------------------------
+
+def test_preempting_a_third_of_the_workers_mid_step_regenerates_nothing_with_migration():
+    workers = tuple(SimWorker(f"w{i}", speed=1.0, capacity=8) for i in range(3))
+    lengths = long_tail_lengths(24, seed=7, median=40, max_tokens=200)
+    base = Scenario(workers, lengths, prompt_len=8)
+    preempted = {mode: simulate(Scenario(workers, lengths, prompt_len=8, preempt_at_s=1.0,
+                                         preempt=("w0",), recovery=mode), "rlboost")
+                 for mode in ("migrate", "recompute")}
+    clean = simulate(base, "rlboost")
+    migrate, recompute = preempted["migrate"], preempted["recompute"]
+    assert migrate.finished == recompute.finished == clean.finished == 24
+    assert migrate.contiguous and recompute.contiguous
+    assert migrate.tokens_regenerated == 0 < recompute.tokens_regenerated
+    assert migrate.tokens_generated == clean.tokens_generated == sum(lengths)
+    assert migrate.makespan_s < recompute.makespan_s

@@ -1,0 +1,267 @@
+"""Token-level request tracking (RLBoost §4.2): every token kept, none duplicated, none skipped."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlharvest.services.rollout_manager.tracker import (
+    NewRequest,
+    RequestState,
+    RequestTracker,
+    StepError,
+    StepLimits,
+    TokenDelta,
+)
+from rlharvest.services.rollout_worker.engine import SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def req(rid: str, prompt=(1, 5, 6), max_tokens: int = 16, version: int = 3,
+        stop: tuple[int, ...] = ()) -> NewRequest:
+    return NewRequest(rid, "g", tuple(prompt), SamplingParams(max_tokens=max_tokens,
+                                                              stop_token_ids=stop), version)
+
+
+def delta(rid: str, position: int, tokens, version: int = 3, finished: bool = False,
+          reason: str = "") -> TokenDelta:
+    return TokenDelta(rid, position, tuple(tokens), tuple(-0.5 for _ in tokens), version,
+                      finished, reason)
+
+
+def tracker(limits: StepLimits | None = None) -> RequestTracker:
+    return RequestTracker(limits or StepLimits(max_requests=8, max_prompt_tokens=8,
+                                               max_new_tokens=64, vocab_size=128), Clock())
+
+
+# ---- step validation --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, fragment", [
+    ([], "no requests"),
+    ([req("a"), req("a")], "appears twice"),
+    ([req("")], "empty request_id"),
+    ([req("a", prompt=())], "empty prompt"),
+    ([req("a", prompt=(1,) * 9)], "above the limit of 8"),
+    ([req("a", prompt=(1, 128))], "outside the vocabulary"),
+    ([req("a", max_tokens=0)], "max_tokens=0"),
+    ([req("a", max_tokens=65)], "max_tokens=65"),
+    ([req("a", version=-1)], "weight_version -1"),
+    ([req(str(i)) for i in range(9)], "9 requests"),
+])
+def test_a_bad_step_is_refused_with_a_precise_reason_and_nothing_is_tracked(step, fragment):
+    t = tracker()
+    with pytest.raises(StepError, match=fragment):
+        t.add_step(step)
+    assert list(t.all()) == []
+
+
+def test_a_request_id_already_tracked_is_refused_in_a_later_step():
+    t = tracker()
+    t.add_step([req("a")])
+    with pytest.raises(StepError, match="'a' appears twice"):
+        t.add_step([req("b"), req("a")])
+    assert "b" not in t
+
+
+# ---- streaming tokens -------------------------------------------------------------------------
+
+def test_tokens_from_the_assignee_are_appended_in_order_with_their_logprobs():
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    assert t.get("a").state is RequestState.PENDING
+    report = t.apply_outputs("w1", [delta("a", 0, [7, 8])])
+    report2 = t.apply_outputs("w1", [delta("a", 2, [9])])
+    a = t.get("a")
+    assert a.token_ids == [7, 8, 9] and a.logprobs == [-0.5, -0.5, -0.5]
+    assert a.state is RequestState.EXECUTING
+    assert report.accepted_tokens + report2.accepted_tokens == t.counters.tokens_generated == 3
+
+
+def test_a_late_message_from_a_migrated_away_worker_is_dropped_never_appended():
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    t.apply_outputs("w1", [delta("a", 0, [7, 8])])
+    t.move("a", "w2")
+    late = t.apply_outputs("w1", [delta("a", 2, [9, 10])])
+    assert [d.reason for d in late.dropped] == ["stale"]
+    assert t.counters.tokens_dropped_stale == 2
+    t.apply_outputs("w2", [delta("a", 2, [11])])
+    assert t.get("a").token_ids == [7, 8, 11]
+    assert t.get("a").migrations == 1
+
+
+@pytest.mark.parametrize("position, reason", [(1, "position"), (3, "position")])
+def test_a_delta_that_would_leave_a_gap_or_a_duplicate_is_dropped(position, reason):
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    t.apply_outputs("w1", [delta("a", 0, [7, 8])])
+    report = t.apply_outputs("w1", [delta("a", position, [9])])
+    assert [d.reason for d in report.dropped] == [reason]
+    assert t.get("a").token_ids == [7, 8]
+
+
+def test_tokens_of_another_weight_version_are_never_appended():
+    t = tracker()
+    t.add_step([req("a", version=3)])
+    t.assign("a", "w1")
+    report = t.apply_outputs("w1", [delta("a", 0, [7], version=4)])
+    assert [d.reason for d in report.dropped] == ["version"]
+    assert t.get("a").token_ids == []
+
+
+@pytest.mark.parametrize("bad", [
+    TokenDelta("a", 0, (7, 8), (-0.1,), 3),  # logprobs do not match tokens
+    TokenDelta("a", 0, (7, 200), (-0.1, -0.1), 3),  # outside the vocabulary
+    TokenDelta("a", 0, (7,) * 5, (-0.1,) * 5, 3),  # beyond max_tokens
+])
+def test_malformed_deltas_are_dropped(bad):
+    t = tracker()
+    t.add_step([req("a", max_tokens=4)])
+    t.assign("a", "w1")
+    assert [d.reason for d in t.apply_outputs("w1", [bad]).dropped] == ["malformed"]
+
+
+def test_outputs_for_unknown_or_finished_requests_are_dropped():
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    report = t.apply_outputs("w1", [delta("a", 1, [8]), delta("zzz", 0, [8])])
+    assert sorted(d.reason for d in report.dropped) == ["done", "unknown"]
+
+
+# ---- completion -------------------------------------------------------------------------------
+
+def test_a_request_finishes_once_when_the_worker_says_so():
+    clock = Clock()
+    t = RequestTracker(StepLimits(), clock)
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    clock.now = 4.0
+    report = t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    a = t.get("a")
+    assert report.finished == ["a"] and a.state is RequestState.FINISHED
+    assert a.finish_reason == "stop" and a.finished_at == 4.0 and a.worker_id is None
+    assert t.on_worker("w1") == [] and t.unfinished() == 0 and t.counters.finished == 1
+
+
+def test_the_manager_finishes_a_request_at_max_tokens_or_a_stop_token_even_without_the_flag():
+    t = tracker()
+    t.add_step([req("len", max_tokens=2), req("stop", stop=(2,))])
+    t.assign("len", "w1")
+    t.assign("stop", "w1")
+    report = t.apply_outputs("w1", [delta("len", 0, [7, 8]), delta("stop", 0, [7, 2])])
+    assert sorted(report.finished) == ["len", "stop"]
+    assert t.get("len").finish_reason == "length" and t.get("stop").finish_reason == "stop"
+
+
+def test_an_abort_from_the_assignee_sends_the_request_back_to_wait_with_its_tokens():
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    report = t.apply_outputs("w1", [delta("a", 0, [7]), delta("a", 1, [], finished=True,
+                                                                 reason="abort")])
+    assert report.aborted == ["a"]
+    assert t.get("a").state is RequestState.WAITING and t.get("a").token_ids == [7]
+
+
+# ---- resume -----------------------------------------------------------------------------------
+
+def test_resume_payload_is_prompt_plus_tokens_so_far_with_the_remaining_budget():
+    t = tracker()
+    t.add_step([req("a", prompt=(1, 5), max_tokens=10)])
+    t.assign("a", "w1")
+    t.apply_outputs("w1", [delta("a", 0, [7, 8, 9])])
+    t.release("a")
+    payload = t.resume_payload("a")
+    assert payload.prompt_token_ids == (1, 5) and payload.generated_token_ids == (7, 8, 9)
+    assert payload.remaining_tokens == 7 and payload.sampling.max_tokens == 10
+    engine_request = payload.to_engine_request()
+    assert engine_request.prompt_token_ids == [1, 5]
+    assert engine_request.generated_token_ids == [7, 8, 9]
+
+
+def test_a_finished_request_has_no_resume_payload():
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    with pytest.raises(ValueError, match="finished; nothing to resume"):
+        t.resume_payload("a")
+
+
+def test_released_requests_are_dispatched_before_new_ones():
+    t = tracker()
+    t.add_step([req("a"), req("b"), req("c")])
+    t.assign("c", "w1")
+    t.release("c")
+    assert [r.request_id for r in t.waiting()] == ["c", "a", "b"]
+
+
+def test_assign_and_move_refuse_requests_in_the_wrong_state():
+    t = tracker()
+    t.add_step([req("a"), req("b")])
+    with pytest.raises(ValueError, match="use assign"):
+        t.move("a", "w1")
+    t.assign("a", "w1")
+    with pytest.raises(ValueError, match="not waiting"):
+        t.assign("a", "w2")
+    with pytest.raises(ValueError, match="already on 'w1'"):
+        t.move("a", "w1")
+
+
+def test_recompute_from_prompt_regenerates_tokens_and_migration_does_not():
+    t = tracker()
+    t.add_step([req("migrated"), req("recomputed")])
+    for rid in ("migrated", "recomputed"):
+        t.assign(rid, "w1")
+        t.apply_outputs("w1", [delta(rid, 0, [7, 8, 9])])
+        t.release(rid)
+    t.restart_from_prompt("recomputed")
+    t.assign("migrated", "w2")
+    t.assign("recomputed", "w2")
+    t.apply_outputs("w2", [delta("migrated", 3, [10]), delta("recomputed", 0, [7, 8, 9, 10])])
+    assert t.get("migrated").token_ids == t.get("recomputed").token_ids == [7, 8, 9, 10]
+    assert t.counters.tokens_regenerated == 3  # all three from the recomputed request
+
+
+# ---- property: any migration history yields the exact sequence --------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(3, 127), min_size=1, max_size=40),
+       plan=st.lists(st.tuples(st.integers(1, 5), st.sampled_from(["w1", "w2", "w3"]),
+                               st.booleans()), min_size=1, max_size=30))
+def test_migrated_request_continues_from_its_last_token_whatever_the_history(tokens, plan):
+    """Chunks arrive from whichever worker holds the request; after each move the former worker
+    re-sends its next chunk late. The completion is always the exact sequence, never regenerated."""
+    t = tracker()
+    t.add_step([req("a", max_tokens=len(tokens))])
+    holder = "w1"
+    t.assign("a", holder)
+    for size, worker, late in plan:
+        pos = len(t.get("a").token_ids)
+        if pos == len(tokens):
+            break
+        if worker != holder:
+            t.move("a", worker)
+            if late:  # the old worker's in-flight step arrives after the move
+                t.apply_outputs(holder, [delta("a", pos, tokens[pos:pos + size])])
+            holder = worker
+        payload = t.resume_payload("a")
+        assert list(payload.generated_token_ids) == tokens[:pos]
+        t.apply_outputs(holder, [delta("a", pos, tokens[pos:pos + size])])
+    a = t.get("a")
+    assert a.token_ids == tokens[:len(a.token_ids)]
+    assert t.counters.tokens_regenerated == 0
+    assert (a.state is RequestState.FINISHED) == (len(a.token_ids) == len(tokens))
