@@ -16,6 +16,7 @@ from rlharvest.common.local_etcd import LocalEtcd
 # service -> module with a typer `app` and a __main__ guard
 MODULES = {
     "rollout_worker": "rlharvest.services.rollout_worker.main",
+    "rollout_manager": "rlharvest.services.rollout_manager.main",
 }
 
 

@@ -228,7 +228,8 @@ class RequestTracker:
         return len(self._by_worker.get(worker_id, ()))
 
     def unfinished(self) -> int:
-        return len(self._requests) - self.counters.finished - self.counters.failed
+        # Counted, not derived from the counters: forget() removes done requests.
+        return sum(1 for r in self._requests.values() if not r.done)
 
     def resume_payload(self, request_id: str) -> ResumePayload:
         req = self.get(request_id)
@@ -294,6 +295,15 @@ class RequestTracker:
         req.finish_reason = reason
         req.finished_at = self._clock()
         self.counters.failed += 1
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or failed request once its completion was delivered, so a long-running
+        manager holds only the requests in flight. Later deltas for it are dropped as unknown."""
+        req = self.get(request_id)
+        if not req.done:
+            raise ValueError(f"request {request_id!r} is {req.state.value}; only finished or "
+                             "failed requests can be forgotten")
+        del self._requests[request_id]
 
     def _attach(self, req: TrackedRequest, worker_id: str) -> None:
         req.worker_id = worker_id

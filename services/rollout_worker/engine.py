@@ -44,7 +44,9 @@ class RequestOutput:
     """What one engine step produced for one request."""
 
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: list[int]  # a stop token that ends the request is included
+    # Per token: log-softmax of the model's raw logits (temperature 1, before top-k/top-p) at the
+    # chosen token, i.e. the policy's own logprob, which the trainer's importance ratio needs.
     new_logprobs: list[float]
     finished: bool = False
     finish_reason: str = ""  # "" while running, else "length" | "stop" | "abort"
@@ -68,7 +70,8 @@ class Engine(Protocol):
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request (raises EngineInputError for bad input: empty prompt, ids outside the
-        vocabulary, max_tokens <= 0, a duplicate id, a prompt longer than the context)."""
+        vocabulary, max_tokens <= 0, temperature < 0, top_p outside (0, 1], top_k < 0, a duplicate
+        id, prompt + max_tokens beyond the context, or a resume with nothing left to generate)."""
 
     def abort(self, request_id: str) -> RequestOutput:
         """Drop a pending or executing request; returns its final output (finish_reason "abort").
@@ -83,4 +86,6 @@ class Engine(Protocol):
     def load(self) -> EngineLoad: ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace weights in place (names as in the model's state_dict) and set the version."""
+        """Replace weights in place (names as in the model's state_dict; any subset) and set the
+        version. All tensors are validated first: on EngineInputError nothing was changed.
+        Requests in flight keep KV computed by the old weights: the caller aborts them."""

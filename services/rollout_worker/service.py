@@ -56,6 +56,12 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
                           seed=msg.seed)
 
 
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                     top_k=params.top_k, max_tokens=params.max_tokens,
+                                     stop_token_ids=params.stop_token_ids, seed=params.seed)
+
+
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,

@@ -1,0 +1,112 @@
+from rlharvest.common.pb import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RolloutRequest(_message.Message):
+    __slots__ = ("request_id", "group_id", "prompt_token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    group_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class SubmitStepRequest(_message.Message):
+    __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NO_WORKER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    weight_version: int
+    requests: _containers.RepeatedCompositeFieldContainer[RolloutRequest]
+    no_worker_deadline_s: float
+    def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request", "weight_version", "no_worker_deadline_s")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NO_WORKER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    request: RolloutRequest
+    weight_version: int
+    no_worker_deadline_s: float
+    def __init__(self, request: _Optional[_Union[RolloutRequest, _Mapping]] = ..., weight_version: _Optional[int] = ..., no_worker_deadline_s: _Optional[float] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("request_id", "group_id", "token_ids", "logprobs", "weight_version", "finish_reason", "failed", "migrations")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    group_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    weight_version: int
+    finish_reason: str
+    failed: bool
+    migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., migrations: _Optional[int] = ...) -> None: ...
+
+class StepEvent(_message.Message):
+    __slots__ = ("deltas", "completions")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "kind", "weight_version", "state", "assigned", "load")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    kind: str
+    weight_version: int
+    state: str
+    assigned: int
+    load: _common_pb2.Load
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[str] = ..., assigned: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ...) -> None: ...
+
+class ManagerStatus(_message.Message):
+    __slots__ = ("workers", "in_flight", "waiting", "tokens_generated", "tokens_regenerated", "migrations", "completions", "failures")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_REGENERATED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    in_flight: int
+    waiting: int
+    tokens_generated: int
+    tokens_regenerated: int
+    migrations: int
+    completions: int
+    failures: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_regenerated: _Optional[int] = ..., migrations: _Optional[int] = ..., completions: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...

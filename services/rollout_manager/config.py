@@ -1,0 +1,37 @@
+"""Configuration of a rollout manager (file, RLH_ environment, flags; see common/config.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlharvest.common.config import ServiceConfig
+from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+
+
+class ManagerConfig(ServiceConfig):
+    job: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="the RL job it serves")
+    manager_id: str = Field("manager-0", pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="gRPC port; 0 picks a free one")
+    advertise_host: str = Field("", description="host others dial; defaults to host")
+    metrics_port: int = Field(0, ge=0, lt=65536)
+    etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
+    lease_ttl: int = Field(5, ge=1, le=300)
+    theta: int = Field(4, ge=1, description="Θ of Algorithm 2: most pending requests per worker")
+    rebalance_interval_s: float = Field(0.05, gt=0, description="period of CONTINUOUSLB")
+    max_moves_per_round: int = Field(64, ge=1, description="migrations per CONTINUOUSLB round")
+    stall_timeout_s: float = Field(30.0, gt=0, description="no token this long while busy = lost")
+    no_worker_timeout_s: float = Field(300.0, ge=0, description="default wait for a worker "
+                                                                "holding the step's version")
+    max_step_requests: int = Field(65536, ge=1)
+    max_prompt_tokens: int = Field(32768, ge=1)
+    max_new_tokens: int = Field(32768, ge=1)
+    vocab_size: int = Field(128, ge=2, description="token ids must be below this")
+    client_queue: int = Field(64, ge=1, description="events buffered per client stream; a slower "
+                                                     "client slows delivery beyond this")
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    shutdown_grace: float = Field(5.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    json_logs: bool = True

@@ -1,0 +1,87 @@
+"""`rlharvest-rollout-manager`: track one RL job's rollout requests across rollout workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlharvest.common import registry, rpc
+from rlharvest.common.cli import describe_flags, parse_flags
+from rlharvest.common.config import ConfigError, load_config
+from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
+from rlharvest.services.rollout_manager.config import ManagerConfig
+from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
+from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager.service import ManagerService
+from rlharvest.services.rollout_manager.tracker import StepLimits
+
+log = logging.getLogger("rlharvest.rollout_manager")
+SERVICE_NAME = rollout_manager_pb2.DESCRIPTOR.services_by_name["RolloutManager"].full_name
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog=describe_flags(ManagerConfig))
+def main(ctx: typer.Context,
+         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
+    try:
+        cfg = load_config(ManagerConfig, config, parse_flags(ManagerConfig, ctx.args))
+    except ConfigError as exc:
+        typer.echo(f"rlharvest-rollout-manager: {exc}", err=True)
+        raise typer.Exit(2) from None
+    run_service(lambda stop: serve(cfg, stop))
+
+
+def build_control(cfg: ManagerConfig) -> RolloutControl:
+    return RolloutControl(ControlConfig(
+        theta=cfg.theta, max_moves_per_tick=cfg.max_moves_per_round,
+        failure=FailureConfig(stall_timeout_s=cfg.stall_timeout_s,
+                              no_worker_timeout_s=cfg.no_worker_timeout_s),
+        limits=StepLimits(max_requests=cfg.max_step_requests, max_prompt_tokens=cfg.max_prompt_tokens,
+                          max_new_tokens=cfg.max_new_tokens, vocab_size=cfg.vocab_size),
+    ), clock=time.monotonic)
+
+
+async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:
+    setup_logging("rollout_manager", cfg.log_level, cfg.json_logs)
+    etcd = await registry.connect(cfg.etcd)
+    service = ManagerService(build_control(cfg), etcd, job=cfg.job,
+                             max_message_bytes=cfg.max_message_bytes,
+                             no_worker_timeout_s=cfg.no_worker_timeout_s,
+                             client_queue=cfg.client_queue, tick_interval_s=cfg.rebalance_interval_s)
+    server = await rpc.start_server(
+        [lambda s: rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server(service, s)],
+        [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
+    endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
+    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health)
+    loops = [asyncio.create_task(service.watch_workers(), name="watch workers"),
+             asyncio.create_task(service.run_ticks(), name="ticks")]
+    membership = await registry.register(etcd, "rollout_manager", cfg.manager_id, {
+        "endpoint": endpoint, "job": cfg.job,
+        "metrics": f"{cfg.advertise_host or cfg.host}:{metrics_port}"}, ttl=cfg.lease_ttl)
+    log.info("manager %s for job %s serving on %s", cfg.manager_id, cfg.job, endpoint)
+
+    stopped = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({stopped, *loops}, return_when=asyncio.FIRST_COMPLETED)
+    for task in loops:
+        if task in done:
+            task.result()  # a loop that died must take the process down, not hide
+    service.accepting = False
+    await server.stop(cfg.shutdown_grace)
+    for task in loops:
+        task.cancel()
+    await membership.close()
+    await http.cleanup()
+    await etcd.close()
+    log.info("manager %s stopped", cfg.manager_id)
+
+
+if __name__ == "__main__":
+    app()

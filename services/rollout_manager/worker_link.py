@@ -1,0 +1,81 @@
+"""One Session stream from the manager to one rollout worker: commands down, events up.
+
+Writes go through a queue drained by one writer task (grpc.aio allows one write at a time) so
+callers never block on a slow worker; commands keep their order, which is what makes an abort
+followed by a re-add of the same request on the same worker safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from rlharvest.common import rpc
+from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
+from rlharvest.services.rollout_manager.tracker import ResumePayload
+from rlharvest.services.rollout_worker.service import sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+EventHandler = Callable[[str, pb.WorkerEvent], Awaitable[None]]
+BrokenHandler = Callable[[str, str], None]
+
+
+class WorkerLink:
+    def __init__(self, worker_id: str, endpoint: str, on_event: EventHandler,
+                 on_broken: BrokenHandler, max_message_bytes: int):
+        self.worker_id = worker_id
+        self.endpoint = endpoint
+        self._on_event = on_event
+        self._on_broken = on_broken
+        self._channel = rpc.channel(endpoint, max_message_bytes=max_message_bytes)
+        self._call = rollout_worker_pb2_grpc.RolloutWorkerStub(self._channel).Session()
+        self._outbox: asyncio.Queue[pb.WorkerCommand] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._write(), name=f"write {worker_id}"),
+                       asyncio.create_task(self._read(), name=f"read {worker_id}")]
+        self.alive = True
+        self.last_load: pb.WorkerEvent | None = None
+
+    def add(self, payload: ResumePayload) -> None:
+        self._outbox.put_nowait(pb.WorkerCommand(add=pb.AddRequest(
+            request_id=payload.request_id, prompt_token_ids=payload.prompt_token_ids,
+            generated_token_ids=payload.generated_token_ids,
+            sampling=sampling_to_proto(payload.sampling), weight_version=payload.weight_version)))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.alive and request_ids:
+            self._outbox.put_nowait(pb.WorkerCommand(abort=pb.AbortRequest(request_ids=request_ids)))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._call.write(await self._outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the reader sees the same break and reports it
+            log.debug("write to %s failed: %r", self.worker_id, exc)
+
+    async def _read(self) -> None:
+        reason = "stream ended"
+        try:
+            async for event in self._call:
+                await self._on_event(self.worker_id, event)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            reason = f"stream broke: {exc.code().name} {exc.details()}"
+        except Exception as exc:
+            log.exception("handling an event of %s failed", self.worker_id)
+            reason = f"event handling failed: {exc!r}"
+        self.alive = False
+        self._on_broken(self.worker_id, reason)
+
+    async def close(self) -> None:
+        self.alive = False
+        for task in self._tasks:
+            task.cancel()
+        self._call.cancel()
+        await self._channel.close()

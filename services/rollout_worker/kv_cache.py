@@ -1,0 +1,77 @@
+"""A slot-based KV cache for continuous batching on CPU (and small GPUs).
+
+Each running request owns one slot: a row of the preallocated K and V tensors
+``[layers, max_slots, kv_heads, max_len, head_dim]``. Occupied slots are kept *compact* (always
+``0 .. occupied-1``) by moving the last slot into any slot that is freed. The decode step then
+reads its batch as a plain slice ``k[layer, :occupied, :, :longest]`` (a view: no gather, no copy)
+and new requests are appended at the end, so a prefill batch is a slice too. Moving one slot on
+release costs one row copy, far less than gathering every slot on every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, layers: int, max_slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (layers, max_slots, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_slots = max_slots
+        self.max_len = max_len
+        # Tokens held per slot, on the device (positions and masks) and mirrored in Python
+        # (scheduling and load reports without a device sync).
+        self.lengths = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.host_lengths: list[int] = []
+
+    @property
+    def occupied(self) -> int:
+        return len(self.host_lengths)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - self.occupied
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(self.host_lengths)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.max_slots * self.max_len
+
+    def acquire(self) -> int:
+        """Takes the next slot (always ``occupied``); its length starts at 0."""
+        if self.free_slots == 0:
+            raise RuntimeError(f"all {self.max_slots} KV slots are taken; release one first")
+        slot = self.occupied
+        self.host_lengths.append(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> int | None:
+        """Frees ``slot``. Returns the slot whose contents moved into it to keep slots compact
+        (the caller moves its own per-slot state the same way), or None if nothing moved."""
+        last = self.occupied - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not occupied (occupied: 0..{last})")
+        if slot != last:
+            held = self.host_lengths[last]
+            self.k[:, slot, :, :held] = self.k[:, last, :, :held]
+            self.v[:, slot, :, :held] = self.v[:, last, :, :held]
+            self.lengths[slot] = held
+            self.host_lengths[slot] = held
+        self.host_lengths.pop()
+        return last if slot != last else None
+
+    def advance(self, count: int, tokens: int = 1) -> None:
+        """Records that the first ``count`` slots each appended ``tokens`` tokens."""
+        self.lengths[:count] += tokens
+        for slot in range(count):
+            self.host_lengths[slot] += tokens
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.lengths[slot] = length
+        self.host_lengths[slot] = length

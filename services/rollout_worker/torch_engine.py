@@ -1,0 +1,345 @@
+"""The built-in inference engine of a rollout worker: continuous batching in plain torch.
+
+RLBoost §4.2 (live request tracking and migration): a worker must accept requests at any time,
+stream every token as it is produced, drop requests on command, and *resume* a request migrated
+from another worker by prefilling prompt + tokens generated so far, then continue as if it had never
+moved. Here that means:
+
+- up to ``max_running`` requests execute, each owning a KV-cache slot; the rest wait FIFO;
+- every ``step`` admits waiting requests into free slots (one batched prefill per group), runs ONE
+  batched decode over the requests already running, and samples one token for every executing
+  request; finished requests leave the batch at once;
+- sampling noise is keyed by (seed, token position) (``sampling.py``), so a resumed request draws
+  the same tokens it would have drawn uninterrupted.
+
+Resumed output equals uninterrupted output up to float numerics: the resumed prefill computes the
+same attention in one pass that decode computed token by token, and the two differ in the last
+bits, which can flip a near-tie between two tokens (``tests/unit/test_torch_engine.py`` measures
+how often).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlharvest.common.tiny_model import build_model
+from rlharvest.services.rollout_worker.engine import (
+    EngineInputError,
+    EngineLoad,
+    EngineRequest,
+    RequestOutput,
+)
+from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
+from rlharvest.services.rollout_worker.qwen3_forward import Qwen3Forward
+from rlharvest.services.rollout_worker.sampling import (
+    GREEDY_BELOW,
+    SamplingBatch,
+    sample,
+    seed_key,
+)
+
+
+@dataclass
+class _Admitted:
+    """A request the engine accepted, with the token ids it will prefill."""
+
+    request: EngineRequest
+    known_tokens: list[int]  # prompt + tokens generated before a resume
+    stop_ids: frozenset[int]
+    generated: int  # tokens generated so far, including those before a resume
+
+
+def validate_request(request: EngineRequest, vocab_size: int, max_len: int) -> None:
+    """Raises EngineInputError saying what is wrong with ``request`` (and how to fix it)."""
+    rid, sp = request.request_id, request.sampling
+    if not isinstance(rid, str) or not rid:
+        raise EngineInputError(f"request_id must be a non-empty string, got {rid!r}")
+    if not request.prompt_token_ids:
+        raise EngineInputError(f"request {rid}: empty prompt; send at least one token")
+    for field, ids in (("prompt_token_ids", request.prompt_token_ids),
+                       ("generated_token_ids", request.generated_token_ids),
+                       ("stop_token_ids", sp.stop_token_ids)):
+        for index, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                raise EngineInputError(f"request {rid}: {field}[{index}] = {token!r} is not a "
+                                       f"token id in [0, {vocab_size})")
+    if not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
+        raise EngineInputError(f"request {rid}: max_tokens must be a positive int, got "
+                               f"{sp.max_tokens!r}")
+    if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):  # also refuses NaN
+        raise EngineInputError(f"request {rid}: temperature must be finite and >= 0 "
+                               f"(0 = greedy), got {sp.temperature!r}")
+    if not 0 < sp.top_p <= 1:
+        raise EngineInputError(f"request {rid}: top_p must be in (0, 1], got {sp.top_p!r}")
+    if not isinstance(sp.top_k, int) or sp.top_k < 0:
+        raise EngineInputError(f"request {rid}: top_k must be an int >= 0 (0 = no cut), got "
+                               f"{sp.top_k!r}")
+    if not isinstance(sp.seed, int):
+        raise EngineInputError(f"request {rid}: seed must be an int, got {sp.seed!r}")
+    done = len(request.generated_token_ids)
+    if done >= sp.max_tokens:
+        raise EngineInputError(f"request {rid}: {done} tokens already generated, max_tokens is "
+                               f"{sp.max_tokens}: nothing left to generate")
+    stops = set(sp.stop_token_ids)
+    for index, token in enumerate(request.generated_token_ids):
+        if token in stops:
+            raise EngineInputError(f"request {rid}: generated_token_ids[{index}] = {token} is a "
+                                   "stop token, so the request already finished; do not resume it")
+    need = len(request.prompt_token_ids) + sp.max_tokens
+    if need > max_len:
+        raise EngineInputError(f"request {rid}: prompt ({len(request.prompt_token_ids)} tokens) + "
+                               f"max_tokens ({sp.max_tokens}) = {need} exceeds the context of "
+                               f"{max_len} tokens; shorten the prompt or lower max_tokens")
+
+
+class _SlotSampling:
+    """Per-slot sampling state on the device, so a step slices it instead of rebuilding it."""
+
+    def __init__(self, slots: int, device: torch.device | str) -> None:
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.keys = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(slots, dtype=torch.int64, device=device)
+        self._rows = (self.temperature, self.top_p, self.top_k, self.keys, self.positions,
+                      self.last_token)
+
+    def set(self, slot: int, admitted: _Admitted) -> None:
+        sp = admitted.request.sampling
+        self.temperature[slot] = sp.temperature
+        self.top_p[slot] = sp.top_p
+        self.top_k[slot] = sp.top_k
+        self.keys[slot] = seed_key(sp.seed)
+        self.positions[slot] = admitted.generated
+
+    def move(self, src: int, dst: int) -> None:
+        for row in self._rows:
+            row[dst] = row[src]
+
+    def batch(self, running: list[_Admitted]) -> SamplingBatch:
+        count = len(running)
+        params = [a.request.sampling for a in running]
+        top_ks = [p.top_k for p in params]
+        return SamplingBatch(
+            temperature=self.temperature[:count], top_k=self.top_k[:count],
+            top_p=self.top_p[:count], keys=self.keys[:count], positions=self.positions[:count],
+            any_sampled=any(p.temperature >= GREEDY_BELOW for p in params),
+            any_filtered=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            top_k_bound=max(top_ks) if min(top_ks) > 0 else 0,
+        )
+
+
+class TorchEngine:
+    """``Engine`` over a Qwen3 model (a preset name or a local checkpoint directory).
+
+    ``prefill_token_budget`` caps the padded tokens of one prefill call (admitted requests are
+    prefilled in groups below it), bounding activation memory when many requests join at once.
+    """
+
+    def __init__(self, model: str = "tiny", seed: int = 0, max_running: int = 64,
+                 max_len: int = 512, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", weight_version: int = 0,
+                 prefill_token_budget: int = 8192) -> None:
+        if max_running < 1 or max_len < 2:
+            raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
+                             f"{max_running}, max_len={max_len}")
+        self._model = build_model(model, seed, dtype).to(device)
+        self._model.requires_grad_(False)
+        cfg = self._model.config
+        self._vocab_size = cfg.vocab_size
+        self._max_len = max_len
+        self._prefill_token_budget = prefill_token_budget
+        self._weight_version = weight_version
+        self._forward = Qwen3Forward(self._model, max_len)
+        self._cache = SlotKVCache(cfg.num_hidden_layers, max_running, cfg.num_key_value_heads,
+                                  max_len, cfg.head_dim, dtype, device)
+        self._slot_sampling = _SlotSampling(max_running, device)
+        self._device = torch.device(device)
+        self._pending: OrderedDict[str, _Admitted] = OrderedDict()
+        self._running: list[_Admitted] = []  # index = KV slot
+        self._slot_of: dict[str, int] = {}
+        self._weight_targets = self._state_dict_targets()
+
+    # ---- Engine interface ------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def add(self, request: EngineRequest) -> None:
+        validate_request(request, self._vocab_size, self._max_len)
+        rid = request.request_id
+        if rid in self._pending or rid in self._slot_of:
+            raise EngineInputError(f"request {rid} is already queued or running; use a new id "
+                                   "or abort it first")
+        self._pending[rid] = _Admitted(
+            request=request,
+            known_tokens=list(request.prompt_token_ids) + list(request.generated_token_ids),
+            stop_ids=frozenset(request.sampling.stop_token_ids),
+            generated=len(request.generated_token_ids))
+
+    def abort(self, request_id: str) -> RequestOutput:
+        if request_id in self._pending:
+            del self._pending[request_id]
+        elif request_id in self._slot_of:
+            self._release(self._slot_of[request_id])
+        else:
+            raise KeyError(f"request {request_id!r} is neither pending nor running")
+        return RequestOutput(request_id, [], [], finished=True, finish_reason="abort")
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def step(self) -> list[RequestOutput]:
+        with torch.inference_mode():
+            logits = []
+            if self._running:
+                logits.append(self._forward.decode(
+                    self._slot_sampling.last_token[:len(self._running)], self._cache))
+            logits.extend(self._admit())
+            if not logits:
+                return []
+            tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0],
+                                      self._slot_sampling.batch(self._running))
+            count = len(self._running)
+            self._slot_sampling.last_token[:count] = tokens
+            self._slot_sampling.positions[:count] += 1
+            return self._emit(tokens.tolist(), logprobs.tolist())
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(pending=len(self._pending), executing=len(self._running),
+                          kv_used_tokens=self._cache.used_tokens,
+                          kv_capacity_tokens=self._cache.capacity_tokens,
+                          weight_version=self._weight_version)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copies ``tensors`` (a full state_dict or any subset of it, e.g. a sparse delta) into
+        the model in place, after validating all of them: on any error nothing is copied.
+
+        Requests already running keep their KV cache from the old weights; the caller aborts
+        them (the on-policy invariant forbids finishing them under a new version).
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise EngineInputError(f"weight version must be an int >= 0, got {version!r}")
+        problems = [p for name, value in tensors.items()
+                    if (p := self._weight_problem(name, value))]
+        if problems:
+            shown = "; ".join(problems[:5])
+            if len(problems) > 5:
+                shown += f"; and {len(problems) - 5} more"
+            raise EngineInputError(f"refusing weights for version {version} (nothing was loaded): "
+                                   f"{shown}")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                self._weight_targets[name].copy_(value)
+        self._forward.refresh()
+        self._weight_version = version
+
+    def load_safetensors(self, path: str | Path, version: int) -> None:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(str(path))
+        except (OSError, SafetensorError) as exc:
+            raise EngineInputError(f"cannot read weights from {str(path)!r}: {exc}") from exc
+        self.load_weights(tensors, version)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def _admit(self) -> list[torch.Tensor]:
+        """Moves pending requests (FIFO) into free slots and prefills them in padded groups
+        under the token budget; returns each group's last-token logits, in slot order."""
+        admitted: list[_Admitted] = []
+        while self._pending and len(self._running) + len(admitted) < self._cache.max_slots:
+            admitted.append(self._pending.popitem(last=False)[1])
+        logits = []
+        for group in self._prefill_groups(admitted):
+            first_slot = len(self._running)
+            for entry in group:
+                slot = self._cache.acquire()
+                self._running.append(entry)
+                self._slot_of[entry.request.request_id] = slot
+                self._slot_sampling.set(slot, entry)
+            logits.append(self._prefill(group, first_slot))
+        return logits
+
+    def _prefill_groups(self, admitted: list[_Admitted]) -> list[list[_Admitted]]:
+        groups: list[list[_Admitted]] = []
+        longest = 0
+        for entry in admitted:
+            length = len(entry.known_tokens)
+            padded = (len(groups[-1]) + 1) * max(longest, length) if groups else 0
+            if groups and padded <= self._prefill_token_budget:
+                groups[-1].append(entry)
+                longest = max(longest, length)
+            else:  # a request longer than the budget still gets a group of its own
+                groups.append([entry])
+                longest = length
+        return groups
+
+    def _prefill(self, group: list[_Admitted], first_slot: int) -> torch.Tensor:
+        lengths = [len(entry.known_tokens) for entry in group]
+        padded = torch.zeros(len(group), max(lengths), dtype=torch.int64)
+        for row, entry in enumerate(group):
+            padded[row, :lengths[row]] = torch.tensor(entry.known_tokens)
+        return self._forward.prefill(padded.to(self._device), lengths, self._cache, first_slot)
+
+    def _emit(self, tokens: list[int], logprobs: list[float]) -> list[RequestOutput]:
+        outputs, finished = [], []
+        for slot, (entry, token, logprob) in enumerate(zip(self._running, tokens, logprobs)):
+            entry.generated += 1
+            # A stop token is part of the completion (the trainer scores and trains on it).
+            if token in entry.stop_ids:
+                reason = "stop"
+            elif entry.generated >= entry.request.sampling.max_tokens:
+                reason = "length"
+            else:
+                reason = ""
+            if reason:
+                finished.append(slot)
+            outputs.append(RequestOutput(entry.request.request_id, [token], [logprob],
+                                         finished=bool(reason), finish_reason=reason))
+        for slot in reversed(finished):  # highest first: a release only moves unfinished slots
+            self._release(slot)
+        return outputs
+
+    def _release(self, slot: int) -> None:
+        del self._slot_of[self._running[slot].request.request_id]
+        moved_from = self._cache.release(slot)
+        last = self._running.pop()
+        if moved_from is not None:
+            self._running[slot] = last
+            self._slot_of[last.request.request_id] = slot
+            self._slot_sampling.move(moved_from, slot)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _state_dict_targets(self) -> dict[str, torch.Tensor]:
+        """state_dict name -> the live tensor it names (tied weights map to one tensor)."""
+        live = dict(self._model.named_parameters(remove_duplicate=False))
+        live.update(self._model.named_buffers(remove_duplicate=False))
+        return {name: live[name] for name in self._model.state_dict()}
+
+    def _weight_problem(self, name: str, value: object) -> str:
+        target = self._weight_targets.get(name)
+        if target is None:
+            return f"unknown tensor name {name!r} (names follow the model's state_dict)"
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return f"{name}: expected a floating-point tensor, got {type(value).__name__}"
+        if value.shape != target.shape:
+            return f"{name}: shape {tuple(value.shape)} != expected {tuple(target.shape)}"
+        if not torch.isfinite(value).all():
+            return f"{name}: contains NaN or inf"
+        return ""

@@ -1,0 +1,190 @@
+"""Where gradients accumulate and the optimizer steps: DeepSpeed, or plain torch for fast tests.
+
+Both backends give ``StreamingStep`` the same four moves: forward, backward (accumulate, never
+step), rescale the accumulated gradients, and one optimizer step. DeepSpeed runs with
+``managed_gradient_accumulation: false`` so that *we* own the accumulation boundary: backward
+only accumulates, ``engine.step()`` reduces and updates once (DeepSpeed 0.19 engine.py), and
+``scale_wrt_gas=False`` keeps it from dividing losses that already carry the step's denominator.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+BackendName = Literal["torch", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # sgd: exact-update tests (Adam amplifies ulps)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    zero_stage: int = 0  # DeepSpeed only; 0, 1 or 2 run on CPU
+
+
+class TrainBackend(Protocol):
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model to call for forward passes (a DeepSpeed engine is itself a module)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The bare model: weights to publish and checkpoint."""
+
+    @property
+    def optimizer(self) -> Any: ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate d(loss)/d(params) into the pending gradients; never steps."""
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        """Multiply the pending gradients by ``grad_scale``, clip, update once, zero them.
+        Returns the global gradient norm before clipping (after the rescale)."""
+
+
+def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+                                 weight_decay=config.weight_decay)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay)
+    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {config.optimizer!r}")
+
+
+class TorchBackend:
+    """Plain torch: the reference the DeepSpeed path is tested against, and the fast unit path."""
+
+    def __init__(self, model: torch.nn.Module, config: OptimConfig) -> None:
+        self._model = model.train()
+        self._config = config
+        self._optimizer = _make_optimizer(model.parameters(), config)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        grads = [p.grad for p in self._model.parameters() if p.grad is not None]
+        if grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        max_norm = self._config.grad_clip if self._config.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_single_process_dist_env() -> None:
+    """A lone trainer (world size 1) needs the torch.distributed rendezvous variables too.
+    Only sets what is absent, so a real launcher's values always win."""
+    defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+class DeepSpeedBackend:
+    def __init__(self, model: torch.nn.Module, config: OptimConfig) -> None:
+        if config.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2 (3 is not wired), got {config.zero_stage}")
+        ensure_single_process_dist_env()
+        import deepspeed  # late: importing it probes accelerators and costs ~1 s
+
+        if not torch.distributed.is_initialized():
+            backend = "gloo" if not torch.cuda.is_available() else "nccl"
+            deepspeed.init_distributed(dist_backend=backend)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            # We own the accumulation boundary: backward accumulates, step() reduces + updates.
+            "managed_gradient_accumulation": False,
+            "gradient_clipping": config.grad_clip,
+            "zero_optimization": {"stage": config.zero_stage},
+            "zero_allow_untested_optimizer": True,  # our torch AdamW/SGD under ZeRO 1/2
+            "steps_per_print": 2**31 - 1,
+        }
+        optimizer = _make_optimizer(model.parameters(), config)
+        self._model = model.train()
+        self._engine, self._optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config)
+        self._zero = config.zero_stage > 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._engine
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._engine.module
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # scale_wrt_gas=False: the loss already carries the whole step's denominator.
+        self._engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        if grad_scale != 1.0:
+            self._rescale(grad_scale)
+        # Stage 0 clips param.grad in place and records no norm, so take it before the step.
+        norm = None if self._zero else _grad_norm(self._engine.module)
+        try:
+            self._engine.step()
+        finally:
+            if self._zero:
+                self._optimizer.loss_scale = 1.0
+        if norm is None:
+            norm = self._engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def _rescale(self, grad_scale: float) -> None:
+        if self._zero:
+            # ZeRO 1/2 keep gradients in partitioned flat buffers that no public API reaches
+            # before step() in unmanaged mode; the optimizer divides them by its (fp32: static,
+            # 1.0) loss scale inside step() before clipping, so a loss scale of 1/grad_scale
+            # applies exactly our rescale — and the clip sees the rescaled norm.
+            self._optimizer.loss_scale = 1.0 / grad_scale
+            return
+        grads = [p.grad for p in self._engine.module.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, grad_scale)
+
+
+def make_backend(name: BackendName, model: torch.nn.Module, config: OptimConfig) -> TrainBackend:
+    if name == "torch":
+        return TorchBackend(model, config)
+    if name == "deepspeed":
+        return DeepSpeedBackend(model, config)
+    raise ValueError(f"backend must be 'torch' or 'deepspeed', got {name!r}")

@@ -1,0 +1,128 @@
+"""A bounded asyncio pool that scores completions next to rollout (RollPacker §4.3,
+"Asynchronous Reward Computation").
+
+Completions are scored as they finish, at most ``max_concurrency`` at a time. A reward function
+that raises, returns a non-number, or overruns ``timeout_s`` yields a recorded failure for that
+sample (reward ``failure_reward``), never a stuck or crashed step.
+
+Sync functions run on a fresh daemon thread per call rather than a fixed executor: a Python
+thread cannot be killed, so a hung call in a fixed-size executor would hold a worker forever and,
+once all workers hung, stall every later sample. Here a hung call is abandoned (its concurrency
+slot is released at the timeout and the count shows in ``abandoned_calls``). Work that can hang
+for real — running candidate code — belongs in ``sandbox``, whose subprocesses are killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Union
+
+# (prompt, completion, reference) -> reward; may be sync or async.
+RewardFn = Callable[[str, str, str], Union[float, Awaitable[float]]]
+
+
+@dataclass(frozen=True)
+class RewardRequest:
+    sample_id: str
+    prompt: str
+    completion: str
+    reference: str = ""
+
+
+@dataclass(frozen=True)
+class RewardOutcome:
+    sample_id: str
+    reward: float
+    ok: bool
+    error: str  # "" when ok; otherwise what went wrong, for logs and metrics
+    elapsed_s: float
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import a reward function from ``"package.module:function"``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward function {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} for reward function {spec!r}: "
+                         f"{exc}; is it installed / on PYTHONPATH?") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name!r} has no callable {attr!r} (from {spec!r})")
+    return fn
+
+
+def _run_in_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run ``fn`` on a new daemon thread; the future resolves on the caller's loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():  # it may have been cancelled by the timeout meanwhile
+            setter(value)
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+        else:
+            loop.call_soon_threadsafe(settle, future.set_result, result)
+
+    threading.Thread(target=target, name="reward-fn", daemon=True).start()
+    return future
+
+
+class RewardPool:
+    def __init__(self, reward_fn: RewardFn, *, max_concurrency: int, timeout_s: float,
+                 failure_reward: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if max_concurrency <= 0 or timeout_s <= 0:
+            raise ValueError(f"max_concurrency and timeout_s must be > 0, got {max_concurrency}, "
+                             f"{timeout_s}")
+        self._fn = reward_fn
+        self._is_async = inspect.iscoroutinefunction(reward_fn)
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._timeout_s = timeout_s
+        self._failure_reward = failure_reward
+        self._clock = clock
+        self.abandoned_calls = 0  # sync calls still running past their timeout
+
+    async def score(self, request: RewardRequest) -> RewardOutcome:
+        async with self._slots:
+            start = self._clock()
+            try:
+                reward = await asyncio.wait_for(self._call(request), self._timeout_s)
+                if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
+                        or not math.isfinite(reward):
+                    raise TypeError(f"returned {reward!r}; a reward must be a finite number")
+            except asyncio.TimeoutError:
+                if not self._is_async:
+                    self.abandoned_calls += 1
+                return self._failure(request, start, f"timed out after {self._timeout_s:g}s")
+            except Exception as exc:  # noqa: BLE001 - any user-code failure is this sample's
+                return self._failure(request, start, f"{type(exc).__name__}: {exc}")
+            return RewardOutcome(request.sample_id, float(reward), True, "",
+                                 self._clock() - start)
+
+    async def score_all(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
+        return list(await asyncio.gather(*(self.score(r) for r in requests)))
+
+    def _call(self, request: RewardRequest) -> Awaitable[Any]:
+        args = (request.prompt, request.completion, request.reference)
+        if self._is_async:
+            return self._fn(*args)
+        return _run_in_thread(lambda: self._fn(*args))
+
+    def _failure(self, request: RewardRequest, start: float, error: str) -> RewardOutcome:
+        return RewardOutcome(request.sample_id, self._failure_reward, False, error,
+                             self._clock() - start)

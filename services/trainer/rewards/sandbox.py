@@ -1,0 +1,129 @@
+"""Run candidate Python code against stdin/stdout test cases in a limited subprocess.
+
+Each test case runs in a fresh interpreter (``python -I``: no user site, no env-driven imports)
+in an empty temporary directory with a scrubbed environment, under rlimits for CPU seconds
+(RLIMIT_CPU), address space (RLIMIT_AS), written file size and core dumps, plus a wall-clock
+limit enforced from outside by killing the whole process group. The limits are set by a small
+launcher inside the child before the candidate's code is compiled, which avoids ``preexec_fn``
+(unsafe in a threaded parent such as the reward pool).
+
+This is resource isolation, not a security boundary: use a container or gVisor for hostile code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Status = Literal["passed", "wrong_answer", "runtime_error", "timeout", "cpu_limit", "memory_limit"]
+
+_LAUNCHER = r"""
+import resource, sys
+cpu_s, mem_bytes, fsize_bytes, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+with open(path) as f:
+    source = f.read()
+sys.argv = [path]
+exec(compile(source, path, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    wall_s: float = 10.0
+    cpu_s: float = 10.0  # rounded up to whole seconds (RLIMIT_CPU's unit)
+    memory_bytes: int = 512 * 2**20  # address space, interpreter included
+    file_bytes: int = 16 * 2**20
+    output_bytes: int = 1 * 2**20  # stdout kept for comparison; more than this is a failure
+
+
+@dataclass(frozen=True)
+class StdioCase:
+    case_id: str
+    stdin: str
+    expected_stdout: str
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case_id: str
+    status: Status
+    elapsed_s: float  # wall time of the run, the quantity RollPacker's anchor tracks
+    detail: str = ""  # tail of stderr, or why the run was stopped
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+def _classify(returncode: int, stdout: str, stderr: str, expected: str) -> tuple[Status, str]:
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return "cpu_limit", f"killed by signal {-returncode} (CPU time limit)"
+    if "MemoryError" in stderr:
+        return "memory_limit", "MemoryError (address-space limit)"
+    if returncode != 0:
+        return "runtime_error", stderr[-500:]
+    if stdout.strip() == expected.strip():
+        return "passed", ""
+    return "wrong_answer", f"got {stdout.strip()[:200]!r}"
+
+
+def run_case(code: str, case: StdioCase, limits: SandboxLimits,
+             clock: Callable[[], float] = time.perf_counter) -> CaseResult:
+    """Run ``code`` with ``case.stdin``; never raises for anything the candidate does."""
+    with tempfile.TemporaryDirectory(prefix="rlh-sandbox-") as workdir:
+        path = os.path.join(workdir, "candidate.py")
+        with open(path, "w") as f:
+            f.write(code)
+        argv = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, math.ceil(limits.cpu_s))),
+                str(limits.memory_bytes), str(limits.file_bytes), path]
+        start = clock()
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=workdir, start_new_session=True,
+                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, text=True)
+        try:
+            stdout, stderr = proc.communicate(case.stdin, timeout=limits.wall_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            return CaseResult(case.case_id, "timeout", clock() - start,
+                              f"exceeded the {limits.wall_s:.3g}s wall-clock limit")
+        elapsed = clock() - start
+    if len(stdout) > limits.output_bytes:
+        return CaseResult(case.case_id, "runtime_error", elapsed,
+                          f"printed more than {limits.output_bytes} bytes")
+    status, detail = _classify(proc.returncode, stdout, stderr, case.expected_stdout)
+    return CaseResult(case.case_id, status, elapsed, detail)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    # The candidate may have forked; its whole session goes.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_tests(code: str, cases: Sequence[StdioCase],
+              limits_for: Callable[[StdioCase], SandboxLimits], stop_at_first_failure: bool = True,
+              clock: Callable[[], float] = time.perf_counter) -> list[CaseResult]:
+    """Run the cases in order; ``limits_for`` picks each case's limits (e.g. an adaptive wall
+    timeout). With ``stop_at_first_failure`` an all-or-nothing reward stops paying early."""
+    results = []
+    for case in cases:
+        result = run_case(code, case, limits_for(case), clock)
+        results.append(result)
+        if stop_at_first_failure and not result.passed:
+            break
+    return results

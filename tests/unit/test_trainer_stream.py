@@ -1,0 +1,207 @@
+"""Stream trainer (RollPacker §4.4, RLBoost §4.1): streamed micro-batches, one deferred step,
+and an update equal to the monolithic batch's for any arrival order and micro-batch size."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlharvest.common.tiny_model import build_model
+from rlharvest.common.tokenizer import PAD_ID
+from rlharvest.services.trainer.backend import OptimConfig, make_backend
+from rlharvest.services.trainer.grpo import (
+    LossConfig,
+    aggregate_loss,
+    completion_logprobs,
+    group_advantages,
+    per_token_loss,
+)
+from rlharvest.services.trainer.stream_trainer import (
+    Completion,
+    RewardedGroup,
+    StepInputError,
+    StreamingStep,
+)
+
+NUM_GROUPS, GROUP_SIZE = 5, 3
+SGD = OptimConfig(lr=0.5, optimizer="sgd", grad_clip=0.0)
+
+
+@functools.cache
+def seeded_model(seed: int) -> torch.nn.Module:
+    """Built once per seed (construction dominates these tests); callers get a deep copy."""
+    return build_model("tiny", seed=seed)
+
+
+def fresh_model(seed: int) -> torch.nn.Module:
+    return copy.deepcopy(seeded_model(seed))
+
+
+def make_groups(seed: int, num_groups: int = NUM_GROUPS) -> list[RewardedGroup]:
+    """Random prompts/completions; rollout logprobs off-policy enough to exercise clipping;
+    one group with equal rewards (zero advantage)."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        completions, rewards = [], []
+        for _ in range(GROUP_SIZE):
+            prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randint(1, 3))]
+            tokens = [rng.randrange(3, 100) for _ in range(rng.randint(1, 5))]
+            old = [rng.uniform(-6.0, -3.0) for _ in tokens]
+            completions.append(Completion(prompt, tokens, old))
+            rewards.append(1.0 if g == 0 else rng.choice([0.0, 0.5, 1.0]))
+        groups.append(RewardedGroup(g, completions, rewards))
+    return groups
+
+
+def monolithic_update(model: torch.nn.Module, groups: list[RewardedGroup], loss: LossConfig,
+                      ref_model: torch.nn.Module | None, lr: float) -> None:
+    """The reference: one batch holding every sample, one backward, one SGD step."""
+    comps = [c for g in groups for c in g.completions]
+    adv = torch.cat([group_advantages(torch.tensor(g.rewards)) for g in groups])
+    prompts, outputs = [c.prompt_ids for c in comps], [c.completion_ids for c in comps]
+    logp, mask = completion_logprobs(model, prompts, outputs, PAD_ID)
+    old = torch.zeros_like(logp)
+    for i, c in enumerate(comps):
+        old[i, :len(c.rollout_logprobs)] = torch.tensor(c.rollout_logprobs)
+    ref = None
+    if loss.beta > 0:
+        with torch.no_grad():
+            ref, _ = completion_logprobs(ref_model, prompts, outputs, PAD_ID)
+    denominator = float(mask.sum()) if loss.aggregation == "token" else float(len(comps))
+    value = aggregate_loss(per_token_loss(logp, old, adv, loss, ref), mask, loss.aggregation,
+                           denominator)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    value.backward()
+    optimizer.step()
+
+
+def streamed_update(backend_name: str, model: torch.nn.Module, groups: list[RewardedGroup],
+                    loss: LossConfig, ref_model: torch.nn.Module | None, micro_batch_groups: int,
+                    optim: OptimConfig = SGD, total_tokens: int | None = None) -> None:
+    backend = make_backend(backend_name, model, optim)
+    step = StreamingStep(backend, num_groups=len(groups), group_size=GROUP_SIZE,
+                         micro_batch_groups=micro_batch_groups, loss=loss, pad_id=PAD_ID,
+                         ref_model=ref_model, total_tokens=total_tokens)
+    for g in groups:
+        step.add_group(g)
+    step.finish()
+
+
+def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module, atol: float = 1e-6) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, atol=atol, rtol=0), f"{name} differs by " \
+            f"{(pa - pb).abs().max().item():.3g}"
+
+
+def check_equivalence(backend: str, seed: int, micro_batch_groups: int, aggregation: str,
+                      beta: float, zero_stage: int = 0, known_tokens: bool = False) -> None:
+    groups = make_groups(seed)
+    base = fresh_model(seed % 3)
+    ref_model = seeded_model(99) if beta > 0 else None
+    loss = LossConfig(beta=beta, aggregation=aggregation)
+    expected = copy.deepcopy(base)
+    monolithic_update(expected, groups, loss, ref_model, SGD.lr)
+    arrivals = groups[:]
+    random.Random(seed + 1).shuffle(arrivals)
+    total = sum(len(c.completion_ids) for g in groups for c in g.completions)
+    streamed = copy.deepcopy(base)
+    optim = OptimConfig(lr=SGD.lr, optimizer="sgd", grad_clip=0.0, zero_stage=zero_stage)
+    streamed_update(backend, streamed, arrivals, loss, ref_model, micro_batch_groups, optim,
+                    total_tokens=total if known_tokens else None)
+    assert_same_parameters(streamed, expected)
+    assert not torch.equal(next(streamed.parameters()), next(base.parameters())), "no update"
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), micro_batch_groups=st.integers(1, NUM_GROUPS + 1),
+       aggregation=st.sampled_from(["token", "sequence"]), beta=st.sampled_from([0.0, 0.05]),
+       known_tokens=st.booleans())
+def test_streamed_update_equals_monolithic_update_for_any_arrival_order_and_micro_batch_size(
+        seed: int, micro_batch_groups: int, aggregation: str, beta: float,
+        known_tokens: bool) -> None:
+    check_equivalence("torch", seed, micro_batch_groups, aggregation, beta,
+                      known_tokens=known_tokens)
+
+
+@pytest.mark.parametrize("zero_stage,aggregation,beta,micro_batch_groups", [
+    (0, "token", 0.0, 2),
+    (0, "sequence", 0.05, 1),
+    (1, "token", 0.05, 3),
+    (2, "token", 0.0, 2),
+    (2, "sequence", 0.05, 4),
+])
+def test_deepspeed_streamed_update_equals_monolithic_update(
+        zero_stage: int, aggregation: str, beta: float, micro_batch_groups: int) -> None:
+    check_equivalence("deepspeed", 17 + zero_stage, micro_batch_groups, aggregation, beta,
+                      zero_stage=zero_stage)
+
+
+def test_parameters_do_not_move_until_finish() -> None:
+    model = fresh_model(0)
+    before = copy.deepcopy(model)
+    step = StreamingStep(make_backend("torch", model, SGD), num_groups=NUM_GROUPS,
+                         group_size=GROUP_SIZE, micro_batch_groups=1, loss=LossConfig(),
+                         pad_id=PAD_ID)
+    for g in make_groups(3):
+        step.add_group(g)
+    assert step.micro_batches_run == NUM_GROUPS
+    assert_same_parameters(model, before, atol=0.0)
+    step.finish()
+    assert not torch.equal(next(model.parameters()), next(before.parameters()))
+
+
+def test_a_micro_batch_runs_as_soon_as_m_b_groups_are_ready() -> None:
+    step = StreamingStep(make_backend("torch", fresh_model(0), SGD), num_groups=NUM_GROUPS,
+                         group_size=GROUP_SIZE, micro_batch_groups=2, loss=LossConfig(),
+                         pad_id=PAD_ID)
+    ran = [step.add_group(g) for g in make_groups(4)]
+    assert ran == [False, True, False, True, False]
+    stats = step.finish()  # the fifth group trains in the final micro-batch
+    assert stats.micro_batches == 3 and stats.num_samples == NUM_GROUPS * GROUP_SIZE
+
+
+def test_a_step_whose_groups_all_tie_still_steps_like_the_monolithic_batch() -> None:
+    # All advantages zero: the gradient is zero, but AdamW's weight decay must still apply once.
+    groups = [RewardedGroup(g.group_id, g.completions, [1.0] * GROUP_SIZE)
+              for g in make_groups(5)]
+    model = fresh_model(0)
+    before = copy.deepcopy(model)
+    optim = OptimConfig(lr=0.1, optimizer="adamw", weight_decay=0.5)
+    streamed_update("torch", model, groups, LossConfig(), None, 2, optim)
+    decayed = next(before.parameters()) * (1 - 0.1 * 0.5)
+    assert torch.allclose(next(model.parameters()), decayed, atol=1e-6)
+
+
+def test_finish_refuses_a_step_with_missing_groups() -> None:
+    step = StreamingStep(make_backend("torch", fresh_model(0), SGD), num_groups=NUM_GROUPS,
+                         group_size=GROUP_SIZE, micro_batch_groups=2, loss=LossConfig(),
+                         pad_id=PAD_ID)
+    step.add_group(make_groups(6)[0])
+    with pytest.raises(RuntimeError, match="have not arrived"):
+        step.finish()
+
+
+def test_duplicate_and_malformed_groups_are_refused_without_breaking_the_step() -> None:
+    groups = make_groups(7)
+    step = StreamingStep(make_backend("torch", fresh_model(0), SGD), num_groups=NUM_GROUPS,
+                         group_size=GROUP_SIZE, micro_batch_groups=2, loss=LossConfig(),
+                         pad_id=PAD_ID)
+    step.add_group(groups[0])
+    with pytest.raises(StepInputError, match="twice"):
+        step.add_group(groups[0])
+    short = RewardedGroup(99, groups[1].completions[:1], groups[1].rewards[:1])
+    with pytest.raises(StepInputError, match="group size"):
+        step.add_group(short)
+    bad = Completion([1, 5], [6, 7], [-1.0])
+    with pytest.raises(StepInputError, match="one logprob per generated token"):
+        step.add_group(RewardedGroup(98, [bad] * GROUP_SIZE, [0.0, 1.0, 0.0]))
+    for g in groups[1:]:
+        step.add_group(g)
+    assert step.finish().num_groups == NUM_GROUPS
