@@ -65,12 +65,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,
-                 on_version_change: Callable[[int], None] | None = None):
+                 on_version_change: Callable[[int], None] | None = None,
+                 step_delay_s: float = 0.0):
         self._engine = engine
         self._info = dict(worker_id=worker_id, endpoint=endpoint, model=model, kind=kind,
                           capacity=capacity, max_len=max_len)
         self._session_queue = session_queue
         self._on_version_change = on_version_change
+        self._step_delay_s = step_delay_s  # benchmarks only: emulates slower hardware
         self._commands: deque[Callable[[], object]] = deque()
         self._owned: dict[str, _Owned] = {}
         self._sessions: set[_Session] = set()
@@ -102,6 +104,8 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
             metrics.ENGINE_STEPS.inc()
             self._step += 1
             await self._deliver(outputs)
+            if self._step_delay_s:
+                await asyncio.sleep(self._step_delay_s)
 
     def _enqueue(self, command: Callable[[], object]) -> None:
         self._commands.append(command)
@@ -307,6 +311,9 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
             count = await done
         except EngineInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # e.g. not a safetensors file: the worker keeps its weights
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"could not load {request.path!r}: {exc}")
         return pb.LoadWeightsResponse(weight_version=self._engine.weight_version,
                                       tensors_loaded=count)
 

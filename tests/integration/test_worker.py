@@ -221,6 +221,11 @@ async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_clie
             await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(bad), version=7))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "nonexistent" in err.value.details()
+        garbage = tmp_path / "garbage.safetensors"
+        garbage.write_bytes(b"not a safetensors file")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(garbage), version=8))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (await session.stub.GetInfo(pb.GetInfoRequest())).weight_version == 5
     finally:
         await session.close()

@@ -22,14 +22,28 @@ class WorkerHandle:
     metrics_port: int
 
 
-def start_worker(stack: LocalStack, name: str, *extra: str, ready_timeout: float = 90) -> WorkerHandle:
+def launch_worker(stack: LocalStack, name: str, *extra: str) -> WorkerHandle:
+    """Start a worker process without waiting for it (start several, then wait_serving each)."""
     port, metrics_port = free_port(), free_port()
     proc = stack.start("rollout_worker", name, [
         "--worker-id", name, "--port", str(port), "--metrics-port", str(metrics_port),
         "--lease-ttl", "2", "--torch-threads", "1", "--json-logs", *extra])
-    handle = WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
+    return WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
+
+
+def start_worker(stack: LocalStack, name: str, *extra: str, ready_timeout: float = 90) -> WorkerHandle:
+    handle = launch_worker(stack, name, *extra)
     wait_serving(handle, ready_timeout)
     return handle
+
+
+def start_workers(stack: LocalStack, names: list[str], *extra: str,
+                  ready_timeout: float = 120) -> list[WorkerHandle]:
+    """Start workers in parallel: their imports overlap instead of adding up."""
+    handles = [launch_worker(stack, name, *extra) for name in names]
+    for handle in handles:
+        wait_serving(handle, ready_timeout)
+    return handles
 
 
 def wait_serving(handle: WorkerHandle, timeout: float) -> None:
