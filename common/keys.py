@@ -7,6 +7,10 @@
 /rlharvest/v1/weights/<job>/holders/<agent_id>   which agents hold which versions (transfer agents)
 /rlharvest/v1/pairing/<worker_id>                the transfer agent a rollout worker pulls from
 /rlharvest/v1/placement/...                      placement scheduler state (nodes, groups, permits)
+/rlharvest/v1/placement/state/meta               scheduler counters and statistics
+/rlharvest/v1/placement/state/groups/<group_id>  a co-execution group: members, nodes, permit queues
+/rlharvest/v1/placement/state/jobs/<job_id>      a placed job's record (lease, SLO bookkeeping)
+/rlharvest/v1/placement/alive/<job_id>           attached to the job client's lease: gone = failed
 """
 
 from __future__ import annotations
@@ -70,3 +74,30 @@ def pairing_key(worker_id: str) -> str:
 
 def placement_prefix() -> str:
     return f"{ROOT}/placement/"
+
+
+# The placement scheduler's leader election (registry.Election); a candidate's value is the
+# endpoint it serves on, so clients find the leader here.
+PLACEMENT_ELECTION = "placement_scheduler"
+
+
+def placement_state_prefix() -> str:
+    return f"{placement_prefix()}state/"
+
+
+def placement_state_key(record: str) -> str:
+    """``record`` is "meta", "groups/<group_id>" or "jobs/<job_id>"."""
+    kind, _, name = record.partition("/")
+    if kind == "meta" and not name:
+        return placement_state_prefix() + "meta"
+    if kind not in ("groups", "jobs"):
+        raise ValueError(f"placement record {record!r} must be meta, groups/<id> or jobs/<id>")
+    return f"{placement_state_prefix()}{kind}/{_segment(name, kind[:-1] + ' id')}"
+
+
+def placement_alive_prefix() -> str:
+    return f"{placement_prefix()}alive/"
+
+
+def placement_alive_key(job_id: str) -> str:
+    return placement_alive_prefix() + _segment(job_id, "job id")

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlharvest.common import registry, rpc
+from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.services.launcher import LocalStack
 
@@ -26,20 +27,44 @@ console = Console()
 def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        spot: int = typer.Option(0, min=0, help="spot rollout workers"),
        model: str = typer.Option("tiny", help="model preset or local checkpoint directory"),
+       manager: bool = typer.Option(True, "--manager/--no-manager",
+                                    help="start one rollout manager for the job 'default'"),
+       agents: int = typer.Option(1, min=0, help="transfer agents; workers pull job 'default' "
+                                                 "weights from them"),
        log_dir: Optional[Path] = typer.Option(None, help="where service logs go (default: a temp dir)"),
+       placement_scheduler: bool = typer.Option(False, help="also start a placement scheduler "
+                                                "(4 rollout + 2 training nodes; see its --help)"),
+       trainer: bool = typer.Option(False, help="also start a trainer for the job 'default' "
+                                               "(needs the manager and an agent)"),
        ready_timeout: float = typer.Option(120.0, help="seconds to wait for every member")) -> None:
     """Start etcd and the services as local processes; Ctrl-C stops them all cleanly."""
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
     endpoint = stack.start_etcd()
     try:
+        for i in range(agents):
+            stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
         for i in range(workers + spot):
             kind = "dedicated" if i < workers else "spot"
             stack.start("rollout_worker", f"worker-{i}",
-                        ["--worker-id", f"worker-{i}", "--kind", kind, "--model", model])
-        expected = workers + spot
+                        ["--worker-id", f"worker-{i}", "--kind", kind, "--model", model,
+                         *(["--job", "default", "--agent-pull"] if agents else [])])
+        if manager:
+            stack.start("rollout_manager", "manager-0", ["--manager-id", "manager-0"])
+        expected = workers + spot + int(manager) + agents
+        if placement_scheduler:
+            stack.start("placement_scheduler", "placement-scheduler",
+                        ["--scheduler-id", "scheduler-0"])
+            expected += 1
+        if trainer:
+            if not (manager and agents):
+                raise typer.BadParameter("--trainer needs the manager and at least one agent")
+            stack.start("trainer", "trainer-0", ["--trainer-id", "trainer-0", "--model", model,
+                                                 "--no-exit-when-done"])
+            expected += 1
         asyncio.run(_wait_members(endpoint, expected, ready_timeout, stack))
-        console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {expected} rollout "
-                      f"workers, logs in {stack.log_dir}")
+        console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {workers + spot} "
+                      f"rollout workers{', 1 rollout manager' if manager else ''}, "
+                      f"logs in {stack.log_dir}")
         console.print(f"  rlharvest status --etcd {endpoint}")
         _wait_for_signal()
     finally:
@@ -83,6 +108,15 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
     for row in rows:
         table.add_row(*row)
     console.print(table if rows else "no members registered")
+    managers = asyncio.run(_collect_managers(etcd, timeout))
+    if managers:
+        table = Table(title="rollout managers")
+        for column in ("manager", "job", "workers", "in flight", "waiting", "tokens",
+                       "migrations", "tokens regenerated", "completions", "failures"):
+            table.add_column(column)
+        for row in managers:
+            table.add_row(*row)
+        console.print(table)
 
 
 async def _collect(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
@@ -102,6 +136,35 @@ async def _collect(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
                      f"{load.tokens_per_second:.0f}" if load else "",
                      state if load or service != "rollout_worker" else "unreachable"))
     return rows
+
+
+async def _collect_managers(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
+    client = await registry.connect(endpoint)
+    try:
+        members = await registry.list_members(client, "rollout_manager")
+    finally:
+        await client.close()
+    rows = []
+    for key, info in sorted(members.items()):
+        st = await _manager_status(info["endpoint"], timeout)
+        name = key.rsplit("/", 1)[-1]
+        if st is None:
+            rows.append((name, info.get("job", ""), "unreachable", *[""] * 7))
+            continue
+        healthy = sum(w.state == "healthy" for w in st.workers)
+        rows.append((name, info.get("job", ""), f"{healthy}/{len(st.workers)}", str(st.in_flight),
+                     str(st.waiting), str(st.tokens_generated), str(st.migrations),
+                     str(st.tokens_regenerated), str(st.completions), str(st.failures)))
+    return rows
+
+
+async def _manager_status(endpoint: str, timeout: float):
+    async with rpc.channel(endpoint) as chan:
+        try:
+            return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
+                rollout_manager_pb2.GetStatusRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return None
 
 
 async def _worker_load(endpoint: str, timeout: float):

@@ -17,6 +17,9 @@ from rlharvest.common.local_etcd import LocalEtcd
 MODULES = {
     "rollout_worker": "rlharvest.services.rollout_worker.main",
     "rollout_manager": "rlharvest.services.rollout_manager.main",
+    "trainer": "rlharvest.services.trainer.main",
+    "transfer_agent": "rlharvest.services.transfer_agent.main",
+    "placement_scheduler": "rlharvest.services.placement_scheduler.main",
 }
 
 

@@ -21,7 +21,7 @@ from rlharvest.services.rollout_manager.batching_profile import ThroughputProfil
 from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
 
 __all__ = ["InstanceLoad", "SelectFn", "ThroughputProfile", "select_instance",
-           "dispatch_waiting", "continuous_lb", "rebalance"]
+           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,20 @@ def select_instance(instances: Sequence[InstanceLoad], theta: int) -> str | None
     if not candidates:
         return None
     return min(candidates, key=lambda i: (i.pending, -i.free_slots, i.worker_id)).worker_id
+
+
+class RoundRobinSelect:
+    """Baseline dispatcher: the next eligible instance in turn, never holding a request."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def __call__(self, instances: Sequence[InstanceLoad], theta: int) -> str | None:
+        if not instances:
+            return None
+        ordered = sorted(instances, key=lambda i: i.worker_id)
+        self._turn += 1
+        return ordered[(self._turn - 1) % len(ordered)].worker_id
 
 
 def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoad],

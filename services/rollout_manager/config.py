@@ -20,6 +20,13 @@ class ManagerConfig(ServiceConfig):
     etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
     lease_ttl: int = Field(5, ge=1, le=300)
     theta: int = Field(4, ge=1, description="Θ of Algorithm 2: most pending requests per worker")
+    balancer: Literal["algorithm2", "jsq", "round_robin"] = Field(
+        "algorithm2", description="algorithm2: RLBoost's SELECTINSTANCE + CONTINUOUSLB; jsq and "
+                                  "round_robin: baselines that dispatch at once and never migrate")
+    recompute_on_loss: bool = Field(
+        False, description="baseline only: a lost worker's requests restart from the prompt "
+                           "(the client sees their deltas start again at position 0) instead of "
+                           "resuming from their last token")
     rebalance_interval_s: float = Field(0.05, gt=0, description="period of CONTINUOUSLB")
     max_moves_per_round: int = Field(64, ge=1, description="migrations per CONTINUOUSLB round")
     stall_timeout_s: float = Field(30.0, gt=0, description="no token this long while busy = lost")

@@ -30,11 +30,11 @@ from rlharvest.services.rollout_manager.commands import (
 from rlharvest.services.rollout_manager.failure import FailureConfig, FailurePolicy
 from rlharvest.services.rollout_manager.tracker import (
     ApplyReport,
+    DeltaLike,
     NewRequest,
     RequestState,
     RequestTracker,
     StepLimits,
-    TokenDelta,
 )
 from rlharvest.services.rollout_manager.worker_pool import WorkerPool, WorkerState
 
@@ -45,6 +45,9 @@ class ControlConfig:
     continuous_lb: bool = True  # False only for the "no migration" baselines
     max_moves_per_tick: int = 64  # bounds one tick's work; the next tick continues
     profile_epsilon: float = 0.1  # B reaches (1 - ε) of the best throughput
+    # The recompute baseline of RLBoost §6.4.3 (Fig. 14) only: a request released by a lost
+    # worker restarts from its prompt instead of resuming from its last token.
+    recompute_on_loss: bool = False
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: StepLimits = field(default_factory=StepLimits)
 
@@ -71,11 +74,16 @@ class RolloutControl:
         self.profiles.setdefault(kind, ThroughputProfile(self.config.profile_epsilon))
 
     def worker_lost(self, worker_id: str, reason: str) -> list[Command]:
-        """Stream broke, lease vanished, or the worker left: its requests wait, tokens kept."""
+        """Stream broke, lease vanished, or the worker left: its requests wait, tokens kept
+        (discarded instead under ``recompute_on_loss``, the baseline)."""
         if not self.pool.mark_lost(worker_id, reason):
             return []
         ids = [r.request_id for r in self.tracker.on_worker(worker_id)]
-        return self._apply(self.failure.release_all(worker_id, ids, "lost"))
+        released = self._apply(self.failure.release_all(worker_id, ids, "lost"))
+        if self.config.recompute_on_loss:
+            for request_id in ids:
+                self.tracker.restart_from_prompt(request_id)
+        return released
 
     def worker_draining(self, worker_id: str, deadline: float) -> list[Command]:
         self.pool.mark_draining(worker_id, deadline)
@@ -93,7 +101,7 @@ class RolloutControl:
                 keep_without_room=False, select=self._select))
         return out
 
-    def step_outputs(self, worker_id: str, deltas: Sequence[TokenDelta]) -> ApplyReport:
+    def step_outputs(self, worker_id: str, deltas: Sequence[DeltaLike]) -> ApplyReport:
         report = self.tracker.apply_outputs(worker_id, deltas)
         if report.accepted:
             self.pool.note_progress(worker_id)

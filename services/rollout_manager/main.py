@@ -15,6 +15,7 @@ from rlharvest.common.cli import describe_flags, parse_flags
 from rlharvest.common.config import ConfigError, load_config
 from rlharvest.common.observability import run_service, setup_logging, start_http
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
+from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select_instance
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
@@ -39,14 +40,21 @@ def main(ctx: typer.Context,
     run_service(lambda stop: serve(cfg, stop))
 
 
+# Baselines dispatch every request at once: Θ so large that SELECTINSTANCE never holds one.
+_NEVER_HOLD = 1_000_000_000
+
+
 def build_control(cfg: ManagerConfig) -> RolloutControl:
+    baseline = cfg.balancer != "algorithm2"
     return RolloutControl(ControlConfig(
-        theta=cfg.theta, max_moves_per_tick=cfg.max_moves_per_round,
+        theta=_NEVER_HOLD if baseline else cfg.theta, continuous_lb=not baseline,
+        recompute_on_loss=cfg.recompute_on_loss, max_moves_per_tick=cfg.max_moves_per_round,
         failure=FailureConfig(stall_timeout_s=cfg.stall_timeout_s,
                               no_worker_timeout_s=cfg.no_worker_timeout_s),
         limits=StepLimits(max_requests=cfg.max_step_requests, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_new_tokens=cfg.max_new_tokens, vocab_size=cfg.vocab_size),
-    ), clock=time.monotonic)
+    ), clock=time.monotonic,
+        select=RoundRobinSelect() if cfg.balancer == "round_robin" else select_instance)
 
 
 async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlharvest.services.rollout_manager.balancer import InstanceLoad
+from rlharvest.services.rollout_manager.balancer import InstanceLoad, RoundRobinSelect  # noqa: F401
 from rlharvest.services.rollout_manager.commands import Command, Dispatch, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
@@ -150,20 +150,6 @@ class _Engine:
             if done:
                 del self.batch[seq.request_id]
         return deltas, size
-
-
-class RoundRobinSelect:
-    """Baseline dispatcher: the next eligible instance in turn, never holding a request."""
-
-    def __init__(self) -> None:
-        self._turn = 0
-
-    def __call__(self, instances: Sequence[InstanceLoad], theta: int) -> str | None:
-        if not instances:
-            return None
-        ordered = sorted(instances, key=lambda i: i.worker_id)
-        self._turn += 1
-        return ordered[(self._turn - 1) % len(ordered)].worker_id
 
 
 class SimClock:

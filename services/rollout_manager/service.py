@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,23 +18,84 @@ from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.commands import Command, Dispatch, Fail, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
-from rlharvest.services.rollout_manager.tracker import NewRequest, StepError, TokenDelta
+from rlharvest.services.rollout_manager.tracker import NewRequest, StepError
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
 from rlharvest.services.rollout_worker.service import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
 # Worker CommandError codes after which the request may simply go elsewhere.
+_SAMPLE_INTERVAL_S = 0.25  # throughput samples per worker for the batching profile P
+
 _RETRYABLE = {grpc.StatusCode.FAILED_PRECONDITION.value[0], grpc.StatusCode.UNAVAILABLE.value[0],
               grpc.StatusCode.ALREADY_EXISTS.value[0]}
 
 
-class _ClientStream:
-    """One client's SubmitStep/Generate stream: a bounded queue is the backpressure."""
+# One client event holds at most this many tokens (deltas + completions) so merged events stay far
+# below any message size limit; more waiting output starts another event.
+_MAX_EVENT_TOKENS = 1 << 16
 
-    def __init__(self, request_ids: list[str], queue_size: int):
+
+class _ClientStream:
+    """One client's SubmitStep/Generate stream.
+
+    Output waiting for the client is merged into the newest unsent event instead of queued as one
+    event per worker step: a client that falls behind gets fewer, larger events, and the manager
+    serializes fewer messages (bench/manager_relay.py). At most ``max_events`` events wait; a
+    producer beyond that waits for the client (backpressure onto the worker streams).
+    """
+
+    def __init__(self, request_ids: list[str], max_events: int):
         self.outstanding = set(request_ids)
-        self.queue: asyncio.Queue[mpb.StepEvent | None] = asyncio.Queue(maxsize=queue_size)
+        self._events: deque[tuple[mpb.StepEvent, list[int]]] = deque()  # event, [its tokens]
+        self._max_events = max_events
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._ended = False
+
+    def _tail(self, tokens: int) -> mpb.StepEvent:
+        if not self._events or self._events[-1][1][0] + tokens > _MAX_EVENT_TOKENS:
+            self._events.append((mpb.StepEvent(), [0]))
+            if len(self._events) >= self._max_events:
+                self._room.clear()
+        event, size = self._events[-1]
+        size[0] += tokens
+        self._ready.set()
+        return event
+
+    async def put_deltas(self, deltas: list, tokens: int) -> None:
+        """Forward accepted wire deltas (copied into the event in C, not one by one)."""
+        while not self._room.is_set():
+            await self._room.wait()
+        self._tail(tokens).deltas.extend(deltas)
+
+    def put_completion(self, completion: mpb.Completion) -> None:
+        """Never waits and never drops: a completion may exceed the event bound by one."""
+        self._tail(len(completion.token_ids)).completions.append(completion)
+
+    def end(self) -> None:
+        self._ended = True
+        self._ready.set()
+
+    async def take(self) -> mpb.StepEvent | None:
+        """The next event for the client; None once the step ended and everything was taken."""
+        while not self._events:
+            if self._ended:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        event, _ = self._events.popleft()
+        if len(self._events) < self._max_events:
+            self._room.set()
+        return event
+
+
+def _unfinished(delta: common_pb2.TokenDelta) -> common_pb2.TokenDelta:
+    copy = common_pb2.TokenDelta()
+    copy.CopyFrom(delta)
+    copy.finished, copy.finish_reason = False, ""
+    return copy
 
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -50,7 +112,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._endpoints: dict[str, dict] = {}
         self._streams: dict[str, _ClientStream] = {}  # request id -> the stream that wants it
         self._wake = asyncio.Event()
-        self._rate: list[tuple[float, int]] = []
+        self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) over the last 5 s
+        self._rate_tokens = 0
+        self._sampled_at: dict[str, float] = {}
         self.accepting = True
 
     # ---- background loops ----------------------------------------------------------------------
@@ -137,34 +201,46 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._wake.set()
 
     async def _on_step(self, worker_id: str, step: wpb.StepOutputs) -> None:
-        deltas = [TokenDelta(d.request_id, d.position, tuple(d.token_ids), tuple(d.logprobs),
-                             d.weight_version, d.finished, d.finish_reason) for d in step.deltas]
-        report = self._control.step_outputs(worker_id, deltas)
+        # The hot path: the wire deltas go to the tracker and on to the client as they are; no
+        # Python object is built per delta (bench/manager_relay.py measures this loop).
+        report = self._control.step_outputs(worker_id, step.deltas)
         self._on_load(worker_id, step.load)
-        metrics.TOKENS.inc(report.accepted_tokens)
-        self._rate.append((time.monotonic(), report.accepted_tokens))
+        tokens = report.accepted_tokens
+        metrics.TOKENS.inc(tokens)
+        self._rate.append((time.monotonic(), tokens))
+        self._rate_tokens += tokens
         for dropped in report.dropped:
             metrics.TOKENS_DROPPED.labels(dropped.reason).inc(dropped.tokens)
-        by_stream: dict[_ClientStream, mpb.StepEvent] = {}
-        for delta in report.accepted:
-            stream = self._streams.get(delta.request_id)
+        accepted = report.accepted
+        if report.aborted:  # the client must not read "finished" on a request that goes on
+            aborted = set(report.aborted)
+            accepted = [_unfinished(d) if d.request_id in aborted else d for d in accepted]
+        by_stream: dict[_ClientStream, list] = {}
+        streams = self._streams
+        for delta in accepted:
+            stream = streams.get(delta.request_id)
             if stream is not None:
-                by_stream.setdefault(stream, mpb.StepEvent()).deltas.append(common_pb2.TokenDelta(
-                    request_id=delta.request_id, position=delta.position, token_ids=delta.token_ids,
-                    logprobs=delta.logprobs, weight_version=delta.weight_version))
-        for rid in report.finished:
-            stream = self._streams.get(rid)
+                by_stream.setdefault(stream, []).append(delta)
+        for stream, deltas in by_stream.items():
+            # A slow client holds this worker's stream here: backpressure.
+            await stream.put_deltas(deltas, tokens if len(by_stream) == 1 else
+                                    sum(len(d.token_ids) for d in deltas))
+        for rid in report.finished:  # after its last delta, in the same or a later event
+            stream = streams.get(rid)
             if stream is not None:
-                by_stream.setdefault(stream, mpb.StepEvent()).completions.append(self._completion(rid))
-        for stream, out in by_stream.items():
-            await stream.queue.put(out)  # a slow client holds this worker's stream: backpressure
-        for rid in report.finished:
-            self._done(rid, "finished")
+                stream.put_completion(self._completion(rid))
+            if rid in self._control.tracker:  # not abandoned by its client meanwhile
+                self._done(rid, "finished")
         if report.finished or report.aborted:
             self._wake.set()
 
     def _on_load(self, worker_id: str, load: common_pb2.Load) -> None:
-        if load.executing and load.tokens_per_second:
+        # One throughput sample per worker per interval is plenty for P (§4.2.1), and taking one
+        # walks all of the worker's requests: not something to do for every step message.
+        now = time.monotonic()
+        if load.executing and load.tokens_per_second and \
+                now - self._sampled_at.get(worker_id, 0.0) >= _SAMPLE_INTERVAL_S:
+            self._sampled_at[worker_id] = now
             self._control.record_throughput(worker_id, load.executing, load.tokens_per_second)
 
     def _on_command_error(self, worker_id: str, error: wpb.CommandError) -> None:
@@ -216,11 +292,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def _notify_failed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            event = mpb.StepEvent(completions=[self._completion(request_id)])
-            if not stream.queue.full():
-                stream.queue.put_nowait(event)
-            else:  # never drop a completion: deliver it as soon as there is room
-                asyncio.get_running_loop().create_task(stream.queue.put(event))
+            stream.put_completion(self._completion(request_id))
         self._done(request_id, "failed")
 
     def _completion(self, request_id: str) -> mpb.Completion:
@@ -237,7 +309,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if stream is not None:
             stream.outstanding.discard(request_id)
             if not stream.outstanding:
-                asyncio.get_running_loop().create_task(stream.queue.put(None))
+                stream.end()
+                # A step ended: its throughput samples become P for the next (§4.2.1), which
+                # is what lets CONTINUOUSLB move executing requests at the next step's tail.
+                self._control.finish_step()
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -272,7 +347,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._wake.set()
         try:
             while True:
-                event = await stream.queue.get()
+                event = await stream.take()
                 if event is None:
                     return
                 yield event
@@ -335,8 +410,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for state, count in states.items():
             metrics.WORKERS.labels(state).set(count)
         now = time.monotonic()
-        self._rate = [(t, n) for t, n in self._rate if t > now - 5]
-        metrics.TOKENS_PER_SECOND.set(sum(n for _, n in self._rate) / 5)
+        while self._rate and self._rate[0][0] <= now - 5:
+            self._rate_tokens -= self._rate.popleft()[1]
+        metrics.TOKENS_PER_SECOND.set(self._rate_tokens / 5)
 
     def health(self) -> dict:
         return {"status": "ok", "workers": len(self._links),

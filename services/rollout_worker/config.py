@@ -36,7 +36,15 @@ class WorkerConfig(ServiceConfig):
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "
                                                        "reader beyond this slows the engine")
+    step_delay_s: float = Field(0.0, ge=0, description="benchmark harness: emulate slower hardware "
+                                                        "by sleeping this long after each engine step")
     drain_timeout: float = Field(15.0, ge=0, description="seconds to wait for requests to migrate")
     shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")
+    job: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="RL job whose announced "
+                     "weight versions this worker pulls")
+    agent_pull: bool = Field(False, description="pull weights from a transfer agent when the job "
+                                                "announces a version (needs job)")
+    tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True

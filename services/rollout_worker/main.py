@@ -32,6 +32,8 @@ def main(ctx: typer.Context,
          config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
     try:
         cfg = load_config(WorkerConfig, config, parse_flags(WorkerConfig, ctx.args))
+        if cfg.agent_pull and not cfg.job:
+            raise ConfigError("agent_pull needs job: the job whose announced versions to pull")
     except ConfigError as exc:
         typer.echo(f"rlharvest-rollout-worker: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -64,7 +66,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
 
     service = WorkerService(engine, cfg.worker_id, endpoint="", model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
-                            session_queue=cfg.session_queue, on_version_change=on_version_change)
+                            session_queue=cfg.session_queue, on_version_change=on_version_change,
+                            step_delay_s=cfg.step_delay_s)
     server = await rpc.start_server(
         [lambda s: rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, s)],
         [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
@@ -79,6 +82,13 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     }, ttl=cfg.lease_ttl)
     log.info("worker %s serving on %s (metrics on %d), weight version %d", cfg.worker_id,
              endpoint, metrics_port, engine.weight_version)
+    puller_task = None
+    if cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
+        from rlharvest.services.rollout_worker.puller import Puller
+
+        puller_task = asyncio.create_task(Puller(
+            etcd, service, cfg.worker_id, cfg.job, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
+            lease_ttl=cfg.lease_ttl).run(), name="weight puller")
 
     stopped = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({engine_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -86,6 +96,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
         stopped.cancel()
         engine_task.result()  # re-raises: a broken engine must not look like a healthy worker
 
+    if puller_task is not None:
+        puller_task.cancel()
     await membership.update(draining=True)
     clean = await service.drain(cfg.drain_timeout)
     await server.stop(cfg.shutdown_grace)

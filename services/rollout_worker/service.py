@@ -9,12 +9,13 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import torch
 
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_worker import metrics
@@ -324,6 +325,26 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
         loop = asyncio.get_running_loop()
         tensors = await loop.run_in_executor(self._executor, load_file, str(path))
+        return await self._swap_weights(tensors, version, str(path))
+
+    async def load_weights_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load an in-memory tensor dict (a pull from a transfer agent) between engine steps;
+        returns the number of tensors loaded. Raises EngineInputError, loading nothing, when a
+        name, shape or value does not fit the model."""
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def apply() -> None:
+            try:
+                done.set_result(await self._swap_weights(tensors, version, "a transfer agent"))
+            except Exception as exc:  # handed to the awaiting caller
+                done.set_exception(exc)
+
+        self._enqueue(apply)
+        return await done
+
+    async def _swap_weights(self, tensors: Mapping[str, torch.Tensor], version: int,
+                            path: str) -> int:
+        loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._engine.load_weights, tensors, version)
         stale = list(self._owned)
         for rid in stale:

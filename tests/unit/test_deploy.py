@@ -13,11 +13,18 @@ import yaml
 
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import load_config
+from rlharvest.services.rollout_manager.config import ManagerConfig
+from rlharvest.services.placement_scheduler.config import PlacementConfig
 from rlharvest.services.rollout_worker.config import WorkerConfig
+from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.transfer_agent.config import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-CONFIGS = {"rlharvest-rollout-worker": WorkerConfig}
+CONFIGS = {"rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": WorkerConfig,
+           "rlharvest-rollout-manager": ManagerConfig}
+CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
+CONFIGS["rlharvest-trainer"] = TrainerConfig
 
 
 def _check_command(argv: list[str]) -> None:

@@ -1,0 +1,229 @@
+"""Weight data path over loopback: the agent's dense pull vs a raw-socket send of the same bytes,
+with the candidate transports (grpc.aio streaming, aiohttp chunked HTTP, raw asyncio streams)
+measured side by side — the measurement the data path was chosen by.
+
+Every server is a separate process; the receiver is this process and writes into preallocated
+buffers, as a worker would. Rows:
+  raw socket        sendall / recv_into, one TCP connection (the baseline)
+  asyncio streams   StreamWriter.write / readexactly
+  aiohttp           chunked HTTP response, iter_chunked into a buffer
+  grpc.aio          server stream of 16 MB bytes messages
+  agent pull        the transfer agent: PlanPull + PullBuckets streams + bucket CRC checks
+  agent pull+decode the same plus per-tensor decode and checksum (what a worker waits for)
+
+    python bench/transfer_data_path.py           # 512 MB
+    python bench/transfer_data_path.py --quick   # 96 MB, < 30 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+
+from rlharvest.common.local_etcd import free_port
+
+sys.path.insert(0, os.path.dirname(__file__))
+from transfer_harness import local_stack, start_agent, write_results  # noqa: E402
+
+CHUNK = 16 << 20
+SERVICE = "bench.Bytes"
+
+
+def payload(nbytes: int) -> bytes:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+
+
+# ---- servers (run as child processes: python transfer_data_path.py --serve KIND PORT BYTES) ----
+
+def serve(kind: str, port: int, nbytes: int) -> None:
+    data = payload(nbytes)
+    view = memoryview(data)
+    if kind == "socket":
+        srv = socket.create_server(("127.0.0.1", port))
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                try:
+                    if conn.recv(1):  # readiness probes connect and close without asking
+                        conn.sendall(view)
+                except OSError:
+                    pass
+    elif kind == "asyncio":
+        async def handle(reader, writer):
+            await reader.readexactly(1)
+            for i in range(0, nbytes, CHUNK):
+                writer.write(view[i:i + CHUNK])
+                await writer.drain()
+            writer.close()
+
+        async def main():
+            server = await asyncio.start_server(handle, "127.0.0.1", port)
+            await server.serve_forever()
+        asyncio.run(main())
+    elif kind == "aiohttp":
+        from aiohttp import web
+
+        async def get(request):
+            resp = web.StreamResponse()
+            resp.content_length = nbytes
+            await resp.prepare(request)
+            for i in range(0, nbytes, CHUNK):
+                await resp.write(view[i:i + CHUNK])
+            return resp
+        app = web.Application()
+        app.router.add_get("/", get)
+        web.run_app(app, host="127.0.0.1", port=port, print=None)
+    elif kind == "grpc":
+        async def stream(request, context):
+            for i in range(0, nbytes, CHUNK):
+                yield bytes(view[i:i + CHUNK])
+
+        async def main():
+            server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+            handler = grpc.method_handlers_generic_handler(SERVICE, {
+                "Get": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=None,
+                                                            response_serializer=None)})
+            server.add_generic_rpc_handlers((handler,))
+            server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            await server.wait_for_termination()
+        asyncio.run(main())
+
+
+# ---- receivers ---------------------------------------------------------------------------
+
+def recv_socket(port: int, nbytes: int) -> None:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"x")
+        got = 0
+        while got < nbytes:
+            n = conn.recv_into(view[got:])
+            if not n:
+                raise ConnectionError("short read")
+            got += n
+
+
+async def recv_asyncio(port: int, nbytes: int) -> None:
+    buf = bytearray(nbytes)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=CHUNK)
+    writer.write(b"x")
+    got = 0
+    while got < nbytes:
+        data = await reader.read(CHUNK)
+        if not data:
+            raise ConnectionError("short read")
+        buf[got:got + len(data)] = data
+        got += len(data)
+    writer.close()
+
+
+async def recv_aiohttp(port: int, nbytes: int) -> None:
+    import aiohttp
+    buf = bytearray(nbytes)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/") as resp:
+            got = 0
+            async for data in resp.content.iter_chunked(CHUNK):
+                buf[got:got + len(data)] = data
+                got += len(data)
+    assert got == nbytes
+
+
+async def recv_grpc(port: int, nbytes: int) -> None:
+    buf = bytearray(nbytes)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                         options=[("grpc.max_receive_message_length", 64 << 20)]) as chan:
+        call = chan.unary_stream(f"/{SERVICE}/Get", request_serializer=None,
+                                 response_deserializer=None)(b"")
+        got = 0
+        async for data in call:
+            buf[got:got + len(data)] = data
+            got += len(data)
+    assert got == nbytes
+
+
+def best_of(runs: int, fn) -> float:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--serve", nargs=3, metavar=("KIND", "PORT", "BYTES"))
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
+        return
+    mb = 96 if args.quick else 512
+    nbytes = mb << 20
+    runs = 2 if args.quick else 3
+    results: dict[str, float] = {}
+    receivers = {"socket": lambda p: recv_socket(p, nbytes),
+                 "asyncio": lambda p: asyncio.run(recv_asyncio(p, nbytes)),
+                 "aiohttp": lambda p: asyncio.run(recv_aiohttp(p, nbytes)),
+                 "grpc": lambda p: asyncio.run(recv_grpc(p, nbytes))}
+    for kind, receive in receivers.items():
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port), str(nbytes)])
+        try:
+            for _ in range(600):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            time.sleep(0.2)
+            results[kind] = best_of(runs, lambda: receive(port))
+        finally:
+            proc.kill()
+            proc.wait()
+
+    from rlharvest.services.transfer_agent.client import publish, pull
+    stack = local_stack()
+    try:
+        endpoint, _ = start_agent(stack, "bench-agent", "--memory-budget-bytes", str(4 * nbytes))
+        # A model-like version: 64 tensors of bf16.
+        n = nbytes // 2 // 64
+        tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(n).to(torch.bfloat16)
+                   for i in range(64)}
+        asyncio.run(publish(endpoint, "bench", 1, tensors))
+        asyncio.run(pull(endpoint, "bench", version=1, decode=False))  # warm: encode + pack cache
+        results["agent"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench", version=1,
+                                                                   decode=False)))
+        results["agent+decode"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench",
+                                                                          version=1)))
+    finally:
+        stack.stop()
+
+    base = results["socket"]
+    names = {"socket": "raw socket (baseline)", "asyncio": "asyncio streams", "aiohttp": "aiohttp",
+             "grpc": "grpc.aio stream (16 MB msgs)", "agent": "agent pull (transport + bucket CRC)",
+             "agent+decode": "agent pull + decode + tensor CRC"}
+    lines = [f"# transfer_data_path: dense pull over loopback vs raw socket\n",
+             f"`python bench/transfer_data_path.py{' --quick' if args.quick else ''}` — {mb} MB, "
+             f"best of {runs}; servers in separate processes; {os.cpu_count()} cores, load "
+             f"average {os.getloadavg()[0]:.1f} (shared box).\n",
+             "| path | seconds | GB/s | vs raw socket |", "|---|---|---|---|"]
+    for key, seconds in results.items():
+        lines.append(f"| {names[key]} | {seconds:.3f} | {nbytes / seconds / 1e9:.2f} | "
+                     f"{base / seconds:.2f} |")
+    write_results("transfer_data_path" + ("_quick" if args.quick else ""), "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

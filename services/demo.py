@@ -1,0 +1,309 @@
+"""`make run`: the whole local stack trains the tiny model, with a spot worker preempted mid-step.
+
+etcd, a transfer agent, the rollout manager, rollout workers (one of them spot) and the trainer
+run as separate processes, exactly as `rlharvest up` starts them. A schedule SIGKILLs the spot
+worker in the middle of a step (the manager migrates its requests, no token lost) and later starts
+a new spot process, which joins while a step runs and takes requests once it pulled the current
+weight version. Ends with a table per step and a PNG plot of reward and throughput.
+
+    python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+import grpc
+
+from rlharvest.common import rpc
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
+from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
+from rlharvest.services.launcher import LocalStack, ServiceProcess
+
+app = typer.Typer(add_completion=False, help=__doc__)
+console = Console()
+_POLL_S = 0.05
+
+
+# ---- the preemption schedule (pure) ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kill:
+    step: int
+
+
+@dataclass(frozen=True)
+class Replace:
+    step: int
+
+
+@dataclass
+class PreemptionSchedule:
+    """SIGKILL the spot worker mid-step in each of the ``kill_at`` steps (or the first later step
+    in which it holds requests: a kill that hits no request shows nothing); ``replace_after``
+    steps later start a new spot process, which joins while a step runs."""
+
+    kill_at: tuple[int, ...]
+    replace_after: int
+    _killed: dict[int, int] = field(default_factory=dict)  # scheduled step -> step killed in
+    _replaced: set[int] = field(default_factory=set)
+
+    def decide(self, step: int, spot_assigned: int) -> list[Kill | Replace]:
+        """``spot_assigned``: requests the live spot worker holds now (0 when there is none)."""
+        actions: list[Kill | Replace] = []
+        for k in self.kill_at:
+            if k not in self._killed and step >= k and spot_assigned > 0 and \
+                    len(self._killed) == len(self._replaced):  # the previous one was replaced
+                self._killed[k] = step
+                actions.append(Kill(step))
+                spot_assigned = 0
+            elif k in self._killed and k not in self._replaced and \
+                    step >= self._killed[k] + self.replace_after:
+                self._replaced.add(k)
+                actions.append(Replace(step))
+                spot_assigned = 0  # the new process holds nothing yet
+        return actions
+
+
+def parse_steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    except ValueError:
+        raise typer.BadParameter(f"--preempt-at {text!r}: give step numbers like 4,9") from None
+    if any(s < 1 for s in steps):
+        raise typer.BadParameter("--preempt-at: steps start at 1")
+    return steps
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    stack: LocalStack
+    trainer_endpoint: str
+    manager_endpoint: str
+    spot: ServiceProcess | None
+    worker_flags: list[str]
+    events: dict[int, list[str]] = field(default_factory=dict)
+    spot_generation: int = 0
+
+    def note(self, step: int, text: str) -> None:
+        self.events.setdefault(step, []).append(text)
+
+
+def _start_stack(log_dir: Path, args: dict) -> Run:
+    stack = LocalStack(log_dir)
+    stack.start_etcd()
+    common = ["--lease-ttl", "2", "--json-logs"]
+    stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *common])
+    manager_port = free_port()
+    stack.start("rollout_manager", "manager", ["--manager-id", "manager-0", "--port",
+                                               str(manager_port), "--stall-timeout-s", "5",
+                                               *common])
+    # A few slots per worker, so every step's requests spread over all workers in waves.
+    worker_flags = ["--torch-threads", "1", "--job", "default", "--agent-pull",
+                    "--max-running", str(args["max_running"]),
+                    "--step-delay-s", str(args["step_delay_s"]), *common]
+    for i in range(args["workers"] - 1):
+        stack.start("rollout_worker", f"worker-{i}", ["--worker-id", f"worker-{i}", *worker_flags])
+    spot = stack.start("rollout_worker", "spot-0", ["--worker-id", "spot-0", "--kind", "spot",
+                                                    *worker_flags])
+    port = free_port()
+    stack.start("trainer", "trainer", [
+        "--trainer-id", "trainer-0", "--port", str(port), "--steps", str(args["steps"]),
+        "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
+        "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
+        "--torch-threads", "1", "--no-exit-when-done", *common])
+    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, worker_flags)
+
+
+async def _status(stub, timeout: float = 2.0) -> tpb.TrainerStatus | None:
+    try:
+        return await stub.GetStatus(tpb.TrainerStatusRequest(), timeout=timeout)
+    except Exception:  # noqa: BLE001 - still starting: the caller polls again
+        return None
+
+
+async def _drive(run: Run, schedule: PreemptionSchedule, steps: int,
+                 timeout: float) -> tpb.TrainerStatus:
+    deadline = time.monotonic() + timeout
+    progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed:.0f}/{task.total:.0f} completions"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    bars: dict[int, int] = {}
+    known_spots: set[str] = set()
+    async with rpc.channel(run.trainer_endpoint) as chan, \
+            rpc.channel(run.manager_endpoint) as manager_chan:
+        stub = trainer_pb2_grpc.TrainerStub(chan)
+        manager = rollout_manager_pb2_grpc.RolloutManagerStub(manager_chan)
+        with progress:
+            starting = progress.add_task("starting the stack", total=1, info="")
+            while True:
+                _check_alive(run)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the demo did not finish within {timeout:.0f}s; logs "
+                                       f"in {run.stack.log_dir}")
+                st = await _status(stub)
+                if st is None or st.state == "starting":
+                    await asyncio.sleep(0.2)
+                    continue
+                progress.update(starting, visible=False)
+                cur = st.current
+                for done in st.steps:  # close the bars of finished steps
+                    bar = bars.get(done.step)
+                    if bar is not None and not progress.tasks[bar].finished:
+                        progress.update(bar, completed=progress.tasks[bar].total,
+                                        info=f"reward {done.mean_reward:.3f}")
+                        progress.stop_task(bar)
+                if cur.step and cur.step not in bars and st.state == "training":
+                    bars[cur.step] = progress.add_task(
+                        f"step {cur.step:>3}/{steps} v{cur.weight_version}",
+                        total=cur.samples, info="")
+                if cur.step in bars and st.state == "training":
+                    progress.update(bars[cur.step], completed=cur.completions,
+                                    info=f"{cur.phase}, {cur.tokens_generated} tokens")
+                await _preempt(run, schedule, cur, manager, known_spots)
+                if st.state in ("done", "failed"):
+                    return st
+                await asyncio.sleep(_POLL_S)
+
+
+async def _preempt(run: Run, schedule: PreemptionSchedule, cur: tpb.StepProgress, manager,
+                   known_spots: set[str]) -> None:
+    try:
+        workers = (await manager.GetStatus(mpb.GetStatusRequest(), timeout=2)).workers
+    except grpc.aio.AioRpcError:
+        return
+    spot = run.spot.name if run.spot is not None and run.spot.alive() else ""
+    assigned = next((w.assigned for w in workers if w.worker_id == spot and w.state == "healthy"),
+                    0)
+    for action in schedule.decide(cur.step, assigned):
+        if isinstance(action, Kill) and run.spot is not None:
+            run.spot.kill()
+            run.note(action.step, f"SIGKILL {run.spot.name} ({assigned} held)")
+            console.log(f"[red]preempted[/] {run.spot.name} (SIGKILL) in step {action.step}, "
+                        f"holding {assigned} requests, {cur.completions}/{cur.samples} done")
+        elif isinstance(action, Replace):
+            run.spot_generation += 1
+            name = f"spot-{run.spot_generation}"
+            run.spot = run.stack.start("rollout_worker", name, [
+                "--worker-id", name, "--kind", "spot", *run.worker_flags])
+            run.note(action.step, f"start {name}")
+            console.log(f"[green]replacement[/] {name} starting during step {action.step}")
+    for w in workers:  # a replacement joins the manager once it pulled the current version
+        if w.worker_id.startswith("spot-") and w.worker_id != "spot-0" and \
+                w.worker_id not in known_spots and w.weight_version == cur.weight_version:
+            known_spots.add(w.worker_id)
+            run.note(cur.step, f"{w.worker_id} joined at {cur.completions}/{cur.samples}")
+            console.log(f"{w.worker_id} joined on version {w.weight_version} during step "
+                        f"{cur.step} ({cur.phase}, {cur.completions}/{cur.samples} completions)")
+
+
+def _check_alive(run: Run) -> None:
+    for proc in run.stack.processes:
+        if not proc.alive() and proc is not run.spot and not proc.name.startswith("spot-"):
+            raise RuntimeError(f"{proc.name} exited unexpectedly:\n{proc.log_tail(30)}")
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def _table(status: tpb.TrainerStatus, events: dict[int, list[str]]) -> Table:
+    table = Table(title="rlharvest demo: one GRPO step per row")
+    for column in ("step", "version", "reward", "time s", "tokens/s", "micro", "migr",
+                   "events"):
+        table.add_column(column, justify="right" if column != "events" else "left")
+    for s in status.steps:
+        table.add_row(str(s.step), str(s.weight_version), f"{s.mean_reward:.3f}",
+                      f"{s.step_time_s:.2f}", f"{s.tokens_per_second:.0f}", str(s.micro_batches),
+                      str(s.migrations), "; ".join(events.get(s.step, [])))
+    return table
+
+
+def _plot(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s.step for s in status.steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [s.mean_reward for s in status.steps], marker="o")
+    top.set_ylabel("mean reward")
+    top.set_title("GRPO on the addition task (tiny Qwen3, CPU)")
+    bottom.bar(steps, [s.tokens_per_second for s in status.steps], color="tab:green")
+    bottom.set_ylabel("tokens trained / s")
+    bottom.set_xlabel("step")
+    for step, texts in events.items():
+        if any("SIGKILL" in t for t in texts):
+            for ax in (top, bottom):
+                ax.axvline(step, color="tab:red", linestyle="--", linewidth=1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@app.command()
+def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
+         workers: int = typer.Option(3, min=2, help="rollout workers, the spot worker included"),
+         prompts: int = typer.Option(8, min=1, help="P0: prompts per step"),
+         samples: int = typer.Option(8, min=2, help="R0: samples per prompt"),
+         lr: float = typer.Option(1e-2, help="learning rate"),
+         preempt_at: str = typer.Option("3,14", help="steps in which the spot worker is "
+                                                     "SIGKILLed mid-step; '' for none"),
+         replace_after: int = typer.Option(1, min=1, help="steps after a kill until a new spot "
+                                                          "process starts"),
+         max_running: int = typer.Option(8, min=1, help="requests a worker runs at once"),
+         step_delay_s: float = typer.Option(0.05, min=0.0, help="emulate slower accelerators: "
+                                                                "seconds each engine step sleeps"),
+         backend: str = typer.Option("deepspeed", help="trainer backend: deepspeed or torch"),
+         out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
+         log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
+         timeout: float = typer.Option(600.0, help="give up after this many seconds")) -> None:
+    """Run the demo and print a table per step; the plot goes to OUT/demo.png."""
+    schedule = PreemptionSchedule(parse_steps(preempt_at), replace_after)
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-demo-"))
+    console.print(f"[bold]rlharvest demo[/]: {steps} steps of {prompts}x{samples} samples, "
+                  f"{workers} workers (1 spot), spot preempted in steps {preempt_at or 'none'}; "
+                  f"logs in {log_dir}")
+    started = time.monotonic()
+    run = _start_stack(log_dir, dict(workers=workers, steps=steps, prompts=prompts,
+                                     samples=samples, lr=lr, backend=backend, max_running=max_running,
+                                     step_delay_s=step_delay_s))
+    try:
+        status = asyncio.run(_drive(run, schedule, steps, timeout))
+    finally:
+        run.stack.stop()
+    if status.state == "failed":
+        console.print(f"[bold red]training failed[/]: {status.error}; logs in {log_dir}")
+        raise typer.Exit(1)
+    console.print(_table(status, run.events))
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(status, run.events, out / "demo.png")
+    (out / "steps.json").write_text(json.dumps([
+        {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
+         "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
+         "migrations": s.migrations, "events": run.events.get(s.step, [])}
+        for s in status.steps], indent=1))
+    rewards = [s.mean_reward for s in status.steps]
+    k = min(3, len(rewards) // 2)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
+                  f"{sum(s.migrations for s in status.steps)} migrations; "
+                  f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+
+
+if __name__ == "__main__":
+    app()

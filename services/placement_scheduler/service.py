@@ -1,0 +1,415 @@
+"""The placement scheduler's async shell: RPCs in, ``PlacementControl`` (pure, control.py) decides,
+``PlacementStore`` persists every change to etcd before the reply goes out. No policy lives here.
+
+Only the leader (etcd election) holds a ``PlacementControl``; a standby answers UNAVAILABLE with
+the leader's address. Calls that change state run one at a time under a lock, and the reply is
+sent only after the change is in etcd: a scheduler killed at any point leaves etcd holding
+either the state before the call or after it, and the client's retry (same job, phase and
+iteration) gets the same answer from whichever scheduler leads next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from rlharvest.common import keys
+from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
+from rlharvest.services.placement_scheduler import metrics
+from rlharvest.services.placement_scheduler.config import PlacementConfig
+from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
+from rlharvest.services.placement_scheduler.model import Pool
+from rlharvest.services.placement_scheduler.store import DeposedError, PlacementStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
+          "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+          "exists": grpc.StatusCode.ALREADY_EXISTS,
+          "not_found": grpc.StatusCode.NOT_FOUND,
+          "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+_PHASES = {pb.PHASE_ROLLOUT: Pool.ROLLOUT, pb.PHASE_TRAIN: Pool.TRAIN}
+_TO_PB = {Pool.ROLLOUT: pb.PHASE_ROLLOUT, Pool.TRAIN: pb.PHASE_TRAIN}
+_WRITE_ATTEMPTS = 3
+
+
+def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) -> PlacementControl:
+    return PlacementControl({pool: cfg.node_names(pool) for pool in Pool},
+                            cfg.pool_spec(Pool.ROLLOUT), cfg.pool_spec(Pool.TRAIN),
+                            iterations=cfg.iterations, tail_threshold=cfg.tail_threshold,
+                            requests_per_node=cfg.requests_per_node,
+                            min_keep_nodes=cfg.min_keep_nodes,
+                            drift_tolerance=cfg.drift_tolerance, clock=clock)
+
+
+class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
+    def __init__(self, cfg: PlacementConfig, etcd: Any, endpoint: str) -> None:
+        self._cfg = cfg
+        self._etcd = etcd
+        self.endpoint = endpoint
+        self.control: PlacementControl | None = None  # None while standing by
+        self._store: PlacementStore | None = None
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()  # replaced after every change; long-polls wait on it
+        self.deposed = asyncio.Event()
+        self.accepting = True
+
+    # ---- leadership ----------------------------------------------------------------------------
+
+    async def lead(self, fence_key: str) -> int:
+        """Take over: rebuild the state from etcd, fail jobs whose client lease ran out while no
+        scheduler watched, and start answering. Returns the revision to watch liveness from."""
+        store = PlacementStore(self._etcd, fence_key)
+        snapshot = await store.load()
+        control = new_control(self._cfg)
+        control.restore(snapshot.records)
+        self._store, self.control = store, control
+        async with self._lock:
+            for job_id in control.expired(snapshot.alive):
+                log.warning("job %s: client lease expired while no scheduler led; it leaves its "
+                            "group", job_id)
+                control.cancel(job_id, "failed")
+                metrics.DEPARTURES.labels("failed").inc()
+            await self._persist()
+        metrics.LEADER.set(1)
+        self._update_gauges()
+        log.info("leading with %d groups and %d jobs restored from etcd",
+                 len(control.scheduler.groups), len(control.jobs))
+        return snapshot.revision
+
+    async def watch_liveness(self, start_revision: int) -> None:
+        """A job whose client lease expires has failed: it leaves its group."""
+        prefix = keys.placement_alive_prefix()
+        revision = start_revision + 1
+        while True:
+            try:
+                watch = await self._etcd.watch_prefix(prefix.encode(), start_revision=revision)
+                try:
+                    async for event in watch:
+                        revision = event.kv.mod_revision + 1
+                        if event.kind == "DELETE":
+                            await self._job_lost(event.kv.key.decode().removeprefix(prefix))
+                finally:
+                    await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except DeposedError:
+                raise
+            except Exception as exc:  # watch broke (etcd restart, compaction): re-list
+                log.warning("liveness watch broke (%r); re-listing", exc)
+                await asyncio.sleep(0.5)
+                found = await self._etcd.get_prefix(prefix.encode())
+                revision = found.header.revision + 1
+                alive = {kv.key.decode().removeprefix(prefix) for kv in found}
+                for job_id in self.control.expired(alive) if self.control else []:
+                    await self._job_lost(job_id)
+
+    async def check_fence(self, fence_key: str) -> None:
+        """Stop at once if our election key is gone even while no write would notice."""
+        while True:
+            await asyncio.sleep(max(self._cfg.lease_ttl / 2, 0.5))
+            if await self._etcd.get(fence_key.encode()) is None:
+                self._fatal(DeposedError(f"election key {fence_key} is gone"))
+                return
+
+    async def _job_lost(self, job_id: str) -> None:
+        async with self._lock:
+            control = self.control
+            if control is None or job_id not in control.jobs or not control.jobs[job_id].lease_id:
+                return
+            if await self._etcd.get(keys.placement_alive_key(job_id).encode()) is not None:
+                return  # a resubmission already put a fresh liveness key
+            log.warning("job %s failed (client lease expired); it leaves group %s", job_id,
+                        control.jobs[job_id].group_id)
+            control.cancel(job_id, "failed")
+            metrics.DEPARTURES.labels("failed").inc()
+            await self._persist()
+        self._notify()
+
+    # ---- the one path that changes state -------------------------------------------------------
+
+    async def _mutate(self, context: grpc.aio.ServicerContext,
+                      change: Callable[[PlacementControl], T]) -> T:
+        # Shielded: a client hanging up mid-write must not leave memory ahead of etcd.
+        return await asyncio.shield(self._apply(context, change))
+
+    async def _apply(self, context: grpc.aio.ServicerContext,
+                     change: Callable[[PlacementControl], T]) -> T:
+        async with self._lock:
+            control = await self._leader(context)
+            try:
+                result = change(control)
+            except Refusal as exc:
+                await context.abort(_CODES[exc.kind], str(exc))
+            await self._persist(context)
+        self._notify()
+        return result
+
+    async def _persist(self, context: grpc.aio.ServicerContext | None = None) -> None:
+        """Write the changed records; on failure put the state back as etcd holds it."""
+        control, store = self.control, self._store
+        assert control is not None and store is not None
+        leases = {j: r.lease_id for j, r in control.jobs.items()}
+        error: Exception | None = None
+        for attempt in range(1, _WRITE_ATTEMPTS + 1):
+            started = time.perf_counter()
+            try:
+                await store.save(control.records(), leases)
+                metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
+                self._update_gauges()
+                return
+            except DeposedError as exc:
+                self._fatal(exc)
+                error = exc
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("etcd write failed (attempt %d/%d): %r", attempt, _WRITE_ATTEMPTS,
+                            exc)
+                error = exc
+                if "lease not found" in str(exc):
+                    break  # a client lease that expired meanwhile: retrying cannot help
+                await asyncio.sleep(0.1 * attempt)
+        # Roll back to what etcd holds so memory never runs ahead of it.
+        rebuilt = new_control(self._cfg)
+        rebuilt.restore(store.persisted)
+        self.control = rebuilt
+        if context is not None:
+            if self.deposed.is_set():
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "this scheduler lost leadership; ask the new leader")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"could not persist the change to etcd ({error!r}); nothing "
+                                "changed, retry the call")
+        raise RuntimeError(f"could not persist placement state: {error!r}")
+
+    def _fatal(self, exc: Exception) -> None:
+        log.error("%s; stopping", exc)
+        self.accepting = False
+        self.deposed.set()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _leader(self, context: grpc.aio.ServicerContext) -> PlacementControl:
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down; retry "
+                                "against the next leader")
+        if self.control is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.endpoint} is a "
+                                "standby; find the leader under the etcd election "
+                                f"{keys.election_prefix(keys.PLACEMENT_ELECTION)}")
+        return self.control
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context) -> pb.JobPlacement:
+        job = request.job
+        spec = {"job_id": job.job_id, "t_roll": job.t_roll_s, "t_train": job.t_train_s,
+                "slo": job.slo or 1.0, "rollout_nodes": job.rollout_nodes or 1,
+                "train_nodes": job.train_nodes or 1, "rollout_mem_gb": job.rollout_mem_gb,
+                "train_mem_gb": job.train_mem_gb}
+        await self._leader(context)
+        if request.lease_id > 0 and not await self._store.lease_alive(request.lease_id):
+            metrics.SUBMISSIONS.labels("lease_expired").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"job {job.job_id!r}: etcd lease {request.lease_id:x} does not "
+                                "exist or expired; submit with a live lease of the job's client")
+
+        def submit(control: PlacementControl):
+            try:
+                return control.submit(spec, request.lease_id, request.start_iteration)
+            except Refusal as exc:
+                metrics.SUBMISSIONS.labels(exc.kind).inc()
+                raise
+
+        admission = await self._mutate(context, submit)
+        metrics.SUBMISSIONS.labels(admission.decision.strategy.value).inc()
+        metrics.DECISION_SECONDS.observe(admission.decision_s)
+        log.info("job %s placed (%s) in group %s on rollout %s, train %s", job.job_id,
+                 admission.decision.strategy.value, self.control.jobs[job.job_id].group_id,
+                 admission.rollout_node_ids, admission.train_node_ids)
+        return self._placement(job.job_id)
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.CancelJobReply:
+        cause = "cancelled"
+        released = await self._mutate(context, lambda c: c.cancel(request.job_id, cause))
+        metrics.DEPARTURES.labels(cause).inc()
+        log.info("job %s cancelled (%s); released %s", request.job_id,
+                 request.reason or "no reason given", released)
+        return pb.CancelJobReply(released_node_ids=released)
+
+    async def GetPlacement(self, request: pb.GetPlacementRequest, context) -> pb.JobPlacement:
+        control = await self._leader(context)
+        try:
+            control.record(request.job_id)
+        except Refusal as exc:
+            await context.abort(_CODES[exc.kind], str(exc))
+        return self._placement(request.job_id)
+
+    def _placement(self, job_id: str) -> pb.JobPlacement:
+        record = self.control.record(job_id)
+        rollout, train = self.control.placement(job_id)
+        return pb.JobPlacement(job_id=job_id, group_id=record.group_id, strategy=record.strategy,
+                               rollout_node_ids=rollout, train_node_ids=train,
+                               marginal_cost_per_hour=record.marginal_cost_per_hour,
+                               predicted_iteration_s=record.predicted_iteration_s)
+
+    async def AcquirePermit(self, request: pb.AcquirePermitRequest, context) -> pb.PermitReply:
+        phase, wait_s = await self._permit_args(request, context)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            changed = self._changed
+            permit = await self._mutate(
+                context, lambda c: c.acquire(request.job_id, phase, request.iteration))
+            if permit is not None:
+                metrics.PERMITS.labels(phase.value, "granted").inc()
+                return pb.PermitReply(granted=True, permit=pb.PhasePermit(
+                    job_id=permit.job_id, phase=_TO_PB[permit.phase], iteration=permit.iteration,
+                    node_ids=permit.node_ids, pending_node_ids=permit.pending_node_ids,
+                    granted_at_unix=permit.granted_at))
+            if not await self._wait(changed, deadline):
+                return pb.PermitReply(granted=False,
+                                      waiting_for=self.control.waiting_for(request.job_id))
+
+    async def ReleasePermit(self, request: pb.ReleasePermitRequest,
+                            context) -> pb.ReleasePermitReply:
+        phase, wait_s = await self._permit_args(request, context)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            changed = self._changed
+            outcome = await self._mutate(
+                context, lambda c: c.release(request.job_id, phase, request.iteration))
+            if outcome.released or outcome.already_released:
+                if outcome.released:
+                    metrics.PERMITS.labels(phase.value, "released").inc()
+                if outcome.evicted:
+                    metrics.DEPARTURES.labels("drift").inc()
+                    log.warning(outcome.message)
+                return pb.ReleasePermitReply(released=outcome.released,
+                                             already_released=outcome.already_released,
+                                             evicted=outcome.evicted, message=outcome.message)
+            if not await self._wait(changed, deadline):
+                return pb.ReleasePermitReply(released=False, message=outcome.message)
+
+    async def _permit_args(self, request, context) -> tuple[Pool, float]:
+        if request.phase not in _PHASES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"phase must be PHASE_ROLLOUT or PHASE_TRAIN, got {request.phase}")
+        if request.iteration < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"iteration must be >= 0, got {request.iteration}")
+        if not request.wait_s >= 0:  # also refuses NaN
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"wait_s must be >= 0, got {request.wait_s}")
+        return _PHASES[request.phase], min(request.wait_s or self._cfg.max_wait_s,
+                                           self._cfg.max_wait_s)
+
+    async def _wait(self, changed: asyncio.Event, deadline: float) -> bool:
+        """Wait for the next state change; False once the deadline passed."""
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        try:
+            await asyncio.wait_for(changed.wait(), left)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def ReportProgress(self, request: pb.RolloutProgressReport,
+                             context) -> pb.RolloutProgressReply:
+        by_node: dict[str, int] = {}
+        for row in request.unfinished_by_node:
+            if row.node_id in by_node:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"node {row.node_id!r} is reported twice")
+            by_node[row.node_id] = row.unfinished
+        plan = await self._mutate(context, lambda c: c.progress(
+            request.job_id, request.iteration, request.total_responses,
+            request.finished_responses, by_node, request.requests_per_node))
+        if plan is None:
+            return pb.RolloutProgressReply(migrate=False)
+        log.info("job %s rollout #%d is tail-bound: keeps %s, frees %s for the next rollout",
+                 request.job_id, request.iteration, plan.keep_node_ids, plan.freed_node_ids)
+        return pb.RolloutProgressReply(migrate=True, migration=pb.TailMigration(
+            keep_node_ids=plan.keep_node_ids, freed_node_ids=plan.freed_node_ids,
+            moves=[pb.TailRequestMove(from_node_id=a, to_node_id=b, requests=n)
+                   for a, b, n in plan.moves]))
+
+    async def ListState(self, request: pb.ListPlacementStateRequest,
+                        context) -> pb.PlacementState:
+        control = await self._leader(context)
+        scheduler = control.scheduler
+        state = pb.PlacementState(cost_per_hour=scheduler.cost_per_hour(),
+                                  tail_migrations=control.stats.tail_migrations,
+                                  bubble_node_seconds_reclaimed=control.stats.bubble_node_seconds,
+                                  slo_attainment=control.stats.slo_attainment,
+                                  leader=self.endpoint)
+        node_group: dict[str, str] = {}
+        for group in scheduler.groups.values():
+            node_group.update({n: group.group_id for n in (*group.rollout_nodes,
+                                                           *group.train_nodes)})
+            state.groups.append(pb.CoExecGroup(
+                group_id=group.group_id, job_ids=list(group.jobs),
+                rollout_node_ids=list(group.rollout_nodes), train_node_ids=list(group.train_nodes),
+                t_cycle_s=group.t_cycle, t_load_s=group.t_load, saturated=group.saturated,
+                cost_per_hour=group.cost_per_hour))
+        for job_id, record in control.jobs.items():
+            queues = control.queues[record.group_id]
+            phase, iteration, status = queues.next_phase(job_id)
+            held = [n for n, h in queues.holders().items() if h == job_id]
+            rollout, train = control.placement(job_id)
+            measured = record.slo_met + record.slo_missed
+            state.jobs.append(pb.PlacedJob(
+                job_id=job_id, group_id=record.group_id, rollout_node_ids=rollout,
+                train_node_ids=train, next_phase=_TO_PB[phase], iteration=iteration,
+                status=status, held_node_ids=held, iterations_done=record.iterations_done,
+                slo_attainment=record.slo_met / measured if measured else 1.0))
+        for pool in Pool:
+            for node_id in scheduler.names[pool]:
+                group_id = node_group.get(node_id, "")
+                queue = pb.NodePhaseQueue(node_id=node_id, pool=pool.value, group_id=group_id)
+                if group_id:
+                    queues = control.queues[group_id]
+                    queue.job_ids.extend(queues.to_dict()["cycle"].get(node_id, []))
+                    queue.turn = queues.turn(node_id) or ""
+                    queue.holder = queues.holders().get(node_id) or ""
+                state.queues.append(queue)
+        for pool, (nodes, allocated, busy) in control.pool_usage().items():
+            spec = scheduler.rollout_pool if pool is Pool.ROLLOUT else scheduler.train_pool
+            state.pools.append(pb.PoolUtilisation(pool=pool.value, gpu=spec.gpu, nodes=nodes,
+                                                  allocated=allocated, busy=busy))
+        return state
+
+    # ---- observability -------------------------------------------------------------------------
+
+    def _update_gauges(self) -> None:
+        control = self.control
+        if control is None:
+            return
+        metrics.GROUPS.set(len(control.scheduler.groups))
+        metrics.JOBS.set(len(control.jobs))
+        metrics.COST.set(control.scheduler.cost_per_hour())
+        for pool, (nodes, allocated, busy) in control.pool_usage().items():
+            metrics.POOL_NODES.labels(pool.value, "free").set(nodes - allocated)
+            metrics.POOL_NODES.labels(pool.value, "allocated").set(allocated)
+            metrics.POOL_NODES.labels(pool.value, "busy").set(busy)
+            metrics.POOL_UTILISATION.labels(pool.value).set(busy / allocated if allocated else 0)
+        metrics.TAIL_MIGRATIONS.set(control.stats.tail_migrations)
+        metrics.BUBBLES_RECLAIMED.set(control.stats.bubble_node_seconds)
+        metrics.SLO_ATTAINMENT.set(control.stats.slo_attainment)
+
+    def health(self) -> dict:
+        control = self.control
+        return {"status": "ok" if not self.deposed.is_set() else "deposed",
+                "role": "leader" if control is not None else "standby",
+                "groups": len(control.scheduler.groups) if control else 0,
+                "jobs": len(control.jobs) if control else 0}

@@ -1,0 +1,209 @@
+"""The worker side of weight transfer (RLBoost §4.3, ROSE §4.2): pair with a transfer agent,
+watch the job's announced version, and pull every newer version — as a sparse delta against the
+version this worker holds when its agent still has that one — then load it between engine steps.
+
+A pull that fails (the agent died mid-pull, data stayed damaged) is retried from another agent
+whose holder record lists the version. With no agent registered the worker keeps serving what it
+has and waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aetcd
+import grpc
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from rlharvest.common import keys, registry
+from rlharvest.services.rollout_worker.engine import EngineInputError
+from rlharvest.services.rollout_worker.service import WorkerService
+from rlharvest.services.transfer_agent.bucketing import ManifestError
+from rlharvest.services.transfer_agent.client import (
+    PullError,
+    PullResult,
+    holders,
+    pull,
+    weights_fingerprint,
+)
+from rlharvest.services.transfer_agent.replication import pick_agent
+
+log = logging.getLogger(__name__)
+
+PULLS = Counter("rlh_worker_pulls_total", "Weight pulls completed", ["kind"])  # dense|delta
+PULL_BYTES = Counter("rlh_worker_pull_bytes_total", "Weight bytes pulled")
+PULL_SECONDS = Histogram("rlh_worker_pull_seconds", "Announcement seen to version loaded",
+                         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+PULL_FAILOVERS = Counter("rlh_worker_pull_failovers_total", "Pulls retried at another agent")
+REJECTED_BUCKETS = Counter("rlh_worker_pull_rejected_buckets_total",
+                           "Buckets that failed their checksum and were pulled again")
+DELTA_RATIO = Gauge("rlh_worker_pull_delta_ratio", "Pulled / dense bytes of the last pull")
+FINGERPRINT = Gauge("rlh_worker_weights_fingerprint", "client.weights_fingerprint of the pulled "
+                    "weights (CRC-32 of names and tensor checksums)")
+PULLING = Gauge("rlh_worker_pull_in_progress", "1 while a pull is under way")
+
+_POLL_S = 1.0  # a missed watch event costs at most this
+_RETRY_S = 0.5
+
+
+class Puller:
+    def __init__(self, etcd, service: WorkerService, worker_id: str, job: str, *,
+                 tp_rank: int = 0, tp_size: int = 1, lease_ttl: int = 5,
+                 streams: int = 4) -> None:
+        self.etcd = etcd
+        self.service = service
+        self.worker_id = worker_id
+        self.job = job
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.lease_ttl = lease_ttl
+        self.streams = streams
+        self.held: dict[str, torch.Tensor] = {}  # the tensors of held_version, as pulled
+        self.held_version: int | None = None
+        self.paired: str | None = None  # agent id
+        self._refused: set[int] = set()  # versions the engine refused: wait for the next one
+        self._wake = asyncio.Event()
+        self._lease = None
+
+    async def run(self) -> None:
+        watcher = asyncio.create_task(self._watch(), name="announcement watch")
+        try:
+            while True:
+                try:
+                    if not await self._step():
+                        await asyncio.sleep(_RETRY_S)
+                        continue
+                except (aetcd.ClientError, ConnectionError, OSError) as exc:  # etcd hiccup
+                    log.warning("weight puller: %r; retrying", exc)
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            watcher.cancel()
+            if self._lease is not None:
+                try:
+                    await self._lease.revoke()  # the pairing record goes with it
+                except Exception as exc:
+                    log.warning("could not drop pairing record: %r", exc)
+
+    async def _step(self) -> bool:
+        """Pull the announced version if it is newer than the held one; False to retry soon."""
+        announced = await registry.get_versioned(self.etcd, keys.weights_announced_key(self.job))
+        version = announced["version"] if announced else None
+        if version is None or version in self._refused or \
+                (self.held_version is not None and version <= self.held_version):
+            return True
+        return await self._pull(version)
+
+    async def _watch(self) -> None:
+        key = keys.weights_announced_key(self.job).encode()
+        while True:
+            try:
+                watch = await self.etcd.watch(key)
+                try:
+                    async for _ in watch:
+                        self._wake.set()
+                finally:
+                    await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("announcement watch broke (%r); polling until it is back", exc)
+                await asyncio.sleep(_POLL_S)
+
+    async def _pair(self, agents: dict[str, dict]) -> str | None:
+        """Keep the paired agent while it lives; otherwise take the least-paired live one and
+        record the pairing under this worker's own lease."""
+        if self.paired is not None and self.paired in agents:
+            return self.paired
+        found = await self.etcd.get_prefix(keys.pairing_key("x")[:-1].encode())
+        pairings = {kv.key.decode().rsplit("/", 1)[-1]: json.loads(kv.value)["agent_id"]
+                    for kv in found}
+        pairings.pop(self.worker_id, None)
+        choice = pick_agent(agents, pairings)
+        if choice is None:
+            return None
+        if self._lease is None:
+            self._lease = await self.etcd.lease(self.lease_ttl)
+            asyncio.create_task(self._keepalive(), name="pairing lease")
+        await self.etcd.put(keys.pairing_key(self.worker_id).encode(), json.dumps({
+            "agent_id": choice, "endpoint": agents[choice]["endpoint"], "job": self.job}).encode(),
+            lease=self._lease)
+        if self.paired is not None:
+            log.warning("paired agent %s is gone; paired with %s", self.paired, choice)
+        else:
+            log.info("paired with transfer agent %s", choice)
+        self.paired = choice
+        return choice
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.lease_ttl / 3, 0.2))
+            try:
+                await self._lease.refresh()
+            except Exception as exc:
+                log.warning("pairing lease refresh failed: %r", exc)
+
+    async def _pull(self, version: int) -> bool:
+        """Pull ``version`` from the paired agent, else from any agent holding it; load it.
+        Returns False when no agent could serve it yet (the caller retries)."""
+        members = await registry.list_members(self.etcd, "transfer_agent")
+        agents = {info["agent_id"]: info for info in members.values() if "agent_id" in info}
+        records = await holders(self.etcd, self.job)
+        # Pair among the agents that serve this job when some do (a pairing to an agent that
+        # never holds the job's weights would make every pull a failover).
+        serving = {a: info for a, info in agents.items() if a in records} or agents
+        paired = await self._pair(serving)
+        if paired is None:
+            log.info("no transfer agent registered; keeping version %s", self.held_version)
+            return False
+        order = [paired] + sorted(a for a, r in records.items()
+                                  if a != paired and a in agents and version in r.get("versions", ()))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        PULLING.set(1)
+        try:
+            for attempt, agent in enumerate(order):
+                if attempt:
+                    PULL_FAILOVERS.inc()
+                try:
+                    result = await pull(agents[agent]["endpoint"], self.job, version=version,
+                                        held=self.held, held_version=self.held_version,
+                                        tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                        streams=self.streams)
+                except (grpc.aio.AioRpcError, PullError, ManifestError) as exc:
+                    what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    log.warning("pull of version %d from agent %s failed: %s", version, agent, what)
+                    continue
+                await self._load(result, agent, loop.time() - started)
+                return True
+            return False
+        finally:
+            PULLING.set(0)
+
+    async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
+        try:
+            await self.service.load_weights_tensors(result.tensors, result.version)
+        except EngineInputError as exc:
+            self._refused.add(result.version)
+            log.error("version %d from agent %s does not fit this engine: %s", result.version,
+                      agent, exc)
+            return
+        self.held, self.held_version = result.tensors, result.version
+        kind = "delta" if result.delta else "dense"
+        PULLS.labels(kind).inc()
+        PULL_BYTES.inc(result.payload_bytes)
+        PULL_SECONDS.observe(seconds)
+        REJECTED_BUCKETS.inc(result.rejected_buckets)
+        DELTA_RATIO.set(result.payload_bytes / max(result.dense_bytes, 1))
+        fingerprint = weights_fingerprint(result.tensors)
+        FINGERPRINT.set(fingerprint)
+        log.info("loaded version %d from agent %s: %s pull, %d of %d bytes, %d buckets re-pulled, "
+                 "%.2fs, fingerprint %08x (%s)", result.version, agent, kind,
+                 result.payload_bytes, result.dense_bytes, result.rejected_buckets, seconds,
+                 fingerprint, result.note)

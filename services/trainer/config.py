@@ -1,0 +1,86 @@
+"""Configuration of a trainer (file, RLH_ environment, flags; see common/config.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlharvest.common.config import ServiceConfig
+from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def _default_trainer_id() -> str:
+    return f"trainer-{socket.gethostname()}-{os.getpid()}"
+
+
+class TrainerConfig(ServiceConfig):
+    trainer_id: str = Field(default_factory=_default_trainer_id, pattern=r"^[A-Za-z0-9_.-]+$")
+    job: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="the RL job it trains")
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, lt=65536, description="gRPC port (status); 0 picks a free one")
+    advertise_host: str = Field("", description="host others dial; defaults to host")
+    metrics_port: int = Field(0, ge=0, lt=65536)
+    etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
+    lease_ttl: int = Field(5, ge=1, le=300)
+    manager: str = Field("", description="rollout manager host:port; empty = the job's manager "
+                                         "registered in etcd")
+    # The model: the same preset + seed (or checkpoint directory) the job's workers serve, so
+    # version 0 is the same weights on both sides.
+    model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
+    model_seed: int = 0
+    task: Literal["addition"] = Field("addition", description="built-in task with its reward")
+    reward_fn: str = Field("", description="optional 'package.module:function' (prompt, completion, "
+                                           "reference) -> float replacing the task's reward")
+    data_seed: int = 0
+    steps: int = Field(0, ge=0, description="RL steps to run (a resume counts those done); 0 = "
+                                            "no limit")
+    prompts_per_step: int = Field(8, ge=1, description="P0: prompts (GRPO groups) per step")
+    samples_per_prompt: int = Field(8, ge=2, description="R0: samples per prompt (group size)")
+    micro_batch_groups: int = Field(2, ge=1, description="m_b: rewarded groups per micro-batch")
+    max_new_tokens: int = Field(4, ge=1, le=32768)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="where gradients "
+                                                   "accumulate; torch is the plain reference")
+    zero_stage: int = Field(0, ge=0, le=2)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-2, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.2, ge=0)
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the initial policy")
+    aggregation: Literal["token", "sequence"] = "token"
+    reward_concurrency: int = Field(8, ge=1, description="rewards computed at once")
+    reward_timeout_s: float = Field(10.0, gt=0)
+    publish: bool = Field(True, description="publish each new version to the node's transfer "
+                                            "agent; off, every step runs on version 0 (only the "
+                                            "first is on-policy)")
+    agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
+    bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
+    no_worker_deadline_s: float = Field(120.0, ge=0, description="how long a request may wait "
+                                        "for a worker holding the step's version")
+    step_attempts: int = Field(3, ge=1, description="tries of one step when its rollout fails")
+    checkpoint_dir: str = Field("", description="where checkpoints go; empty = no checkpoints "
+                                                "and no resume")
+    checkpoint_every: int = Field(5, ge=1, description="K: checkpoint every K steps")
+    keep_checkpoints: int = Field(3, ge=1)
+    keep_step_summaries: int = Field(1000, ge=1, description="finished steps GetStatus reports")
+    exit_when_done: bool = Field(True, description="exit after the last step; off, keep serving "
+                                                   "status until SIGTERM")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    shutdown_grace: float = Field(5.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _micro_batch_fits(self) -> TrainerConfig:
+        if self.micro_batch_groups > self.prompts_per_step:
+            raise ValueError(f"micro_batch_groups ({self.micro_batch_groups}) exceeds "
+                             f"prompts_per_step ({self.prompts_per_step}): a micro-batch would "
+                             "wait for groups the step does not have")
+        return self

@@ -1,0 +1,371 @@
+"""The trainer's RL loop: one GRPO step after another, streaming (RLBoost §4.1, RollPacker §4.4).
+
+One step, as in the papers' pseudo-code::
+
+    prompts   <- next P0 items of the task
+    stream    <- manager.SubmitStep(prompts x R0, version v)        # rollout on workers of v
+    for each completion in stream, as it finishes:
+        reward it in the bounded pool                                 # next to rollout
+        when its group's R0 rewards are in: group -> ready
+    while groups remain: micro-batch the ready groups (m_b at a time), accumulate gradients
+    optimizer step once                                               # == the monolithic update
+    publish v+1 to the node's transfer agent; go on                   # workers pull it
+    every K steps: checkpoint (model, optimizer, step, version, data position, RNG)
+
+Torch work runs on one dedicated thread so the stream keeps being read while gradients compute;
+the pure parts live in ``step_plan.py`` and ``stream_trainer.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from rlharvest.common.pb import trainer_pb2 as tpb
+from rlharvest.common.tiny_model import build_model
+from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer
+from rlharvest.services.trainer import checkpoint, metrics, rollout_client
+from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
+from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.trainer.grpo import LossConfig
+from rlharvest.services.trainer.rewards.pool import RewardPool, RewardRequest, load_reward_fn
+from rlharvest.services.trainer.step_plan import (
+    GroupAssembler,
+    OnPolicyViolation,
+    ReadyGroup,
+    RolloutFailed,
+    StepSpec,
+    resume_version,
+    submit_request,
+)
+from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
+from rlharvest.services.trainer.tasks import DatasetState, TaskDataset
+
+log = logging.getLogger(__name__)
+
+# Failures after which the same step is simply tried again (nothing of it was applied).
+_RETRYABLE = (rollout_client.RolloutStreamError, RolloutFailed, OnPolicyViolation)
+
+
+@dataclass
+class Progress:
+    """The step in progress, as GetStatus shows it."""
+
+    step: int = 0
+    weight_version: int = 0
+    samples: int = 0
+    completions: int = 0
+    groups_trained: int = 0
+    tokens_generated: int = 0
+    phase: str = "starting"
+
+
+@dataclass
+class RunStatus:
+    state: str = "starting"  # starting | training | done | failed
+    steps_done: int = 0
+    weight_version: int = 0
+    resumed_from_step: int = -1
+    error: str = ""
+    current: Progress = field(default_factory=Progress)
+    summaries: list[tpb.StepSummary] = field(default_factory=list)
+
+
+def _discard_gradients(backend: TrainBackend) -> None:
+    """Forget a failed step's accumulated gradients: the retry starts from a clean slate."""
+    backend.model.zero_grad(set_to_none=True)
+    zero_grad = getattr(backend.optimizer, "zero_grad", None)
+    if zero_grad is not None:
+        zero_grad(set_to_none=True)
+
+
+class TrainerLoop:
+    def __init__(self, cfg: TrainerConfig, etcd: Any, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._cfg = cfg
+        self._etcd = etcd
+        self._clock = clock
+        self._tok = CharTokenizer()
+        self._model = build_model(cfg.model, cfg.model_seed).train()
+        self._ref_model = build_model(cfg.model, cfg.model_seed).eval() if cfg.beta > 0 else None
+        self._backend = make_backend(cfg.backend, self._model, OptimConfig(
+            lr=cfg.lr, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))
+        self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
+                                aggregation=cfg.aggregation)
+        self._data = TaskDataset(seed=cfg.data_seed)
+        task = self._data.task
+        reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+
+        async def task_reward(prompt: str, completion: str, reference: str) -> float:
+            return task.reward(completion, reference)  # pure and microseconds: no thread needed
+
+        self._rewards = RewardPool(reward_fn or task_reward, max_concurrency=cfg.reward_concurrency,
+                                   timeout_s=cfg.reward_timeout_s, clock=clock)
+        self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes)
+                           if cfg.publish else None)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
+        self._manager = cfg.manager
+        self._version = 0
+        self._step = 0  # steps applied
+        self._pending_publish: asyncio.Task | None = None
+        self.status = RunStatus()
+
+    # ---- the run -------------------------------------------------------------------------------
+
+    async def restore(self) -> None:
+        """Resume from the newest checkpoint, if any, and make its weights the current version."""
+        if self._cfg.checkpoint_dir:
+            state = await self._run(checkpoint.load_latest, self._cfg.checkpoint_dir,
+                                    self._backend.model, self._backend.optimizer)
+            if state is not None:
+                self._step = state.step
+                self._data = TaskDataset.from_state(DatasetState(**state.data_position))
+                announced = await rollout_client.announced_version(self._etcd, self._cfg.job)
+                self._version, publish = resume_version(state.weight_version, announced)
+                self.status.resumed_from_step = state.step
+                log.info("resumed from checkpoint of step %d (version %d, announced %s): "
+                         "continuing as version %d", state.step, state.weight_version, announced,
+                         self._version)
+                if publish and self._publisher is not None:
+                    self._start_publish(self._version)
+        self._sync_status()
+
+    async def run(self) -> None:
+        """Steps until ``cfg.steps`` are applied (forever when 0). Cancel to stop: the step in
+        progress is abandoned, nothing of it applied."""
+        self.status.state = "training"
+        try:
+            while not self._cfg.steps or self._step < self._cfg.steps:
+                await self._step_with_retries(self._next_spec())
+            await self._await_publish()
+            self.status.state = "done"
+            self.status.current.phase = "done"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _next_spec(self) -> StepSpec:
+        items = tuple(self._data.next_batch(self._cfg.prompts_per_step))
+        return StepSpec(step=self._step + 1, weight_version=self._version, items=items,
+                        prompts=tuple(tuple(self._tok.encode(it.prompt)) for it in items),
+                        samples_per_prompt=self._cfg.samples_per_prompt)
+
+    async def _step_with_retries(self, spec: StepSpec) -> None:
+        for attempt in range(1, self._cfg.step_attempts + 1):
+            try:
+                summary = await self.train_step(spec)
+            except _RETRYABLE as exc:
+                await self._run(_discard_gradients, self._backend)
+                metrics.STEPS.labels("retried").inc()
+                if attempt == self._cfg.step_attempts:
+                    metrics.STEPS.labels("failed").inc()
+                    raise RuntimeError(f"step {spec.step} failed {attempt} times; last: {exc}. "
+                                       "Check that the job's rollout manager and workers run "
+                                       "(rlharvest status)") from exc
+                log.warning("step %d attempt %d failed (%s); retrying it whole", spec.step,
+                            attempt, exc)
+                await asyncio.sleep(min(2.0 ** attempt, 10.0))
+                continue
+            except BaseException:
+                await asyncio.shield(self._run(_discard_gradients, self._backend))
+                raise
+            self._record(summary)
+            await self._after_step()
+            return
+
+    # ---- one step --------------------------------------------------------------------------
+
+    async def train_step(self, spec: StepSpec) -> tpb.StepSummary:
+        cfg = self._cfg
+        started = self._clock()
+        progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
+                                                  samples=spec.samples, phase="waiting_version")
+        await self._await_publish()  # the step's version must be out before workers can hold it
+        manager = self._manager or await rollout_client.find_manager(self._etcd, cfg.job)
+        request = submit_request(spec, max_new_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature, top_p=cfg.top_p,
+                                 stop_token_ids=[EOS_ID], data_seed=cfg.data_seed,
+                                 no_worker_deadline_s=cfg.no_worker_deadline_s)
+        assembler = GroupAssembler(spec)
+        ready: asyncio.Queue[ReadyGroup] = asyncio.Queue()
+        train = StreamingStep(self._backend, num_groups=len(spec.items),
+                              group_size=spec.samples_per_prompt,
+                              micro_batch_groups=cfg.micro_batch_groups, loss=self._loss,
+                              pad_id=PAD_ID, ref_model=self._ref_model, clock=self._clock)
+        progress.phase = "rollout"
+
+        async def reward(group: int, sample: int, completion) -> None:
+            item = spec.items[group]
+            outcome = await self._rewards.score(RewardRequest(
+                completion.request_id, item.prompt, self._tok.decode(completion.token_ids),
+                item.answer))
+            if not outcome.ok:
+                metrics.REWARD_FAILURES.inc()
+                log.warning("reward of %s failed: %s", completion.request_id, outcome.error)
+            done = assembler.reward(group, sample, outcome.reward)
+            if done is not None:
+                ready.put_nowait(done)
+
+        async def rollout(tasks: asyncio.TaskGroup) -> None:
+            async for event in rollout_client.stream_step(manager, request, cfg.max_message_bytes):
+                for delta in event.deltas:
+                    assembler.delta(delta)
+                for completion in event.completions:
+                    group, sample = assembler.completion(completion)
+                    tasks.create_task(reward(group, sample, completion))
+                progress.completions = assembler.completions
+                progress.tokens_generated = assembler.tokens_generated
+            if assembler.completions != spec.samples:
+                raise rollout_client.RolloutStreamError(
+                    f"the step stream ended after {assembler.completions} of {spec.samples} "
+                    "completions")
+
+        waited = 0.0
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(rollout(tasks))
+                for _ in spec.items:  # train on groups as they come, m_b at a time
+                    idle_since = self._clock()
+                    group = await ready.get()
+                    wait = self._clock() - idle_since
+                    waited += wait
+                    metrics.MICRO_BATCH_WAIT.observe(wait)
+                    await self._run(train.add_group, self._rewarded(spec, group))
+                    progress.groups_trained += 1
+        except BaseExceptionGroup as failed:
+            # Rollout and rewards fail for one reason at a time; surface it, not the group.
+            raise next((e for e in failed.exceptions
+                        if not isinstance(e, asyncio.CancelledError)), failed) from None
+        progress.phase = "optimizer"
+        stats = await self._run(train.finish)  # the one optimizer step of this RL step
+        self._step = spec.step
+        elapsed = self._clock() - started
+
+        if self._publisher is not None:
+            self._version += 1
+            self._start_publish(self._version)
+        return tpb.StepSummary(
+            step=spec.step, weight_version=spec.weight_version, mean_reward=stats.mean_reward,
+            step_time_s=elapsed, tokens=stats.num_tokens,
+            tokens_per_second=stats.num_tokens / max(elapsed, 1e-9),
+            migrations=assembler.migrations, micro_batches=stats.micro_batches,
+            micro_batch_wait_s=waited, loss=stats.loss, grad_norm=stats.grad_norm,
+            published_version=self._version if self._publisher is not None else 0)
+
+    def _rewarded(self, spec: StepSpec, group: ReadyGroup) -> RewardedGroup:
+        prompt = spec.prompts[group.group]
+        return RewardedGroup(group.group, [
+            Completion(prompt, list(c.token_ids), list(c.logprobs)) for c in group.completions],
+            list(group.rewards))
+
+    # ---- after the step: publish and checkpoint ---------------------------------------------
+
+    def _start_publish(self, version: int) -> None:
+        """Snapshot the weights now and hand them to the agent in the background: the trainer
+        goes on at once; the next step waits for it only before submitting its rollout."""
+        assert self._publisher is not None
+        tensors = rollout_client.weights_snapshot(self._backend.model)
+        publisher = self._publisher
+
+        async def publish() -> float:
+            started = self._clock()
+            for attempt in range(1, 6):
+                try:
+                    await publisher.publish(version, tensors)
+                    break
+                except (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError) as exc:
+                    if attempt == 5:
+                        raise RuntimeError(f"could not publish version {version}: {exc}") from exc
+                    log.warning("publishing version %d failed (%s); retrying", version, exc)
+                    await asyncio.sleep(0.5 * attempt)
+            elapsed = self._clock() - started
+            metrics.PUBLISH_SECONDS.observe(elapsed)
+            log.info("published version %d in %.2fs", version, elapsed)
+            return elapsed
+
+        self._pending_publish = asyncio.get_running_loop().create_task(
+            publish(), name=f"publish v{version}")
+
+    async def _await_publish(self) -> None:
+        task, self._pending_publish = self._pending_publish, None
+        if task is None:
+            return
+        self.status.current.phase = "publish"
+        elapsed = await task
+        if self.status.summaries and self.status.summaries[-1].published_version == \
+                self._version:
+            self.status.summaries[-1].publish_s = elapsed
+
+    async def _after_step(self) -> None:
+        if self._cfg.checkpoint_dir and self._step % self._cfg.checkpoint_every == 0:
+            await self.save_checkpoint()
+        self._sync_status()
+
+    async def save_checkpoint(self) -> None:
+        self.status.current.phase = "checkpoint"
+        started = self._clock()
+        state = checkpoint.TrainerState(step=self._step, weight_version=self._version,
+                                        data_position=dataclasses.asdict(self._data.state()))
+        path = await self._run(checkpoint.save_checkpoint, self._cfg.checkpoint_dir, state,
+                               self._backend.model, self._backend.optimizer,
+                               self._cfg.keep_checkpoints)
+        metrics.CHECKPOINT_SECONDS.observe(self._clock() - started)
+        log.info("checkpoint of step %d (version %d) at %s", self._step, self._version, path)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _record(self, summary: tpb.StepSummary) -> None:
+        metrics.STEPS.labels("applied").inc()
+        metrics.REWARD.set(summary.mean_reward)
+        metrics.LOSS.set(summary.loss)
+        metrics.GRAD_NORM.set(summary.grad_norm)
+        metrics.STEP_SECONDS.observe(summary.step_time_s)
+        metrics.TOKENS_TRAINED.inc(summary.tokens)
+        metrics.TOKENS_PER_SECOND.set(summary.tokens_per_second)
+        metrics.MICRO_BATCHES.inc(summary.micro_batches)
+        metrics.MIGRATIONS.inc(summary.migrations)
+        self.status.summaries.append(summary)
+        del self.status.summaries[:-self._cfg.keep_step_summaries]
+        log.info("step %d on version %d: reward %.3f, %d tokens in %.2fs (%.0f tokens/s), %d "
+                 "micro-batches, waited %.2fs, %d migrations", summary.step,
+                 summary.weight_version, summary.mean_reward, summary.tokens, summary.step_time_s,
+                 summary.tokens_per_second, summary.micro_batches, summary.micro_batch_wait_s,
+                 summary.migrations)
+
+    def _sync_status(self) -> None:
+        self.status.steps_done = self._step
+        self.status.weight_version = self._version
+        metrics.STEP.set(self._step)
+        metrics.WEIGHT_VERSION.set(self._version)
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def steps_done(self) -> int:
+        return self._step
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """On the training thread: one at a time, in order, never blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=True, cancel_futures=True)
+
+
+def torch_threads(count: int) -> None:
+    if count:
+        torch.set_num_threads(count)

@@ -1,0 +1,25 @@
+"""Prometheus metrics of a trainer (one trainer per process, so the default registry)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+STEPS = Counter("rlh_trainer_steps_total", "RL steps", ["outcome"])  # applied | retried | failed
+STEP = Gauge("rlh_trainer_step", "RL steps applied so far")
+WEIGHT_VERSION = Gauge("rlh_trainer_weight_version", "Version the trainer's weights carry")
+REWARD = Gauge("rlh_trainer_mean_reward", "Mean reward of the last step")
+LOSS = Gauge("rlh_trainer_loss", "Loss of the last step")
+GRAD_NORM = Gauge("rlh_trainer_grad_norm", "Gradient norm of the last step, before clipping")
+STEP_SECONDS = Histogram("rlh_trainer_step_seconds", "Wall time of one RL step",
+                         buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600))
+TOKENS_TRAINED = Counter("rlh_trainer_tokens_trained_total", "Completion tokens trained on")
+TOKENS_PER_SECOND = Gauge("rlh_trainer_tokens_trained_per_second",
+                          "Tokens trained / step wall time, last step")
+MICRO_BATCHES = Counter("rlh_trainer_micro_batches_total", "Micro-batches run")
+MICRO_BATCH_WAIT = Histogram("rlh_trainer_micro_batch_wait_seconds",
+                             "Trainer idle, waiting for the next rewarded group",
+                             buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that failed or timed out")
+MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")
+PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one version to the agent",
+                            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+CHECKPOINT_SECONDS = Histogram("rlh_trainer_checkpoint_seconds", "Writing one checkpoint",
+                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

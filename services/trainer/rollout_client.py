@@ -1,0 +1,88 @@
+"""The trainer's side of its two peers: the job's rollout manager (SubmitStep stream) and the
+node's transfer agent (publish). Both are found in etcd unless configured."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+import torch
+
+from rlharvest.common import keys, registry, rpc
+from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RolloutStreamError(RuntimeError):
+    """The SubmitStep stream broke (manager restarted, network); the step is retried whole."""
+
+
+async def find_manager(etcd, job: str, timeout: float = 60.0) -> str:
+    """Endpoint of the rollout manager registered for ``job``; waits for one to appear."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        members = await registry.list_members(etcd, "rollout_manager")
+        for info in sorted(members.values(), key=lambda i: i.get("endpoint", "")):
+            if info.get("job") == job:
+                return info["endpoint"]
+        if loop.time() >= deadline:
+            raise TimeoutError(f"no rollout manager for job {job!r} registered in etcd within "
+                               f"{timeout:g}s; start one (rlharvest-rollout-manager --job {job}) "
+                               "or pass --manager host:port")
+        await asyncio.sleep(0.5)
+
+
+async def stream_step(endpoint: str, request: mpb.SubmitStepRequest,
+                      max_message_bytes: int) -> AsyncIterator[mpb.StepEvent]:
+    """SubmitStep's events. Refusals that retrying cannot fix (INVALID_ARGUMENT) propagate as
+    AioRpcError; a broken stream becomes RolloutStreamError."""
+    async with rpc.channel(endpoint, max_message_bytes=max_message_bytes) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        try:
+            async for event in stub.SubmitStep(request):
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,):
+                raise
+            raise RolloutStreamError(f"SubmitStep to {endpoint} broke: {exc.code().name}: "
+                                     f"{exc.details()}") from exc
+
+
+async def announced_version(etcd, job: str) -> int | None:
+    record = await registry.get_versioned(etcd, keys.weights_announced_key(job))
+    return int(record["version"]) if record is not None else None
+
+
+def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of the weights: what a version IS, independent of later updates."""
+    return {name: t.detach().to("cpu", copy=True).contiguous()
+            for name, t in model.state_dict().items()}
+
+
+class Publisher:
+    """Hands each new version to the node's transfer agent (its client, not a second path)."""
+
+    def __init__(self, etcd, job: str, agent: str, bucket_bytes: int) -> None:
+        try:
+            from rlharvest.services.transfer_agent import client
+        except ImportError as exc:
+            raise RuntimeError(
+                "publishing needs the transfer agent's client "
+                "(rlharvest.services.transfer_agent.client), which is not installed here; run "
+                "with --no-publish to train without publishing (only step 1 is on-policy)") from exc
+        self._client = client
+        self._etcd = etcd
+        self._job = job
+        self._agent = agent
+        self._bucket_bytes = bucket_bytes
+
+    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
+        """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
+        agent = self._agent or await self._client.find_agent(self._etcd)
+        await self._client.publish(agent, self._job, version, dict(tensors),
+                                   bucket_bytes=self._bucket_bytes)
+        return agent

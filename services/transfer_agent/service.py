@@ -1,0 +1,338 @@
+"""The transfer agent's async shell: receives publishes, answers pull plans and streams bucket
+bytes; the version store (pure core) decides what is held and what a pull carries. Store work
+(publish, plan, encode) runs on one thread, in order — the store is not thread-safe — so the
+event loop keeps streaming other pulls meanwhile; streaming itself never touches the store, so a
+slow pull never holds up a publish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
+from rlharvest.services.transfer_agent import metrics
+from rlharvest.services.transfer_agent.apply import apply_pull
+from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
+from rlharvest.services.transfer_agent.client import manifest_id
+from rlharvest.services.transfer_agent.config import AgentConfig
+from rlharvest.services.transfer_agent.data_path import BucketAssembler, stream_buckets
+from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
+from rlharvest.services.transfer_agent.sharding import ShardingError
+from rlharvest.services.transfer_agent.throttle import TokenBucket
+from rlharvest.services.transfer_agent.version_store import (
+    EvictionRecord,
+    VersionOrderError,
+    VersionStore,
+    VersionStoreError,
+    VersionUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+_PACKED_CACHE_ENTRIES = 8
+
+
+class RefusedError(Exception):
+    """An RPC input the agent refuses: answered as ``code`` with ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Packed:
+    """One planned pull, packed: what PlanPull answered and the buckets PullBuckets streams."""
+
+    plan: pb.PullPlan
+    buckets: list[bytes]
+
+
+@dataclass
+class _Job:
+    store: VersionStore
+    tensors: dict[int, dict[str, torch.Tensor]]  # full tensors per held version (relay decodes)
+
+
+# Hooks the shell calls after a version lands (announce + holder record in etcd).
+OnHeld = Callable[[str, int, list[EvictionRecord]], Awaitable[None]]
+
+
+class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
+    def __init__(self, cfg: AgentConfig, on_held: OnHeld | None = None) -> None:
+        self.cfg = cfg
+        self._on_held = on_held
+        self._jobs: dict[str, _Job] = {}
+        self._packed: OrderedDict[tuple, _Packed] = OrderedDict()
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
+        now = time.monotonic()
+        self._send_throttle = (TokenBucket(cfg.send_rate_bytes_per_s, cfg.chunk_bytes, now)
+                               if cfg.send_rate_bytes_per_s else None)
+        self._link_throttle = (TokenBucket(cfg.cross_cluster_rate_bytes_per_s, cfg.chunk_bytes, now)
+                               if cfg.cross_cluster_rate_bytes_per_s else None)
+        self._corrupt_left = cfg.fault_corrupt_chunks
+        self.endpoint = ""
+
+    # ---- state other parts of the process read ----------------------------------------------
+
+    def held(self, job: str) -> tuple[int, ...]:
+        entry = self._jobs.get(job)
+        return entry.store.held_versions if entry else ()
+
+    def latest(self, job: str) -> int | None:
+        entry = self._jobs.get(job)
+        return entry.store.latest if entry else None
+
+    def full_tensors(self, job: str, version: int) -> dict[str, torch.Tensor] | None:
+        entry = self._jobs.get(job)
+        return entry.tensors.get(version) if entry else None
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def health(self) -> dict:
+        return {"status": "ok", "jobs": {job: list(self.held(job)) for job in self._jobs}}
+
+    # ---- holding versions -------------------------------------------------------------------
+
+    def _job(self, job: str) -> _Job:
+        entry = self._jobs.get(job)
+        if entry is None:
+            entry = self._jobs[job] = _Job(VersionStore(self.cfg.memory_budget_bytes,
+                                                        self.cfg.max_versions,
+                                                        self.cfg.encode_cache_bytes), {})
+        return entry
+
+    async def hold(self, job: str, version: int, tensors: dict[str, torch.Tensor],
+                   source: str) -> list[EvictionRecord]:
+        """Store a version (publish or relay), report evictions, then run the on_held hook."""
+        entry = self._job(job)
+        loop = asyncio.get_running_loop()
+        records = await loop.run_in_executor(
+            self._store_thread, lambda: entry.store.publish(version, tensors, now=time.time(),
+                                                            copy=False))
+        entry.tensors[version] = tensors
+        for record in records:
+            entry.tensors.pop(record.version, None)
+            metrics.EVICTIONS.labels(record.reason).inc()
+            log.warning("job %s: evicted version %d (%d bytes, %s) to hold version %d", job,
+                        record.version, record.freed_bytes, record.reason, version)
+        for key in [k for k in self._packed if k[0] == job and
+                    any(r.version in (k[1], k[2]) for r in records)]:
+            del self._packed[key]
+        metrics.VERSIONS_HELD.labels(job).set(len(entry.store.held_versions))
+        metrics.HELD_BYTES.labels(job).set(entry.store.held_bytes)
+        metrics.LATEST.labels(job).set(version)
+        log.info("job %s: holding version %d from %s (held %s)", job, version, source,
+                 list(entry.store.held_versions))
+        if self._on_held is not None:
+            await self._on_held(job, version, records)
+        return records
+
+    # ---- RPCs ---------------------------------------------------------------------------------
+
+    async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
+                      context: grpc.aio.ServicerContext) -> pb.PublishReply:
+        try:
+            header, assembler = None, None
+            async for message in request_iterator:
+                if header is None:
+                    header = message.header if message.HasField("header") else None
+                    if header is None:
+                        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a publish stream "
+                                           "starts with a header (job, version, manifest)")
+                    assembler = BucketAssembler(self._check_publish(header))
+                    continue
+                if not message.HasField("chunk"):
+                    raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one "
+                                       "publish stream; publish one version per stream")
+                try:
+                    assembler.add(message.chunk)
+                except ValueError as exc:
+                    raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                metrics.BYTES_IN.labels("publish").inc(len(message.chunk.data))
+            if header is None:
+                raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
+            if assembler.missing():
+                raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"publish of version {header.version} ended with buckets "
+                                   f"{assembler.missing()} incomplete; send every bucket")
+            loop = asyncio.get_running_loop()
+            try:
+                tensors = await loop.run_in_executor(None, apply_pull, assembler.manifest,
+                                                     assembler.buffers, {}, None)
+            except (ManifestError, DeltaCodecError) as exc:
+                raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
+                                   f"{header.version}: {exc}") from None
+            records = await self.hold(header.job, header.version, tensors, "publish")
+        except RefusedError as exc:
+            return await self._refuse(context, "Publish", exc.code, str(exc))
+        except VersionStoreError as exc:
+            return await self._refuse(context, "Publish", _store_code(exc), str(exc))
+        metrics.PUBLISHES.labels("ok").inc()
+        return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
+                               evicted_versions=[r.version for r in records])
+
+    def _check_publish(self, header: pb.PublishHeader) -> VersionManifest:
+        if not header.job or "/" in header.job:
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"job {header.job!r} must be non-empty and contain no '/'")
+        if header.version < 0:
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"version must be >= 0, got {header.version}")
+        latest = self.latest(header.job)
+        if latest is not None and header.version <= latest:  # refuse before the bytes arrive
+            raise RefusedError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"version {header.version} of job {header.job} is not newer than "
+                               f"the latest published version {latest}; versions only move "
+                               "forward")
+        try:
+            manifest = VersionManifest.from_dict(json.loads(header.manifest_json))
+        except (ValueError, TypeError) as exc:
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"publish manifest is not valid: {exc}") from None
+        if manifest.version != header.version or any(e.encoding != Encoding.DENSE.name
+                                                      for e in manifest.entries):
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "a publish carries every tensor dense, for the header's version")
+        if manifest.total_bytes > self.cfg.memory_budget_bytes:
+            raise RefusedError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"version {header.version} is {manifest.total_bytes} bytes, over "
+                               f"this agent's memory_budget_bytes {self.cfg.memory_budget_bytes}")
+        return manifest
+
+    async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
+        try:
+            return (await self._packed_pull(request)).plan
+        except RefusedError as exc:
+            return await self._refuse(context, "PlanPull", exc.code, str(exc))
+
+    async def PullBuckets(self, request: pb.BucketsRequest, context) -> AsyncIterator[pb.BucketChunk]:
+        try:
+            packed = await self._packed_pull(request.pull, count=False)
+            if request.plan_id and request.plan_id != packed.plan.plan_id:
+                raise RefusedError(grpc.StatusCode.ABORTED, "the pull's plan changed since "
+                                   "PlanPull (a base version was evicted); plan the pull again")
+            n = len(packed.buckets)
+            bad = [i for i in request.buckets if not 0 <= i < n]
+            if bad or not request.buckets:
+                raise RefusedError(grpc.StatusCode.OUT_OF_RANGE,
+                                   f"bucket indices {bad or '[]'} are not in this plan's 0..{n - 1}"
+                                   "; ask for indices of the manifest PlanPull returned")
+        except RefusedError as exc:
+            await self._refuse(context, "PullBuckets", exc.code, str(exc))
+            return
+        cross = bool(request.pull.requester_cluster) and \
+            request.pull.requester_cluster != self.cfg.cluster
+        throttles = [t for t in (self._send_throttle, self._link_throttle if cross else None) if t]
+        link = "cross" if cross else "local"
+        started = time.perf_counter()
+        async for chunk in stream_buckets(packed.buckets, list(request.buckets),
+                                          self.cfg.chunk_bytes, throttles, self._damage):
+            yield chunk
+            metrics.BYTES_OUT.labels(link).inc(len(chunk.data))
+        metrics.BUCKET_SECONDS.observe(time.perf_counter() - started)
+
+    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.AgentStatus:
+        return pb.AgentStatus(
+            agent_id=self.cfg.agent_id, node=self.cfg.node, cluster=self.cfg.cluster,
+            jobs=[pb.JobVersions(job=job, held_versions=self.held(job),
+                                 latest=self.latest(job) or 0,
+                                 held_bytes=self._jobs[job].store.held_bytes)
+                  for job in self.jobs()])
+
+    # ---- pulls ----------------------------------------------------------------------------------
+
+    async def _packed_pull(self, request: pb.PullRequest, count: bool = True) -> _Packed:
+        entry = self._jobs.get(request.job)
+        if entry is None or entry.store.latest is None:
+            raise RefusedError(grpc.StatusCode.NOT_FOUND, f"this agent holds no version of job "
+                               f"{request.job!r}; wait for an announcement or ask another agent")
+        tp_size = request.tp_size or 1
+        if request.version < 0 or request.holding < 0 or tp_size < 1 or \
+                not 0 <= request.tp_rank < tp_size:
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"pull of version {request.version} holding {request.holding} for "
+                               f"tp_rank {request.tp_rank} of tp_size {tp_size}: versions are >= 0 "
+                               "and ranks run from 0 to tp_size - 1")
+        version = request.version or entry.store.latest
+        holding = request.holding if request.has_holding else None
+        names = tuple(sorted(set(request.names)))
+        key = (request.job, version, holding, request.tp_rank, tp_size, names)
+        packed = self._packed.get(key)
+        if packed is not None:
+            self._packed.move_to_end(key)
+        else:
+            loop = asyncio.get_running_loop()
+            started = time.perf_counter()
+            try:
+                packed = await loop.run_in_executor(self._store_thread, self._pack, entry.store,
+                                                    key)
+            except VersionUnavailableError as exc:
+                raise RefusedError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            except (VersionStoreError, ShardingError) as exc:
+                raise RefusedError(_store_code(exc), str(exc)) from None
+            metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
+            self._packed[key] = packed
+            while len(self._packed) > _PACKED_CACHE_ENTRIES:
+                self._packed.popitem(last=False)
+        if count:
+            plan = packed.plan
+            kind = "delta" if plan.delta_tensors else ("noop" if not plan.dense_bytes else "dense")
+            metrics.PULLS.labels(kind).inc()
+            if plan.delta_tensors:
+                metrics.DELTA_RATIO.set(plan.payload_bytes / max(plan.dense_bytes, 1))
+        return packed
+
+    def _pack(self, store: VersionStore, key: tuple) -> _Packed:
+        _, version, holding, tp_rank, tp_size, names = key
+        plan = store.plan(version, holding=holding, tp_rank=tp_rank, tp_size=tp_size,
+                          names=names or None)
+        manifest, buckets = pack(plan.version, plan.base_version, list(plan.tensors),
+                                 self.cfg.bucket_bytes, tp_rank=tp_rank, tp_size=tp_size)
+        manifest_json = json.dumps(manifest.to_dict())
+        deltas = sum(1 for _, item in plan.tensors if item.needs_base)
+        return _Packed(pb.PullPlan(manifest_json=manifest_json, version=plan.version,
+                                   note=plan.note, payload_bytes=plan.payload_bytes,
+                                   dense_bytes=plan.dense_bytes, delta_tensors=deltas,
+                                   plan_id=manifest_id(manifest_json)), buckets)
+
+    def _damage(self) -> bool:
+        if self._corrupt_left <= 0:
+            return False
+        self._corrupt_left -= 1
+        metrics.CORRUPTED.inc()
+        log.warning("fault_corrupt_chunks: corrupting a chunk on purpose (%d more)",
+                    self._corrupt_left)
+        return True
+
+    async def _refuse(self, context, rpc_name: str, code: grpc.StatusCode, message: str):
+        metrics.REFUSED.labels(rpc_name, code.name).inc()
+        if rpc_name == "Publish":
+            metrics.PUBLISHES.labels("refused").inc()
+        log.info("%s refused (%s): %s", rpc_name, code.name, message)
+        await context.abort(code, message)
+
+    def close(self) -> None:
+        self._store_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _store_code(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, VersionOrderError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, VersionUnavailableError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, VersionStoreError) and "has no tensors named" in str(exc):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, VersionStoreError) and "budget" in str(exc):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,268 @@
+"""The placement scheduler as real processes against a real etcd, driven over gRPC by the job
+client library: permits never overlap on a node, a SIGKILLed scheduler (restarted, or replaced
+by a standby) loses no place and no permit and no phase runs twice, a failed job leaves its
+group and comes back as a new arrival, and bad input gets a precise status."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from rlharvest.common import registry
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.pb import placement_scheduler_pb2 as pb
+from rlharvest.services.placement_scheduler.client import (
+    JobSpec, PhaseRun, PlacementJob, SchedulerClient)
+from rlharvest.services.placement_scheduler.model import Pool
+
+from .worker_client import WorkerHandle, wait_serving
+
+pytestmark = pytest.mark.integration
+
+# Worst-case estimates far above the real phase times of these tests, so no drift eviction.
+SPEC = dict(t_roll_s=10.0, t_train_s=10.0, slo=2.0)
+
+
+def start_scheduler(stack, name: str, *extra: str, leader: bool = True) -> WorkerHandle:
+    port = free_port()
+    proc = stack.start("placement_scheduler", name, [
+        "--scheduler-id", name, "--port", str(port), "--lease-ttl", "2", "--json-logs",
+        "--rollout-nodes", "2", "--train-nodes", "1", *extra])
+    handle = WorkerHandle(proc, f"127.0.0.1:{port}", 0)
+    if leader:
+        wait_serving(handle, 60)
+    return handle
+
+
+async def wait_standby(etcd, name: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(k.endswith("/" + name) for k in await registry.list_members(
+            etcd, "placement_scheduler")):
+        assert time.monotonic() < deadline, f"standby {name} did not register"
+        await asyncio.sleep(0.1)
+
+
+async def drive(job: PlacementJob, iterations: int, runs: list, phase_s: float) -> None:
+    """The job's training loop under the shim: every phase records where and when it ran."""
+
+    async def phase(run: PhaseRun) -> None:
+        start = time.monotonic()
+        await asyncio.sleep(phase_s)
+        runs.append((job.spec.job_id, run.phase, run.iteration, tuple(run.node_ids), start,
+                     time.monotonic()))
+
+    rollout, train = job.rollout(phase), job.train(phase)
+    for _ in range(iterations):
+        await rollout()
+        await train()
+
+
+def assert_no_overlap_and_no_repeat(runs: list, jobs: dict[str, int]) -> None:
+    seen = [(j, p, i) for j, p, i, *_ in runs if j in jobs]
+    assert len(seen) == len(set(seen)), "a phase ran twice"
+    for job_id, iterations in jobs.items():
+        assert sorted((i, p is Pool.TRAIN) for j, p, i in seen if j == job_id) == \
+            [(i, t) for i in range(iterations) for t in (False, True)], f"{job_id} skipped a phase"
+    by_node: dict[str, list] = {}
+    for job_id, _, _, nodes, start, end in runs:
+        for node in nodes:
+            by_node.setdefault(node, []).append((start, end, job_id))
+    for node, spans in by_node.items():
+        spans.sort()
+        for (s1, e1, j1), (s2, e2, j2) in zip(spans, spans[1:]):
+            assert e1 <= s2, f"{j1} and {j2} ran on {node} at the same time"
+
+
+async def test_permits_never_overlap_on_a_node_across_two_jobs_in_one_group(stack, etcd_client):
+    start_scheduler(stack, "sched-a")
+    runs: list = []
+    async with PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
+        assert a.placement.group_id == b.placement.group_id, "the second job should co-execute"
+        assert b.placement.strategy == "direct_packing"
+        assert a.placement.rollout_node_ids == b.placement.rollout_node_ids
+        await asyncio.gather(drive(a, 4, runs, 0.05), drive(b, 4, runs, 0.05))
+        state = await a.client.state()
+    assert_no_overlap_and_no_repeat(runs, {"job-a": 4, "job-b": 4})
+    assert {j.iterations_done for j in state.jobs} == {4}
+    assert state.slo_attainment == 1.0
+
+
+async def test_tail_migration_starts_the_next_rollout_on_the_freed_node(stack, etcd_client):
+    start_scheduler(stack, "sched-a")
+    spec = dict(SPEC, rollout_nodes=2)
+    async with PlacementJob(JobSpec("job-a", **spec), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **spec), stack.etcd.endpoint) as b:
+        assert a.placement.group_id == b.placement.group_id
+        async with a.permit(Pool.ROLLOUT) as run_a:
+            nodes = sorted(run_a.node_ids)
+            assert await run_a.report_progress(10, 5, {nodes[0]: 3, nodes[1]: 2}) is None
+            b_acquire = asyncio.create_task(b.client.acquire("job-b", Pool.ROLLOUT, 0, 5))
+            await asyncio.sleep(0.3)
+            assert not b_acquire.done(), "job-b started while job-a held both rollout nodes"
+            migration = await run_a.report_progress(10, 9, {nodes[0]: 1, nodes[1]: 0})
+            assert migration is not None
+            assert list(migration.keep_node_ids) == [nodes[0]]
+            assert list(migration.freed_node_ids) == [nodes[1]]
+            permit_b = await asyncio.wait_for(b_acquire, 10)  # starts before job-a's tail ends
+            assert list(permit_b.node_ids) == [nodes[1]]
+            assert list(permit_b.pending_node_ids) == [nodes[0]]
+            state = await a.client.state()
+            holders = {q.node_id: q.holder for q in state.queues}
+            assert holders[nodes[0]] == "job-a" and holders[nodes[1]] == "job-b"
+        state = await a.client.state()  # job-a released: its tail node went to job-b
+        assert {q.node_id: q.holder for q in state.queues if q.pool == "rollout"} == \
+            {nodes[0]: "job-b", nodes[1]: "job-b"}
+        assert state.tail_migrations == 1 and state.bubble_node_seconds_reclaimed > 0
+        await b.client.release("job-b", Pool.ROLLOUT, 0)
+        b.next_phase = (Pool.TRAIN, 0)
+
+
+async def test_sigkill_with_permits_held_standby_takes_over_and_no_phase_runs_twice(
+        stack, etcd_client):
+    first = start_scheduler(stack, "sched-a")
+    start_scheduler(stack, "sched-b", leader=False)
+    await wait_standby(etcd_client, "sched-b")
+    runs: list = []
+    async with PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
+        placed = {j: (p.group_id, list(p.rollout_node_ids), list(p.train_node_ids))
+                  for j, p in (("job-a", a.placement), ("job-b", b.placement))}
+        driving = asyncio.gather(drive(a, 5, runs, 0.15), drive(b, 5, runs, 0.15))
+        while len(runs) < 3:  # kill in the middle, with phases running under permits
+            await asyncio.sleep(0.05)
+        first.process.kill()
+        await asyncio.wait_for(driving, 120)  # the clients follow the standby
+        for job_id, (group, rollout, train) in placed.items():
+            p = await a.client.placement(job_id)
+            assert (p.group_id, list(p.rollout_node_ids), list(p.train_node_ids)) == \
+                (group, rollout, train), f"{job_id} lost its place"
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a finished phase is never re-granted
+            await a.client.acquire("job-a", Pool.ROLLOUT, 2, wait_s=1)
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "already ran" in err.value.details()
+    assert_no_overlap_and_no_repeat(runs, {"job-a": 5, "job-b": 5})
+
+
+async def test_restarted_scheduler_keeps_places_and_the_held_permit(stack, etcd_client):
+    sched = start_scheduler(stack, "sched-a")
+    async with PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
+        held = await a.client.acquire("job-a", Pool.ROLLOUT, 0)
+        sched.process.kill()
+        # (in a thread: the job clients' lease keepalives run on this event loop)
+        await asyncio.to_thread(start_scheduler, stack, "sched-a2")
+        again = await a.client.acquire("job-a", Pool.ROLLOUT, 0)  # the same permit, not a new one
+        assert (list(again.node_ids), again.granted_at_unix) == \
+            (list(held.node_ids), held.granted_at_unix)
+        reply = await b.client._call("AcquirePermit", pb.AcquirePermitRequest(
+            job_id="job-b", phase=pb.PHASE_ROLLOUT, iteration=0, wait_s=0.5))
+        assert not reply.granted and "held by job-a" in reply.waiting_for
+        assert (await a.client.release("job-a", Pool.ROLLOUT, 0)).released
+        assert (await a.client.release("job-a", Pool.ROLLOUT, 0)).already_released
+        granted = await b.client.acquire("job-b", Pool.ROLLOUT, 0)
+        assert list(granted.node_ids) == list(held.node_ids)
+        await b.client.release("job-b", Pool.ROLLOUT, 0)
+        a.next_phase = b.next_phase = (Pool.TRAIN, 0)
+
+
+CRASHING_CLIENT = """
+import asyncio, sys
+from rlharvest.services.placement_scheduler.client import JobSpec, PlacementJob
+from rlharvest.services.placement_scheduler.model import Pool
+
+async def main():
+    spec = JobSpec(sys.argv[2], t_roll_s=10.0, t_train_s=10.0, slo=2.0)
+    async with PlacementJob(spec, sys.argv[1], lease_ttl=2) as job:
+        async with job.permit(Pool.ROLLOUT) as run:
+            print("RUNNING", *run.node_ids, flush=True)
+            await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_failed_job_leaves_its_group_and_resubmitted_is_a_new_arrival(stack, etcd_client):
+    start_scheduler(stack, "sched-a")
+    crashing = subprocess.Popen([sys.executable, "-c", CRASHING_CLIENT, stack.etcd.endpoint,
+                                 "job-a"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(crashing.stdout.readline), 60)
+        assert line.startswith("RUNNING"), line
+        async with PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
+            assert (await b.client.state()).jobs[0].job_id == "job-a"
+            crashing.send_signal(signal.SIGKILL)  # job-a's client dies holding its permit
+            runs: list = []
+            await asyncio.wait_for(drive(b, 2, runs, 0.02), 60)  # b goes on without job-a
+            state = await b.client.state()
+            assert [j.job_id for j in state.jobs] == ["job-b"]
+            async with PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint) as again:
+                state = await b.client.state()
+                assert [g.job_ids for g in state.groups] == [["job-b", "job-a"]]  # at the end
+                assert again.next_phase == (Pool.ROLLOUT, 0)
+                # Round robin resumes with both members taking turns.
+                await asyncio.wait_for(asyncio.gather(drive(b, 1, runs, 0.02),
+                                                      drive(again, 1, runs, 0.02)), 60)
+            assert_no_overlap_and_no_repeat(runs, {"job-b": 3})
+    finally:
+        crashing.kill()
+        crashing.wait()
+
+
+async def test_bad_input_gets_precise_statuses_and_the_scheduler_keeps_serving(
+        stack, etcd_client):
+    sched = start_scheduler(stack, "sched-a")
+    client = SchedulerClient(endpoint=sched.endpoint, failover_timeout_s=5)
+
+    async def refused(call, code: grpc.StatusCode, *words: str) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() is code, err.value.details()
+        for word in words:
+            assert word in err.value.details(), err.value.details()
+
+    await refused(client.submit(JobSpec("neg", t_roll_s=-1, t_train_s=5)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "t_roll", ">= 0")
+    await refused(client.submit(JobSpec("slo", t_roll_s=1, t_train_s=5, slo=0.5)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "slo must be >= 1")
+    await refused(client.submit(JobSpec("a/b", t_roll_s=1, t_train_s=5)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "job_id")
+    await refused(client.submit(JobSpec("huge", t_roll_s=1, t_train_s=5, rollout_nodes=3)),
+                  grpc.StatusCode.FAILED_PRECONDITION, "needs 3 rollout nodes", "has only 2")
+    await refused(client.submit(JobSpec("dead", t_roll_s=1, t_train_s=5), lease_id=0x7777),
+                  grpc.StatusCode.FAILED_PRECONDITION, "lease")
+    await refused(client.acquire("ghost", Pool.ROLLOUT, 0), grpc.StatusCode.NOT_FOUND, "ghost")
+    await client.submit(JobSpec("ok", **SPEC))
+    await refused(client.submit(JobSpec("ok", **SPEC)), grpc.StatusCode.ALREADY_EXISTS)
+    await refused(client._call("AcquirePermit", pb.AcquirePermitRequest(job_id="ok")),
+                  grpc.StatusCode.INVALID_ARGUMENT, "phase")
+    await refused(client.acquire("ok", Pool.TRAIN, 0), grpc.StatusCode.FAILED_PRECONDITION,
+                  "must first run rollout #0")
+    await refused(client.release("ok", Pool.ROLLOUT, 0), grpc.StatusCode.FAILED_PRECONDITION,
+                  "acquire a permit")
+    permit = await client.acquire("ok", Pool.ROLLOUT, 0)
+    await refused(client.report_progress("ok", 0, 4, 1, {"nowhere": 3}),
+                  grpc.StatusCode.INVALID_ARGUMENT, "unknown nodes ['nowhere']")
+    await refused(client.report_progress("ok", 0, 4, 1, {permit.node_ids[0]: 2}),
+                  grpc.StatusCode.INVALID_ARGUMENT, "report every node")
+    # Still serving, and nothing above changed the state.
+    await client.release("ok", Pool.ROLLOUT, 0)
+    state = await client.state()
+    assert [j.job_id for j in state.jobs] == ["ok"] and state.jobs[0].next_phase == pb.PHASE_TRAIN
+    await client.close()
+    assert sched.process.alive()
+
+
+def test_bad_inventory_stops_the_scheduler_with_a_message(stack):
+    proc = stack.start("placement_scheduler", "bad", ["--rollout-gpu", "A100",
+                                                      "--train-node-names", "x,x"])
+    assert proc.process.wait(timeout=60) == 2
+    log = proc.log_path.read_text()
+    assert "rollout_gpu 'A100' is not a known node type" in log
+    assert "appear more than once" in log

@@ -1,0 +1,189 @@
+"""The trainer on the real local stack (etcd, transfer agent, rollout manager, rollout workers,
+trainer: all processes): GRPO learns on-policy while a spot worker is SIGKILLed mid-step, and a
+SIGKILLed trainer resumes from its last checkpoint with the workers converging to its version."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from rlharvest.common import keys, registry, rpc
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
+from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
+from rlharvest.services.trainer import checkpoint
+from rlharvest.services.trainer.step_plan import resume_version
+
+from .worker_client import WorkerHandle, wait_serving
+
+pytestmark = pytest.mark.integration
+COMMON = ["--lease-ttl", "2", "--json-logs"]
+
+
+async def start_job(stack, workers: int, *worker_flags: str, spot: bool = False) -> WorkerHandle:
+    """A transfer agent, the job's manager and its workers (the last one spot when asked), once
+    the manager sees every worker."""
+    stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *COMMON])
+    port = free_port()
+    manager = WorkerHandle(stack.start("rollout_manager", "manager", [
+        "--port", str(port), "--stall-timeout-s", "5", *COMMON]), f"127.0.0.1:{port}", 0)
+    for i in range(workers):
+        start_worker(stack, f"w{i}", spot and i == workers - 1, *worker_flags)
+    deadline = time.monotonic() + 120
+    while len([w for w in (await manager_status(manager.endpoint)).workers
+               if w.state == "healthy"]) < workers:
+        assert time.monotonic() < deadline, "workers did not join the manager"
+        await asyncio.sleep(0.3)
+    return manager
+
+
+async def manager_status(endpoint: str) -> mpb.ManagerStatus:
+    async with rpc.channel(endpoint) as chan:
+        try:
+            return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
+                mpb.GetStatusRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return mpb.ManagerStatus()  # still starting
+
+
+def start_worker(stack, name: str, spot: bool, *flags: str):
+    return stack.start("rollout_worker", name, [
+        "--worker-id", name, "--kind", "spot" if spot else "dedicated", "--torch-threads", "1",
+        "--job", "default", "--agent-pull", *COMMON, *flags])
+
+
+def start_trainer(stack, name: str, *flags: str) -> tuple[WorkerHandle, int]:
+    port, metrics_port = free_port(), free_port()
+    proc = stack.start("trainer", name, [
+        "--trainer-id", "trainer-0", "--port", str(port), "--metrics-port", str(metrics_port),
+        "--torch-threads", "1", "--no-exit-when-done", *COMMON, *flags])
+    handle = WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
+    wait_serving(handle, 120)
+    return handle, metrics_port
+
+
+async def trainer_status(endpoint: str, last_steps: int = 0) -> tpb.TrainerStatus:
+    async with rpc.channel(endpoint) as chan:
+        return await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
+            tpb.TrainerStatusRequest(last_steps=last_steps), timeout=5)
+
+
+async def wait_trainer(trainer: WorkerHandle, until, timeout: float = 240,
+                       on_status=None) -> tpb.TrainerStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert trainer.process.alive(), "trainer exited:\n" + trainer.process.log_tail()
+        st = await trainer_status(trainer.endpoint)
+        assert st.state != "failed", st.error
+        if on_status is not None:
+            await on_status(st)
+        if until(st):
+            return st
+        assert time.monotonic() < deadline, f"trainer stuck at {st}"
+        await asyncio.sleep(0.05)
+
+
+def scrape(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def metric(text: str, series: str) -> float:
+    """The value of one series (name plus labels, as exposed); 0 when it was never touched."""
+    for line in text.splitlines():
+        if line.rsplit(" ", 1)[0] == series:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def worker_versions(etcd_client) -> dict[str, int]:
+    members = await registry.list_members(etcd_client, "rollout_worker")
+    return {k.rsplit("/", 1)[-1]: int(v["weight_version"]) for k, v in members.items()}
+
+
+async def test_grpo_learns_on_policy_while_a_spot_worker_is_preempted(stack, etcd_client):
+    steps = 8
+    slow = ["--max-running", "8", "--step-delay-s", "0.1"]  # steps spread over all workers
+    manager = await start_job(stack, 3, *slow, spot=True)
+    trainer, metrics_port = start_trainer(stack, "trainer", "--steps", str(steps),
+                                          "--backend", "deepspeed")
+    killed: list[int] = []
+
+    async def preempt(st: tpb.TrainerStatus) -> None:
+        if killed or st.current.step < 2 or st.current.phase != "rollout":
+            return
+        ms = await manager_status(manager.endpoint)
+        held = next((w.assigned for w in ms.workers if w.worker_id == "w2"), 0)
+        if held:  # SIGKILL the spot worker while it holds requests of the step
+            next(p for p in stack.processes if p.name == "w2").kill()
+            killed.append(st.current.step)
+            start_worker(stack, "w3", True, *slow)  # a new spot process joins mid-run
+
+    st = await wait_trainer(trainer, lambda s: s.state == "done", on_status=preempt)
+    assert killed, "the spot worker was never caught mid-step"
+    assert [s.step for s in st.steps] == list(range(1, steps + 1))
+    for s in st.steps:
+        # On-policy: step n is generated by the version step n-1 produced, and yields n.
+        assert s.weight_version == s.step - 1 and s.published_version == s.step, s
+        assert s.tokens > 0 and s.micro_batches == 4
+    assert sum(s.migrations for s in st.steps) > 0, "the kill moved no request"
+    text = scrape(metrics_port)
+    # A step that saw one delta of another version (or lost a completion) is refused and retried.
+    assert metric(text, 'rlh_trainer_steps_total{outcome="retried"}') == 0
+    assert metric(text, 'rlh_trainer_steps_total{outcome="applied"}') == steps
+    assert (await manager_status(manager.endpoint)).tokens_regenerated == 0
+    rewards = [s.mean_reward for s in st.steps]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    # The replacement pulled the newest version and holds what the trainer holds.
+    deadline = time.monotonic() + 60
+    while (await worker_versions(etcd_client)).get("w3") != st.weight_version:
+        assert time.monotonic() < deadline, await worker_versions(etcd_client)
+        await asyncio.sleep(0.2)
+
+
+async def test_sigkilled_trainer_resumes_from_its_last_checkpoint(stack, etcd_client, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--backend", "torch"]
+    await start_job(stack, 2)
+    trainer, _ = start_trainer(stack, "trainer", "--steps", "0", *flags)
+    await wait_trainer(trainer, lambda s: s.steps_done >= 3)
+    trainer.process.kill()  # SIGKILL: no goodbye checkpoint
+    saved = checkpoint.list_checkpoints(ckpt)
+    assert saved, "no checkpoint written before the kill"
+    state = torch.load(saved[-1] / "state.pt", weights_only=False)["state"]
+    assert state["step"] % 2 == 0 and state["step"] >= 2
+    announced = await registry.get_versioned(etcd_client, keys.weights_announced_key("default"))
+    expected_version, _ = resume_version(state["weight_version"], announced["version"])
+
+    target = state["step"] + 3
+    again, _ = start_trainer(stack, "trainer-again", "--steps", str(target), *flags)
+    st = await wait_trainer(again, lambda s: s.state == "done")
+    assert st.resumed_from_step == state["step"]
+    assert [s.step for s in st.steps] == list(range(state["step"] + 1, target + 1))
+    assert st.steps[0].weight_version == expected_version  # never an old number workers passed
+    assert st.weight_version == expected_version + 3
+    deadline = time.monotonic() + 60
+    while set((await worker_versions(etcd_client)).values()) != {st.weight_version}:
+        assert time.monotonic() < deadline, await worker_versions(etcd_client)
+        await asyncio.sleep(0.2)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # bad input: a precise status, still serving
+        await trainer_status(again.endpoint, last_steps=-1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "last_steps -1 is negative" in err.value.details()
+    assert len((await trainer_status(again.endpoint, last_steps=2)).steps) == 2
+
+
+def test_bad_config_is_refused_with_the_key_named():
+    result = subprocess.run(
+        [sys.executable, "-m", "rlharvest.services.trainer.main", "--micro-batch-groups", "9",
+         "--prompts-per-step", "4"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "micro_batch_groups (9) exceeds prompts_per_step (4)" in result.stderr

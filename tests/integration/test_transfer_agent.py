@@ -1,0 +1,346 @@
+"""The transfer agent as a real process, with real rollout workers pulling from it: publish and
+pull, sparse deltas, a worker joining mid-way, publish never waiting for pulls, an agent
+SIGKILLed mid-pull, a corrupted chunk, and bad input — over real gRPC and a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from rlharvest.common import keys, registry
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
+from rlharvest.common.tiny_model import build_model
+from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from rlharvest.services.transfer_agent import sharding
+from rlharvest.services.transfer_agent.apply import apply_pull
+from rlharvest.services.transfer_agent.bucketing import VersionManifest
+from rlharvest.services.transfer_agent.client import (
+    PublishError,
+    find_agent,
+    publish,
+    pull,
+    pull_request,
+    weights_fingerprint,
+)
+from rlharvest.services.transfer_agent.data_path import BucketAssembler
+
+from .worker_client import WorkerSession, add, start_worker
+
+pytestmark = pytest.mark.integration
+TOK = CharTokenizer()
+PROMPT = TOK.encode("12+7=")
+JOB = "job-main"
+
+
+def start_agent(stack: LocalStack, name: str, *extra: str, cluster: str = "default"):
+    port, metrics_port = free_port(), free_port()
+    proc = stack.start("transfer_agent", name, [
+        "--agent-id", name, "--node", f"node-{name}", "--cluster", cluster, "--port", str(port),
+        "--metrics-port", str(metrics_port), "--lease-ttl", "2", "--json-logs", *extra])
+    endpoint = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.alive(), "agent exited:\n" + proc.log_tail()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/healthz", timeout=1)
+            return proc, endpoint, metrics_port
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"agent {name} not up:\n{proc.log_tail()}")
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """Prometheus samples as 'name{k=v,...}' -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+async def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+async def worker_version(etcd, worker_id: str) -> int | None:
+    found = await etcd.get(keys.member_key("rollout_worker", worker_id).encode())
+    info = json.loads(found.value) if found is not None else {}
+    return info.get("weight_version")
+
+
+def version_of(seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in build_model("tiny", seed).state_dict().items()}
+
+
+def perturb(tensors: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """The next version: ``fraction`` of every tensor's elements nudged (ROSE: ~1% change)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in tensors.items():
+        flat = t.clone().reshape(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randperm(flat.numel(), generator=gen)[:k]
+        flat[idx] += 1e-3 * torch.randn(k, generator=gen)
+        out[name] = flat.reshape(t.shape)
+    return out
+
+
+def greedy_reference(tensors: dict[str, torch.Tensor], version: int, max_tokens: int = 12):
+    """Tokens and logprobs of a greedy completion on a locally loaded model."""
+    engine = TorchEngine(model="tiny", seed=0, max_running=2, max_len=64)
+    engine.load_weights(tensors, version)
+    engine.add(EngineRequest("ref", list(PROMPT), SamplingParams(temperature=0.0,
+                                                                  max_tokens=max_tokens)))
+    tokens, logprobs = [], []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += out.new_logprobs
+    return tokens, logprobs
+
+
+async def served_completion(endpoint: str, version: int, max_tokens: int = 12):
+    session = WorkerSession(endpoint)
+    try:
+        await session.send(add("probe", PROMPT, max_tokens=max_tokens, temperature=0.0,
+                               version=version))
+        got = await session.finish(["probe"])
+    finally:
+        await session.close()
+    assert "probe" not in got.errors, got.errors
+    return got.completions["probe"]
+
+
+@pytest.fixture(scope="module")
+def module_stack(etcd_server, tmp_path_factory):
+    local = LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server)
+    yield local
+    for proc in local.processes:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def agent(module_stack):
+    # Small chunks so a 32 MB pull is many messages: a reader that stops reading holds it open.
+    return start_agent(module_stack, "agent-a", "--chunk-bytes", str(256 << 10))
+
+
+@pytest.fixture(scope="module")
+def worker(module_stack, agent):
+    return start_worker(module_stack, "puller-1", "--job", JOB, "--agent-pull")
+
+
+@pytest.fixture
+async def etcd(etcd_endpoint):
+    client = await registry.connect(etcd_endpoint)  # no wipe: module processes keep their keys
+    yield client
+    await client.close()
+
+
+V1 = version_of(seed=1)
+V2 = perturb(V1, 0.01, seed=2)
+
+
+async def test_published_version_is_pulled_loaded_and_served(agent, worker, etcd):
+    _, endpoint, _ = agent
+    assert await find_agent(etcd, node="node-agent-a") == endpoint
+    await publish(endpoint, JOB, 1, V1)
+    announced = await registry.get_versioned(etcd, keys.weights_announced_key(JOB))
+    assert announced["version"] == 1
+    await wait_for(lambda: worker_version(etcd, "puller-1"), what="worker membership")
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-1"), 1), what="version 1 loaded")
+    served = await served_completion(worker.endpoint, 1)
+    tokens, logprobs = greedy_reference(V1, 1)
+    assert served.versions == {1}
+    assert served.tokens == tokens
+    assert served.logprobs == pytest.approx(logprobs, abs=1e-4)
+    seed0_tokens, seed0_logprobs = greedy_reference(version_of(seed=0), 0)
+    assert served.logprobs != pytest.approx(seed0_logprobs, abs=1e-4)  # weights did change
+    metrics = scrape(worker.metrics_port)
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V1)
+    assert metrics["rlh_worker_pulls_total{kind=dense}"] == 1
+    pairing = json.loads((await etcd.get(keys.pairing_key("puller-1").encode())).value)
+    assert pairing["agent_id"] == "agent-a"
+
+
+async def _equals(coro, expected) -> bool:
+    return (await coro) == expected
+
+
+async def test_worker_holding_previous_version_pulls_a_bit_exact_sparse_delta(agent, worker, etcd):
+    _, endpoint, agent_metrics = agent
+    await publish(endpoint, JOB, 2, V2)
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-1"), 2), what="version 2 loaded")
+    metrics = scrape(worker.metrics_port)
+    assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
+    assert metrics["rlh_worker_pull_delta_ratio"] < 0.1  # 1% changed: a few % of dense bytes
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)  # bit-exact
+    assert scrape(agent_metrics)["rlh_agent_pulls_total{kind=delta}"] >= 1
+    served = await served_completion(worker.endpoint, 2)
+    tokens, logprobs = greedy_reference(V2, 2)
+    assert served.versions == {2} and served.tokens == tokens
+    assert served.logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+async def test_worker_joining_midway_serves_current_version_after_one_pull(
+        module_stack, agent, worker, etcd):
+    late = start_worker(module_stack, "puller-late", "--job", JOB, "--agent-pull")
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-late"), 2), what="late worker")
+    metrics = scrape(late.metrics_port)
+    assert metrics["rlh_worker_pulls_total{kind=dense}"] == 1  # one pull, straight to v2
+    assert metrics.get("rlh_worker_pulls_total{kind=delta}", 0) == 0
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
+    served = await served_completion(late.endpoint, 2)
+    assert served.versions == {2}
+    late.process.kill()
+
+
+async def test_tp_worker_pulls_only_its_shard(agent):
+    _, endpoint, _ = agent
+    got = await pull(endpoint, JOB, version=2, tp_rank=1, tp_size=2)
+    for name, full in V2.items():
+        assert torch.equal(got.tensors[name], sharding.take_shard(name, full, 1, 2)), name
+    assert got.payload_bytes < sum(t.numel() * 4 for t in V2.values())
+
+
+async def test_publish_returns_while_a_slow_pull_is_in_progress(agent, etcd):
+    _, endpoint, _ = agent
+    job = "job-slow"
+    big = {"model.big.weight": torch.randn(8 << 20)}  # 32 MB: 128 chunks of 256 KiB
+    await publish(endpoint, job, 1, big)
+    async with grpc.aio.insecure_channel(endpoint) as chan:
+        stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
+        request = pull_request(job, 1)
+        plan = await stub.PlanPull(request)
+        manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
+        assembler = BucketAssembler(manifest)
+        stream = stub.PullBuckets(pb.BucketsRequest(pull=request, buckets=[0],
+                                                    plan_id=plan.plan_id))
+        first = await stream.read()
+        assembler.add(first)  # the pull has started and its reader now stalls
+        newer = {"model.big.weight": big["model.big.weight"] + 1}
+        await asyncio.wait_for(publish(endpoint, job, 2, newer), timeout=30)
+        announced = await registry.get_versioned(etcd, keys.weights_announced_key(job))
+        assert announced["version"] == 2
+        assert assembler.missing() == [0]  # the slow pull is still in progress
+        while (chunk := await stream.read()) is not grpc.aio.EOF:
+            assembler.add(chunk)
+    assert assembler.missing() == [] and assembler.intact(0)
+    pulled = apply_pull(manifest, assembler.buffers, {}, None)
+    assert torch.equal(pulled["model.big.weight"], big["model.big.weight"])  # still version 1
+
+
+async def test_bad_inputs_get_precise_statuses_and_the_agent_keeps_serving(agent, etcd):
+    _, endpoint, _ = agent
+    job = "job-bad"
+    w = {"layer.weight": torch.randn(8, 8), "layer.bias": torch.randn(8)}
+    for v in (1, 2, 3):  # max_versions 2: publishing 3 evicts 1
+        await publish(endpoint, job, v, {k: t + v for k, t in w.items()})
+
+    with pytest.raises(PublishError, match="not newer than the latest") as err:
+        await publish(endpoint, job, 2, w)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(PublishError, match="shapes and dtypes must not change") as err:
+        await publish(endpoint, job, 4, {"layer.weight": torch.randn(4, 16), "layer.bias": w["layer.bias"]})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(PublishError, match="differs from version 3 in tensors") as err:
+        await publish(endpoint, job, 4, {**w, "layer.extra": torch.randn(2)})
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    async def status_of(**kwargs) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await pull(endpoint, **kwargs)
+        return exc.value.code(), exc.value.details()
+
+    code, msg = await status_of(job=job, version=1)
+    assert code == grpc.StatusCode.NOT_FOUND and "evicted (max_versions)" in msg
+    code, msg = await status_of(job=job, version=3, names=["layer.nope"])
+    assert code == grpc.StatusCode.NOT_FOUND and "no tensors named ['layer.nope']" in msg
+    code, msg = await status_of(job="job-never", version=1)
+    assert code == grpc.StatusCode.NOT_FOUND and "holds no version of job 'job-never'" in msg
+    code, msg = await status_of(job=job, version=3, tp_rank=2, tp_size=2)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tp_rank 2 of tp_size 2" in msg
+    code, msg = await status_of(job=job, version=2, held={}, held_version=3)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "newer than the requested 2" in msg
+
+    async with grpc.aio.insecure_channel(endpoint) as chan:
+        stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
+        request = pull_request(job, 3)
+        plan = await stub.PlanPull(request)
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _ in stub.PullBuckets(pb.BucketsRequest(pull=request, buckets=[7])):
+                pass
+        assert exc.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _ in stub.PullBuckets(pb.BucketsRequest(pull=request, buckets=[0],
+                                                              plan_id=plan.plan_id ^ 1)):
+                pass
+        assert exc.value.code() == grpc.StatusCode.ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await stub.Publish(iter([pb.PublishChunk(chunk=pb.BucketChunk(bucket=0, data=b"x"))]))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "starts with a header" in exc.value.details()
+
+    # The memory bound's eviction is noted in etcd, and the agent still serves.
+    record = json.loads((await etcd.get(keys.weights_holder_key(job, "agent-a").encode())).value)
+    assert record["versions"] == [2, 3]
+    assert [e["version"] for e in record["evicted"]] == [1]
+    got = await pull(endpoint, job, version=3)
+    assert torch.equal(got.tensors["layer.weight"], w["layer.weight"] + 3)
+
+
+# ---- faults: their own agents and workers, killed at the end of each test -------------------
+
+
+async def test_agent_killed_mid_pull_worker_ends_with_exact_weights_from_another(stack, etcd):
+    job = "job-kill"
+    # k1 sends at 64 KB/s, so the worker's 0.46 MB pull from it takes ~7 s: time to kill it.
+    slow, slow_endpoint, slow_metrics = start_agent(stack, "k1-slow", "--chunk-bytes", "32768",
+                                                    "--send-rate-bytes-per-s", "65536")
+    _, fast_endpoint, _ = start_agent(stack, "k2-fast")
+    await publish(slow_endpoint, job, 5, V1)
+    await publish(fast_endpoint, job, 5, V1)
+    worker = start_worker(stack, "puller-k", "--job", job, "--agent-pull")
+    await wait_for(lambda: scrape(slow_metrics).get("rlh_agent_bytes_out_total{link=local}", 0) > 0,
+                   what="the pull from k1-slow to start")
+    assert scrape(worker.metrics_port)["rlh_worker_pull_in_progress"] == 1
+    slow.kill()  # SIGKILL mid-pull
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-k"), 5), what="version 5 loaded")
+    metrics = scrape(worker.metrics_port)
+    assert metrics["rlh_worker_pull_failovers_total"] >= 1
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V1)
+    served = await served_completion(worker.endpoint, 5)
+    assert served.tokens == greedy_reference(V1, 5)[0]
+
+
+async def test_corrupted_chunk_is_rejected_by_checksum_and_pulled_again(stack, etcd):
+    job = "job-corrupt"
+    _, endpoint, agent_metrics = start_agent(stack, "c-agent", "--fault-corrupt-chunks", "1")
+    await publish(endpoint, job, 7, V2)
+    worker = start_worker(stack, "puller-c", "--job", job, "--agent-pull")
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-c"), 7), what="version 7 loaded")
+    assert scrape(agent_metrics)["rlh_agent_fault_corrupted_chunks_total"] == 1
+    metrics = scrape(worker.metrics_port)
+    assert metrics["rlh_worker_pull_rejected_buckets_total"] == 1
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
