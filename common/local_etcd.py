@@ -13,9 +13,27 @@ from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct free ports: every socket stays bound until all are picked, so the kernel cannot
+    hand the same port out twice. Another process may still take one before it is used; callers
+    that bind later retry on "address already in use"."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class PortTakenError(OSError):
+    """etcd could not bind a port picked as free (another process took it first)."""
 
 
 class LocalEtcd:
@@ -25,18 +43,31 @@ class LocalEtcd:
             raise FileNotFoundError(
                 f"{binary!r} is not on PATH; install it (Debian: apt-get install etcd-server)")
         self.binary = path
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self._pick_ports()
         self._log_path = log_path
         self._data_dir: str | None = None
         self.process: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 20.0) -> "LocalEtcd":
+    def _pick_ports(self) -> None:
+        self.client_port, self.peer_port = free_ports(2)
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 20.0, attempts: int = 3) -> "LocalEtcd":
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except PortTakenError:
+                if attempt == attempts:
+                    raise
+                self._pick_ports()  # a port was taken between picking and binding: try others
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "LocalEtcd":
         self._data_dir = tempfile.mkdtemp(prefix="rlh-etcd-")
         client_url = f"http://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
-        log = open(self._log_path or Path(self._data_dir) / "etcd.log", "ab")
+        log = open(self._log_file(), "ab")
+        self._log_offset = log.tell()  # a shared log file keeps earlier attempts' lines
         self.process = subprocess.Popen(
             [self.binary, "--name", "rlh-local", "--data-dir", self._data_dir,
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
@@ -51,8 +82,14 @@ class LocalEtcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"etcd exited with code {self.process.returncode}; "
-                                   f"see its log in {self._data_dir}")
+                with open(self._log_file(), "rb") as log:
+                    log.seek(self._log_offset)
+                    log_text = log.read().decode(errors="replace")
+                self.stop()
+                if "address already in use" in log_text:
+                    raise PortTakenError(log_text.strip().splitlines()[-1])
+                raise RuntimeError(f"etcd exited with code {self.process.returncode}: "
+                                   f"{log_text.strip().splitlines()[-1:] }")
             try:
                 with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
                     if b'"true"' in resp.read():
@@ -62,6 +99,9 @@ class LocalEtcd:
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"etcd did not become healthy within {timeout}s")
+
+    def _log_file(self) -> Path:
+        return self._log_path or Path(self._data_dir) / "etcd.log"
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -28,7 +28,8 @@ app = typer.Typer(add_completion=False, help=__doc__)
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              epilog=describe_flags(PlacementConfig))
 def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
+         config: Optional[Path] = typer.Option(None, "--config",
+                                               help="TOML or YAML config file")) -> None:
     try:
         cfg = load_config(PlacementConfig, config, parse_flags(PlacementConfig, ctx.args))
     except ConfigError as exc:
@@ -42,9 +43,9 @@ async def serve(cfg: PlacementConfig, stop: asyncio.Event) -> None:
     etcd = await registry.connect(cfg.etcd)
     # The servicer advertises the endpoint, known once the port is bound: set it after binding.
     service = PlacementService(cfg, etcd, "")
-    server = await rpc.start_server(
-        [lambda s: placement_scheduler_pb2_grpc.add_PlacementSchedulerServicer_to_server(service, s)],
-        [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
+    add = placement_scheduler_pb2_grpc.add_PlacementSchedulerServicer_to_server
+    server = await rpc.start_server([lambda s: add(service, s)], [SERVICE_NAME], cfg.host,
+                                    cfg.port, cfg.max_message_bytes)
     await server.set_serving(False)  # a standby is not serving until it leads
     endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
     service.endpoint = endpoint

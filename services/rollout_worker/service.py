@@ -46,6 +46,17 @@ class _Session:
 
 
 @dataclass
+class _Routed:
+    """One engine step's outputs, routed to sessions, waiting to be encoded and sent."""
+
+    step: int
+    weight_version: int
+    load: common_pb2.Load
+    items: list[tuple[_Session, RequestOutput, int]] = field(default_factory=list)
+    after: list[tuple[_Session, pb.WorkerEvent]] = field(default_factory=list)  # see _emit_after_step
+
+
+@dataclass
 class _Owned:
     session: _Session
     next_position: int  # completion index of the next token this worker will produce
@@ -83,55 +94,102 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         self._tokens_window: deque[tuple[float, int]] = deque()
         self.draining = False
         self._drain_deadline = 0.0
+        self._last_load = common_pb2.Load()
+        self._unsent: _Routed | None = None
+        self._load_proto()  # the engine is idle at construction
         metrics.WEIGHT_VERSION.set(engine.weight_version)
 
     # ---- the engine loop -------------------------------------------------------------------
 
     async def run_engine(self) -> None:
+        """Step N+1 computes in the engine thread while step N's outputs are encoded and sent:
+        the engine is only ever touched (commands, load) between steps, never during one."""
         loop = asyncio.get_running_loop()
+        running: asyncio.Future | None = None
         while True:
-            while self._commands:
-                await self._commands.popleft()()
-            if not self._engine.has_work():
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), _IDLE_LOAD_PERIOD)
-                except asyncio.TimeoutError:
-                    self._heartbeat()
-                continue
-            started = time.perf_counter()
-            outputs = await loop.run_in_executor(self._executor, self._engine.step)
-            metrics.STEP_SECONDS.observe(time.perf_counter() - started)
-            metrics.ENGINE_STEPS.inc()
-            self._step += 1
-            await self._deliver(outputs)
+            if running is None:
+                await self._apply_commands()
+                if not self._engine.has_work():
+                    await self._idle()
+                    continue
+                running = self._launch(loop)
+            outputs = await running
+            routed = self._unsent = self._route(outputs)
+            await self._apply_commands()
+            running = self._launch(loop) if self._engine.has_work() else None
+            self._unsent = None
+            await self._send(routed)
             if self._step_delay_s:
                 await asyncio.sleep(self._step_delay_s)
+
+    async def _apply_commands(self) -> None:
+        while self._commands:
+            await self._commands.popleft()()
+
+    async def _idle(self) -> None:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), _IDLE_LOAD_PERIOD)
+        except asyncio.TimeoutError:
+            self._heartbeat()
+
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        started = time.perf_counter()
+
+        def timed_step() -> list[RequestOutput]:
+            outputs = self._engine.step()
+            metrics.STEP_SECONDS.observe(time.perf_counter() - started)
+            return outputs
+
+        return loop.run_in_executor(self._executor, timed_step)
+
+    def _emit_after_step(self, session: _Session, event: pb.WorkerEvent) -> None:
+        """A delta decided by a command (abort) goes out after the step outputs routed before
+        it, which are still unsent while commands run: positions must arrive in order."""
+        if self._unsent is not None:
+            self._unsent.after.append((session, event))
+        else:
+            session.offer(event)
 
     def _enqueue(self, command: Callable[[], object]) -> None:
         self._commands.append(command)
         self._wakeup.set()
 
-    async def _deliver(self, outputs: list[RequestOutput]) -> None:
-        load = self._load_proto()
-        by_session: dict[_Session, list[common_pb2.TokenDelta]] = {}
+    def _route(self, outputs: list[RequestOutput]) -> _Routed:
+        """Between steps: advance positions and release finished requests (so commands applied
+        next see the truth), and capture what the protos need; encoding happens in _send."""
+        metrics.ENGINE_STEPS.inc()
+        self._step += 1
+        routed = _Routed(self._step, self._engine.weight_version, self._load_proto())
         new_tokens = 0
         for out in outputs:
             owned = self._owned.get(out.request_id)
             if owned is None:
                 continue
             new_tokens += len(out.new_token_ids)
-            by_session.setdefault(owned.session, []).append(self._delta(out, owned))
+            routed.items.append((owned.session, out, owned.next_position))
             owned.next_position += len(out.new_token_ids)
             if out.finished:
                 self._release(out.request_id, out.finish_reason)
         metrics.TOKENS_GENERATED.inc(new_tokens)
         self._tokens_window.append((time.monotonic(), new_tokens))
+        return routed
+
+    async def _send(self, routed: _Routed) -> None:
+        by_session: dict[_Session, list[common_pb2.TokenDelta]] = {}
+        for session, out, position in routed.items:
+            by_session.setdefault(session, []).append(common_pb2.TokenDelta(
+                request_id=out.request_id, position=position, token_ids=out.new_token_ids,
+                logprobs=out.new_logprobs, weight_version=routed.weight_version,
+                finished=out.finished, finish_reason=out.finish_reason))
         for session, deltas in by_session.items():
             if not session.closed:
                 # Awaiting a full queue is the backpressure: a slow reader slows the engine.
                 await session.queue.put(pb.WorkerEvent(step=pb.StepOutputs(
-                    step=self._step, deltas=deltas, load=load)))
+                    step=routed.step, deltas=deltas, load=routed.load)))
+        for session, event in routed.after:
+            session.offer(event)
+        for session in {*by_session, *(session for session, _ in routed.after)}:
             self._maybe_end(session)
 
     def _delta(self, out: RequestOutput, owned: _Owned) -> common_pb2.TokenDelta:
@@ -221,7 +279,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                     final = RequestOutput(rid, [], [], finished=True, finish_reason="abort")
                 delta = self._delta(final, owned)
                 self._release(rid, "abort")
-                owned.session.offer(pb.WorkerEvent(step=pb.StepOutputs(
+                self._emit_after_step(owned.session, pb.WorkerEvent(step=pb.StepOutputs(
                     step=self._step, deltas=[delta], load=self._load_proto())))
                 self._maybe_end(owned.session)
 
@@ -236,7 +294,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         metrics.SESSIONS.set(len(self._sessions))
         reader = asyncio.create_task(self._read(request_iterator, session))
         try:
-            session.offer(pb.WorkerEvent(load=self._load_proto()))
+            session.offer(pb.WorkerEvent(load=self._last_load))
             if self.draining:
                 session.offer(self._draining_event())
             while True:
@@ -290,7 +348,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
         return pb.WorkerInfo(**self._info, vocab_size=self._engine.vocab_size,
-                             weight_version=self._engine.weight_version, load=self._load_proto(),
+                             weight_version=self._engine.weight_version, load=self._last_load,
                              draining=self.draining)
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
@@ -350,9 +408,10 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         for rid in stale:
             owned = self._owned[rid]
             final = self._engine.abort(rid)
-            owned.session.offer(pb.WorkerEvent(step=pb.StepOutputs(
+            self._emit_after_step(owned.session, pb.WorkerEvent(step=pb.StepOutputs(
                 step=self._step, deltas=[self._delta(final, owned)], load=self._load_proto())))
             self._release(rid, "abort")
+        self._load_proto()  # GetInfo and /healthz report the new version at once
         metrics.WEIGHT_VERSION.set(version)
         log.info("loaded weights version %d from %s (%d tensors; %d requests of the old version "
                  "aborted)", version, path, len(tensors), len(stale))
@@ -363,15 +422,18 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     # ---- load and drain ----------------------------------------------------------------------
 
     def _load_proto(self) -> common_pb2.Load:
+        """Read the engine's load; only between steps (the engine is not thread-safe). RPCs that
+        come at any time read ``_last_load``, the value of the last step boundary."""
         load = self._engine.load()
         metrics.PENDING.set(load.pending)
         metrics.EXECUTING.set(load.executing)
         metrics.KV_USED.set(load.kv_used_tokens)
-        return common_pb2.Load(pending=load.pending, executing=load.executing,
-                               kv_used_tokens=load.kv_used_tokens,
-                               kv_capacity_tokens=load.kv_capacity_tokens,
-                               weight_version=load.weight_version,
-                               tokens_per_second=self._tokens_per_second())
+        self._last_load = common_pb2.Load(pending=load.pending, executing=load.executing,
+                                          kv_used_tokens=load.kv_used_tokens,
+                                          kv_capacity_tokens=load.kv_capacity_tokens,
+                                          weight_version=load.weight_version,
+                                          tokens_per_second=self._tokens_per_second())
+        return self._last_load
 
     def _tokens_per_second(self, window: float = 5.0) -> float:
         now = time.monotonic()
@@ -407,7 +469,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         self._info["endpoint"] = endpoint
 
     def health(self) -> dict:
-        load = self._engine.load()
+        load = self._last_load
         return {"status": "ok", "draining": self.draining, "weight_version": load.weight_version,
                 "pending": load.pending, "executing": load.executing,
                 "sessions": len(self._sessions)}
