@@ -7,9 +7,15 @@ list the known ones.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Optional
 
-from rlharvest.common.config import ConfigError, ServiceConfig
+import typer
+
+from rlharvest.common.config import Config, ConfigError, ServiceConfig, load_config
+from rlharvest.common.observability import run_service
 
 
 def parse_flags(model: type[ServiceConfig], args: list[str]) -> dict[str, Any]:
@@ -53,3 +59,25 @@ def describe_flags(model: type[ServiceConfig]) -> str:
             text += f"  {info.description}"
         lines.append(text)
     return "Flags (also RLH_<NAME> environment variables and --config FILE keys):\n\n" + "\n\n".join(lines)
+
+
+def service_app(program: str, doc: str | None, model: type[Config],
+                serve: Callable[[Config, asyncio.Event], Awaitable[None]]) -> typer.Typer:
+    """The `rlharvest-<service>` command: flags from ``model``, ``--config FILE``, exit code 2
+    with a message naming the key on bad configuration, then ``serve(config, stop_event)`` on
+    uvloop with graceful SIGTERM."""
+    app = typer.Typer(add_completion=False, help=doc)
+
+    @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+                 epilog=describe_flags(model))
+    def main(ctx: typer.Context,
+             config: Optional[Path] = typer.Option(None, "--config",
+                                                   help="TOML or YAML config file")) -> None:
+        try:
+            cfg = load_config(model, config, parse_flags(model, ctx.args))
+        except ConfigError as exc:
+            typer.echo(f"{program}: {exc}", err=True)
+            raise typer.Exit(2) from None
+        run_service(lambda stop: serve(cfg, stop))
+
+    return app

@@ -23,6 +23,9 @@ MODULES = {
 }
 
 
+_DIST_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
+
+
 @dataclass
 class ServiceProcess:
     service: str
@@ -75,7 +78,10 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", MODULES[service], "--etcd", self.etcd.endpoint, *(flags or [])]
-        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Each service is its own process group for torch.distributed: a rendezvous inherited from
+        # the launching process (a test that ran DeepSpeed in-process) would collide on its port.
+        inherited = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        child_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)

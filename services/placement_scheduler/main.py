@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
-from typing import Optional
 
-import typer
 
 from rlharvest.common import keys, registry, rpc
-from rlharvest.common.cli import describe_flags, parse_flags
-from rlharvest.common.config import ConfigError, load_config
-from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.cli import service_app
+from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import placement_scheduler_pb2, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
@@ -22,20 +18,6 @@ from rlharvest.services.placement_scheduler.service import PlacementService
 log = logging.getLogger("rlharvest.placement_scheduler")
 SERVICE_NAME = placement_scheduler_pb2.DESCRIPTOR.services_by_name["PlacementScheduler"].full_name
 
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=describe_flags(PlacementConfig))
-def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config",
-                                               help="TOML or YAML config file")) -> None:
-    try:
-        cfg = load_config(PlacementConfig, config, parse_flags(PlacementConfig, ctx.args))
-    except ConfigError as exc:
-        typer.echo(f"rlharvest-placement-scheduler: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_service(lambda stop: serve(cfg, stop))
 
 
 async def serve(cfg: PlacementConfig, stop: asyncio.Event) -> None:
@@ -90,6 +72,9 @@ async def serve(cfg: PlacementConfig, stop: asyncio.Event) -> None:
         raise SystemExit("placement scheduler lost leadership (its election key vanished); "
                          "exiting so a supervisor restarts it as a standby")
     log.info("scheduler %s stopped", cfg.scheduler_id)
+
+
+app = service_app("rlharvest-placement-scheduler", __doc__, PlacementConfig, serve)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
-from typing import Optional
 
-import typer
 
 from rlharvest.common import registry, rpc
-from rlharvest.common.cli import describe_flags, parse_flags
-from rlharvest.common.config import ConfigError, load_config
-from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.cli import service_app
+from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_worker.config import WorkerConfig
 from rlharvest.services.rollout_worker.service import WorkerService
@@ -23,21 +19,6 @@ SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].f
 KINDS = {"dedicated": common_pb2.WORKER_KIND_DEDICATED, "spot": common_pb2.WORKER_KIND_SPOT,
          "seed": common_pb2.WORKER_KIND_SEED}
 
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=describe_flags(WorkerConfig))
-def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
-    try:
-        cfg = load_config(WorkerConfig, config, parse_flags(WorkerConfig, ctx.args))
-        if cfg.agent_pull and not cfg.job:
-            raise ConfigError("agent_pull needs job: the job whose announced versions to pull")
-    except ConfigError as exc:
-        typer.echo(f"rlharvest-rollout-worker: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_service(lambda stop: serve(cfg, stop))
 
 
 def build_engine(cfg: WorkerConfig):
@@ -107,6 +88,9 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
     await etcd.close()
     service.close()
     log.info("worker %s stopped (%s)", cfg.worker_id, "drained" if clean else "drain timed out")
+
+
+app = service_app("rlharvest-rollout-worker", __doc__, WorkerConfig, serve)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,12 @@ from rlharvest.services.trainer.step_plan import (
 )
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
 from rlharvest.services.trainer.tasks import DatasetState, TaskDataset
+
+if sys.version_info >= (3, 11):
+    from asyncio import TaskGroup
+else:  # Python 3.10: the backports of the 3.11 structured-concurrency API
+    from exceptiongroup import BaseExceptionGroup
+    from taskgroup import TaskGroup
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +225,7 @@ class TrainerLoop:
             if done is not None:
                 ready.put_nowait(done)
 
-        async def rollout(tasks: asyncio.TaskGroup) -> None:
+        async def rollout(tasks: TaskGroup) -> None:
             async for event in rollout_client.stream_step(manager, request, cfg.max_message_bytes):
                 for delta in event.deltas:
                     assembler.delta(delta)
@@ -234,7 +241,7 @@ class TrainerLoop:
 
         waited = 0.0
         try:
-            async with asyncio.TaskGroup() as tasks:
+            async with TaskGroup() as tasks:
                 tasks.create_task(rollout(tasks))
                 for _ in spec.items:  # train on groups as they come, m_b at a time
                     idle_since = self._clock()

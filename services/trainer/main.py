@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
-from typing import Optional
 
-import typer
 
 from rlharvest.common import registry, rpc
-from rlharvest.common.cli import describe_flags, parse_flags
-from rlharvest.common.config import ConfigError, load_config
-from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.cli import service_app
+from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.loop import TrainerLoop, torch_threads
@@ -22,19 +18,6 @@ log = logging.getLogger("rlharvest.trainer")
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 _MEMBER_REFRESH_S = 0.5
 
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=describe_flags(TrainerConfig))
-def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
-    try:
-        cfg = load_config(TrainerConfig, config, parse_flags(TrainerConfig, ctx.args))
-    except ConfigError as exc:
-        typer.echo(f"rlharvest-trainer: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_service(lambda stop: serve(cfg, stop))
 
 
 async def _advertise(loop: TrainerLoop, membership: registry.Membership) -> None:
@@ -103,6 +86,9 @@ async def serve(cfg: TrainerConfig, stop: asyncio.Event) -> None:
         log.error("training failed: %s", failure)
         raise SystemExit(1)
     log.info("trainer %s stopped", cfg.trainer_id)
+
+
+app = service_app("rlharvest-trainer", __doc__, TrainerConfig, serve)
 
 
 if __name__ == "__main__":

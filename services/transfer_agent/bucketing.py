@@ -10,7 +10,7 @@ bytes on the wire), so a damaged bucket is re-pulled alone.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,9 @@ from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, read_he
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # ROSE's bucket size
 MANIFEST_FORMAT = 1
+
+# ``map``-like callable: the caller may pass a thread pool's map (zlib and numpy release the GIL).
+ParallelMap = Callable[..., Iterator]
 
 
 class ManifestError(ValueError):
@@ -128,9 +131,10 @@ def layout_segments(sizes: Sequence[int], bucket_bytes: int) -> list[tuple[Segme
 
 
 def pack(version: int, base_version: int | None, items: Sequence[tuple[str, EncodedTensor]],
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, tp_rank: int = 0,
-         tp_size: int = 1) -> tuple[VersionManifest, list[bytes]]:
-    """Lay the payloads out in buckets; returns the manifest and the buckets' bytes."""
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, tp_rank: int = 0, tp_size: int = 1,
+         parallel_map: ParallelMap = map) -> tuple[VersionManifest, list[bytes]]:
+    """Lay the payloads out in buckets; returns the manifest and the buckets' bytes. Buckets are
+    joined and checksummed through ``parallel_map``."""
     names = [name for name, _ in items]
     if len(set(names)) != len(names):
         raise ValueError("pack() got the same tensor name twice; each tensor goes in once")
@@ -145,21 +149,24 @@ def pack(version: int, base_version: int | None, items: Sequence[tuple[str, Enco
             at += seg.length
         entries.append(ManifestEntry(name, str(item.dtype).removeprefix("torch."), item.shape,
                                      item.encoding.name, item.checksum, segments))
-    buckets = [b"".join(p) for p in parts]
+    joined = list(parallel_map(_join_and_sum, parts))
+    buckets = [b for b, _ in joined]
     manifest = VersionManifest(version, base_version, tp_rank, tp_size,
                                tuple(len(b) for b in buckets),
-                               tuple(bytes_checksum(b) for b in buckets), tuple(entries))
+                               tuple(c for _, c in joined), tuple(entries))
     return manifest, buckets
 
 
 def unpack(manifest: VersionManifest,
            buckets: Sequence[bytes | memoryview] | Mapping[int, bytes | memoryview],
-           names: Collection[str] | None = None) -> dict[str, memoryview]:
+           names: Collection[str] | None = None,
+           verified: Iterable[int] = ()) -> dict[str, memoryview]:
     """Each entry's payload (zero-copy when it lies in one bucket), after checking every bucket
-    it touches against the manifest. ``names`` restricts to entries whose buckets have arrived."""
+    it touches against the manifest. ``names`` restricts to entries whose buckets have arrived;
+    ``verified`` buckets passed their CRC on arrival already and are not checksummed again."""
     by_index = buckets if isinstance(buckets, Mapping) else dict(enumerate(buckets))
     wanted = [e for e in manifest.entries if names is None or e.name in names]
-    checked: set[int] = set()
+    checked: set[int] = set(verified)
     payloads = {}
     for entry in wanted:
         views = []
@@ -174,6 +181,11 @@ def unpack(manifest: VersionManifest,
                                 "(tensor checksums differ): buckets of two pulls were mixed")
         payloads[entry.name] = payload
     return payloads
+
+
+def _join_and_sum(parts: list[memoryview]) -> tuple[bytes, int]:
+    bucket = b"".join(parts)
+    return bucket, bytes_checksum(bucket)
 
 
 def entries_ready(manifest: VersionManifest, received: Collection[int]) -> list[str]:

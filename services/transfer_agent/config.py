@@ -27,6 +27,12 @@ class AgentConfig(ServiceConfig):
     port: int = Field(0, ge=0, lt=65536, description="gRPC port; 0 picks a free one")
     advertise_host: str = Field("", description="host others dial; defaults to host")
     metrics_port: int = Field(0, ge=0, lt=65536, description="/metrics and /healthz; 0 = free port")
+    data_port: int = Field(0, ge=0, lt=65536, description="HTTP port bucket bytes are served on "
+                           "(byte ranges, parallel streams); 0 = free port")
+    http_data_path: bool = Field(True, description="serve bucket bytes over HTTP (measured "
+                                 "fastest); off: only the gRPC PullBuckets stream")
+    codec_threads: int = Field(2, ge=1, le=64, description="threads that encode deltas and "
+                               "checksum buckets side by side")
     etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
     lease_ttl: int = Field(5, ge=1, le=300, description="seconds until a dead agent's keys expire")
     max_versions: int = Field(2, ge=1, description="versions kept per job (K); 2 lets a worker "

@@ -249,6 +249,26 @@ def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
     return target
 
 
+def undo_delta(payload: EncodedTensor | bytes | bytearray | memoryview,
+               target: torch.Tensor) -> None:
+    """Take a sparse delta that ``decode(..., inplace=True)`` applied back out of ``target``
+    (XOR is its own inverse), so a pull that fails half-way leaves the caller's base intact."""
+    raw = payload.payload if isinstance(payload, EncodedTensor) else payload
+    header = read_header(raw)
+    if header.encoding == Encoding.DENSE:
+        raise DeltaCodecError("a DENSE payload replaces its target and cannot be undone; decode "
+                              "dense entries into fresh tensors instead")
+    body = memoryview(raw).cast("B")[header.body_offset:]
+    bits = target.detach().reshape(-1).view(_BITS_TORCH[target.element_size()]).numpy()
+    if header.encoding == Encoding.COO:
+        index = _coo_index(header, body)
+        values_at = 4 * math.ceil(header.numel / COO_BLOCK) + 2 * header.count
+    else:
+        index = _bitmap_index(header, body)
+        values_at = math.ceil(header.numel / 8)
+    bits[index] ^= np.frombuffer(body, dtype=bits.dtype, count=header.count, offset=values_at)
+
+
 def _target(header: PayloadHeader, base: torch.Tensor | None, inplace: bool) -> torch.Tensor:
     if base is None:
         if inplace:

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +22,7 @@ from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grp
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
-from rlharvest.services.transfer_agent.client import manifest_id
+from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, stream_buckets
 from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
@@ -74,6 +74,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         self._jobs: dict[str, _Job] = {}
         self._packed: OrderedDict[tuple, _Packed] = OrderedDict()
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
+        # Encoders and bucket checksums run side by side here (numpy and zlib release the GIL);
+        # only the store thread submits to it, so store state stays single-threaded.
+        self._codec_pool = ThreadPoolExecutor(cfg.codec_threads, thread_name_prefix="codec")
+        self._packing: dict[tuple, asyncio.Future] = {}  # one pack per key, however many ask
         now = time.monotonic()
         self._send_throttle = (TokenBucket(cfg.send_rate_bytes_per_s, cfg.chunk_bytes, now)
                                if cfg.send_rate_bytes_per_s else None)
@@ -81,6 +85,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                if cfg.cross_cluster_rate_bytes_per_s else None)
         self._corrupt_left = cfg.fault_corrupt_chunks
         self.endpoint = ""
+        self.data_endpoint = ""  # host:port of the HTTP data path; "" serves bytes over gRPC only
 
     # ---- state other parts of the process read ----------------------------------------------
 
@@ -212,35 +217,50 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
         try:
-            return (await self._packed_pull(request)).plan
+            plan = (await self._packed_pull(request)).plan
         except RefusedError as exc:
             return await self._refuse(context, "PlanPull", exc.code, str(exc))
+        if self.data_endpoint:  # where the bytes are served; a proto field would need a new
+            context.set_trailing_metadata(((DATA_ENDPOINT_METADATA, self.data_endpoint),))
+        return plan
 
     async def PullBuckets(self, request: pb.BucketsRequest, context) -> AsyncIterator[pb.BucketChunk]:
         try:
-            packed = await self._packed_pull(request.pull, count=False)
-            if request.plan_id and request.plan_id != packed.plan.plan_id:
-                raise RefusedError(grpc.StatusCode.ABORTED, "the pull's plan changed since "
-                                   "PlanPull (a base version was evicted); plan the pull again")
-            n = len(packed.buckets)
-            bad = [i for i in request.buckets if not 0 <= i < n]
-            if bad or not request.buckets:
-                raise RefusedError(grpc.StatusCode.OUT_OF_RANGE,
-                                   f"bucket indices {bad or '[]'} are not in this plan's 0..{n - 1}"
-                                   "; ask for indices of the manifest PlanPull returned")
+            packed = await self.planned_buckets(request.pull, request.plan_id, request.buckets)
         except RefusedError as exc:
             await self._refuse(context, "PullBuckets", exc.code, str(exc))
             return
-        cross = bool(request.pull.requester_cluster) and \
-            request.pull.requester_cluster != self.cfg.cluster
-        throttles = [t for t in (self._send_throttle, self._link_throttle if cross else None) if t]
-        link = "cross" if cross else "local"
+        throttles, link = self.send_path(request.pull)
         started = time.perf_counter()
         async for chunk in stream_buckets(packed.buckets, list(request.buckets),
-                                          self.cfg.chunk_bytes, throttles, self._damage):
+                                          self.cfg.chunk_bytes, throttles, self.damage):
             yield chunk
             metrics.BYTES_OUT.labels(link).inc(len(chunk.data))
         metrics.BUCKET_SECONDS.observe(time.perf_counter() - started)
+
+    # ---- serving bucket bytes (gRPC above, HTTP in http_data.py) ------------------------------
+
+    async def planned_buckets(self, pull: pb.PullRequest, plan_id: int,
+                              indices: Sequence[int]) -> _Packed:
+        """The packed pull that ``PlanPull`` answered for ``pull``, checked against the plan id
+        the client quotes and the bucket indices it asks for; RefusedError otherwise."""
+        packed = await self._packed_pull(pull, count=False)
+        if plan_id and plan_id != packed.plan.plan_id:
+            raise RefusedError(grpc.StatusCode.ABORTED, "the pull's plan changed since "
+                               "PlanPull (a base version was evicted); plan the pull again")
+        n = len(packed.buckets)
+        bad = [i for i in indices if not 0 <= i < n]
+        if bad or not indices:
+            raise RefusedError(grpc.StatusCode.OUT_OF_RANGE,
+                               f"bucket indices {bad or '[]'} are not in this plan's 0..{n - 1}"
+                               "; ask for indices of the manifest PlanPull returned")
+        return packed
+
+    def send_path(self, pull: pb.PullRequest) -> tuple[list[TokenBucket], str]:
+        """Throttles every chunk of this pull is charged to, and its link label."""
+        cross = bool(pull.requester_cluster) and pull.requester_cluster != self.cfg.cluster
+        throttles = [t for t in (self._send_throttle, self._link_throttle if cross else None) if t]
+        return throttles, "cross" if cross else "local"
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.AgentStatus:
         return pb.AgentStatus(
@@ -271,20 +291,19 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         packed = self._packed.get(key)
         if packed is not None:
             self._packed.move_to_end(key)
+        elif key in self._packing:  # N parallel range requests after an eviction: pack once
+            packed = await asyncio.shield(self._packing[key])
         else:
-            loop = asyncio.get_running_loop()
-            started = time.perf_counter()
+            future = self._packing[key] = asyncio.get_running_loop().create_future()
             try:
-                packed = await loop.run_in_executor(self._store_thread, self._pack, entry.store,
-                                                    key)
-            except VersionUnavailableError as exc:
-                raise RefusedError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-            except (VersionStoreError, ShardingError) as exc:
-                raise RefusedError(_store_code(exc), str(exc)) from None
-            metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
-            self._packed[key] = packed
-            while len(self._packed) > _PACKED_CACHE_ENTRIES:
-                self._packed.popitem(last=False)
+                packed = await self._pack_now(entry.store, key)
+                future.set_result(packed)
+            except BaseException as exc:
+                future.set_exception(exc)
+                future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+                raise
+            finally:
+                del self._packing[key]
         if count:
             plan = packed.plan
             kind = "delta" if plan.delta_tensors else ("noop" if not plan.dense_bytes else "dense")
@@ -293,12 +312,28 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 metrics.DELTA_RATIO.set(plan.payload_bytes / max(plan.dense_bytes, 1))
         return packed
 
+    async def _pack_now(self, store: VersionStore, key: tuple) -> _Packed:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            packed = await loop.run_in_executor(self._store_thread, self._pack, store, key)
+        except VersionUnavailableError as exc:
+            raise RefusedError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+        except (VersionStoreError, ShardingError) as exc:
+            raise RefusedError(_store_code(exc), str(exc)) from None
+        metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
+        self._packed[key] = packed
+        while len(self._packed) > _PACKED_CACHE_ENTRIES:
+            self._packed.popitem(last=False)
+        return packed
+
     def _pack(self, store: VersionStore, key: tuple) -> _Packed:
         _, version, holding, tp_rank, tp_size, names = key
         plan = store.plan(version, holding=holding, tp_rank=tp_rank, tp_size=tp_size,
-                          names=names or None)
+                          names=names or None, parallel_map=self._codec_pool.map)
         manifest, buckets = pack(plan.version, plan.base_version, list(plan.tensors),
-                                 self.cfg.bucket_bytes, tp_rank=tp_rank, tp_size=tp_size)
+                                 self.cfg.bucket_bytes, tp_rank=tp_rank, tp_size=tp_size,
+                                 parallel_map=self._codec_pool.map)
         manifest_json = json.dumps(manifest.to_dict())
         deltas = sum(1 for _, item in plan.tensors if item.needs_base)
         return _Packed(pb.PullPlan(manifest_json=manifest_json, version=plan.version,
@@ -306,7 +341,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                    dense_bytes=plan.dense_bytes, delta_tensors=deltas,
                                    plan_id=manifest_id(manifest_json)), buckets)
 
-    def _damage(self) -> bool:
+    def damage(self) -> bool:
+        """The fault_corrupt_chunks test hook: True while chunks are still to be corrupted."""
         if self._corrupt_left <= 0:
             return False
         self._corrupt_left -= 1
@@ -316,14 +352,18 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         return True
 
     async def _refuse(self, context, rpc_name: str, code: grpc.StatusCode, message: str):
+        self.note_refusal(rpc_name, code, message)
+        await context.abort(code, message)
+
+    def note_refusal(self, rpc_name: str, code: grpc.StatusCode, message: str) -> None:
         metrics.REFUSED.labels(rpc_name, code.name).inc()
         if rpc_name == "Publish":
             metrics.PUBLISHES.labels("refused").inc()
         log.info("%s refused (%s): %s", rpc_name, code.name, message)
-        await context.abort(code, message)
 
     def close(self) -> None:
         self._store_thread.shutdown(wait=False, cancel_futures=True)
+        self._codec_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _store_code(exc: Exception) -> grpc.StatusCode:

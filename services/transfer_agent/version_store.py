@@ -10,8 +10,9 @@ Encoded slices are cached per (base, version, tp_rank, tp_size) so N workers cos
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -182,10 +183,14 @@ class VersionStore:
     # --- pulling ----------------------------------------------------------------------------
 
     def plan(self, version: int, *, holding: int | None = None, tp_rank: int = 0,
-             tp_size: int = 1, names: Collection[str] | None = None) -> TransferPlan:
+             tp_size: int = 1, names: Collection[str] | None = None,
+             parallel_map: Callable[..., Iterator] = map) -> TransferPlan:
         """Encoded slices that take a worker holding ``holding`` (None: nothing) to ``version``
         for its TP slice (tp_rank, tp_size): sparse deltas where ``holding`` is still held and a
-        delta is smaller, dense slices otherwise. ``names`` limits the plan to those tensors."""
+        delta is smaller, dense slices otherwise. ``names`` limits the plan to those tensors.
+        Tensors missing from the cache are encoded through ``parallel_map`` (the encoders are
+        pure functions of read-only tensors, so a thread pool's map is safe; the cache itself is
+        only touched from the calling thread)."""
         target = self._held(version)
         if holding is not None and holding > version:
             raise VersionStoreError(f"the worker holds version {holding}, newer than the "
@@ -201,12 +206,19 @@ class VersionStore:
                                 f"the worker already holds version {version}")
         base = self._versions.get(holding) if holding is not None else None
         base_version = holding if base is not None else None
+        cached = {name: self._cached((base_version, version, tp_rank, tp_size, name))
+                  for name in wanted}
+        misses = [name for name in wanted if cached[name] is None]
+        fresh = dict(zip(misses, parallel_map(
+            lambda name: _encode(name, target, base, tp_rank, tp_size), misses)))
         encoded, dense_bytes = [], 0
         for name in wanted:
-            item, slice_bytes = self._encoded(name, target, version, base, base_version,
-                                              tp_rank, tp_size)
+            item = cached[name]
+            if item is None:
+                item = fresh[name]
+                self._remember((base_version, version, tp_rank, tp_size, name), item)
             encoded.append((name, item))
-            dense_bytes += slice_bytes
+            dense_bytes += _slice_bytes(name, target.tensors[name], tp_size)
         uses_base = any(item.needs_base for _, item in encoded)
         return TransferPlan(version, base_version if uses_base else None, tp_rank, tp_size,
                             tuple(encoded), dense_bytes,
@@ -226,20 +238,11 @@ class VersionStore:
         raise VersionUnavailableError(f"weight version {version} {why}; this agent holds "
                                       f"{held or 'nothing'} — pull the latest instead", evicted)
 
-    def _encoded(self, name: str, target: _Version, version: int, base: _Version | None,
-                 base_version: int | None, tp_rank: int, tp_size: int) -> tuple[EncodedTensor, int]:
-        new = _worker_slice(name, target.tensors[name], tp_rank, tp_size)
-        key = (base_version, version, tp_rank, tp_size, name)
+    def _cached(self, key: tuple) -> EncodedTensor | None:
         item = self._cache.get(key)
         if item is not None:
             self._cache.move_to_end(key)
-            return item, new.numel() * new.element_size()
-        if base is None or name not in base.tensors:
-            item = encode_dense(new)
-        else:
-            item = encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new)
-        self._remember(key, item)
-        return item, new.numel() * new.element_size()
+        return item
 
     def _remember(self, key: tuple, item: EncodedTensor) -> None:
         if item.nbytes > self.cache_bytes:
@@ -248,6 +251,22 @@ class VersionStore:
         self._cached_bytes += item.nbytes
         while self._cached_bytes > self.cache_bytes:
             self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
+
+
+def _encode(name: str, target: _Version, base: _Version | None, tp_rank: int,
+            tp_size: int) -> EncodedTensor:
+    new = _worker_slice(name, target.tensors[name], tp_rank, tp_size)
+    if base is None or name not in base.tensors:
+        return encode_dense(new)
+    return encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new)
+
+
+def _slice_bytes(name: str, stored: StoredTensor, tp_size: int) -> int:
+    """Bytes of one worker's dense slice, from shapes alone (no slicing, no copy)."""
+    itemsize = stored.shards[0].element_size()
+    if len(stored.shards) == 1 and tp_size == 1:
+        return stored.shards[0].numel() * itemsize
+    return math.prod(sharding.shard_shape(name, stored.full_shape, tp_size)) * itemsize
 
 
 def _own(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
