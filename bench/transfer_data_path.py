@@ -8,8 +8,11 @@ buffers, as a worker would. Rows:
   asyncio streams   StreamWriter.write / readexactly
   aiohttp           chunked HTTP response, iter_chunked into a buffer
   grpc.aio          server stream of 16 MB bytes messages
-  agent pull        the transfer agent: PlanPull + PullBuckets streams + bucket CRC checks
-  agent pull+decode the same plus per-tensor decode and checksum (what a worker waits for)
+  agent pull        the transfer agent: PlanPull (gRPC) + byte ranges of the buckets over 4
+                    parallel HTTP connections into preallocated buffers + one CRC per bucket
+  agent pull, 1     the same over one connection
+  agent pull, gRPC  the same bytes over the gRPC PullBuckets stream (the previous data path)
+  agent pull+decode HTTP, plus per-tensor decode and checksum (what a worker waits for)
 
     python bench/transfer_data_path.py           # 512 MB
     python bench/transfer_data_path.py --quick   # 96 MB, < 30 s
@@ -205,6 +208,10 @@ def main() -> None:
         asyncio.run(pull(endpoint, "bench", version=1, decode=False))  # warm: encode + pack cache
         results["agent"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench", version=1,
                                                                    decode=False)))
+        results["agent-1"] = best_of(runs, lambda: asyncio.run(pull(
+            endpoint, "bench", version=1, decode=False, streams=1)))
+        results["agent-grpc"] = best_of(runs, lambda: asyncio.run(pull(
+            endpoint, "bench", version=1, decode=False, transport="grpc")))
         results["agent+decode"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench",
                                                                           version=1)))
     finally:
@@ -212,7 +219,10 @@ def main() -> None:
 
     base = results["socket"]
     names = {"socket": "raw socket (baseline)", "asyncio": "asyncio streams", "aiohttp": "aiohttp",
-             "grpc": "grpc.aio stream (16 MB msgs)", "agent": "agent pull (transport + bucket CRC)",
+             "grpc": "grpc.aio stream (16 MB msgs)",
+             "agent": "agent pull: HTTP ranges, 4 streams (transport + bucket CRC)",
+             "agent-1": "agent pull: HTTP ranges, 1 stream",
+             "agent-grpc": "agent pull: gRPC PullBuckets stream (previous path)",
              "agent+decode": "agent pull + decode + tensor CRC"}
     lines = [f"# transfer_data_path: dense pull over loopback vs raw socket\n",
              f"`python bench/transfer_data_path.py{' --quick' if args.quick else ''}` — {mb} MB, "
@@ -222,6 +232,8 @@ def main() -> None:
     for key, seconds in results.items():
         lines.append(f"| {names[key]} | {seconds:.3f} | {nbytes / seconds / 1e9:.2f} | "
                      f"{base / seconds:.2f} |")
+    lines.append(f"\nagent pull (HTTP, 4 streams) vs raw socket: {base / results['agent']:.2f}x; "
+                 f"vs the previous gRPC data path: {results['agent-grpc'] / results['agent']:.2f}x")
     write_results("transfer_data_path" + ("_quick" if args.quick else ""), "\n".join(lines) + "\n")
 
 

@@ -1,6 +1,8 @@
 """Sparse delta pull vs dense pull, end to end through a real transfer agent (ROSE §4.2): the
 worker holds v; v+1 differs in 10%, 1% or 0.1% of the elements. Both pulls are timed from
 PlanPull (which encodes on the agent, cold cache) to decoded, checksummed tensors in the worker.
+Both sides run the codec on 2 threads (agent --codec-threads, client codec_threads); the delta
+pull applies in place to the held version, as the worker's puller does.
 
     python bench/transfer_delta.py           # ~200 MB of bf16
     python bench/transfer_delta.py --quick   # ~48 MB, < 30 s
@@ -52,11 +54,12 @@ async def run(mb: int) -> list[str]:
             new = next_version(held, zeros, seed=version)
             version += 1
             await publish(endpoint, "delta", version, new)
+            expected = weights_fingerprint(new)
             sparse = await pull(endpoint, "delta", version=version, held=held,
-                                held_version=version - 1)
+                                held_version=version - 1, inplace=True)
             dense = await pull(endpoint, "delta", version=version)  # cold: dense encode too
-            assert weights_fingerprint(sparse.tensors) == weights_fingerprint(new)
-            assert weights_fingerprint(dense.tensors) == weights_fingerprint(new)
+            assert weights_fingerprint(sparse.tensors) == expected
+            assert weights_fingerprint(dense.tensors) == expected
             assert sparse.delta and not dense.delta
             rows.append(f"| {zeros:.1%} | {dense.payload_bytes / 1e6:.1f} | "
                         f"{sparse.payload_bytes / 1e6:.2f} | "
@@ -79,7 +82,8 @@ def main() -> None:
         "# transfer_delta: sparse delta pull vs dense pull through the agent, end to end\n",
         f"`python bench/transfer_delta.py{' --quick' if args.quick else ''}` — {mb} MB of bf16 "
         f"(16 tensors); worker holds v, pulls v+1; loopback; encode on the agent (cold), bytes, "
-        f"decode + checksums in the worker; bit-exact checked; 2 cores, load average "
+        f"decode + checksums in the worker (delta applied in place, as the puller does); codec on 2 "
+        f"threads per side; bit-exact checked; 2 cores, load average "
         f"{os.getloadavg()[0]:.1f}; run took {time.perf_counter() - started:.0f}s.\n",
         "| zeros | dense MB | delta MB | delta / dense | dense s | delta s | speedup |",
         "|---|---|---|---|---|---|---|", *rows]) + "\n"

@@ -172,10 +172,13 @@ class Puller:
                 if attempt:
                     PULL_FAILOVERS.inc()
                 try:
+                    # In place: the engine copies what it loads, so ``held`` is ours alone, and
+                    # a delta then costs no fresh copy of the model (apply_pull undoes a
+                    # half-applied delta, so a failed pull leaves held_version intact).
                     result = await pull(agents[agent]["endpoint"], self.job, version=version,
                                         held=self.held, held_version=self.held_version,
                                         tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                        streams=self.streams)
+                                        streams=self.streams, inplace=True)
                 except (grpc.aio.AioRpcError, PullError, ManifestError) as exc:
                     what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     log.warning("pull of version %d from agent %s failed: %s", version, agent, what)
@@ -187,6 +190,8 @@ class Puller:
             PULLING.set(0)
 
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
+        # The held tensors now are this version (deltas went in place), loaded or not.
+        self.held, self.held_version = result.tensors, result.version
         try:
             await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:
@@ -194,7 +199,6 @@ class Puller:
             log.error("version %d from agent %s does not fit this engine: %s", result.version,
                       agent, exc)
             return
-        self.held, self.held_version = result.tensors, result.version
         kind = "delta" if result.delta else "dense"
         PULLS.labels(kind).inc()
         PULL_BYTES.inc(result.payload_bytes)

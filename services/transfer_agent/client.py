@@ -8,8 +8,10 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import torch
@@ -18,15 +20,17 @@ from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest, pack
-from rlharvest.services.transfer_agent.checksum import tensor_checksum
+from rlharvest.services.transfer_agent.checksum import bytes_checksum, tensor_checksum
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_buckets
-from rlharvest.services.transfer_agent.delta_codec import encode_dense
+from rlharvest.services.transfer_agent.delta_codec import Encoding, encode_dense
+from rlharvest.services.transfer_agent.http_data import DataPathError, RangeFetcher
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TransferAgent"].full_name
 PUBLISH_CHUNK_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20
+DATA_ENDPOINT_METADATA = "rlh-data-endpoint"  # PlanPull's trailing metadata: the HTTP data path
 
 
 class PublishError(ValueError):
@@ -38,7 +42,13 @@ class PublishError(ValueError):
 
 
 class PullError(RuntimeError):
-    """A pull that could not complete from this agent; try another holder."""
+    """A pull that could not complete from this agent; try another holder. ``code`` is the gRPC
+    code name of the cause (UNAVAILABLE: the agent went away; DATA_LOSS: bytes stayed damaged;
+    ABORTED: the plan changed under the pull — plan again)."""
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _channel(endpoint: str) -> grpc.aio.Channel:
@@ -115,47 +125,118 @@ def pull_request(job: str, version: int = 0, held_version: int | None = None, tp
 async def pull(endpoint: str, job: str, *, version: int = 0,
                held: Mapping[str, torch.Tensor] | None = None, held_version: int | None = None,
                tp_rank: int = 0, tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
-               streams: int = 4, refetch_attempts: int = 3, decode: bool = True) -> PullResult:
+               streams: int = 4, refetch_attempts: int = 3, decode: bool = True,
+               inplace: bool = False, codec_threads: int = 2,
+               transport: str = "auto") -> PullResult:
     """Pull ``version`` (0: the agent's latest) of ``job`` for TP slice (tp_rank, tp_size):
     sparse deltas against ``held`` (the caller's tensors of ``held_version``) where the agent still
-    holds that version, dense otherwise. Buckets stream over up to ``streams`` parallel streams;
-    one failing its checksum is pulled again. Every tensor is checked against its checksum.
-    Raises grpc.aio.AioRpcError for the agent's refusals and PullError when data stays damaged."""
+    holds that version, dense otherwise. The plan comes over gRPC; the bytes over the agent's HTTP
+    data path (``transport`` "auto": when the agent serves one; "grpc": the PullBuckets stream)
+    as byte ranges on up to ``streams`` connections. A bucket failing its checksum is pulled
+    again; every tensor is checked against its checksum. Dense tensors decode on
+    ``codec_threads`` threads as soon as their buckets are in; deltas once every bucket is.
+
+    ``inplace`` applies deltas into ``held`` (all or nothing: on an error they are taken back
+    out); only for a caller that owns those tensors. Raises grpc.aio.AioRpcError for the agent's
+    refusals of the plan and PullError when bytes cannot be had or stay damaged."""
+    if transport not in ("auto", "http", "grpc"):
+        raise ValueError(f"transport must be auto, http or grpc, got {transport!r}")
     started = time.perf_counter()
     request = pull_request(job, version, held_version, tp_rank, tp_size, names, cluster)
-    async with _channel(endpoint) as chan:
-        stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
-        plan = await stub.PlanPull(request)
-        manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
-        request.version = plan.version  # pin it: "latest" must not move under the bucket streams
-        assembler = BucketAssembler(manifest)
-        rejected = 0
-        wanted = list(range(len(manifest.bucket_sizes)))
-        for attempt in range(refetch_attempts + 1):
-            groups = [wanted[i::streams] for i in range(min(streams, len(wanted)))]
-            bad = await asyncio.gather(*(_fetch(stub, request, plan.plan_id, g, assembler)
-                                         for g in groups))
-            wanted = sorted(i for group in bad for i in group) + assembler.missing()
-            wanted = sorted(set(wanted))
-            if not wanted:
-                break
-            rejected += len(wanted)
-            log.warning("buckets %s of version %d from %s failed their checksum; pulling them "
-                        "again (attempt %d)", wanted, plan.version, endpoint, attempt + 1)
-        else:
-            raise PullError(f"buckets {wanted} of version {plan.version} from {endpoint} stayed "
-                            f"damaged after {refetch_attempts} re-pulls; try another agent")
-    tensors: dict[str, torch.Tensor] = {}
-    if decode:
-        loop = asyncio.get_running_loop()
-        tensors = await loop.run_in_executor(None, apply_pull, manifest, assembler.buffers,
-                                             held or {}, held_version)
+    with ThreadPoolExecutor(codec_threads, thread_name_prefix="pull-codec") as pool:
+        async with _channel(endpoint) as chan:
+            stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
+            call = stub.PlanPull(request)
+            plan = await call
+            trailing = await call.trailing_metadata()
+            data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
+            manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
+            request.version = plan.version  # pin it: "latest" must not move under the fetches
+            if transport == "http" and not data_endpoint:
+                raise PullError(f"the agent at {endpoint} serves no HTTP data path "
+                                "(http_data_path off); pull with transport='grpc'")
+            http = transport != "grpc" and bool(data_endpoint)
+            buffers: dict[int, bytearray] = {}
+            decoder = _Decoder(manifest, buffers, held or {}, held_version, inplace, pool) \
+                if decode else None
+            on_verified = decoder.bucket_verified if decoder else (lambda index: None)
+            try:
+                if http:
+                    rejected = await _fetch_http(data_endpoint, request, plan, manifest, buffers,
+                                                 streams, refetch_attempts, pool, on_verified)
+                else:
+                    rejected = await _fetch_grpc(stub, request, plan, manifest, buffers, streams,
+                                                 refetch_attempts, on_verified, endpoint)
+            except BaseException:
+                if decoder:
+                    decoder.abandon()
+                raise
+        tensors = await decoder.finish() if decoder else {}
     return PullResult(plan.version, tensors, plan.note, plan.delta_tensors > 0, plan.payload_bytes,
                       plan.dense_bytes, rejected, time.perf_counter() - started)
 
 
+async def _fetch_http(data_endpoint: str, request: pb.PullRequest, plan: pb.PullPlan,
+                      manifest: VersionManifest, buffers: dict[int, bytearray], streams: int,
+                      refetch_attempts: int, pool: ThreadPoolExecutor,
+                      on_verified: Callable[[int], None]) -> int:
+    """Byte ranges of every bucket into preallocated ``buffers``; each bucket's CRC runs once,
+    on a codec thread, as soon as its last range lands. Returns how many were re-pulled."""
+    loop = asyncio.get_running_loop()
+    for index, size in enumerate(manifest.bucket_sizes):
+        buffers[index] = bytearray(size)
+    wanted, rejected = list(buffers), 0
+    async with RangeFetcher(data_endpoint, request, plan.plan_id, buffers, streams) as fetcher:
+        for attempt in range(refetch_attempts + 1):
+            checks: list[asyncio.Task] = []
+
+            async def check(index: int) -> int | None:
+                actual = await loop.run_in_executor(pool, bytes_checksum, buffers[index])
+                if actual != manifest.bucket_checksums[index]:
+                    return index
+                on_verified(index)
+                return None
+
+            try:
+                await fetcher.fetch(wanted, lambda i: checks.append(asyncio.create_task(check(i))))
+            except DataPathError as exc:
+                for task in checks:
+                    task.cancel()
+                raise PullError(f"version {plan.version} from {data_endpoint}: {exc}",
+                                exc.code) from None
+            wanted = [i for i in await asyncio.gather(*checks) if i is not None]
+            if not wanted:
+                return rejected
+            rejected += len(wanted)
+            log.warning("buckets %s of version %d from %s failed their checksum; pulling them "
+                        "again (attempt %d)", wanted, plan.version, data_endpoint, attempt + 1)
+    raise PullError(f"buckets {wanted} of version {plan.version} from {data_endpoint} stayed "
+                    f"damaged after {refetch_attempts} re-pulls; try another agent", "DATA_LOSS")
+
+
+async def _fetch_grpc(stub, request: pb.PullRequest, plan: pb.PullPlan,
+                      manifest: VersionManifest, buffers: dict[int, bytearray], streams: int,
+                      refetch_attempts: int, on_verified: Callable[[int], None],
+                      endpoint: str) -> int:
+    """The same over ``streams`` PullBuckets streams, buckets dealt round-robin to them."""
+    assembler = BucketAssembler(manifest, buffers)
+    wanted, rejected = list(range(len(manifest.bucket_sizes))), 0
+    for attempt in range(refetch_attempts + 1):
+        groups = [wanted[i::streams] for i in range(min(streams, len(wanted)))]
+        bad = await asyncio.gather(*(_fetch(stub, request, plan.plan_id, g, assembler, on_verified)
+                                     for g in groups))
+        wanted = sorted(set(i for group in bad for i in group) | set(assembler.missing()))
+        if not wanted:
+            return rejected
+        rejected += len(wanted)
+        log.warning("buckets %s of version %d from %s failed their checksum; pulling them "
+                    "again (attempt %d)", wanted, plan.version, endpoint, attempt + 1)
+    raise PullError(f"buckets {wanted} of version {plan.version} from {endpoint} stayed "
+                    f"damaged after {refetch_attempts} re-pulls; try another agent", "DATA_LOSS")
+
+
 async def _fetch(stub, request: pb.PullRequest, plan_id: int, indices: list[int],
-                 assembler: BucketAssembler) -> list[int]:
+                 assembler: BucketAssembler, on_verified: Callable[[int], None]) -> list[int]:
     """Stream ``indices``; returns those whose checksum failed (their buffers are dropped)."""
     damaged = []
     call = stub.PullBuckets(pb.BucketsRequest(pull=request, buckets=indices, plan_id=plan_id))
@@ -163,11 +244,65 @@ async def _fetch(stub, request: pb.PullRequest, plan_id: int, indices: list[int]
         try:
             done = assembler.add(chunk)
         except ValueError as exc:
-            raise PullError(f"agent sent a bad chunk: {exc}") from None
-        if done is not None and not assembler.intact(done):
+            raise PullError(f"agent sent a bad chunk: {exc}", "DATA_LOSS") from None
+        if done is None:
+            continue
+        if assembler.intact(done):
+            on_verified(done)
+        else:
             damaged.append(done)
             assembler.reset(done)
     return damaged
+
+
+class _Decoder:
+    """Decodes a pull's tensors while its buckets still arrive: a dense tensor goes to a codec
+    thread as soon as every bucket it lies in passed its CRC; deltas (which may write into the
+    held tensors) wait for the last bucket and then decode all together, all or nothing."""
+
+    def __init__(self, manifest: VersionManifest, buffers: dict[int, bytearray],
+                 held: Mapping[str, torch.Tensor], held_version: int | None, inplace: bool,
+                 pool: ThreadPoolExecutor) -> None:
+        self._manifest = manifest
+        self._buffers = buffers
+        self._held, self._held_version, self._inplace = held, held_version, inplace
+        self._pool = pool
+        self._verified: set[int] = set()
+        self._started: set[str] = set()
+        self._running: list[asyncio.Future] = []
+
+    def bucket_verified(self, index: int) -> None:
+        self._verified.add(index)
+        ready = {e.name for e in self._manifest.entries
+                 if e.name not in self._started and e.encoding == Encoding.DENSE.name
+                 and all(s.bucket in self._verified for s in e.segments)}
+        if ready:
+            self._started |= ready
+            self._running.append(asyncio.get_running_loop().run_in_executor(
+                self._pool, partial(apply_pull, self._manifest, self._buffers, self._held,
+                                    self._held_version, names=ready,
+                                    verified=set(self._verified))))
+
+    async def finish(self) -> dict[str, torch.Tensor]:
+        rest = {e.name for e in self._manifest.entries if e.name not in self._started}
+        tensors: dict[str, torch.Tensor] = {}
+        try:
+            for part in await asyncio.gather(*self._running):
+                tensors.update(part)
+        except BaseException:
+            self.abandon()
+            raise
+        if rest:  # outside the pool: apply_pull maps its tensors onto the pool itself
+            tensors.update(await asyncio.get_running_loop().run_in_executor(None, partial(
+                apply_pull, self._manifest, self._buffers, self._held, self._held_version,
+                inplace=self._inplace, names=rest, verified=set(self._verified),
+                parallel_map=self._pool.map)))
+        return {e.name: tensors[e.name] for e in self._manifest.entries}
+
+    def abandon(self) -> None:
+        """The pull failed: nobody will read the decodes under way, so retrieve their errors."""
+        for future in self._running:
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def weights_fingerprint(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -56,6 +56,9 @@ class AgentConfig(ServiceConfig):
         "gateway", description="gateway: one agent per cluster pulls across the slow link, the "
                                "rest pull inside the cluster; flat: every agent pulls from the "
                                "source (the baseline)")
+    relay_jobs: str = Field("", pattern=r"^[A-Za-z0-9_.,-]*$",
+                            description="comma-separated jobs this agent relays; empty = every "
+                                        "announced job")
     relay_streams: int = Field(4, ge=1, le=64, description="parallel streams per relay pull")
     fault_corrupt_chunks: int = Field(0, ge=0, description="testing only: flip one byte in each "
                                                            "of the first N chunks served")

@@ -1,12 +1,11 @@
-"""The weight data path: buckets cut into chunks of tens of MB on a gRPC server stream, and put
-back together on the receiving side.
+"""The weight data path's framing, both transports: buckets cut into chunks of tens of MB on a
+gRPC server stream (``PullBuckets``, publish) and put back together on the receiving side, and
+the byte ranges a puller asks for over HTTP (http_data.py: the path pulls take, measured fastest).
 
-Measured (bench/transfer_data_path.py, 512 MB over loopback, 2 shared cores), against a raw
-socket: a bare grpc.aio stream of 16 MB messages 0.76x, aiohttp 1.09x, raw asyncio streams 0.84x.
-gRPC is kept — control and data on one port with one health service, one set of limits and a
-status per refusal — at the price of ~25% against the best transport. The agent's own pull adds
-copies and CRCs on top (0.53x transport-only); serving the same chunks from the agent's aiohttp
-server (already running for /metrics) is the measured next step.
+Measured (bench/transfer_data_path.py, loopback, 2 shared cores) against a raw socket: a bare
+grpc.aio stream of 16 MB messages ~0.75x, raw asyncio streams ~0.85x, aiohttp ~1.0x — so pulls
+fetch bucket ranges from the agent's HTTP data server, over several connections at once, and
+keep gRPC for control (plan, manifest, refusals) and for publishing.
 """
 
 from __future__ import annotations
@@ -15,10 +14,65 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+import grpc
+
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.checksum import bytes_checksum
 from rlharvest.services.transfer_agent.throttle import TokenBucket
+
+
+MIN_PART_BYTES = 1 << 20  # below this a range's request overhead shows
+
+
+class RefusedError(Exception):
+    """An input the agent refuses: answered as gRPC status ``code`` (over HTTP: the matching
+    HTTP status, with the code's name in X-RLH-Code) with ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RangeError(ValueError):
+    """An HTTP Range header the data server does not serve; the message says why."""
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int]:
+    """[start, stop) of one ``bytes=START-END`` range (END inclusive, optional) inside a bucket
+    of ``size`` bytes; the whole bucket when ``header`` is None."""
+    if header is None:
+        return 0, size
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    if unit.strip() != "bytes" or not dash or "," in spec or not first.strip().isdigit() or \
+            (last.strip() and not last.strip().isdigit()):
+        raise RangeError(f"Range {header!r} is not one 'bytes=START-END' range; ask for one "
+                         "range per request")
+    start = int(first)
+    stop = int(last) + 1 if last.strip() else size
+    if not start < stop <= size:
+        raise RangeError(f"Range {header!r} is outside the bucket's {size} bytes")
+    return start, stop
+
+
+def split_parts(sizes: dict[int, int], streams: int,
+                min_part: int = MIN_PART_BYTES) -> list[tuple[int, int, int]]:
+    """(bucket, start, stop) ranges covering every bucket in ``sizes`` (index -> bytes), in
+    bucket order, about total / streams bytes each (at least ``min_part``) so ``streams``
+    connections share a pull evenly, and never crossing a bucket (each is checksummed alone).
+    Empty buckets get no range."""
+    if streams < 1:
+        raise ValueError(f"streams must be >= 1, got {streams}")
+    total = sum(sizes.values())
+    part = max(min_part, -(-total // streams), 1)
+    parts = []
+    for index in sorted(sizes):
+        size = sizes[index]
+        count = max(1, -(-size // part))
+        cuts = [size * k // count for k in range(count + 1)]
+        parts += [(index, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return parts
 
 
 async def stream_buckets(buckets: Sequence[bytes], indices: Sequence[int], chunk_bytes: int,
@@ -52,9 +106,10 @@ class BucketAssembler:
     """Receiving side of one pull or publish: writes chunks into per-bucket buffers and says when a
     bucket is complete, so its checksum is checked as soon as its last byte lands."""
 
-    def __init__(self, manifest: VersionManifest) -> None:
+    def __init__(self, manifest: VersionManifest,
+                 buffers: dict[int, bytearray] | None = None) -> None:
         self.manifest = manifest
-        self.buffers: dict[int, bytearray] = {}
+        self.buffers: dict[int, bytearray] = {} if buffers is None else buffers
         self._filled: dict[int, int] = {}
 
     def reset(self, index: int) -> None:

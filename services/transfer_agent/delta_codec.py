@@ -132,19 +132,21 @@ def _header(encoding: Encoding, dtype: torch.dtype, shape: tuple[int, ...], coun
                         checksum) + struct.pack(f"<{len(shape)}Q", *shape)
 
 
-def encode_dense(new: torch.Tensor) -> EncodedTensor:
-    """The full tensor; decodes without a base (first pull, evicted base, dense delta)."""
+def encode_dense(new: torch.Tensor, *, checksum: int | None = None) -> EncodedTensor:
+    """The full tensor; decodes without a base (first pull, evicted base, dense delta).
+    ``checksum``: the tensor's CRC when the caller already verified it (saves a pass)."""
     bits = _bits(new)
     shape = tuple(new.shape)
-    checksum = bytes_checksum(bits)
+    checksum = bytes_checksum(bits) if checksum is None else checksum
     payload = b"".join([_header(Encoding.DENSE, new.dtype, shape, bits.size, checksum), bits])
     return EncodedTensor(Encoding.DENSE, new.dtype, shape, bits.size, checksum, payload)
 
 
-def encode_delta(old: torch.Tensor, new: torch.Tensor, *,
-                 encoding: Encoding | None = None) -> EncodedTensor:
+def encode_delta(old: torch.Tensor, new: torch.Tensor, *, encoding: Encoding | None = None,
+                 checksum: int | None = None) -> EncodedTensor:
     """Encode ``new`` against ``old`` in the smallest of COO, BITMAP and DENSE, or in
-    ``encoding`` when given (benchmarks and tests compare the forms)."""
+    ``encoding`` when given (benchmarks and tests compare the forms). ``checksum``: ``new``'s
+    CRC when the caller already verified it (saves a pass over the tensor)."""
     if old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape):
         raise DeltaCodecError(
             f"cannot delta-encode {new.dtype}{tuple(new.shape)} against base "
@@ -156,7 +158,7 @@ def encode_delta(old: torch.Tensor, new: torch.Tensor, *,
     if encoding is None:
         encoding = choose_encoding(new_bits.size, count, new_bits.itemsize)
     if encoding == Encoding.DENSE:
-        return encode_dense(new)
+        return encode_dense(new, checksum=checksum)
     index = np.flatnonzero(changed)
     values = (old_bits[index] ^ new_bits[index]).astype(_BITS_NUMPY[new_bits.itemsize], copy=False)
     if encoding == Encoding.COO:
@@ -166,7 +168,7 @@ def encode_delta(old: torch.Tensor, new: torch.Tensor, *,
     else:
         body = [np.packbits(changed)]
     shape = tuple(new.shape)
-    checksum = bytes_checksum(new_bits)
+    checksum = bytes_checksum(new_bits) if checksum is None else checksum
     payload = b"".join([_header(encoding, new.dtype, shape, count, checksum), *body, values])
     return EncodedTensor(encoding, new.dtype, shape, count, checksum, payload)
 

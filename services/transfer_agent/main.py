@@ -18,6 +18,7 @@ from rlharvest.common.observability import run_service, setup_logging, start_htt
 from rlharvest.common.pb import transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.client import SERVICE_NAME
 from rlharvest.services.transfer_agent.config import AgentConfig
+from rlharvest.services.transfer_agent.http_data import start_data_server
 from rlharvest.services.transfer_agent.replicator import Replicator
 from rlharvest.services.transfer_agent.service import AgentService
 from rlharvest.services.transfer_agent.version_store import EvictionRecord
@@ -71,15 +72,21 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event) -> None:
         [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
     service.endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
     http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health)
+    data_server = None
+    if cfg.http_data_path:
+        data_server, data_port = await start_data_server(service, cfg.host, cfg.data_port)
+        service.data_endpoint = f"{cfg.advertise_host or cfg.host}:{data_port}"
     membership = await registry.register(etcd, "transfer_agent", cfg.agent_id, {
         "agent_id": cfg.agent_id, "endpoint": service.endpoint, "node": cfg.node,
         "cluster": cfg.cluster, "metrics": f"{cfg.advertise_host or cfg.host}:{metrics_port}",
+        "data": service.data_endpoint,
     }, ttl=cfg.lease_ttl)
     loops = []
     if cfg.relay:
         loops.append(asyncio.create_task(Replicator(cfg, service, etcd).run(), name="relay"))
-    log.info("agent %s (node %s, cluster %s) serving on %s (metrics on %d)%s", cfg.agent_id,
-             cfg.node, cfg.cluster, service.endpoint, metrics_port,
+    log.info("agent %s (node %s, cluster %s) serving on %s (data on %s, metrics on %d)%s",
+             cfg.agent_id, cfg.node, cfg.cluster, service.endpoint,
+             service.data_endpoint or "gRPC only", metrics_port,
              f", relaying ({cfg.relay_mode})" if cfg.relay else "")
 
     stopped = asyncio.create_task(stop.wait())
@@ -90,6 +97,8 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event) -> None:
     for task in loops:
         task.cancel()
     await server.stop(cfg.shutdown_grace)
+    if data_server is not None:
+        await data_server.cleanup()
     await membership.close()
     await http.cleanup()
     await etcd.close()

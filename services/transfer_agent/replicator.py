@@ -65,7 +65,10 @@ class Replicator:
         found = await self.etcd.get_prefix(_WEIGHTS_PREFIX.encode())
         announced = {kv.key.decode().split("/")[-2]: json.loads(kv.value)["version"]
                      for kv in found if kv.key.decode().endswith("/announced")}
+        only = {j for j in self.cfg.relay_jobs.split(",") if j}
         for job, version in sorted(announced.items()):
+            if only and job not in only:
+                continue
             latest = self.service.latest(job)
             if latest is None or version > latest:
                 await self._source(job, version)

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 import torch
@@ -24,7 +25,11 @@ from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
 from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
 from rlharvest.services.transfer_agent.config import AgentConfig
-from rlharvest.services.transfer_agent.data_path import BucketAssembler, stream_buckets
+from rlharvest.services.transfer_agent.data_path import (
+    BucketAssembler,
+    RefusedError,
+    stream_buckets,
+)
 from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
@@ -39,14 +44,6 @@ from rlharvest.services.transfer_agent.version_store import (
 log = logging.getLogger(__name__)
 
 _PACKED_CACHE_ENTRIES = 8
-
-
-class RefusedError(Exception):
-    """An RPC input the agent refuses: answered as ``code`` with ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -118,13 +115,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         return entry
 
     async def hold(self, job: str, version: int, tensors: dict[str, torch.Tensor],
-                   source: str) -> list[EvictionRecord]:
-        """Store a version (publish or relay), report evictions, then run the on_held hook."""
+                   source: str, checksums: dict[str, int] | None = None) -> list[EvictionRecord]:
+        """Store a version (publish or relay), report evictions, then run the on_held hook.
+        ``checksums``: the tensors' CRCs, already verified while decoding them."""
         entry = self._job(job)
         loop = asyncio.get_running_loop()
         records = await loop.run_in_executor(
             self._store_thread, lambda: entry.store.publish(version, tensors, now=time.time(),
-                                                            copy=False))
+                                                            copy=False, checksums=checksums))
         entry.tensors[version] = tensors
         for record in records:
             entry.tensors.pop(record.version, None)
@@ -173,12 +171,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                    f"{assembler.missing()} incomplete; send every bucket")
             loop = asyncio.get_running_loop()
             try:
-                tensors = await loop.run_in_executor(None, apply_pull, assembler.manifest,
-                                                     assembler.buffers, {}, None)
+                tensors = await loop.run_in_executor(None, partial(
+                    apply_pull, assembler.manifest, assembler.buffers, {}, None,
+                    parallel_map=self._codec_pool.map))
             except (ManifestError, DeltaCodecError) as exc:
                 raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
                                    f"{header.version}: {exc}") from None
-            records = await self.hold(header.job, header.version, tensors, "publish")
+            records = await self.hold(header.job, header.version, tensors, "publish",
+                                      {e.name: e.checksum for e in assembler.manifest.entries})
         except RefusedError as exc:
             return await self._refuse(context, "Publish", exc.code, str(exc))
         except VersionStoreError as exc:

@@ -51,6 +51,7 @@ class StoredTensor:
 
     shards: tuple[torch.Tensor, ...]
     full_shape: tuple[int, ...]
+    checksum: int | None = None  # CRC of the full tensor, when known (verified at publish)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,9 +124,12 @@ class VersionStore:
         return sum(v.nbytes for v in self._versions.values())
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor], *, now: float,
-                copy: bool = True) -> list[EvictionRecord]:
-        """Store a full model. ``copy=False`` hands over tensors the caller will not touch again."""
-        stored = {name: StoredTensor((_own(t, copy),), tuple(t.shape))
+                copy: bool = True,
+                checksums: Mapping[str, int] | None = None) -> list[EvictionRecord]:
+        """Store a full model. ``copy=False`` hands over tensors the caller will not touch again.
+        ``checksums``: tensor CRCs the caller verified (pulls of the whole tensor reuse them)."""
+        known = checksums or {}
+        stored = {name: StoredTensor((_own(t, copy),), tuple(t.shape), known.get(name))
                   for name, t in tensors.items()}
         return self._admit(version, stored, now)
 
@@ -255,10 +259,14 @@ class VersionStore:
 
 def _encode(name: str, target: _Version, base: _Version | None, tp_rank: int,
             tp_size: int) -> EncodedTensor:
-    new = _worker_slice(name, target.tensors[name], tp_rank, tp_size)
+    stored = target.tensors[name]
+    new = _worker_slice(name, stored, tp_rank, tp_size)
+    whole = len(stored.shards) == 1 and new is stored.shards[0]
+    checksum = stored.checksum if whole else None
     if base is None or name not in base.tensors:
-        return encode_dense(new)
-    return encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new)
+        return encode_dense(new, checksum=checksum)
+    return encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new,
+                        checksum=checksum)
 
 
 def _slice_bytes(name: str, stored: StoredTensor, tp_size: int) -> int:

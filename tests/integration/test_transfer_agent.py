@@ -5,8 +5,10 @@ SIGKILLed mid-pull, a corrupted chunk, and bad input — over real gRPC and a re
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -27,7 +29,9 @@ from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.client import (
     PublishError,
+    _pack_dense,
     find_agent,
+    holders,
     publish,
     pull,
     pull_request,
@@ -302,6 +306,33 @@ async def test_bad_inputs_get_precise_statuses_and_the_agent_keeps_serving(agent
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "starts with a header" in exc.value.details()
 
+    # The HTTP data path refuses the same way: HTTP status, the message, the gRPC code name.
+    data = json.loads((await etcd.get(keys.member_key("transfer_agent", "agent-a").encode()))
+                      .value)["data"]
+    pull_header = base64.urlsafe_b64encode(pull_request(job, 3).SerializeToString()).decode()
+
+    def http_get(index: str, headers: dict) -> tuple[int, str, str]:
+        req = urllib.request.Request(f"http://{data}/v1/buckets/{index}", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.headers.get("X-RLH-Code", ""), resp.read().decode("latin1")
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers.get("X-RLH-Code", ""), err.read().decode()
+
+    ok = {"X-RLH-Pull": pull_header, "X-RLH-Plan": str(plan.plan_id)}
+    assert http_get("7", ok)[:2] == (416, "OUT_OF_RANGE")
+    assert "bucket indices [7]" in http_get("7", ok)[2]
+    status, code, msg = http_get("0", {**ok, "X-RLH-Plan": str(plan.plan_id ^ 1)})
+    assert (status, code) == (409, "ABORTED") and "plan the pull again" in msg
+    status, code, msg = http_get("0", {"X-RLH-Pull": "%%not-base64%%"})
+    assert (status, code) == (400, "INVALID_ARGUMENT") and "malformed" in msg
+    status, code, msg = http_get("0", {**ok, "Range": "bytes=50-10"})
+    assert (status, code) == (416, "OUT_OF_RANGE") and "outside the bucket" in msg
+    status, code, msg = http_get("x", ok)
+    assert (status, code) == (400, "INVALID_ARGUMENT") and "not an integer" in msg
+    status, _, body = http_get("0", {**ok, "Range": "bytes=0-9"})
+    assert status == 206 and len(body) == 10
+
     # The memory bound's eviction is noted in etcd, and the agent still serves.
     record = json.loads((await etcd.get(keys.weights_holder_key(job, "agent-a").encode())).value)
     assert record["versions"] == [2, 3]
@@ -344,3 +375,37 @@ async def test_corrupted_chunk_is_rejected_by_checksum_and_pulled_again(stack, e
     metrics = scrape(worker.metrics_port)
     assert metrics["rlh_worker_pull_rejected_buckets_total"] == 1
     assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
+
+
+async def test_relay_sends_exactly_one_copy_over_the_slow_link_and_every_agent_is_exact(stack, etcd):
+    """WEAVE §5.2: cluster `train` holds the version, cluster `rollout` has three relaying
+    agents; only the gateway pulls across the link, the others pull its copy locally."""
+    job = "job-relay"
+    _, src_endpoint, src_metrics = start_agent(stack, "src", cluster="train")
+    # Only this job: the session's etcd announces the other tests' jobs too.
+    receivers = {name: start_agent(stack, name, "--relay", "--relay-jobs", job,
+                                   cluster="rollout")
+                 for name in ("r1", "r2", "r3")}
+    one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
+
+    async def everyone_holds(version: int) -> bool:
+        records = await holders(etcd, job)
+        return all(version in records.get(n, {}).get("versions", ()) for n in receivers)
+
+    await publish(src_endpoint, job, 1, V1)
+    await wait_for(lambda: everyone_holds(1), what="every receiver to hold version 1")
+    assert scrape(src_metrics)["rlh_agent_bytes_out_total{link=cross}"] == one_copy
+    got = {name: scrape(m) for name, (_, _, m) in receivers.items()}
+    assert [got[n].get("rlh_agent_relays_total{link=cross}", 0) for n in receivers] == [1, 0, 0]
+    assert [got[n].get("rlh_agent_relays_total{link=local}", 0) for n in receivers] == [0, 1, 1]
+    assert all(got[n]["rlh_agent_bytes_in_total{source=relay}"] == one_copy for n in receivers)
+
+    # The next version crosses once too, as a sparse delta against the copy the gateway holds.
+    await publish(src_endpoint, job, 2, V2)
+    await wait_for(lambda: everyone_holds(2), what="every receiver to hold version 2")
+    crossed = scrape(src_metrics)["rlh_agent_bytes_out_total{link=cross}"] - one_copy
+    assert 0 < crossed < 0.1 * one_copy
+    assert scrape(receivers["r1"][2])["rlh_agent_relays_total{link=cross}"] == 2
+    for name, (_, endpoint, _) in receivers.items():
+        pulled = await pull(endpoint, job, version=2)
+        assert weights_fingerprint(pulled.tensors) == weights_fingerprint(V2), name
