@@ -83,6 +83,8 @@ def _describe(model: type[ServiceConfig], path: Path | None, exc: ValidationErro
         if err["type"] == "extra_forbidden":
             known = ", ".join(sorted(model.model_fields))
             lines.append(f"  {key}: unknown key (known keys: {known})")
+        elif not err["loc"]:  # a check across several keys: the message names them
+            lines.append(f"  {err['msg']}")
         else:
             lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r}; env {ENV_PREFIX}{key.upper()})")
     return "\n".join(lines)

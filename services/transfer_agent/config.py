@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
@@ -65,3 +65,10 @@ class AgentConfig(ServiceConfig):
     shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _chunks_fit_in_messages(self) -> "AgentConfig":
+        if self.chunk_bytes > self.max_message_bytes - 1024:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} must stay below max_message_bytes "
+                             f"{self.max_message_bytes} minus 1 KiB of framing")
+        return self

@@ -6,15 +6,11 @@ import asyncio
 import json
 import logging
 import time
-from pathlib import Path
-from typing import Optional
 
-import typer
 
 from rlharvest.common import keys, registry, rpc
-from rlharvest.common.cli import describe_flags, parse_flags
-from rlharvest.common.config import ConfigError, load_config
-from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.cli import service_app
+from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.client import SERVICE_NAME
 from rlharvest.services.transfer_agent.config import AgentConfig
@@ -25,22 +21,6 @@ from rlharvest.services.transfer_agent.version_store import EvictionRecord
 
 log = logging.getLogger("rlharvest.transfer_agent")
 
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=describe_flags(AgentConfig))
-def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
-    try:
-        cfg = load_config(AgentConfig, config, parse_flags(AgentConfig, ctx.args))
-        if cfg.chunk_bytes > cfg.max_message_bytes - 1024:
-            raise ConfigError(f"chunk_bytes {cfg.chunk_bytes} must stay below max_message_bytes "
-                              f"{cfg.max_message_bytes} minus 1 KiB of framing")
-    except ConfigError as exc:
-        typer.echo(f"rlharvest-transfer-agent: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_service(lambda stop: serve(cfg, stop))
 
 
 async def serve(cfg: AgentConfig, stop: asyncio.Event) -> None:
@@ -104,6 +84,9 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event) -> None:
     await etcd.close()
     service.close()
     log.info("agent %s stopped", cfg.agent_id)
+
+
+app = service_app("rlharvest-transfer-agent", __doc__, AgentConfig, serve)
 
 
 if __name__ == "__main__":
