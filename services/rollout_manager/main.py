@@ -5,15 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
-from typing import Optional
-
-import typer
 
 from rlharvest.common import registry, rpc
-from rlharvest.common.cli import describe_flags, parse_flags
-from rlharvest.common.config import ConfigError, load_config
-from rlharvest.common.observability import run_service, setup_logging, start_http
+from rlharvest.common.cli import service_app
+from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select_instance
 from rlharvest.services.rollout_manager.config import ManagerConfig
@@ -24,21 +19,6 @@ from rlharvest.services.rollout_manager.tracker import StepLimits
 
 log = logging.getLogger("rlharvest.rollout_manager")
 SERVICE_NAME = rollout_manager_pb2.DESCRIPTOR.services_by_name["RolloutManager"].full_name
-
-app = typer.Typer(add_completion=False, help=__doc__)
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog=describe_flags(ManagerConfig))
-def main(ctx: typer.Context,
-         config: Optional[Path] = typer.Option(None, "--config", help="TOML or YAML config file")) -> None:
-    try:
-        cfg = load_config(ManagerConfig, config, parse_flags(ManagerConfig, ctx.args))
-    except ConfigError as exc:
-        typer.echo(f"rlharvest-rollout-manager: {exc}", err=True)
-        raise typer.Exit(2) from None
-    run_service(lambda stop: serve(cfg, stop))
-
 
 # Baselines dispatch every request at once: Θ so large that SELECTINSTANCE never holds one.
 _NEVER_HOLD = 1_000_000_000
@@ -90,6 +70,8 @@ async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:
     await etcd.close()
     log.info("manager %s stopped", cfg.manager_id)
 
+
+app = service_app("rlharvest-rollout-manager", __doc__, ManagerConfig, serve)
 
 if __name__ == "__main__":
     app()

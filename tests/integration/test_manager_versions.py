@@ -35,17 +35,24 @@ async def test_no_token_of_a_completion_comes_from_a_worker_of_another_version(s
     # One worker holds version 0 and has 2 batch slots: the v0 step queues on it while the two
     # v1 workers are idle at times; spilling onto them would be the off-policy bug.
     v0 = start_worker(stack, "v0", "--max-running", "2")
+    # The v1 workers are slowed (an emulated slower GPU) so the kill lands mid-step however
+    # busy the test machine is.
     v1 = [start_worker(stack, f"v1-{i}", "--max-running", "4", "--weights", str(weights),
-                       "--weight-version", "1") for i in range(2)]
+                       "--weight-version", "1", "--step-delay-s", "0.02") for i in range(2)]
     manager = start_manager(stack, "--theta", "1")
     await wait_workers(manager.endpoint, 3)
 
     killed = []
 
     async def kill_a_v1_worker(completions, streamed):
-        if not killed and sum(map(len, streamed.values())) >= 40:
-            v1[0].process.kill()  # its requests must migrate to v1-1, never to v0
-            killed.append(True)
+        if not killed and sum(map(len, streamed.values())) >= 16:
+            # The v1 worker holding most of the step right now: its requests must migrate to
+            # the other v1 worker, never to the v0 one.
+            assigned = {w.worker_id: w.assigned for w in (await status(manager.endpoint)).workers}
+            victim = max((0, 1), key=lambda i: assigned.get(f"v1-{i}", 0))
+            if assigned.get(f"v1-{victim}", 0):
+                v1[victim].process.kill()
+                killed.append(1 - victim)  # the survivor
 
     step0 = step_request(8, 24, version=0, prefix="a")
     step1 = step_request(8, 48, version=1, prefix="b")
@@ -62,9 +69,9 @@ async def test_no_token_of_a_completion_comes_from_a_worker_of_another_version(s
     # Each request ran only on workers of its version: the v0 worker generated exactly the v0
     # step's tokens (none of v1's), and the surviving v1 worker none of v0's.
     assert tokens_generated(v0.metrics_port) == sum(len(c.token_ids) for c in done0.values())
-    survivor = tokens_generated(v1[1].metrics_port)
+    survivor = tokens_generated(v1[killed[0]].metrics_port)
     assert 0 < survivor <= sum(len(c.token_ids) for c in done1.values())
     st = await status(manager.endpoint)
     assert st.tokens_regenerated == 0
     assert {w.worker_id: w.weight_version for w in st.workers if w.state == "healthy"} == \
-        {"v0": 0, "v1-1": 1}
+        {"v0": 0, f"v1-{killed[0]}": 1}
