@@ -224,7 +224,7 @@ def main() -> None:
              "agent-1": "agent pull: HTTP ranges, 1 stream",
              "agent-grpc": "agent pull: gRPC PullBuckets stream (previous path)",
              "agent+decode": "agent pull + decode + tensor CRC"}
-    lines = [f"# transfer_data_path: dense pull over loopback vs raw socket\n",
+    lines = ["# transfer_data_path: dense pull over loopback vs raw socket\n",
              f"`python bench/transfer_data_path.py{' --quick' if args.quick else ''}` — {mb} MB, "
              f"best of {runs}; servers in separate processes; {os.cpu_count()} cores, load "
              f"average {os.getloadavg()[0]:.1f} (shared box).\n",

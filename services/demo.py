@@ -7,6 +7,9 @@ a new spot process, which joins while a step runs and takes requests once it pul
 weight version. Ends with a table per step and a PNG plot of reward and throughput.
 
     python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
+
+The demo fails (exit 1) if the reward did not rise: the mean of the last few steps must beat the
+mean of the first few by ``--min-rise``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from rlharvest.services.launcher import LocalStack, ServiceProcess
 app = typer.Typer(add_completion=False, help=__doc__)
 console = Console()
 _POLL_S = 0.05
+_RISE_WINDOW = 3  # steps averaged at each end: one step's reward is too noisy to compare
+_TIME_LIMIT_S = 300.0  # issue 5: a handful of steps within 5 minutes on 2 cores
 
 
 # ---- the preemption schedule (pure) ---------------------------------------------------------
@@ -217,6 +222,29 @@ def _check_alive(run: Run) -> None:
             raise RuntimeError(f"{proc.name} exited unexpectedly:\n{proc.log_tail(30)}")
 
 
+# ---- did it learn? (pure) ---------------------------------------------------------------------
+
+def reward_ends(rewards: list[float], window: int = _RISE_WINDOW) -> tuple[float, float, int]:
+    """Mean reward of the first and of the last ``k`` steps, ``k`` = min(window, half the run),
+    so the two ends never share a step; returns (first, last, k)."""
+    k = min(window, len(rewards) // 2)
+    if k < 1:
+        raise ValueError(f"need at least 2 steps to compare, got {len(rewards)}")
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k, k
+
+
+def rise_failure(rewards: list[float], min_rise: float,
+                 window: int = _RISE_WINDOW) -> str | None:
+    """Why the run does not show learning, or None when the reward rose by ``min_rise``."""
+    if len(rewards) < 2:
+        return f"only {len(rewards)} step(s) finished: too few to tell whether reward rose"
+    first, last, k = reward_ends(rewards, window)
+    if last - first >= min_rise:
+        return None
+    return (f"reward did not rise: mean of the last {k} steps {last:.3f} vs the first {k} "
+            f"{first:.3f} (needed +{min_rise:g}); try more --steps or a higher --lr")
+
+
 # ---- the report -------------------------------------------------------------------------------
 
 def _table(status: tpb.TrainerStatus, events: dict[int, list[str]]) -> Table:
@@ -271,7 +299,11 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          backend: str = typer.Option("deepspeed", help="trainer backend: deepspeed or torch"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
-         timeout: float = typer.Option(600.0, help="give up after this many seconds")) -> None:
+         min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
+                                                  "steps beats the first 3 by this much"),
+         timeout: float = typer.Option(_TIME_LIMIT_S, help="give up after this many seconds "
+                                                           "(the spec: 5 minutes on 2 cores)")
+         ) -> None:
     """Run the demo and print a table per step; the plot goes to OUT/demo.png."""
     schedule = PreemptionSchedule(parse_steps(preempt_at), replace_after)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-demo-"))
@@ -284,6 +316,9 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                      step_delay_s=step_delay_s))
     try:
         status = asyncio.run(_drive(run, schedule, steps, timeout))
+    except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which
+        console.print(f"[bold red]demo failed[/]: {exc}")
+        raise typer.Exit(1) from None
     finally:
         run.stack.stop()
     if status.state == "failed":
@@ -298,11 +333,15 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          "migrations": s.migrations, "events": run.events.get(s.step, [])}
         for s in status.steps], indent=1))
     rewards = [s.mean_reward for s in status.steps]
-    k = min(3, len(rewards) // 2)
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
-                  f"{sum(s.migrations for s in status.steps)} migrations; "
-                  f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+    failure = rise_failure(rewards, min_rise)
+    if len(rewards) >= 2:
+        first, last, k = reward_ends(rewards)
+        console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
+                      f"{sum(s.migrations for s in status.steps)} migrations; "
+                      f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+    if failure is not None:
+        console.print(f"[bold red]demo failed[/]: {failure}")
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

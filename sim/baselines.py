@@ -13,7 +13,7 @@ from typing import Protocol
 
 from rlharvest.services.placement_scheduler.inter_group import (
     Decision, InterGroupScheduler, Strategy)
-from rlharvest.services.placement_scheduler.model import Group, Job, PoolSpec
+from rlharvest.services.placement_scheduler.model import Group, Job, PoolSpec, fits_in_memory
 from rlharvest.services.placement_scheduler.round_robin import co_execution_periods, members_of
 
 
@@ -111,10 +111,10 @@ def _idle_share(group: Group) -> float:
 def _room(group: Group, job: Job) -> list[str] | None:
     """Rollout nodes with memory for the job, or None if the group cannot hold it at all."""
     if len(group.train_nodes) < job.train_nodes or \
-            group.train_mem_gb + job.train_mem_gb > group.min_train_mem_gb:
+            not fits_in_memory(group.train_mem_gb, job.train_mem_gb, group.min_train_mem_gb):
         return None
     nodes = [n for n, node in group.rollout_nodes.items()
-             if group.roll_mem_gb[n] + job.rollout_mem_gb <= node.host_mem_gb]
+             if fits_in_memory(group.roll_mem_gb[n], job.rollout_mem_gb, node.host_mem_gb)]
     return nodes if len(nodes) >= job.rollout_nodes else None
 
 

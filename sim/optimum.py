@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from itertools import combinations
 
-from rlharvest.services.placement_scheduler.model import Job, PlacementError, PoolSpec
+from rlharvest.services.placement_scheduler.model import (
+    Job, PlacementError, PoolSpec, fits_in_memory)
 from rlharvest.services.placement_scheduler.round_robin import (
     Member, co_execution_periods, t_cycle)
 
@@ -52,7 +53,7 @@ def offline_optimum(jobs: Sequence[Job], rollout_pool: PoolSpec, train_pool: Poo
 
 def _cheapest_group(members: list[Job], rollout_pool: PoolSpec, train_pool: PoolSpec) -> float:
     train_nodes = max(j.train_nodes for j in members)
-    if sum(j.train_mem_gb for j in members) > train_pool.host_mem_gb:
+    if not fits_in_memory(0.0, sum(j.train_mem_gb for j in members), train_pool.host_mem_gb):
         return math.inf
     budget = min(j.slo_budget for j in members)
     if max(t_cycle(members), sum(j.t_train for j in members)) > budget:
@@ -79,9 +80,10 @@ def _cheapest_group(members: list[Job], rollout_pool: PoolSpec, train_pool: Pool
                 new_mem = mem + [0.0] * fresh
                 ok = True
                 for k in nodes:
+                    ok &= fits_in_memory(new_mem[k], job.rollout_mem_gb, rollout_pool.host_mem_gb)
                     new_loads[k] += job.t_roll
                     new_mem[k] += job.rollout_mem_gb
-                    ok &= new_loads[k] <= budget and new_mem[k] <= rollout_pool.host_mem_gb
+                    ok &= new_loads[k] <= budget
                 if ok:
                     assign(i + 1, node_sets + [nodes], new_loads, new_mem)
 

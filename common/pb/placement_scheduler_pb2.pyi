@@ -17,7 +17,7 @@ PHASE_ROLLOUT: JobPhase
 PHASE_TRAIN: JobPhase
 
 class PlacementJobSpec(_message.Message):
-    __slots__ = ("job_id", "t_roll_s", "t_train_s", "slo", "rollout_nodes", "train_nodes", "rollout_mem_gb", "train_mem_gb")
+    __slots__ = ("job_id", "t_roll_s", "t_train_s", "slo", "rollout_nodes", "train_nodes", "rollout_mem_gb", "train_mem_gb", "profile")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     T_ROLL_S_FIELD_NUMBER: _ClassVar[int]
     T_TRAIN_S_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class PlacementJobSpec(_message.Message):
     TRAIN_NODES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_MEM_GB_FIELD_NUMBER: _ClassVar[int]
     TRAIN_MEM_GB_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     t_roll_s: float
     t_train_s: float
@@ -34,7 +35,30 @@ class PlacementJobSpec(_message.Message):
     train_nodes: int
     rollout_mem_gb: float
     train_mem_gb: float
-    def __init__(self, job_id: _Optional[str] = ..., t_roll_s: _Optional[float] = ..., t_train_s: _Optional[float] = ..., slo: _Optional[float] = ..., rollout_nodes: _Optional[int] = ..., train_nodes: _Optional[int] = ..., rollout_mem_gb: _Optional[float] = ..., train_mem_gb: _Optional[float] = ...) -> None: ...
+    profile: PlacementJobProfile
+    def __init__(self, job_id: _Optional[str] = ..., t_roll_s: _Optional[float] = ..., t_train_s: _Optional[float] = ..., slo: _Optional[float] = ..., rollout_nodes: _Optional[int] = ..., train_nodes: _Optional[int] = ..., rollout_mem_gb: _Optional[float] = ..., train_mem_gb: _Optional[float] = ..., profile: _Optional[_Union[PlacementJobProfile, _Mapping]] = ...) -> None: ...
+
+class PlacementJobProfile(_message.Message):
+    __slots__ = ("batch_size", "prompt_tokens", "max_response_tokens", "decode_s_per_token", "prefill_s", "train_tokens_per_s", "turns", "env_s_per_turn", "sync_s")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    ENV_S_PER_TURN_FIELD_NUMBER: _ClassVar[int]
+    SYNC_S_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    prompt_tokens: int
+    max_response_tokens: int
+    decode_s_per_token: float
+    prefill_s: float
+    train_tokens_per_s: float
+    turns: int
+    env_s_per_turn: float
+    sync_s: float
+    def __init__(self, batch_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., decode_s_per_token: _Optional[float] = ..., prefill_s: _Optional[float] = ..., train_tokens_per_s: _Optional[float] = ..., turns: _Optional[int] = ..., env_s_per_turn: _Optional[float] = ..., sync_s: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("job", "lease_id", "start_iteration")
@@ -47,7 +71,7 @@ class SubmitJobRequest(_message.Message):
     def __init__(self, job: _Optional[_Union[PlacementJobSpec, _Mapping]] = ..., lease_id: _Optional[int] = ..., start_iteration: _Optional[int] = ...) -> None: ...
 
 class JobPlacement(_message.Message):
-    __slots__ = ("job_id", "group_id", "strategy", "rollout_node_ids", "train_node_ids", "marginal_cost_per_hour", "predicted_iteration_s")
+    __slots__ = ("job_id", "group_id", "strategy", "rollout_node_ids", "train_node_ids", "marginal_cost_per_hour", "predicted_iteration_s", "t_roll_s", "t_train_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +79,8 @@ class JobPlacement(_message.Message):
     TRAIN_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     MARGINAL_COST_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_ITERATION_S_FIELD_NUMBER: _ClassVar[int]
+    T_ROLL_S_FIELD_NUMBER: _ClassVar[int]
+    T_TRAIN_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     strategy: str
@@ -62,7 +88,9 @@ class JobPlacement(_message.Message):
     train_node_ids: _containers.RepeatedScalarFieldContainer[str]
     marginal_cost_per_hour: float
     predicted_iteration_s: float
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., strategy: _Optional[str] = ..., rollout_node_ids: _Optional[_Iterable[str]] = ..., train_node_ids: _Optional[_Iterable[str]] = ..., marginal_cost_per_hour: _Optional[float] = ..., predicted_iteration_s: _Optional[float] = ...) -> None: ...
+    t_roll_s: float
+    t_train_s: float
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., strategy: _Optional[str] = ..., rollout_node_ids: _Optional[_Iterable[str]] = ..., train_node_ids: _Optional[_Iterable[str]] = ..., marginal_cost_per_hour: _Optional[float] = ..., predicted_iteration_s: _Optional[float] = ..., t_roll_s: _Optional[float] = ..., t_train_s: _Optional[float] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id", "reason")

@@ -7,14 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishHeader(_message.Message):
-    __slots__ = ("job", "version", "manifest_json")
+    __slots__ = ("job", "version", "manifest_json", "tp_rank", "tp_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     manifest_json: str
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+    tp_rank: int
+    tp_size: int
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_json: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
     __slots__ = ("header", "chunk")
@@ -25,14 +29,16 @@ class PublishChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., chunk: _Optional[_Union[BucketChunk, _Mapping]] = ...) -> None: ...
 
 class PublishReply(_message.Message):
-    __slots__ = ("version", "held_versions", "evicted_versions")
+    __slots__ = ("version", "held_versions", "evicted_versions", "shards_missing")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HELD_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_MISSING_FIELD_NUMBER: _ClassVar[int]
     version: int
     held_versions: _containers.RepeatedScalarFieldContainer[int]
     evicted_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., held_versions: _Optional[_Iterable[int]] = ..., evicted_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    shards_missing: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., held_versions: _Optional[_Iterable[int]] = ..., evicted_versions: _Optional[_Iterable[int]] = ..., shards_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("job", "version", "has_holding", "holding", "tp_rank", "tp_size", "names", "requester_cluster")

@@ -61,7 +61,9 @@ class TransferAgentServicer:
 
     def Publish(self, request_iterator, context):
         """Client stream: one PublishHeader, then every bucket's bytes in order as chunks. Answers once
-        the agent holds the version and has announced it in etcd.
+        the agent holds the version and has announced it in etcd — or, for one TP shard of a version
+        (tp_size > 1), once the shard is staged: the stream of the last rank to arrive answers for
+        the whole version. Every rank of a TP group publishes to the same agent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

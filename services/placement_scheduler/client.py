@@ -1,6 +1,6 @@
 """The job side of the placement scheduler: WEAVE's phase shim and runtime hook (§5.1).
 
-    async with PlacementJob(JobSpec("job-a", t_roll_s=120, t_train_s=60),
+    async with PlacementJob(JobSpec("job-a", t_roll_s=120, t_train_s=60, slo=1.5),
                             etcd_endpoint="127.0.0.1:2379") as job:
 
         @job.rollout
@@ -36,7 +36,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, TypeVar
 
 import aetcd
@@ -44,7 +44,7 @@ import grpc
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
-from rlharvest.services.placement_scheduler.model import Pool
+from rlharvest.services.placement_scheduler.model import JobProfile, Pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,19 +57,25 @@ class JobLeftError(RuntimeError):
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What admission needs: the profiler's worst-case phase durations, SLO and node needs."""
+    """What admission needs: the worst-case phase durations, or the profile the scheduler
+    estimates them from (give one of the two), the SLO and node needs. ``None`` leaves a field
+    unset so the scheduler's default applies; any value given is validated as given."""
 
     job_id: str
-    t_roll_s: float
-    t_train_s: float
-    slo: float = 1.0
-    rollout_nodes: int = 1
-    train_nodes: int = 1
+    t_roll_s: float | None = None
+    t_train_s: float | None = None
+    slo: float | None = None  # the scheduler's default: 1.0 (no slowdown tolerated)
+    rollout_nodes: int | None = None  # default 1
+    train_nodes: int | None = None  # default 1
     rollout_mem_gb: float = 0.0
     train_mem_gb: float = 0.0
+    profile: JobProfile | None = None
 
     def to_proto(self) -> pb.PlacementJobSpec:
-        return pb.PlacementJobSpec(**self.__dict__)
+        fields = {k: v for k, v in asdict(self).items() if v is not None and k != "profile"}
+        if self.profile is not None:
+            fields["profile"] = pb.PlacementJobProfile(**asdict(self.profile))
+        return pb.PlacementJobSpec(**fields)
 
 
 class SchedulerClient:

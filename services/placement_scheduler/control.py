@@ -25,7 +25,7 @@ from rlharvest.services.placement_scheduler.inter_group import Decision, InterGr
 from rlharvest.services.placement_scheduler.long_tail import (
     RolloutProgress, TailMigration, plan_tail_migration)
 from rlharvest.services.placement_scheduler.model import (
-    Group, Job, Node, PlacementError, Pool, PoolSpec)
+    Group, Job, JobProfile, Node, PlacementError, Pool, PoolSpec)
 from rlharvest.services.placement_scheduler.permits import RUNNING, Permit, PhaseQueues
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -136,6 +136,28 @@ def _describe(phase: Pool, iteration: int) -> str:
     return f"{phase.value} #{iteration}"
 
 
+def job_from_spec(job_id: str, spec: Mapping[str, Any]) -> Job:
+    """The Job a submission describes: ``Job`` fields, with the worst-case durations either given
+    (``t_roll``, ``t_train``) or estimated from ``profile`` (a mapping of ``JobProfile`` fields),
+    never both. A field absent from ``spec`` takes Job's default; raises PlacementError naming
+    whatever is wrong."""
+    fields = {k: v for k, v in spec.items() if k != "profile"}
+    durations = [k for k in ("t_roll", "t_train") if k in fields]
+    if spec.get("profile") is not None:
+        if durations:
+            raise PlacementError(f"job {job_id!r}: give either a profile or the durations, not "
+                                 f"both (got a profile and {durations}); the scheduler estimates "
+                                 "the durations from the profile")
+        needs = {k: v for k, v in fields.items() if k != "job_id"}
+        return Job.from_profile(job_id, JobProfile(**spec["profile"]), **needs)
+    if len(durations) < 2:
+        missing = sorted({"t_roll", "t_train"} - set(durations))
+        raise PlacementError(f"job {job_id!r} gives no {' or '.join(missing)}: submit the "
+                             "profiler's worst-case durations (seconds) or a profile to "
+                             "estimate them from")
+    return Job(**fields)
+
+
 class PlacementControl:
     def __init__(self, names: Mapping[Pool, Sequence[str]], rollout_pool: PoolSpec,
                  train_pool: PoolSpec, *, iterations: int = 8, tail_threshold: float = 0.8,
@@ -161,7 +183,7 @@ class PlacementControl:
             raise Refusal("invalid", f"job {job_id!r}: start_iteration ({start_iteration}) and "
                                      f"lease_id ({lease_id}) must be >= 0")
         try:
-            job = Job(**spec)
+            job = job_from_spec(job_id, spec)
         except PlacementError as exc:
             raise Refusal("invalid", str(exc)) from None
         if job_id in self.jobs:
@@ -207,6 +229,14 @@ class PlacementControl:
         """Jobs tracked by a client lease whose liveness key is gone."""
         alive = set(alive_job_ids)
         return [j for j, r in self.jobs.items() if r.lease_id and j not in alive]
+
+    def fail_expired(self, alive_job_ids: Iterable[str]) -> list[str]:
+        """On taking over: jobs whose client lease expired while no scheduler led have failed;
+        they leave their groups (their held permits pass on) and the others go on. Returns them."""
+        failed = self.expired(alive_job_ids)
+        for job_id in failed:
+            self.cancel(job_id, "failed")
+        return failed
 
     # --- permits -------------------------------------------------------------------------------
     def acquire(self, job_id: str, phase: Pool, iteration: int) -> Permit | None:

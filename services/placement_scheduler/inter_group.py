@@ -30,7 +30,7 @@ from enum import Enum
 from typing import Any
 
 from rlharvest.services.placement_scheduler.model import (
-    H20, H800, Group, Job, Node, Placement, PlacementError, Pool, PoolSpec)
+    H20, H800, Group, Job, Node, Placement, PlacementError, Pool, PoolSpec, fits_in_memory)
 from rlharvest.services.placement_scheduler.round_robin import (
     DEFAULT_ITERATIONS, Member, co_execution_periods, members_of, slo_violations,
     theorem1_meta_iteration_s)
@@ -132,8 +132,8 @@ class InterGroupScheduler:
             return False
         if len(group.train_nodes) < job.train_nodes:  # training pools are not scaled (§4.2 fn 2)
             return False
-        if group.train_mem_gb + job.train_mem_gb > group.min_train_mem_gb + _EPS:  # line 8
-            return False
+        if not fits_in_memory(group.train_mem_gb, job.train_mem_gb, group.min_train_mem_gb):
+            return False  # line 8, for the training nodes every placement in the group shares
         bound = max(group.t_cycle, job.t_solo, group.train_load_s + job.t_train)
         return bound <= min(group.min_slo_budget, job.slo_budget) * (1 + _EPS)
 
@@ -152,7 +152,7 @@ class InterGroupScheduler:
         the job (line 8) or too loaded to meet the tightest SLO budget are never offered."""
         budget = min(group.min_slo_budget, job.slo_budget) * (1 + _EPS)
         room = [n for n, node in group.rollout_nodes.items()
-                if group.roll_mem_gb[n] + job.rollout_mem_gb <= node.host_mem_gb + _EPS
+                if fits_in_memory(group.roll_mem_gb[n], job.rollout_mem_gb, node.host_mem_gb)
                 and group.roll_load_s[n] + job.t_roll <= budget]
         need = job.rollout_nodes - new_nodes
         if len(room) < need:

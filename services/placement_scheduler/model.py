@@ -30,6 +30,20 @@ def _require(ok: bool, message: str) -> None:
         raise PlacementError(message)
 
 
+def fits_in_memory(used_gb: float, need_gb: float, capacity_gb: float) -> bool:
+    """Memory residency (§4.2, constraint 1): may a working set of ``need_gb`` join ``used_gb``
+    already cached on a node of ``capacity_gb`` host memory? An exact fit is accepted.
+
+    Algorithm 1 line 8 rejects when ``mem_req >= mem_avail``, i.e. it demands strict slack, but
+    the constraint it implements says the pinned working sets "must not exceed" the node's
+    capacity, and we follow the constraint: a node sized for k working sets (§3 C3 and §6.5's
+    "max group residency" k) must hold k of them, not k - 1, and a job whose working set fills a
+    whole node (which ``validate`` admits) must fit an empty one. The 1e-9 absorbs the rounding
+    of summed loads so that an exact fit is not refused by float noise.
+    """
+    return used_gb + need_gb <= capacity_gb + 1e-9
+
+
 def _finite_nonneg(value: float, what: str, hint: str) -> None:
     _require(math.isfinite(value) and value >= 0, f"{what} must be a finite number >= 0, got "
              f"{value!r}; {hint}")
@@ -273,13 +287,14 @@ class Group:
         _require(len(self.train_nodes) >= job.train_nodes, f"job {job.job_id!r} needs "
                  f"{job.train_nodes} training nodes; group {gid} has {len(self.train_nodes)}")
         for node_id in placement.rollout_node_ids:
-            free = self.rollout_nodes[node_id].host_mem_gb - self.roll_mem_gb[node_id]
-            _require(job.rollout_mem_gb <= free + 1e-9, f"job {job.job_id!r} needs "
-                     f"{job.rollout_mem_gb} GB host memory on rollout node {node_id}, which has "
-                     f"{free:.1f} GB free; choose another node or provision one")
-        free = self.min_train_mem_gb - self.train_mem_gb
-        _require(job.train_mem_gb <= free + 1e-9, f"job {job.job_id!r} needs {job.train_mem_gb} GB "
-                 f"host memory on group {gid}'s training nodes, which have {free:.1f} GB free")
+            capacity, used = self.rollout_nodes[node_id].host_mem_gb, self.roll_mem_gb[node_id]
+            _require(fits_in_memory(used, job.rollout_mem_gb, capacity), f"job {job.job_id!r} "
+                     f"needs {job.rollout_mem_gb} GB host memory on rollout node {node_id}, which "
+                     f"has {capacity - used:.1f} GB free; choose another node or provision one")
+        capacity, used = self.min_train_mem_gb, self.train_mem_gb
+        _require(fits_in_memory(used, job.train_mem_gb, capacity), f"job {job.job_id!r} needs "
+                 f"{job.train_mem_gb} GB host memory on group {gid}'s training nodes, which have "
+                 f"{capacity - used:.1f} GB free")
 
     def _account(self, job: Job, placement: Placement, sign: int) -> None:
         for node_id in placement.rollout_node_ids:

@@ -48,6 +48,26 @@ def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) ->
                             drift_tolerance=cfg.drift_tolerance, clock=clock)
 
 
+# proto field -> Job field, for the fields whose absence means "use the default" (proto3 optional).
+_OPTIONAL = {"t_roll_s": "t_roll", "t_train_s": "t_train", "slo": "slo",
+             "rollout_nodes": "rollout_nodes", "train_nodes": "train_nodes"}
+
+
+def submitted_spec(job: pb.PlacementJobSpec) -> dict[str, Any]:
+    """A submission as ``PlacementControl.submit`` takes it. A field the client left unset is
+    absent (the model's default applies); one it set, even to 0, is passed on and validated, so a
+    0 SLO or node count is refused rather than silently replaced."""
+    spec: dict[str, Any] = {"job_id": job.job_id, "rollout_mem_gb": job.rollout_mem_gb,
+                            "train_mem_gb": job.train_mem_gb}
+    spec.update({name: getattr(job, field) for field, name in _OPTIONAL.items()
+                 if job.HasField(field)})
+    if job.HasField("profile"):
+        profile = job.profile
+        spec["profile"] = {f.name: getattr(profile, f.name) for f in profile.DESCRIPTOR.fields
+                           if f.name != "turns" or profile.HasField("turns")}
+    return spec
+
+
 class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
     def __init__(self, cfg: PlacementConfig, etcd: Any, endpoint: str) -> None:
         self._cfg = cfg
@@ -71,10 +91,9 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         control.restore(snapshot.records)
         self._store, self.control = store, control
         async with self._lock:
-            for job_id in control.expired(snapshot.alive):
-                log.warning("job %s: client lease expired while no scheduler led; it leaves its "
+            for job_id in control.fail_expired(snapshot.alive):
+                log.warning("job %s: client lease expired while no scheduler led; it left its "
                             "group", job_id)
-                control.cancel(job_id, "failed")
                 metrics.DEPARTURES.labels("failed").inc()
             await self._persist()
         metrics.LEADER.set(1)
@@ -213,10 +232,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 
     async def SubmitJob(self, request: pb.SubmitJobRequest, context) -> pb.JobPlacement:
         job = request.job
-        spec = {"job_id": job.job_id, "t_roll": job.t_roll_s, "t_train": job.t_train_s,
-                "slo": job.slo or 1.0, "rollout_nodes": job.rollout_nodes or 1,
-                "train_nodes": job.train_nodes or 1, "rollout_mem_gb": job.rollout_mem_gb,
-                "train_mem_gb": job.train_mem_gb}
+        spec = submitted_spec(job)
         await self._leader(context)
         if request.lease_id > 0 and not await self._store.lease_alive(request.lease_id):
             metrics.SUBMISSIONS.labels("lease_expired").inc()
@@ -258,10 +274,12 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
     def _placement(self, job_id: str) -> pb.JobPlacement:
         record = self.control.record(job_id)
         rollout, train = self.control.placement(job_id)
+        job = self.control.scheduler.groups[record.group_id].jobs[job_id]
         return pb.JobPlacement(job_id=job_id, group_id=record.group_id, strategy=record.strategy,
                                rollout_node_ids=rollout, train_node_ids=train,
                                marginal_cost_per_hour=record.marginal_cost_per_hour,
-                               predicted_iteration_s=record.predicted_iteration_s)
+                               predicted_iteration_s=record.predicted_iteration_s,
+                               t_roll_s=job.t_roll, t_train_s=job.t_train)
 
     async def AcquirePermit(self, request: pb.AcquirePermitRequest, context) -> pb.PermitReply:
         phase, wait_s = await self._permit_args(request, context)
@@ -296,7 +314,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                     log.warning(outcome.message)
                 return pb.ReleasePermitReply(released=outcome.released,
                                              already_released=outcome.already_released,
-                                             evicted=outcome.evicted, message=outcome.message)
+                                             evicted=False, message=outcome.message)
             if not await self._wait(changed, deadline):
                 return pb.ReleasePermitReply(released=False, message=outcome.message)
 

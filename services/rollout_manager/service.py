@@ -24,11 +24,11 @@ from rlharvest.services.rollout_worker.service import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-# Worker CommandError codes after which the request may simply go elsewhere.
 _SAMPLE_INTERVAL_S = 0.25  # throughput samples per worker for the batching profile P
 
+# Worker CommandError codes after which the request may simply go elsewhere.
 _RETRYABLE = {grpc.StatusCode.FAILED_PRECONDITION.value[0], grpc.StatusCode.UNAVAILABLE.value[0],
-              grpc.StatusCode.ALREADY_EXISTS.value[0]}
+              grpc.StatusCode.ALREADY_EXISTS.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
 
 
 # One client event holds at most this many tokens (deltas + completions) so merged events stay far

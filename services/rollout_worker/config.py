@@ -38,6 +38,10 @@ class WorkerConfig(ServiceConfig):
                                                        "reader beyond this slows the engine")
     step_delay_s: float = Field(0.0, ge=0, description="benchmark harness: emulate slower hardware "
                                                         "by sleeping this long after each engine step")
+    preemption_notice_url: str = Field("", description="cloud metadata URL announcing a spot "
+                                       "reclaim (AWS spot/instance-action, GCP instance/"
+                                       "preempted); polled, and a notice drains the worker")
+    preemption_poll_s: float = Field(2.0, gt=0, description="seconds between notice polls")
     drain_timeout: float = Field(15.0, ge=0, description="seconds to wait for requests to migrate")
     shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")
     job: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="RL job whose announced "

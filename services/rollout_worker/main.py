@@ -11,6 +11,7 @@ from rlharvest.common.cli import service_app
 from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_worker.config import WorkerConfig
+from rlharvest.services.rollout_worker.preemption_notice import wait_for_notice
 from rlharvest.services.rollout_worker.service import WorkerService
 
 log = logging.getLogger("rlharvest.rollout_worker")
@@ -47,7 +48,8 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
 
     service = WorkerService(engine, cfg.worker_id, endpoint="", model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
-                            session_queue=cfg.session_queue, on_version_change=on_version_change,
+                            session_queue=cfg.session_queue, max_pending=cfg.max_pending,
+                            on_version_change=on_version_change,
                             step_delay_s=cfg.step_delay_s)
     server = await rpc.start_server(
         [lambda s: rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, s)],
@@ -72,15 +74,27 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event) -> None:
             lease_ttl=cfg.lease_ttl).run(), name="weight puller")
 
     stopped = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({engine_task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    waits = {engine_task, stopped}
+    notice = None
+    if cfg.preemption_notice_url:
+        notice = asyncio.create_task(wait_for_notice(cfg.preemption_notice_url,
+                                                     cfg.preemption_poll_s), name="spot notice")
+        waits.add(notice)
+    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     if engine_task in done:
         stopped.cancel()
         engine_task.result()  # re-raises: a broken engine must not look like a healthy worker
 
+    reason = "worker shutting down"
+    if notice is not None and notice in done:
+        reason = f"spot preemption notice: {notice.result()[:200]}"
+        log.warning("worker %s got a %s; draining", cfg.worker_id, reason)
+    elif notice is not None:
+        notice.cancel()
     if puller_task is not None:
         puller_task.cancel()
     await membership.update(draining=True)
-    clean = await service.drain(cfg.drain_timeout)
+    clean = await service.drain(cfg.drain_timeout, reason)
     await server.stop(cfg.shutdown_grace)
     engine_task.cancel()
     await membership.close()

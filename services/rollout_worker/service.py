@@ -19,6 +19,7 @@ import torch
 
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_worker import metrics
+from rlharvest.services.rollout_worker.outbox import Outbox
 from rlharvest.services.rollout_worker.engine import (
     Engine,
     EngineInputError,
@@ -34,15 +35,20 @@ _IDLE_LOAD_PERIOD = 1.0  # an idle worker still reports load this often: the man
 
 @dataclass(eq=False)
 class _Session:
-    queue: asyncio.Queue
+    queue: Outbox
     requests: set[str] = field(default_factory=set)
     client_done: bool = False
     closed: bool = False
 
-    def offer(self, event: pb.WorkerEvent | None) -> None:
-        """Best-effort, non-blocking send (errors, heartbeats); step outputs use ``put``."""
-        if not self.closed and not self.queue.full():
-            self.queue.put_nowait(event)
+    def offer(self, event: pb.WorkerEvent) -> None:
+        """Heartbeats: dropped while the session is backed up (the next one supersedes)."""
+        if not self.closed:
+            self.queue.offer(event)
+
+    def push(self, event: pb.WorkerEvent | None) -> None:
+        """Control events and the end of the session (None): never dropped, in order."""
+        if not self.closed:
+            self.queue.push(event)
 
 
 @dataclass
@@ -78,11 +84,15 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,
                  on_version_change: Callable[[int], None] | None = None,
-                 step_delay_s: float = 0.0):
+                 step_delay_s: float = 0.0, max_pending: int = 4096):
         self._engine = engine
         self._info = dict(worker_id=worker_id, endpoint=endpoint, model=model, kind=kind,
                           capacity=capacity, max_len=max_len)
         self._session_queue = session_queue
+        # Running plus queued requests this worker accepts; beyond it an add is refused with
+        # RESOURCE_EXHAUSTED (the manager places the request elsewhere) instead of queueing
+        # without bound.
+        self._max_owned = capacity + max_pending
         self._on_version_change = on_version_change
         self._step_delay_s = step_delay_s  # benchmarks only: emulates slower hardware
         self._commands: deque[Callable[[], object]] = deque()
@@ -94,6 +104,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         self._tokens_window: deque[tuple[float, int]] = deque()
         self.draining = False
         self._drain_deadline = 0.0
+        self._drain_reason = ""
         self._last_load = common_pb2.Load()
         self._unsent: _Routed | None = None
         self._load_proto()  # the engine is idle at construction
@@ -149,7 +160,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         if self._unsent is not None:
             self._unsent.after.append((session, event))
         else:
-            session.offer(event)
+            session.push(event)
 
     def _enqueue(self, command: Callable[[], object]) -> None:
         self._commands.append(command)
@@ -188,7 +199,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                 await session.queue.put(pb.WorkerEvent(step=pb.StepOutputs(
                     step=routed.step, deltas=deltas, load=routed.load)))
         for session, event in routed.after:
-            session.offer(event)
+            session.push(event)
         for session in {*by_session, *(session for session, _ in routed.after)}:
             self._maybe_end(session)
 
@@ -214,7 +225,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     def _refuse(self, session: _Session, request_id: str, code: grpc.StatusCode, message: str) -> None:
         metrics.COMMAND_ERRORS.labels(code.name).inc()
-        session.offer(pb.WorkerEvent(error=pb.CommandError(
+        session.push(pb.WorkerEvent(error=pb.CommandError(
             request_id=request_id, code=code.value[0], message=message)))
 
     def _add(self, session: _Session, msg: pb.AddRequest) -> None:
@@ -231,6 +242,10 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         if rid in self._owned:
             return self._refuse(session, rid, grpc.StatusCode.ALREADY_EXISTS,
                                 f"request id {rid!r} is already running on this worker")
+        if len(self._owned) >= self._max_owned:
+            return self._refuse(session, rid, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"worker holds {len(self._owned)} requests, its limit of running "
+                                f"plus pending; dispatch elsewhere")
         request = EngineRequest(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
                                 sampling=sampling_from_proto(msg.sampling),
                                 generated_token_ids=list(msg.generated_token_ids))
@@ -289,14 +304,14 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     async def Session(self, request_iterator: AsyncIterator[pb.WorkerCommand],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerEvent]:
-        session = _Session(asyncio.Queue(maxsize=self._session_queue))
+        session = _Session(Outbox(self._session_queue))
         self._sessions.add(session)
         metrics.SESSIONS.set(len(self._sessions))
         reader = asyncio.create_task(self._read(request_iterator, session))
         try:
             session.offer(pb.WorkerEvent(load=self._last_load))
             if self.draining:
-                session.offer(self._draining_event())
+                session.push(self._draining_event())
             while True:
                 event = await session.queue.get()
                 if event is None:
@@ -325,15 +340,14 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def _maybe_end(self, session: _Session) -> None:
         """A session whose client half-closed ends once its last request finished."""
         if session.client_done and not session.requests and not session.closed:
-            session.offer(None)
+            session.push(None)
 
     def _close(self, session: _Session) -> None:
         """The manager went away: abort its requests (it re-dispatches them elsewhere)."""
         session.closed = True
         self._sessions.discard(session)
         metrics.SESSIONS.set(len(self._sessions))
-        while not session.queue.empty():  # unblock an engine loop awaiting put() on this queue
-            session.queue.get_nowait()
+        session.queue.clear()  # unblocks an engine loop awaiting put() on this queue
         for rid in list(session.requests):
             self._enqueue(lambda rid=rid: self._abort_orphan(rid))
 
@@ -446,16 +460,17 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     def _draining_event(self) -> pb.WorkerEvent:
         return pb.WorkerEvent(draining=pb.Draining(deadline_unix=self._drain_deadline,
-                                                   reason="worker shutting down"))
+                                                   reason=self._drain_reason))
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float, reason: str = "worker shutting down") -> bool:
         """Refuse new work, tell every manager to migrate, and wait for the requests to leave.
         Returns True when none were left behind."""
         self.draining = True
+        self._drain_reason = reason
         metrics.DRAINING.set(1)
         self._drain_deadline = time.time() + timeout
         for session in self._sessions:
-            session.offer(self._draining_event())
+            session.push(self._draining_event())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._owned and loop.time() < deadline:

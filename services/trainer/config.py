@@ -31,7 +31,8 @@ class TrainerConfig(ServiceConfig):
     # version 0 is the same weights on both sides.
     model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
     model_seed: int = 0
-    task: Literal["addition"] = Field("addition", description="built-in task with its reward")
+    task: Literal["addition", "code"] = Field("addition", description="built-in task with its "
+                                              "reward: addition (rule-based) or code (sandboxed)")
     reward_fn: str = Field("", description="optional 'package.module:function' (prompt, completion, "
                                            "reference) -> float replacing the task's reward")
     data_seed: int = 0
@@ -56,6 +57,13 @@ class TrainerConfig(ServiceConfig):
     aggregation: Literal["token", "sequence"] = "token"
     reward_concurrency: int = Field(8, ge=1, description="rewards computed at once")
     reward_timeout_s: float = Field(10.0, gt=0)
+    # RollPacker's adaptive sandbox timeout for --task code, T = min(max(T_min, lambda*T_anchor),
+    # T_max). The paper's 2 s / 30 s are for real programs; a one-line expression runs in
+    # milliseconds, so 1 s / 5 s, which still covers interpreter start-up on a loaded CPU.
+    sandbox_t_min_s: float = Field(1.0, gt=0)
+    sandbox_t_max_s: float = Field(5.0, gt=0)
+    sandbox_slack: float = Field(1.5, ge=1.0, description="lambda: headroom over the slowest "
+                                                          "correct run")
     publish: bool = Field(True, description="publish each new version to the node's transfer "
                                             "agent; off, every step runs on version 0 (only the "
                                             "first is on-policy)")
@@ -83,4 +91,15 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"micro_batch_groups ({self.micro_batch_groups}) exceeds "
                              f"prompts_per_step ({self.prompts_per_step}): a micro-batch would "
                              "wait for groups the step does not have")
+        return self
+
+    @model_validator(mode="after")
+    def _sandbox_timeouts_fit(self) -> TrainerConfig:
+        if self.sandbox_t_min_s > self.sandbox_t_max_s:
+            raise ValueError(f"sandbox_t_min_s ({self.sandbox_t_min_s}) exceeds sandbox_t_max_s "
+                             f"({self.sandbox_t_max_s})")
+        if self.task == "code" and self.reward_timeout_s <= self.sandbox_t_max_s:
+            # The pool would abandon a run the sandbox is still allowed to finish.
+            raise ValueError(f"reward_timeout_s ({self.reward_timeout_s}) must exceed "
+                             f"sandbox_t_max_s ({self.sandbox_t_max_s}) for the code task")
         return self

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,9 +37,16 @@ from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
+from rlharvest.services.trainer.code_task import CodeTask, CodeTaskConfig
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.grpo import LossConfig
-from rlharvest.services.trainer.rewards.pool import RewardPool, RewardRequest, load_reward_fn
+from rlharvest.services.trainer.rewards.adaptive_timeout import TimeoutPolicy
+from rlharvest.services.trainer.rewards.pool import (
+    RewardOutcome,
+    RewardPool,
+    RewardRequest,
+    load_reward_fn,
+)
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
     OnPolicyViolation,
@@ -49,7 +57,7 @@ from rlharvest.services.trainer.step_plan import (
     submit_request,
 )
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
-from rlharvest.services.trainer.tasks import DatasetState, TaskDataset
+from rlharvest.services.trainer.tasks import AdditionTask, DatasetState, Task, TaskDataset
 
 if sys.version_info >= (3, 11):
     from asyncio import TaskGroup
@@ -61,6 +69,26 @@ log = logging.getLogger(__name__)
 
 # Failures after which the same step is simply tried again (nothing of it was applied).
 _RETRYABLE = (rollout_client.RolloutStreamError, RolloutFailed, OnPolicyViolation)
+# Reward failures kept for inspection: a few steps' worth even when every sample fails.
+_KEPT_REWARD_FAILURES = 1000
+
+
+def task_factory(cfg: TrainerConfig) -> Callable[[int], Task]:
+    """The built-in task ``cfg.task`` names, as a function of the data seed."""
+    if cfg.task == "code":
+        policy = TimeoutPolicy(t_min_s=cfg.sandbox_t_min_s, t_max_s=cfg.sandbox_t_max_s,
+                               slack=cfg.sandbox_slack)
+        return lambda seed: CodeTask(seed, CodeTaskConfig(timeouts=policy))
+    return AdditionTask
+
+
+@dataclass(frozen=True)
+class RewardFailureRecord:
+    """A sample whose reward function raised, hung or refused it: it trained with reward 0."""
+
+    step: int
+    sample_id: str
+    reason: str
 
 
 @dataclass
@@ -73,6 +101,7 @@ class Progress:
     completions: int = 0
     groups_trained: int = 0
     tokens_generated: int = 0
+    reward_failures: int = 0  # samples of this step trained with the failure reward
     phase: str = "starting"
 
 
@@ -85,6 +114,8 @@ class RunStatus:
     error: str = ""
     current: Progress = field(default_factory=Progress)
     summaries: list[tpb.StepSummary] = field(default_factory=list)
+    reward_failures: deque[RewardFailureRecord] = field(
+        default_factory=lambda: deque(maxlen=_KEPT_REWARD_FAILURES))
 
 
 def _discard_gradients(backend: TrainBackend) -> None:
@@ -109,14 +140,11 @@ class TrainerLoop:
             grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
-        self._data = TaskDataset(seed=cfg.data_seed)
-        task = self._data.task
+        self._task_factory = task_factory(cfg)
+        self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
         reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
-
-        async def task_reward(prompt: str, completion: str, reference: str) -> float:
-            return task.reward(completion, reference)  # pure and microseconds: no thread needed
-
-        self._rewards = RewardPool(reward_fn or task_reward, max_concurrency=cfg.reward_concurrency,
+        self._rewards = RewardPool(reward_fn or self._task_reward,
+                                   max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes)
                            if cfg.publish else None)
@@ -136,7 +164,9 @@ class TrainerLoop:
                                     self._backend.model, self._backend.optimizer)
             if state is not None:
                 self._step = state.step
-                self._data = TaskDataset.from_state(DatasetState(**state.data_position))
+                self._data = TaskDataset.from_state(DatasetState(**state.data_position),
+                                                    self._task_factory)
+                self._data.task.restore_state(state.extra.get("task", {}))
                 announced = await rollout_client.announced_version(self._etcd, self._cfg.job)
                 self._version, publish = resume_version(state.weight_version, announced)
                 self.status.resumed_from_step = state.step
@@ -219,8 +249,7 @@ class TrainerLoop:
                 completion.request_id, item.prompt, self._tok.decode(completion.token_ids),
                 item.answer))
             if not outcome.ok:
-                metrics.REWARD_FAILURES.inc()
-                log.warning("reward of %s failed: %s", completion.request_id, outcome.error)
+                self._record_reward_failure(spec.step, outcome)
             done = assembler.reward(group, sample, outcome.reward)
             if done is not None:
                 ready.put_nowait(done)
@@ -270,6 +299,18 @@ class TrainerLoop:
             migrations=assembler.migrations, micro_batches=stats.micro_batches,
             micro_batch_wait_s=waited, loss=stats.loss, grad_norm=stats.grad_norm,
             published_version=self._version if self._publisher is not None else 0)
+
+    async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
+        # Looked up per call: a resume replaces the dataset, and with it the task's state.
+        return await self._data.task.score(prompt, completion, reference)
+
+    def _record_reward_failure(self, step: int, outcome: RewardOutcome) -> None:
+        metrics.REWARD_FAILURES.inc()
+        self.status.current.reward_failures += 1
+        self.status.reward_failures.append(
+            RewardFailureRecord(step, outcome.sample_id, outcome.error))
+        # Debug, not warning: early in training most code samples may fail; the step logs a count.
+        log.debug("reward of %s failed: %s", outcome.sample_id, outcome.error)
 
     def _rewarded(self, spec: StepSpec, group: ReadyGroup) -> RewardedGroup:
         prompt = spec.prompts[group.group]
@@ -324,7 +365,8 @@ class TrainerLoop:
         self.status.current.phase = "checkpoint"
         started = self._clock()
         state = checkpoint.TrainerState(step=self._step, weight_version=self._version,
-                                        data_position=dataclasses.asdict(self._data.state()))
+                                        data_position=dataclasses.asdict(self._data.state()),
+                                        extra={"task": self._data.task.checkpoint_state()})
         path = await self._run(checkpoint.save_checkpoint, self._cfg.checkpoint_dir, state,
                                self._backend.model, self._backend.optimizer,
                                self._cfg.keep_checkpoints)
@@ -346,10 +388,10 @@ class TrainerLoop:
         self.status.summaries.append(summary)
         del self.status.summaries[:-self._cfg.keep_step_summaries]
         log.info("step %d on version %d: reward %.3f, %d tokens in %.2fs (%.0f tokens/s), %d "
-                 "micro-batches, waited %.2fs, %d migrations", summary.step,
+                 "micro-batches, waited %.2fs, %d migrations, %d reward failures", summary.step,
                  summary.weight_version, summary.mean_reward, summary.tokens, summary.step_time_s,
                  summary.tokens_per_second, summary.micro_batches, summary.micro_batch_wait_s,
-                 summary.migrations)
+                 summary.migrations, self.status.current.reward_failures)
 
     def _sync_status(self) -> None:
         self.status.steps_done = self._step
@@ -364,6 +406,11 @@ class TrainerLoop:
     @property
     def steps_done(self) -> int:
         return self._step
+
+    @property
+    def task(self) -> Task:
+        """The built-in task in use; a resume replaces it (with its restored state)."""
+        return self._data.task
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """On the training thread: one at a time, in order, never blocking the event loop."""

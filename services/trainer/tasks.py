@@ -4,7 +4,7 @@ ARCHITECTURE.md ("Models, data and engines without the internet"): the demo and 
 seeded tiny Qwen3 on a CPU, so the task must be learnable from a random init in a few dozen
 GRPO steps. Single-digit addition with a shaped reward is: the format terms (answer with a
 number, then stop) are learnt first and lift the mean reward within ~10 steps; the closeness
-term then pulls guesses towards the right sum.
+term then pulls guesses towards the right sum. The sandboxed code task is in ``code_task.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,24 @@ class TaskItem:
     index: int  # position in the task's deterministic sequence
     prompt: str
     answer: str
+
+
+class Task(Protocol):
+    """What the trainer needs of a built-in task (``--task``)."""
+
+    name: str
+
+    def item(self, index: int) -> TaskItem:
+        """The index-th item, a pure function of (seed, index)."""
+
+    async def score(self, prompt: str, completion: str, answer: str) -> float:
+        """The task's reward (a ``pool.RewardFn``); may raise ``pool.RewardFailure``."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What the task learnt while training (e.g. sandbox timeout anchors), for checkpoints."""
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Take back what ``checkpoint_state`` returned."""
 
 
 class AdditionTask:
@@ -56,11 +75,22 @@ class AdditionTask:
         distance = abs(int(text[0]) - int(answer))
         return 0.2 + stopped + 0.6 * max(0.0, 1.0 - distance / 5.0)
 
+    async def score(self, prompt: str, completion: str, answer: str) -> float:
+        # Pure and microseconds: async so the reward pool needs no thread for it.
+        return self.reward(completion, answer)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}  # a rule-based reward learns nothing
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class DatasetState:
     seed: int
     position: int  # index of the next item to hand out
+    task: str = "addition"  # the default reads checkpoints written before there were two tasks
 
 
 class TaskDataset:
@@ -68,7 +98,7 @@ class TaskDataset:
     continues with exactly the items a never-interrupted run would have seen."""
 
     def __init__(self, seed: int = 0, position: int = 0,
-                 task_factory: Callable[[int], AdditionTask] = AdditionTask) -> None:
+                 task_factory: Callable[[int], Task] = AdditionTask) -> None:
         if position < 0:
             raise ValueError(f"position must be >= 0, got {position}")
         self._seed = seed
@@ -76,11 +106,18 @@ class TaskDataset:
         self.task = task_factory(seed)
 
     @classmethod
-    def from_state(cls, state: DatasetState) -> TaskDataset:
-        return cls(seed=state.seed, position=state.position)
+    def from_state(cls, state: DatasetState,
+                   task_factory: Callable[[int], Task] = AdditionTask) -> TaskDataset:
+        dataset = cls(seed=state.seed, position=state.position, task_factory=task_factory)
+        if dataset.task.name != state.task:
+            # Positions of one task's sequence mean nothing in another's.
+            raise ValueError(f"the saved data position is of task {state.task!r}, not "
+                             f"{dataset.task.name!r}: resume with --task {state.task} or start "
+                             "from an empty --checkpoint-dir")
+        return dataset
 
     def state(self) -> DatasetState:
-        return DatasetState(seed=self._seed, position=self._position)
+        return DatasetState(seed=self._seed, position=self._position, task=self.task.name)
 
     def next_batch(self, count: int) -> list[TaskItem]:
         items = [self.task.item(self._position + i) for i in range(count)]

@@ -10,7 +10,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
@@ -56,13 +56,20 @@ def _channel(endpoint: str) -> grpc.aio.Channel:
 
 
 async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, torch.Tensor],
-                  *, bucket_bytes: int = 64 << 20) -> None:
+                  *, bucket_bytes: int = 64 << 20, tp_rank: int = 0,
+                  tp_size: int = 1) -> pb.PublishReply:
     """Hand version ``version`` of ``job`` to the agent at ``endpoint``. Returns once the agent
     holds it (it announces the version in etcd itself); raises PublishError with the agent's
-    message when it refuses (an older version, a shape change, a version over its budget)."""
+    message when it refuses (an older version, a shape change, a version over its budget).
+
+    With ``tp_size`` > 1, ``tensors`` is training rank ``tp_rank``'s TP shard of every tensor and
+    the call returns once the agent has staged it: the reply's ``shards_missing`` lists the ranks
+    still to come (empty: this shard completed the version, which the agent now holds). Every
+    rank publishes to the same agent, which never gathers the shards (ROSE §4.2)."""
     loop = asyncio.get_running_loop()
-    manifest, buckets = await loop.run_in_executor(None, _pack_dense, version, tensors, bucket_bytes)
-    header = pb.PublishHeader(job=job, version=version,
+    manifest, buckets = await loop.run_in_executor(
+        None, partial(_pack_dense, version, tensors, bucket_bytes, tp_rank, tp_size))
+    header = pb.PublishHeader(job=job, version=version, tp_rank=tp_rank, tp_size=tp_size,
                               manifest_json=json.dumps(manifest.to_dict()))
 
     def messages():
@@ -72,16 +79,17 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
 
     async with _channel(endpoint) as chan:
         try:
-            await transfer_agent_pb2_grpc.TransferAgentStub(chan).Publish(messages())
+            return await transfer_agent_pb2_grpc.TransferAgentStub(chan).Publish(messages())
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise  # transport trouble, not a refusal: the caller retries or picks another agent
             raise PublishError(exc.details() or exc.code().name, exc.code()) from None
 
 
-def _pack_dense(version: int, tensors: Mapping[str, torch.Tensor], bucket_bytes: int):
+def _pack_dense(version: int, tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
+                tp_rank: int = 0, tp_size: int = 1):
     items = [(name, encode_dense(tensor)) for name, tensor in tensors.items()]
-    return pack(version, None, items, bucket_bytes)
+    return pack(version, None, items, bucket_bytes, tp_rank=tp_rank, tp_size=tp_size)
 
 
 async def find_agent(etcd_client, node: str | None = None) -> str:
@@ -113,6 +121,7 @@ class PullResult:
     dense_bytes: int
     rejected_buckets: int  # failed their checksum and were pulled again
     seconds: float
+    sources: dict[str, int] = field(default_factory=dict)  # agent id -> bytes (scattered pulls)
 
 
 def pull_request(job: str, version: int = 0, held_version: int | None = None, tp_rank: int = 0,
@@ -157,7 +166,7 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
                                 "(http_data_path off); pull with transport='grpc'")
             http = transport != "grpc" and bool(data_endpoint)
             buffers: dict[int, bytearray] = {}
-            decoder = _Decoder(manifest, buffers, held or {}, held_version, inplace, pool) \
+            decoder = PullDecoder(manifest, buffers, held or {}, held_version, inplace, pool) \
                 if decode else None
             on_verified = decoder.bucket_verified if decoder else (lambda index: None)
             try:
@@ -255,7 +264,7 @@ async def _fetch(stub, request: pb.PullRequest, plan_id: int, indices: list[int]
     return damaged
 
 
-class _Decoder:
+class PullDecoder:
     """Decodes a pull's tensors while its buckets still arrive: a dense tensor goes to a codec
     thread as soon as every bucket it lies in passed its CRC; deltas (which may write into the
     held tensors) wait for the last bucket and then decode all together, all or nothing."""

@@ -56,22 +56,42 @@ def parse_range(header: str | None, size: int) -> tuple[int, int]:
     return start, stop
 
 
+# (bucket index, start, stop): a byte range inside one bucket, the unit a puller fetches.
+Part = tuple[int, int, int]
+
+
 def split_parts(sizes: dict[int, int], streams: int,
-                min_part: int = MIN_PART_BYTES) -> list[tuple[int, int, int]]:
+                min_part: int = MIN_PART_BYTES) -> list[Part]:
     """(bucket, start, stop) ranges covering every bucket in ``sizes`` (index -> bytes), in
     bucket order, about total / streams bytes each (at least ``min_part``) so ``streams``
     connections share a pull evenly, and never crossing a bucket (each is checksummed alone).
     Empty buckets get no range."""
+    return cut_parts([(index, 0, sizes[index]) for index in sorted(sizes)], streams, min_part)
+
+
+def cut_parts(parts: Sequence[Part], streams: int, min_part: int = MIN_PART_BYTES) -> list[Part]:
+    """``parts`` cut, in order, into near-equal pieces of about total / streams bytes (at least
+    ``min_part``) so ``streams`` connections share them evenly. Empty parts are dropped."""
     if streams < 1:
         raise ValueError(f"streams must be >= 1, got {streams}")
-    total = sum(sizes.values())
-    part = max(min_part, -(-total // streams), 1)
-    parts = []
-    for index in sorted(sizes):
-        size = sizes[index]
-        count = max(1, -(-size // part))
-        cuts = [size * k // count for k in range(count + 1)]
-        parts += [(index, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    total = sum(stop - start for _, start, stop in parts)
+    piece = max(min_part, -(-total // streams), 1)
+    pieces = []
+    for index, start, stop in parts:
+        count = max(1, -(-(stop - start) // piece))
+        cuts = [start + (stop - start) * k // count for k in range(count + 1)]
+        pieces += [(index, a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return pieces
+
+
+def byte_range_parts(bucket_sizes: Sequence[int], start: int, stop: int) -> list[Part]:
+    """The bytes [start, stop) of a pull's buckets laid end to end, as ranges inside buckets."""
+    parts, bucket_start = [], 0
+    for index, size in enumerate(bucket_sizes):
+        lo, hi = max(start, bucket_start), min(stop, bucket_start + size)
+        if lo < hi:
+            parts.append((index, lo - bucket_start, hi - bucket_start))
+        bucket_start += size
     return parts
 
 

@@ -31,6 +31,7 @@ from aiohttp import web
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.data_path import (
+    Part,
     RangeError,
     RefusedError,
     parse_range,
@@ -174,18 +175,27 @@ class RangeFetcher:
         sizes = {i: len(self._buffers[i]) for i in indices}
         parts = split_parts(sizes, self._streams)
         left = {i: sum(1 for b, _, _ in parts if b == i) for i in indices}
+
+        def landed(part: Part) -> None:
+            left[part[0]] -= 1
+            if not left[part[0]]:
+                on_bucket(part[0])
+
+        for index in [i for i, n in left.items() if not n]:  # empty: nothing to fetch
+            on_bucket(index)
+        await self.fetch_parts(parts, landed)
+
+    async def fetch_parts(self, parts: Sequence[Part], on_part: Callable[[Part], None]) -> None:
+        """Fetch the given ranges over the fetcher's connections, in order; ``on_part(part)``
+        runs as each one lands. On a DataPathError the parts not reported are not (all) in."""
         queue = list(reversed(parts))
 
         async def stream() -> None:
             while queue:
-                index, start, stop = queue.pop()
-                await self._get(index, start, stop)
-                left[index] -= 1
-                if not left[index]:
-                    on_bucket(index)
+                part = queue.pop()
+                await self._get(*part)
+                on_part(part)
 
-        for index in [i for i, n in left.items() if not n]:  # empty: nothing to fetch
-            on_bucket(index)
         tasks = [asyncio.create_task(stream()) for _ in range(min(self._streams, len(parts)))]
         try:
             await asyncio.gather(*tasks)

@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import grpc
 import torch
 
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
-from rlharvest.services.transfer_agent import metrics
+from rlharvest.services.transfer_agent import metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
 from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
@@ -31,6 +32,7 @@ from rlharvest.services.transfer_agent.data_path import (
     stream_buckets,
 )
 from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
+from rlharvest.services.transfer_agent.shard_staging import ShardStaging, ShardStagingError
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
 from rlharvest.services.transfer_agent.version_store import (
@@ -44,6 +46,7 @@ from rlharvest.services.transfer_agent.version_store import (
 log = logging.getLogger(__name__)
 
 _PACKED_CACHE_ENTRIES = 8
+T = TypeVar("T")
 
 
 @dataclass
@@ -57,7 +60,7 @@ class _Packed:
 @dataclass
 class _Job:
     store: VersionStore
-    tensors: dict[int, dict[str, torch.Tensor]]  # full tensors per held version (relay decodes)
+    staging: ShardStaging  # TP shards of versions whose other ranks have not published yet
 
 
 # Hooks the shell calls after a version lands (announce + holder record in etcd).
@@ -94,9 +97,13 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         entry = self._jobs.get(job)
         return entry.store.latest if entry else None
 
-    def full_tensors(self, job: str, version: int) -> dict[str, torch.Tensor] | None:
+    async def full_tensors(self, job: str, version: int) -> dict[str, torch.Tensor] | None:
+        """A held version's whole tensors (a relay's delta base); None when it is not held.
+        Runs on the store thread: a version published as TP shards is gathered (a copy)."""
         entry = self._jobs.get(job)
-        return entry.tensors.get(version) if entry else None
+        if entry is None or version not in entry.store.held_versions:
+            return None
+        return await self._in_store(partial(entry.store.full_tensors, version))
 
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
@@ -111,27 +118,43 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         if entry is None:
             entry = self._jobs[job] = _Job(VersionStore(self.cfg.memory_budget_bytes,
                                                         self.cfg.max_versions,
-                                                        self.cfg.encode_cache_bytes), {})
+                                                        self.cfg.encode_cache_bytes),
+                                           ShardStaging(self.cfg.memory_budget_bytes))
         return entry
+
+    async def _in_store(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread, work)
 
     async def hold(self, job: str, version: int, tensors: dict[str, torch.Tensor],
                    source: str, checksums: dict[str, int] | None = None) -> list[EvictionRecord]:
-        """Store a version (publish or relay), report evictions, then run the on_held hook.
+        """Store a whole version (publish or relay), report evictions, then run the on_held hook.
         ``checksums``: the tensors' CRCs, already verified while decoding them."""
-        entry = self._job(job)
-        loop = asyncio.get_running_loop()
-        records = await loop.run_in_executor(
-            self._store_thread, lambda: entry.store.publish(version, tensors, now=time.time(),
-                                                            copy=False, checksums=checksums))
-        entry.tensors[version] = tensors
+        store = self._job(job).store
+        records = await self._in_store(lambda: store.publish(
+            version, tensors, now=time.time(), copy=False, checksums=checksums))
+        return await self._now_held(job, version, records, source)
+
+    async def hold_shards(self, job: str, version: int,
+                          shards: list[dict[str, torch.Tensor]]) -> list[EvictionRecord]:
+        """Store a version a training side published as TP shards (shards[r]: rank r's)."""
+        store = self._job(job).store
+        records = await self._in_store(lambda: store.publish_shards(
+            version, shards, now=time.time(), copy=False))
+        return await self._now_held(job, version, records, f"{len(shards)} TP shards")
+
+    async def _now_held(self, job: str, version: int, records: list[EvictionRecord],
+                        source: str) -> list[EvictionRecord]:
+        entry = self._jobs[job]
         for record in records:
-            entry.tensors.pop(record.version, None)
             metrics.EVICTIONS.labels(record.reason).inc()
             log.warning("job %s: evicted version %d (%d bytes, %s) to hold version %d", job,
                         record.version, record.freed_bytes, record.reason, version)
         for key in [k for k in self._packed if k[0] == job and
                     any(r.version in (k[1], k[2]) for r in records)]:
             del self._packed[key]
+        for stale in entry.staging.drop_through(version):
+            log.warning("job %s: dropped the TP shards of version %d: its other ranks never "
+                        "published and version %d is held now", job, stale, version)
         metrics.VERSIONS_HELD.labels(job).set(len(entry.store.held_versions))
         metrics.HELD_BYTES.labels(job).set(entry.store.held_bytes)
         metrics.LATEST.labels(job).set(version)
@@ -146,7 +169,26 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
         try:
-            header, assembler = None, None
+            header, manifest, tensors = await self._receive_publish(request_iterator)
+            if header.tp_size > 1:
+                return await self._publish_shard(header, tensors)
+            records = await self.hold(header.job, header.version, tensors, "publish",
+                                      {e.name: e.checksum for e in manifest.entries})
+        except RefusedError as exc:
+            return await self._refuse(context, "Publish", exc.code, str(exc))
+        except (VersionStoreError, ShardingError) as exc:
+            return await self._refuse(context, "Publish", _store_code(exc), str(exc))
+        metrics.PUBLISHES.labels("ok").inc()
+        return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
+                               evicted_versions=[r.version for r in records])
+
+    async def _receive_publish(self, request_iterator: AsyncIterator[pb.PublishChunk]
+                               ) -> tuple[pb.PublishHeader, VersionManifest,
+                                          dict[str, torch.Tensor]]:
+        """The header, manifest and decoded tensors of one publish stream. A shard admitted to
+        the staging is taken back out if its stream fails, so its rank may publish again."""
+        header, assembler = None, None
+        try:
             async for message in request_iterator:
                 if header is None:
                     header = message.header if message.HasField("header") else None
@@ -165,24 +207,42 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 metrics.BYTES_IN.labels("publish").inc(len(message.chunk.data))
             if header is None:
                 raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
-            if assembler.missing():
-                raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"publish of version {header.version} ended with buckets "
-                                   f"{assembler.missing()} incomplete; send every bucket")
-            loop = asyncio.get_running_loop()
-            try:
-                tensors = await loop.run_in_executor(None, partial(
-                    apply_pull, assembler.manifest, assembler.buffers, {}, None,
-                    parallel_map=self._codec_pool.map))
-            except (ManifestError, DeltaCodecError) as exc:
-                raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
-                                   f"{header.version}: {exc}") from None
-            records = await self.hold(header.job, header.version, tensors, "publish",
-                                      {e.name: e.checksum for e in assembler.manifest.entries})
-        except RefusedError as exc:
-            return await self._refuse(context, "Publish", exc.code, str(exc))
-        except VersionStoreError as exc:
-            return await self._refuse(context, "Publish", _store_code(exc), str(exc))
+            return header, assembler.manifest, await self._decode_publish(header, assembler)
+        except BaseException:
+            if assembler is not None and header.tp_size > 1:
+                self._jobs[header.job].staging.abandon(header.version, header.tp_rank,
+                                                       assembler.manifest.total_bytes)
+            raise
+
+    async def _decode_publish(self, header: pb.PublishHeader,
+                              assembler: BucketAssembler) -> dict[str, torch.Tensor]:
+        if assembler.missing():
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"publish of version {header.version} ended with buckets "
+                               f"{assembler.missing()} incomplete; send every bucket")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(None, partial(
+                apply_pull, assembler.manifest, assembler.buffers, {}, None,
+                parallel_map=self._codec_pool.map))
+        except (ManifestError, DeltaCodecError) as exc:
+            raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
+                               f"{header.version}: {exc}") from None
+
+    async def _publish_shard(self, header: pb.PublishHeader,
+                             tensors: dict[str, torch.Tensor]) -> pb.PublishReply:
+        """Stage one training rank's shard; the rank that completes the version stores it (the
+        store re-slices shards for workers of any TP size) and answers for the whole version."""
+        staging = self._jobs[header.job].staging
+        shards = staging.add(header.version, header.tp_rank, tensors)
+        if shards is None:
+            missing = staging.missing(header.version)
+            log.info("job %s: staged rank %d of %d of version %d; waiting for ranks %s",
+                     header.job, header.tp_rank, header.tp_size, header.version, missing)
+            metrics.PUBLISHES.labels("staged").inc()
+            return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
+                                   shards_missing=missing)
+        records = await self.hold_shards(header.job, header.version, shards)
         metrics.PUBLISHES.labels("ok").inc()
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                evicted_versions=[r.version for r in records])
@@ -213,7 +273,27 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             raise RefusedError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"version {header.version} is {manifest.total_bytes} bytes, over "
                                f"this agent's memory_budget_bytes {self.cfg.memory_budget_bytes}")
+        if header.tp_size > 1 or header.tp_rank:
+            self._admit_shard(header, manifest)
         return manifest
+
+    def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> None:
+        """Refuse a shard that cannot join its version before its bytes arrive."""
+        if (manifest.tp_rank, manifest.tp_size) != (header.tp_rank, header.tp_size):
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the header says TP rank {header.tp_rank} of {header.tp_size} "
+                               f"but the manifest says {manifest.tp_rank} of {manifest.tp_size}")
+        signature = {e.name: (e.dtype, e.shape) for e in manifest.entries}
+        try:
+            for entry in manifest.entries:  # every tensor needs a TP rule to be re-sliced
+                sharding.full_shape(entry.name, entry.shape, max(header.tp_size, 1))
+            self._job(header.job).staging.admit(header.version, header.tp_rank, header.tp_size,
+                                                signature, manifest.total_bytes)
+        except ShardingError as exc:
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"TP shard of version "
+                               f"{header.version}: {exc}") from None
+        except ShardStagingError as exc:
+            raise RefusedError(grpc.StatusCode[exc.code], str(exc)) from None
 
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
         try:

@@ -148,11 +148,20 @@ class VersionStore:
         stored = {}
         for name in names:
             parts = [rank_tensors[name] for rank_tensors in shards]
+            _check_shards_match(version, name, parts)
             full = sharding.full_shape(name, parts[0].shape, len(parts))
             if sharding.split_dim(sharding.layout_of(name, full)) is None:
                 parts = parts[:1]  # replicated: every rank holds the same tensor; keep one
             stored[name] = StoredTensor(tuple(_own(p, copy) for p in parts), full)
         return self._admit(version, stored, now)
+
+    def full_tensors(self, version: int) -> dict[str, torch.Tensor]:
+        """Every tensor of a held version, whole: the stored tensor itself when it was published
+        whole, gathered (a copy) when a training side published it as TP shards."""
+        held = self._held(version)
+        return {name: stored.shards[0] if len(stored.shards) == 1
+                else sharding.gather_shards(name, stored.shards)
+                for name, stored in held.tensors.items()}
 
     def _admit(self, version: int, tensors: dict[str, StoredTensor],
                now: float) -> list[EvictionRecord]:
@@ -286,6 +295,17 @@ def _worker_slice(name: str, stored: StoredTensor, tp_rank: int, tp_size: int) -
     if len(stored.shards) == 1 and tp_size == 1:
         return stored.shards[0]  # no TP on either side: any tensor, Qwen3 rule or not
     return sharding.reshard(name, stored.shards, tp_rank, tp_size)
+
+
+def _check_shards_match(version: int, name: str, parts: Sequence[torch.Tensor]) -> None:
+    """Re-slicing assumes equal shards: a rank with another shape was cut at another TP size."""
+    first = parts[0]
+    for rank, part in enumerate(parts):
+        if part.shape != first.shape or part.dtype != first.dtype:
+            raise VersionStoreError(f"version {version}: training rank {rank}'s shard of {name} "
+                                    f"is {part.dtype}{tuple(part.shape)} but rank 0's is "
+                                    f"{first.dtype}{tuple(first.shape)}; every rank publishes "
+                                    "its shard at the same TP size")
 
 
 def _check_same_model(version: int, tensors: Mapping[str, StoredTensor],

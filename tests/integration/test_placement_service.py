@@ -18,8 +18,8 @@ from rlharvest.common import registry
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import (
-    JobSpec, PhaseRun, PlacementJob, SchedulerClient)
-from rlharvest.services.placement_scheduler.model import Pool
+    JobLeftError, JobSpec, PhaseRun, PlacementJob, SchedulerClient)
+from rlharvest.services.placement_scheduler.model import JobProfile, Pool
 
 from .worker_client import WorkerHandle, wait_serving
 
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.integration
 
 # Worst-case estimates far above the real phase times of these tests, so no drift eviction.
 SPEC = dict(t_roll_s=10.0, t_train_s=10.0, slo=2.0)
+PROFILE = JobProfile(batch_size=64, prompt_tokens=256, max_response_tokens=1024,
+                     decode_s_per_token=0.01, prefill_s=1.0, train_tokens_per_s=20_000.0)
 
 
 def start_scheduler(stack, name: str, *extra: str, leader: bool = True) -> WorkerHandle:
@@ -233,6 +235,17 @@ async def test_bad_input_gets_precise_statuses_and_the_scheduler_keeps_serving(
                   grpc.StatusCode.INVALID_ARGUMENT, "slo must be >= 1")
     await refused(client.submit(JobSpec("a/b", t_roll_s=1, t_train_s=5)),
                   grpc.StatusCode.INVALID_ARGUMENT, "job_id")
+    # An explicit 0 is refused, never taken for "unset" and replaced by a default.
+    await refused(client.submit(JobSpec("slo0", t_roll_s=1, t_train_s=5, slo=0)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "slo must be >= 1", "got 0.0")
+    await refused(client.submit(JobSpec("n0", t_roll_s=1, t_train_s=5, rollout_nodes=0)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "rollout_nodes must be an integer >= 1")
+    await refused(client.submit(JobSpec("n-1", t_roll_s=1, t_train_s=5, train_nodes=-1)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "train_nodes must be an integer >= 1")
+    await refused(client.submit(JobSpec("none", slo=1.5)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "gives no t_roll or t_train")
+    await refused(client.submit(JobSpec("both", t_roll_s=1, profile=PROFILE)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "not both")
     await refused(client.submit(JobSpec("huge", t_roll_s=1, t_train_s=5, rollout_nodes=3)),
                   grpc.StatusCode.FAILED_PRECONDITION, "needs 3 rollout nodes", "has only 2")
     await refused(client.submit(JobSpec("dead", t_roll_s=1, t_train_s=5), lease_id=0x7777),
@@ -257,6 +270,44 @@ async def test_bad_input_gets_precise_statuses_and_the_scheduler_keeps_serving(
     assert [j.job_id for j in state.jobs] == ["ok"] and state.jobs[0].next_phase == pb.PHASE_TRAIN
     await client.close()
     assert sched.process.alive()
+
+
+async def test_a_job_submits_its_profile_and_the_scheduler_plans_its_worst_case(
+        stack, etcd_client):
+    sched = start_scheduler(stack, "sched-a")
+    client = SchedulerClient(endpoint=sched.endpoint, failover_timeout_s=5)
+    placed = await client.submit(JobSpec("profiled", profile=PROFILE, slo=1.5))
+    assert (placed.t_roll_s, placed.t_train_s) == pytest.approx(
+        (PROFILE.worst_case_rollout_s(), PROFILE.worst_case_train_s()))
+    assert placed.t_roll_s == pytest.approx(1.0 + 1024 * 0.01)  # every response at the limit
+    assert placed.predicted_iteration_s == pytest.approx(placed.t_roll_s + placed.t_train_s)
+    state = await client.state()
+    assert state.groups[0].t_cycle_s == pytest.approx(placed.predicted_iteration_s)
+    await client.close()
+
+
+async def test_a_job_whose_phase_drifts_past_its_group_is_evicted_and_the_group_goes_on(
+        stack, etcd_client):
+    start_scheduler(stack, "sched-a")
+    spec = dict(t_roll_s=0.5, t_train_s=0.5, slo=2.0)  # each may iterate in at most 2 s
+    async with PlacementJob(JobSpec("job-a", **spec), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **spec), stack.etcd.endpoint) as b:
+        assert b.placement.group_id == a.placement.group_id
+        async with a.permit(Pool.ROLLOUT):
+            await asyncio.sleep(0.05)
+        async with b.permit(Pool.ROLLOUT):
+            await asyncio.sleep(3.0)  # 6x its estimate: job-a would now iterate in >= 3.5 s
+        assert "re-profile and resubmit" in b.left_reason
+        with pytest.raises(JobLeftError, match="job-b"):
+            async with b.permit(Pool.TRAIN):
+                pass
+        state = await a.client.state()
+        assert [j.job_id for j in state.jobs] == ["job-a"]
+        assert [list(g.job_ids) for g in state.groups] == [["job-a"]]
+        for phase in (Pool.TRAIN, Pool.ROLLOUT):  # job-a goes on, alone in its group
+            async with a.permit(phase):
+                await asyncio.sleep(0.05)
+        assert a.next_phase == (Pool.TRAIN, 1) and not a.left_reason
 
 
 def test_bad_inventory_stops_the_scheduler_with_a_message(stack):

@@ -110,8 +110,9 @@ async def test_resumed_request_continues_exactly_as_uninterrupted(worker, module
 async def test_concurrency_limit_queues_the_excess(session):
     ids = [f"q{i}" for i in range(7)]
     await session.send(*(add(r, PROMPT, max_tokens=60, seed=i) for i, r in enumerate(ids)))
-    got = await session.read_until(lambda c: any(l.executing == 4 and l.pending == 3 for l in c.loads))
-    assert max(l.executing for l in got.loads) <= 4
+    got = await session.read_until(
+        lambda c: any(load.executing == 4 and load.pending == 3 for load in c.loads))
+    assert max(load.executing for load in got.loads) <= 4
     await session.send(abort(*ids))
     await session.finish(ids)
 
@@ -262,3 +263,73 @@ def test_malformed_config_exits_with_a_message_naming_the_key(tmp_path):
     run = subprocess.run([sys.executable, "-m", "rlharvest.services.rollout_worker.main",
                           "--max-running", "-4"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "max_running" in run.stderr
+
+
+async def test_limits_and_control_events_survive_a_backed_up_session(stack):
+    """Running + pending is bounded (the excess is refused, not queued without end), and with a
+    one-message session buffer that the client does not read, refusals and abort confirmations
+    still all arrive, in order after the step outputs before them (the client's positions check
+    fails on any reordering). The outbox's bound itself is unit-tested in test_worker_outbox."""
+    handle = start_worker(stack, "bounded", "--max-running", "2", "--max-pending", "1",
+                          "--session-queue", "1")
+    session = WorkerSession(handle.endpoint)
+    try:
+        ids = ["b0", "b1", "b2"]
+        await session.send(*(add(r, PROMPT, max_tokens=480, seed=i) for i, r in enumerate(ids)))
+        await session.send(add("b3", PROMPT, max_tokens=4))  # beyond 2 running + 1 pending
+        await asyncio.sleep(1.0)  # unread: the buffer fills and the engine waits on it
+        bad = [f"ghost{i}" for i in range(5)]
+        await session.send(abort(*bad), abort(*ids))
+        got = await session.finish([*ids, "b3", *bad], timeout=60)
+        assert got.errors["b3"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "pending" in got.errors["b3"][1]
+        assert all(got.errors[r][0] == grpc.StatusCode.NOT_FOUND for r in bad)
+        # gRPC's own flow-control window may absorb the unread steps, so a request can finish
+        # before the abort lands; every one ends either way, with a final delta.
+        assert {got.completions[r].finish_reason for r in ids} <= {"abort", "length"}
+        assert "abort" in {got.completions[r].finish_reason for r in ids}
+    finally:
+        await session.close()
+
+
+async def test_spot_notice_from_the_metadata_server_drains_the_worker(stack, etcd_client):
+    from aiohttp import web
+
+    notice = {"body": None}
+
+    async def metadata(request: web.Request) -> web.Response:
+        if notice["body"] is None:
+            return web.Response(status=404)  # AWS: no reclaim scheduled
+        return web.Response(text=notice["body"])
+
+    app = web.Application()
+    app.router.add_get("/latest/meta-data/spot/instance-action", metadata)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}/latest/meta-data/spot/instance-action"
+    handle = start_worker(stack, "spot-0", "--kind", "spot", "--preemption-notice-url", url,
+                          "--preemption-poll-s", "0.1")
+    session = WorkerSession(handle.endpoint)
+    try:
+        await session.send(add("s1", PROMPT, max_tokens=400))
+        await session.read_until(lambda c: "s1" in c.completions)
+        await asyncio.sleep(0.5)
+        assert not session.collected.draining  # 404s are not a notice
+        notice["body"] = '{"action": "terminate", "time": "2026-11-23T12:00:00Z"}'
+        await session.read_until(lambda c: c.draining, timeout=10)
+        member = (await registry.list_members(etcd_client, "rollout_worker"))[
+            keys.member_key("rollout_worker", "spot-0")]
+        assert member["draining"] is True
+        await session.send(add("late", PROMPT, max_tokens=4), abort("s1"))
+        got = await session.finish(["s1", "late"])
+        assert got.errors["late"][0] == grpc.StatusCode.UNAVAILABLE
+        assert got.completions["s1"].finish_reason == "abort"
+        code = await asyncio.to_thread(handle.process.process.wait, 30)
+        assert code == 0, handle.process.log_tail()
+        assert "spot preemption notice" in handle.process.log_tail()
+    finally:
+        await session.close()
+        await runner.cleanup()

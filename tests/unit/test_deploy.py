@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import configparser
 import shlex
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest

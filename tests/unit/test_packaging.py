@@ -1,6 +1,9 @@
 """pyproject lists every package: the rlharvest.* mapping cannot be discovered automatically."""
 
-import tomllib
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,8 @@ from rlharvest.services.placement_scheduler.inter_group import (
     Decision, InterGroupScheduler, Strategy)
 from rlharvest.services.placement_scheduler.model import (
     H20, H800, Job, JobProfile, Placement, PlacementError, Pool, PoolSpec)
+from rlharvest.services.placement_scheduler.round_robin import (
+    Member, co_execution_periods, members_of, t_cycle, t_load)
 
 ROLL = PoolSpec(Pool.ROLLOUT, "H20", 8, 1.85, 1000.0)
 TRAIN = PoolSpec(Pool.TRAIN, "H800", 8, 5.28, 1000.0)
@@ -183,3 +185,52 @@ def test_a_decision_breaking_residency_is_refused_and_leaves_no_nodes_behind(sch
         with pytest.raises(PlacementError, match="host memory"):
             scheduler.admit(forced)
     assert scheduler.nodes_in_use(Pool.ROLLOUT) == 1 and len(scheduler.groups) == 1
+
+
+def test_slo_rejection_that_only_the_round_robin_simulation_sees(scheduler) -> None:
+    # A on rollout-1; B cannot share it within its 312.5 s budget, so it scales onto rollout-2.
+    scheduler.submit(job("A", 200, 100, slo=1.25))
+    assert scheduler.submit(job("B", 200, 50, slo=1.25)).strategy is Strategy.ROLLOUT_SCALING
+    gang = Job("C", 100, 100, 2.0, rollout_nodes=2, train_nodes=1)
+    group = scheduler.groups["group-1"]
+    members = [*members_of(group), Member("C", 100, 100, ("rollout-1", "rollout-2"))]
+    # Packing C across both nodes passes every bound (T_cycle = T_load = 300 s <= 312.5 s) ...
+    assert max(t_cycle(members), t_load(members)) == 300
+    # ... but C's gang rollout must wait for its turn on both nodes at once, which idles one
+    # while the other finishes: the simulated meta-iteration is 950/3 s, past B's budget.
+    assert co_execution_periods(members)["B"] == pytest.approx(950 / 3)
+    decision = scheduler.schedule(gang)
+    assert decision.strategy is Strategy.ROLLOUT_SCALING and decision.group_id == "group-1"
+    assert all(period <= 312.5 for period in decision.periods.values())
+
+
+def test_rollout_memory_forces_rollout_scaling_while_training_memory_fits(scheduler) -> None:
+    # Rollout working sets of 600 GB: two cannot share a 1000 GB rollout node, while their
+    # 100 GB training working sets share the training node easily. Timing alone would pack.
+    scheduler.submit(Job("A", 100, 100, 2.0, 1, 1, rollout_mem_gb=600, train_mem_gb=100))
+    decision = scheduler.submit(Job("B", 100, 40, 2.0, 1, 1, rollout_mem_gb=600,
+                                    train_mem_gb=100))
+    assert decision.strategy is Strategy.ROLLOUT_SCALING and decision.group_id == "group-1"
+    group = scheduler.group_of("B")
+    assert group.placements["B"].rollout_node_ids == ("rollout-2",)
+    assert group.roll_mem_gb == {"rollout-1": 600, "rollout-2": 600}
+    # A third heavy job fits next to neither and scales again; a light one packs onto a node.
+    heavy = scheduler.schedule(Job("C", 50, 30, 3.0, 1, 1, 600, 100))
+    assert heavy.strategy is Strategy.ROLLOUT_SCALING and heavy.rollout_node_ids == ()
+    light = scheduler.schedule(Job("D", 50, 30, 3.0, 1, 1, 400, 100))
+    assert light.strategy is Strategy.DIRECT_PACKING and light.group_id == "group-1"
+
+
+@pytest.mark.parametrize("pool, extra_gb, strategy", [
+    ("rollout", 0.0, Strategy.DIRECT_PACKING),  # 500 + 500 = 1000 GB: exactly full is fine
+    ("rollout", 1.0, Strategy.ROLLOUT_SCALING),
+    ("train", 0.0, Strategy.DIRECT_PACKING),
+    ("train", 1.0, Strategy.ISOLATED),  # training nodes are not scaled: a new group
+])
+def test_memory_residency_accepts_an_exact_fit(scheduler, pool, extra_gb, strategy) -> None:
+    # §4.2: the pinned working sets "must not exceed" a node's host memory (model.fits_in_memory
+    # says why we accept equality where Algorithm 1 line 8 writes >=).
+    mem = {"rollout_mem_gb": 100.0, "train_mem_gb": 100.0}
+    scheduler.submit(Job("A", 100, 100, 2.0, 1, 1, **{**mem, f"{pool}_mem_gb": 500.0}))
+    arrival = Job("B", 100, 100, 2.0, 1, 1, **{**mem, f"{pool}_mem_gb": 500.0 + extra_gb})
+    assert scheduler.submit(arrival).strategy is strategy

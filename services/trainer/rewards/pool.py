@@ -28,6 +28,12 @@ from typing import Any, Union
 RewardFn = Callable[[str, str, str], Union[float, Awaitable[float]]]
 
 
+class RewardFailure(Exception):
+    """Raised by a reward function to give its sample the failure reward with a reason (the
+    candidate program crashed or timed out) when that is a verdict, not a bug in the function:
+    the outcome's error is the reason alone, without an exception name."""
+
+
 @dataclass(frozen=True)
 class RewardRequest:
     sample_id: str
@@ -109,6 +115,8 @@ class RewardPool:
                 if not self._is_async:
                     self.abandoned_calls += 1
                 return self._failure(request, start, f"timed out after {self._timeout_s:g}s")
+            except RewardFailure as exc:
+                return self._failure(request, start, str(exc))
             except Exception as exc:  # noqa: BLE001 - any user-code failure is this sample's
                 return self._failure(request, start, f"{type(exc).__name__}: {exc}")
             return RewardOutcome(request.sample_id, float(reward), True, "",

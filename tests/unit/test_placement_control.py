@@ -1,0 +1,194 @@
+"""The placement scheduler's decision state (control.py), pure and on an injected clock: SLO
+attainment, reclaimed bubbles, full pools, jobs lost while no scheduler led, drift eviction,
+and what a submission may say (WEAVE §4.2, §4.3, §5.3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from rlharvest.common.pb import placement_scheduler_pb2 as pb
+from rlharvest.services.placement_scheduler.client import JobSpec
+from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
+from rlharvest.services.placement_scheduler.model import H20, H800, JobProfile, Pool
+from rlharvest.services.placement_scheduler.service import submitted_spec
+
+PROFILE = JobProfile(batch_size=64, prompt_tokens=256, max_response_tokens=1024,
+                     decode_s_per_token=0.05, prefill_s=2.0, train_tokens_per_s=20_000.0,
+                     turns=2, env_s_per_turn=1.0, sync_s=5.0)
+
+
+class Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def control(clock: Clock, rollout: int = 2, train: int = 1) -> PlacementControl:
+    names = {Pool.ROLLOUT: [f"r{i}" for i in range(1, rollout + 1)],
+             Pool.TRAIN: [f"t{i}" for i in range(1, train + 1)]}
+    return PlacementControl(names, dataclasses.replace(H20, max_nodes=rollout),
+                            dataclasses.replace(H800, max_nodes=train), clock=clock)
+
+
+def spec(job_id: str, t_roll: float = 10.0, t_train: float = 10.0, slo: float = 2.0,
+         nodes: int = 1) -> dict:
+    return dict(job_id=job_id, t_roll=t_roll, t_train=t_train, slo=slo, rollout_nodes=nodes)
+
+
+def run_phase(ctl: PlacementControl, clock: Clock, job_id: str, phase: Pool, iteration: int,
+              seconds: float, wait_s: float = 0.0):
+    clock.now += wait_s  # the job's client idles before asking for its permit
+    assert ctl.acquire(job_id, phase, iteration) is not None, f"{job_id} {phase} #{iteration}"
+    clock.now += seconds
+    return ctl.release(job_id, phase, iteration)
+
+
+def run_iteration(ctl: PlacementControl, clock: Clock, job_id: str, iteration: int,
+                  wait_s: float = 0.0) -> None:
+    run_phase(ctl, clock, job_id, Pool.ROLLOUT, iteration, 10.0, wait_s)
+    run_phase(ctl, clock, job_id, Pool.TRAIN, iteration, 10.0)
+
+
+def test_slo_attainment_counts_iterations_within_slo_times_solo() -> None:
+    clock = Clock()
+    ctl = control(clock)
+    ctl.submit(spec("A", slo=1.5))  # solo iteration 20 s: an iteration may take up to 30 s
+    run_iteration(ctl, clock, "A", 0)  # the first iteration only starts the measurement
+    run_iteration(ctl, clock, "A", 1)  # 20 s: met
+    run_iteration(ctl, clock, "A", 2, wait_s=25)  # 45 s: missed
+    run_iteration(ctl, clock, "A", 3, wait_s=10)  # exactly 30 s: met
+    record = ctl.record("A")
+    assert (record.iterations_done, record.slo_met, record.slo_missed) == (4, 2, 1)
+    assert ctl.stats.slo_attainment == pytest.approx(2 / 3)
+
+
+def test_tail_migration_reclaims_bubble_node_seconds_until_the_tail_ends() -> None:
+    clock = Clock()
+    ctl = control(clock)
+    ctl.submit(spec("A", nodes=2))
+    assert ctl.submit(spec("B", nodes=2)).decision.strategy.value == "direct_packing"
+    assert ctl.acquire("A", Pool.ROLLOUT, 0).node_ids == ("r1", "r2")
+    clock.now += 5
+    migration = ctl.progress("A", 0, total=10, finished=9, unfinished_by_node={"r1": 1, "r2": 0})
+    assert (migration.keep_node_ids, migration.freed_node_ids) == (("r1",), ("r2",))
+    permit = ctl.acquire("B", Pool.ROLLOUT, 0)  # B starts on the freed node before A's tail ends
+    assert (permit.node_ids, permit.pending_node_ids) == (("r2",), ("r1",))
+    clock.now += 3  # A's tail runs 3 more seconds on r1 while B uses r2
+    assert ctl.release("A", Pool.ROLLOUT, 0).released
+    assert ctl.stats.tail_migrations == 1
+    assert ctl.stats.bubble_node_seconds == pytest.approx(3.0)  # 3 s × 1 freed node
+    grown = ctl.acquire("B", Pool.ROLLOUT, 0)  # asked again: the same permit, now on both nodes
+    assert set(grown.node_ids) == {"r1", "r2"} and grown.pending_node_ids == ()
+
+
+def test_full_pools_refuse_with_resource_exhausted_until_a_job_leaves() -> None:
+    clock = Clock()
+    ctl = control(clock, rollout=1, train=1)
+    ctl.submit(spec("A", slo=1.0))
+    with pytest.raises(Refusal) as refused:  # B breaks A's SLO; no node left for a new group
+        ctl.submit(spec("B", t_roll=15.0, t_train=15.0, slo=1.0))
+    assert refused.value.kind == "exhausted"
+    assert "wait for jobs to leave or grow the pools" in str(refused.value)
+    with pytest.raises(Refusal) as too_big:  # never placeable: a different answer
+        ctl.submit(spec("C", nodes=2))
+    assert too_big.value.kind == "precondition"
+    assert ctl.cancel("A") == ["r1", "t1"]
+    assert ctl.submit(spec("B", t_roll=15.0, t_train=15.0, slo=1.0)).rollout_node_ids == ("r1",)
+
+
+def test_jobs_whose_lease_expired_while_no_scheduler_led_leave_and_the_group_goes_on() -> None:
+    clock = Clock()
+    ctl = control(clock)
+    ctl.submit(spec("A"), lease_id=7)
+    ctl.submit(spec("B", t_roll=5.0, t_train=5.0, slo=4.0), lease_id=8)
+    ctl.submit(spec("C", t_roll=1.0, t_train=1.0, slo=20.0))  # no lease: leaves only if cancelled
+    assert len(ctl.scheduler.groups) == 1
+    assert ctl.acquire("A", Pool.ROLLOUT, 0) is not None  # A dies holding its permit
+    persisted = json.loads(json.dumps(ctl.records()))  # what etcd holds when the leader dies
+    successor = control(clock)
+    successor.restore(persisted)
+    assert successor.fail_expired(alive_job_ids={"B"}) == ["A"]
+    assert sorted(successor.jobs) == ["B", "C"]
+    assert successor.stats.departures == {"failed": 1}
+    assert successor.scheduler.group_of("B").group_id == ctl.jobs["B"].group_id
+    assert successor.acquire("B", Pool.ROLLOUT, 0) is not None  # A's permit passed on
+    with pytest.raises(Refusal) as gone:
+        successor.acquire("A", Pool.ROLLOUT, 0)
+    assert gone.value.kind == "not_found"
+
+
+def test_drift_within_the_groups_slack_only_updates_the_estimate() -> None:
+    clock = Clock()
+    ctl = control(clock)
+    ctl.submit(spec("A"))
+    outcome = run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 13.0)  # 1.3 × the estimate
+    assert outcome.released and not outcome.evicted and "estimate updated" in outcome.message
+    assert ctl.scheduler.group_of("A").jobs["A"].t_roll == 13.0
+
+
+def test_drift_breaking_a_members_slo_evicts_only_the_drifting_job() -> None:
+    clock = Clock()
+    ctl = control(clock, train=2)
+    ctl.submit(spec("A"))
+    ctl.submit(spec("B"))  # packed with A: both iterate every 20 s, A may take 40 s
+    run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 10.0)
+    outcome = run_phase(ctl, clock, "B", Pool.ROLLOUT, 0, 50.0)  # A would now iterate in 60 s
+    assert outcome.released and outcome.evicted
+    assert "re-profile and resubmit" in outcome.message
+    assert list(ctl.jobs) == ["A"] and ctl.stats.departures == {"drift": 1}
+    assert list(ctl.scheduler.group_of("A").jobs) == ["A"]
+    run_phase(ctl, clock, "A", Pool.TRAIN, 0, 10.0)  # A goes on
+    with pytest.raises(Refusal) as gone:
+        ctl.acquire("B", Pool.TRAIN, 0)
+    assert gone.value.kind == "not_found"
+    again = ctl.submit(spec("B", t_roll=50.0))  # re-profiled and resubmitted: a new arrival,
+    assert again.decision.strategy.value == "isolated"  # placed away from A this time
+
+
+def test_a_profiled_job_is_planned_at_its_worst_case_durations() -> None:
+    ctl = control(Clock())
+    ctl.submit({"job_id": "P", "profile": dataclasses.asdict(PROFILE), "slo": 1.5})
+    job = ctl.scheduler.group_of("P").jobs["P"]
+    assert (job.t_roll, job.t_train) == (PROFILE.worst_case_rollout_s(),
+                                         PROFILE.worst_case_train_s())
+    assert job.slo == 1.5
+
+
+@pytest.mark.parametrize("submission, words", [
+    ({"job_id": "x", "slo": 0.0, "t_roll": 1.0, "t_train": 1.0}, "slo must be >= 1"),
+    ({"job_id": "x", "rollout_nodes": 0, "t_roll": 1.0, "t_train": 1.0},
+     "rollout_nodes must be an integer >= 1"),
+    ({"job_id": "x", "train_nodes": -1, "t_roll": 1.0, "t_train": 1.0},
+     "train_nodes must be an integer >= 1"),
+    ({"job_id": "x", "t_roll": 1.0}, "gives no t_train"),
+    ({"job_id": "x", "t_roll": 1.0, "profile": dataclasses.asdict(PROFILE)}, "not both"),
+    ({"job_id": "x", "profile": {**dataclasses.asdict(PROFILE), "batch_size": 0}},
+     "profile batch_size must be >= 1"),
+])
+def test_bad_submissions_are_refused_naming_the_field(submission, words) -> None:
+    with pytest.raises(Refusal) as refused:
+        control(Clock()).submit(submission)
+    assert refused.value.kind == "invalid" and words in str(refused.value)
+
+
+def test_unset_fields_take_defaults_but_an_explicit_zero_is_kept_for_validation() -> None:
+    unset = submitted_spec(JobSpec("j", t_roll_s=1.0, t_train_s=2.0).to_proto())
+    assert unset == {"job_id": "j", "t_roll": 1.0, "t_train": 2.0, "rollout_mem_gb": 0.0,
+                     "train_mem_gb": 0.0}
+    zeros = submitted_spec(pb.PlacementJobSpec(job_id="j", slo=0.0, rollout_nodes=0,
+                                               train_nodes=0, t_roll_s=0.0))
+    assert (zeros["slo"], zeros["rollout_nodes"], zeros["train_nodes"], zeros["t_roll"]) == \
+        (0.0, 0, 0, 0.0)
+    profiled = submitted_spec(JobSpec("p", profile=PROFILE, slo=1.5).to_proto())
+    assert profiled["profile"] == dataclasses.asdict(PROFILE) and "t_roll" not in profiled
+    single_turn = dataclasses.replace(PROFILE, turns=1)
+    no_turns = pb.PlacementJobSpec(job_id="q", profile=pb.PlacementJobProfile(
+        **{k: v for k, v in dataclasses.asdict(single_turn).items() if k != "turns"}))
+    assert "turns" not in submitted_spec(no_turns)["profile"]  # JobProfile's default: 1 turn
