@@ -314,7 +314,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                     log.warning(outcome.message)
                 return pb.ReleasePermitReply(released=outcome.released,
                                              already_released=outcome.already_released,
-                                             evicted=False, message=outcome.message)
+                                             evicted=outcome.evicted, message=outcome.message)
             if not await self._wait(changed, deadline):
                 return pb.ReleasePermitReply(released=False, message=outcome.message)
 

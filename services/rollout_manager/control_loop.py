@@ -143,8 +143,12 @@ class RolloutControl:
             for version in self._busy_versions():
                 out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
         starved = self.failure.starved(self._waiting_by_version(),
-                                       lambda v: bool(self.pool.eligible(v)))
+                                       lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _wait_limit(self, request_id: str) -> tuple[float, float | None]:
+        req = self.tracker.get(request_id)
+        return req.created_at, req.no_worker_timeout_s
 
     def _evacuate(self, worker_id: str, cause: MigrationCause,
                   keep_without_room: bool) -> list[Command]:

@@ -91,8 +91,13 @@ class FailurePolicy:
         return out
 
     def starved(self, waiting_by_version: Mapping[int, Sequence[str]],
-                has_eligible: Callable[[int], bool]) -> list[Fail]:
-        """Fail the waiting requests of any version that has had no eligible worker for too long."""
+                has_eligible: Callable[[int], bool],
+                limit_of: Callable[[str], tuple[float, float | None]] | None = None) -> list[Fail]:
+        """Fail waiting requests whose version has had no eligible worker for too long.
+
+        ``limit_of(request_id)`` gives (when the request arrived, its own no-worker deadline or
+        None for the configured one): a request's wait starts at the later of its arrival and
+        the moment its version lost its last worker."""
         now = self._clock()
         fails: list[Fail] = []
         for version in list(self._starved_since):
@@ -102,11 +107,13 @@ class FailurePolicy:
             if not request_ids or has_eligible(version):
                 continue
             since = self._starved_since.setdefault(version, now)
-            if now - since >= self._config.no_worker_timeout_s:
-                reason = (f"no healthy worker held weight version {version} for "
-                          f"{now - since:.0f}s (no_worker_timeout_s="
-                          f"{self._config.no_worker_timeout_s}); start rollout workers or check "
-                          "that the transfer agents serve this version")
-                fails.extend(Fail(r, reason) for r in request_ids)
-                del self._starved_since[version]
+            for request_id in request_ids:
+                arrived, own = limit_of(request_id) if limit_of else (since, None)
+                timeout = self._config.no_worker_timeout_s if own is None else own
+                waited = now - max(since, arrived)
+                if waited >= timeout:
+                    fails.append(Fail(request_id, (
+                        f"no healthy worker held weight version {version} for {waited:.0f}s "
+                        f"(no-worker deadline {timeout:g}s); start rollout workers or check "
+                        "that the transfer agents serve this version")))
         return fails

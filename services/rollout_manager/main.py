@@ -42,7 +42,6 @@ async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:
     etcd = await registry.connect(cfg.etcd)
     service = ManagerService(build_control(cfg), etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes,
-                             no_worker_timeout_s=cfg.no_worker_timeout_s,
                              client_queue=cfg.client_queue, tick_interval_s=cfg.rebalance_interval_s)
     server = await rpc.start_server(
         [lambda s: rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server(service, s)],

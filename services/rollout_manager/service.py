@@ -18,7 +18,7 @@ from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.commands import Command, Dispatch, Fail, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
-from rlharvest.services.rollout_manager.tracker import NewRequest, StepError
+from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, StepError
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
 from rlharvest.services.rollout_worker.service import sampling_from_proto
 
@@ -100,12 +100,11 @@ def _unfinished(delta: common_pb2.TokenDelta) -> common_pb2.TokenDelta:
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
-                 no_worker_timeout_s: float, client_queue: int, tick_interval_s: float):
+                 client_queue: int, tick_interval_s: float):
         self._control = control
         self._etcd = etcd
         self._announced_key = keys.weights_announced_key(job)
         self._max_message_bytes = max_message_bytes
-        self._default_deadline = no_worker_timeout_s
         self._client_queue = client_queue
         self._tick_interval = tick_interval_s
         self._links: dict[str, WorkerLink] = {}
@@ -333,8 +332,13 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "manager is shutting down")
         await self._check_version(version, context)
+        if deadline_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"no_worker_deadline_s {deadline_s} is negative; 0 means the "
+                                "manager's no_worker_timeout_s")
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
-                          sampling_from_proto(r.sampling), version) for r in requests]
+                          sampling_from_proto(r.sampling), version, deadline_s or None)
+               for r in requests]
         try:
             ids = self._control.add_step(new)
         except StepError as exc:
@@ -406,7 +410,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         states: dict[str, int] = {"healthy": 0, "draining": 0, "lost": 0}
         for view in self._control.pool.all():
             states[view.state.value] += 1
-            metrics.ASSIGNED.labels(view.worker_id).set(tracker.assigned_count(view.worker_id))
+            on_worker = tracker.on_worker(view.worker_id)
+            metrics.ASSIGNED.labels(view.worker_id).set(len(on_worker))
+            metrics.PENDING.labels(view.worker_id).set(
+                sum(1 for r in on_worker if r.state is RequestState.PENDING))
         for state, count in states.items():
             metrics.WORKERS.labels(state).set(count)
         now = time.monotonic()

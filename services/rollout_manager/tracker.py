@@ -53,6 +53,7 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     weight_version: int
+    no_worker_timeout_s: float | None = None  # the client's own deadline; None: the manager's
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ class TrackedRequest:
     sampling: SamplingParams
     weight_version: int
     created_at: float
+    no_worker_timeout_s: float | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
@@ -183,7 +185,8 @@ class RequestTracker:
         for new in requests:
             self._requests[new.request_id] = TrackedRequest(
                 new.request_id, new.group_id, tuple(new.prompt_token_ids), new.sampling,
-                new.weight_version, created_at=now)
+                new.weight_version, created_at=now,
+                no_worker_timeout_s=new.no_worker_timeout_s)
             self._waiting_new[new.request_id] = None
         return [r.request_id for r in requests]
 

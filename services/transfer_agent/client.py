@@ -51,7 +51,7 @@ class PullError(RuntimeError):
         self.code = code
 
 
-def _channel(endpoint: str) -> grpc.aio.Channel:
+def agent_channel(endpoint: str) -> grpc.aio.Channel:
     return rpc.channel(endpoint, [SERVICE_NAME], max_message_bytes=MAX_MESSAGE_BYTES)
 
 
@@ -77,7 +77,7 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
         for chunk in chunk_buckets(buckets, PUBLISH_CHUNK_BYTES):
             yield pb.PublishChunk(chunk=chunk)
 
-    async with _channel(endpoint) as chan:
+    async with agent_channel(endpoint) as chan:
         try:
             return await transfer_agent_pb2_grpc.TransferAgentStub(chan).Publish(messages())
         except grpc.aio.AioRpcError as exc:
@@ -153,7 +153,7 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
     started = time.perf_counter()
     request = pull_request(job, version, held_version, tp_rank, tp_size, names, cluster)
     with ThreadPoolExecutor(codec_threads, thread_name_prefix="pull-codec") as pool:
-        async with _channel(endpoint) as chan:
+        async with agent_channel(endpoint) as chan:
             stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
             call = stub.PlanPull(request)
             plan = await call

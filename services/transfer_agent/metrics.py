@@ -17,5 +17,7 @@ BUCKET_SECONDS = Histogram("rlh_agent_bucket_stream_seconds", "Time to stream on
 DELTA_RATIO = Gauge("rlh_agent_delta_ratio", "Payload / dense bytes of the last delta pull plan")
 REFUSED = Counter("rlh_agent_refused_total", "RPCs refused", ["rpc", "code"])
 RELAYS = Counter("rlh_agent_relays_total", "Versions sourced from another agent", ["link"])
+RELAY_BYTES_FROM = Counter("rlh_agent_relay_bytes_from_total", "Relay bytes received, per "
+                           "source agent (a scattered pull has several)", ["agent"])
 CORRUPTED = Counter("rlh_agent_fault_corrupted_chunks_total", "Chunks corrupted on purpose "
                     "(fault_corrupt_chunks test hook)")

@@ -1,7 +1,8 @@
 """Relay: an agent sources announced versions it lacks from other agents (WEAVE §5.2, ROSE §4.2
 relay layer). ``replication.relay_source`` picks the source — across the slow link only the
 cluster's gateway pulls, the rest of the cluster pulls the gateway's copy — and this loop moves
-the bytes, as a sparse delta when this agent still holds the previous version."""
+the bytes, as a sparse delta when this agent still holds the previous version. The gateway's
+pull is scattered over every holder on the far side (scatter_pull.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import json
 import logging
 
 import grpc
+import torch
 
 from rlharvest.common import keys, registry
 from rlharvest.services.transfer_agent import metrics
-from rlharvest.services.transfer_agent.client import PullError, holders, pull
+from rlharvest.services.transfer_agent.client import PullError, PullResult, holders, pull
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.replication import relay_source
+from rlharvest.services.transfer_agent.scatter_pull import Sender, scatter_pull
 from rlharvest.services.transfer_agent.service import AgentService
 from rlharvest.services.transfer_agent.version_store import VersionStoreError
 
@@ -83,22 +86,46 @@ class Replicator:
         if source is None:
             return
         base = self.service.latest(job)
-        held = self.service.full_tensors(job, base) if base is not None else None
+        held = await self.service.full_tensors(job, base) if base is not None else None
         link = "cross" if clusters[source] != self.cfg.cluster else "local"
         try:
-            result = await pull(having[source]["endpoint"], job, version=version, held=held,
-                                held_version=base if held is not None else None,
-                                cluster=self.cfg.cluster, streams=self.cfg.relay_streams)
+            result = await self._pull(job, version, source, clusters, having, held, base)
         except (grpc.aio.AioRpcError, PullError) as exc:
             log.warning("relay of job %s version %d from %s failed: %s; trying again", job,
-                        version, source, getattr(exc, "details", lambda: str(exc))())
+                        version, source,
+                        exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
             return
         metrics.BYTES_IN.labels("relay").inc(result.payload_bytes)
         metrics.RELAYS.labels(link).inc()
+        for agent, nbytes in result.sources.items():
+            metrics.RELAY_BYTES_FROM.labels(agent).inc(nbytes)
         log.info("job %s: relayed version %d from %s over the %s link (%s, %d of %d bytes, "
-                 "%.2fs)", job, version, source, link, "delta" if result.delta else "dense",
-                 result.payload_bytes, result.dense_bytes, result.seconds)
+                 "%.2fs)", job, version, result.sources, link,
+                 "delta" if result.delta else "dense", result.payload_bytes, result.dense_bytes,
+                 result.seconds)
         try:
-            await self.service.hold(job, result.version, result.tensors, f"relay from {source}")
+            await self.service.hold(job, result.version, result.tensors,
+                                    f"relay from {sorted(result.sources)}")
         except VersionStoreError as exc:  # a publish landed meanwhile
             log.info("relayed version %d not kept: %s", version, exc)
+
+    async def _pull(self, job: str, version: int, source: str, clusters: dict[str, str],
+                    having: dict[str, dict], held: dict[str, torch.Tensor] | None,
+                    base: int | None) -> PullResult:
+        """Across the slow link, the pull is scattered over every holder of the source's
+        cluster (WEAVE §5.2: one copy, from all senders at once); inside a cluster, and when
+        the source is the only remote holder, it comes from ``source`` alone."""
+        held_version = base if held is not None else None
+        remote = clusters[source] != self.cfg.cluster
+        senders = [Sender(agent, having[agent]["endpoint"]) for agent in sorted(having)
+                   if clusters[agent] == clusters[source]] if remote else []
+        if len(senders) > 1:
+            return await scatter_pull(senders, job, version, held=held, held_version=held_version,
+                                      receiver=self.cfg.agent_id, cluster=self.cfg.cluster,
+                                      source_cluster=clusters[source],
+                                      streams=self.cfg.relay_streams)
+        result = await pull(having[source]["endpoint"], job, version=version, held=held,
+                            held_version=held_version, cluster=self.cfg.cluster,
+                            streams=self.cfg.relay_streams)
+        result.sources = {source: result.payload_bytes}
+        return result

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -23,10 +24,11 @@ PROMPTS = [TOK.encode(f"{a}+{b}=") for a, b in [(1, 2), (13, 4), (7, 7), (20, 5)
 
 
 def start_manager(stack, *extra: str) -> WorkerHandle:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     proc = stack.start("rollout_manager", "manager", [
-        "--port", str(port), "--stall-timeout-s", "5", "--lease-ttl", "2", *extra])
-    handle = WorkerHandle(proc, f"127.0.0.1:{port}", 0)
+        "--port", str(port), "--metrics-port", str(metrics_port), "--stall-timeout-s", "5",
+        "--lease-ttl", "2", *extra])
+    handle = WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
     wait_serving(handle, 60)
     return handle
 
@@ -62,6 +64,17 @@ async def run_step(endpoint: str, request: mpb.SubmitStepRequest, on_event=None)
     return completions
 
 
+def scrape(metrics_port: int) -> dict[str, float]:
+    """The Prometheus text of a process: sample name with labels -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    samples = {}
+    for line in text.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
 async def status(endpoint: str) -> mpb.ManagerStatus:
     async with rpc.channel(endpoint) as chan:
         return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(mpb.GetStatusRequest())
@@ -94,8 +107,25 @@ async def test_step_completes_on_the_step_version(cluster):
     assert st.tokens_regenerated == 0 and st.in_flight == 0
     assert sum(w.assigned for w in st.workers) == 0
 
+    # The single-request streaming call: same request, same seed -> the same tokens.
+    async with rpc.channel(manager.endpoint) as chan:
+        single = step_request(1, 20, prefix="g").requests[0]
+        events = [e async for e in rollout_manager_pb2_grpc.RolloutManagerStub(chan).Generate(
+            mpb.GenerateRequest(request=single, weight_version=0), timeout=60)]
+    [completion] = [c for e in events for c in e.completions]
+    assert list(completion.token_ids) == list(done["r0"].token_ids)
+    assert [t for e in events for d in e.deltas for t in d.token_ids] == list(completion.token_ids)
 
-@pytest.mark.parametrize("kill_after_tokens", [2, 40, 90])
+    samples = scrape(manager.metrics_port)
+    assert samples["rlh_manager_tokens_total"] == 13 * 20
+    assert samples["rlh_manager_in_flight_requests"] == 0
+    assert samples['rlh_manager_workers{state="healthy"}'] == 3
+    assert samples['rlh_manager_completions_total{outcome="finished"}'] == 13
+    assert all(samples[f'rlh_manager_pending_requests{{worker="w{i}"}}'] == 0 for i in range(3))
+
+
+# Early, middle and late in a step of 12 x 48 = 576 tokens.
+@pytest.mark.parametrize("kill_after_tokens", [20, 288, 480])
 async def test_sigkilled_worker_loses_no_token(cluster, kill_after_tokens):
     workers, manager = cluster
     await wait_workers(manager.endpoint, 3)
@@ -132,6 +162,11 @@ async def test_graceful_drain_moves_requests_before_exit(cluster):
     assert drained and len(done) == 12 and not any(c.failed for c in done.values())
     code = await asyncio.to_thread(workers[1].process.process.wait, 30)
     assert code == 0, workers[1].process.log_tail()
+    # Moved by the drain (not found dead after the exit), and none left behind on the worker.
+    assert "stopped (drained)" in workers[1].process.log_tail()
+    samples = scrape(manager.metrics_port)
+    assert samples['rlh_manager_migrations_total{cause="drain"}'] >= 1
+    assert samples.get('rlh_manager_migrations_total{cause="lost"}', 0) == 0
     st = await status(manager.endpoint)
     assert st.tokens_regenerated == 0
 
@@ -157,10 +192,16 @@ async def test_bad_steps_get_precise_statuses(cluster):
 
 
 async def test_no_worker_for_the_version_fails_after_the_deadline(stack, etcd_client):
-    manager = start_manager(stack, "--no-worker-timeout-s", "1")
+    manager = start_manager(stack, "--no-worker-timeout-s", "600")
     await etcd_client.put(keys.weights_announced_key("default").encode(), b'{"version": 3}')
     request = step_request(2, 8, version=3)
-    request.no_worker_deadline_s = 1
+    request.no_worker_deadline_s = 1  # the client's own deadline wins over the manager's 600 s
+    started = time.monotonic()
     done = await run_step(manager.endpoint, request)
+    assert time.monotonic() - started < 30
     assert all(c.failed and "no healthy worker held weight version 3" in c.finish_reason
                for c in done.values())
+    request.no_worker_deadline_s = -1
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await run_step(manager.endpoint, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

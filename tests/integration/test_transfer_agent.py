@@ -1,12 +1,14 @@
 """The transfer agent as a real process, with real rollout workers pulling from it: publish and
-pull, sparse deltas, a worker joining mid-way, publish never waiting for pulls, an agent
-SIGKILLed mid-pull, a corrupted chunk, and bad input — over real gRPC and a real etcd."""
+pull, sparse deltas, a worker joining mid-way, training ranks publishing TP shards, publish never
+waiting for pulls, a stalled puller delaying nobody, an agent SIGKILLed mid-pull, a corrupted
+chunk, bad input, and relays scattered over several senders — over real gRPC and a real etcd."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -228,6 +230,47 @@ async def test_tp_worker_pulls_only_its_shard(agent):
     assert got.payload_bytes < sum(t.numel() * 4 for t in V2.values())
 
 
+def rank_shards(tensors: dict[str, torch.Tensor], tp_size: int) -> list[dict[str, torch.Tensor]]:
+    """What each training rank holds at TP ``tp_size``: its own slice of every tensor."""
+    return [{name: sharding.take_shard(name, t, rank, tp_size).contiguous()
+             for name, t in tensors.items()} for rank in range(tp_size)]
+
+
+async def test_training_ranks_publish_tp_shards_and_workers_get_the_exact_full_model(
+        module_stack, agent, etcd):
+    """ROSE §4.2: a training side that publishes shards, not a gathered model, is served too."""
+    _, endpoint, _ = agent
+    job = "job-shards"
+    shards = rank_shards(V1, 2)
+    staged = await publish(endpoint, job, 3, shards[1], tp_rank=1, tp_size=2)
+    assert list(staged.shards_missing) == [0] and list(staged.held_versions) == []
+    assert await etcd.get(keys.weights_announced_key(job).encode()) is None  # not yet whole
+    with pytest.raises(PublishError, match="already published") as err:
+        await publish(endpoint, job, 3, shards[1], tp_rank=1, tp_size=2)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(PublishError, match="at tp_size 4, but other ranks did at tp_size 2"):
+        await publish(endpoint, job, 3, rank_shards(V1, 4)[0], tp_rank=0, tp_size=4)
+    done = await publish(endpoint, job, 3, shards[0], tp_rank=0, tp_size=2)
+    assert list(done.shards_missing) == [] and list(done.held_versions) == [3]
+    assert (await registry.get_versioned(etcd, keys.weights_announced_key(job)))["version"] == 3
+
+    whole = await pull(endpoint, job, version=3)
+    assert weights_fingerprint(whole.tensors) == weights_fingerprint(V1)
+    half = await pull(endpoint, job, version=3, tp_rank=1, tp_size=2)
+    assert all(torch.equal(half.tensors[name], shards[1][name]) for name in V1)
+
+    # A worker pulls the whole model, then the ranks' next version (published at once) as a delta.
+    late = start_worker(module_stack, "puller-shards", "--job", job, "--agent-pull")
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-shards"), 3), what="version 3")
+    await asyncio.gather(*(publish(endpoint, job, 4, shard, tp_rank=rank, tp_size=2)
+                           for rank, shard in enumerate(rank_shards(V2, 2))))
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-shards"), 4), what="version 4")
+    metrics = scrape(late.metrics_port)
+    assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)  # bit-exact
+    late.process.kill()
+
+
 async def test_publish_returns_while_a_slow_pull_is_in_progress(agent, etcd):
     _, endpoint, _ = agent
     job = "job-slow"
@@ -253,6 +296,57 @@ async def test_publish_returns_while_a_slow_pull_is_in_progress(agent, etcd):
     assert assembler.missing() == [] and assembler.intact(0)
     pulled = apply_pull(manifest, assembler.buffers, {}, None)
     assert torch.equal(pulled["model.big.weight"], big["model.big.weight"])  # still version 1
+
+
+async def test_a_stalled_puller_delays_no_other_worker_pulling_the_same_version(agent, etcd):
+    """RLBoost §4.3: pulls are independent. One puller stops reading mid-bucket on each data path
+    (HTTP range, gRPC stream); another worker's pulls of the same version still complete."""
+    _, endpoint, _ = agent
+    job = "job-stall"
+    big = {"model.big.weight": torch.randn(8 << 20)}  # 32 MB: far beyond the socket buffers
+    await publish(endpoint, job, 1, big)
+    data = json.loads((await etcd.get(keys.member_key("transfer_agent", "agent-a").encode()))
+                      .value)["data"]
+    request = pull_request(job, 1)
+    async with grpc.aio.insecure_channel(endpoint) as chan:
+        stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
+        plan = await stub.PlanPull(request)
+        stalled_http = await stalled_range_reader(data, request, plan.plan_id)
+        stalled_grpc = stub.PullBuckets(pb.BucketsRequest(pull=request, buckets=[0],
+                                                          plan_id=plan.plan_id))
+        await stalled_grpc.read()  # one chunk in, then nobody reads this stream again
+        try:
+            for transport in ("http", "grpc"):
+                started = time.perf_counter()
+                got = await asyncio.wait_for(pull(endpoint, job, version=1, transport=transport),
+                                             timeout=30)
+                assert torch.equal(got.tensors["model.big.weight"], big["model.big.weight"])
+                assert time.perf_counter() - started < 15, transport
+            assert stalled_grpc.done() is False  # the stalled pulls are still under way
+        finally:
+            stalled_grpc.cancel()
+            stalled_http.transport.abort()  # a dead worker: its connection just vanishes
+    after = await asyncio.wait_for(pull(endpoint, job, version=1), timeout=30)
+    assert torch.equal(after.tensors["model.big.weight"], big["model.big.weight"])
+
+
+async def stalled_range_reader(data: str, request: pb.PullRequest,
+                               plan_id: int) -> asyncio.StreamWriter:
+    """Ask the HTTP data path for all of bucket 0, read its first 64 KiB, then stop reading (a
+    small receive buffer so the agent's writes back up at once)."""
+    host, port = data.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=64 << 10)
+    pull_header = base64.urlsafe_b64encode(request.SerializeToString()).decode()
+    writer.write(f"GET /v1/buckets/0 HTTP/1.1\r\nHost: {data}\r\nX-RLH-Pull: {pull_header}\r\n"
+                 f"X-RLH-Plan: {plan_id}\r\n\r\n".encode())
+    await writer.drain()
+    head = await reader.readexactly(64 << 10)
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    return writer
 
 
 async def test_bad_inputs_get_precise_statuses_and_the_agent_keeps_serving(agent, etcd):
@@ -378,34 +472,77 @@ async def test_corrupted_chunk_is_rejected_by_checksum_and_pulled_again(stack, e
 
 
 async def test_relay_sends_exactly_one_copy_over_the_slow_link_and_every_agent_is_exact(stack, etcd):
-    """WEAVE §5.2: cluster `train` holds the version, cluster `rollout` has three relaying
-    agents; only the gateway pulls across the link, the others pull its copy locally."""
+    """WEAVE §5.2: cluster `train` holds the version on two agents, cluster `rollout` has three
+    relaying agents; only the gateway pulls across the link — one copy, scattered over both
+    senders — and the others pull its copy locally."""
     job = "job-relay"
-    _, src_endpoint, src_metrics = start_agent(stack, "src", cluster="train")
+    senders = {name: start_agent(stack, name, cluster="train") for name in ("src", "src2")}
+    one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
+
+    def crossed() -> list[float]:
+        return [scrape(m).get("rlh_agent_bytes_out_total{link=cross}", 0)
+                for _, _, m in senders.values()]
+
+    # Both senders hold version 1 before any receiver runs, so the gateway sees two holders.
+    for _, endpoint, _ in senders.values():
+        await publish(endpoint, job, 1, V1)
     # Only this job: the session's etcd announces the other tests' jobs too.
     receivers = {name: start_agent(stack, name, "--relay", "--relay-jobs", job,
                                    cluster="rollout")
                  for name in ("r1", "r2", "r3")}
-    one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
 
     async def everyone_holds(version: int) -> bool:
         records = await holders(etcd, job)
         return all(version in records.get(n, {}).get("versions", ()) for n in receivers)
 
-    await publish(src_endpoint, job, 1, V1)
     await wait_for(lambda: everyone_holds(1), what="every receiver to hold version 1")
-    assert scrape(src_metrics)["rlh_agent_bytes_out_total{link=cross}"] == one_copy
+    sent = crossed()
+    assert sum(sent) == one_copy and all(sent), sent  # one copy, from both senders
     got = {name: scrape(m) for name, (_, _, m) in receivers.items()}
+    from_each = [got["r1"].get(f"rlh_agent_relay_bytes_from_total{{agent={n}}}", 0)
+                 for n in senders]
+    assert sum(from_each) == one_copy and all(from_each), from_each
     assert [got[n].get("rlh_agent_relays_total{link=cross}", 0) for n in receivers] == [1, 0, 0]
     assert [got[n].get("rlh_agent_relays_total{link=local}", 0) for n in receivers] == [0, 1, 1]
     assert all(got[n]["rlh_agent_bytes_in_total{source=relay}"] == one_copy for n in receivers)
+    for name, (_, endpoint, _) in receivers.items():
+        pulled = await pull(endpoint, job, version=1)
+        assert weights_fingerprint(pulled.tensors) == weights_fingerprint(V1), name
 
     # The next version crosses once too, as a sparse delta against the copy the gateway holds.
-    await publish(src_endpoint, job, 2, V2)
+    for _, endpoint, _ in senders.values():
+        await publish(endpoint, job, 2, V2)
     await wait_for(lambda: everyone_holds(2), what="every receiver to hold version 2")
-    crossed = scrape(src_metrics)["rlh_agent_bytes_out_total{link=cross}"] - one_copy
-    assert 0 < crossed < 0.1 * one_copy
+    assert 0 < sum(crossed()) - one_copy < 0.1 * one_copy
     assert scrape(receivers["r1"][2])["rlh_agent_relays_total{link=cross}"] == 2
     for name, (_, endpoint, _) in receivers.items():
         pulled = await pull(endpoint, job, version=2)
         assert weights_fingerprint(pulled.tensors) == weights_fingerprint(V2), name
+
+
+async def test_a_relay_sender_killed_mid_scatter_leaves_its_ranges_to_the_other(stack, etcd):
+    job = "job-relay-kill"
+    # 64 KB/s each: the 0.46 MB copy takes seconds, time to kill one sender mid-way.
+    slow = ("--chunk-bytes", "32768", "--send-rate-bytes-per-s", "65536")
+    senders = {name: start_agent(stack, name, *slow, cluster="train-k") for name in ("k1", "k2")}
+    for _, endpoint, _ in senders.values():
+        await publish(endpoint, job, 1, V1)
+    _, gateway, gateway_metrics = start_agent(stack, "kg", "--relay", "--relay-jobs", job,
+                                              cluster="rollout-k")
+
+    def sending(name: str) -> bool:
+        return scrape(senders[name][2]).get("rlh_agent_bytes_out_total{link=cross}", 0) > 0
+
+    await wait_for(lambda: sending("k1") and sending("k2"), what="both senders to send")
+    senders["k1"][0].kill()  # SIGKILL mid-scatter
+    await wait_for(lambda: _equals(_holds(etcd, job, "kg", 1), True), what="the gateway's copy")
+    pulled = await pull(gateway, job, version=1)
+    assert weights_fingerprint(pulled.tensors) == weights_fingerprint(V1)
+    one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
+    got = scrape(gateway_metrics)
+    assert got["rlh_agent_relay_bytes_from_total{agent=k2}"] > one_copy / 2  # took k1's share
+
+
+async def _holds(etcd, job: str, agent_id: str, version: int) -> bool:
+    record = (await holders(etcd, job)).get(agent_id, {})
+    return version in record.get("versions", ())

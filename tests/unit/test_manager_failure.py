@@ -249,3 +249,49 @@ def test_preempting_a_third_of_the_workers_mid_step_regenerates_nothing_with_mig
     assert migrate.tokens_regenerated == 0 < recompute.tokens_regenerated
     assert migrate.tokens_generated == clean.tokens_generated == sum(lengths)
     assert migrate.makespan_s < recompute.makespan_s
+
+
+# ---- no worker for a version ------------------------------------------------------------------
+
+def test_waiting_requests_fail_at_their_own_deadline_or_the_managers():
+    control, clock = make(no_worker=30.0)
+    control.add_step([NewRequest("own", "g", (1, 2), SamplingParams(max_tokens=4), 1,
+                                 no_worker_timeout_s=2.0),
+                      NewRequest("default", "g", (1, 2), SamplingParams(max_tokens=4), 1)])
+    assert control.tick() == []
+    clock.now = 1.9
+    assert control.tick() == []
+    clock.now = 2.0
+    [fail] = control.tick()
+    assert isinstance(fail, Fail) and fail.request_id == "own"
+    assert "no-worker deadline 2s" in fail.reason
+    assert control.tracker.get("own").state is RequestState.FAILED
+    clock.now = 29.9
+    assert control.tick() == []
+    clock.now = 30.0
+    assert [c.request_id for c in control.tick()] == ["default"]
+
+
+def test_a_request_that_arrives_late_waits_its_full_deadline():
+    control, clock = make(no_worker=10.0)
+    add(control, 1)  # version 1 starts starving at t=0
+    control.tick()
+    clock.now = 8.0
+    control.add_step([NewRequest("late", "g", (1, 2), SamplingParams(max_tokens=4), 1)])
+    clock.now = 10.0
+    assert [c.request_id for c in control.tick()] == ["r0"]
+    clock.now = 17.9
+    assert control.tick() == []
+    clock.now = 18.0
+    assert [c.request_id for c in control.tick()] == ["late"]
+
+
+def test_a_worker_joining_in_time_stops_the_deadline():
+    control, clock = make(no_worker=10.0)
+    add(control, 1)
+    control.tick()
+    clock.now = 9.0
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    assert placed(control.tick()) == {"r0": "w"}
+    clock.now = 50.0
+    assert not any(isinstance(c, Fail) for c in control.tick())

@@ -143,6 +143,19 @@ def test_each_worker_rank_pulls_only_its_slice_from_training_shards(v0, train_tp
         assert all(torch.equal(got[k], take_shard(k, v1[k], rank, worker_tp)) for k in v1)
 
 
+def test_shards_cut_at_different_tp_sizes_are_refused_and_held_shards_gather_exactly(v0):
+    store = VersionStore(byte_budget=4 * model_bytes(v0))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    bad = [{k: take_shard(k, t, r, 2) for k, t in v0.items()} for r in range(2)]
+    bad[1][name] = take_shard(name, v0[name], 1, 4)  # rank 1 sliced at TP 4
+    with pytest.raises(VersionStoreError, match=f"rank 1's shard of {name}"):
+        store.publish_shards(0, bad, now=0.0)
+    store.publish_shards(0, [{k: take_shard(k, t, r, 2) for k, t in v0.items()}
+                             for r in range(2)], now=0.0)
+    whole = store.full_tensors(0)
+    assert all(torch.equal(whole[k], v0[k]) for k in v0)
+
+
 def test_encoded_deltas_are_cached_so_n_workers_do_not_re_encode(v0):
     store = VersionStore(byte_budget=4 * model_bytes(v0))
     store.publish(0, v0, now=0.0)
