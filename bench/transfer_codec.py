@@ -1,13 +1,16 @@
 """Sparse weight-delta codec vs dense transfer (ROSE §4.2, Fig. 10-11, App. F).
 
 For a Qwen3-shaped bf16 model, version v+1 differs from v in 10%, 1% or 0.1% of the elements
-(ROSE Fig. 11a: ~99% zeros for Qwen3-8B). Both paths run in the same process on the same tensors:
+(ROSE Fig. 11a: ~99% zeros for Qwen3-8B). Every form runs in the same process on the same tensors:
 
   dense   encode_dense (copy + CRC-32) on the agent, decode into the worker's buffer (copy + CRC)
-  sparse  encode_delta against v on the agent, decode applied in place to the worker's copy of v
+  COO     encode_delta(encoding=COO) against v: per-64K-block counts, u16 offsets, XOR values
+  BITMAP  encode_delta(encoding=BITMAP): one bit per element, XOR values of the set bits
+  pick    encode_delta choosing per tensor (what the agent sends): the smallest of the three
 
-and print bytes on the wire, codec time, codec throughput (GB of model per second), and the
-end-to-end time codec + bytes / link for a few link speeds. The links are modelled here
+Sparse forms decode applied in place to the worker's copy of v. Printed per form: bytes on the
+wire, encode and decode time, codec throughput (GB of model per second), and the end-to-end
+speedup over dense (codec + bytes / link) for a few link speeds. The links are modelled here
 (bytes / bandwidth); the measured network path is benchmarked separately.
 
     python bench/transfer_codec.py            # ~190 MB of bf16, < 2 min
@@ -26,10 +29,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlharvest.services.transfer_agent.delta_codec import decode, encode_delta, encode_dense
+from rlharvest.services.transfer_agent.delta_codec import (
+    Encoding,
+    decode,
+    encode_delta,
+    encode_dense,
+)
 
 LINKS_GBPS = (1, 20, 100)  # WEAVE/ROSE cross-cluster Ethernet is 20 Gbps
 ZERO_FRACTIONS = (0.9, 0.99, 0.999)
+FORMS = ("dense", "COO", "BITMAP", "pick")  # dense first: the baseline of the others' speedup
 
 
 def qwen3_layer_shapes(hidden: int, intermediate: int, kv_dim: int) -> dict[str, tuple[int, ...]]:
@@ -64,13 +73,22 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def run_path(old: dict, new: dict, sparse: bool, repeat: int) -> tuple[int, float, float, dict]:
-    """(wire bytes, best encode s, best decode s, encodings used) for one path."""
+def encoder(form: str):
+    """The agent-side encode of one form, as f(old, new) -> EncodedTensor."""
+    if form == "dense":
+        return lambda old, new: encode_dense(new)
+    if form == "pick":
+        return encode_delta
+    return lambda old, new: encode_delta(old, new, encoding=Encoding[form])
+
+
+def run_form(old: dict, new: dict, form: str, repeat: int) -> tuple[int, float, float, dict]:
+    """(wire bytes, best encode s, best decode s, encodings used) for one form."""
+    encode = encoder(form)
     best_enc = best_dec = float("inf")
     for _ in range(repeat):
         held = {k: t.clone() for k, t in old.items()}  # the worker's copy of v, outside the timer
-        enc_s, encoded = timed(lambda: {k: encode_delta(old[k], new[k]) if sparse
-                                        else encode_dense(new[k]) for k in new})
+        enc_s, encoded = timed(lambda: {k: encode(old[k], new[k]) for k in new})
         dec_s, decoded = timed(lambda: {k: decode(e, held[k], inplace=True)
                                         for k, e in encoded.items()})
         best_enc, best_dec = min(best_enc, enc_s), min(best_dec, dec_s)
@@ -79,6 +97,10 @@ def run_path(old: dict, new: dict, sparse: bool, repeat: int) -> tuple[int, floa
     for e in encoded.values():
         used[e.encoding.name] = used.get(e.encoding.name, 0) + 1
     return sum(e.nbytes for e in encoded.values()), best_enc, best_dec, used
+
+
+def e2e_seconds(wire_bytes: int, enc_s: float, dec_s: float, gbps: float) -> float:
+    return enc_s + wire_bytes / (gbps * 1e9 / 8) + dec_s
 
 
 def checksum_rates(data: bytes) -> dict[str, float]:
@@ -102,32 +124,33 @@ def main() -> None:
              f"{layers} Qwen3-shaped layer(s) (hidden {hidden}, intermediate {intermediate}); "
              f"best of {repeat}; torch threads {torch.get_num_threads()}; "
              f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.", ""]
-    header = ("| zeros | dense MB | wire MB | wire / dense | encodings | enc s | dec s | "
-              "codec GB/s | dense codec s | " + " | ".join(f"e2e speedup @{g} Gbps"
-                                                          for g in LINKS_GBPS) + " |")
+    header = ("| zeros | form | wire MB | wire / dense | encodings | enc s | dec s | "
+              "codec GB/s | " + " | ".join(f"e2e vs dense @{g} Gbps" for g in LINKS_GBPS) + " |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     for i, zeros in enumerate(ZERO_FRACTIONS):
         old, new = make_versions(layers, hidden, intermediate, zeros, seed=i)
-        dense_model = sum(t.numel() * t.element_size() for t in new.values())
-        d_bytes, d_enc, d_dec, _ = run_path(old, new, sparse=False, repeat=repeat)
-        s_bytes, s_enc, s_dec, used = run_path(old, new, sparse=True, repeat=repeat)
-        speedups = []
-        for gbps in LINKS_GBPS:
-            link = gbps * 1e9 / 8
-            speedups.append((d_enc + d_bytes / link + d_dec) / (s_enc + s_bytes / link + s_dec))
-        lines.append(
-            f"| {zeros:.1%} | {dense_model / 1e6:.0f} | {s_bytes / 1e6:.2f} | "
-            f"{s_bytes / d_bytes:.2%} | {', '.join(f'{k} {v}' for k, v in sorted(used.items()))}"
-            f" | {s_enc:.3f} | {s_dec:.3f} | {dense_model / (s_enc + s_dec) / 1e9:.2f} | "
-            f"{d_enc + d_dec:.3f} | " + " | ".join(f"{s:.1f}x" for s in speedups) + " |")
-        print(lines[-1], flush=True)
+        model_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        results = {form: run_form(old, new, form, repeat) for form in FORMS}
+        dense_bytes, dense_enc, dense_dec, _ = results["dense"]
+        for form, (wire, enc_s, dec_s, used) in results.items():
+            speedups = [e2e_seconds(dense_bytes, dense_enc, dense_dec, g)
+                        / e2e_seconds(wire, enc_s, dec_s, g) for g in LINKS_GBPS]
+            lines.append(
+                f"| {zeros:.1%} | {form} | {wire / 1e6:.2f} | {wire / dense_bytes:.2%} | "
+                f"{', '.join(f'{k} {v}' for k, v in sorted(used.items()))} | {enc_s:.3f} | "
+                f"{dec_s:.3f} | {model_bytes / (enc_s + dec_s) / 1e9:.2f} | "
+                + " | ".join(f"{s:.1f}x" for s in speedups) + " |")
+            print(lines[-1], flush=True)
     sample = b"".join(encode_dense(t).payload for t in list(new.values())[:4])
     rates = checksum_rates(sample)
     lines += ["", "Checksum over %d MB: " % (len(sample) // 10**6)
               + ", ".join(f"{k} {v:.2f} GB/s" for k, v in rates.items())
               + " (crc32 is used; xxhash is not installed).", "",
-              "e2e = encode + wire bytes / link + decode, dense baseline vs sparse, same tensors; "
-              "the link term is modelled (bytes / bandwidth), the codec terms are measured."]
+              "e2e = encode + wire bytes / link + decode of each form vs the dense row's, same "
+              "tensors; the link term is modelled (bytes / bandwidth), the codec terms are "
+              "measured. COO costs 2 + itemsize bytes per change plus 4 per 64K block, BITMAP "
+              "1/8 byte per element plus itemsize per change: whatever the dtype they cost the "
+              "same at 1/16 of the elements changed (93.75% zeros); COO is smaller above it."]
     print("\n".join(lines[-3:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

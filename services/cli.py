@@ -100,7 +100,11 @@ def _wait_for_signal() -> None:
 def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
            timeout: float = typer.Option(2.0, help="seconds to wait for each member's answer")) -> None:
     """List registered members, their weight versions and load."""
-    rows = asyncio.run(_collect(etcd, timeout))
+    try:
+        rows = asyncio.run(_collect(etcd, timeout))
+    except ConnectionError as exc:
+        console.print(f"[red]rlharvest status:[/] {exc}; is the stack up (`rlharvest up`)?")
+        raise typer.Exit(1) from None
     table = Table(title=f"rlharvest members (etcd {etcd})")
     for column in ("service", "member", "endpoint", "kind", "version", "pending", "executing",
                    "tokens/s", "state"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from rlharvest.services.placement_scheduler.inter_group import Strategy
 from rlharvest.services.placement_scheduler.model import Job, Pool
@@ -39,8 +40,15 @@ class SimResult:
     slo_attainment: float  # share of jobs never slower than SLO × T_solo
     mean_slowdown: float  # Σ actual runtime / Σ solo runtime
     strategies: dict[str, int] = field(default_factory=dict)
-    # (seconds, ids of the jobs alive then, in arrival order) for every stretch with a job alive
-    alive: list[tuple[float, tuple[str, ...]]] = field(default_factory=list)
+    timeline: list[Stretch] = field(default_factory=list)  # every stretch with a job alive
+
+
+class Stretch(NamedTuple):
+    """A stretch of simulated time in which nothing changed."""
+
+    seconds: float
+    job_ids: tuple[str, ...]  # the jobs alive, in arrival order
+    cost_per_hour: float  # what the policy had provisioned
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
     running: dict[str, _Running] = {}
     missed: set[str] = set()
     strategies: dict[str, int] = {s.value: 0 for s in Strategy}
-    alive: list[tuple[float, tuple[str, ...]]] = []
+    timeline: list[Stretch] = []
     seq, start, now = len(jobs), min((s.arrival_s for s in jobs), default=0.0), 0.0
     cost_integral, peak_cost, peak_gpus, solo_time, actual_time = 0.0, 0.0, 0, 0.0, 0.0
 
@@ -105,7 +113,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
             continue
         cost_integral += sched.cost_per_hour() * (time - now) / 3600
         if running and time > now:
-            alive.append((time - now, tuple(running)))
+            timeline.append(Stretch(time - now, tuple(running), sched.cost_per_hour()))
         now = time
         if kind == "arrive":
             s = by_id[job_id]
@@ -124,7 +132,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
     span_h = max(now - start, 1e-9) / 3600
     return SimResult(cost_integral / span_h, peak_cost, cost_integral, peak_gpus,
                      1 - len(missed) / max(len(jobs), 1), actual_time / max(solo_time, 1e-9),
-                     strategies, alive)
+                     strategies, timeline)
 
 
 def static_cost(jobs: Sequence[Job], make_placer: Callable[[], Placer]) -> StaticResult:

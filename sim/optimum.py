@@ -10,7 +10,7 @@ the order does not change the period, Theorem 1).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import combinations
 
@@ -51,23 +51,21 @@ def offline_optimum(jobs: Sequence[Job], rollout_pool: PoolSpec, train_pool: Poo
     return best((1 << n) - 1)
 
 
-def regrouping_optimum_cost(alive: Sequence[tuple[float, Sequence[str]]],
-                            jobs: Mapping[str, Job], rollout_pool: PoolSpec,
-                            train_pool: PoolSpec, max_jobs: int = 16) -> float:
-    """Total $ of hosting each set of concurrently alive jobs (``SimResult.alive``) at its
-    offline optimum, regrouped from scratch at every arrival and departure with migrations
-    free: the §6.5 "Offline Optimal" that may re-order and re-group. Jobs keep the order of
-    ``jobs`` (arrival order) inside a group."""
+def regrouping_optimum(job_sets: Iterable[Sequence[str]], jobs: Mapping[str, Job],
+                       rollout_pool: PoolSpec, train_pool: PoolSpec,
+                       max_jobs: int = 16) -> dict[frozenset[str], float]:
+    """The optimum $/h of every set of concurrently alive jobs (e.g. ``SimResult.timeline``),
+    each regrouped from scratch with migrations free: the §6.5 "Offline Optimal", which may
+    re-order and re-group at every arrival and departure. Jobs keep the order of ``jobs``
+    (arrival order) inside a group."""
     order = {job_id: i for i, job_id in enumerate(jobs)}
     cost: dict[frozenset[str], float] = {}
-    total = 0.0
-    for seconds, job_ids in alive:
+    for job_ids in job_sets:
         key = frozenset(job_ids)
         if key not in cost:
             members = [jobs[j] for j in sorted(key, key=order.__getitem__)]
             cost[key] = offline_optimum(members, rollout_pool, train_pool, max_jobs)
-        total += cost[key] * seconds / 3600
-    return total
+    return cost
 
 
 def _cheapest_group(members: list[Job], rollout_pool: PoolSpec, train_pool: PoolSpec) -> float:

@@ -333,3 +333,40 @@ async def test_spot_notice_from_the_metadata_server_drains_the_worker(stack, etc
     finally:
         await session.close()
         await runner.cleanup()
+
+
+async def test_a_second_signal_exits_at_once(stack):
+    """An operator who does not want to wait for the drain sends SIGTERM again."""
+    impatient = start_worker(stack, "impatient", "--drain-timeout", "60")
+    sessions = [WorkerSession(impatient.endpoint)]
+    try:
+        await sessions[0].send(add("long", PROMPT, max_tokens=480))
+        await sessions[0].read_until(lambda c: "long" in c.completions)
+        impatient.process.process.send_signal(signal.SIGTERM)
+        await sessions[0].read_until(lambda c: c.draining, timeout=10)
+        started = time.monotonic()
+        impatient.process.process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(impatient.process.process.wait, 30)
+        assert code == 128 + signal.SIGTERM and time.monotonic() - started < 10
+        assert "second SIGTERM: exiting now" in impatient.process.log_tail()
+    finally:
+        for s in sessions:
+            await s.close()
+
+
+async def test_a_drain_nobody_answers_ends_at_the_drain_timeout(stack):
+    # Slowed so the request is still running when the drain times out.
+    handle = start_worker(stack, "unanswered", "--drain-timeout", "2", "--shutdown-grace", "1",
+                          "--step-delay-s", "0.05")
+    session = WorkerSession(handle.endpoint)
+    try:
+        await session.send(add("stuck", PROMPT, max_tokens=480))
+        await session.read_until(lambda c: "stuck" in c.completions)
+        started = time.monotonic()
+        handle.process.process.send_signal(signal.SIGTERM)  # the client never migrates it
+        code = await asyncio.to_thread(handle.process.process.wait, 60)
+        elapsed = time.monotonic() - started
+        assert code == 0 and 2 <= elapsed < 20, (code, elapsed)
+        assert "drain timed out" in handle.process.log_tail()
+    finally:
+        await session.close()

@@ -30,6 +30,30 @@ CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
 CONFIGS["rlharvest-trainer"] = TrainerConfig
 
 
+def _config_of(argv: list[str]):
+    program = Path(argv[0]).name
+    return CONFIGS[program](**parse_flags(CONFIGS[program], argv[1:]))
+
+
+def test_compose_stack_is_one_job_whose_workers_follow_the_trainer():
+    """Without --agent-pull and the trainer's job, workers would never load version 1 and the
+    trainer's second step would wait for a worker forever."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    by_program: dict[str, list] = {}
+    for name, svc in services.items():
+        if name != "etcd":
+            by_program.setdefault(svc["command"][0], []).append(_config_of(svc["command"]))
+    [trainer] = by_program["rlharvest-trainer"]
+    [manager] = by_program["rlharvest-rollout-manager"]
+    workers = by_program["rlharvest-rollout-worker"]
+    assert manager.job == trainer.job
+    assert len(workers) >= 3 and any(w.kind == "spot" for w in workers)
+    for w in workers:
+        assert w.agent_pull and w.job == trainer.job
+        assert w.model == trainer.model and w.model_seed == trainer.model_seed
+    assert by_program["rlharvest-transfer-agent"]
+
+
 def _check_command(argv: list[str]) -> None:
     program = Path(argv[0]).name
     assert program in SCRIPTS, f"{program} is not a console script in pyproject.toml"

@@ -466,3 +466,18 @@ def test_kv_cache_release_keeps_occupied_slots_compact():
     assert cache.release(1) is None and cache.occupied == 1
     with pytest.raises(IndexError, match="not occupied"):
         cache.release(1)
+
+
+def test_a_local_checkpoint_directory_serves_like_the_model_it_was_saved_from(tmp_path):
+    """`--model /path/to/checkpoint` (save_pretrained layout) is the same path as a preset."""
+    source = build_model("tiny", seed=0)
+    source.load_state_dict(sharpened(source), strict=False)
+    source.save_pretrained(tmp_path / "ckpt")
+    from_dir = TorchEngine(str(tmp_path / "ckpt"), max_running=4, max_len=MAX_LEN)
+    from_preset = engine(max_running=4)
+    for eng in (from_dir, from_preset):
+        for i in range(3):
+            eng.add(EngineRequest(f"c{i}", prompt(i), sampled(i, max_tokens=16)))
+    assert drain(from_dir) == drain(from_preset)
+    with pytest.raises(ValueError, match="never downloads"):
+        TorchEngine(str(tmp_path / "missing"), max_running=1, max_len=MAX_LEN)

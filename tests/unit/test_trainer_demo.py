@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from rlharvest.common.pb import trainer_pb2 as tpb
+from rlharvest.services import demo
 from rlharvest.services.demo import reward_ends, rise_failure
 
 
@@ -32,3 +38,36 @@ def test_a_run_whose_reward_did_not_rise_fails_and_says_by_how_much(rewards) -> 
 def test_too_short_a_run_cannot_show_a_rise() -> None:
     assert "too few" in rise_failure([0.9], min_rise=0.0)
     assert rise_failure([], min_rise=0.0) is not None
+
+
+def _finished_run(monkeypatch, rewards: list[float]) -> None:
+    """Stand in for the stack and the training it drives: the run ends with these rewards."""
+    stack = SimpleNamespace(stop=lambda: None)
+    monkeypatch.setattr(demo, "_start_stack", lambda log_dir, args: SimpleNamespace(
+        stack=stack, events={}))
+
+    async def drive(run, schedule, steps, timeout) -> tpb.TrainerStatus:
+        return tpb.TrainerStatus(state="done", steps=[
+            tpb.StepSummary(step=i + 1, weight_version=i, mean_reward=r, tokens_per_second=100)
+            for i, r in enumerate(rewards)])
+
+    monkeypatch.setattr(demo, "_drive", drive)
+
+
+@pytest.mark.parametrize("rewards, exit_code", [
+    ([0.05, 0.05, 0.05, 0.3, 0.4, 0.5], 0),
+    ([0.3, 0.3, 0.3, 0.3, 0.3, 0.3], 1),
+])
+def test_the_demo_exits_non_zero_with_the_reason_when_reward_did_not_rise(
+        monkeypatch, tmp_path, rewards, exit_code) -> None:
+    _finished_run(monkeypatch, rewards)
+    result = CliRunner().invoke(demo.app, ["--steps", "6", "--out", str(tmp_path),
+                                           "--log-dir", str(tmp_path / "logs")])
+    assert result.exit_code == exit_code, result.output
+    assert ("reward did not rise" in result.output) == bool(exit_code)
+    assert (tmp_path / "demo.png").is_file()  # the report is written either way
+
+
+def test_the_demo_gives_up_after_the_specs_five_minutes_by_default() -> None:
+    timeout = next(p for p in typer.main.get_command(demo.app).params if p.name == "timeout")
+    assert timeout.default == 300

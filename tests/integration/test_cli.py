@@ -1,0 +1,88 @@
+"""`rlharvest up` and `rlharvest status` as a user runs them: real processes, Ctrl-C to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlharvest.common import registry
+
+pytestmark = pytest.mark.integration
+ENV = {**os.environ, "COLUMNS": "240", "TERM": "dumb", "NO_COLOR": "1"}
+CLI = [sys.executable, "-m", "rlharvest.services.cli"]
+
+
+def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if match := re.search(pattern, line):
+            return match
+    raise AssertionError(f"no {pattern!r} in the output of rlharvest up:\n{''.join(seen)}")
+
+
+def _listening(endpoint: str) -> bool:
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+async def _endpoints(etcd: str) -> dict[str, str]:
+    client = await registry.connect(etcd)
+    try:
+        members = await registry.list_members(client)
+    finally:
+        await client.close()
+    return {key: info["endpoint"] for key, info in members.items()}
+
+
+def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_path):
+    up = subprocess.Popen([*CLI, "up", "--workers", "1", "--spot", "1", "--agents", "1",
+                           "--log-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        etcd = _read_until(up, r"etcd at (127\.0\.0\.1:\d+)", timeout=180).group(1)
+        endpoints = asyncio.run(_endpoints(etcd))
+        assert {k.rsplit("/", 2)[-2] for k in endpoints} == {
+            "rollout_worker", "rollout_manager", "transfer_agent"}
+        assert len(endpoints) == 4
+
+        shown = subprocess.run([*CLI, "status", "--etcd", etcd], capture_output=True,
+                               text=True, env=ENV, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        for member in ("worker-0", "worker-1", "manager-0", "agent-0", "spot", "dedicated"):
+            assert member in shown.stdout, shown.stdout
+        assert "rollout managers" in shown.stdout and "default" in shown.stdout
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        assert "stopped" in up.stdout.read()
+        assert not any(_listening(e) for e in [*endpoints.values(), etcd])
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_status_without_etcd_says_so():
+    shown = subprocess.run([*CLI, "status", "--etcd", "127.0.0.1:1", "--timeout", "1"],
+                           capture_output=True, text=True, env=ENV, timeout=60)
+    assert shown.returncode == 1
+    assert "etcd at 127.0.0.1:1 did not answer" in shown.stdout
+    assert "Traceback" not in shown.stdout + shown.stderr
