@@ -30,6 +30,14 @@ from rlharvest.sim.baselines import Placer
 from rlharvest.sim.workloads import SimJob
 
 
+class Stretch(NamedTuple):
+    """A stretch of simulated time in which nothing changed."""
+
+    seconds: float
+    job_ids: tuple[str, ...]  # the jobs alive, in arrival order
+    cost_per_hour: float  # what the policy had provisioned
+
+
 @dataclass
 class SimResult:
     mean_cost_per_hour: float  # time-average over [first arrival, last departure]: a span
@@ -41,14 +49,6 @@ class SimResult:
     mean_slowdown: float  # Σ actual runtime / Σ solo runtime
     strategies: dict[str, int] = field(default_factory=dict)
     timeline: list[Stretch] = field(default_factory=list)  # every stretch with a job alive
-
-
-class Stretch(NamedTuple):
-    """A stretch of simulated time in which nothing changed."""
-
-    seconds: float
-    job_ids: tuple[str, ...]  # the jobs alive, in arrival order
-    cost_per_hour: float  # what the policy had provisioned
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@
         for step in range(steps):
             await train(await rollout(prompts))
 
+Instead of durations a job may submit its profiler output, ``JobSpec("job-a",
+profile=JobProfile(...), slo=1.5)``; the scheduler plans with the worst-case durations it
+estimates from it (every response at the token limit) and returns them in the placement.
+
 Each decorated call blocks until the scheduler grants the job's permit for exactly that phase
 and iteration, runs the function, and releases the permit (``async with job.permit(phase)`` does
 the same without a decorator). A phase function that raises keeps its permit: the call may be

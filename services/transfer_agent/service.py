@@ -101,9 +101,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         """A held version's whole tensors (a relay's delta base); None when it is not held.
         Runs on the store thread: a version published as TP shards is gathered (a copy)."""
         entry = self._jobs.get(job)
-        if entry is None or version not in entry.store.held_versions:
+        if entry is None:
             return None
-        return await self._in_store(partial(entry.store.full_tensors, version))
+
+        def whole() -> dict[str, torch.Tensor] | None:  # checked here: a publish may evict it
+            held = version in entry.store.held_versions
+            return entry.store.full_tensors(version) if held else None
+
+        return await self._in_store(whole)
 
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
