@@ -58,9 +58,13 @@ def test_the_regrouping_optimum_is_never_dearer_than_weave_at_any_instant(reside
     roll, train = workloads.pools(residency, H20, H800)
     trace = workloads.poisson_jobs(25, "mixed", seed=residency, mean_interarrival_s=6960)
     run = cluster.simulate(trace, lambda: baselines.Weave(roll, train))
-    best = optimum.regrouping_optimum((s.job_ids for s in run.timeline),
-                                      {s.job.job_id: s.job for s in trace}, roll, train)
+    jobs = {s.job.job_id: s.job for s in trace}
+    best = optimum.regrouping_optimum((s.job_ids for s in run.timeline), jobs, roll, train)
     assert all(best[frozenset(s.job_ids)] <= s.cost_per_hour + 1e-9 for s in run.timeline)
+    for stretch in run.timeline[::5]:  # each alive set, optimally grouped in arrival order
+        alive = [job for job_id, job in jobs.items() if job_id in stretch.job_ids]
+        assert [j.job_id for j in alive] == list(stretch.job_ids)
+        assert best[frozenset(stretch.job_ids)] == optimum.offline_optimum(alive, roll, train)
     # The timeline accounts for every provisioned dollar.
     assert sum(s.cost_per_hour * s.seconds for s in run.timeline) / 3600 == \
         pytest.approx(run.total_cost)
