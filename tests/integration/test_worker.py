@@ -271,7 +271,7 @@ async def test_limits_and_control_events_survive_a_backed_up_session(stack):
     still all arrive, in order after the step outputs before them (the client's positions check
     fails on any reordering). The outbox's bound itself is unit-tested in test_worker_outbox."""
     handle = start_worker(stack, "bounded", "--max-running", "2", "--max-pending", "1",
-                          "--session-queue", "1")
+                          "--session-queue", "1", "--step-delay-s", "0.01")
     session = WorkerSession(handle.endpoint)
     try:
         ids = ["b0", "b1", "b2"]
@@ -310,8 +310,9 @@ async def test_spot_notice_from_the_metadata_server_drains_the_worker(stack, etc
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}/latest/meta-data/spot/instance-action"
+    # Slowed so the request is still running when the notice comes, however fast the machine.
     handle = start_worker(stack, "spot-0", "--kind", "spot", "--preemption-notice-url", url,
-                          "--preemption-poll-s", "0.1")
+                          "--preemption-poll-s", "0.1", "--step-delay-s", "0.02")
     session = WorkerSession(handle.endpoint)
     try:
         await session.send(add("s1", PROMPT, max_tokens=400))
