@@ -4,6 +4,8 @@ async pool that turns failing or hanging reward functions into recorded failures
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -85,6 +87,54 @@ def test_run_tests_stops_paying_at_the_first_failure() -> None:
     cases = [StdioCase("1", "1 1", "2"), StdioCase("2", "1 1", "3"), StdioCase("3", "2 2", "4")]
     results = run_tests(ECHO_SUM, cases, lambda case: SandboxLimits(wall_s=10, cpu_s=5))
     assert [r.status for r in results] == ["passed", "wrong_answer"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) no longer runs.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sandbox_output_is_capped_on_disk_not_buffered_in_the_trainer() -> None:
+    flood = "while True:\n    print('x' * 65536)"
+    result = run_case(flood, StdioCase("flood", "", ""),
+                      SandboxLimits(wall_s=20, cpu_s=10, file_bytes=4 * 2**20))
+    assert result.status == "runtime_error" and result.elapsed_s < 15  # SIGXFSZ, not the wall
+
+
+def test_sandbox_kills_what_the_candidate_started_when_it_exits() -> None:
+    code = ("import subprocess\n"
+            "print(subprocess.Popen(['sleep', '1000']).pid)")
+    result = run_case(code, StdioCase("bg", "", ""), SandboxLimits(wall_s=10, cpu_s=5))
+    assert result.status == "wrong_answer"  # it printed the pid
+    pid = int(result.detail.split("'")[1])
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_an_escaped_grandchild_holding_stdout_does_not_hang_the_reward() -> None:
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    print(os.getpid(), flush=True)\n"
+            "    time.sleep(1000)\n"
+            "time.sleep(0.5)")
+    started = time.monotonic()
+    result = run_case(code, StdioCase("escape", "", ""), SandboxLimits(wall_s=5, cpu_s=5))
+    assert time.monotonic() - started < 4 and result.status == "wrong_answer"
+    os.kill(int(result.detail.split("'")[1]), signal.SIGKILL)  # outside the group: ours to clean
+
+
+def test_invalid_utf8_output_is_a_wrong_answer_not_a_crash() -> None:
+    code = "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe')"
+    assert run_case(code, StdioCase("bytes", "", "ok"),
+                    SandboxLimits(wall_s=10, cpu_s=5)).status == "wrong_answer"
 
 
 # --- adaptive timeout (RollPacker §4.3) -------------------------------------------------------

@@ -2,10 +2,16 @@
 
 Each test case runs in a fresh interpreter (``python -I``: no user site, no env-driven imports)
 in an empty temporary directory with a scrubbed environment, under rlimits for CPU seconds
-(RLIMIT_CPU), address space (RLIMIT_AS), written file size and core dumps, plus a wall-clock
-limit enforced from outside by killing the whole process group. The limits are set by a small
-launcher inside the child before the candidate's code is compiled, which avoids ``preexec_fn``
-(unsafe in a threaded parent such as the reward pool).
+(RLIMIT_CPU), address space (RLIMIT_AS), written file size, processes and core dumps, plus a
+wall-clock limit enforced from outside by killing the whole process group. The limits are set by
+a small launcher inside the child before the candidate's code is compiled, which avoids
+``preexec_fn`` (unsafe in a threaded parent such as the reward pool).
+
+stdin, stdout and stderr are files in the work directory, not pipes: the file-size limit caps
+what a candidate can print (a pipe would buffer it all in the trainer), and a grandchild that
+leaves the process group cannot hold a pipe open and hang the reader. The group is killed
+whenever the leader ends, before it is reaped, so nothing it started outlives the run; an alarm
+inside the child is the backstop if the trainer itself dies mid-run.
 
 This is resource isolation, not a security boundary: use a container or gVisor for hostile code.
 """
@@ -28,10 +34,14 @@ Status = Literal["passed", "wrong_answer", "runtime_error", "timeout", "cpu_limi
 _LAUNCHER = r"""
 import resource, sys
 cpu_s, mem_bytes, fsize_bytes, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+wall_s, nproc = int(sys.argv[5]), int(sys.argv[6])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_bytes, fsize_bytes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))  # not enforced for root
+import signal
+signal.alarm(wall_s)  # backstop: the parent normally kills the group first
 with open(path) as f:
     source = f.read()
 sys.argv = [path]
@@ -46,6 +56,7 @@ class SandboxLimits:
     memory_bytes: int = 512 * 2**20  # address space, interpreter included
     file_bytes: int = 16 * 2**20
     output_bytes: int = 1 * 2**20  # stdout kept for comparison; more than this is a failure
+    processes: int = 64  # RLIMIT_NPROC of the candidate's user (ineffective as root)
 
 
 @dataclass(frozen=True)
@@ -83,28 +94,57 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
              clock: Callable[[], float] = time.perf_counter) -> CaseResult:
     """Run ``code`` with ``case.stdin``; never raises for anything the candidate does."""
     with tempfile.TemporaryDirectory(prefix="rlh-sandbox-") as workdir:
-        path = os.path.join(workdir, "candidate.py")
+        path, files = os.path.join(workdir, "candidate.py"), _stdio_paths(workdir)
         with open(path, "w") as f:
             f.write(code)
+        with open(files["stdin"], "w") as f:
+            f.write(case.stdin)
         argv = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, math.ceil(limits.cpu_s))),
-                str(limits.memory_bytes), str(limits.file_bytes), path]
+                str(limits.memory_bytes), str(limits.file_bytes), path,
+                str(math.ceil(limits.wall_s) + 2), str(limits.processes)]
         start = clock()
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=workdir, start_new_session=True,
-                                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, text=True)
-        try:
-            stdout, stderr = proc.communicate(case.stdin, timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            return CaseResult(case.case_id, "timeout", clock() - start,
-                              f"exceeded the {limits.wall_s:.3g}s wall-clock limit")
+        with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
+                open(files["stderr"], "wb") as stderr:
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
+                                    start_new_session=True,
+                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        finished = _wait_unreaped(proc.pid, limits.wall_s)
+        _kill_group(proc)  # the leader is not reaped yet: its group id cannot have been reused
+        proc.wait()
         elapsed = clock() - start
-    if len(stdout) > limits.output_bytes:
+        if not finished:
+            return CaseResult(case.case_id, "timeout", elapsed,
+                              f"exceeded the {limits.wall_s:.3g}s wall-clock limit")
+        out = _read_text(files["stdout"], limits.output_bytes + 1)
+        err = _read_text(files["stderr"], 64 * 1024)
+    if len(out) > limits.output_bytes:
         return CaseResult(case.case_id, "runtime_error", elapsed,
                           f"printed more than {limits.output_bytes} bytes")
-    status, detail = _classify(proc.returncode, stdout, stderr, case.expected_stdout)
+    status, detail = _classify(proc.returncode, out, err, case.expected_stdout)
     return CaseResult(case.case_id, status, elapsed, detail)
+
+
+def _stdio_paths(workdir: str) -> dict[str, str]:
+    return {name: os.path.join(workdir, name) for name in ("stdin", "stdout", "stderr")}
+
+
+def _wait_unreaped(pid: int, timeout_s: float) -> bool:
+    """Wait until ``pid`` exits without reaping it (WNOWAIT); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+    return True
+
+
+def _read_text(path: str, limit: int) -> str:
+    # Bytes, then a lenient decode: a candidate printing invalid UTF-8 is a wrong answer, not a
+    # crash of the reward function.
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
