@@ -148,8 +148,15 @@ async def test_sigkilled_worker_loses_no_token(cluster, kill_after_tokens):
     assert st.tokens_regenerated == 0
 
 
-async def test_graceful_drain_moves_requests_before_exit(cluster):
-    workers, manager = cluster
+async def test_graceful_drain_moves_requests_before_exit(stack):
+    # The drained worker is slowed (an emulated slower GPU) so its requests are still running
+    # when the drain notice arrives: on a fast CPU they could otherwise finish first.
+    workers = [launch_worker(stack, "d0", "--max-running", "4"),
+               launch_worker(stack, "d1", "--max-running", "4", "--step-delay-s", "0.02"),
+               launch_worker(stack, "d2", "--max-running", "4")]
+    manager = start_manager(stack)
+    for worker in workers:
+        wait_serving(worker, 120)
     await wait_workers(manager.endpoint, 3)
     drained = []
 
@@ -158,7 +165,7 @@ async def test_graceful_drain_moves_requests_before_exit(cluster):
             workers[1].process.process.send_signal(signal.SIGTERM)
             drained.append(True)
 
-    done = await run_step(manager.endpoint, step_request(12, 60), drain_one)
+    done = await run_step(manager.endpoint, step_request(12, 100), drain_one)
     assert drained and len(done) == 12 and not any(c.failed for c in done.values())
     code = await asyncio.to_thread(workers[1].process.process.wait, 30)
     assert code == 0, workers[1].process.log_tail()
