@@ -53,7 +53,8 @@ class ManifestEntry:
 @dataclass(frozen=True)
 class VersionManifest:
     """What one pull carries: ``version`` for TP slice (tp_rank, tp_size), as deltas against
-    ``base_version`` where an entry's encoding is not DENSE."""
+    ``base_version`` where an entry's encoding is not DENSE. ``run``: on a published TP shard,
+    the trainer run it comes from (shard_staging.py); 0 everywhere else."""
 
     version: int
     base_version: int | None
@@ -62,14 +63,16 @@ class VersionManifest:
     bucket_sizes: tuple[int, ...]
     bucket_checksums: tuple[int, ...]
     entries: tuple[ManifestEntry, ...]
+    run: int = 0
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
     def to_dict(self) -> dict:
+        run = {"run": self.run} if self.run else {}  # pull manifests (and their plan ids) unchanged
         return {
-            "format": MANIFEST_FORMAT, "version": self.version, "base_version": self.base_version,
+            **run, "format": MANIFEST_FORMAT, "version": self.version, "base_version": self.base_version,
             "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "bucket_sizes": list(self.bucket_sizes),
             "bucket_checksums": list(self.bucket_checksums),
@@ -98,7 +101,8 @@ class VersionManifest:
             manifest = cls(int(data["version"]), None if base is None else int(base),
                            int(data["tp_rank"]), int(data["tp_size"]),
                            tuple(int(n) for n in data["bucket_sizes"]),
-                           tuple(int(c) for c in data["bucket_checksums"]), entries)
+                           tuple(int(c) for c in data["bucket_checksums"]), entries,
+                           int(data.get("run", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ManifestError):
                 raise

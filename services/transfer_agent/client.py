@@ -10,7 +10,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import grpc
@@ -56,8 +56,8 @@ def agent_channel(endpoint: str) -> grpc.aio.Channel:
 
 
 async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, torch.Tensor],
-                  *, bucket_bytes: int = 64 << 20, tp_rank: int = 0,
-                  tp_size: int = 1) -> pb.PublishReply:
+                  *, bucket_bytes: int = 64 << 20, tp_rank: int = 0, tp_size: int = 1,
+                  run: int = 0) -> pb.PublishReply:
     """Hand version ``version`` of ``job`` to the agent at ``endpoint``. Returns once the agent
     holds it (it announces the version in etcd itself); raises PublishError with the agent's
     message when it refuses (an older version, a shape change, a version over its budget).
@@ -65,10 +65,14 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
     With ``tp_size`` > 1, ``tensors`` is training rank ``tp_rank``'s TP shard of every tensor and
     the call returns once the agent has staged it: the reply's ``shards_missing`` lists the ranks
     still to come (empty: this shard completed the version, which the agent now holds). Every
-    rank publishes to the same agent, which never gathers the shards (ROSE §4.2)."""
+    rank publishes to the same agent, which never gathers the shards (ROSE §4.2). ``run``: a
+    number every rank of one trainer run states alike and a restarted trainer raises (e.g. rank
+    0's start time, broadcast); the agent then drops what the dead run staged of a version
+    instead of completing it with the new run's shards. A rank publishing a version again
+    replaces the shard it staged."""
     loop = asyncio.get_running_loop()
     manifest, buckets = await loop.run_in_executor(
-        None, partial(_pack_dense, version, tensors, bucket_bytes, tp_rank, tp_size))
+        None, partial(_pack_dense, version, tensors, bucket_bytes, tp_rank, tp_size, run))
     header = pb.PublishHeader(job=job, version=version, tp_rank=tp_rank, tp_size=tp_size,
                               manifest_json=json.dumps(manifest.to_dict()))
 
@@ -87,9 +91,10 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
 
 
 def _pack_dense(version: int, tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
-                tp_rank: int = 0, tp_size: int = 1):
+                tp_rank: int = 0, tp_size: int = 1, run: int = 0):
     items = [(name, encode_dense(tensor)) for name, tensor in tensors.items()]
-    return pack(version, None, items, bucket_bytes, tp_rank=tp_rank, tp_size=tp_size)
+    manifest, buckets = pack(version, None, items, bucket_bytes, tp_rank=tp_rank, tp_size=tp_size)
+    return replace(manifest, run=run), buckets
 
 
 async def find_agent(etcd_client, node: str | None = None) -> str:

@@ -39,6 +39,8 @@ class AgentConfig(ServiceConfig):
                                                     "holding v-1 pull a sparse delta")
     memory_budget_bytes: int = Field(16 << 30, ge=1, description="host memory for held versions "
                                                                  "per job; eviction beyond it")
+    max_tp_size: int = Field(256, ge=2, le=4096, description="largest TP group a training side "
+                             "may publish shards for; larger tp_size is refused")
     encode_cache_bytes: int = Field(1 << 30, ge=0, description="encoded slices cached for "
                                                                 "repeated pulls")
     bucket_bytes: int = Field(64 << 20, ge=1024, description="bucket size of pulls (ROSE: 64 MB)")
@@ -60,6 +62,13 @@ class AgentConfig(ServiceConfig):
                             description="comma-separated jobs this agent relays; empty = every "
                                         "announced job")
     relay_streams: int = Field(4, ge=1, le=64, description="parallel streams per relay pull")
+    relay_retry_s: float = Field(1.0, gt=0, description="wait before relaying a version again "
+                                 "after a failed try; doubled per failure")
+    relay_retry_max_s: float = Field(30.0, gt=0, description="longest wait between tries of "
+                                     "one version's relay")
+    data_read_timeout_s: float = Field(30.0, gt=0, description="seconds a relay pull waits for "
+                                       "bytes from a sender before handing its ranges to the "
+                                       "others; above chunk_bytes / the senders' rate limits")
     fault_corrupt_chunks: int = Field(0, ge=0, description="testing only: flip one byte in each "
                                                            "of the first N chunks served")
     shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")

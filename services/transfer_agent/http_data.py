@@ -49,6 +49,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.OUT_OF_RANGE: 416, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
 }
 _MAX_PULL_HEADER = 64 << 10  # a PullRequest with every tensor name of a large model fits
+DEFAULT_READ_TIMEOUT_S = 30.0
 
 
 class DataPathError(RuntimeError):
@@ -148,22 +149,27 @@ def _refusal(service: AgentService, code: grpc.StatusCode, message: str) -> web.
 
 class RangeFetcher:
     """Fetches buckets of one planned pull from an agent's data endpoint over ``streams``
-    parallel connections, each bucket cut into byte ranges written straight into ``buffers``."""
+    parallel connections, each bucket cut into byte ranges written straight into ``buffers``.
+    A connection that brings no byte for ``read_timeout_s`` fails its range with DataPathError
+    (UNAVAILABLE), so a stalled sender is treated like a dead one."""
 
     def __init__(self, data_endpoint: str, request: pb.PullRequest, plan_id: int,
-                 buffers: Mapping[int, bytearray], streams: int) -> None:
+                 buffers: Mapping[int, bytearray], streams: int,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self._url = f"http://{data_endpoint}/v1/buckets/"
         self._headers = {"X-RLH-Pull": base64.urlsafe_b64encode(request.SerializeToString())
                          .decode(), "X-RLH-Plan": str(plan_id)}
         self._buffers = buffers
         self._streams = streams
+        self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RangeFetcher:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._streams),
             read_bufsize=4 << 20, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                          sock_read=self._read_timeout_s))
         return self
 
     async def __aexit__(self, *exc_info) -> None:

@@ -2,13 +2,17 @@
 relay layer). ``replication.relay_source`` picks the source — across the slow link only the
 cluster's gateway pulls, the rest of the cluster pulls the gateway's copy — and this loop moves
 the bytes, as a sparse delta when this agent still holds the previous version. The gateway's
-pull is scattered over every holder on the far side (scatter_pull.py)."""
+pull is scattered over every holder on the far side (scatter_pull.py); when the scatter cannot be
+had (the holders serve no HTTP data path, disagree, or fail) the gateway pulls from one holder
+over the gRPC stream instead. A failed relay of a version is tried again after a backoff."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -28,12 +32,42 @@ _WEIGHTS_PREFIX = f"{keys.ROOT}/weights/"
 _POLL_S = 1.0  # a missed watch event costs at most this
 
 
+class RetryBackoff:
+    """When a failed relay of (job, version) may be tried again: ``first_s`` after its first
+    failure, doubling per failure up to ``max_s``, so a source that keeps refusing or breaking
+    is not pulled from every round."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s, self.max_s = first_s, max_s
+        self._retry: dict[tuple[str, int], tuple[float, float]] = {}  # key -> (at, last delay)
+
+    def ready(self, job: str, version: int, now: float) -> bool:
+        at, _ = self._retry.get((job, version), (now, 0.0))
+        return now >= at
+
+    def failed(self, job: str, version: int, now: float) -> float:
+        """Note a failure; returns the seconds until the next try."""
+        _, last = self._retry.get((job, version), (now, 0.0))
+        delay = min(self.max_s, 2 * last if last else self.first_s)
+        # Older versions of the job will not be relayed again: forget them.
+        self._retry = {key: v for key, v in self._retry.items()
+                       if key[0] != job or key[1] > version}
+        self._retry[(job, version)] = (now + delay, delay)
+        return delay
+
+    def succeeded(self, job: str, version: int) -> None:
+        self._retry.pop((job, version), None)
+
+
 class Replicator:
-    def __init__(self, cfg: AgentConfig, service: AgentService, etcd) -> None:
+    def __init__(self, cfg: AgentConfig, service: AgentService, etcd,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.service = service
         self.etcd = etcd
         self._wake = asyncio.Event()
+        self._clock = clock
+        self._backoff = RetryBackoff(cfg.relay_retry_s, cfg.relay_retry_max_s)
 
     async def run(self) -> None:
         watcher = asyncio.create_task(self._watch(), name="relay watch")
@@ -73,7 +107,8 @@ class Replicator:
             if only and job not in only:
                 continue
             latest = self.service.latest(job)
-            if latest is None or version > latest:
+            if (latest is None or version > latest) and \
+                    self._backoff.ready(job, version, self._clock()):
                 await self._source(job, version)
 
     async def _source(self, job: str, version: int) -> None:
@@ -91,10 +126,12 @@ class Replicator:
         try:
             result = await self._pull(job, version, source, clusters, having, held, base)
         except (grpc.aio.AioRpcError, PullError) as exc:
-            log.warning("relay of job %s version %d from %s failed: %s; trying again", job,
-                        version, source,
-                        exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+            delay = self._backoff.failed(job, version, self._clock())
+            log.warning("relay of job %s version %d from %s failed: %s; trying again in %.1fs",
+                        job, version, source,
+                        exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc, delay)
             return
+        self._backoff.succeeded(job, version)
         metrics.BYTES_IN.labels("relay").inc(result.payload_bytes)
         metrics.RELAYS.labels(link).inc()
         for agent, nbytes in result.sources.items():
@@ -114,18 +151,27 @@ class Replicator:
                     base: int | None) -> PullResult:
         """Across the slow link, the pull is scattered over every holder of the source's
         cluster (WEAVE §5.2: one copy, from all senders at once); inside a cluster, and when
-        the source is the only remote holder, it comes from ``source`` alone."""
+        the source is the only remote holder, it comes from ``source`` alone — and so it does,
+        over the gRPC stream, when the scatter fails."""
         held_version = base if held is not None else None
         remote = clusters[source] != self.cfg.cluster
         senders = [Sender(agent, having[agent]["endpoint"]) for agent in sorted(having)
                    if clusters[agent] == clusters[source]] if remote else []
+        transport = "auto"
         if len(senders) > 1:
-            return await scatter_pull(senders, job, version, held=held, held_version=held_version,
-                                      receiver=self.cfg.agent_id, cluster=self.cfg.cluster,
-                                      source_cluster=clusters[source],
-                                      streams=self.cfg.relay_streams)
+            try:
+                return await scatter_pull(
+                    senders, job, version, held=held, held_version=held_version,
+                    receiver=self.cfg.agent_id, cluster=self.cfg.cluster,
+                    source_cluster=clusters[source], streams=self.cfg.relay_streams,
+                    read_timeout_s=self.cfg.data_read_timeout_s)
+            except PullError as exc:
+                log.warning("scattered relay of job %s version %d over %s failed (%s: %s); "
+                            "pulling it from %s alone over gRPC", job, version,
+                            [s.agent_id for s in senders], exc.code, exc, source)
+                transport = "grpc"  # works whether or not the holder serves HTTP
         result = await pull(having[source]["endpoint"], job, version=version, held=held,
                             held_version=held_version, cluster=self.cfg.cluster,
-                            streams=self.cfg.relay_streams)
+                            streams=self.cfg.relay_streams, transport=transport)
         result.sources = {source: result.payload_bytes}
         return result

@@ -40,7 +40,11 @@ from rlharvest.services.transfer_agent.client import (
     pull_request,
 )
 from rlharvest.services.transfer_agent.data_path import Part, byte_range_parts, cut_parts
-from rlharvest.services.transfer_agent.http_data import DataPathError, RangeFetcher
+from rlharvest.services.transfer_agent.http_data import (
+    DEFAULT_READ_TIMEOUT_S,
+    DataPathError,
+    RangeFetcher,
+)
 from rlharvest.services.transfer_agent.relay import plan_relay
 
 log = logging.getLogger(__name__)
@@ -186,44 +190,71 @@ class _BucketChecks:
 async def scatter_pull(senders: Sequence[Sender], job: str, version: int, *,
                        held: Mapping[str, torch.Tensor] | None, held_version: int | None,
                        receiver: str, cluster: str, source_cluster: str, streams: int = 4,
-                       refetch_attempts: int = 3, codec_threads: int = 2) -> PullResult:
+                       refetch_attempts: int = 3, codec_threads: int = 2,
+                       read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> PullResult:
     """Pull ``version`` of ``job`` (whole, tp_size 1) scattered over ``senders``, all of
     ``source_cluster``; deltas against ``held`` (tensors of ``held_version``) where the senders
-    hold that version. ``streams`` connections in all, shared among the senders. The result's
-    ``sources`` says how many bytes came from each sender. Raises PullError when no sender can
-    plan the pull, every sender failed, or a bucket stayed damaged."""
+    hold that version. ``streams`` connections in all, shared among the senders; a sender that
+    sends nothing for ``read_timeout_s`` counts as failed. The result's ``sources`` says how many
+    bytes came from each sender. Raises PullError when no sender can plan the pull, the plan
+    cannot be scattered or decoded, every sender failed, or a bucket stayed damaged."""
     started = time.perf_counter()
     request = pull_request(job, version, held_version if held is not None else None,
                            cluster=cluster)
     chosen = agreeing(await plan_everywhere(senders, request))
     plan = chosen[0].plan
-    manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
+    manifest, shares = _scatter_plan(chosen, source_cluster, receiver, cluster)
     request.version = plan.version
-    buffers = {index: bytearray(size) for index, size in enumerate(manifest.bucket_sizes)}
     per_sender = max(1, -(-streams // len(chosen)))
+    shares = {sender: cut_parts(share, per_sender) for sender, share in shares.items()}
+    buffers = {index: bytearray(size) for index, size in enumerate(manifest.bucket_sizes)}
     sources = {item.sender.agent_id: 0 for item in chosen}
-    with ThreadPoolExecutor(codec_threads, thread_name_prefix="scatter-codec") as pool:
+    # Not a `with` block: leaving one waits, on the event loop, for codec work that a failed pull
+    # no longer needs.
+    pool = ThreadPoolExecutor(codec_threads, thread_name_prefix="scatter-codec")
+    try:
         decoder = PullDecoder(manifest, buffers, held or {}, held_version, False, pool)
         try:
             async with AsyncExitStack() as stack:
                 fetchers = {item.sender.agent_id: await stack.enter_async_context(RangeFetcher(
-                    item.data_endpoint, request, plan.plan_id, buffers, per_sender))
-                    for item in chosen}
+                    item.data_endpoint, request, plan.plan_id, buffers, per_sender,
+                    read_timeout_s)) for item in chosen}
                 scatter = ScatterFetch(list(fetchers), lambda sender, parts, on_part:
                                        fetchers[sender].fetch_parts(parts, on_part))
-                shares = assign_parts(list(fetchers), manifest.bucket_sizes, source_cluster,
-                                      receiver, cluster)
-                shares = {s: cut_parts(share, per_sender) for s, share in shares.items()}
                 rejected = await _fetch_verified(manifest, buffers, scatter, shares, pool,
                                                  decoder.bucket_verified, sources,
                                                  refetch_attempts, per_sender)
         except BaseException:
             decoder.abandon()
             raise
-        tensors = await decoder.finish()
+        tensors = await _decoded(decoder, manifest.version)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     return PullResult(plan.version, tensors, plan.note, plan.delta_tensors > 0,
                       plan.payload_bytes, plan.dense_bytes, rejected,
                       time.perf_counter() - started, sources)
+
+
+def _scatter_plan(chosen: Sequence[Planned], source_cluster: str, receiver: str,
+                  cluster: str) -> tuple[VersionManifest, dict[str, list[Part]]]:
+    """The agreed plan's manifest and each sender's share; PullError when the manifest is
+    malformed or the topology is one plan_relay cannot serve (a relay must not die of either)."""
+    try:
+        manifest = VersionManifest.from_dict(json.loads(chosen[0].plan.manifest_json))
+        shares = assign_parts([item.sender.agent_id for item in chosen], manifest.bucket_sizes,
+                              source_cluster, receiver, cluster)
+    except ValueError as exc:  # ManifestError, JSONDecodeError, RelayPlanError
+        raise PullError(f"cannot scatter the pull over {[i.sender.agent_id for i in chosen]}: "
+                        f"{type(exc).__name__}: {exc}", "INTERNAL") from exc
+    return manifest, shares
+
+
+async def _decoded(decoder: PullDecoder, version: int) -> dict[str, torch.Tensor]:
+    try:
+        return await decoder.finish()
+    except ValueError as exc:  # ManifestError, DeltaCodecError: the senders' bytes do not decode
+        raise PullError(f"version {version} arrived but does not decode: {exc}",
+                        "DATA_LOSS") from exc
 
 
 async def plan_everywhere(senders: Sequence[Sender], request: pb.PullRequest) -> list[Planned]:
@@ -272,10 +303,10 @@ async def _fetch_verified(manifest: VersionManifest, buffers: Mapping[int, bytea
                 checks.start(index)  # empty: nothing to fetch, nothing to wait for
         try:
             await scatter.run(shares, count)
+            damaged = await checks.damaged()
         except BaseException:
-            checks.cancel()
+            checks.cancel()  # no CRC is wanted any more; nothing may outlive the pull
             raise
-        damaged = await checks.damaged()
         if not damaged:
             return rejected
         rejected += len(damaged)

@@ -32,7 +32,11 @@ from rlharvest.services.transfer_agent.data_path import (
     stream_buckets,
 )
 from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
-from rlharvest.services.transfer_agent.shard_staging import ShardStaging, ShardStagingError
+from rlharvest.services.transfer_agent.shard_staging import (
+    Admission,
+    ShardStaging,
+    ShardStagingError,
+)
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
 from rlharvest.services.transfer_agent.version_store import (
@@ -124,7 +128,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             entry = self._jobs[job] = _Job(VersionStore(self.cfg.memory_budget_bytes,
                                                         self.cfg.max_versions,
                                                         self.cfg.encode_cache_bytes),
-                                           ShardStaging(self.cfg.memory_budget_bytes))
+                                           ShardStaging(self.cfg.memory_budget_bytes,
+                                                        self.cfg.max_tp_size))
         return entry
 
     async def _in_store(self, work: Callable[[], T]) -> T:
@@ -174,9 +179,9 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
         try:
-            header, manifest, tensors = await self._receive_publish(request_iterator)
-            if header.tp_size > 1:
-                return await self._publish_shard(header, tensors)
+            header, manifest, admission, tensors = await self._receive_publish(request_iterator)
+            if admission is not None:
+                return await self._publish_shard(header, admission, tensors)
             records = await self.hold(header.job, header.version, tensors, "publish",
                                       {e.name: e.checksum for e in manifest.entries})
         except RefusedError as exc:
@@ -188,11 +193,12 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                evicted_versions=[r.version for r in records])
 
     async def _receive_publish(self, request_iterator: AsyncIterator[pb.PublishChunk]
-                               ) -> tuple[pb.PublishHeader, VersionManifest,
+                               ) -> tuple[pb.PublishHeader, VersionManifest, Admission | None,
                                           dict[str, torch.Tensor]]:
-        """The header, manifest and decoded tensors of one publish stream. A shard admitted to
-        the staging is taken back out if its stream fails, so its rank may publish again."""
-        header, assembler = None, None
+        """The header, manifest, staging admission (TP shards only) and decoded tensors of one
+        publish stream. A shard admitted to the staging is taken back out if its stream fails,
+        so its rank may publish again."""
+        header, assembler, admission = None, None, None
         try:
             async for message in request_iterator:
                 if header is None:
@@ -200,7 +206,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     if header is None:
                         raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a publish stream "
                                            "starts with a header (job, version, manifest)")
-                    assembler = BucketAssembler(self._check_publish(header))
+                    manifest = self._check_publish(header)
+                    if _is_shard(header):
+                        admission = self._admit_shard(header, manifest)
+                    assembler = BucketAssembler(manifest)
                     continue
                 if not message.HasField("chunk"):
                     raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one "
@@ -212,11 +221,11 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 metrics.BYTES_IN.labels("publish").inc(len(message.chunk.data))
             if header is None:
                 raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
-            return header, assembler.manifest, await self._decode_publish(header, assembler)
+            tensors = await self._decode_publish(header, assembler)
+            return header, assembler.manifest, admission, tensors
         except BaseException:
-            if assembler is not None and header.tp_size > 1:
-                self._jobs[header.job].staging.abandon(header.version, header.tp_rank,
-                                                       assembler.manifest.total_bytes)
+            if admission is not None:
+                self._jobs[header.job].staging.abandon(admission)
             raise
 
     async def _decode_publish(self, header: pb.PublishHeader,
@@ -234,12 +243,15 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
                                f"{header.version}: {exc}") from None
 
-    async def _publish_shard(self, header: pb.PublishHeader,
+    async def _publish_shard(self, header: pb.PublishHeader, admission: Admission,
                              tensors: dict[str, torch.Tensor]) -> pb.PublishReply:
         """Stage one training rank's shard; the rank that completes the version stores it (the
         store re-slices shards for workers of any TP size) and answers for the whole version."""
         staging = self._jobs[header.job].staging
-        shards = staging.add(header.version, header.tp_rank, tensors)
+        try:
+            shards = staging.add(admission, tensors)
+        except ShardStagingError as exc:  # dropped while the shard decoded
+            raise RefusedError(grpc.StatusCode[exc.code], str(exc)) from None
         if shards is None:
             missing = staging.missing(header.version)
             log.info("job %s: staged rank %d of %d of version %d; waiting for ranks %s",
@@ -247,7 +259,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             metrics.PUBLISHES.labels("staged").inc()
             return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                    shards_missing=missing)
-        records = await self.hold_shards(header.job, header.version, shards)
+        try:
+            records = await self.hold_shards(header.job, header.version, shards)
+        finally:
+            staging.stored(header.version)
         metrics.PUBLISHES.labels("ok").inc()
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                evicted_versions=[r.version for r in records])
@@ -278,11 +293,15 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             raise RefusedError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"version {header.version} is {manifest.total_bytes} bytes, over "
                                f"this agent's memory_budget_bytes {self.cfg.memory_budget_bytes}")
-        if header.tp_size > 1 or header.tp_rank:
-            self._admit_shard(header, manifest)
+        if not _is_shard(header) and (manifest.tp_size > 1 or manifest.tp_rank):
+            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the header publishes version {header.version} as a whole model "
+                               f"(tp_size {header.tp_size}) but its manifest is TP rank "
+                               f"{manifest.tp_rank} of {manifest.tp_size}; a shard's header "
+                               "states its tp_rank and tp_size")
         return manifest
 
-    def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> None:
+    def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
         """Refuse a shard that cannot join its version before its bytes arrive."""
         if (manifest.tp_rank, manifest.tp_size) != (header.tp_rank, header.tp_size):
             raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -292,13 +311,20 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         try:
             for entry in manifest.entries:  # every tensor needs a TP rule to be re-sliced
                 sharding.full_shape(entry.name, entry.shape, max(header.tp_size, 1))
-            self._job(header.job).staging.admit(header.version, header.tp_rank, header.tp_size,
-                                                signature, manifest.total_bytes)
+            admission = self._job(header.job).staging.admit(
+                header.version, header.tp_rank, header.tp_size, signature, manifest.total_bytes,
+                manifest.run)
         except ShardingError as exc:
             raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"TP shard of version "
                                f"{header.version}: {exc}") from None
         except ShardStagingError as exc:
             raise RefusedError(grpc.StatusCode[exc.code], str(exc)) from None
+        if admission.dropped:
+            log.warning("job %s: dropped the staged TP shards of versions %s for rank %d of "
+                        "version %d: their missing ranks moved on, a newer run replaced them, "
+                        "or the staging budget needed their bytes", header.job,
+                        list(admission.dropped), header.tp_rank, header.version)
+        return admission
 
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
         try:
@@ -449,6 +475,11 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     def close(self) -> None:
         self._store_thread.shutdown(wait=False, cancel_futures=True)
         self._codec_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_shard(header: pb.PublishHeader) -> bool:
+    """tp_size 0 or 1 and rank 0 publish a whole model; anything else claims to be a shard."""
+    return header.tp_size > 1 or header.tp_rank != 0
 
 
 def _store_code(exc: Exception) -> grpc.StatusCode:

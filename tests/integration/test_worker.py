@@ -338,7 +338,8 @@ async def test_spot_notice_from_the_metadata_server_drains_the_worker(stack, etc
 
 async def test_a_second_signal_exits_at_once(stack):
     """An operator who does not want to wait for the drain sends SIGTERM again."""
-    impatient = start_worker(stack, "impatient", "--drain-timeout", "60")
+    # Slowed so the request outlives the first signal whatever the machine's speed.
+    impatient = start_worker(stack, "impatient", "--drain-timeout", "60", "--step-delay-s", "0.02")
     sessions = [WorkerSession(impatient.endpoint)]
     try:
         await sessions[0].send(add("long", PROMPT, max_tokens=480))
