@@ -72,7 +72,7 @@ class VersionManifest:
     def to_dict(self) -> dict:
         run = {"run": self.run} if self.run else {}  # pull manifests (and their plan ids) unchanged
         return {
-            **run, "format": MANIFEST_FORMAT, "version": self.version, "base_version": self.base_version,
+            "format": MANIFEST_FORMAT, "version": self.version, "base_version": self.base_version,
             "tp_rank": self.tp_rank, "tp_size": self.tp_size,
             "bucket_sizes": list(self.bucket_sizes),
             "bucket_checksums": list(self.bucket_checksums),
@@ -82,6 +82,7 @@ class VersionManifest:
                  "segments": [[s.bucket, s.offset, s.length] for s in e.segments]}
                 for e in self.entries
             ],
+            **run,
         }
 
     @classmethod

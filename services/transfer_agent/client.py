@@ -23,7 +23,11 @@ from rlharvest.services.transfer_agent.bucketing import VersionManifest, pack
 from rlharvest.services.transfer_agent.checksum import bytes_checksum, tensor_checksum
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_buckets
 from rlharvest.services.transfer_agent.delta_codec import Encoding, encode_dense
-from rlharvest.services.transfer_agent.http_data import DataPathError, RangeFetcher
+from rlharvest.services.transfer_agent.http_data import (
+    DEFAULT_READ_TIMEOUT_S,
+    DataPathError,
+    RangeFetcher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,15 +144,16 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
                held: Mapping[str, torch.Tensor] | None = None, held_version: int | None = None,
                tp_rank: int = 0, tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
                streams: int = 4, refetch_attempts: int = 3, decode: bool = True,
-               inplace: bool = False, codec_threads: int = 2,
-               transport: str = "auto") -> PullResult:
+               inplace: bool = False, codec_threads: int = 2, transport: str = "auto",
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> PullResult:
     """Pull ``version`` (0: the agent's latest) of ``job`` for TP slice (tp_rank, tp_size):
     sparse deltas against ``held`` (the caller's tensors of ``held_version``) where the agent still
     holds that version, dense otherwise. The plan comes over gRPC; the bytes over the agent's HTTP
     data path (``transport`` "auto": when the agent serves one; "grpc": the PullBuckets stream)
-    as byte ranges on up to ``streams`` connections. A bucket failing its checksum is pulled
-    again; every tensor is checked against its checksum. Dense tensors decode on
-    ``codec_threads`` threads as soon as their buckets are in; deltas once every bucket is.
+    as byte ranges on up to ``streams`` connections (one silent for ``read_timeout_s`` fails the
+    pull with PullError UNAVAILABLE). A bucket failing its checksum is pulled again; every tensor
+    is checked against its checksum. Dense tensors decode on ``codec_threads`` threads as soon as
+    their buckets are in; deltas once every bucket is.
 
     ``inplace`` applies deltas into ``held`` (all or nothing: on an error they are taken back
     out); only for a caller that owns those tensors. Raises grpc.aio.AioRpcError for the agent's
@@ -177,7 +182,8 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
             try:
                 if http:
                     rejected = await _fetch_http(data_endpoint, request, plan, manifest, buffers,
-                                                 streams, refetch_attempts, pool, on_verified)
+                                                 streams, refetch_attempts, pool, on_verified,
+                                                 read_timeout_s)
                 else:
                     rejected = await _fetch_grpc(stub, request, plan, manifest, buffers, streams,
                                                  refetch_attempts, on_verified, endpoint)
@@ -193,14 +199,15 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
 async def _fetch_http(data_endpoint: str, request: pb.PullRequest, plan: pb.PullPlan,
                       manifest: VersionManifest, buffers: dict[int, bytearray], streams: int,
                       refetch_attempts: int, pool: ThreadPoolExecutor,
-                      on_verified: Callable[[int], None]) -> int:
+                      on_verified: Callable[[int], None], read_timeout_s: float) -> int:
     """Byte ranges of every bucket into preallocated ``buffers``; each bucket's CRC runs once,
     on a codec thread, as soon as its last range lands. Returns how many were re-pulled."""
     loop = asyncio.get_running_loop()
     for index, size in enumerate(manifest.bucket_sizes):
         buffers[index] = bytearray(size)
     wanted, rejected = list(buffers), 0
-    async with RangeFetcher(data_endpoint, request, plan.plan_id, buffers, streams) as fetcher:
+    async with RangeFetcher(data_endpoint, request, plan.plan_id, buffers, streams,
+                            read_timeout_s) as fetcher:
         for attempt in range(refetch_attempts + 1):
             checks: list[asyncio.Task] = []
 

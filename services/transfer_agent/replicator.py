@@ -172,6 +172,7 @@ class Replicator:
                 transport = "grpc"  # works whether or not the holder serves HTTP
         result = await pull(having[source]["endpoint"], job, version=version, held=held,
                             held_version=held_version, cluster=self.cfg.cluster,
-                            streams=self.cfg.relay_streams, transport=transport)
+                            streams=self.cfg.relay_streams, transport=transport,
+                            read_timeout_s=self.cfg.data_read_timeout_s)
         result.sources = {source: result.payload_bytes}
         return result

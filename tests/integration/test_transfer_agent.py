@@ -1,7 +1,8 @@
 """The transfer agent as a real process, with real rollout workers pulling from it: publish and
 pull, sparse deltas, a worker joining mid-way, training ranks publishing TP shards, publish never
 waiting for pulls, a stalled puller delaying nobody, an agent SIGKILLed mid-pull, a corrupted
-chunk, bad input, and relays scattered over several senders — over real gRPC and a real etcd."""
+chunk, bad input, and relays scattered over several senders (or, where the senders serve no HTTP
+data path, pulled from one of them) — over real gRPC and a real etcd."""
 
 from __future__ import annotations
 
@@ -242,12 +243,12 @@ async def test_training_ranks_publish_tp_shards_and_workers_get_the_exact_full_m
     _, endpoint, _ = agent
     job = "job-shards"
     shards = rank_shards(V1, 2)
-    staged = await publish(endpoint, job, 3, shards[1], tp_rank=1, tp_size=2)
+    stale = rank_shards(V2, 2)[1]  # what a trainer that crashed meanwhile had staged
+    staged = await publish(endpoint, job, 3, stale, tp_rank=1, tp_size=2)
     assert list(staged.shards_missing) == [0] and list(staged.held_versions) == []
     assert await etcd.get(keys.weights_announced_key(job).encode()) is None  # not yet whole
-    with pytest.raises(PublishError, match="already published") as err:
-        await publish(endpoint, job, 3, shards[1], tp_rank=1, tp_size=2)
-    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    again = await publish(endpoint, job, 3, shards[1], tp_rank=1, tp_size=2)  # replaces it
+    assert list(again.shards_missing) == [0]
     with pytest.raises(PublishError, match="at tp_size 4, but other ranks did at tp_size 2"):
         await publish(endpoint, job, 3, rank_shards(V1, 4)[0], tp_rank=0, tp_size=4)
     done = await publish(endpoint, job, 3, shards[0], tp_rank=0, tp_size=2)
@@ -541,6 +542,25 @@ async def test_a_relay_sender_killed_mid_scatter_leaves_its_ranges_to_the_other(
     one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
     got = scrape(gateway_metrics)
     assert got["rlh_agent_relay_bytes_from_total{agent=k2}"] > one_copy / 2  # took k1's share
+
+
+async def test_holders_without_an_http_data_path_still_relay_one_copy_over_grpc(stack, etcd):
+    """The scatter takes the holders' HTTP data path; where they serve none, the gateway pulls
+    its copy from one holder over the gRPC stream instead of retrying the scatter for ever."""
+    job = "job-relay-grpc"
+    senders = {name: start_agent(stack, name, "--no-http-data-path", cluster="train-g")
+               for name in ("g1", "g2")}
+    for _, endpoint, _ in senders.values():
+        await publish(endpoint, job, 1, V1)
+    _, gateway, gateway_metrics = start_agent(stack, "gg", "--relay", "--relay-jobs", job,
+                                              cluster="rollout-g")
+    await wait_for(lambda: _equals(_holds(etcd, job, "gg", 1), True), what="the gateway's copy")
+    pulled = await pull(gateway, job, version=1)
+    assert weights_fingerprint(pulled.tensors) == weights_fingerprint(V1)
+    one_copy = _pack_dense(1, V1, 64 << 20)[0].total_bytes
+    got = scrape(gateway_metrics)
+    assert got["rlh_agent_relay_bytes_from_total{agent=g1}"] == one_copy
+    assert got["rlh_agent_relays_total{link=cross}"] == 1
 
 
 async def _holds(etcd, job: str, agent_id: str, version: int) -> bool:

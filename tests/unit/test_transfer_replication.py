@@ -1,13 +1,21 @@
-"""Who pulls from whom (RLBoost §4.3 pairing; WEAVE §5.2 one copy per slow link)."""
+"""Who pulls from whom (RLBoost §4.3 pairing; WEAVE §5.2 one copy per slow link), and how the
+relay loop recovers when the scatter or a source fails."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlharvest.common import keys
+from rlharvest.services.transfer_agent import replicator
+from rlharvest.services.transfer_agent.client import PullError, PullResult
+from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.replication import pick_agent, relay_source
 
 
@@ -99,3 +107,116 @@ def test_gateway_mode_sends_at_most_one_copy_into_a_cluster_without_one(data):
 @pytest.mark.parametrize("mode", ["gateway", "flat"])
 def test_an_agent_missing_from_the_topology_still_finds_a_source(mode):
     assert relay_source("new", CLUSTERS, {"t1"}, mode=mode) == "t1"
+
+
+# ---- the relay loop: scatter, fall back to one holder, back off after failures ----------------
+
+
+class FakeEtcd:
+    """Announces version 1 of ``job-r``."""
+
+    async def get_prefix(self, prefix: bytes):
+        return [SimpleNamespace(key=keys.weights_announced_key("job-r").encode(),
+                                value=json.dumps({"version": 1}).encode())]
+
+
+class FakeAgent:
+    def __init__(self) -> None:
+        self.held: dict[int, dict] = {}
+
+    def latest(self, job: str) -> int | None:
+        return max(self.held, default=None)
+
+    async def full_tensors(self, job: str, version: int):
+        return self.held.get(version)
+
+    async def hold(self, job: str, version: int, tensors, source: str):
+        self.held[version] = tensors
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def relay(monkeypatch):
+    """A gateway in cluster `rollout`; agents s1 and s2 of cluster `train` hold version 1."""
+    members = {name: {"agent_id": name, "cluster": cluster}
+               for name, cluster in (("gw", "rollout"), ("s1", "train"), ("s2", "train"))}
+    records = {name: {"versions": [1], "endpoint": f"{name}:1"} for name in ("s1", "s2")}
+
+    async def list_members(etcd, service):
+        return members
+
+    async def holders(etcd, job):
+        return records
+
+    monkeypatch.setattr(replicator.registry, "list_members", list_members)
+    monkeypatch.setattr(replicator, "holders", holders)
+    clock = Clock()
+    agent = FakeAgent()
+    cfg = AgentConfig(agent_id="gw", cluster="rollout", relay=True, relay_retry_s=1.0,
+                      relay_retry_max_s=4.0)
+    return replicator.Replicator(cfg, agent, FakeEtcd(), clock), agent, clock
+
+
+def pulled(version: int = 1) -> PullResult:
+    return PullResult(version, {"w": torch.ones(2)}, "", False, 8, 8, 0, 0.1)
+
+
+async def test_a_scatter_no_holder_can_serve_falls_back_to_one_holder_over_grpc(relay, monkeypatch):
+    """Holders without an HTTP data path plan no range: the gateway pulls from one of them."""
+    gateway, agent, _ = relay
+    pulls = []
+
+    async def scatter_pull(senders, job, version, **kwargs):
+        assert [s.agent_id for s in senders] == ["s1", "s2"]
+        raise PullError("no source agent could plan this pull", "UNAVAILABLE")
+
+    async def pull(endpoint, job, **kwargs):
+        pulls.append((endpoint, kwargs["transport"]))
+        return pulled()
+
+    monkeypatch.setattr(replicator, "scatter_pull", scatter_pull)
+    monkeypatch.setattr(replicator, "pull", pull)
+    await gateway._round()
+    assert pulls == [("s1:1", "grpc")]
+    assert torch.equal(agent.held[1]["w"], torch.ones(2))
+
+
+async def test_a_failing_relay_is_retried_after_a_doubling_backoff(relay, monkeypatch):
+    gateway, agent, clock = relay
+    tries = []
+
+    async def scatter_pull(senders, job, version, **kwargs):
+        raise PullError("every source agent failed mid-pull", "UNAVAILABLE")
+
+    async def pull(endpoint, job, **kwargs):
+        tries.append(clock.now)
+        if len(tries) < 5:
+            raise PullError(f"{endpoint} went away", "UNAVAILABLE")
+        return pulled()
+
+    monkeypatch.setattr(replicator, "scatter_pull", scatter_pull)
+    monkeypatch.setattr(replicator, "pull", pull)
+    for step in range(0, 40):  # a round every 0.5 s, as the watch and the poll would run it
+        clock.now = step * 0.5
+        await gateway._round()
+    assert tries == [0.0, 1.0, 3.0, 7.0, 11.0]  # waits 1, 2, 4, then the 4 s cap
+    assert 1 in agent.held
+
+
+def test_the_backoff_forgets_a_version_once_it_succeeds_or_a_newer_one_fails():
+    backoff = replicator.RetryBackoff(1.0, 30.0)
+    assert backoff.failed("j", 1, now=0.0) == 1.0
+    assert backoff.failed("j", 1, now=1.0) == 2.0
+    assert not backoff.ready("j", 1, now=2.5) and backoff.ready("j", 1, now=3.0)
+    backoff.succeeded("j", 1)
+    assert backoff.failed("j", 1, now=5.0) == 1.0  # a fresh start
+    backoff.failed("j", 2, now=5.0)
+    assert backoff.ready("j", 1, now=5.0)  # version 1 was forgotten
+    assert backoff.ready("other", 2, now=5.0)

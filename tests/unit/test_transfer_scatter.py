@@ -4,21 +4,27 @@ copy, and the share of a sender that dies is fetched from the others."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
+import torch
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlharvest.common.pb import transfer_agent_pb2 as pb
-from rlharvest.services.transfer_agent.client import PullError
+from rlharvest.services.transfer_agent import scatter_pull as scatter_module
+from rlharvest.services.transfer_agent.client import PullError, _pack_dense, pull_request
 from rlharvest.services.transfer_agent.data_path import byte_range_parts, cut_parts
-from rlharvest.services.transfer_agent.http_data import DataPathError
+from rlharvest.services.transfer_agent.http_data import DataPathError, RangeFetcher
 from rlharvest.services.transfer_agent.scatter_pull import (
     Planned,
     ScatterFetch,
     Sender,
     agreeing,
     assign_parts,
+    scatter_pull,
 )
 
 
@@ -105,3 +111,140 @@ async def test_an_unexpected_error_is_not_mistaken_for_a_dead_sender():
 
     with pytest.raises(RuntimeError, match="bug"):
         await ScatterFetch(["s1", "s2"], broken).run({"s1": [(0, 0, 1)]}, lambda s, p: None)
+
+
+# ---- scatter_pull end to end, with senders faked below the HTTP data path ---------------------
+
+TENSORS = {"a.weight": torch.arange(256, dtype=torch.float32),
+           "b.weight": torch.arange(256, dtype=torch.float32) + 1}
+SENDERS = [Sender("s1", "s1:1"), Sender("s2", "s2:1")]
+
+
+def fake_senders(monkeypatch, manifest_json: str, buckets: list[bytes], fetch_parts) -> None:
+    """Every sender plans ``manifest_json``; ``fetch_parts(sender, parts, on_part, fill)`` stands
+    in for its data path (``fill(part)`` writes the part's true bytes into the puller's buffer)."""
+    plan = pb.PullPlan(manifest_json=manifest_json, version=1, plan_id=7)
+
+    async def plan_everywhere(senders, request):
+        return [Planned(sender, plan, f"{sender.agent_id}:2") for sender in senders]
+
+    class Fetcher:
+        def __init__(self, data_endpoint, request, plan_id, buffers, streams, *timeout):
+            self.sender = data_endpoint.split(":")[0]
+            self.buffers = buffers
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+        def fill(self, part) -> None:
+            index, start, stop = part
+            self.buffers[index][start:stop] = buckets[index][start:stop]
+
+        async def fetch_parts(self, parts, on_part):
+            await fetch_parts(self.sender, parts, on_part, self.fill)
+
+    monkeypatch.setattr(scatter_module, "plan_everywhere", plan_everywhere)
+    monkeypatch.setattr(scatter_module, "RangeFetcher", Fetcher)
+
+
+async def scatter(**kwargs):
+    return await scatter_pull(SENDERS, "job", 1, held=None, held_version=None,
+                              receiver="gateway", cluster=kwargs.pop("cluster", "rollout"),
+                              source_cluster="train", **kwargs)
+
+
+async def test_a_scattered_pull_from_agreeing_senders_is_exact(monkeypatch):
+    manifest, buckets = _pack_dense(1, TENSORS, 1024)
+
+    async def deliver(sender, parts, on_part, fill):
+        for part in parts:
+            fill(part)
+            on_part(part)
+
+    fake_senders(monkeypatch, json.dumps(manifest.to_dict()), buckets, deliver)
+    got = await scatter()
+    assert all(torch.equal(got.tensors[name], t) for name, t in TENSORS.items())
+    assert all(got.sources.values()) and sum(got.sources.values()) == manifest.total_bytes
+
+
+@pytest.mark.parametrize("manifest_json, cluster, match", [
+    ("{not json", "rollout", "JSONDecodeError"),
+    (json.dumps({"format": 1}), "rollout", "ManifestError"),
+    (None, "train", "must not be the receiver's"),  # a topology plan_relay cannot serve
+])
+async def test_a_malformed_plan_or_topology_is_a_pull_error_not_a_crash(
+        monkeypatch, manifest_json, cluster, match):
+    manifest, buckets = _pack_dense(1, TENSORS, 1024)
+
+    async def never(sender, parts, on_part, fill):
+        raise AssertionError("no bytes are fetched for a plan that cannot be scattered")
+
+    fake_senders(monkeypatch, manifest_json or json.dumps(manifest.to_dict()), buckets, never)
+    with pytest.raises(PullError, match=match) as err:
+        await scatter(cluster=cluster)
+    assert err.value.code == "INTERNAL"
+
+
+async def test_a_failed_scatter_returns_at_once_while_a_bucket_check_still_runs(monkeypatch):
+    """Leaving the pull must not wait, on the event loop, for codec threads nobody needs."""
+    manifest, buckets = _pack_dense(1, TENSORS, 1024)
+    assert len(buckets) >= 2  # a share for each sender
+    checksum = scatter_module.bytes_checksum
+
+    def slow_checksum(data) -> int:
+        time.sleep(1.0)
+        return checksum(data)
+
+    calls = []
+
+    async def deliver_then_break(sender, parts, on_part, fill):
+        calls.append(sender)
+        if calls == ["s1"]:  # s1 delivers its own share, then both senders go away
+            for part in parts:
+                fill(part)
+                on_part(part)
+        await asyncio.sleep(0.1)  # by now s1's buckets are being checked on codec threads
+        raise DataPathError(f"connection to {sender} broke", "UNAVAILABLE")
+
+    fake_senders(monkeypatch, json.dumps(manifest.to_dict()), buckets, deliver_then_break)
+    monkeypatch.setattr(scatter_module, "bytes_checksum", slow_checksum)
+    started = time.perf_counter()
+    with pytest.raises(PullError, match="every source agent failed"):
+        await scatter()
+    assert time.perf_counter() - started < 0.6
+    await asyncio.sleep(0)
+    checks = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "_BucketChecks._check"]
+    assert not checks  # cancelled: no CRC of a failed pull is still awaited
+
+
+async def test_a_sender_that_stalls_mid_range_fails_its_range_as_unavailable():
+    """A sender that stops sending is a failed sender: its ranges can move to the others."""
+    release = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=206)
+        response.content_length = 100
+        await response.prepare(request)
+        await response.write(b"x" * 10)
+        await release.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/buckets/{index}", stall)
+    runner = web.AppRunner(app, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with RangeFetcher(f"127.0.0.1:{port}", pull_request("job", 1), 0,
+                                {0: bytearray(100)}, 1, read_timeout_s=0.3) as fetcher:
+            with pytest.raises(DataPathError, match="connection to the agent broke") as err:
+                await asyncio.wait_for(fetcher.fetch_parts([(0, 0, 100)], lambda part: None), 5)
+        assert err.value.code == "UNAVAILABLE"
+    finally:
+        release.set()
+        await runner.cleanup()
