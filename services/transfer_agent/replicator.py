@@ -170,9 +170,15 @@ class Replicator:
                             "pulling it from %s alone over gRPC", job, version,
                             [s.agent_id for s in senders], exc.code, exc, source)
                 transport = "grpc"  # works whether or not the holder serves HTTP
-        result = await pull(having[source]["endpoint"], job, version=version, held=held,
-                            held_version=held_version, cluster=self.cfg.cluster,
-                            streams=self.cfg.relay_streams, transport=transport,
-                            read_timeout_s=self.cfg.data_read_timeout_s)
+        try:
+            result = await pull(having[source]["endpoint"], job, version=version, held=held,
+                                held_version=held_version, cluster=self.cfg.cluster,
+                                streams=self.cfg.relay_streams, transport=transport,
+                                read_timeout_s=self.cfg.data_read_timeout_s)
+        except (ValueError, KeyError) as exc:
+            # A malformed plan or manifest from the holder (ManifestError, DeltaCodecError and
+            # JSON errors are ValueErrors): a failed relay to retry later, not a dead agent.
+            raise PullError(f"holder {source} sent a malformed pull: {exc!r}",
+                            "DATA_LOSS") from exc
         result.sources = {source: result.payload_bytes}
         return result

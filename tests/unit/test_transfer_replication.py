@@ -220,3 +220,22 @@ def test_the_backoff_forgets_a_version_once_it_succeeds_or_a_newer_one_fails():
     backoff.failed("j", 2, now=5.0)
     assert backoff.ready("j", 1, now=5.0)  # version 1 was forgotten
     assert backoff.ready("other", 2, now=5.0)
+
+
+async def test_a_malformed_pull_from_one_holder_is_a_failed_relay_not_a_dead_agent(relay,
+                                                                                 monkeypatch):
+    from rlharvest.services.transfer_agent.bucketing import ManifestError
+
+    gateway, agent, clock = relay
+
+    async def scatter_pull(senders, job, version, **kwargs):
+        raise PullError("no source agent could plan this pull", "UNAVAILABLE")
+
+    async def pull(endpoint, job, **kwargs):
+        raise ManifestError("bucket 3 ends past the payload")
+
+    monkeypatch.setattr(replicator, "scatter_pull", scatter_pull)
+    monkeypatch.setattr(replicator, "pull", pull)
+    await gateway._round()  # must not raise: the relay loop and the agent go on
+    assert 1 not in agent.held
+    assert not gateway._backoff.ready("job-r", 1, clock.now)  # it waits before the next try
