@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,9 @@ class CodeTaskConfig:
     timeouts: TimeoutPolicy = TimeoutPolicy()
     limits: SandboxLimits = SandboxLimits()  # wall_s and cpu_s are replaced per run
     max_target: int = 9
+    # Sandbox runs at once: the trainer's reward concurrency, so a run never queues for a
+    # thread and its reward timeout covers only the run (T_max plus interpreter start).
+    workers: int = 8
 
 
 def program(completion: str) -> str:
@@ -58,9 +62,14 @@ class CodeTask:
         if not 0 <= config.max_target <= 9:
             raise ValueError(f"max_target must be in 0..9 (one-digit answers), got "
                              f"{config.max_target}")
+        if config.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {config.workers}")
         self._seed = seed
         self._config = config
         self._timeouts = AdaptiveTimeout(config.timeouts)
+        # Its own threads, not asyncio's default executor: a slow sandbox run must not delay
+        # the trainer's other to_thread work, nor wait behind it.
+        self._pool: ThreadPoolExecutor | None = None
 
     def item(self, index: int) -> TaskItem:
         rng = random.Random(self._seed * 1_000_003 + index)
@@ -79,7 +88,10 @@ class CodeTask:
         wall = self._timeouts.timeout_for(case.case_id)
         limits = replace(self._config.limits, wall_s=wall, cpu_s=wall)
         # The subprocess waits on a thread; anchors change only here, on the event loop.
-        result = await asyncio.to_thread(run_case, program(completion), case, limits)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._config.workers, thread_name_prefix="sandbox")
+        result = await asyncio.get_running_loop().run_in_executor(
+            self._pool, run_case, program(completion), case, limits)
         self._timeouts.observe(case.case_id, result.elapsed_s, result.passed)
         return grade(result)
 

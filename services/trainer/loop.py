@@ -78,7 +78,8 @@ def task_factory(cfg: TrainerConfig) -> Callable[[int], Task]:
     if cfg.task == "code":
         policy = TimeoutPolicy(t_min_s=cfg.sandbox_t_min_s, t_max_s=cfg.sandbox_t_max_s,
                                slack=cfg.sandbox_slack)
-        return lambda seed: CodeTask(seed, CodeTaskConfig(timeouts=policy))
+        return lambda seed: CodeTask(seed, CodeTaskConfig(timeouts=policy,
+                                                          workers=cfg.reward_concurrency))
     return AdditionTask
 
 

@@ -112,3 +112,19 @@ def test_the_code_task_is_a_config_choice_whose_pool_outlasts_the_sandbox() -> N
         TrainerConfig(task="code", reward_timeout_s=5.0, sandbox_t_max_s=5.0)
     with pytest.raises(ValidationError, match="sandbox_t_min_s"):
         TrainerConfig(sandbox_t_min_s=6.0, sandbox_t_max_s=5.0)
+
+
+async def test_sandbox_runs_use_one_thread_each_up_to_the_reward_concurrency():
+    """Four hanging programs on four sandbox threads time out together at T_max, instead of
+    queueing for threads (which would eat into the reward timeout)."""
+    import asyncio
+
+    quick = TimeoutPolicy(t_min_s=1.0, t_max_s=1.0, slack=1.5)
+    code = CodeTask(seed=0, config=CodeTaskConfig(timeouts=quick, workers=4))
+    started = time.monotonic()
+    outcomes = await asyncio.gather(*(code.score(f"{i}==", HANG, str(i)) for i in range(4)),
+                                    return_exceptions=True)
+    assert all(isinstance(o, RewardFailure) and "timeout" in str(o) for o in outcomes)
+    assert time.monotonic() - started < 3.5  # one wall limit, not four in a row
+    with pytest.raises(ValueError, match="workers"):
+        CodeTask(seed=0, config=CodeTaskConfig(workers=0))
