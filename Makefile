@@ -3,11 +3,13 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 STAMP := .install.stamp
+# apt-get needs root: a non-root user with sudo gets it, root runs it directly.
+SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
 .PHONY: install run test test-unit test-integration protos bench lint clean
 
 $(STAMP): pyproject.toml
-	@command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server; }
+	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
 	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
