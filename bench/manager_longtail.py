@@ -25,11 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
-from bench.manager_preemption import PROMPTS, manager_status, run_step, wait_healthy  # noqa: E402
+from bench.manager_preemption import manager_status, run_step, step_request, wait_healthy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "manager_longtail.md"
 BALANCERS = {"algorithm2": "Algorithm 2 (SELECTINSTANCE Θ + CONTINUOUSLB)",
@@ -40,15 +39,6 @@ BALANCERS = {"algorithm2": "Algorithm 2 (SELECTINSTANCE Θ + CONTINUOUSLB)",
 def lognormal_lengths(n: int, seed: int, median: int, sigma: float, cap: int) -> list[int]:
     rng = random.Random(seed)
     return [min(cap, max(4, int(rng.lognormvariate(0.0, sigma) * median))) for _ in range(n)]
-
-
-def step_request(prefix: str, lengths: list[int]) -> mpb.SubmitStepRequest:
-    return mpb.SubmitStepRequest(step_id=prefix, weight_version=0, requests=[
-        mpb.RolloutRequest(request_id=f"{prefix}{i}", group_id=f"g{i // 4}",
-                           prompt_token_ids=PROMPTS[i % len(PROMPTS)],
-                           sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=n,
-                                                              seed=11 + i))
-        for i, n in enumerate(lengths)])
 
 
 def main() -> None:
@@ -87,13 +77,14 @@ def main() -> None:
             asyncio.run(wait_healthy(endpoint, len(delays), timeout=240))
         warm = lognormal_lengths(args.requests, 99, args.median, args.sigma, args.cap)
         for balancer, endpoint in managers.items():
-            asyncio.run(run_step(endpoint, step_request(f"warm-{balancer}-", warm), None, None))
+            warm_step = step_request(f"warm-{balancer}-", warm, seed=11)
+            asyncio.run(run_step(endpoint, warm_step, None, None))
         for k in range(args.repeats):
             lengths = lognormal_lengths(args.requests, k, args.median, args.sigma, args.cap)
             for balancer, endpoint in managers.items():  # interleaved: noise hits all alike
                 before = asyncio.run(manager_status(endpoint)).migrations
                 makespans[balancer].append(asyncio.run(run_step(
-                    endpoint, step_request(f"s{k}-{balancer}-", lengths), None, None)))
+                    endpoint, step_request(f"s{k}-{balancer}-", lengths, seed=11), None, None)))
                 migrations[balancer].append(asyncio.run(manager_status(endpoint)).migrations
                                             - before)
     finally:

@@ -41,12 +41,12 @@ PROMPTS = [TOK.encode(f"{a}*{b}+{a}=") for a in range(1, 9) for b in range(1, 7)
 POINTS = {"early": 0.25, "middle": 0.5, "late": 0.75}
 
 
-def step_request(prefix: str, lengths: list[int]) -> mpb.SubmitStepRequest:
+def step_request(prefix: str, lengths: list[int], seed: int = 7) -> mpb.SubmitStepRequest:
     return mpb.SubmitStepRequest(step_id=prefix, weight_version=0, requests=[
         mpb.RolloutRequest(request_id=f"{prefix}{i}", group_id=f"g{i // 4}",
                            prompt_token_ids=PROMPTS[i % len(PROMPTS)],
                            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=n,
-                                                              seed=7 + i))
+                                                              seed=seed + i))
         for i, n in enumerate(lengths)])
 
 

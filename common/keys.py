@@ -60,6 +60,10 @@ def versioned_key(name: str) -> str:
     return f"{ROOT}/versions/{_segment(name, 'record name')}"
 
 
+def weights_prefix() -> str:
+    return f"{ROOT}/weights/"
+
+
 def weights_announced_key(job: str) -> str:
     return f"{ROOT}/weights/{_segment(job, 'job')}/announced"
 

@@ -47,10 +47,14 @@ HealthCheck = Callable[[], dict[str, Any]]
 
 
 async def start_http(host: str, port: int, health: HealthCheck,
-                     registry: CollectorRegistry = REGISTRY) -> tuple[web.AppRunner, int]:
-    """Serve /metrics (Prometheus text) and /healthz (JSON from ``health``; 503 unless "ok")."""
+                     registry: CollectorRegistry = REGISTRY,
+                     on_scrape: Callable[[], None] | None = None) -> tuple[web.AppRunner, int]:
+    """Serve /metrics (Prometheus text) and /healthz (JSON from ``health``; 503 unless "ok").
+    ``on_scrape`` refreshes gauges that cost a walk over state: paid per scrape, not per event."""
 
     async def metrics(_: web.Request) -> web.Response:
+        if on_scrape is not None:
+            on_scrape()
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -61,6 +65,11 @@ async def start_http(host: str, port: int, health: HealthCheck,
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    return await serve_app(app, host, port)
+
+
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on host:port; returns the runner (to clean up) and the bound port."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     # Bind the socket ourselves so port 0 can pick a free port and we can report which.

@@ -127,6 +127,28 @@ async def watch_members(client: aetcd.Client, service: str | None = None,
             await asyncio.sleep(retry_delay)
 
 
+async def wake_on_change(client: aetcd.Client, key: str, wake: asyncio.Event, *,
+                         prefix: bool = False, retry_delay: float = 1.0) -> None:
+    """Set ``wake`` on every change under ``key`` (or every key starting with it), for ever.
+
+    For loops that re-read etcd when woken and poll anyway: a broken watch is re-created after
+    ``retry_delay``, and the owner's poll covers the changes in between."""
+    while True:
+        try:
+            watch = await (client.watch_prefix(key.encode()) if prefix
+                           else client.watch(key.encode()))
+            try:
+                async for _ in watch:
+                    wake.set()
+            finally:
+                await watch.cancel()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("watch of %s broke (%r); polling until it is back", key, exc)
+            await asyncio.sleep(retry_delay)
+
+
 def _diff(old: dict[str, dict], new: dict[str, dict]) -> list[MemberEvent]:
     events = []
     for key in old.keys() - new.keys():

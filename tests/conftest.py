@@ -35,7 +35,16 @@ async def etcd_client(etcd_endpoint: str):
 @pytest.fixture
 def stack(etcd_server: LocalEtcd, tmp_path: Path) -> Iterator[LocalStack]:
     """Service processes against the session's etcd; killed after the test, logs shown on failure."""
-    local = LocalStack(tmp_path / "logs", etcd=etcd_server)
+    yield from _processes(LocalStack(tmp_path / "logs", etcd=etcd_server))
+
+
+@pytest.fixture(scope="module")
+def module_stack(etcd_server: LocalEtcd, tmp_path_factory) -> Iterator[LocalStack]:
+    """Like ``stack``, for services a whole test module shares."""
+    yield from _processes(LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server))
+
+
+def _processes(local: LocalStack) -> Iterator[LocalStack]:
     yield local
     for proc in local.processes:
         proc.kill()

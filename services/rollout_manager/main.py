@@ -47,7 +47,8 @@ async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:
         [lambda s: rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server(service, s)],
         [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
     endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
-    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health)
+    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health,
+                                          on_scrape=service.refresh_gauges)
     loops = [asyncio.create_task(service.watch_workers(), name="watch workers"),
              asyncio.create_task(service.run_ticks(), name="ticks")]
     membership = await registry.register(etcd, "rollout_manager", cfg.manager_id, {

@@ -136,7 +136,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 pass
             self._wake.clear()
             self._execute(self._control.tick())
-            self._update_gauges()
+            self._update_rate()
 
     # ---- membership ----------------------------------------------------------------------------
 
@@ -402,7 +402,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     # ---- observability ---------------------------------------------------------------------------
 
-    def _update_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """The gauges that walk the tracker, computed when /metrics is scraped."""
         tracker = self._control.tracker
         metrics.IN_FLIGHT.set(tracker.unfinished())
         metrics.WAITING.set(len(tracker.waiting()))
@@ -416,6 +417,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 sum(1 for r in on_worker if r.state is RequestState.PENDING))
         for state, count in states.items():
             metrics.WORKERS.labels(state).set(count)
+        self._update_rate()
+
+    def _update_rate(self) -> None:
+        # Every tick, so the window stays 5 s of entries whether or not anyone scrapes.
         now = time.monotonic()
         while self._rate and self._rate[0][0] <= now - 5:
             self._rate_tokens -= self._rate.popleft()[1]

@@ -67,7 +67,9 @@ class Puller:
         self._lease = None
 
     async def run(self) -> None:
-        watcher = asyncio.create_task(self._watch(), name="announcement watch")
+        watcher = asyncio.create_task(registry.wake_on_change(
+            self.etcd, keys.weights_announced_key(self.job), self._wake, retry_delay=_POLL_S),
+            name="announcement watch")
         try:
             while True:
                 try:
@@ -99,22 +101,6 @@ class Puller:
                 (self.held_version is not None and version <= self.held_version):
             return True
         return await self._pull(version)
-
-    async def _watch(self) -> None:
-        key = keys.weights_announced_key(self.job).encode()
-        while True:
-            try:
-                watch = await self.etcd.watch(key)
-                try:
-                    async for _ in watch:
-                        self._wake.set()
-                finally:
-                    await watch.cancel()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("announcement watch broke (%r); polling until it is back", exc)
-                await asyncio.sleep(_POLL_S)
 
     async def _pair(self, agents: dict[str, dict]) -> str | None:
         """Keep the paired agent while it lives; otherwise take the least-paired live one and

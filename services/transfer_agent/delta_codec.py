@@ -239,16 +239,19 @@ def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
         bits[:] = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.numel)
         _verify(header, bits, undo=None)
         return target
-    if header.encoding == Encoding.COO:
-        index = _coo_index(header, body)
-        values_at = 4 * math.ceil(header.numel / COO_BLOCK) + 2 * header.count
-    else:
-        index = _bitmap_index(header, body)
-        values_at = math.ceil(header.numel / 8)
+    index, values_at = _sparse_index(header, body)
     values = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.count, offset=values_at)
     bits[index] ^= values
     _verify(header, bits, undo=(index, values) if inplace else None)
     return target
+
+
+def _sparse_index(header: PayloadHeader, body: memoryview) -> tuple[np.ndarray, int]:
+    """The changed positions of a COO or bitmap payload, and where its values start."""
+    if header.encoding == Encoding.COO:
+        return (_coo_index(header, body),
+                4 * math.ceil(header.numel / COO_BLOCK) + 2 * header.count)
+    return _bitmap_index(header, body), math.ceil(header.numel / 8)
 
 
 def undo_delta(payload: EncodedTensor | bytes | bytearray | memoryview,
@@ -262,12 +265,7 @@ def undo_delta(payload: EncodedTensor | bytes | bytearray | memoryview,
                               "dense entries into fresh tensors instead")
     body = memoryview(raw).cast("B")[header.body_offset:]
     bits = target.detach().reshape(-1).view(_BITS_TORCH[target.element_size()]).numpy()
-    if header.encoding == Encoding.COO:
-        index = _coo_index(header, body)
-        values_at = 4 * math.ceil(header.numel / COO_BLOCK) + 2 * header.count
-    else:
-        index = _bitmap_index(header, body)
-        values_at = math.ceil(header.numel / 8)
+    index, values_at = _sparse_index(header, body)
     bits[index] ^= np.frombuffer(body, dtype=bits.dtype, count=header.count, offset=values_at)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -28,6 +27,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.data_path import (
@@ -107,13 +107,7 @@ def data_app(service: AgentService) -> web.Application:
 
 async def start_data_server(service: AgentService, host: str,
                             port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(data_app(service), access_log=None)
-    await runner.setup()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    await web.SockSite(runner, sock).start()
-    return runner, sock.getsockname()[1]
+    return await serve_app(data_app(service), host, port)
 
 
 def _parse(request: web.Request) -> tuple[int, pb.PullRequest, int]:

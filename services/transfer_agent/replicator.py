@@ -28,7 +28,7 @@ from rlharvest.services.transfer_agent.version_store import VersionStoreError
 
 log = logging.getLogger(__name__)
 
-_WEIGHTS_PREFIX = f"{keys.ROOT}/weights/"
+_WEIGHTS_PREFIX = keys.weights_prefix()
 _POLL_S = 1.0  # a missed watch event costs at most this
 
 
@@ -70,7 +70,9 @@ class Replicator:
         self._backoff = RetryBackoff(cfg.relay_retry_s, cfg.relay_retry_max_s)
 
     async def run(self) -> None:
-        watcher = asyncio.create_task(self._watch(), name="relay watch")
+        watcher = asyncio.create_task(registry.wake_on_change(  # announcements and holders
+            self.etcd, _WEIGHTS_PREFIX, self._wake, prefix=True, retry_delay=_POLL_S),
+            name="relay watch")
         try:
             while True:
                 await self._round()
@@ -81,22 +83,6 @@ class Replicator:
                     pass
         finally:
             watcher.cancel()
-
-    async def _watch(self) -> None:
-        """Wake the loop on any announcement or holder change (agents, versions)."""
-        while True:
-            try:
-                watch = await self.etcd.watch_prefix(_WEIGHTS_PREFIX.encode())
-                try:
-                    async for _ in watch:
-                        self._wake.set()
-                finally:
-                    await watch.cancel()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("relay watch broke (%r); polling until it is back", exc)
-                await asyncio.sleep(_POLL_S)
 
     async def _round(self) -> None:
         found = await self.etcd.get_prefix(_WEIGHTS_PREFIX.encode())

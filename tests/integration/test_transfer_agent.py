@@ -140,14 +140,6 @@ async def served_completion(endpoint: str, version: int, max_tokens: int = 12):
 
 
 @pytest.fixture(scope="module")
-def module_stack(etcd_server, tmp_path_factory):
-    local = LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server)
-    yield local
-    for proc in local.processes:
-        proc.kill()
-
-
-@pytest.fixture(scope="module")
 def agent(module_stack):
     # Small chunks so a 32 MB pull is many messages: a reader that stops reading holds it open.
     return start_agent(module_stack, "agent-a", "--chunk-bytes", str(256 << 10))

@@ -20,21 +20,12 @@ from rlharvest.common import keys, registry
 from rlharvest.common.pb import rollout_worker_pb2 as pb
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import CharTokenizer
-from rlharvest.services.launcher import LocalStack
 
 from .worker_client import WorkerSession, abort, add, start_worker
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
 PROMPT = TOK.encode("12+7=")
-
-
-@pytest.fixture(scope="module")
-def module_stack(etcd_server, tmp_path_factory):
-    local = LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server)
-    yield local
-    for proc in local.processes:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")
