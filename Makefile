@@ -36,8 +36,10 @@ protos:
 bench: install
 	for b in $$(grep -l -- '"--quick"' bench/*.py); do $(PYTHON) $$b --quick || exit 1; done
 
-lint:
+# ruff over everything; mypy over the rlharvest package as the checkout resolves it ([tool.mypy]).
+lint: install
 	$(PYTHON) -m ruff check common services sim tests bench tools
+	$(PYTHON) -m mypy
 
 clean:
 	rm -rf $(STAMP) build dist *.egg-info .pytest_cache

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlharvest.common.tiny_model import build_model
-from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0

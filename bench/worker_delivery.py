@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
-from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams  # noqa: E402
+from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 from tests.integration.worker_client import WorkerSession, add, start_worker  # noqa: E402
 

@@ -11,7 +11,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import rlharvest
 from rlharvest.common.local_etcd import LocalEtcd
+
+# The checkout (or install) this launcher runs from: its children import the same code.
+_IMPORT_ROOT = str(Path(rlharvest.__file__).resolve().parent.parent)
 
 # service -> module with a typer `app` and a __main__ guard
 MODULES = {
@@ -81,7 +85,8 @@ class LocalStack:
         # Each service is its own process group for torch.distributed: a rendezvous inherited from
         # the launching process (a test that ran DeepSpeed in-process) would collide on its port.
         inherited = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        child_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        path = os.pathsep.join(filter(None, [_IMPORT_ROOT, inherited.get("PYTHONPATH", "")]))
+        child_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)

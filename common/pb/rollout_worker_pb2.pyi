@@ -35,15 +35,29 @@ class WorkerCommand(_message.Message):
     abort: AbortRequest
     def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
+class EngineStepStats(_message.Message):
+    __slots__ = ("batch_size", "duration_s", "decode_tokens", "prefill_tokens")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    duration_s: float
+    decode_tokens: int
+    prefill_tokens: int
+    def __init__(self, batch_size: _Optional[int] = ..., duration_s: _Optional[float] = ..., decode_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+
 class StepOutputs(_message.Message):
-    __slots__ = ("step", "deltas", "load")
+    __slots__ = ("step", "deltas", "load", "stats")
     STEP_FIELD_NUMBER: _ClassVar[int]
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     step: int
     deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
     load: _common_pb2.Load
-    def __init__(self, step: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ...) -> None: ...
+    stats: EngineStepStats
+    def __init__(self, step: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., stats: _Optional[_Union[EngineStepStats, _Mapping]] = ...) -> None: ...
 
 class CommandError(_message.Message):
     __slots__ = ("request_id", "code", "message")

@@ -23,7 +23,7 @@ from rlharvest.services.rollout_manager.balancer import InstanceLoad, RoundRobin
 from rlharvest.services.rollout_manager.commands import Command, Dispatch, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
-from rlharvest.services.rollout_worker.engine import SamplingParams
+from rlharvest.common.engine_types import SamplingParams
 
 
 @dataclass(frozen=True)

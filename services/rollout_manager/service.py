@@ -20,7 +20,7 @@ from rlharvest.services.rollout_manager.commands import Command, Dispatch, Fail,
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, StepError
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
-from rlharvest.services.rollout_worker.service import sampling_from_proto
+from rlharvest.common.engine_types import sampling_from_proto
 
 log = logging.getLogger(__name__)
 

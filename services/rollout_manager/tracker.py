@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
 
 
 class StepError(ValueError):

@@ -16,7 +16,7 @@ import grpc
 from rlharvest.common import rpc
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_manager.tracker import ResumePayload
-from rlharvest.services.rollout_worker.service import sampling_to_proto
+from rlharvest.common.engine_types import sampling_to_proto
 
 log = logging.getLogger(__name__)
 

@@ -9,56 +9,11 @@ so gRPC I/O goes on while the batch computes. The built-in implementation is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-
-class EngineInputError(ValueError):
-    """A request the engine refuses; the message says what is wrong. The engine keeps serving."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
-    max_tokens: int = 64  # total generated tokens, counting those generated before a resume
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0  # randomness is keyed by (seed, token position): resumes continue identically
-
-
-@dataclass
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    # Resume: tokens this request already generated elsewhere. They are prefilled with the prompt
-    # in one pass and count towards max_tokens; sampling continues at position len(generated).
-    generated_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class RequestOutput:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]  # a stop token that ends the request is included
-    # Per token: log-softmax of the model's raw logits (temperature 1, before top-k/top-p) at the
-    # chosen token, i.e. the policy's own logprob, which the trainer's importance ratio needs.
-    new_logprobs: list[float]
-    finished: bool = False
-    finish_reason: str = ""  # "" while running, else "length" | "stop" | "abort"
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    pending: int  # admitted but waiting for a batch slot
-    executing: int  # in the running batch
-    kv_used_tokens: int
-    kv_capacity_tokens: int
-    weight_version: int
+from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutput
 
 
 class Engine(Protocol):

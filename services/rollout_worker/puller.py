@@ -18,7 +18,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.common import keys, registry
-from rlharvest.services.rollout_worker.engine import EngineInputError
+from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.bucketing import ManifestError
 from rlharvest.services.transfer_agent.client import (

@@ -20,13 +20,13 @@ import torch
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_worker import metrics
 from rlharvest.services.rollout_worker.outbox import Outbox
-from rlharvest.services.rollout_worker.engine import (
-    Engine,
+from rlharvest.common.engine_types import (
     EngineInputError,
     EngineRequest,
     RequestOutput,
-    SamplingParams,
+    sampling_from_proto,
 )
+from rlharvest.services.rollout_worker.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +66,6 @@ class _Routed:
 class _Owned:
     session: _Session
     next_position: int  # completion index of the next token this worker will produce
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k,
-                          max_tokens=msg.max_tokens, stop_token_ids=tuple(msg.stop_token_ids),
-                          seed=msg.seed)
-
-
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
-                                     top_k=params.top_k, max_tokens=params.max_tokens,
-                                     stop_token_ids=params.stop_token_ids, seed=params.seed)
 
 
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):

@@ -29,12 +29,7 @@ from pathlib import Path
 import torch
 
 from rlharvest.common.tiny_model import build_model
-from rlharvest.services.rollout_worker.engine import (
-    EngineInputError,
-    EngineLoad,
-    EngineRequest,
-    RequestOutput,
-)
+from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.qwen3_forward import Qwen3Forward
 from rlharvest.services.rollout_worker.sampling import (

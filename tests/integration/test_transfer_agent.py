@@ -25,7 +25,7 @@ from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grp
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.launcher import LocalStack
-from rlharvest.services.rollout_worker.engine import EngineRequest, SamplingParams
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.transfer_agent import sharding
 from rlharvest.services.transfer_agent.apply import apply_pull

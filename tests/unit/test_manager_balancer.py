@@ -20,7 +20,7 @@ from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate,
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
-from rlharvest.services.rollout_worker.engine import SamplingParams
+from rlharvest.common.engine_types import SamplingParams
 
 
 def inst(wid: str, capacity: int = 4, queued: int = 0, running: int = 0,

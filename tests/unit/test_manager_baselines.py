@@ -9,7 +9,7 @@ from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.main import build_control
 from rlharvest.services.rollout_manager.tracker import NewRequest, TokenDelta
-from rlharvest.services.rollout_worker.engine import SamplingParams
+from rlharvest.common.engine_types import SamplingParams
 
 
 class Clock:

@@ -15,7 +15,7 @@ from rlharvest.services.rollout_manager.policy_sim import (
 )
 from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
 from rlharvest.services.rollout_manager.worker_pool import WorkerState
-from rlharvest.services.rollout_worker.engine import SamplingParams
+from rlharvest.common.engine_types import SamplingParams
 
 
 class Clock:

@@ -14,7 +14,7 @@ from rlharvest.services.rollout_manager.tracker import (
     StepLimits,
     TokenDelta,
 )
-from rlharvest.services.rollout_worker.engine import SamplingParams
+from rlharvest.common.engine_types import SamplingParams
 
 
 class Clock:

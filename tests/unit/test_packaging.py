@@ -1,4 +1,8 @@
-"""pyproject lists every package: the rlharvest.* mapping cannot be discovered automatically."""
+"""The package resolves from the checkout under test, statically, and installs whole."""
+
+import os
+import subprocess
+import sys
 
 try:
     import tomllib
@@ -6,20 +10,36 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
 
+from setuptools import find_packages
+
+import rlharvest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_package_folder_is_listed_in_pyproject():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    mapping = project["tool"]["setuptools"]["package-dir"]
-    listed = set(project["tool"]["setuptools"]["packages"])
-    found = set()
-    for package, folder in mapping.items():
+def test_rlharvest_is_imported_from_the_checkout_under_test():
+    assert Path(rlharvest.__file__).resolve().parent == ROOT / "rlharvest", (
+        f"rlharvest came from {rlharvest.__file__}, not from the checkout {ROOT}: another "
+        "checkout's install is shadowing this one")
+
+
+def test_service_processes_import_the_checkout_under_test(tmp_path: Path):
+    # Children inherit the PYTHONPATH the test session sets; run from elsewhere to prove that
+    # the working directory is not what makes it resolve.
+    out = subprocess.run([sys.executable, "-c", "import rlharvest.services.launcher as l; "
+                          "print(l.__file__)"], cwd=tmp_path, capture_output=True, text=True,
+                         env=os.environ.copy(), check=True).stdout.strip()
+    assert Path(out).resolve() == ROOT / "services" / "launcher.py"
+
+
+def test_every_package_folder_is_found_by_setuptools():
+    found = set(find_packages(str(ROOT), include=["rlharvest*"]))
+    expected = {"rlharvest"}
+    for folder in ("common", "services", "sim"):
         for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([package, *rel.parts]) if rel.parts else package)
-    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
-    assert listed - found == set(), "these listed packages have no folder"
+            rel = init.parent.relative_to(ROOT)
+            expected.add(".".join(["rlharvest", *rel.parts]))
+    assert expected - found == set(), "these packages would be missing from a built wheel"
 
 
 def test_torch_range_admits_the_local_cpu_build():

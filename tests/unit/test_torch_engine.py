@@ -14,11 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from rlharvest.common.tiny_model import build_model
-from rlharvest.services.rollout_worker.engine import (
-    EngineInputError,
-    EngineRequest,
-    SamplingParams,
-)
+from rlharvest.common.engine_types import EngineInputError, EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.qwen3_forward import Qwen3Forward
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
