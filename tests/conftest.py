@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from rlharvest.common.local_etcd import LocalEtcd
+from rlharvest.services.launcher import LocalStack
+
 ROOT = Path(__file__).resolve().parents[1]
 # Every process a test starts (services, CLIs, helpers) imports this checkout, not whichever one
 # was installed last (tests/unit/test_packaging.py checks both).
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
-
-from rlharvest.common.local_etcd import LocalEtcd
-from rlharvest.services.launcher import LocalStack
 
 
 @pytest.fixture(scope="session")
