@@ -79,16 +79,19 @@ class LocalEtcd:
         return self
 
     def _wait_healthy(self, client_url: str, timeout: float) -> None:
+        process = self.process
+        if process is None:
+            raise RuntimeError("LocalEtcd._wait_healthy called before the etcd process was started")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 with open(self._log_file(), "rb") as log:
                     log.seek(self._log_offset)
                     log_text = log.read().decode(errors="replace")
                 self.stop()
                 if "address already in use" in log_text:
                     raise PortTakenError(log_text.strip().splitlines()[-1])
-                raise RuntimeError(f"etcd exited with code {self.process.returncode}: "
+                raise RuntimeError(f"etcd exited with code {process.returncode}: "
                                    f"{log_text.strip().splitlines()[-1:] }")
             try:
                 with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
@@ -101,7 +104,12 @@ class LocalEtcd:
         raise TimeoutError(f"etcd did not become healthy within {timeout}s")
 
     def _log_file(self) -> Path:
-        return self._log_path or Path(self._data_dir) / "etcd.log"
+        if self._log_path is not None:
+            return self._log_path
+        if self._data_dir is None:
+            raise RuntimeError("LocalEtcd has no data directory (not started, or already stopped) "
+                               "and no log_path; pass log_path= or start() it first")
+        return Path(self._data_dir) / "etcd.log"
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

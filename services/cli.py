@@ -129,7 +129,7 @@ async def _collect(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
         members = await registry.list_members(client)
     finally:
         await client.close()
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for key, info in sorted(members.items()):
         service, member = key.rsplit("/", 2)[-2:]
         load = await _worker_load(info["endpoint"], timeout) if service == "rollout_worker" else None

@@ -24,7 +24,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import grpc
@@ -147,7 +147,7 @@ async def _drive(run: Run, schedule: PreemptionSchedule, steps: int,
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed:.0f}/{task.total:.0f} completions"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
-    bars: dict[int, int] = {}
+    bars: dict[int, TaskID] = {}
     known_spots: set[str] = set()
     async with rpc.channel(run.trainer_endpoint) as chan, \
             rpc.channel(run.manager_endpoint) as manager_chan:

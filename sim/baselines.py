@@ -62,13 +62,13 @@ class RandomPlacer:
         self._rng = random.Random(seed)
 
     def submit(self, job: Job) -> Decision:
-        options = [g for g in self.scheduler.groups.values() if _room(g, job) is not None]
+        options = _with_room(self.scheduler, job)
         pick = self._rng.randrange(len(options) + 1)
         if pick == len(options):
             decision = _isolated(self.scheduler, job)
         else:
-            group = options[pick]
-            nodes = tuple(self._rng.sample(_room(group, job), job.rollout_nodes))
+            group, room = options[pick]
+            nodes = tuple(self._rng.sample(room, job.rollout_nodes))
             decision = _packed(group, job, nodes)
         self.scheduler.admit(decision)
         return decision
@@ -85,12 +85,12 @@ class MostIdlePlacer:
         self.scheduler = InterGroupScheduler(rollout_pool, train_pool)
 
     def submit(self, job: Job) -> Decision:
-        options = [g for g in self.scheduler.groups.values() if _room(g, job) is not None]
+        options = _with_room(self.scheduler, job)
         if not options:
             decision = _isolated(self.scheduler, job)
         else:
-            group = max(options, key=_idle_share)
-            nodes = sorted(_room(group, job), key=lambda n: group.roll_load_s[n])
+            group, room = max(options, key=lambda option: _idle_share(option[0]))
+            nodes = sorted(room, key=lambda n: group.roll_load_s[n])
             decision = _packed(group, job, tuple(nodes[:job.rollout_nodes]))
         self.scheduler.admit(decision)
         return decision
@@ -116,6 +116,11 @@ def _room(group: Group, job: Job) -> list[str] | None:
     nodes = [n for n, node in group.rollout_nodes.items()
              if fits_in_memory(group.roll_mem_gb[n], job.rollout_mem_gb, node.host_mem_gb)]
     return nodes if len(nodes) >= job.rollout_nodes else None
+
+
+def _with_room(scheduler: InterGroupScheduler, job: Job) -> list[tuple[Group, list[str]]]:
+    """The groups that can hold ``job``, each with its rollout nodes that have memory for it."""
+    return [(g, room) for g in scheduler.groups.values() if (room := _room(g, job)) is not None]
 
 
 def _packed(group: Group, job: Job, nodes: tuple[str, ...]) -> Decision:

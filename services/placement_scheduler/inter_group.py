@@ -197,11 +197,12 @@ class InterGroupScheduler:
         if decision.group_id is None:
             group = self._new_group(decision.new_train_nodes)
         else:
-            group = self.groups.get(decision.group_id)
-            if group is None or group.version != decision.group_version:
+            existing = self.groups.get(decision.group_id)
+            if existing is None or existing.version != decision.group_version:
                 raise PlacementError(f"decision for job {job.job_id!r} is stale: group "
                                      f"{decision.group_id} changed since it was computed; call "
                                      "schedule() again")
+            group = existing
         fresh = [self._new_node(Pool.ROLLOUT) for _ in range(decision.new_rollout_nodes)]
         for node in fresh:
             group.add_rollout_node(node)

@@ -251,8 +251,9 @@ class Group:
 
     def remove(self, job_id: str) -> Job:
         job = self.jobs.pop(job_id, None)
-        _require(job is not None, f"job {job_id!r} is not in group {self.group_id}; "
-                 f"members are {sorted(self.jobs)}")
+        if job is None:
+            raise PlacementError(f"job {job_id!r} is not in group {self.group_id}; "
+                                 f"members are {sorted(self.jobs)}")
         self._account(job, self.placements.pop(job_id), -1)
         return job
 
@@ -260,7 +261,8 @@ class Group:
         """Replace a member's estimates (profile drift), keeping its placement and its round-robin
         position. Returns the previous estimates."""
         old = self.jobs.get(job.job_id)
-        _require(old is not None, f"job {job.job_id!r} is not in group {self.group_id}")
+        if old is None:
+            raise PlacementError(f"job {job.job_id!r} is not in group {self.group_id}")
         placement = self.placements[job.job_id]
         self._account(old, placement, -1)
         self.jobs[job.job_id] = job

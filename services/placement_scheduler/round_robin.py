@@ -50,7 +50,8 @@ def t_cycle(jobs: Iterable[Job | Member]) -> float:
 def t_load(members: Iterable[Member]) -> float:
     """T_G^load: work on the bottleneck node. Every member trains on every training node, so the
     training side is Σ T_train; a rollout node carries the rollouts pinned to it (§4.2)."""
-    train, per_node = 0.0, {}
+    train = 0.0
+    per_node: dict[str, float] = {}
     for m in members:
         train += m.t_train
         for node_id in m.rollout_node_ids:
@@ -132,8 +133,8 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
     phase_nodes = [[tuple(index[n] for n in m.rollout_node_ids), (train,)] for m in members]
     durations = [(m.t_roll, m.t_train) for m in members]
     cycle: list[list[int]] = [[] for _ in range(train + 1)]
-    for j, nodes in enumerate(phase_nodes):
-        for n in (*nodes[0], train):
+    for j, (roll_nodes, _) in enumerate(phase_nodes):
+        for n in (*roll_nodes, train):
             cycle[n].append(j)
     turn = [0] * (train + 1)
     busy = [False] * (train + 1)

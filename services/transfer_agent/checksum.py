@@ -32,7 +32,8 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order as a flat view (copied only if not contiguous)."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     # Any dtype views as uint8 (numpy has no bfloat16); the bytes themselves are not touched.
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    # ndarray.data is the array's own buffer as a memoryview (no copy).
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def bytes_checksum(data: bytes | bytearray | memoryview) -> int:

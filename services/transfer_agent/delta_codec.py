@@ -61,7 +61,7 @@ _DTYPE_CODES: dict[torch.dtype, int] = {
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 # Same-width integer views: numpy has no bfloat16, and integer ops touch bits, not values.
 _BITS_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_BITS_NUMPY = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
+_BITS_NUMPY: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<i2"), 4: np.dtype("<i4"), 8: np.dtype("<i8")}
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """Flat integer view sharing the tensor's memory (a copy only if it is not contiguous)."""
+    """Flat integer view sharing the tensor's memory (a copy only if it is not contiguous).
+    Checksums and payloads take its ``.data``: the same memory as a memoryview, no copy (numpy's
+    stubs declare ndarray a buffer only for Python >= 3.12)."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return flat.view(_BITS_TORCH[_itemsize(flat.dtype)]).numpy()
 
@@ -137,8 +139,9 @@ def encode_dense(new: torch.Tensor, *, checksum: int | None = None) -> EncodedTe
     ``checksum``: the tensor's CRC when the caller already verified it (saves a pass)."""
     bits = _bits(new)
     shape = tuple(new.shape)
-    checksum = bytes_checksum(bits) if checksum is None else checksum
-    payload = b"".join([_header(Encoding.DENSE, new.dtype, shape, bits.size, checksum), bits])
+    checksum = bytes_checksum(bits.data) if checksum is None else checksum
+    header = _header(Encoding.DENSE, new.dtype, shape, bits.size, checksum)
+    payload = b"".join([header, bits.data])
     return EncodedTensor(Encoding.DENSE, new.dtype, shape, bits.size, checksum, payload)
 
 
@@ -164,12 +167,13 @@ def encode_delta(old: torch.Tensor, new: torch.Tensor, *, encoding: Encoding | N
     if encoding == Encoding.COO:
         blocks = math.ceil(new_bits.size / COO_BLOCK)
         counts = np.bincount(index >> 16, minlength=blocks).astype("<u4")
-        body = [counts, (index & (COO_BLOCK - 1)).astype("<u2")]
+        body = [counts.data, (index & (COO_BLOCK - 1)).astype("<u2").data]
     else:
-        body = [np.packbits(changed)]
+        body = [np.packbits(changed).data]
     shape = tuple(new.shape)
-    checksum = bytes_checksum(new_bits) if checksum is None else checksum
-    payload = b"".join([_header(encoding, new.dtype, shape, count, checksum), *body, values])
+    checksum = bytes_checksum(new_bits.data) if checksum is None else checksum
+    header = _header(encoding, new.dtype, shape, count, checksum)
+    payload = b"".join([header, *body, values.data])
     return EncodedTensor(encoding, new.dtype, shape, count, checksum, payload)
 
 
@@ -315,7 +319,7 @@ def _bitmap_index(header: PayloadHeader, body: memoryview) -> np.ndarray:
 
 def _verify(header: PayloadHeader, bits: np.ndarray,
             undo: tuple[np.ndarray, np.ndarray] | None) -> None:
-    actual = bytes_checksum(bits)
+    actual = bytes_checksum(bits.data)
     if actual != header.checksum:
         if undo is not None:  # XOR is its own inverse: give the caller its base back intact
             bits[undo[0]] ^= undo[1]

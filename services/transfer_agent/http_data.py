@@ -87,7 +87,8 @@ def data_app(service: AgentService) -> web.Application:
         chunk_bytes = service.cfg.chunk_bytes
         started = time.perf_counter()
         for offset in range(start, stop, chunk_bytes):
-            data = view[offset:min(offset + chunk_bytes, stop)]  # a view: no copy until the kernel
+            # a view: no copy until the kernel (bytes only when damage() corrupts a chunk)
+            data: memoryview | bytes = view[offset:min(offset + chunk_bytes, stop)]
             for throttle in throttles:
                 wait = throttle.reserve(len(data), time.monotonic())
                 if wait > 0:
@@ -167,7 +168,13 @@ class RangeFetcher:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self._session.close()
+        await self._open_session().close()
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("RangeFetcher has no HTTP session: use it as `async with "
+                               "RangeFetcher(...) as fetcher:`")
+        return self._session
 
     async def fetch(self, indices: Sequence[int], on_bucket: Callable[[int], None]) -> None:
         """Fetch every bucket in ``indices``; ``on_bucket(i)`` runs as soon as bucket i's last
@@ -207,7 +214,7 @@ class RangeFetcher:
         view = memoryview(self._buffers[index])
         headers = {**self._headers, "Range": f"bytes={start}-{stop - 1}"}
         try:
-            async with self._session.get(f"{self._url}{index}", headers=headers) as response:
+            async with self._open_session().get(f"{self._url}{index}", headers=headers) as response:
                 if response.status not in (200, 206):
                     message = await response.text()
                     raise DataPathError(f"bucket {index} [{start}, {stop}): {message}",

@@ -20,10 +20,11 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -49,8 +50,9 @@ from rlharvest.services.transfer_agent.relay import plan_relay
 
 log = logging.getLogger(__name__)
 
-# (sender, parts, on_part): fetch those parts from that sender, reporting each as it lands.
-FetchParts = Callable[[str, list[Part], Callable[[Part], None]], Awaitable[None]]
+# (sender, parts, on_part): fetch those parts from that sender, reporting each as it lands. A
+# coroutine, not any awaitable: ScatterFetch runs each share as its own asyncio task.
+FetchParts = Callable[[str, list[Part], Callable[[Part], None]], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True)
@@ -131,11 +133,12 @@ class ScatterFetch:
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
                     sender, parts = running.pop(task)
-                    if task.exception() is None:
+                    exc = task.exception()
+                    if exc is None:
                         continue
-                    if not isinstance(task.exception(), DataPathError):
-                        raise task.exception()
-                    self._lose(sender, task.exception())
+                    if not isinstance(exc, DataPathError):
+                        raise exc
+                    self._lose(sender, exc)
                     for other, share in self.spread([p for p in parts if p not in done]).items():
                         start(other, share)
         finally:
