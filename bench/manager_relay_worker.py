@@ -2,9 +2,11 @@
 
 It implements the RolloutWorker Session RPC and registers in etcd like a real worker, but has no
 model: for the requests it is given it emits StepOutputs as fast as it can (or one step every
-``--step-interval-s``), ``--tokens-per-delta`` tokens per request per step. Each delta's logprobs
-carry the emission time (seconds since ``--time-base``, float32: ~2 µs resolution over a minute)
-so a client can measure delivery latency through the manager or directly.
+``--step-interval-s``), ``--tokens-per-delta`` tokens per request per step, with the step's
+stats (batch size, time since the previous step, tokens) as a real worker reports them. Each
+delta's logprobs carry the emission time (seconds since ``--time-base``, float32: ~2 µs
+resolution over a minute) so a client can measure delivery latency through the manager or
+directly.
 
     python bench/manager_relay_worker.py --etcd HOST:PORT --worker-id w0 --port P [--capacity 64]
 """
@@ -63,6 +65,7 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         reader = asyncio.create_task(read())
         args, version, step = self.args, self.args.weight_version, 0
         base, tokens = args.time_base, self.tokens
+        stepped_at = time.perf_counter()
         try:
             yield pb.WorkerEvent(load=common_pb2.Load(weight_version=version))
             while True:
@@ -91,12 +94,17 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                     req.position += n
                     if done:
                         finished.append(req.request_id)
+                now = time.perf_counter()
+                out.stats.batch_size = len(running)
+                out.stats.duration_s = now - stepped_at
+                out.stats.decode_tokens = len(running) * len(tokens)
+                stepped_at = now
                 for rid in finished:
                     del running[rid]
                 out.load.executing = len(running)
                 out.load.pending = len(queued)
                 out.load.weight_version = version
-                out.load.tokens_per_second = 1e6  # any positive rate: the manager samples P
+                out.load.tokens_per_second = 1e6
                 yield pb.WorkerEvent(step=out)
                 if args.step_interval_s:
                     await asyncio.sleep(args.step_interval_s)

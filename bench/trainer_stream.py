@@ -3,12 +3,14 @@
 RollPacker §4.4 / RLBoost §4.1. Group completion times are simulated (long-tail lognormal
 response lengths x a per-token decode time); every forward/backward/step is real and timed.
 A step's time is found by replaying the measured compute against the simulated arrivals:
-- baseline: training starts when the last group arrives, then runs all micro-batches;
-- streaming: a micro-batch starts once m_b groups have arrived and the trainer is free; only
-  the micro-batch of the last groups and the optimizer step remain after the last arrival.
+- baseline: training starts when the last group arrives, then runs m_b-group micro-batches;
+- streaming m_b: a micro-batch starts once m_b groups have arrived and the trainer is free; only
+  the micro-batch of the last groups and the optimizer step remain after the last arrival;
+- streaming merged (what the trainer does): as streaming m_b, but when the trainer comes free
+  every group that arrived meanwhile joins one micro-batch (RLBoost §4.1).
 The decode time per token is calibrated so that rollout and training take similar time
 (``--rollout-ratio``, the balanced case where the paper reports its largest gain).
-Both runs start from the same weights; the script checks their updates are equal.
+All runs start from the same weights; the script checks their updates are equal.
 
     python bench/trainer_stream.py [--quick] [--backend torch|deepspeed] [--model tiny|small]
 """
@@ -54,26 +56,35 @@ def make_groups(num_groups: int, group_size: int, max_len: int,
     return groups, longest
 
 
+MODES = ("after", "fixed", "merged")
+
+
 def run(backend_name: str, model: torch.nn.Module, groups: list[RewardedGroup],
-        arrivals: list[float], m_b: int, streaming: bool) -> tuple[float, float]:
-    """Returns (step time on the simulated timeline, total measured compute)."""
+        arrivals: list[float], m_b: int, mode: str) -> tuple[float, float, tuple[int, ...]]:
+    """Returns (step time on the simulated timeline, total measured compute, groups per
+    micro-batch). The trainer waits for the next group, then takes it, or in ``merged`` mode
+    every group that has arrived by then, as the trainer loop does."""
     backend = make_backend(backend_name, model, OptimConfig(lr=0.1, optimizer="sgd"))
     step = StreamingStep(backend, num_groups=len(groups), group_size=len(groups[0].completions),
                          micro_batch_groups=m_b, loss=LossConfig(), pad_id=PAD_ID)
     order = sorted(range(len(groups)), key=lambda i: arrivals[i])
     last_arrival = arrivals[order[-1]]
-    trainer_free, compute = 0.0, 0.0
-    for i in order:
-        ready_at = arrivals[i] if streaming else last_arrival
+    ready_at = [last_arrival if mode == "after" else a for a in arrivals]
+    trainer_free, compute, taken = 0.0, 0.0, 0
+    while taken < len(order):
+        now = max(trainer_free, ready_at[order[taken]])
+        burst = [i for i in order[taken:] if ready_at[i] <= now] if mode == "merged" \
+            else [order[taken]]
         start = time.perf_counter()
-        step.add_group(groups[i])  # runs a micro-batch when m_b groups are ready
+        step.add_groups([groups[i] for i in burst])  # runs a micro-batch when m_b are ready
         took = time.perf_counter() - start
         compute += took
-        trainer_free = max(ready_at, trainer_free) + took
+        trainer_free = now + took
+        taken += len(burst)
     start = time.perf_counter()
-    step.finish()
+    stats = step.finish()
     took = time.perf_counter() - start
-    return max(last_arrival, trainer_free) + took, compute + took
+    return max(last_arrival, trainer_free) + took, compute + took, stats.micro_batch_groups
 
 
 def main() -> None:
@@ -94,27 +105,27 @@ def main() -> None:
     for rep in range(repeats):
         groups, longest = make_groups(num_groups, group_size, max_len, seed=rep)
         # Calibrate: one untimed warm-up run measures the training compute of this step.
-        _, train_s = run(args.backend, copy.deepcopy(base), groups, [0.0] * num_groups,
-                         args.micro_batch_groups, streaming=False)
+        _, train_s, _ = run(args.backend, copy.deepcopy(base), groups, [0.0] * num_groups,
+                            args.micro_batch_groups, "fixed")
         per_token = args.rollout_ratio * train_s / max(longest)
         arrivals = [per_token * n for n in longest]
-        after_model, stream_model = copy.deepcopy(base), copy.deepcopy(base)
-        after, _ = run(args.backend, after_model, groups, arrivals, args.micro_batch_groups,
-                       streaming=False)
-        stream, _ = run(args.backend, stream_model, groups, arrivals, args.micro_batch_groups,
-                        streaming=True)
-        diff = max((a - b).abs().max().item()
-                   for a, b in zip(after_model.parameters(), stream_model.parameters()))
-        rows.append((max(arrivals), after, stream, diff))
-        print(f"  step {rep}: rollout {max(arrivals):.2f}s  train-after-rollout {after:.2f}s  "
-              f"streaming {stream:.2f}s  speedup {after / stream:.2f}x  "
+        models = {mode: copy.deepcopy(base) for mode in MODES}
+        times, cuts = {}, {}
+        for mode in MODES:
+            times[mode], _, cuts[mode] = run(args.backend, models[mode], groups, arrivals,
+                                             args.micro_batch_groups, mode)
+        diff = max((a - b).abs().max().item() for mode in MODES[1:]
+                   for a, b in zip(models["after"].parameters(), models[mode].parameters()))
+        rows.append((times, diff))
+        print(f"  step {rep}: rollout {max(arrivals):.2f}s  train-after-rollout "
+              f"{times['after']:.2f}s  streaming m_b {times['fixed']:.2f}s  streaming merged "
+              f"{times['merged']:.2f}s (micro-batches of {list(cuts['merged'])} groups)  "
               f"max |param diff| {diff:.1e}")
-    after_mean = sum(r[1] for r in rows) / len(rows)
-    stream_mean = sum(r[2] for r in rows) / len(rows)
-    print(f"mean step time: train-after-rollout {after_mean:.2f}s, streaming {stream_mean:.2f}s "
-          f"-> speedup {after_mean / stream_mean:.2f}x (update identical: max diff "
-          f"{max(r[3] for r in rows):.1e})")
-
+    mean = {mode: sum(r[0][mode] for r in rows) / len(rows) for mode in MODES}
+    print(f"mean step time: train-after-rollout {mean['after']:.2f}s, streaming m_b "
+          f"{mean['fixed']:.2f}s ({mean['after'] / mean['fixed']:.2f}x), streaming merged "
+          f"{mean['merged']:.2f}s ({mean['after'] / mean['merged']:.2f}x) (updates identical: "
+          f"max diff {max(r[1] for r in rows):.1e})")
 
 if __name__ == "__main__":
     main()

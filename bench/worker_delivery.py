@@ -24,7 +24,8 @@ from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
-from tests.integration.worker_client import WorkerSession, add, start_worker  # noqa: E402
+from tests.integration.worker_client import WorkerSession, start_worker  # noqa: E402
+from tests.worker_sessions import add  # noqa: E402
 
 PROMPT = CharTokenizer().encode("Compute 12+34*2=")
 

@@ -7,15 +7,16 @@ list the known ones.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from rlharvest.common.config import Config, ConfigError, ServiceConfig, load_config
+from rlharvest.common import service_host
+from rlharvest.common.config import ConfigError, ServiceConfig, load_config
 from rlharvest.common.observability import run_service
+from rlharvest.common.service_host import ServiceSpec
 
 
 def parse_flags(model: type[ServiceConfig], args: list[str]) -> dict[str, Any]:
@@ -61,12 +62,12 @@ def describe_flags(model: type[ServiceConfig]) -> str:
     return "Flags (also RLH_<NAME> environment variables and --config FILE keys):\n\n" + "\n\n".join(lines)
 
 
-def service_app(program: str, doc: str | None, model: type[Config],
-                serve: Callable[[Config, asyncio.Event], Awaitable[None]]) -> typer.Typer:
-    """The `rlharvest-<service>` command: flags from ``model``, ``--config FILE``, exit code 2
-    with a message naming the key on bad configuration, then ``serve(config, stop_event)`` on
-    uvloop with graceful SIGTERM."""
-    app = typer.Typer(add_completion=False, help=doc)
+def service_app(spec: ServiceSpec) -> typer.Typer:
+    """The ``rlharvest-<service>`` command of a declared service: flags from its config model,
+    ``--config FILE``, exit code 2 with a message naming the key on bad configuration, then
+    the service host on uvloop (graceful SIGTERM); the exit code is the host's."""
+    model = spec.config
+    app = typer.Typer(add_completion=False, help=spec.doc)
 
     @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
                  epilog=describe_flags(model))
@@ -76,8 +77,9 @@ def service_app(program: str, doc: str | None, model: type[Config],
         try:
             cfg = load_config(model, config, parse_flags(model, ctx.args))
         except ConfigError as exc:
-            typer.echo(f"{program}: {exc}", err=True)
+            typer.echo(f"{spec.program}: {exc}", err=True)
             raise typer.Exit(2) from None
-        run_service(lambda stop: serve(cfg, stop))
+        raise typer.Exit(run_service(partial(service_host.serve, spec, cfg)))
 
     return app
+

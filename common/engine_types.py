@@ -2,7 +2,7 @@
 output per request, an engine's load, and their proto conversion.
 
 The control plane (rollout manager, simulator, benchmarks of the control plane) uses these without
-importing torch; the engine interface itself (``services/rollout_worker/engine.py``) adds the
+importing torch; the engine interface itself (``common/worker_core/engine.py``) adds the
 torch-typed parts. Like vLLM's ``sampling_params.py``: one definition every side shares.
 """
 

@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
@@ -44,6 +44,7 @@ def setup_logging(service: str, level: str = "info", json_logs: bool = True) -> 
 
 
 HealthCheck = Callable[[], dict[str, Any]]
+T = TypeVar("T")
 
 
 async def start_http(host: str, port: int, health: HealthCheck,
@@ -80,11 +81,11 @@ async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.App
     return runner, sock.getsockname()[1]
 
 
-def run_service(main: Callable[[asyncio.Event], Awaitable[None]], use_uvloop: bool = True) -> None:
-    """Run ``main(stop_event)`` on uvloop; SIGTERM and SIGINT set the event so ``main`` can shut
-    down gracefully, a second signal exits at once."""
+def run_service(main: Callable[[asyncio.Event], Awaitable[T]], use_uvloop: bool = True) -> T:
+    """Run ``main(stop_event)`` on uvloop and return its result; SIGTERM and SIGINT set the
+    event so ``main`` can shut down gracefully, a second signal exits at once."""
 
-    async def runner() -> None:
+    async def runner() -> T:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         started = time.monotonic()
@@ -99,11 +100,10 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], use_uvloop: bo
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        await main(stop)
+        return await main(stop)
 
     if use_uvloop:
         import uvloop
 
-        uvloop.run(runner())
-    else:
-        asyncio.run(runner())
+        return uvloop.run(runner())
+    return asyncio.run(runner())

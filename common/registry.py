@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aetcd
+from aetcd.utils import prefix_range_end
 
 from rlharvest.common import keys
 
@@ -95,58 +96,76 @@ async def list_members(client: aetcd.Client, service: str | None = None) -> dict
     return {kv.key.decode(): json.loads(kv.value) for kv in found}
 
 
-async def watch_members(client: aetcd.Client, service: str | None = None,
-                        retry_delay: float = 0.5) -> AsyncIterator[MemberEvent]:
-    """Current members as ``join`` events, then every change, without gaps.
+@dataclass(frozen=True)
+class Listing:
+    """Every key in the watched range with its value, read at ``revision``: the first thing a
+    watch yields, and again after every break (what changed meanwhile is folded into it)."""
 
-    The watch starts at the snapshot's revision + 1. If the watch breaks (etcd restarted, revision
-    compacted) it re-lists and emits the difference, so a consumer's view always converges.
-    """
-    prefix = keys.members_prefix(service)
-    known: dict[str, dict] = {}
+    values: dict[str, bytes]
+    revision: int
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change after the last Listing, in revision order; ``value`` None: deleted."""
+
+    key: str
+    value: bytes | None
+    revision: int
+
+
+async def list_and_watch(client: aetcd.Client, key: str, *, prefix: bool = True,
+                         retry_delay: float = 0.5) -> AsyncIterator[Listing | Change]:
+    """The keys starting with ``key`` (``prefix`` False: the key alone), for ever, without gaps:
+    a ``Listing`` of them, then every ``Change`` from the next revision on. When the watch
+    breaks (etcd restarted, revision compacted, connection lost) it lists again after
+    ``retry_delay`` and goes on from there, so a consumer that applies each Listing as the
+    whole truth converges on etcd's state. Only cancellation ends it."""
+    start = key.encode()
+    end = prefix_range_end(start) if prefix else start + b"\0"
     while True:
         try:
-            snapshot = await client.get_prefix(prefix.encode())
-            current = {kv.key.decode(): json.loads(kv.value) for kv in snapshot}
-            for event in _diff(known, current):
-                yield event
-            known = current
-            watch = await client.watch_prefix(prefix.encode(),
-                                              start_revision=snapshot.header.revision + 1)
+            found = await client.get_range(start, end)
+            yield Listing({kv.key.decode(): kv.value for kv in found}, found.header.revision)
+            watch = await client.watch(start, range_end=end,
+                                       start_revision=found.header.revision + 1)
             try:
                 async for ev in watch:
-                    event = _to_event(ev, known)
-                    if event is not None:
-                        yield event
+                    deleted = ev.kind == aetcd.EventKind.DELETE
+                    yield Change(ev.kv.key.decode(), None if deleted else ev.kv.value,
+                                 ev.kv.mod_revision)
             finally:
                 await watch.cancel()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("watch on %s broke (%r); re-listing", prefix, exc)
+            log.warning("watch of %s broke (%r); listing again in %.1fs", key, exc, retry_delay)
             await asyncio.sleep(retry_delay)
+
+
+async def watch_members(client: aetcd.Client, service: str | None = None,
+                        retry_delay: float = 0.5) -> AsyncIterator[MemberEvent]:
+    """Current members as ``join`` events, then every change, without gaps; after a broken
+    watch, the difference to what was reported (``list_and_watch``)."""
+    known: dict[str, dict] = {}
+    async for item in list_and_watch(client, keys.members_prefix(service),
+                                     retry_delay=retry_delay):
+        if isinstance(item, Listing):
+            current = {k: json.loads(v) for k, v in item.values.items()}
+            for event in _diff(known, current):
+                yield event
+            known = current
+        elif (change := _to_event(item, known)) is not None:
+            yield change
 
 
 async def wake_on_change(client: aetcd.Client, key: str, wake: asyncio.Event, *,
                          prefix: bool = False, retry_delay: float = 1.0) -> None:
-    """Set ``wake`` on every change under ``key`` (or every key starting with it), for ever.
-
-    For loops that re-read etcd when woken and poll anyway: a broken watch is re-created after
-    ``retry_delay``, and the owner's poll covers the changes in between."""
-    while True:
-        try:
-            watch = await (client.watch_prefix(key.encode()) if prefix
-                           else client.watch(key.encode()))
-            try:
-                async for _ in watch:
-                    wake.set()
-            finally:
-                await watch.cancel()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("watch of %s broke (%r); polling until it is back", key, exc)
-            await asyncio.sleep(retry_delay)
+    """Set ``wake`` on every change under ``key`` (or every key starting with it), for ever;
+    also after a broken watch is back (changes may have been missed meanwhile). For loops that
+    re-read etcd when woken."""
+    async for _ in list_and_watch(client, key, prefix=prefix, retry_delay=retry_delay):
+        wake.set()
 
 
 def _diff(old: dict[str, dict], new: dict[str, dict]) -> list[MemberEvent]:
@@ -161,16 +180,15 @@ def _diff(old: dict[str, dict], new: dict[str, dict]) -> list[MemberEvent]:
     return events
 
 
-def _to_event(ev: aetcd.Event, known: dict[str, dict]) -> MemberEvent | None:
-    key = ev.kv.key.decode()
-    service, member_id = keys.parse_member_key(key)
-    if ev.kind == "DELETE":
-        if known.pop(key, None) is None:
+def _to_event(change: Change, known: dict[str, dict]) -> MemberEvent | None:
+    service, member_id = keys.parse_member_key(change.key)
+    if change.value is None:
+        if known.pop(change.key, None) is None:
             return None
         return MemberEvent("leave", service, member_id, {})
-    info = json.loads(ev.kv.value)
-    kind = "update" if key in known else "join"
-    known[key] = info
+    info = json.loads(change.value)
+    kind = "update" if change.key in known else "join"
+    known[change.key] = info
     return MemberEvent(kind, service, member_id, info)
 
 

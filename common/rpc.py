@@ -1,20 +1,15 @@
 """gRPC bootstrap shared by every service: server with health + reflection + size limits +
-keepalive, graceful stop within a bound, and client channels with retry/backoff."""
+keepalive, graceful stop within a bound, and client channels with transparent retries."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import random
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # weight chunks are tens of MB; bigger is refused
 
@@ -57,13 +52,24 @@ class Server:
         await self.grpc.stop(grace)
 
 
-async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
-                       service_names: list[str], host: str = "127.0.0.1", port: int = 0,
-                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Server:
-    """Start a server on host:port (0 picks a free port). ``register`` adds the servicers;
-    ``service_names`` are their full names for health and reflection."""
+def bind_server(host: str = "127.0.0.1", port: int = 0,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> tuple[grpc.aio.Server, int]:
+    """A server bound to host:port (0 picks a free port), not started yet: its port is known
+    before its servicers are built. Returns it and the bound port."""
     server = grpc.aio.server(
         options=_size_options(max_message_bytes) + _KEEPALIVE + _SERVER_PING_POLICY)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    return server, bound
+
+
+async def serve(server: grpc.aio.Server, port: int,
+                register: Iterable[Callable[[grpc.aio.Server], None]], service_names: list[str],
+                serving: bool = True) -> Server:
+    """Add the servicers (``register``), health and reflection to a bound server and start it.
+    ``service_names`` are the servicers' full names for health and reflection; ``serving``
+    False starts it NOT_SERVING (a standby)."""
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -71,13 +77,19 @@ async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"could not bind gRPC server to {host}:{port}")
     await server.start()
-    started = Server(server, health_servicer, bound, service_names)
-    await started.set_serving(True)
+    started = Server(server, health_servicer, port, service_names)
+    await started.set_serving(serving)
     return started
+
+
+async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
+                       service_names: list[str], host: str = "127.0.0.1", port: int = 0,
+                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Server:
+    """Bind and serve in one step, SERVING at once (tests and benchmarks; services are hosted
+    by ``service_host``)."""
+    server, bound = bind_server(host, port, max_message_bytes)
+    return await serve(server, bound, register, service_names)
 
 
 def _retry_service_config(service_names: list[str]) -> str:
@@ -92,31 +104,15 @@ def _retry_service_config(service_names: list[str]) -> str:
 
 def channel(target: str, service_names: list[str] | None = None,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    options = _size_options(max_message_bytes) + _KEEPALIVE
+    options: list[tuple[str, int | str]] = [*_size_options(max_message_bytes), *_KEEPALIVE]
     if service_names:
         options.append(("grpc.service_config", _retry_service_config(service_names)))
     return grpc.aio.insecure_channel(target, options=options)
 
 
-T = TypeVar("T")
-
-
-async def with_backoff(call: Callable[[], Awaitable[T]], attempts: int = 5,
-                       first_delay: float = 0.1, max_delay: float = 2.0,
-                       retry_on: tuple[grpc.StatusCode, ...] = (grpc.StatusCode.UNAVAILABLE,)) -> T:
-    """Retry ``call`` with exponential backoff and jitter on the given status codes."""
-    delay = first_delay
-    for attempt in range(1, attempts + 1):
-        try:
-            return await call()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() not in retry_on or attempt == attempts:
-                raise
-            log.info("call failed with %s (attempt %d/%d); retrying in %.2fs",
-                     exc.code().name, attempt, attempts, delay)
-        await asyncio.sleep(delay * (0.5 + random.random()))
-        delay = min(delay * 2, max_delay)
-    raise AssertionError("unreachable")
+def status_in(*codes: grpc.StatusCode) -> Callable[[Exception], bool]:
+    """A ``retry.retry`` predicate: the call failed with one of these gRPC status codes."""
+    return lambda exc: isinstance(exc, grpc.aio.AioRpcError) and exc.code() in codes
 
 
 async def wait_healthy(target: str, timeout: float = 30.0, service: str = "") -> None:

@@ -36,8 +36,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
@@ -47,6 +45,7 @@ import aetcd
 import grpc
 
 from rlharvest.common import keys, registry, rpc
+from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler.model import JobProfile, Pool
 
@@ -82,6 +81,19 @@ class JobSpec:
         return pb.PlacementJobSpec(**fields)
 
 
+class _NoLeader(TimeoutError):
+    """No scheduler holds the election: retried until the failover timeout, then raised."""
+
+
+_FAILOVER_BACKOFF = Backoff(first_s=0.1, max_s=1.0)
+_unavailable = rpc.status_in(grpc.StatusCode.UNAVAILABLE)
+
+
+def _failing_over(exc: Exception) -> bool:
+    """No scheduler leads yet, or the one called is a standby or going away."""
+    return isinstance(exc, _NoLeader) or _unavailable(exc)
+
+
 class SchedulerClient:
     """Calls the leading scheduler; re-resolves the leader and retries while it is UNAVAILABLE
     (failover, restart), for up to ``failover_timeout_s``."""
@@ -98,6 +110,7 @@ class SchedulerClient:
     async def leader(self) -> str | None:
         if self._fixed:
             return self._fixed
+        assert self._etcd is not None  # one of the two is given
         found = await self._etcd.get_prefix(keys.election_prefix(keys.PLACEMENT_ELECTION).encode(),
                                             sort_target="create", sort_order="ascend")
         for kv in found:
@@ -105,30 +118,25 @@ class SchedulerClient:
         return None
 
     async def _call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
-        deadline = time.monotonic() + self._failover_timeout
-        delay = 0.1
-        while True:
+        async def once() -> Any:
             target = await self.leader()
-            if target is not None:
-                if target != self._target:
-                    await self.close()
-                    self._channel, self._target = rpc.channel(target), target
-                stub = placement_scheduler_pb2_grpc.PlacementSchedulerStub(self._channel)
-                try:
-                    return await getattr(stub, method)(request, timeout=timeout)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() is not grpc.StatusCode.UNAVAILABLE or \
-                            time.monotonic() > deadline:
-                        raise
-                    log.info("%s: scheduler %s unavailable (%s); finding the leader again",
-                             method, target, exc.details())
-                    await self.close()
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"no placement scheduler leads (nothing under "
-                                   f"{keys.election_prefix(keys.PLACEMENT_ELECTION)}) after "
-                                   f"{self._failover_timeout}s")
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
+            if target is None:
+                raise _NoLeader(f"no placement scheduler leads (nothing under "
+                                f"{keys.election_prefix(keys.PLACEMENT_ELECTION)}) after "
+                                f"{self._failover_timeout}s")
+            if target != self._target:
+                await self.close()
+                self._channel, self._target = rpc.channel(target), target
+            stub = placement_scheduler_pb2_grpc.PlacementSchedulerStub(self._channel)
+            return await getattr(stub, method)(request, timeout=timeout)
+
+        async def forget_leader(exc: Exception) -> None:
+            if not isinstance(exc, _NoLeader):  # it may be a standby now: find the leader again
+                await self.close()
+
+        return await retry(once, retry_if=_failing_over, attempts=None,
+                           deadline_s=self._failover_timeout, backoff=_FAILOVER_BACKOFF,
+                           what=f"{method} to the placement scheduler", on_retry=forget_leader)
 
     async def submit(self, spec: JobSpec, lease_id: int = 0,
                      start_iteration: int = 0) -> pb.JobPlacement:
@@ -226,7 +234,8 @@ class PlacementJob:
     async def __aenter__(self) -> PlacementJob:
         self._etcd = await registry.connect(self._etcd_endpoint)
         self._lease = await self._etcd.lease(self._lease_ttl)
-        self._keepalive = asyncio.create_task(self._renew(), name=f"lease {self.spec.job_id}")
+        self._keepalive = asyncio.create_task(self._renew(self._lease),
+                                              name=f"lease {self.spec.job_id}")
         self.client = SchedulerClient(self._etcd, self._endpoint, self._failover_timeout)
         try:
             self.placement = await self.client.submit(self.spec, self._lease.id,
@@ -261,11 +270,11 @@ class PlacementJob:
         if self._etcd is not None:
             await self._etcd.close()
 
-    async def _renew(self) -> None:
+    async def _renew(self, lease: aetcd.Lease) -> None:
         while True:
             await asyncio.sleep(max(self._lease_ttl / 3, 0.2))
             try:
-                await self._lease.refresh()
+                await lease.refresh()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL ends

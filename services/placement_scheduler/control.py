@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import grpc
+
+from rlharvest.common.errors import ServiceError
 from rlharvest.services.placement_scheduler.inter_group import Decision, InterGroupScheduler
 from rlharvest.services.placement_scheduler.long_tail import (
     RolloutProgress, TailMigration, plan_tail_migration)
@@ -31,12 +34,18 @@ from rlharvest.services.placement_scheduler.permits import RUNNING, Permit, Phas
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
-class Refusal(Exception):
-    """A request the scheduler refuses. ``kind`` tells the shell which gRPC status it is:
+class Refusal(ServiceError):
+    """A request the scheduler refuses. ``kind`` (the metrics label) names its status:
     invalid, precondition, exists, not_found or exhausted."""
 
+    _STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
+               "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+               "exists": grpc.StatusCode.ALREADY_EXISTS,
+               "not_found": grpc.StatusCode.NOT_FOUND,
+               "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
+
     def __init__(self, kind: str, message: str):
-        super().__init__(message)
+        super().__init__(message, code=self._STATUS[kind])
         self.kind = kind
 
 

@@ -3,14 +3,12 @@ phase run-permits (WEAVE §4, §5). Start two for a hot standby: they elect a le
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-
-from rlharvest.common import keys, registry, rpc
+from rlharvest.common import keys, registry
 from rlharvest.common.cli import service_app
-from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import placement_scheduler_pb2, placement_scheduler_pb2_grpc
+from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
 from rlharvest.services.placement_scheduler.service import PlacementService
@@ -19,62 +17,45 @@ log = logging.getLogger("rlharvest.placement_scheduler")
 SERVICE_NAME = placement_scheduler_pb2.DESCRIPTOR.services_by_name["PlacementScheduler"].full_name
 
 
-
-async def serve(cfg: PlacementConfig, stop: asyncio.Event) -> None:
-    setup_logging("placement_scheduler", cfg.log_level, cfg.json_logs)
-    etcd = await registry.connect(cfg.etcd)
-    # The servicer advertises the endpoint, known once the port is bound: set it after binding.
-    service = PlacementService(cfg, etcd, "")
-    add = placement_scheduler_pb2_grpc.add_PlacementSchedulerServicer_to_server
-    server = await rpc.start_server([lambda s: add(service, s)], [SERVICE_NAME], cfg.host,
-                                    cfg.port, cfg.max_message_bytes)
-    await server.set_serving(False)  # a standby is not serving until it leads
-    endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
-    service.endpoint = endpoint
-    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health)
-    membership = await registry.register(etcd, "placement_scheduler", cfg.scheduler_id, {
-        "endpoint": endpoint, "role": "standby",
-        "metrics": f"{cfg.advertise_host or cfg.host}:{metrics_port}"}, ttl=cfg.lease_ttl)
+async def build(host: Host[PlacementConfig]) -> Parts:
+    cfg = host.config
+    service = PlacementService(cfg, host.etcd, host.endpoint)
+    election = registry.Election(host.etcd, keys.PLACEMENT_ELECTION, host.endpoint,
+                                 ttl=cfg.lease_ttl)
     metrics.LEADER.set(0)
-    election = registry.Election(etcd, keys.PLACEMENT_ELECTION, endpoint, ttl=cfg.lease_ttl)
-    log.info("scheduler %s on %s standing by for leadership", cfg.scheduler_id, endpoint)
 
-    stopped = asyncio.create_task(stop.wait(), name="stop")
-    deposed = asyncio.create_task(service.deposed.wait(), name="deposed")
-    campaign = asyncio.create_task(election.campaign(), name="campaign")
-    loops: list[asyncio.Task] = []
-    try:
-        done, _ = await asyncio.wait({stopped, campaign}, return_when=asyncio.FIRST_COMPLETED)
-        if campaign in done:
-            campaign.result()
-            revision = await service.lead(election.key)
-            loops = [asyncio.create_task(service.watch_liveness(revision), name="liveness"),
-                     asyncio.create_task(service.check_fence(election.key), name="fence")]
-            await server.set_serving(True)
-            await membership.update(role="leader")
-            log.info("scheduler %s leads on %s", cfg.scheduler_id, endpoint)
-            done, _ = await asyncio.wait({stopped, deposed, *loops},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            for task in loops:
-                if task in done:
-                    task.result()  # a loop that died must take the process down, not hide
-    finally:
-        service.accepting = False
-        campaign.cancel()
-        for task in (*loops, deposed, stopped):
-            task.cancel()
-        await server.stop(cfg.shutdown_grace)
-        await election.resign()  # the standby takes over now, not after the lease TTL
-        await membership.close()
-        await http.cleanup()
-        await etcd.close()
-    if service.deposed.is_set():
-        raise SystemExit("placement scheduler lost leadership (its election key vanished); "
-                         "exiting so a supervisor restarts it as a standby")
-    log.info("scheduler %s stopped", cfg.scheduler_id)
+    async def lead() -> None:
+        """Stand by until elected, then lead until deposed; resign when cancelled, so the
+        standby takes over now, not after the lease TTL."""
+        try:
+            log.info("scheduler %s on %s standing by for leadership", cfg.scheduler_id,
+                     host.endpoint)
+            await election.campaign()
+            fence = election.key
+            assert fence is not None  # campaign() returned: we hold our election key
+            await service.lead(fence)
+            host.start_loop(Loop("liveness", service.watch_liveness))
+            host.start_loop(Loop("fence", lambda: service.check_fence(fence)))
+            await host.set_serving(True)
+            assert host.membership is not None  # registered before loops start
+            await host.membership.update(role="leader")
+            log.info("scheduler %s leads on %s", cfg.scheduler_id, host.endpoint)
+            await service.deposed.wait()
+            host.stop("placement scheduler lost leadership (its election key vanished); "
+                      "exiting so a supervisor restarts it as a standby", exit_code=1)
+        finally:
+            await election.resign()
+
+    return Parts(member_id=cfg.scheduler_id, member_info={"role": "standby"},
+                 servicers=[Servicer(service, placement_scheduler_pb2_grpc
+                                     .add_PlacementSchedulerServicer_to_server, SERVICE_NAME)],
+                 health=service.health, serving=False,  # a standby serves once it leads
+                 loops=[Loop("leadership", lead)],
+                 stop_accepting=service.stop_accepting)
 
 
-app = service_app("rlharvest-placement-scheduler", __doc__, PlacementConfig, serve)
+SPEC = ServiceSpec("placement_scheduler", PlacementConfig, build, __doc__)
+app = service_app(SPEC)
 
 
 if __name__ == "__main__":

@@ -18,25 +18,22 @@ from typing import Any, TypeVar
 
 import grpc
 
-from rlharvest.common import keys
+from rlharvest.common import errors, keys, registry
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
 from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
 from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.placement_scheduler.store import DeposedError, PlacementStore
+from rlharvest.common.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT,
-          "precondition": grpc.StatusCode.FAILED_PRECONDITION,
-          "exists": grpc.StatusCode.ALREADY_EXISTS,
-          "not_found": grpc.StatusCode.NOT_FOUND,
-          "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED}
 _PHASES = {pb.PHASE_ROLLOUT: Pool.ROLLOUT, pb.PHASE_TRAIN: Pool.TRAIN}
 _TO_PB = {Pool.ROLLOUT: pb.PHASE_ROLLOUT, Pool.TRAIN: pb.PHASE_TRAIN}
 _WRITE_ATTEMPTS = 3
+_WRITE_BACKOFF = Backoff(first_s=0.1, max_s=0.4)
 
 
 def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) -> PlacementControl:
@@ -82,9 +79,9 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 
     # ---- leadership ----------------------------------------------------------------------------
 
-    async def lead(self, fence_key: str) -> int:
+    async def lead(self, fence_key: str) -> None:
         """Take over: rebuild the state from etcd, fail jobs whose client lease ran out while no
-        scheduler watched, and start answering. Returns the revision to watch liveness from."""
+        scheduler watched, and start answering."""
         store = PlacementStore(self._etcd, fence_key)
         snapshot = await store.load()
         control = new_control(self._cfg)
@@ -100,34 +97,22 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         self._update_gauges()
         log.info("leading with %d groups and %d jobs restored from etcd",
                  len(control.scheduler.groups), len(control.jobs))
-        return snapshot.revision
 
-    async def watch_liveness(self, start_revision: int) -> None:
-        """A job whose client lease expires has failed: it leaves its group."""
+    def stop_accepting(self) -> None:
+        """Shutting down: calls that change state are refused from now on (UNAVAILABLE)."""
+        self.accepting = False
+
+    async def watch_liveness(self) -> None:
+        """A job whose client lease expires has failed: it leaves its group. A liveness key
+        deleted, or missing from a listing (taking over, or after the watch broke), is one."""
         prefix = keys.placement_alive_prefix()
-        revision = start_revision + 1
-        while True:
-            try:
-                watch = await self._etcd.watch_prefix(prefix.encode(), start_revision=revision)
-                try:
-                    async for event in watch:
-                        revision = event.kv.mod_revision + 1
-                        if event.kind == "DELETE":
-                            await self._job_lost(event.kv.key.decode().removeprefix(prefix))
-                finally:
-                    await watch.cancel()
-            except asyncio.CancelledError:
-                raise
-            except DeposedError:
-                raise
-            except Exception as exc:  # watch broke (etcd restart, compaction): re-list
-                log.warning("liveness watch broke (%r); re-listing", exc)
-                await asyncio.sleep(0.5)
-                found = await self._etcd.get_prefix(prefix.encode())
-                revision = found.header.revision + 1
-                alive = {kv.key.decode().removeprefix(prefix) for kv in found}
+        async for item in registry.list_and_watch(self._etcd, prefix):
+            if isinstance(item, registry.Listing):
+                alive = {key.removeprefix(prefix) for key in item.values}
                 for job_id in self.control.expired(alive) if self.control else []:
                     await self._job_lost(job_id)
+            elif item.value is None:
+                await self._job_lost(item.key.removeprefix(prefix))
 
     async def check_fence(self, fence_key: str) -> None:
         """Stop at once if our election key is gone even while no write would notice."""
@@ -165,7 +150,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             try:
                 result = change(control)
             except Refusal as exc:
-                await context.abort(_CODES[exc.kind], str(exc))
+                await errors.abort(context, exc)
             await self._persist(context)
         self._notify()
         return result
@@ -175,38 +160,32 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         control, store = self.control, self._store
         assert control is not None and store is not None
         leases = {j: r.lease_id for j, r in control.jobs.items()}
-        error: Exception | None = None
-        for attempt in range(1, _WRITE_ATTEMPTS + 1):
-            started = time.perf_counter()
-            try:
-                await store.save(control.records(), leases)
-                metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
-                self._update_gauges()
-                return
-            except DeposedError as exc:
-                self._fatal(exc)
-                error = exc
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("etcd write failed (attempt %d/%d): %r", attempt, _WRITE_ATTEMPTS,
-                            exc)
-                error = exc
-                if "lease not found" in str(exc):
-                    break  # a client lease that expired meanwhile: retrying cannot help
-                await asyncio.sleep(0.1 * attempt)
+        started = time.perf_counter()
+        try:
+            await retry(lambda: store.save(control.records(), leases), retry_if=_may_retry_write,
+                        attempts=_WRITE_ATTEMPTS, backoff=_WRITE_BACKOFF,
+                        what="etcd write of the placement state")
+        except DeposedError as exc:
+            self._fatal(exc)
+            error: Exception = exc
+        except Exception as exc:
+            log.warning("etcd write failed: %r", exc)
+            error = exc
+        else:
+            metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
+            self._update_gauges()
+            return
         # Roll back to what etcd holds so memory never runs ahead of it.
         rebuilt = new_control(self._cfg)
         rebuilt.restore(store.persisted)
         self.control = rebuilt
         if context is not None:
             if self.deposed.is_set():
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "this scheduler lost leadership; ask the new leader")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"could not persist the change to etcd ({error!r}); nothing "
-                                "changed, retry the call")
+                await errors.abort(context, errors.Unavailable(
+                    "this scheduler lost leadership; ask the new leader"))
+            await errors.abort(context, errors.Unavailable(
+                f"could not persist the change to etcd ({error!r}); nothing changed, retry the "
+                "call"))
         raise RuntimeError(f"could not persist placement state: {error!r}")
 
     def _fatal(self, exc: Exception) -> None:
@@ -220,12 +199,12 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 
     async def _leader(self, context: grpc.aio.ServicerContext) -> PlacementControl:
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down; retry "
-                                "against the next leader")
+            await errors.abort(context, errors.Unavailable(
+                "scheduler is shutting down; retry against the next leader"))
         if self.control is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler at {self.endpoint} is a "
-                                "standby; find the leader under the etcd election "
-                                f"{keys.election_prefix(keys.PLACEMENT_ELECTION)}")
+            await errors.abort(context, errors.Unavailable(
+                f"scheduler at {self.endpoint} is a standby; find the leader under the etcd "
+                f"election {keys.election_prefix(keys.PLACEMENT_ELECTION)}"))
         return self.control
 
     # ---- RPCs ----------------------------------------------------------------------------------
@@ -234,11 +213,12 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         job = request.job
         spec = submitted_spec(job)
         await self._leader(context)
+        assert self._store is not None  # a leader has its store
         if request.lease_id > 0 and not await self._store.lease_alive(request.lease_id):
             metrics.SUBMISSIONS.labels("lease_expired").inc()
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"job {job.job_id!r}: etcd lease {request.lease_id:x} does not "
-                                "exist or expired; submit with a live lease of the job's client")
+            await errors.abort(context, errors.FailedPrecondition(
+                f"job {job.job_id!r}: etcd lease {request.lease_id:x} does not exist or "
+                "expired; submit with a live lease of the job's client"))
 
         def submit(control: PlacementControl):
             try:
@@ -250,10 +230,11 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         admission = await self._mutate(context, submit)
         metrics.SUBMISSIONS.labels(admission.decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(admission.decision_s)
+        placement = self._placement(job.job_id)
         log.info("job %s placed (%s) in group %s on rollout %s, train %s", job.job_id,
-                 admission.decision.strategy.value, self.control.jobs[job.job_id].group_id,
+                 admission.decision.strategy.value, placement.group_id,
                  admission.rollout_node_ids, admission.train_node_ids)
-        return self._placement(job.job_id)
+        return placement
 
     async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.CancelJobReply:
         cause = "cancelled"
@@ -268,13 +249,15 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         try:
             control.record(request.job_id)
         except Refusal as exc:
-            await context.abort(_CODES[exc.kind], str(exc))
+            await errors.abort(context, exc)
         return self._placement(request.job_id)
 
     def _placement(self, job_id: str) -> pb.JobPlacement:
-        record = self.control.record(job_id)
-        rollout, train = self.control.placement(job_id)
-        job = self.control.scheduler.groups[record.group_id].jobs[job_id]
+        control = self.control
+        assert control is not None  # called right after a leader's change or check
+        record = control.record(job_id)
+        rollout, train = control.placement(job_id)
+        job = control.scheduler.groups[record.group_id].jobs[job_id]
         return pb.JobPlacement(job_id=job_id, group_id=record.group_id, strategy=record.strategy,
                                rollout_node_ids=rollout, train_node_ids=train,
                                marginal_cost_per_hour=record.marginal_cost_per_hour,
@@ -295,6 +278,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                     node_ids=permit.node_ids, pending_node_ids=permit.pending_node_ids,
                     granted_at_unix=permit.granted_at))
             if not await self._wait(changed, deadline):
+                assert self.control is not None  # a leader stays one until the process ends
                 return pb.PermitReply(granted=False,
                                       waiting_for=self.control.waiting_for(request.job_id))
 
@@ -320,14 +304,14 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 
     async def _permit_args(self, request, context) -> tuple[Pool, float]:
         if request.phase not in _PHASES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"phase must be PHASE_ROLLOUT or PHASE_TRAIN, got {request.phase}")
+            await errors.abort(context, errors.InvalidArgument(
+                f"phase must be PHASE_ROLLOUT or PHASE_TRAIN, got {request.phase}"))
         if request.iteration < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"iteration must be >= 0, got {request.iteration}")
+            await errors.abort(context, errors.InvalidArgument(
+                f"iteration must be >= 0, got {request.iteration}"))
         if not request.wait_s >= 0:  # also refuses NaN
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"wait_s must be >= 0, got {request.wait_s}")
+            await errors.abort(context, errors.InvalidArgument(
+                f"wait_s must be >= 0, got {request.wait_s}"))
         return _PHASES[request.phase], min(request.wait_s or self._cfg.max_wait_s,
                                            self._cfg.max_wait_s)
 
@@ -347,8 +331,8 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         by_node: dict[str, int] = {}
         for row in request.unfinished_by_node:
             if row.node_id in by_node:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"node {row.node_id!r} is reported twice")
+                await errors.abort(context, errors.InvalidArgument(
+                    f"node {row.node_id!r} is reported twice"))
             by_node[row.node_id] = row.unfinished
         plan = await self._mutate(context, lambda c: c.progress(
             request.job_id, request.iteration, request.total_responses,
@@ -431,3 +415,14 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 "role": "leader" if control is not None else "standby",
                 "groups": len(control.scheduler.groups) if control else 0,
                 "jobs": len(control.jobs) if control else 0}
+
+
+def _may_retry_write(exc: Exception) -> bool:
+    """A failed etcd write is worth another try unless this scheduler was deposed or a client
+    lease expired meanwhile (etcd answers NOT_FOUND for it: the same write fails again)."""
+    if isinstance(exc, DeposedError):
+        return False
+    cause = exc.__cause__
+    lease_gone = isinstance(cause, grpc.aio.AioRpcError) and \
+        cause.code() is grpc.StatusCode.NOT_FOUND
+    return not lease_gone

@@ -5,11 +5,14 @@ healthy, not draining; the caller filters). The paper's loops ("while true", "wa
 completion") become calls the service repeats: ``select_instance`` returns None where the paper
 waits, and ``continuous_lb`` is one iteration of the monitor loop.
 
-m_pending and m_exec are derived from what the manager already tracks instead of being queried
-(line 5, lines 16-17): a worker admits requests FIFO into its ``capacity`` batch slots, so of the
-requests assigned to it, ``min(assigned, capacity)`` execute and the rest pend. Counting the
-manager's own in-flight dispatches this way keeps JSQ exact during a dispatch burst, when a
-queried count would lag behind.
+m_pending and m_exec (line 5, lines 16-17) depend on how a worker admits requests:
+
+* ``slots`` (a fixed number of batch slots, FIFO): derived from what the manager already tracks
+  instead of being queried. Of the requests assigned to the worker, ``min(assigned, capacity)``
+  execute and the rest pend. Counting the manager's own in-flight dispatches this way keeps JSQ
+  exact during a dispatch burst, when a queried count would lag behind.
+* ``kv_memory`` (as many as its KV cache holds, e.g. vLLM): only the worker knows, so they come
+  from its last load report (``kv_memory_load``), still counting in-flight dispatches.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ class InstanceLoad:
     # Requests producing tokens, in the order to move them when it runs above the plateau.
     running: tuple[str, ...] = ()
     plateau: int | None = None  # B for this instance's kind at the current context; None: no P
+    # Requests on the instance that this manager did not send (another manager's, serving
+    # traffic): only a kv_memory worker's load report shows them (kv_memory_load).
+    unmanaged: int = 0
 
     @property
     def assigned(self) -> int:
-        return len(self.queued) + len(self.running)
+        """Every request on the instance, running or queued."""
+        return len(self.queued) + len(self.running) + self.unmanaged
 
     @property
     def pending(self) -> int:
@@ -51,7 +58,24 @@ class InstanceLoad:
 
     @property
     def free_slots(self) -> int:
-        return max(0, self.capacity - self.assigned)
+        return 0 if self.pending else max(0, self.capacity - self.executing)
+
+
+def kv_memory_load(slots: int, reported_pending: int, reported_executing: int,
+                   assigned_at_report: int) -> tuple[int, int]:
+    """(capacity, unmanaged) of InstanceLoad for a worker that admits by KV memory, from its
+    last load report; ``slots`` is the most it ever runs at once, ``assigned_at_report`` how many
+    requests the manager had on it when it reported.
+
+    A worker that queues requests is full at what it runs now; one that queues none may take
+    more, up to ``slots``. The requests it reported beyond the manager's are someone else's.
+    With both, InstanceLoad's pending and executing are the worker's own counts as reported,
+    and every request the manager sends or takes away since then moves them as it will on the
+    worker, so a dispatch burst does not pile onto a full worker. A worker sent more than its
+    memory holds queues the excess, reports it, and CONTINUOUSLB moves it on.
+    """
+    capacity = reported_executing if reported_pending > 0 else slots
+    return capacity, max(0, reported_pending + reported_executing - assigned_at_report)
 
 
 # (instances, Θ) -> the instance to dispatch to, or None to hold. select_instance is Algorithm 2's;

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-# Why a request left a worker. "pending" and "executing" are Algorithm 2's two migration cases.
-MigrationCause = Literal["pending", "executing", "drain", "version", "lost", "protocol"]
+# Why a request left a worker. "pending" and "executing" are Algorithm 2's two migration cases;
+# "refused": the worker turned the request down in a way another worker may not (failure.py).
+MigrationCause = Literal["pending", "executing", "drain", "version", "lost", "protocol",
+                         "refused"]
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,34 @@ class Migrate:
 class Release:
     """The request left ``worker_id`` and waits in the manager for a new worker (tokens kept).
 
-    The worker is usually gone; where it may still be reachable, the service sends an abort.
+    The worker is usually gone; where it may still be reachable and ``abort`` is set, the service
+    sends an abort. ``abort`` is False when the worker never took the request (it refused it).
     """
 
     request_id: str
     worker_id: str
     cause: MigrationCause
+    abort: bool = True
 
 
 @dataclass(frozen=True)
 class Fail:
-    """The request cannot be completed; ``reason`` says why and what the operator can do."""
+    """The request cannot be completed (or its step no longer needs it); ``reason`` says why and
+    what the operator can do. Its client gets it as a failed completion. When ``worker_id`` is
+    set, the request was running there and the service aborts it."""
 
     request_id: str
     reason: str
+    worker_id: str | None = None
 
 
-Command = Union[Dispatch, Migrate, Release, Fail]
+@dataclass(frozen=True)
+class Abort:
+    """Tell ``worker_id`` to drop the request: its client went away and the manager has already
+    forgotten it, so nobody is told anything else."""
+
+    request_id: str
+    worker_id: str
+
+
+Command = Union[Dispatch, Migrate, Release, Fail, Abort]

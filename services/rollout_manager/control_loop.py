@@ -1,9 +1,11 @@
-"""The manager's decision loop: tracker + worker pool + Algorithm 2 + failure policy, no I/O.
+"""The manager's decision loop: steps, tracker, worker pool, Algorithm 2, failure policy; no I/O.
 
 The async service (and the policy simulator, which drives this very class) feeds it events —
-a step, worker joins/losses/drains/version changes, batched step outputs, throughput samples —
-and calls ``tick`` whenever something may have changed (a completion, a timer). Every command
-it returns has already been applied to the tracker; the caller only carries it out.
+a step added or abandoned, a completion delivered, worker joins/losses/drains/version changes,
+loads and refusals, batched step outputs, engine-step stats — and calls ``tick`` whenever
+something may have changed (a completion, a timer). Every command it returns has already been
+applied to the tracker; the caller only carries it out. Refusals it raises (``StepError``,
+``UnknownVersion``) are ``common.errors`` kinds, so the service answers them with their status.
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
     SelectFn,
     dispatch_waiting,
+    kv_memory_load,
     rebalance,
     select_instance,
 )
-from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
+from rlharvest.services.rollout_manager.batching_profile import (
+    StepStatsLike,
+    ThroughputProfile,
+    decode_sample,
+)
 from rlharvest.services.rollout_manager.commands import (
+    Abort,
     Command,
     Dispatch,
     Fail,
@@ -28,15 +36,19 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.failure import FailureConfig, FailurePolicy
+from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
+from rlharvest.services.rollout_manager.step_book import StepBook, admit_version
 from rlharvest.services.rollout_manager.tracker import (
     ApplyReport,
     DeltaLike,
     NewRequest,
     RequestState,
     RequestTracker,
+    StepError,
     StepLimits,
 )
-from rlharvest.services.rollout_manager.worker_pool import WorkerPool, WorkerState
+from rlharvest.services.rollout_manager.worker_pool import WorkerPool, WorkerState, WorkerView
 
 
 @dataclass(frozen=True)
@@ -59,19 +71,69 @@ class RolloutControl:
         self.tracker = RequestTracker(config.limits, clock)
         self.pool = WorkerPool(clock)
         self.failure = FailurePolicy(config.failure, clock)
-        self.profiles: dict[str, ThroughputProfile] = {}  # worker kind -> P
+        self.steps = StepBook(clock, config.profile_epsilon)
+        self._clock = clock
         self._select = select
         self._outbox: list[Command] = []  # decided outside tick (protocol errors), sent by tick
 
-    # ---- events -------------------------------------------------------------------------------
+    @property
+    def profiles(self) -> dict[str, ThroughputProfile]:
+        """P per worker kind, as frozen by the last finished step (step_book.py)."""
+        return self.steps.profiles
 
-    def add_step(self, requests: Sequence[NewRequest]) -> list[str]:
-        return self.tracker.add_step(requests)
+    # ---- steps --------------------------------------------------------------------------------
+
+    def add_step(self, step_id: str, requests: Sequence[NewRequest], weight_version: int, *,
+                 announced_version: int | None = None, policy: StepPolicy | None = None,
+                 profiled: bool = True) -> Step:
+        """Admit a step whose every request runs on ``weight_version``, which a worker must hold
+        or the job must have announced (``announced_version``: the newest announced, None for
+        none). Nothing is added when the step is refused (StepError, UnknownVersion). The step
+        runs under ``policy`` (plain by default); ``profiled=False`` for a request that is not
+        a step of the RL loop (a single Generate): its end never freezes P."""
+        admit_version(weight_version, self._held_versions(), announced_version)
+        for r in requests:
+            if r.weight_version != weight_version:
+                raise StepError(f"request {r.request_id!r} has weight_version "
+                                f"{r.weight_version}; a step runs on one version, {weight_version}")
+        ids = self.tracker.add_step(requests)
+        return self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled)
+
+    def version_held(self, weight_version: int) -> bool:
+        """Whether some worker holds the version (then add_step needs no announced version)."""
+        return weight_version in self._held_versions()
+
+    def deliver(self, request_id: str) -> Step | None:
+        """The request's completion (finished or failed) reached its client: the manager forgets
+        it. Returns its step when that was the step's last one: the step has ended, and if it is
+        profiled its samples are P now. A request no longer tracked (its step was abandoned
+        meanwhile) is ignored."""
+        if request_id not in self.tracker:
+            return None
+        self.tracker.forget(request_id)
+        return self.steps.delivered(request_id)
+
+    def abandon_step(self, step: Step) -> list[Command]:
+        """The client went away: its undelivered requests are dropped (aborted where they run)
+        and the step ends, without freezing P. A step that already ended is left as it is."""
+        out: list[Command] = []
+        for request_id in self.steps.abandon(step):
+            if request_id not in self.tracker:
+                continue
+            worker_id = self.tracker.get(request_id).worker_id
+            if worker_id is not None:
+                out.append(Abort(request_id, worker_id))
+            self.tracker.fail(request_id, "client cancelled the step")
+            self.tracker.forget(request_id)
+        return out
+
+    # ---- workers ------------------------------------------------------------------------------
 
     def worker_joined(self, worker_id: str, weight_version: int, capacity: int,
-                      kind: str) -> None:
-        self.pool.join(worker_id, weight_version, capacity, kind)
-        self.profiles.setdefault(kind, ThroughputProfile(self.config.profile_epsilon))
+                      kind: str, admission: str = "slots") -> None:
+        """``admission``: "slots" or "kv_memory" (worker_pool.py); ValueError for another."""
+        self.pool.join(worker_id, weight_version, capacity, kind, admission)
+        self.steps.add_kind(kind)
 
     def worker_lost(self, worker_id: str, reason: str) -> list[Command]:
         """Stream broke, lease vanished, or the worker left: its requests wait, tokens kept
@@ -113,18 +175,32 @@ class RolloutControl:
                 self._outbox.append(Release(dropped.request_id, worker_id, "protocol"))
         return report
 
-    def record_throughput(self, worker_id: str, batch_size: int, tokens_per_s: float) -> None:
-        """A decode throughput sample for P, at the mean context of the worker's requests."""
-        requests = self.tracker.on_worker(worker_id)
-        if not requests or worker_id not in self.pool:
+    def engine_step(self, worker_id: str, stats: StepStatsLike) -> None:
+        """One engine step of the worker (its batch size, duration and tokens): a sample of P
+        at the mean context of the worker's requests, for every profiled step in flight. Steps
+        that say nothing about decode batching are left out (``decode_sample``)."""
+        if not self.steps.capturing:
             return
-        context = sum(r.context_length for r in requests) / len(requests)
-        self.profiles[self.pool.get(worker_id).kind].record(batch_size, tokens_per_s, context)
+        sample = decode_sample(stats)
+        context = self.tracker.mean_context(worker_id)
+        if sample is None or context is None or worker_id not in self.pool:
+            return
+        self.steps.sample(self.pool.get(worker_id).kind, sample[0], sample[1], context)
 
-    def finish_step(self) -> None:
-        """Freeze this step's throughput samples as P for the next step (§4.2.1)."""
-        for profile in self.profiles.values():
-            profile.finish_step()
+    def worker_load(self, worker_id: str, pending: int, executing: int) -> None:
+        """The worker's own queue and batch as it last reported them (read for kv_memory)."""
+        self.pool.report_load(worker_id, pending, executing,
+                              self.tracker.assigned_count(worker_id))
+
+    def command_refused(self, worker_id: str, request_id: str, code: int,
+                        message: str) -> list[Command]:
+        """The worker refused a command about the request (``code``: a gRPC status value)."""
+        if request_id not in self.tracker:
+            return []
+        req = self.tracker.get(request_id)
+        if req.done or req.worker_id != worker_id:
+            return []  # about an assignment the request already left
+        return self._apply([self.failure.refused(request_id, worker_id, code, message)])
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -135,6 +211,8 @@ class RolloutControl:
         for w in list(self.pool.all()):
             if w.state is WorkerState.DRAINING and self._busy(w.worker_id):
                 out += self._evacuate(w.worker_id, "drain", keep_without_room=True)
+        for step in self.steps.live():  # before dispatch: nothing is sent only to be cut
+            out += self._apply(self._cut(step))
         waiting = self._waiting_by_version()
         for version, ids in waiting.items():
             out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
@@ -145,6 +223,22 @@ class RolloutControl:
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _cut(self, step: Step) -> list[Fail]:
+        """Fail the outstanding requests the step's policy no longer needs (step_policy.py)."""
+        cut = step.policy.cut(step, self._clock())
+        if not cut:
+            return []
+        fails = []
+        for request_id in sorted(cut):
+            if request_id not in step.outstanding:
+                raise ValueError(f"step policy {step.policy.name!r} cut {request_id!r}, which "
+                                 f"is not an outstanding request of step {step.step_id!r}")
+            req = self.tracker.get(request_id)
+            if not req.done:  # finished meanwhile: its completion is on its way
+                fails.append(Fail(request_id, f"cut by the {step.policy.name} step policy",
+                                  req.worker_id))
+        return fails
 
     def _wait_limit(self, request_id: str) -> tuple[float, float | None]:
         req = self.tracker.get(request_id)
@@ -194,20 +288,25 @@ class RolloutControl:
         return {w.weight_version for w in self.pool.all()
                 if w.state is WorkerState.HEALTHY and self._busy(w.worker_id)}
 
+    def _held_versions(self) -> set[int]:
+        return {w.weight_version for w in self.pool.all()}
+
     def _loads(self, weight_version: int) -> list[InstanceLoad]:
         """Algorithm 2's view of the workers eligible for ``weight_version``."""
-        loads = []
-        for w in self.pool.eligible(weight_version):
-            requests = self.tracker.on_worker(w.worker_id)
-            queued = tuple(r.request_id for r in requests if r.state is RequestState.PENDING)
-            # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
-            # the likeliest to run longest, and they gain most from the idle worker's small batch.
-            running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
-                             key=lambda r: -len(r.token_ids))
-            plateau = None
-            if requests:
-                context = sum(r.context_length for r in requests) / len(requests)
-                plateau = self.profiles[w.kind].plateau(context)
-            loads.append(InstanceLoad(w.worker_id, w.capacity, queued,
-                                      tuple(r.request_id for r in running), plateau))
-        return loads
+        return [self._load(w) for w in self.pool.eligible(weight_version)]
+
+    def _load(self, w: WorkerView) -> InstanceLoad:
+        requests = self.tracker.on_worker(w.worker_id)
+        queued = tuple(r.request_id for r in requests if r.state is RequestState.PENDING)
+        # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
+        # the likeliest to run longest, and they gain most from the idle worker's small batch.
+        running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
+                         key=lambda r: -len(r.token_ids))
+        context = self.tracker.mean_context(w.worker_id)
+        plateau = None if context is None else self.profiles[w.kind].plateau(context)
+        capacity, unmanaged = w.capacity, 0
+        if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
+            capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
+                                                 w.reported_executing, w.assigned_at_report)
+        return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
+                            plateau, unmanaged)

@@ -12,6 +12,8 @@ through SELECTINSTANCE and continue from their last token).
 * A request that waits while **no** worker holds its weight version fails once that has lasted
   ``no_worker_timeout_s``; the reason tells the operator what to check. Waiting because every
   eligible worker is at Θ is normal delayed dispatch, never a failure.
+* A request a worker **refuses** goes elsewhere when the refusal is about that worker (wrong
+  version, full, draining, a duplicate add) and fails when it is about the request itself.
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import grpc
+
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, select_instance
 from rlharvest.services.rollout_manager.commands import Fail, MigrationCause, Migrate, Release
 from rlharvest.services.rollout_manager.worker_pool import WorkerState, WorkerView
+
+# Worker refusal codes (the worker's CommandError) after which the request may simply go to
+# another worker: this one holds another version, is draining, is full, or already had it.
+RETRYABLE_REFUSALS = frozenset(code.value[0] for code in (
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 @dataclass(frozen=True)
 class FailureConfig:
@@ -66,6 +76,14 @@ class FailurePolicy:
     def release_all(worker_id: str, request_ids: Iterable[str],
                     cause: MigrationCause) -> list[Release]:
         return [Release(r, worker_id, cause) for r in request_ids]
+
+    @staticmethod
+    def refused(request_id: str, worker_id: str, code: int, message: str) -> Release | Fail:
+        """A worker refused the request (a gRPC status ``code``): wait for another worker, or
+        fail when any worker would refuse it too (e.g. longer than the context)."""
+        if code in RETRYABLE_REFUSALS:
+            return Release(request_id, worker_id, "refused", abort=False)
+        return Fail(request_id, f"worker {worker_id} refused the request: {message}")
 
     @staticmethod
     def evacuate(src: str, request_ids: Sequence[str], instances: Sequence[InstanceLoad],

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
-from rlharvest.common import registry, rpc
 from rlharvest.common.cli import service_app
-from rlharvest.common.observability import setup_logging, start_http
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
+from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select_instance
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
@@ -37,41 +35,23 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
         select=RoundRobinSelect() if cfg.balancer == "round_robin" else select_instance)
 
 
-async def serve(cfg: ManagerConfig, stop: asyncio.Event) -> None:
-    setup_logging("rollout_manager", cfg.log_level, cfg.json_logs)
-    etcd = await registry.connect(cfg.etcd)
-    service = ManagerService(build_control(cfg), etcd, job=cfg.job,
-                             max_message_bytes=cfg.max_message_bytes,
-                             client_queue=cfg.client_queue, tick_interval_s=cfg.rebalance_interval_s)
-    server = await rpc.start_server(
-        [lambda s: rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server(service, s)],
-        [SERVICE_NAME], cfg.host, cfg.port, cfg.max_message_bytes)
-    endpoint = f"{cfg.advertise_host or cfg.host}:{server.port}"
-    http, metrics_port = await start_http(cfg.host, cfg.metrics_port, service.health,
-                                          on_scrape=service.refresh_gauges)
-    loops = [asyncio.create_task(service.watch_workers(), name="watch workers"),
-             asyncio.create_task(service.run_ticks(), name="ticks")]
-    membership = await registry.register(etcd, "rollout_manager", cfg.manager_id, {
-        "endpoint": endpoint, "job": cfg.job,
-        "metrics": f"{cfg.advertise_host or cfg.host}:{metrics_port}"}, ttl=cfg.lease_ttl)
-    log.info("manager %s for job %s serving on %s", cfg.manager_id, cfg.job, endpoint)
-
-    stopped = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({stopped, *loops}, return_when=asyncio.FIRST_COMPLETED)
-    for task in loops:
-        if task in done:
-            task.result()  # a loop that died must take the process down, not hide
-    service.accepting = False
-    await server.stop(cfg.shutdown_grace)
-    for task in loops:
-        task.cancel()
-    await membership.close()
-    await http.cleanup()
-    await etcd.close()
-    log.info("manager %s stopped", cfg.manager_id)
+async def build(host: Host[ManagerConfig]) -> Parts:
+    cfg = host.config
+    service = ManagerService(build_control(cfg), host.etcd, job=cfg.job,
+                             max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
+                             tick_interval_s=cfg.rebalance_interval_s)
+    log.info("manager %s for job %s", cfg.manager_id, cfg.job)
+    return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job},
+                 servicers=[Servicer(service, rollout_manager_pb2_grpc
+                                     .add_RolloutManagerServicer_to_server, SERVICE_NAME)],
+                 health=service.health, on_scrape=service.refresh_gauges,
+                 loops=[Loop("watch workers", service.watch_workers),
+                        Loop("ticks", service.run_ticks)],
+                 stop_accepting=service.stop_accepting)
 
 
-app = service_app("rlharvest-rollout-manager", __doc__, ManagerConfig, serve)
+SPEC = ServiceSpec("rollout_manager", ManagerConfig, build, __doc__)
+app = service_app(SPEC)
 
 if __name__ == "__main__":
     app()

@@ -5,6 +5,9 @@ step costs ``weights + per_seq * batch + per_kv_token * kv_tokens`` (memory-boun
 KV reads dominate, which is what makes a batching plateau exist) plus prefill for admitted
 requests. Commands reach an engine between its steps, as with the real engine, so a request
 migrated mid-step still sends that step's tokens from its old worker: the tracker must drop them.
+Each simulated step is a step of the control (added, its completions delivered, ended through
+the same calls as the service makes), and each engine step reports its stats as a worker does,
+so the batching profile P is captured and frozen exactly as in the service.
 
 Used by ``bench/manager_policy.py`` (Algorithm 2 vs round-robin vs JSQ without migration, and
 migrate vs recompute under preemption) and by the tests as an end-to-end check.
@@ -20,9 +23,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, RoundRobinSelect  # noqa: F401
-from rlharvest.services.rollout_manager.commands import Command, Dispatch, Migrate, Release
+from rlharvest.services.rollout_manager.batching_profile import StepStats
+from rlharvest.services.rollout_manager.commands import Command, Dispatch, Fail, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
-from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
+from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.tracker import (
+    NewRequest,
+    RequestState,
+    TokenDelta,
+    TrackedRequest,
+)
 from rlharvest.common.engine_types import SamplingParams
 
 
@@ -106,6 +116,7 @@ class _Engine:
         self.aborts: set[str] = set()
         self.busy_until: float | None = None
         self.prefill_tokens = 0
+        self.step_prefill_tokens = 0  # of the step in progress
         self.alive = True
 
     def add(self, seq: _Seq) -> None:
@@ -129,6 +140,7 @@ class _Engine:
             self.busy_until = None
             return None
         self.prefill_tokens += prefill
+        self.step_prefill_tokens = prefill
         kv = sum(s.prompt_len + s.position for s in self.batch.values())
         k = self.scenario.iterations_per_event
         self.busy_until = now + self.scenario.cost.step_s(len(self.batch), kv, prefill, k,
@@ -137,7 +149,7 @@ class _Engine:
 
     def finish(self, version: int) -> tuple[list[TokenDelta], int]:
         """The step's outputs (aborted requests included: they were in the batch) and batch size."""
-        deltas = []
+        deltas: list[TokenDelta] = []
         size = len(self.batch)
         for seq in list(self.batch.values()):
             n = min(self.scenario.iterations_per_event, seq.target - seq.position)
@@ -182,10 +194,13 @@ class StepSimulation:
         self._events: list[tuple[float, int, str, str]] = []
         self._seq = 0
         self._step_started: dict[str, float] = {}
+        self._name = step_name
+        self.step: Step | None = None
+        self.delivered: dict[str, TrackedRequest] = {}  # completions, as the client got them
 
     def run(self) -> SimResult:
-        self._start()
-        while self.control.tracker.unfinished() and self._events:
+        self.step = self._start()
+        while not self.step.ended and self._events:
             self.clock.now, _, kind, worker_id = heapq.heappop(self._events)
             if kind == "step":
                 self._on_step(worker_id)
@@ -196,16 +211,18 @@ class StepSimulation:
                 self._preempt()
         return self._result()
 
-    def _start(self) -> None:
+    def _start(self) -> Step:
         sampling = SamplingParams(max_tokens=max(self.s.lengths))
         for w in self.s.workers:
             if w.worker_id not in self.control.pool:
                 self.control.worker_joined(w.worker_id, self.VERSION, w.capacity, w.kind)
-        self.control.add_step([NewRequest(rid, rid, (5,) * self.s.prompt_len, sampling,
-                                          self.VERSION) for rid in self.ids])
+        step = self.control.add_step(self._name, [
+            NewRequest(rid, rid, (5,) * self.s.prompt_len, sampling, self.VERSION)
+            for rid in self.ids], self.VERSION)
         self._push(self.t0, "tick", "")
         if self.s.preempt_at_s is not None:
             self._push(self.t0 + self.s.preempt_at_s, "preempt", "")
+        return step
 
     def _push(self, at: float, kind: str, worker_id: str) -> None:
         self._seq += 1
@@ -217,10 +234,11 @@ class StepSimulation:
             return  # a preempted worker's last step never reports
         deltas, size = engine.finish(self.VERSION)
         report = self.control.step_outputs(worker_id, deltas)
-        span = self.clock.now - self._step_started[worker_id]
-        if size and span > 0:
-            self.control.record_throughput(worker_id, size,
-                                           size * self.s.iterations_per_event / span)
+        self.control.engine_step(worker_id, StepStats(
+            size, self.clock.now - self._step_started[worker_id],
+            sum(len(d.token_ids) for d in deltas), engine.step_prefill_tokens))
+        for request_id in report.finished:
+            self._deliver(request_id)
         if report.finished and self.control.tracker.waiting():
             self._execute(self.control.tick())  # SELECTINSTANCE waits on any completion
         self._kick(worker_id)
@@ -245,8 +263,17 @@ class StepSimulation:
                 touched.update((c.src, c.dst))
             elif isinstance(c, Release) and self.engines[c.worker_id].alive:
                 self.engines[c.worker_id].abort(c.request_id)
+            elif isinstance(c, Fail):
+                if c.worker_id is not None:
+                    self.engines[c.worker_id].abort(c.request_id)
+                self._deliver(c.request_id)
         for worker_id in sorted(touched):  # a fixed order keeps runs reproducible
             self._kick(worker_id)
+
+    def _deliver(self, request_id: str) -> None:
+        """Hand the completion to the client, as the service does: the control forgets it."""
+        self.delivered[request_id] = self.control.tracker.get(request_id)
+        self.control.deliver(request_id)
 
     def _send(self, request_id: str, worker_id: str) -> None:
         payload = self.control.tracker.resume_payload(request_id)
@@ -267,7 +294,7 @@ class StepSimulation:
 
     def _result(self) -> SimResult:
         tracker = self.control.tracker
-        requests = [tracker.get(r) for r in self.ids]
+        requests = [self.delivered[r] if r in self.delivered else tracker.get(r) for r in self.ids]
         finished = [r for r in requests if r.state is RequestState.FINISHED]
         contiguous = all(
             r.token_ids == [expected_token(self.index[r.request_id], p)
@@ -302,7 +329,7 @@ def make_control(strategy: Strategy, clock: SimClock, theta: int = 2) -> Rollout
 
 def simulate(scenario: Scenario, strategy: Strategy, warmup: Scenario | None = None,
              theta: int = 2) -> SimResult:
-    """Run ``warmup`` (the previous step, which captures P) and then ``scenario``.
+    """Run ``warmup`` (the previous step: P is frozen from it when it ends) and then ``scenario``.
 
     Counters in the result cover both steps; makespan covers ``scenario`` only.
     """
@@ -310,5 +337,4 @@ def simulate(scenario: Scenario, strategy: Strategy, warmup: Scenario | None = N
     control = make_control(strategy, clock, theta)
     if warmup is not None:
         StepSimulation(warmup, control, clock, "warmup").run()
-        control.finish_step()
     return StepSimulation(scenario, control, clock, "step").run()

@@ -1,6 +1,7 @@
 """The rollout manager's async shell: turns etcd membership, worker streams and client calls into
 events for ``RolloutControl`` (pure, control_loop.py) and carries out the commands it returns.
-No policy lives here."""
+No policy lives here: which refusals mean "try elsewhere", which steps may start, what a client
+going away drops and when P is frozen are the core's."""
 
 from __future__ import annotations
 
@@ -12,90 +13,32 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rlharvest.common import keys, registry
+from rlharvest.common import errors, keys, registry
+from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
-from rlharvest.services.rollout_manager.commands import Command, Dispatch, Fail, Migrate, Release
+from rlharvest.services.rollout_manager.client_stream import ClientStream
+from rlharvest.services.rollout_manager.commands import (
+    Abort,
+    Command,
+    Dispatch,
+    Fail,
+    Migrate,
+    Release,
+)
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
-from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, StepError
+from rlharvest.services.rollout_manager.tracker import DeltaLike, NewRequest, RequestState
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
-from rlharvest.common.engine_types import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-_SAMPLE_INTERVAL_S = 0.25  # throughput samples per worker for the batching profile P
 
-# Worker CommandError codes after which the request may simply go elsewhere.
-_RETRYABLE = {grpc.StatusCode.FAILED_PRECONDITION.value[0], grpc.StatusCode.UNAVAILABLE.value[0],
-              grpc.StatusCode.ALREADY_EXISTS.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
-
-
-# One client event holds at most this many tokens (deltas + completions) so merged events stay far
-# below any message size limit; more waiting output starts another event.
-_MAX_EVENT_TOKENS = 1 << 16
-
-
-class _ClientStream:
-    """One client's SubmitStep/Generate stream.
-
-    Output waiting for the client is merged into the newest unsent event instead of queued as one
-    event per worker step: a client that falls behind gets fewer, larger events, and the manager
-    serializes fewer messages (bench/manager_relay.py). At most ``max_events`` events wait; a
-    producer beyond that waits for the client (backpressure onto the worker streams).
-    """
-
-    def __init__(self, request_ids: list[str], max_events: int):
-        self.outstanding = set(request_ids)
-        self._events: deque[tuple[mpb.StepEvent, list[int]]] = deque()  # event, [its tokens]
-        self._max_events = max_events
-        self._ready = asyncio.Event()
-        self._room = asyncio.Event()
-        self._room.set()
-        self._ended = False
-
-    def _tail(self, tokens: int) -> mpb.StepEvent:
-        if not self._events or self._events[-1][1][0] + tokens > _MAX_EVENT_TOKENS:
-            self._events.append((mpb.StepEvent(), [0]))
-            if len(self._events) >= self._max_events:
-                self._room.clear()
-        event, size = self._events[-1]
-        size[0] += tokens
-        self._ready.set()
-        return event
-
-    async def put_deltas(self, deltas: list, tokens: int) -> None:
-        """Forward accepted wire deltas (copied into the event in C, not one by one)."""
-        while not self._room.is_set():
-            await self._room.wait()
-        self._tail(tokens).deltas.extend(deltas)
-
-    def put_completion(self, completion: mpb.Completion) -> None:
-        """Never waits and never drops: a completion may exceed the event bound by one."""
-        self._tail(len(completion.token_ids)).completions.append(completion)
-
-    def end(self) -> None:
-        self._ended = True
-        self._ready.set()
-
-    async def take(self) -> mpb.StepEvent | None:
-        """The next event for the client; None once the step ended and everything was taken."""
-        while not self._events:
-            if self._ended:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        event, _ = self._events.popleft()
-        if len(self._events) < self._max_events:
-            self._room.set()
-        return event
-
-
-def _unfinished(delta: common_pb2.TokenDelta) -> common_pb2.TokenDelta:
-    copy = common_pb2.TokenDelta()
-    copy.CopyFrom(delta)
-    copy.finished, copy.finish_reason = False, ""
-    return copy
+def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
+    """The delta without its "finished": for a request its worker aborted, which goes on."""
+    return common_pb2.TokenDelta(request_id=delta.request_id, position=delta.position,
+                                 token_ids=delta.token_ids, logprobs=delta.logprobs,
+                                 weight_version=delta.weight_version)
 
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -109,12 +52,15 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._tick_interval = tick_interval_s
         self._links: dict[str, WorkerLink] = {}
         self._endpoints: dict[str, dict] = {}
-        self._streams: dict[str, _ClientStream] = {}  # request id -> the stream that wants it
+        self._streams: dict[str, ClientStream] = {}  # request id -> the stream that wants it
         self._wake = asyncio.Event()
         self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) over the last 5 s
         self._rate_tokens = 0
-        self._sampled_at: dict[str, float] = {}
         self.accepting = True
+
+    def stop_accepting(self) -> None:
+        """Shutting down: new steps are refused (UNAVAILABLE) from now on."""
+        self.accepting = False
 
     # ---- background loops ----------------------------------------------------------------------
 
@@ -147,12 +93,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             await old.close()
         if info.get("draining"):
             return
-        link = WorkerLink(worker_id, info["endpoint"], self._on_worker_event, self._on_broken,
-                          self._max_message_bytes)
-        self._links[worker_id] = link
+        try:
+            self._control.worker_joined(
+                worker_id, int(info["weight_version"]), int(info["capacity"]),
+                str(info.get("kind", "dedicated")), str(info.get("admission", "slots")))
+        except ValueError as exc:
+            log.error("worker %s left out: %s", worker_id, exc)
+            return
+        self._links[worker_id] = WorkerLink(worker_id, info["endpoint"], self._on_worker_event,
+                                            self._on_broken, self._max_message_bytes)
         self._endpoints[worker_id] = info
-        self._control.worker_joined(worker_id, int(info["weight_version"]), int(info["capacity"]),
-                                    str(info.get("kind", "dedicated")))
         log.info("worker %s joined at %s with version %s", worker_id, info["endpoint"],
                  info["weight_version"])
 
@@ -162,7 +112,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if view is None:
             return
         if int(info["weight_version"]) != view.weight_version:
-            self._execute(self._control.worker_version_changed(worker_id, int(info["weight_version"])))
+            self._execute(self._control.worker_version_changed(worker_id,
+                                                               int(info["weight_version"])))
         # Draining arrives over the worker's stream with its deadline (_on_worker_event).
 
     def _on_broken(self, worker_id: str, reason: str) -> None:
@@ -191,9 +142,12 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if which == "step":
             await self._on_step(worker_id, event.step)
         elif which == "load":
-            self._on_load(worker_id, event.load)
+            self._control.worker_load(worker_id, event.load.pending, event.load.executing)
         elif which == "error":
-            self._on_command_error(worker_id, event.error)
+            error = event.error
+            self._execute(self._control.command_refused(worker_id, error.request_id, error.code,
+                                                        error.message))
+            self._wake.set()
         elif which == "draining":
             deadline = time.monotonic() + max(event.draining.deadline_unix - time.time(), 0)
             self._execute(self._control.worker_draining(worker_id, deadline))
@@ -202,8 +156,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def _on_step(self, worker_id: str, step: wpb.StepOutputs) -> None:
         # The hot path: the wire deltas go to the tracker and on to the client as they are; no
         # Python object is built per delta (bench/manager_relay.py measures this loop).
-        report = self._control.step_outputs(worker_id, step.deltas)
-        self._on_load(worker_id, step.load)
+        control = self._control
+        report = control.step_outputs(worker_id, step.deltas)
+        load = step.load
+        control.worker_load(worker_id, load.pending, load.executing)
+        control.engine_step(worker_id, step.stats)
         tokens = report.accepted_tokens
         metrics.TOKENS.inc(tokens)
         self._rate.append((time.monotonic(), tokens))
@@ -214,7 +171,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if report.aborted:  # the client must not read "finished" on a request that goes on
             aborted = set(report.aborted)
             accepted = [_unfinished(d) if d.request_id in aborted else d for d in accepted]
-        by_stream: dict[_ClientStream, list] = {}
+        by_stream: dict[ClientStream, list] = {}
         streams = self._streams
         for delta in accepted:
             stream = streams.get(delta.request_id)
@@ -226,35 +183,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                                     sum(len(d.token_ids) for d in deltas))
         for rid in report.finished:  # after its last delta, in the same or a later event
             stream = streams.get(rid)
-            if stream is not None:
+            if stream is not None:  # not abandoned by its client meanwhile
                 stream.put_completion(self._completion(rid))
-            if rid in self._control.tracker:  # not abandoned by its client meanwhile
                 self._done(rid, "finished")
         if report.finished or report.aborted:
             self._wake.set()
-
-    def _on_load(self, worker_id: str, load: common_pb2.Load) -> None:
-        # One throughput sample per worker per interval is plenty for P (§4.2.1), and taking one
-        # walks all of the worker's requests: not something to do for every step message.
-        now = time.monotonic()
-        if load.executing and load.tokens_per_second and \
-                now - self._sampled_at.get(worker_id, 0.0) >= _SAMPLE_INTERVAL_S:
-            self._sampled_at[worker_id] = now
-            self._control.record_throughput(worker_id, load.executing, load.tokens_per_second)
-
-    def _on_command_error(self, worker_id: str, error: wpb.CommandError) -> None:
-        rid = error.request_id
-        if rid not in self._control.tracker:
-            return
-        req = self._control.tracker.get(rid)
-        if req.done or req.worker_id != worker_id:
-            return  # about an assignment the request already left
-        if error.code in _RETRYABLE:
-            self._control.tracker.release(rid)
-            metrics.MIGRATIONS.labels("refused").inc()
-        else:  # the worker refuses the request itself (e.g. longer than its context): final
-            self._fail(rid, f"worker {worker_id} refused the request: {error.message}")
-        self._wake.set()
 
     # ---- carrying out commands -----------------------------------------------------------------
 
@@ -268,9 +201,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._send(c.dst, c.request_id)
             elif isinstance(c, Release):
                 metrics.MIGRATIONS.labels(c.cause).inc()
-                self._abort(c.worker_id, c.request_id)
+                if c.abort:
+                    self._abort(c.worker_id, c.request_id)
             elif isinstance(c, Fail):
+                if c.worker_id is not None:
+                    self._abort(c.worker_id, c.request_id)
                 self._notify_failed(c.request_id)
+            elif isinstance(c, Abort):
+                self._abort(c.worker_id, c.request_id)
 
     def _send(self, worker_id: str, request_id: str) -> None:
         link = self._links.get(worker_id)
@@ -284,15 +222,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if link is not None:
             link.abort([request_id])
 
-    def _fail(self, request_id: str, reason: str) -> None:
-        self._control.tracker.fail(request_id, reason)
-        self._notify_failed(request_id)
-
     def _notify_failed(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_completion(self._completion(request_id))
-        self._done(request_id, "failed")
+            self._done(request_id, "failed")
 
     def _completion(self, request_id: str) -> mpb.Completion:
         req = self._control.tracker.get(request_id)
@@ -302,87 +236,67 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                               failed=req.state.value == "failed", migrations=req.migrations)
 
     def _done(self, request_id: str, outcome: str) -> None:
+        """The completion is in its client's stream: delivered, as far as the core is told."""
         metrics.COMPLETIONS.labels(outcome).inc()
-        self._control.tracker.forget(request_id)  # delivered: the manager holds it no longer
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.outstanding.discard(request_id)
-            if not stream.outstanding:
-                stream.end()
-                # A step ended: its throughput samples become P for the next (§4.2.1), which
-                # is what lets CONTINUOUSLB move executing requests at the next step's tail.
-                self._control.finish_step()
+        stream = self._streams.pop(request_id)
+        if self._control.deliver(request_id) is not None:
+            stream.end()  # the step ended (and froze P if it is a step of the RL loop)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
     async def SubmitStep(self, request: mpb.SubmitStepRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
-        async for event in self._stream_step(list(request.requests), request.weight_version,
-                                             request.no_worker_deadline_s, context):
+        async for event in self._stream_step(request.step_id, list(request.requests),
+                                             request.weight_version,
+                                             request.no_worker_deadline_s, True, context):
             yield event
 
     async def Generate(self, request: mpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
-        async for event in self._stream_step([request.request], request.weight_version,
-                                             request.no_worker_deadline_s, context):
+        # One request is not a step of the RL loop: its end never freezes P.
+        async for event in self._stream_step(request.request.request_id, [request.request],
+                                             request.weight_version,
+                                             request.no_worker_deadline_s, False, context):
             yield event
 
-    async def _stream_step(self, requests: list[mpb.RolloutRequest], version: int,
-                           deadline_s: float, context) -> AsyncIterator[mpb.StepEvent]:
+    async def _stream_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
+                           deadline_s: float, profiled: bool,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "manager is shutting down")
-        await self._check_version(version, context)
-        if deadline_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"no_worker_deadline_s {deadline_s} is negative; 0 means the "
-                                "manager's no_worker_timeout_s")
+            await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
+                                                           "the step to its successor"))
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
                           sampling_from_proto(r.sampling), version, deadline_s or None)
                for r in requests]
         try:
-            ids = self._control.add_step(new)
-        except StepError as exc:
+            # etcd is read only for a version no worker holds yet.
+            announced = None if self._control.version_held(version) else await self._announced()
+            step = self._control.add_step(step_id, new, version, announced_version=announced,
+                                          profiled=profiled)
+        except errors.ServiceError as exc:
             metrics.STEPS.labels("refused").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await errors.abort(context, exc)
         metrics.STEPS.labels("accepted").inc()
-        stream = _ClientStream(ids, self._client_queue)
-        for rid in ids:
+        stream = ClientStream(step, self._client_queue)
+        for rid in step.request_ids:
             self._streams[rid] = stream
         self._wake.set()
         try:
-            while True:
-                event = await stream.take()
-                if event is None:
-                    return
+            while (event := await stream.take()) is not None:
                 yield event
         finally:
             self._abandon(stream)
 
-    async def _check_version(self, version: int, context) -> None:
-        if version < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"weight_version {version} is negative")
-        known = {v.weight_version for v in self._control.pool.all()}
-        if version in known:
-            return
+    async def _announced(self) -> int | None:
         announced = await registry.get_versioned(self._etcd, self._announced_key)
-        if announced is not None and version <= announced["version"]:
-            return
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"weight version {version} is unknown: no worker holds it and it was "
-                            f"never announced (workers hold {sorted(known) or 'nothing'}); "
-                            "publish it first or ask for a version a worker holds")
+        return None if announced is None else int(announced["version"])
 
-    def _abandon(self, stream: _ClientStream) -> None:
-        """The client went away: its unfinished requests are aborted, not left to run."""
-        for rid in list(stream.outstanding):
+    def _abandon(self, stream: ClientStream) -> None:
+        """The client went away (or its step ended): the core drops what it still had."""
+        self._execute(self._control.abandon_step(stream.step))
+        for rid in stream.step.request_ids:
             if self._streams.get(rid) is stream:
-                req = self._control.tracker.get(rid)
-                if req.worker_id is not None:
-                    self._abort(req.worker_id, rid)
-                self._control.tracker.fail(rid, "client cancelled the step")
-                self._control.tracker.forget(rid)
-                self._streams.pop(rid, None)
+                del self._streams[rid]
 
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         counters = self._control.tracker.counters

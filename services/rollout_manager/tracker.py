@@ -21,10 +21,11 @@ from enum import Enum
 from typing import Protocol
 
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
+from rlharvest.common.errors import InvalidArgument
 
 
-class StepError(ValueError):
-    """A step the tracker refuses; the message names the offending request and the limit."""
+class StepError(InvalidArgument):
+    """A step the manager refuses; the message names the offending request and the limit."""
 
 
 class RequestState(str, Enum):
@@ -72,13 +73,20 @@ class TokenDelta:
 class DeltaLike(Protocol):
     """What ``apply_outputs`` reads of a delta: ``TokenDelta`` or the wire ``TokenDelta``."""
 
-    request_id: str
-    position: int
-    token_ids: Sequence[int]
-    logprobs: Sequence[float]
-    weight_version: int
-    finished: bool
-    finish_reason: str
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def position(self) -> int: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+    @property
+    def weight_version(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def finish_reason(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,9 @@ class RequestTracker:
         self._waiting_released: dict[str, None] = {}
         self._waiting_new: dict[str, None] = {}
         self._by_worker: dict[str, dict[str, None]] = {}  # assignment order kept
+        # Sum of context_length over each worker's requests, kept as they change so that the
+        # mean context (for P, on the relay's hot path) needs no walk over the requests.
+        self._context: dict[str, int] = {}
         self.counters = TrackerCounters()
 
     # ---- steps --------------------------------------------------------------------------------
@@ -219,6 +230,9 @@ class RequestTracker:
                                 f"in [1, {lim.max_new_tokens}]")
             if r.weight_version < 0:
                 raise StepError(f"{where} has weight_version {r.weight_version}; versions are >= 0")
+            if r.no_worker_timeout_s is not None and r.no_worker_timeout_s < 0:
+                raise StepError(f"{where} has no_worker_deadline_s {r.no_worker_timeout_s}, which "
+                                "is negative; 0 means the manager's no_worker_timeout_s")
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -245,6 +259,14 @@ class RequestTracker:
 
     def assigned_count(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
+
+    def mean_context(self, worker_id: str) -> float | None:
+        """Mean context length (prompt + tokens so far) of the requests on ``worker_id``; None
+        when it has none. Constant time: the sum is kept as requests move and grow."""
+        assigned = self._by_worker.get(worker_id)
+        if not assigned:
+            return None
+        return self._context[worker_id] / len(assigned)
 
     def unfinished(self) -> int:
         # Counted, not derived from the counters: forget() removes done requests.
@@ -328,6 +350,7 @@ class RequestTracker:
         req.worker_id = worker_id
         req.state = RequestState.PENDING
         self._by_worker.setdefault(worker_id, {})[req.request_id] = None
+        self._context[worker_id] = self._context.get(worker_id, 0) + req.context_length
 
     def _detach(self, req: TrackedRequest) -> None:
         assert req.worker_id is not None
@@ -335,6 +358,9 @@ class RequestTracker:
         del on_worker[req.request_id]
         if not on_worker:
             del self._by_worker[req.worker_id]
+        # Never deleted: apply_outputs adds a batch's tokens after detaching the requests that
+        # finished in it, so the sum may pass through a negative value within one batch.
+        self._context[req.worker_id] -= req.context_length
         req.worker_id = None
 
     def _count_migration(self, req: TrackedRequest) -> None:
@@ -363,10 +389,11 @@ class RequestTracker:
             req = requests.get(delta.request_id)
             tokens = delta.token_ids
             n = len(tokens)
-            held = req.token_ids if req is not None else None
             if req is None:
-                reason = "unknown"
-            elif req.state in _DONE:
+                report.dropped.append(DroppedDelta(delta.request_id, worker_id, "unknown", n))
+                continue
+            held = req.token_ids
+            if req.state in _DONE:
                 reason = "done"
             elif req.worker_id != worker_id:
                 reason = "stale"
@@ -414,9 +441,11 @@ class RequestTracker:
                 report.finished.append(req.request_id)
         self.counters.tokens_generated += generated
         self.counters.tokens_regenerated += regenerated
+        if generated:  # every accepted token grew a request of worker_id (see _detach)
+            self._context[worker_id] = self._context.get(worker_id, 0) + generated
         return report
 
-    def _finish_reason(self, req: TrackedRequest, delta: TokenDelta) -> str:
+    def _finish_reason(self, req: TrackedRequest, delta: DeltaLike) -> str:
         # The manager decides completion itself as well: a worker lost right after producing the
         # last token must not cause a resume with nothing left to generate.
         if req.token_ids and req.token_ids[-1] in req.sampling.stop_token_ids:

@@ -47,7 +47,8 @@ class WorkerLink:
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and request_ids:
-            self._outbox.put_nowait(pb.WorkerCommand(abort=pb.AbortRequest(request_ids=request_ids)))
+            self._outbox.put_nowait(
+                pb.WorkerCommand(abort=pb.AbortRequest(request_ids=request_ids)))
 
     async def _write(self) -> None:
         try:

@@ -1,8 +1,9 @@
 """The manager's view of its rollout workers (RLBoost §5, "Rollout manager").
 
 Only what the policies need: which version a worker holds, how many requests it can execute at
-once, whether it is healthy, draining or lost, and when it last made progress. Which requests sit
-on a worker is the tracker's business, not duplicated here.
+once and how it admits them, what it last reported executing and queueing, whether it is healthy,
+draining or lost, and when it last made progress. Which requests sit on a worker is the tracker's
+business, not duplicated here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
+
+# How a worker admits requests into its running batch: "slots", a fixed number at a time (its
+# capacity; the torch engine); "kv_memory", as many as its KV cache holds (vLLM, a paged cache),
+# at most its capacity. Workers publish it in their etcd membership info.
+Admission = Literal["slots", "kv_memory"]
+ADMISSIONS: tuple[str, ...] = get_args(Admission)
 
 
 class WorkerState(str, Enum):
@@ -22,10 +30,16 @@ class WorkerState(str, Enum):
 class WorkerView:
     worker_id: str
     weight_version: int
-    capacity: int  # requests it executes concurrently (its batch slots)
+    capacity: int  # requests it executes concurrently (its batch slots; kv_memory: at most)
     kind: str  # hardware/provisioning class; each kind keeps its own throughput profile
     joined_at: float
     last_progress_at: float  # last accepted token, or when it last went from idle to busy
+    admission: Admission = "slots"
+    # Its own counts in its last load report, queued (not running yet) and running, and how many
+    # requests the manager had on it then. Algorithm 2 reads them for kv_memory workers.
+    reported_pending: int = 0
+    reported_executing: int = 0
+    assigned_at_report: int = 0
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""
@@ -40,17 +54,22 @@ class WorkerPool:
         self._clock = clock
         self._workers: dict[str, WorkerView] = {}
 
-    def join(self, worker_id: str, weight_version: int, capacity: int, kind: str) -> WorkerView:
+    def join(self, worker_id: str, weight_version: int, capacity: int, kind: str,
+             admission: str = "slots") -> WorkerView:
         """Register a worker; a lost worker coming back under the same id starts a fresh record."""
         if capacity <= 0:
             raise ValueError(f"worker {worker_id!r} reports capacity {capacity}; a worker must "
                              "execute at least one request at a time")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"worker {worker_id!r} reports admission {admission!r}; the manager "
+                             f"knows {' and '.join(ADMISSIONS)}")
         current = self._workers.get(worker_id)
         if current is not None and current.state is not WorkerState.LOST:
             raise ValueError(f"worker {worker_id!r} is already registered ({current.state.value});"
                              " a worker id must be unique while it is alive")
         now = self._clock()
-        view = WorkerView(worker_id, weight_version, capacity, kind, now, now)
+        view = WorkerView(worker_id, weight_version, capacity, kind, now, now,
+                          admission="kv_memory" if admission == "kv_memory" else "slots")
         self._workers[worker_id] = view
         return view
 
@@ -71,6 +90,13 @@ class WorkerPool:
 
     def set_version(self, worker_id: str, weight_version: int) -> None:
         self.get(worker_id).weight_version = weight_version
+
+    def report_load(self, worker_id: str, pending: int, executing: int, assigned: int) -> None:
+        """The worker's own counts as of its latest load report, and the manager's then."""
+        view = self._workers.get(worker_id)
+        if view is not None:
+            view.reported_pending, view.reported_executing = pending, executing
+            view.assigned_at_report = assigned
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()

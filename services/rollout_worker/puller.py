@@ -64,7 +64,8 @@ class Puller:
         self.paired: str | None = None  # agent id
         self._refused: set[int] = set()  # versions the engine refused: wait for the next one
         self._wake = asyncio.Event()
-        self._lease = None
+        self._lease: aetcd.Lease | None = None  # of the pairing record, made at the first pairing
+        self._keepalive_task: asyncio.Task | None = None
 
     async def run(self) -> None:
         watcher = asyncio.create_task(registry.wake_on_change(
@@ -87,6 +88,8 @@ class Puller:
                     pass
         finally:
             watcher.cancel()
+            if self._keepalive_task is not None:
+                self._keepalive_task.cancel()
             if self._lease is not None:
                 try:
                     await self._lease.revoke()  # the pairing record goes with it
@@ -116,7 +119,8 @@ class Puller:
             return None
         if self._lease is None:
             self._lease = await self.etcd.lease(self.lease_ttl)
-            asyncio.create_task(self._keepalive(), name="pairing lease")
+            self._keepalive_task = asyncio.create_task(self._keepalive(self._lease),
+                                                       name="pairing lease")
         await self.etcd.put(keys.pairing_key(self.worker_id).encode(), json.dumps({
             "agent_id": choice, "endpoint": agents[choice]["endpoint"], "job": self.job}).encode(),
             lease=self._lease)
@@ -127,11 +131,11 @@ class Puller:
         self.paired = choice
         return choice
 
-    async def _keepalive(self) -> None:
+    async def _keepalive(self, lease: aetcd.Lease) -> None:
         while True:
             await asyncio.sleep(max(self.lease_ttl / 3, 0.2))
             try:
-                await self._lease.refresh()
+                await lease.refresh()
             except Exception as exc:
                 log.warning("pairing lease refresh failed: %r", exc)
 

@@ -132,7 +132,8 @@ class _SlotSampling:
 
 
 class TorchEngine:
-    """``Engine`` over a Qwen3 model (a preset name or a local checkpoint directory).
+    """``Engine`` (``common/worker_core/engine.py``) over a Qwen3 model (a preset name or a local
+    checkpoint directory).
 
     ``prefill_token_budget`` caps the padded tokens of one prefill call (admitted requests are
     prefilled in groups below it), bounding activation memory when many requests join at once.
@@ -145,7 +146,8 @@ class TorchEngine:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
-        self._model = build_model(model, seed, dtype).to(device)
+        # transformers wraps PreTrainedModel.to in a decorator that mypy reads as unbound
+        self._model = build_model(model, seed, dtype).to(device)  # type: ignore[arg-type]
         self._model.requires_grad_(False)
         cfg = self._model.config
         self._vocab_size = cfg.vocab_size
@@ -161,6 +163,7 @@ class TorchEngine:
         self._running: list[_Admitted] = []  # index = KV slot
         self._slot_of: dict[str, int] = {}
         self._weight_targets = self._state_dict_targets()
+        self._last_step_prefill_tokens = 0
 
     # ---- Engine interface ------------------------------------------------------------------
 
@@ -171,6 +174,14 @@ class TorchEngine:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    @property
+    def batch_admission(self) -> str:
+        return "slots"  # one KV slot of max_len tokens per running request
+
+    @property
+    def last_step_prefill_tokens(self) -> int:
+        return self._last_step_prefill_tokens
 
     def add(self, request: EngineRequest) -> None:
         validate_request(request, self._vocab_size, self._max_len)
@@ -259,6 +270,7 @@ class TorchEngine:
         admitted: list[_Admitted] = []
         while self._pending and len(self._running) + len(admitted) < self._cache.max_slots:
             admitted.append(self._pending.popitem(last=False)[1])
+        self._last_step_prefill_tokens = sum(len(entry.known_tokens) for entry in admitted)
         logits = []
         for group in self._prefill_groups(admitted):
             first_slot = len(self._running)
@@ -323,7 +335,7 @@ class TorchEngine:
 
     def _state_dict_targets(self) -> dict[str, torch.Tensor]:
         """state_dict name -> the live tensor it names (tied weights map to one tensor)."""
-        live = dict(self._model.named_parameters(remove_duplicate=False))
+        live: dict[str, torch.Tensor] = dict(self._model.named_parameters(remove_duplicate=False))
         live.update(self._model.named_buffers(remove_duplicate=False))
         return {name: live[name] for name in self._model.state_dict()}
 

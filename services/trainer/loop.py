@@ -7,7 +7,8 @@ One step, as in the papers' pseudo-code::
     for each completion in stream, as it finishes:
         reward it in the bounded pool                                 # next to rollout
         when its group's R0 rewards are in: group -> ready
-    while groups remain: micro-batch the ready groups (m_b at a time), accumulate gradients
+    while groups remain: once >= m_b groups are ready, all of them form one micro-batch;
+                         accumulate its gradients (the step's last groups: one more)
     optimizer step once                                               # == the monolithic update
     publish v+1 to the node's transfer agent; go on                   # workers pull it
     every K steps: checkpoint (model, optimizer, step, version, data position, RNG)
@@ -27,12 +28,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
 import torch
 
 from rlharvest.common.pb import trainer_pb2 as tpb
+from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
@@ -69,6 +72,10 @@ log = logging.getLogger(__name__)
 
 # Failures after which the same step is simply tried again (nothing of it was applied).
 _RETRYABLE = (rollout_client.RolloutStreamError, RolloutFailed, OnPolicyViolation)
+_STEP_BACKOFF = Backoff(first_s=2.0, max_s=10.0, jitter=0.0)
+# No agent yet, or one restarting: publishing again soon may succeed.
+_PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError)
+_PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 # Reward failures kept for inspection: a few steps' worth even when every sample fails.
 _KEPT_REWARD_FAILURES = 1000
 
@@ -201,27 +208,30 @@ class TrainerLoop:
                         samples_per_prompt=self._cfg.samples_per_prompt)
 
     async def _step_with_retries(self, spec: StepSpec) -> None:
-        for attempt in range(1, self._cfg.step_attempts + 1):
-            try:
-                summary = await self.train_step(spec)
-            except _RETRYABLE as exc:
-                await self._run(_discard_gradients, self._backend)
-                metrics.STEPS.labels("retried").inc()
-                if attempt == self._cfg.step_attempts:
-                    metrics.STEPS.labels("failed").inc()
-                    raise RuntimeError(f"step {spec.step} failed {attempt} times; last: {exc}. "
-                                       "Check that the job's rollout manager and workers run "
-                                       "(rlharvest status)") from exc
-                log.warning("step %d attempt %d failed (%s); retrying it whole", spec.step,
-                            attempt, exc)
-                await asyncio.sleep(min(2.0 ** attempt, 10.0))
-                continue
-            except BaseException:
-                await asyncio.shield(self._run(_discard_gradients, self._backend))
-                raise
-            self._record(summary)
-            await self._after_step()
-            return
+        attempts = self._cfg.step_attempts
+        try:
+            summary = await retry(partial(self._attempt_step, spec), attempts=attempts,
+                                  retry_if=lambda exc: isinstance(exc, _RETRYABLE),
+                                  backoff=_STEP_BACKOFF, what=f"step {spec.step} (retried whole)")
+        except _RETRYABLE as exc:
+            metrics.STEPS.labels("failed").inc()
+            raise RuntimeError(f"step {spec.step} failed {attempts} times; last: {exc}. Check "
+                               "that the job's rollout manager and workers run (rlharvest "
+                               "status)") from exc
+        self._record(summary)
+        await self._after_step()
+
+    async def _attempt_step(self, spec: StepSpec) -> tpb.StepSummary:
+        """One try of a step; a failed one leaves no gradient behind for the next."""
+        try:
+            return await self.train_step(spec)
+        except _RETRYABLE:
+            await self._run(_discard_gradients, self._backend)
+            metrics.STEPS.labels("retried").inc()
+            raise
+        except BaseException:
+            await asyncio.shield(self._run(_discard_gradients, self._backend))
+            raise
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -273,14 +283,18 @@ class TrainerLoop:
         try:
             async with TaskGroup() as tasks:
                 tasks.create_task(rollout(tasks))
-                for _ in spec.items:  # train on groups as they come, m_b at a time
+                while train.groups_received < len(spec.items):  # train on groups as they come
                     idle_since = self._clock()
-                    group = await ready.get()
+                    groups = [await ready.get()]
                     wait = self._clock() - idle_since
                     waited += wait
                     metrics.MICRO_BATCH_WAIT.observe(wait)
-                    await self._run(train.add_group, self._rewarded(spec, group))
-                    progress.groups_trained += 1
+                    # Groups rewarded while the last micro-batch computed are ready at once: the
+                    # core trains them together (RLBoost §4.1) instead of m_b at a time.
+                    while not ready.empty():
+                        groups.append(ready.get_nowait())
+                    await self._run(train.add_groups, [self._rewarded(spec, g) for g in groups])
+                    progress.groups_trained = train.groups_received
         except BaseExceptionGroup as failed:
             # Rollout and rewards fail for one reason at a time; surface it, not the group.
             raise next((e for e in failed.exceptions
@@ -330,15 +344,12 @@ class TrainerLoop:
 
         async def publish() -> float:
             started = self._clock()
-            for attempt in range(1, 6):
-                try:
-                    await publisher.publish(version, tensors)
-                    break
-                except (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError) as exc:
-                    if attempt == 5:
-                        raise RuntimeError(f"could not publish version {version}: {exc}") from exc
-                    log.warning("publishing version %d failed (%s); retrying", version, exc)
-                    await asyncio.sleep(0.5 * attempt)
+            try:
+                await retry(partial(publisher.publish, version, tensors), attempts=5,
+                            retry_if=lambda exc: isinstance(exc, _PUBLISH_RETRYABLE),
+                            backoff=_PUBLISH_BACKOFF, what=f"publishing version {version}")
+            except _PUBLISH_RETRYABLE as exc:
+                raise RuntimeError(f"could not publish version {version}: {exc}") from exc
             elapsed = self._clock() - started
             metrics.PUBLISH_SECONDS.observe(elapsed)
             log.info("published version %d in %.2fs", version, elapsed)

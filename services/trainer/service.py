@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from rlharvest.common import errors
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.trainer.loop import RunStatus
 
@@ -19,9 +20,9 @@ class TrainerService(trainer_pb2_grpc.TrainerServicer):
     async def GetStatus(self, request: tpb.TrainerStatusRequest,
                         context: grpc.aio.ServicerContext) -> tpb.TrainerStatus:
         if request.last_steps < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"last_steps {request.last_steps} is negative; ask for 0 (all "
-                                "kept) or a positive count")
+            await errors.abort(context, errors.InvalidArgument(
+                f"last_steps {request.last_steps} is negative; ask for 0 (all kept) or a "
+                "positive count"))
         st = self._status
         steps = st.summaries[-request.last_steps:] if request.last_steps else st.summaries
         cur = st.current

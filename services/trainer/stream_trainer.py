@@ -2,9 +2,12 @@
 
 RollPacker §4.4 (Algorithm 1, "Preserving On-Policy Semantics") and RLBoost §4.1 (dynamic
 micro-batching): as soon as ``micro_batch_groups`` (m_b) complete groups are rewarded, their
-gradients are computed and accumulated; if more than m_b are ready at once they form a single
-micro-batch. No parameter or optimizer state changes until ``finish()``, which steps exactly
-once, so the update equals that of one monolithic batch (ARCHITECTURE.md, "Exact update").
+gradients are computed and accumulated; if more than m_b are ready at once (``add_groups`` with
+what became ready while the trainer was busy) they form a single micro-batch, so a trainer that
+fell behind catches up in fewer, larger passes. The step's last groups train in ``finish()``
+even when fewer than m_b. No parameter or optimizer state changes until ``finish()``, which
+steps exactly once, so the update equals that of one monolithic batch (ARCHITECTURE.md, "Exact
+update"), however the groups were cut into micro-batches.
 
 Normalisation uses the whole step's denominators (``grpo.aggregate_loss``):
 - "sequence": the step's sample count, known up front (num_groups x group_size).
@@ -60,6 +63,7 @@ class StepStats:
     num_samples: int
     num_tokens: int
     micro_batches: int
+    micro_batch_groups: tuple[int, ...]  # groups in each micro-batch, in the order they ran
     loss: float  # the whole step's loss, as the monolithic batch would report it
     grad_norm: float
     mean_reward: float
@@ -95,7 +99,7 @@ class StreamingStep:
         self._tokens_seen = 0
         self._reward_sum = 0.0
         self._loss_sum = 0.0
-        self._micro_batches = 0
+        self._ran: list[int] = []  # groups per micro-batch run
         self._compute_s = 0.0
         self._backward_runs = 0
         self._first_group: RewardedGroup | None = None
@@ -107,17 +111,26 @@ class StreamingStep:
 
     @property
     def micro_batches_run(self) -> int:
-        return self._micro_batches
+        return len(self._ran)
 
     def add_group(self, group: RewardedGroup) -> bool:
-        """Accept one rewarded group; runs a micro-batch when m_b groups are ready.
-        Returns whether a micro-batch ran."""
-        self._validate(group)
-        self._seen.add(group.group_id)
-        self._ready.append(group)
-        self._first_group = self._first_group or group
-        self._tokens_seen += sum(len(c.completion_ids) for c in group.completions)
-        self._reward_sum += float(sum(group.rewards))
+        """``add_groups`` of one group."""
+        return self.add_groups([group])
+
+    def add_groups(self, groups: Sequence[RewardedGroup]) -> bool:
+        """Accept the rewarded groups that became ready together. Once m_b or more groups are
+        ready, every ready group trains in one micro-batch (RLBoost §4.1). Returns whether a
+        micro-batch ran. A refused group refuses the whole call; nothing of it is kept."""
+        batch: set[int] = set()
+        for group in groups:
+            self._validate(group, batch)
+            batch.add(group.group_id)
+        for group in groups:
+            self._seen.add(group.group_id)
+            self._ready.append(group)
+            self._first_group = self._first_group or group
+            self._tokens_seen += sum(len(c.completion_ids) for c in group.completions)
+            self._reward_sum += float(sum(group.rewards))
         if len(self._ready) < self._micro_batch_groups:
             return False
         self._run_micro_batch()
@@ -151,16 +164,18 @@ class StreamingStep:
         samples = self._num_groups * self._group_size
         return StepStats(
             num_groups=self._num_groups, num_samples=samples, num_tokens=self._tokens_seen,
-            micro_batches=self._micro_batches, loss=self._loss_sum * grad_scale,
+            micro_batches=len(self._ran),
+            micro_batch_groups=tuple(self._ran), loss=self._loss_sum * grad_scale,
             grad_norm=grad_norm, mean_reward=self._reward_sum / samples,
             compute_s=self._compute_s)
 
-    def _validate(self, group: RewardedGroup) -> None:
+    def _validate(self, group: RewardedGroup, batch: set[int]) -> None:
+        """``batch``: ids of the groups accepted before this one in the same call."""
         if self._finished:
             raise StepInputError("the step already finished; send groups to the next step")
-        if group.group_id in self._seen:
+        if group.group_id in self._seen or group.group_id in batch:
             raise StepInputError(f"group {group.group_id} arrived twice; each group trains once")
-        if len(self._seen) >= self._num_groups:
+        if len(self._seen) + len(batch) >= self._num_groups:
             raise StepInputError(
                 f"group {group.group_id} exceeds the step's {self._num_groups} groups")
         if len(group.completions) != self._group_size or len(group.rewards) != self._group_size:
@@ -197,7 +212,7 @@ class StreamingStep:
                 continue
             completions.extend(g.completions)
             advantages.append(adv)
-        self._micro_batches += 1
+        self._ran.append(len(groups))
         if completions:
             self._backward(completions, torch.cat(advantages))
 

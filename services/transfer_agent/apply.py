@@ -23,7 +23,7 @@ from rlharvest.services.transfer_agent.delta_codec import Encoding, decode, undo
 
 
 def apply_pull(manifest: VersionManifest,
-               buckets: Sequence[bytes | memoryview] | Mapping[int, bytes | memoryview],
+               buckets: Sequence[bytes | memoryview] | Mapping[int, bytes | bytearray | memoryview],
                held: Mapping[str, torch.Tensor], held_version: int | None, *,
                inplace: bool = False, names: Collection[str] | None = None,
                verified: Iterable[int] = (),

@@ -163,7 +163,7 @@ def pack(version: int, base_version: int | None, items: Sequence[tuple[str, Enco
 
 
 def unpack(manifest: VersionManifest,
-           buckets: Sequence[bytes | memoryview] | Mapping[int, bytes | memoryview],
+           buckets: Sequence[bytes | memoryview] | Mapping[int, bytes | bytearray | memoryview],
            names: Collection[str] | None = None,
            verified: Iterable[int] = ()) -> dict[str, memoryview]:
     """Each entry's payload (zero-copy when it lies in one bucket), after checking every bucket
@@ -206,7 +206,7 @@ def manifest_dtype(entry: ManifestEntry) -> torch.dtype:
 
 
 def _check_bucket(manifest: VersionManifest, index: int,
-                  buckets: Mapping[int, bytes | memoryview]) -> None:
+                  buckets: Mapping[int, bytes | bytearray | memoryview]) -> None:
     if index not in buckets:
         raise ManifestError(f"bucket {index} of version {manifest.version} has not arrived; "
                             "pull it before unpacking the tensors it holds")

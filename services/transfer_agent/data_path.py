@@ -14,8 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import grpc
-
+from rlharvest.common.errors import OutOfRange
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.checksum import bytes_checksum
@@ -25,16 +24,7 @@ from rlharvest.services.transfer_agent.throttle import TokenBucket
 MIN_PART_BYTES = 1 << 20  # below this a range's request overhead shows
 
 
-class RefusedError(Exception):
-    """An input the agent refuses: answered as gRPC status ``code`` (over HTTP: the matching
-    HTTP status, with the code's name in X-RLH-Code) with ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class RangeError(ValueError):
+class RangeError(OutOfRange, ValueError):
     """An HTTP Range header the data server does not serve; the message says why."""
 
 

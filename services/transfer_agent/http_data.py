@@ -27,16 +27,11 @@ import aiohttp
 import grpc
 from aiohttp import web
 
+from rlharvest.common import errors
 from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
-from rlharvest.services.transfer_agent.data_path import (
-    Part,
-    RangeError,
-    RefusedError,
-    parse_range,
-    split_parts,
-)
+from rlharvest.services.transfer_agent.data_path import Part, parse_range, split_parts
 
 if TYPE_CHECKING:
     from rlharvest.services.transfer_agent.service import AgentService
@@ -71,10 +66,8 @@ def data_app(service: AgentService) -> web.Application:
             packed = await service.planned_buckets(pull, plan_id, [index])
             bucket = packed.buckets[index]
             start, stop = parse_range(request.headers.get("Range"), len(bucket))
-        except RangeError as exc:
-            return _refusal(service, grpc.StatusCode.OUT_OF_RANGE, str(exc))
-        except RefusedError as exc:
-            return _refusal(service, exc.code, str(exc))
+        except errors.ServiceError as exc:  # RangeError included: OUT_OF_RANGE
+            return _refusal(service, exc)
         throttles, link = service.send_path(pull)
         ranged = "Range" in request.headers
         response = web.StreamResponse(status=206 if ranged else 200)
@@ -115,28 +108,29 @@ def _parse(request: web.Request) -> tuple[int, pb.PullRequest, int]:
     try:
         index = int(request.match_info["index"])
     except ValueError:
-        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"bucket index "
-                       f"{request.match_info['index']!r} is not an integer") from None
+        raise errors.InvalidArgument(f"bucket index {request.match_info['index']!r} is not an "
+                                     "integer") from None
     encoded = request.headers.get("X-RLH-Pull", "")
     if not encoded or len(encoded) > _MAX_PULL_HEADER:
-        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "X-RLH-Pull must carry the PullRequest "
-                       "PlanPull answered (urlsafe base64, at most 64 KiB)")
+        raise errors.InvalidArgument("X-RLH-Pull must carry the PullRequest PlanPull answered "
+                                     "(urlsafe base64, at most 64 KiB)")
     try:
         pull = pb.PullRequest.FromString(base64.urlsafe_b64decode(encoded))
         plan_id = int(request.headers.get("X-RLH-Plan", "0"))
     except Exception as exc:  # binascii, protobuf DecodeError, int(): all mean a malformed header
-        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"X-RLH-Pull or X-RLH-Plan is malformed "
-                       f"({type(exc).__name__}); send the PullRequest PlanPull answered and its "
-                       "plan_id") from None
+        raise errors.InvalidArgument(f"X-RLH-Pull or X-RLH-Plan is malformed "
+                                     f"({type(exc).__name__}); send the PullRequest PlanPull "
+                                     "answered and its plan_id") from None
     if not 0 <= plan_id < 1 << 32:
-        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"X-RLH-Plan {plan_id} is not a CRC-32")
+        raise errors.InvalidArgument(f"X-RLH-Plan {plan_id} is not a CRC-32")
     return index, pull, plan_id
 
 
-def _refusal(service: AgentService, code: grpc.StatusCode, message: str) -> web.Response:
-    service.note_refusal("HttpBucket", code, message)
-    return web.Response(status=_HTTP_STATUS.get(code, 400), text=message,
-                        headers={"X-RLH-Code": code.name})
+def _refusal(service: AgentService, refused: errors.ServiceError) -> web.Response:
+    """A refusal over HTTP: the status matching its gRPC code, the code's name in X-RLH-Code."""
+    service.note_refusal("HttpBucket", refused)
+    return web.Response(status=_HTTP_STATUS.get(refused.code, 400), text=str(refused),
+                        headers={"X-RLH-Code": refused.code.name})
 
 
 # ---- puller side -----------------------------------------------------------------------------

@@ -15,37 +15,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 import torch
 
+from rlharvest.common import errors
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent import metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
 from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
 from rlharvest.services.transfer_agent.config import AgentConfig
-from rlharvest.services.transfer_agent.data_path import (
-    BucketAssembler,
-    RefusedError,
-    stream_buckets,
-)
+from rlharvest.services.transfer_agent.data_path import BucketAssembler, stream_buckets
 from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
-from rlharvest.services.transfer_agent.shard_staging import (
-    Admission,
-    ShardStaging,
-    ShardStagingError,
-)
+from rlharvest.services.transfer_agent.shard_staging import Admission, ShardStaging
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
-from rlharvest.services.transfer_agent.version_store import (
-    EvictionRecord,
-    VersionOrderError,
-    VersionStore,
-    VersionStoreError,
-    VersionUnavailableError,
-)
+from rlharvest.services.transfer_agent.version_store import EvictionRecord, VersionStore
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +68,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         # Encoders and bucket checksums run side by side here (numpy and zlib release the GIL);
         # only the store thread submits to it, so store state stays single-threaded.
         self._codec_pool = ThreadPoolExecutor(cfg.codec_threads, thread_name_prefix="codec")
-        self._packing: dict[tuple, asyncio.Future] = {}  # one pack per key, however many ask
+        # One pack per key, however many ask.
+        self._packing: dict[tuple, asyncio.Future[_Packed]] = {}
         now = time.monotonic()
         self._send_throttle = (TokenBucket(cfg.send_rate_bytes_per_s, cfg.chunk_bytes, now)
                                if cfg.send_rate_bytes_per_s else None)
@@ -184,10 +172,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 return await self._publish_shard(header, admission, tensors)
             records = await self.hold(header.job, header.version, tensors, "publish",
                                       {e.name: e.checksum for e in manifest.entries})
-        except RefusedError as exc:
-            return await self._refuse(context, "Publish", exc.code, str(exc))
-        except (VersionStoreError, ShardingError) as exc:
-            return await self._refuse(context, "Publish", _store_code(exc), str(exc))
+        except errors.ServiceError as exc:
+            await self._refuse(context, "Publish", exc)
         metrics.PUBLISHES.labels("ok").inc()
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                evicted_versions=[r.version for r in records])
@@ -198,60 +184,58 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         """The header, manifest, staging admission (TP shards only) and decoded tensors of one
         publish stream. A shard admitted to the staging is taken back out if its stream fails,
         so its rank may publish again."""
-        header, assembler, admission = None, None, None
+        header: pb.PublishHeader | None = None
+        assembler: BucketAssembler | None = None
+        admission: Admission | None = None
         try:
             async for message in request_iterator:
                 if header is None:
                     header = message.header if message.HasField("header") else None
                     if header is None:
-                        raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a publish stream "
-                                           "starts with a header (job, version, manifest)")
+                        raise errors.InvalidArgument("a publish stream starts with a header "
+                                                     "(job, version, manifest)")
                     manifest = self._check_publish(header)
                     if _is_shard(header):
                         admission = self._admit_shard(header, manifest)
                     assembler = BucketAssembler(manifest)
                     continue
-                if not message.HasField("chunk"):
-                    raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "a second header in one "
-                                       "publish stream; publish one version per stream")
+                if not message.HasField("chunk") or assembler is None:
+                    raise errors.InvalidArgument("a second header in one publish stream; "
+                                                 "publish one version per stream")
                 try:
                     assembler.add(message.chunk)
                 except ValueError as exc:
-                    raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                    raise errors.InvalidArgument(str(exc)) from None
                 metrics.BYTES_IN.labels("publish").inc(len(message.chunk.data))
-            if header is None:
-                raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, "empty publish stream")
+            if header is None or assembler is None:
+                raise errors.InvalidArgument("empty publish stream")
             tensors = await self._decode_publish(header, assembler)
             return header, assembler.manifest, admission, tensors
         except BaseException:
-            if admission is not None:
+            if admission is not None and header is not None:
                 self._jobs[header.job].staging.abandon(admission)
             raise
 
     async def _decode_publish(self, header: pb.PublishHeader,
                               assembler: BucketAssembler) -> dict[str, torch.Tensor]:
         if assembler.missing():
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"publish of version {header.version} ended with buckets "
-                               f"{assembler.missing()} incomplete; send every bucket")
+            raise errors.InvalidArgument(f"publish of version {header.version} ended with "
+                                         f"buckets {assembler.missing()} incomplete; send every "
+                                         "bucket")
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(None, partial(
                 apply_pull, assembler.manifest, assembler.buffers, {}, None,
                 parallel_map=self._codec_pool.map))
         except (ManifestError, DeltaCodecError) as exc:
-            raise RefusedError(grpc.StatusCode.DATA_LOSS, f"publish of version "
-                               f"{header.version}: {exc}") from None
+            raise errors.DataLoss(f"publish of version {header.version}: {exc}") from None
 
     async def _publish_shard(self, header: pb.PublishHeader, admission: Admission,
                              tensors: dict[str, torch.Tensor]) -> pb.PublishReply:
         """Stage one training rank's shard; the rank that completes the version stores it (the
         store re-slices shards for workers of any TP size) and answers for the whole version."""
         staging = self._jobs[header.job].staging
-        try:
-            shards = staging.add(admission, tensors)
-        except ShardStagingError as exc:  # dropped while the shard decoded
-            raise RefusedError(grpc.StatusCode[exc.code], str(exc)) from None
+        shards = staging.add(admission, tensors)  # refused if dropped while the shard decoded
         if shards is None:
             missing = staging.missing(header.version)
             log.info("job %s: staged rank %d of %d of version %d; waiting for ranks %s",
@@ -269,44 +253,41 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     def _check_publish(self, header: pb.PublishHeader) -> VersionManifest:
         if not header.job or "/" in header.job:
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"job {header.job!r} must be non-empty and contain no '/'")
+            raise errors.InvalidArgument(f"job {header.job!r} must be non-empty and contain "
+                                         "no '/'")
         if header.version < 0:
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"version must be >= 0, got {header.version}")
+            raise errors.InvalidArgument(f"version must be >= 0, got {header.version}")
         latest = self.latest(header.job)
         if latest is not None and header.version <= latest:  # refuse before the bytes arrive
-            raise RefusedError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"version {header.version} of job {header.job} is not newer than "
-                               f"the latest published version {latest}; versions only move "
-                               "forward")
+            raise errors.FailedPrecondition(f"version {header.version} of job {header.job} is "
+                                            f"not newer than the latest published version "
+                                            f"{latest}; versions only move forward")
         try:
             manifest = VersionManifest.from_dict(json.loads(header.manifest_json))
         except (ValueError, TypeError) as exc:
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"publish manifest is not valid: {exc}") from None
+            raise errors.InvalidArgument(f"publish manifest is not valid: {exc}") from None
         if manifest.version != header.version or any(e.encoding != Encoding.DENSE.name
                                                       for e in manifest.entries):
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "a publish carries every tensor dense, for the header's version")
+            raise errors.InvalidArgument("a publish carries every tensor dense, for the "
+                                         "header's version")
         if manifest.total_bytes > self.cfg.memory_budget_bytes:
-            raise RefusedError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"version {header.version} is {manifest.total_bytes} bytes, over "
-                               f"this agent's memory_budget_bytes {self.cfg.memory_budget_bytes}")
+            raise errors.ResourceExhausted(f"version {header.version} is "
+                                           f"{manifest.total_bytes} bytes, over this agent's "
+                                           f"memory_budget_bytes {self.cfg.memory_budget_bytes}")
         if not _is_shard(header) and (manifest.tp_size > 1 or manifest.tp_rank):
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the header publishes version {header.version} as a whole model "
-                               f"(tp_size {header.tp_size}) but its manifest is TP rank "
-                               f"{manifest.tp_rank} of {manifest.tp_size}; a shard's header "
-                               "states its tp_rank and tp_size")
+            raise errors.InvalidArgument(f"the header publishes version {header.version} as a "
+                                         f"whole model (tp_size {header.tp_size}) but its "
+                                         f"manifest is TP rank {manifest.tp_rank} of "
+                                         f"{manifest.tp_size}; a shard's header states its "
+                                         "tp_rank and tp_size")
         return manifest
 
     def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
         """Refuse a shard that cannot join its version before its bytes arrive."""
         if (manifest.tp_rank, manifest.tp_size) != (header.tp_rank, header.tp_size):
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the header says TP rank {header.tp_rank} of {header.tp_size} "
-                               f"but the manifest says {manifest.tp_rank} of {manifest.tp_size}")
+            raise errors.InvalidArgument(f"the header says TP rank {header.tp_rank} of "
+                                         f"{header.tp_size} but the manifest says "
+                                         f"{manifest.tp_rank} of {manifest.tp_size}")
         signature = {e.name: (e.dtype, e.shape) for e in manifest.entries}
         try:
             for entry in manifest.entries:  # every tensor needs a TP rule to be re-sliced
@@ -315,10 +296,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 header.version, header.tp_rank, header.tp_size, signature, manifest.total_bytes,
                 manifest.run)
         except ShardingError as exc:
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT, f"TP shard of version "
-                               f"{header.version}: {exc}") from None
-        except ShardStagingError as exc:
-            raise RefusedError(grpc.StatusCode[exc.code], str(exc)) from None
+            raise errors.InvalidArgument(f"TP shard of version {header.version}: {exc}") from None
         if admission.dropped:
             log.warning("job %s: dropped the staged TP shards of versions %s for rank %d of "
                         "version %d: their missing ranks moved on, a newer run replaced them, "
@@ -329,8 +307,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
         try:
             plan = (await self._packed_pull(request)).plan
-        except RefusedError as exc:
-            return await self._refuse(context, "PlanPull", exc.code, str(exc))
+        except errors.ServiceError as exc:
+            await self._refuse(context, "PlanPull", exc)
         if self.data_endpoint:  # where the bytes are served; a proto field would need a new
             context.set_trailing_metadata(((DATA_ENDPOINT_METADATA, self.data_endpoint),))
         return plan
@@ -338,9 +316,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def PullBuckets(self, request: pb.BucketsRequest, context) -> AsyncIterator[pb.BucketChunk]:
         try:
             packed = await self.planned_buckets(request.pull, request.plan_id, request.buckets)
-        except RefusedError as exc:
-            await self._refuse(context, "PullBuckets", exc.code, str(exc))
-            return
+        except errors.ServiceError as exc:
+            await self._refuse(context, "PullBuckets", exc)
         throttles, link = self.send_path(request.pull)
         started = time.perf_counter()
         async for chunk in stream_buckets(packed.buckets, list(request.buckets),
@@ -354,17 +331,17 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def planned_buckets(self, pull: pb.PullRequest, plan_id: int,
                               indices: Sequence[int]) -> _Packed:
         """The packed pull that ``PlanPull`` answered for ``pull``, checked against the plan id
-        the client quotes and the bucket indices it asks for; RefusedError otherwise."""
+        the client quotes and the bucket indices it asks for; a ServiceError otherwise."""
         packed = await self._packed_pull(pull, count=False)
         if plan_id and plan_id != packed.plan.plan_id:
-            raise RefusedError(grpc.StatusCode.ABORTED, "the pull's plan changed since "
-                               "PlanPull (a base version was evicted); plan the pull again")
+            raise errors.Aborted("the pull's plan changed since PlanPull (a base version was "
+                                 "evicted); plan the pull again")
         n = len(packed.buckets)
         bad = [i for i in indices if not 0 <= i < n]
         if bad or not indices:
-            raise RefusedError(grpc.StatusCode.OUT_OF_RANGE,
-                               f"bucket indices {bad or '[]'} are not in this plan's 0..{n - 1}"
-                               "; ask for indices of the manifest PlanPull returned")
+            raise errors.OutOfRange(f"bucket indices {bad or '[]'} are not in this plan's "
+                                    f"0..{n - 1}; ask for indices of the manifest PlanPull "
+                                    "returned")
         return packed
 
     def send_path(self, pull: pb.PullRequest) -> tuple[list[TokenBucket], str]:
@@ -386,15 +363,15 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def _packed_pull(self, request: pb.PullRequest, count: bool = True) -> _Packed:
         entry = self._jobs.get(request.job)
         if entry is None or entry.store.latest is None:
-            raise RefusedError(grpc.StatusCode.NOT_FOUND, f"this agent holds no version of job "
-                               f"{request.job!r}; wait for an announcement or ask another agent")
+            raise errors.NotFound(f"this agent holds no version of job {request.job!r}; wait "
+                                  "for an announcement or ask another agent")
         tp_size = request.tp_size or 1
         if request.version < 0 or request.holding < 0 or tp_size < 1 or \
                 not 0 <= request.tp_rank < tp_size:
-            raise RefusedError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"pull of version {request.version} holding {request.holding} for "
-                               f"tp_rank {request.tp_rank} of tp_size {tp_size}: versions are >= 0 "
-                               "and ranks run from 0 to tp_size - 1")
+            raise errors.InvalidArgument(f"pull of version {request.version} holding "
+                                         f"{request.holding} for tp_rank {request.tp_rank} of "
+                                         f"tp_size {tp_size}: versions are >= 0 and ranks run "
+                                         "from 0 to tp_size - 1")
         version = request.version or entry.store.latest
         holding = request.holding if request.has_holding else None
         names = tuple(sorted(set(request.names)))
@@ -426,12 +403,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def _pack_now(self, store: VersionStore, key: tuple) -> _Packed:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        try:
-            packed = await loop.run_in_executor(self._store_thread, self._pack, store, key)
-        except VersionUnavailableError as exc:
-            raise RefusedError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
-        except (VersionStoreError, ShardingError) as exc:
-            raise RefusedError(_store_code(exc), str(exc)) from None
+        packed = await loop.run_in_executor(self._store_thread, self._pack, store, key)
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         self._packed[key] = packed
         while len(self._packed) > _PACKED_CACHE_ENTRIES:
@@ -462,15 +434,16 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     self._corrupt_left)
         return True
 
-    async def _refuse(self, context, rpc_name: str, code: grpc.StatusCode, message: str):
-        self.note_refusal(rpc_name, code, message)
-        await context.abort(code, message)
+    async def _refuse(self, context: grpc.aio.ServicerContext, rpc_name: str,
+                      refused: errors.ServiceError) -> NoReturn:
+        self.note_refusal(rpc_name, refused)
+        await errors.abort(context, refused)
 
-    def note_refusal(self, rpc_name: str, code: grpc.StatusCode, message: str) -> None:
-        metrics.REFUSED.labels(rpc_name, code.name).inc()
+    def note_refusal(self, rpc_name: str, refused: errors.ServiceError) -> None:
+        metrics.REFUSED.labels(rpc_name, refused.code.name).inc()
         if rpc_name == "Publish":
             metrics.PUBLISHES.labels("refused").inc()
-        log.info("%s refused (%s): %s", rpc_name, code.name, message)
+        log.info("%s refused (%s): %s", rpc_name, refused.code.name, refused)
 
     def close(self) -> None:
         self._store_thread.shutdown(wait=False, cancel_futures=True)
@@ -480,15 +453,3 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 def _is_shard(header: pb.PublishHeader) -> bool:
     """tp_size 0 or 1 and rank 0 publish a whole model; anything else claims to be a shard."""
     return header.tp_size > 1 or header.tp_rank != 0
-
-
-def _store_code(exc: Exception) -> grpc.StatusCode:
-    if isinstance(exc, VersionOrderError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, VersionUnavailableError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, VersionStoreError) and "has no tensors named" in str(exc):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, VersionStoreError) and "budget" in str(exc):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return grpc.StatusCode.INVALID_ARGUMENT

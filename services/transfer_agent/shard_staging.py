@@ -26,18 +26,18 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import grpc
 import torch
+
+from rlharvest.common.errors import InvalidArgument
 
 # name -> (dtype name, shape): what every rank's shard of a version must agree on.
 Signature = Mapping[str, tuple[str, tuple[int, ...]]]
 
 
-class ShardStagingError(ValueError):
-    """A shard the agent refuses; ``code`` is the gRPC status name the refusal is answered with."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(message)
-        self.code = code
+class ShardStagingError(InvalidArgument, ValueError):
+    """A shard the agent refuses: INVALID_ARGUMENT, unless the raiser gives the ``code`` that
+    fits the case (ALREADY_EXISTS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ class ShardStaging:
         self._check_rank(version, tp_rank, tp_size)
         if version in self._completing:
             raise ShardStagingError(f"version {version} is complete and being stored; rank "
-                                    f"{tp_rank}'s shard is not needed", "ALREADY_EXISTS")
+                                    f"{tp_rank}'s shard is not needed",
+                                    code=grpc.StatusCode.ALREADY_EXISTS)
         dropped = self._drop_older_run(version, tp_rank, run)
         staged = self._staged.get(version)
         if staged is not None:
@@ -139,7 +140,7 @@ class ShardStaging:
                 f"rank {tp_rank}'s shard of version {version} is not staged any more: the "
                 "version was dropped while its bytes arrived (a newer version is held, a newer "
                 "one needed the staging budget, or the rank or a newer run published it again); "
-                "publish a newer version", "FAILED_PRECONDITION")
+                "publish a newer version", code=grpc.StatusCode.FAILED_PRECONDITION)
         del staged.expected[tp_rank]
         staged.ranks[tp_rank] = tensors
         if not staged.complete:
@@ -186,7 +187,7 @@ class ShardStaging:
             raise ShardStagingError(f"rank {tp_rank}'s shard of version {version} is from run "
                                     f"{run}, but run {staged.run} has staged that version; a "
                                     "restarted trainer publishes with a larger run",
-                                    "FAILED_PRECONDITION")
+                                    code=grpc.StatusCode.FAILED_PRECONDITION)
         return self._drop([version])
 
     def _drop_left_behind(self, version: int, tp_rank: int) -> list[int]:
@@ -208,7 +209,7 @@ class ShardStaging:
                 f"a shard of version {version} ({nbytes} bytes) does not fit: "
                 f"{self.staged_bytes} bytes of shards already wait for ranks ({waiting}) within "
                 f"the budget of {self.byte_budget}; publish the missing ranks or a newer version",
-                "RESOURCE_EXHAUSTED")
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED)
         evicted = []
         for v in older:
             if over <= 0:
@@ -235,7 +236,7 @@ def _check_joins(version: int, tp_rank: int, tp_size: int, signature: Signature,
     if tp_rank in staged.expected:
         raise ShardStagingError(f"rank {tp_rank}'s shard of version {version} is already "
                                 "arriving on another stream; publish each rank's shard once",
-                                "ALREADY_EXISTS")
+                                code=grpc.StatusCode.ALREADY_EXISTS)
 
 
 def _check_signature(version: int, tp_rank: int, signature: Signature, first: Signature) -> None:

@@ -26,8 +26,10 @@ from enum import Enum
 
 import torch
 
+from rlharvest.common.errors import InvalidArgument
 
-class ShardingError(ValueError):
+
+class ShardingError(InvalidArgument, ValueError):
     """A tensor that cannot be sharded as asked; the message says why and what to change."""
 
 

@@ -15,22 +15,40 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
+from rlharvest.common.errors import InvalidArgument
 from rlharvest.services.transfer_agent import sharding
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, encode_delta, encode_dense
 
 
-class VersionStoreError(ValueError):
+class VersionStoreError(InvalidArgument, ValueError):
     """A publish or pull the store refuses; the message says what and what to do."""
 
 
 class VersionOrderError(VersionStoreError):
     """A publish of a version not newer than the latest one."""
 
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class OverBudgetError(VersionStoreError):
+    """A version larger than the whole byte budget: no eviction can make room for it."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnknownTensorsError(VersionStoreError):
+    """A pull that names tensors the version does not have."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
 
 class VersionUnavailableError(VersionStoreError):
     """A pull of a version the store does not hold (never published, or evicted)."""
+
+    code = grpc.StatusCode.NOT_FOUND
 
     def __init__(self, message: str, evicted: EvictionRecord | None) -> None:
         super().__init__(message)
@@ -172,8 +190,8 @@ class VersionStore:
             _check_same_model(version, tensors, next(reversed(self._versions.items())))
         incoming = _Version(tensors, now)
         if incoming.nbytes > self.byte_budget:
-            raise VersionStoreError(f"version {version} needs {incoming.nbytes} bytes but the "
-                                    f"agent's budget is {self.byte_budget}: raise byte_budget")
+            raise OverBudgetError(f"version {version} needs {incoming.nbytes} bytes but the "
+                                  f"agent's budget is {self.byte_budget}: raise byte_budget")
         records = []
         while self._versions and (len(self._versions) >= self.max_versions
                                   or self.held_bytes + incoming.nbytes > self.byte_budget):
@@ -211,9 +229,9 @@ class VersionStore:
         wanted = list(target.tensors) if names is None else list(names)
         unknown = [n for n in wanted if n not in target.tensors]
         if unknown:
-            raise VersionStoreError(f"version {version} has no tensors named {unknown[:5]}"
-                                    f"{' ...' if len(unknown) > 5 else ''}; ask for names from "
-                                    "its manifest")
+            raise UnknownTensorsError(f"version {version} has no tensors named {unknown[:5]}"
+                                      f"{' ...' if len(unknown) > 5 else ''}; ask for names from "
+                                      "its manifest")
         if holding == version:
             return TransferPlan(version, None, tp_rank, tp_size, (), 0,
                                 f"the worker already holds version {version}")

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -50,11 +51,15 @@ async def wait_standby(etcd, name: str, timeout: float = 30) -> None:
         await asyncio.sleep(0.1)
 
 
-async def drive(job: PlacementJob, iterations: int, runs: list, phase_s: float) -> None:
-    """The job's training loop under the shim: every phase records where and when it ran."""
+async def drive(job: PlacementJob, iterations: int, runs: list, phase_s: float,
+                in_phase: Callable[[PhaseRun], None] | None = None) -> None:
+    """The job's training loop under the shim: every phase records where and when it ran.
+    ``in_phase`` is called at the start of every phase, while the phase's permit is held."""
 
     async def phase(run: PhaseRun) -> None:
         start = time.monotonic()
+        if in_phase is not None:
+            in_phase(run)
         await asyncio.sleep(phase_s)
         runs.append((job.spec.job_id, run.phase, run.iteration, tuple(run.node_ids), start,
                      time.monotonic()))
@@ -136,11 +141,18 @@ async def test_sigkill_with_permits_held_standby_takes_over_and_no_phase_runs_tw
             PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
         placed = {j: (p.group_id, list(p.rollout_node_ids), list(p.train_node_ids))
                   for j, p in (("job-a", a.placement), ("job-b", b.placement))}
-        driving = asyncio.gather(drive(a, 5, runs, 0.15), drive(b, 5, runs, 0.15))
-        while len(runs) < 3:  # kill in the middle, with phases running under permits
-            await asyncio.sleep(0.05)
-        first.process.kill()
-        await asyncio.wait_for(driving, 120)  # the clients follow the standby
+        started: list[PhaseRun] = []
+
+        def kill_in_the_fourth_phase(run: PhaseRun) -> None:
+            # Inside a phase, so a permit is certainly held when the leader dies.
+            started.append(run)
+            if len(started) == 4:
+                first.process.kill()
+
+        await asyncio.wait_for(asyncio.gather(  # the clients follow the standby
+            drive(a, 5, runs, 0.15, kill_in_the_fourth_phase),
+            drive(b, 5, runs, 0.15, kill_in_the_fourth_phase)), 120)
+        assert not first.process.alive() and len(started) == 20
         for job_id, (group, rollout, train) in placed.items():
             p = await a.client.placement(job_id)
             assert (p.group_id, list(p.rollout_node_ids), list(p.train_node_ids)) == \

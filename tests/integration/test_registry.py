@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlharvest.common import keys, registry
+from rlharvest.common.local_etcd import LocalEtcd
 
 pytestmark = pytest.mark.integration
 HELPER = Path(__file__).with_name("member_process.py")
@@ -114,3 +115,63 @@ async def test_concurrent_versioned_writers_keep_the_highest(etcd_client):
 async def test_unreachable_etcd_is_a_clear_error():
     with pytest.raises(ConnectionError, match="did not answer"):
         await registry.connect("127.0.0.1:1", timeout=1)
+
+
+async def test_list_and_watch_lists_then_streams_changes_in_order(etcd_client):
+    prefix = "/rlharvest/v1/test-watch/"
+    await etcd_client.put(f"{prefix}a".encode(), b"1")
+    seen: list = []
+
+    async def consume():
+        async for item in registry.list_and_watch(etcd_client, prefix):
+            seen.append(item)
+
+    task = asyncio.create_task(consume())
+    try:
+        await _until(lambda: len(seen) >= 1)
+        await etcd_client.put(f"{prefix}b".encode(), b"2")
+        await etcd_client.delete(f"{prefix}a".encode())
+        await etcd_client.put("/rlharvest/v1/test-watch-other".encode(), b"not under it")
+        await _until(lambda: len(seen) >= 3)
+    finally:
+        task.cancel()
+    listing, put, deleted = seen[:3]
+    assert isinstance(listing, registry.Listing) and listing.values == {f"{prefix}a": b"1"}
+    assert (put.key, put.value) == (f"{prefix}b", b"2")
+    assert (deleted.key, deleted.value) == (f"{prefix}a", None)
+    assert listing.revision < put.revision < deleted.revision and len(seen) == 3
+
+
+async def test_list_and_watch_lists_again_after_etcd_is_sigkilled_and_comes_back():
+    etcd = await asyncio.to_thread(LocalEtcd().start)
+    client = await registry.connect(etcd.endpoint)
+    seen: list = []
+
+    async def consume():
+        async for item in registry.list_and_watch(client, "/k/", retry_delay=0.2):
+            seen.append(item)
+
+    task = asyncio.create_task(consume())
+    try:
+        await _until(lambda: len(seen) >= 1)  # listed
+        await client.put(b"/k/before", b"1")
+        await _until(lambda: getattr(seen[-1], "key", "") == "/k/before")
+        etcd.process.kill()  # SIGKILL; it comes back empty on the same port
+        await asyncio.to_thread(etcd.process.wait)
+        etcd.stop()
+        await asyncio.to_thread(etcd.start)
+        await _until(lambda: isinstance(seen[-1], registry.Listing), timeout=30)
+        assert seen[-1].values == {}  # the key that vanished is gone from the new listing
+        await client.put(b"/k/after", b"2")
+        await _until(lambda: getattr(seen[-1], "key", "") == "/k/after", timeout=30)
+    finally:
+        task.cancel()
+        await client.close()
+        etcd.stop()
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)

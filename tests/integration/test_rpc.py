@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from rlharvest.common import rpc
 from rlharvest.common.local_etcd import free_ports
 from rlharvest.common.pb import rollout_worker_pb2
+from rlharvest.common.retry import Backoff, retry
 
 WORKER = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
 
@@ -22,7 +23,10 @@ async def _check(target: str, service: str = "") -> health_pb2.HealthCheckRespon
             health_pb2.HealthCheckRequest(service=service), timeout=1)
 
 
-async def test_with_backoff_rides_out_a_server_that_is_not_up_yet():
+UNAVAILABLE = rpc.status_in(grpc.StatusCode.UNAVAILABLE)
+
+
+async def test_retry_on_unavailable_rides_out_a_server_that_is_not_up_yet():
     port = free_ports(1)[0]
     target = f"127.0.0.1:{port}"
     calls = 0
@@ -37,7 +41,7 @@ async def test_with_backoff_rides_out_a_server_that_is_not_up_yet():
         return await rpc.start_server([], [WORKER], "127.0.0.1", port)
 
     starting = asyncio.create_task(start_late())
-    reply = await rpc.with_backoff(call, attempts=8, first_delay=0.2)
+    reply = await retry(call, retry_if=UNAVAILABLE, attempts=8, backoff=Backoff(first_s=0.2))
     server = await starting
     try:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -46,10 +50,11 @@ async def test_with_backoff_rides_out_a_server_that_is_not_up_yet():
         await server.stop(0)
 
 
-async def test_with_backoff_gives_up_and_does_not_retry_other_codes():
+async def test_retry_on_unavailable_gives_up_and_does_not_retry_other_codes():
     dead = f"127.0.0.1:{free_ports(1)[0]}"
     with pytest.raises(grpc.aio.AioRpcError) as exc:
-        await rpc.with_backoff(lambda: _check(dead), attempts=2, first_delay=0.01)
+        await retry(lambda: _check(dead), retry_if=UNAVAILABLE, attempts=2,
+                    backoff=Backoff(first_s=0.01))
     assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
     server = await rpc.start_server([], [WORKER], "127.0.0.1", 0)
@@ -62,7 +67,8 @@ async def test_with_backoff_gives_up_and_does_not_retry_other_codes():
 
     try:
         with pytest.raises(grpc.aio.AioRpcError) as exc:
-            await rpc.with_backoff(unknown_service, attempts=5, first_delay=0.01)
+            await retry(unknown_service, retry_if=UNAVAILABLE, attempts=5,
+                        backoff=Backoff(first_s=0.01))
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND and calls == 1
     finally:
         await server.stop(0)

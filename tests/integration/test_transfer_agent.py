@@ -433,9 +433,11 @@ async def test_bad_inputs_get_precise_statuses_and_the_agent_keeps_serving(agent
 
 async def test_agent_killed_mid_pull_worker_ends_with_exact_weights_from_another(stack, etcd):
     job = "job-kill"
-    # k1 sends at 64 KB/s, so the worker's 0.46 MB pull from it takes ~7 s: time to kill it.
+    # k1 sends at 16 KB/s, so the worker's 0.46 MB pull from it takes ~28 s: the kill, made as
+    # soon as its first bytes leave, lands mid-pull however loaded the machine. (The worker pairs
+    # with k1: ties go to the lower id. After the kill it pulls from k2 at full speed.)
     slow, slow_endpoint, slow_metrics = start_agent(stack, "k1-slow", "--chunk-bytes", "32768",
-                                                    "--send-rate-bytes-per-s", "65536")
+                                                    "--send-rate-bytes-per-s", "16384")
     _, fast_endpoint, _ = start_agent(stack, "k2-fast")
     await publish(slow_endpoint, job, 5, V1)
     await publish(fast_endpoint, job, 5, V1)
@@ -515,9 +517,14 @@ async def test_relay_sends_exactly_one_copy_over_the_slow_link_and_every_agent_i
 
 async def test_a_relay_sender_killed_mid_scatter_leaves_its_ranges_to_the_other(stack, etcd):
     job = "job-relay-kill"
-    # 64 KB/s each: the 0.46 MB copy takes seconds, time to kill one sender mid-way.
-    slow = ("--chunk-bytes", "32768", "--send-rate-bytes-per-s", "65536")
-    senders = {name: start_agent(stack, name, *slow, cluster="train-k") for name in ("k1", "k2")}
+    # k1, the one killed, sends at 8 KB/s: its half of the 0.46 MB copy would take ~28 s, so the
+    # kill, made once both have sent their first bytes, lands mid-scatter however loaded the
+    # machine. k2 at 64 KB/s sends its half and then k1's remainder in seconds.
+    def slow(rate: int) -> tuple[str, ...]:
+        return ("--chunk-bytes", "32768", "--send-rate-bytes-per-s", str(rate))
+
+    senders = {name: start_agent(stack, name, *slow(rate), cluster="train-k")
+               for name, rate in (("k1", 8192), ("k2", 65536))}
     for _, endpoint, _ in senders.values():
         await publish(endpoint, job, 1, V1)
     _, gateway, gateway_metrics = start_agent(stack, "kg", "--relay", "--relay-jobs", job,

@@ -21,7 +21,9 @@ from rlharvest.common.pb import rollout_worker_pb2 as pb
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import CharTokenizer
 
-from .worker_client import WorkerSession, abort, add, start_worker
+from tests.worker_sessions import abort, add
+
+from .worker_client import WorkerSession, start_worker
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
@@ -53,6 +55,12 @@ async def test_streams_batched_step_outputs_with_contiguous_positions(session):
         assert all(lp <= 0 for lp in got.completions[r].logprobs)
     # One message per engine step carries every request's new tokens, not one per request.
     assert got.max_deltas_per_message == 3
+    # ... and that step's own measurements: this session's requests are the whole batch here.
+    for step in got.steps:
+        assert step.stats.batch_size == len(step.deltas)
+        assert step.stats.decode_tokens == sum(len(d.token_ids) for d in step.deltas)
+        assert step.stats.duration_s > 0
+    assert sum(step.stats.prefill_tokens for step in got.steps) == 3 * len(PROMPT)
 
 
 async def test_same_seed_gives_same_completion_on_same_weights(session):
@@ -85,7 +93,7 @@ async def test_resumed_request_continues_exactly_as_uninterrupted(worker, module
             full = (await first.finish([rid])).completions[rid].tokens
             cut = 5 + seed
             resumed_id = f"resumed-{seed}"
-            second.expect_resume(resumed_id, full[:cut])
+            second.collected.expect_resume(resumed_id, full[:cut])
             await second.send(add(resumed_id, PROMPT, max_tokens=24, seed=seed, generated=full[:cut]))
             resumed = (await second.finish([resumed_id])).completions[resumed_id]
             assert len(resumed.tokens) == 24 and resumed.finish_reason == "length"
@@ -111,6 +119,7 @@ async def test_concurrency_limit_queues_the_excess(session):
 async def test_every_bad_input_gets_a_precise_status_and_the_worker_keeps_serving(session):
     await session.send(
         add("ok", PROMPT, max_tokens=8),
+        add("long", PROMPT, max_tokens=400),  # still running when its duplicate comes
         add("empty", [], max_tokens=8),
         add("vocab", [1, 100000], max_tokens=8),
         add("zero", PROMPT, max_tokens=0),
@@ -119,8 +128,9 @@ async def test_every_bad_input_gets_a_precise_status_and_the_worker_keeps_servin
         pb.WorkerCommand(),
         abort("never-added"),
     )
-    await session.send(add("ok", PROMPT, max_tokens=8))  # duplicate of a running id
+    await session.send(add("long", PROMPT, max_tokens=8))  # duplicate of a running id
     got = await session.finish(["ok", "empty", "vocab", "zero", "version", "never-added"])
+    await session.read_until(lambda c: "long" in c.errors)
     errors = got.errors
     assert errors["empty"][0] == grpc.StatusCode.INVALID_ARGUMENT and "empty" in errors["empty"][1]
     assert errors["vocab"][0] == grpc.StatusCode.INVALID_ARGUMENT and "100000" in errors["vocab"][1]
@@ -128,11 +138,14 @@ async def test_every_bad_input_gets_a_precise_status_and_the_worker_keeps_servin
     assert errors["version"][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert "42" in errors["version"][1]
     assert errors["never-added"][0] == grpc.StatusCode.NOT_FOUND
-    assert errors["ok"][0] == grpc.StatusCode.ALREADY_EXISTS
+    assert errors["long"][0] == grpc.StatusCode.ALREADY_EXISTS
     assert errors[""][0] == grpc.StatusCode.INVALID_ARGUMENT
-    await session.read_until(lambda c: "ok" in c.completions and c.completions["ok"].finish_reason)
+    await session.send(abort("long"))
+    await session.read_until(lambda c: all(r in c.completions and c.completions[r].finish_reason
+                                           for r in ("ok", "long")))
     assert got.completions["ok"].finish_reason == "length"
     assert len(got.completions["ok"].tokens) == 8
+    assert got.completions["long"].finish_reason == "abort"
 
 
 async def test_oversized_message_is_refused_and_other_sessions_go_on(worker):

@@ -15,12 +15,17 @@ from rlharvest.services.rollout_manager.balancer import (
     rebalance,
     select_instance,
 )
-from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
+from rlharvest.services.rollout_manager.batching_profile import (
+    ProfileSamples,
+    StepStats,
+    ThroughputProfile,
+    decode_sample,
+)
 from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
-from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
-from rlharvest.common.engine_types import SamplingParams
+from rlharvest.services.rollout_manager.tracker import RequestState, TokenDelta
+from tests.builders import Clock, step
 
 
 def inst(wid: str, capacity: int = 4, queued: int = 0, running: int = 0,
@@ -139,6 +144,63 @@ def test_executing_migration_waits_while_anything_is_pending():
     assert [m.cause for m in continuous_lb(loads)] == ["pending"]
 
 
+# ---- how a worker admits: fixed slots or KV memory ----------------------------------------------
+
+def dispatched(commands) -> dict[str, str]:
+    return {c.request_id: c.worker_id for c in commands if isinstance(c, Dispatch)}
+
+
+@pytest.mark.parametrize("admission", ["slots", "kv_memory"])
+def test_a_worker_reporting_a_queue_gets_no_new_request_only_when_it_admits_by_kv_memory(
+        admission):
+    control = RolloutControl(ControlConfig(theta=1), Clock())
+    control.worker_joined("w", 0, capacity=64, kind="k", admission=admission)
+    control.worker_load("w", pending=2, executing=5)  # its KV cache is full: two queue there
+    control.add_step("s", step(2), 0)
+    if admission == "slots":  # 64 slots, none used by the manager: the report is not read
+        assert dispatched(control.tick()) == {"r0": "w", "r1": "w"}
+    else:  # Θ = 1 pending already: held (delayed dispatch) until the queue drains
+        assert dispatched(control.tick()) == {}
+        control.worker_load("w", pending=0, executing=5)
+        assert dispatched(control.tick()) == {"r0": "w", "r1": "w"}
+
+
+def test_requests_sent_since_a_kv_memory_workers_report_count_as_queued_there():
+    control = RolloutControl(ControlConfig(theta=2), Clock())
+    control.worker_joined("kv", 0, capacity=64, kind="k", admission="kv_memory")
+    control.worker_joined("slots", 0, capacity=1, kind="k")
+    control.worker_load("kv", pending=1, executing=3)  # full at 3: what comes next queues
+    control.add_step("s", step(5), 0)
+    # kv has one pending and takes one more to reach Θ; slots takes one into its slot and then
+    # pending ones while it has fewer than Θ. The fifth request waits.
+    assert sorted(dispatched(control.tick()).values()) == ["kv", "slots", "slots", "slots"]
+    assert [r.request_id for r in control.tracker.waiting()] == ["r4"]
+
+
+@pytest.mark.parametrize("admission", ["slots", "kv_memory"])
+def test_a_kv_memory_workers_reported_queue_migrates_to_an_idle_worker(admission):
+    control = RolloutControl(ControlConfig(theta=100), Clock())
+    control.worker_joined("busy", 0, capacity=16, kind="k", admission=admission)
+    control.add_step("s", step(8), 0)
+    control.tick()
+    for i in range(8):
+        control.step_outputs("busy", [TokenDelta(f"r{i}", 0, (5,), (0.0,), 0)])
+    control.worker_load("busy", pending=3, executing=5)  # memory for five: three queue there
+    control.worker_joined("idle", 0, capacity=16, kind="k")
+    moves = [c for c in control.tick() if isinstance(c, Migrate)]
+    if admission == "slots":  # eight of sixteen slots: nothing queues, and no P yet
+        assert moves == []
+    else:  # its three queued ones, one at a time as CONTINUOUSLB's pending case says
+        assert len(moves) == 3
+        assert all(m.src == "busy" and m.dst == "idle" and m.cause == "pending" for m in moves)
+
+
+def test_an_unknown_admission_is_refused_with_the_ones_the_manager_knows():
+    control = RolloutControl(ControlConfig(), Clock())
+    with pytest.raises(ValueError, match="admission 'paged'.*slots and kv_memory"):
+        control.worker_joined("w", 0, capacity=4, kind="k", admission="paged")
+
+
 # ---- the batching plateau B -------------------------------------------------------------------
 
 def decode_throughput(batch: int, context: float) -> float:
@@ -148,24 +210,26 @@ def decode_throughput(batch: int, context: float) -> float:
 
 
 def captured_profile(context: float, epsilon: float = 0.1) -> ThroughputProfile:
-    profile = ThroughputProfile(epsilon=epsilon, min_samples=1)
+    samples = ProfileSamples()
     for b in range(1, 65):
-        profile.record(b, decode_throughput(b, context), context)
-    profile.finish_step()
+        samples.record(b, decode_throughput(b, context), context)
+    profile = ThroughputProfile(epsilon=epsilon, min_samples=1)
+    profile.freeze(samples)
     return profile
 
 
 def test_there_is_no_plateau_before_a_step_has_been_captured():
     profile = ThroughputProfile()
-    profile.record(8, 100.0, 300.0)
+    ProfileSamples().record(8, 100.0, 300.0)
     assert profile.plateau(300.0) is None
 
 
 def test_plateau_is_the_smallest_batch_within_epsilon_of_the_best_throughput():
-    profile = ThroughputProfile(epsilon=0.1, min_samples=1)
+    samples = ProfileSamples()
     for batch, tput in {1: 10.0, 2: 19.0, 4: 30.0, 8: 37.0, 16: 40.0, 32: 41.0}.items():
-        profile.record(batch, tput, 100.0)
-    profile.finish_step()
+        samples.record(batch, tput, 100.0)
+    profile = ThroughputProfile(epsilon=0.1, min_samples=1)
+    profile.freeze(samples)
     assert profile.plateau(100.0) == 8  # 37 >= 0.9 * 41, 30 is not
 
 
@@ -180,19 +244,31 @@ def test_plateau_is_calibrated_to_the_current_context_length():
 
 
 def test_batch_sizes_seen_too_rarely_do_not_shape_the_profile():
-    profile = ThroughputProfile(epsilon=0.1, min_samples=3)
+    samples = ProfileSamples()
     for _ in range(3):
-        profile.record(4, 100.0, 200.0)
-    profile.record(2, 1000.0, 200.0)  # one noisy sample
-    profile.finish_step()
+        samples.record(4, 100.0, 200.0)
+    samples.record(2, 1000.0, 200.0)  # one noisy sample
+    profile = ThroughputProfile(epsilon=0.1, min_samples=3)
+    profile.freeze(samples)
     assert profile.plateau(200.0) == 4
 
 
 def test_a_step_without_enough_samples_keeps_the_previous_profile():
     profile = captured_profile(context=500.0)
     before = profile.plateau(500.0)
-    profile.finish_step()
+    assert not profile.freeze(ProfileSamples())
     assert profile.plateau(500.0) == before
+
+
+@pytest.mark.parametrize("stats, sample", [
+    (StepStats(8, 0.5, 8, 0), (8, 16.0)),
+    (StepStats(8, 0.5, 16, 3), (8, 32.0)),  # a light prefill leaves a decode step a sample
+    (StepStats(8, 0.5, 8, 9), None),  # more prefilled than decoded: the prefill's time
+    (StepStats(0, 0.5, 0, 0), None),  # idle
+    (StepStats(8, 0.0, 8, 0), None),  # unmeasured
+])
+def test_an_engine_step_is_a_decode_sample_unless_idle_unmeasured_or_prefill_heavy(stats, sample):
+    assert decode_sample(stats) == sample
 
 
 def test_epsilon_outside_zero_one_is_refused():
@@ -201,14 +277,6 @@ def test_epsilon_outside_zero_one_is_refused():
 
 
 # ---- the manager loop: on-policy under random events -------------------------------------------
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def token_at(request_id: str, position: int, version: int) -> int:
     """What a worker holding ``version`` generates; wrong-version tokens would show."""
@@ -289,8 +357,8 @@ def test_every_request_finishes_once_on_its_version_with_contiguous_tokens(
         stall_timeout_s=5.0, no_worker_timeout_s=1e9)), clock)
     workers = FakeWorkers(control)
     step_version = 1
-    control.add_step([NewRequest(f"r{i}", "g", (1, 2), SamplingParams(max_tokens=lengths[i]),
-                                 step_version) for i in range(n_requests)])
+    control.add_step("s", step(n_requests, prompts=((1, 2),), max_tokens=lengths[:n_requests],
+                               version=step_version), step_version, announced_version=1)
     alive: set[str] = set()
     for kind, w, arg in events:
         wid = f"w{w}"

@@ -8,24 +8,15 @@ from rlharvest.services.rollout_manager.commands import Dispatch, Release
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.main import build_control
-from rlharvest.services.rollout_manager.tracker import NewRequest, TokenDelta
-from rlharvest.common.engine_types import SamplingParams
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from rlharvest.services.rollout_manager.tracker import TokenDelta
+from tests.builders import Clock, step
 
 
 def run_until_loss(recompute_on_loss: bool) -> RolloutControl:
     """Two requests on worker a produce 5 tokens each; a is lost; b joins and takes them."""
     control = RolloutControl(ControlConfig(theta=2, recompute_on_loss=recompute_on_loss), Clock())
     control.worker_joined("a", 0, capacity=4, kind="k")
-    control.add_step([NewRequest(f"r{i}", "g", (1, 2), SamplingParams(max_tokens=8), 0)
-                      for i in range(2)])
+    control.add_step("s", step(2, max_tokens=8), 0)
     control.tick()
     for rid in ("r0", "r1"):
         control.step_outputs("a", [TokenDelta(rid, 0, (3,) * 5, (0.0,) * 5, 0)])
@@ -57,7 +48,7 @@ def test_recompute_on_loss_leaves_graceful_drain_as_a_migration():
     control = RolloutControl(ControlConfig(theta=2, recompute_on_loss=True), Clock())
     for w in ("a", "b"):
         control.worker_joined(w, 0, capacity=4, kind="k")
-    control.add_step([NewRequest("r0", "g", (1,), SamplingParams(max_tokens=8), 0)])
+    control.add_step("s", step(1, max_tokens=8), 0)
     (dispatch,) = control.tick()
     control.step_outputs(dispatch.worker_id, [TokenDelta("r0", 0, (3, 3), (0.0, 0.0), 0)])
     control.worker_draining(dispatch.worker_id, deadline=100.0)
@@ -78,7 +69,6 @@ def test_round_robin_dispatches_in_turn_and_never_holds():
     control = build_control(ManagerConfig(balancer="round_robin"))
     for w in ("a", "b", "c"):
         control.worker_joined(w, 0, capacity=1, kind="k")
-    control.add_step([NewRequest(f"r{i}", "g", (1,), SamplingParams(max_tokens=4), 0)
-                      for i in range(7)])
+    control.add_step("s", step(7, max_tokens=4), 0)
     order = [c.worker_id for c in control.tick() if isinstance(c, Dispatch)]
     assert order == ["a", "b", "c", "a", "b", "c", "a"]

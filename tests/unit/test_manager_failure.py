@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate, Release
@@ -13,17 +14,9 @@ from rlharvest.services.rollout_manager.policy_sim import (
     long_tail_lengths,
     simulate,
 )
-from rlharvest.services.rollout_manager.tracker import NewRequest, RequestState, TokenDelta
+from rlharvest.services.rollout_manager.tracker import RequestState, TokenDelta
 from rlharvest.services.rollout_manager.worker_pool import WorkerState
-from rlharvest.common.engine_types import SamplingParams
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.builders import Clock, request, step
 
 
 def make(theta: int = 2, stall: float = 10.0, no_worker: float = 30.0):
@@ -34,9 +27,9 @@ def make(theta: int = 2, stall: float = 10.0, no_worker: float = 30.0):
 
 
 def add(control: RolloutControl, n: int, version: int = 1, max_tokens: int = 50) -> list[str]:
-    return control.add_step([NewRequest(f"r{i}", "g", (1, 2, 3),
-                                        SamplingParams(max_tokens=max_tokens), version)
-                             for i in range(n)])
+    """A step of ``n`` requests r0.. on ``version``, announced whether or not a worker holds it."""
+    return list(control.add_step("s", step(n, version=version, max_tokens=max_tokens), version,
+                                 announced_version=version).request_ids)
 
 
 def emit(control: RolloutControl, worker: str, request_id: str, tokens: list[int],
@@ -147,8 +140,8 @@ def test_a_draining_worker_moves_its_requests_to_workers_with_room_and_takes_no_
     assert {c.src for c in commands} == {"spot"} and len(commands) == 3
     assert control.tracker.on_worker("spot") == []
     assert control.tracker.resume_payload("r0").generated_token_ids == (10, 11)
-    add_more = control.add_step([NewRequest("late", "g", (1,), SamplingParams(), 1)])
-    assert "spot" not in placed(control.tick()).values() and add_more == ["late"]
+    control.add_step("more", [request("late", version=1)], 1)
+    assert "spot" not in placed(control.tick()).values()
 
 
 def test_a_draining_worker_keeps_decoding_what_finds_no_room_until_its_deadline():
@@ -182,6 +175,51 @@ def test_requests_leave_a_worker_that_loads_another_version_even_without_room():
                                          Release("r1", "w", "version")]
     assert control.tick() == []  # nothing is dispatched to w: it holds version 2 now
     assert control.tracker.get("r0").state is RequestState.WAITING
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.ALREADY_EXISTS,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_refusal_about_the_worker_sends_the_request_elsewhere_without_an_abort(code):
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    emit(control, "w", "r0", [10])
+    commands = control.command_refused("w", "r0", code.value[0], "full")
+    assert commands == [Release("r0", "w", "refused", abort=False)]  # w never took it
+    assert control.tracker.get("r0").state is RequestState.WAITING
+    control.worker_joined("v", 1, capacity=4, kind="k")
+    assert placed(control.tick()) == {"r0": "v"}
+    assert control.tracker.resume_payload("r0").generated_token_ids == (10,)
+
+
+def test_a_refusal_about_the_request_itself_fails_it_with_the_workers_message():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    [fail] = control.command_refused("w", "r0", grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                     "prompt of 9000 tokens exceeds the context of 4096")
+    assert isinstance(fail, Fail) and fail.reason == (
+        "worker w refused the request: prompt of 9000 tokens exceeds the context of 4096")
+    assert control.tracker.get("r0").state is RequestState.FAILED
+
+
+def test_a_refusal_about_an_assignment_the_request_left_is_ignored():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    control.worker_draining("w", deadline=100.0)
+    control.worker_joined("v", 1, capacity=4, kind="k")
+    assert placed(control.tick()) == {"r0": "v"}  # moved off the draining worker
+    code = grpc.StatusCode.UNAVAILABLE.value[0]
+    assert control.command_refused("w", "r0", code, "draining") == []
+    assert control.command_refused("w", "unknown", code, "draining") == []
+    assert control.tracker.get("r0").worker_id == "v"
 
 
 # ---- starvation -------------------------------------------------------------------------------
@@ -255,9 +293,8 @@ def test_preempting_a_third_of_the_workers_mid_step_regenerates_nothing_with_mig
 
 def test_waiting_requests_fail_at_their_own_deadline_or_the_managers():
     control, clock = make(no_worker=30.0)
-    control.add_step([NewRequest("own", "g", (1, 2), SamplingParams(max_tokens=4), 1,
-                                 no_worker_timeout_s=2.0),
-                      NewRequest("default", "g", (1, 2), SamplingParams(max_tokens=4), 1)])
+    control.add_step("s", [request("own", version=1, no_worker_timeout_s=2.0),
+                           request("default", version=1)], 1, announced_version=1)
     assert control.tick() == []
     clock.now = 1.9
     assert control.tick() == []
@@ -277,7 +314,7 @@ def test_a_request_that_arrives_late_waits_its_full_deadline():
     add(control, 1)  # version 1 starts starving at t=0
     control.tick()
     clock.now = 8.0
-    control.add_step([NewRequest("late", "g", (1, 2), SamplingParams(max_tokens=4), 1)])
+    control.add_step("later", [request("late", version=1)], 1, announced_version=1)
     clock.now = 10.0
     assert [c.request_id for c in control.tick()] == ["r0"]
     clock.now = 17.9

@@ -14,21 +14,13 @@ from rlharvest.services.rollout_manager.tracker import (
     StepLimits,
     TokenDelta,
 )
-from rlharvest.common.engine_types import SamplingParams
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.builders import Clock, request
 
 
 def req(rid: str, prompt=(1, 5, 6), max_tokens: int = 16, version: int = 3,
-        stop: tuple[int, ...] = ()) -> NewRequest:
-    return NewRequest(rid, "g", tuple(prompt), SamplingParams(max_tokens=max_tokens,
-                                                              stop_token_ids=stop), version)
+        stop: tuple[int, ...] = (), no_worker_timeout_s: float | None = None) -> NewRequest:
+    return request(rid, prompt=prompt, max_tokens=max_tokens, version=version, stop=stop,
+                   no_worker_timeout_s=no_worker_timeout_s)
 
 
 def delta(rid: str, position: int, tokens, version: int = 3, finished: bool = False,
@@ -54,6 +46,7 @@ def tracker(limits: StepLimits | None = None) -> RequestTracker:
     ([req("a", max_tokens=0)], "max_tokens=0"),
     ([req("a", max_tokens=65)], "max_tokens=65"),
     ([req("a", version=-1)], "weight_version -1"),
+    ([req("a", no_worker_timeout_s=-1.0)], "no_worker_deadline_s -1.0, which is negative"),
     ([req(str(i)) for i in range(9)], "9 requests"),
 ])
 def test_a_bad_step_is_refused_with_a_precise_reason_and_nothing_is_tracked(step, fragment):
@@ -265,3 +258,42 @@ def test_migrated_request_continues_from_its_last_token_whatever_the_history(tok
     assert a.token_ids == tokens[:len(a.token_ids)]
     assert t.counters.tokens_regenerated == 0
     assert (a.state is RequestState.FINISHED) == (len(a.token_ids) == len(tokens))
+
+
+# ---- property: the mean context of a worker, kept without walking its requests ----------------
+
+OPS = st.lists(st.tuples(
+    st.sampled_from(["assign", "move", "release", "emit", "finish", "abort", "fail", "batch"]),
+    st.integers(0, 3), st.sampled_from(["w1", "w2"]), st.integers(0, 4)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=OPS)
+def test_a_workers_mean_context_is_that_of_its_requests_whatever_happened(ops):
+    t = tracker()
+    t.add_step([req(f"r{i}", prompt=(1,) * (i + 1), max_tokens=12) for i in range(4)])
+    for op, i, worker, n in ops:
+        r = t.get(f"r{i}")
+        if op == "assign" and r.state is RequestState.WAITING:
+            t.assign(r.request_id, worker)
+        elif op == "move" and r.worker_id not in (None, worker) and not r.done:
+            t.move(r.request_id, worker)
+        elif op == "release" and r.worker_id is not None:
+            t.release(r.request_id)
+        elif op in ("emit", "finish", "abort") and r.worker_id is not None:
+            pos = len(r.token_ids)
+            reason = {"finish": "stop", "abort": "abort"}.get(op, "")
+            t.apply_outputs(r.worker_id, [delta(r.request_id, pos, [7] * min(n, 12 - pos),
+                                                finished=bool(reason), reason=reason)])
+        elif op == "fail":
+            t.fail(r.request_id, "test")
+        elif op == "batch":  # one delta per request of the worker, the n-th one finishing
+            on = t.on_worker(worker)
+            t.apply_outputs(worker, [
+                delta(x.request_id, len(x.token_ids), [7] * min(2, 12 - len(x.token_ids)),
+                      finished=k == n, reason="stop" if k == n else "")
+                for k, x in enumerate(on)])
+        for w in ("w1", "w2"):
+            on = t.on_worker(w)
+            expected = sum(x.context_length for x in on) / len(on) if on else None
+            assert t.mean_context(w) == expected

@@ -14,20 +14,12 @@ from rlharvest.services.placement_scheduler.client import JobSpec
 from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
 from rlharvest.services.placement_scheduler.model import H20, H800, JobProfile, Pool
 from rlharvest.services.placement_scheduler.service import submitted_spec
+from tests.builders import Clock
 
+START = 1_000.0  # the control reads wall-clock time by default, which is never near 0
 PROFILE = JobProfile(batch_size=64, prompt_tokens=256, max_response_tokens=1024,
                      decode_s_per_token=0.05, prefill_s=2.0, train_tokens_per_s=20_000.0,
                      turns=2, env_s_per_turn=1.0, sync_s=5.0)
-
-
-class Clock:
-    """Seconds that pass only when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def control(clock: Clock, rollout: int = 2, train: int = 1) -> PlacementControl:
@@ -44,9 +36,9 @@ def spec(job_id: str, t_roll: float = 10.0, t_train: float = 10.0, slo: float = 
 
 def run_phase(ctl: PlacementControl, clock: Clock, job_id: str, phase: Pool, iteration: int,
               seconds: float, wait_s: float = 0.0):
-    clock.now += wait_s  # the job's client idles before asking for its permit
+    clock.advance(wait_s)  # the job's client idles before asking for its permit
     assert ctl.acquire(job_id, phase, iteration) is not None, f"{job_id} {phase} #{iteration}"
-    clock.now += seconds
+    clock.advance(seconds)
     return ctl.release(job_id, phase, iteration)
 
 
@@ -57,7 +49,7 @@ def run_iteration(ctl: PlacementControl, clock: Clock, job_id: str, iteration: i
 
 
 def test_slo_attainment_counts_iterations_within_slo_times_solo() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock)
     ctl.submit(spec("A", slo=1.5))  # solo iteration 20 s: an iteration may take up to 30 s
     run_iteration(ctl, clock, "A", 0)  # the first iteration only starts the measurement
@@ -70,17 +62,17 @@ def test_slo_attainment_counts_iterations_within_slo_times_solo() -> None:
 
 
 def test_tail_migration_reclaims_bubble_node_seconds_until_the_tail_ends() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock)
     ctl.submit(spec("A", nodes=2))
     assert ctl.submit(spec("B", nodes=2)).decision.strategy.value == "direct_packing"
     assert ctl.acquire("A", Pool.ROLLOUT, 0).node_ids == ("r1", "r2")
-    clock.now += 5
+    clock.advance(5)
     migration = ctl.progress("A", 0, total=10, finished=9, unfinished_by_node={"r1": 1, "r2": 0})
     assert (migration.keep_node_ids, migration.freed_node_ids) == (("r1",), ("r2",))
     permit = ctl.acquire("B", Pool.ROLLOUT, 0)  # B starts on the freed node before A's tail ends
     assert (permit.node_ids, permit.pending_node_ids) == (("r2",), ("r1",))
-    clock.now += 3  # A's tail runs 3 more seconds on r1 while B uses r2
+    clock.advance(3)  # A's tail runs 3 more seconds on r1 while B uses r2
     assert ctl.release("A", Pool.ROLLOUT, 0).released
     assert ctl.stats.tail_migrations == 1
     assert ctl.stats.bubble_node_seconds == pytest.approx(3.0)  # 3 s × 1 freed node
@@ -89,7 +81,7 @@ def test_tail_migration_reclaims_bubble_node_seconds_until_the_tail_ends() -> No
 
 
 def test_full_pools_refuse_with_resource_exhausted_until_a_job_leaves() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock, rollout=1, train=1)
     ctl.submit(spec("A", slo=1.0))
     with pytest.raises(Refusal) as refused:  # B breaks A's SLO; no node left for a new group
@@ -104,7 +96,7 @@ def test_full_pools_refuse_with_resource_exhausted_until_a_job_leaves() -> None:
 
 
 def test_jobs_whose_lease_expired_while_no_scheduler_led_leave_and_the_group_goes_on() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock)
     ctl.submit(spec("A"), lease_id=7)
     ctl.submit(spec("B", t_roll=5.0, t_train=5.0, slo=4.0), lease_id=8)
@@ -125,7 +117,7 @@ def test_jobs_whose_lease_expired_while_no_scheduler_led_leave_and_the_group_goe
 
 
 def test_drift_within_the_groups_slack_only_updates_the_estimate() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock)
     ctl.submit(spec("A"))
     outcome = run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 13.0)  # 1.3 × the estimate
@@ -134,7 +126,7 @@ def test_drift_within_the_groups_slack_only_updates_the_estimate() -> None:
 
 
 def test_drift_breaking_a_members_slo_evicts_only_the_drifting_job() -> None:
-    clock = Clock()
+    clock = Clock(START)
     ctl = control(clock, train=2)
     ctl.submit(spec("A"))
     ctl.submit(spec("B"))  # packed with A: both iterate every 20 s, A may take 40 s
@@ -153,7 +145,7 @@ def test_drift_breaking_a_members_slo_evicts_only_the_drifting_job() -> None:
 
 
 def test_a_profiled_job_is_planned_at_its_worst_case_durations() -> None:
-    ctl = control(Clock())
+    ctl = control(Clock(START))
     ctl.submit({"job_id": "P", "profile": dataclasses.asdict(PROFILE), "slo": 1.5})
     job = ctl.scheduler.group_of("P").jobs["P"]
     assert (job.t_roll, job.t_train) == (PROFILE.worst_case_rollout_s(),
@@ -174,7 +166,7 @@ def test_a_profiled_job_is_planned_at_its_worst_case_durations() -> None:
 ])
 def test_bad_submissions_are_refused_naming_the_field(submission, words) -> None:
     with pytest.raises(Refusal) as refused:
-        control(Clock()).submit(submission)
+        control(Clock(START)).submit(submission)
     assert refused.value.kind == "invalid" and words in str(refused.value)
 
 

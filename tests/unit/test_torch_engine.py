@@ -306,6 +306,21 @@ def test_excess_requests_wait_fifo_beyond_max_running():
     assert (eng.load().pending, eng.load().executing) == (1, 2)
 
 
+def test_each_step_reports_the_prompt_and_resume_tokens_it_prefilled():
+    eng = engine(max_running=2)
+    assert eng.last_step_prefill_tokens == 0 and eng.batch_admission == "slots"
+    eng.add(EngineRequest("a", prompt(1, length=5), sampled(1, max_tokens=2)))
+    eng.add(EngineRequest("b", prompt(2, length=7), sampled(2, max_tokens=6),
+                          generated_token_ids=[40, 41, 42]))  # a resume prefills these too
+    eng.add(EngineRequest("c", prompt(3, length=4), sampled(3, max_tokens=3)))
+    eng.step()
+    assert eng.last_step_prefill_tokens == 5 + 7 + 3  # c waits: both slots taken
+    eng.step()  # a finishes: pure decode
+    assert eng.last_step_prefill_tokens == 0
+    eng.step()
+    assert eng.last_step_prefill_tokens == 4  # c takes a's slot
+
+
 def test_abort_pending_and_unknown_requests():
     eng = engine(max_running=1)
     eng.add(EngineRequest("run", prompt(1), sampled(1, max_tokens=4)))

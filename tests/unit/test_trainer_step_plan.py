@@ -6,26 +6,15 @@ from __future__ import annotations
 import pytest
 
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
-from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.demo import Kill, PreemptionSchedule, Replace
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
     OnPolicyViolation,
     RolloutFailed,
-    StepSpec,
     resume_version,
     submit_request,
 )
-from rlharvest.services.trainer.tasks import TaskDataset
-
-TOK = CharTokenizer()
-
-
-def spec(version: int = 3, prompts: int = 2, samples: int = 2) -> StepSpec:
-    items = tuple(TaskDataset(seed=0).next_batch(prompts))
-    return StepSpec(step=5, weight_version=version, items=items,
-                    prompts=tuple(tuple(TOK.encode(i.prompt)) for i in items),
-                    samples_per_prompt=samples)
+from tests.builders import step_spec
 
 
 def completion(rid: str, version: int = 3, **kw) -> mpb.Completion:
@@ -34,7 +23,7 @@ def completion(rid: str, version: int = 3, **kw) -> mpb.Completion:
 
 
 def test_submit_request_asks_every_sample_of_every_prompt_on_the_step_version():
-    s = spec()
+    s = step_spec()
     request = submit_request(s, max_new_tokens=4, temperature=1.0, top_p=1.0,
                              stop_token_ids=[2], data_seed=0, no_worker_deadline_s=9)
     assert request.weight_version == 3 and len(request.requests) == 4
@@ -45,7 +34,7 @@ def test_submit_request_asks_every_sample_of_every_prompt_on_the_step_version():
 
 
 def test_a_group_is_ready_only_when_all_its_samples_are_rewarded():
-    a = GroupAssembler(spec())
+    a = GroupAssembler(step_spec())
     assert a.completion(completion("s5-g1-r0")) == (1, 0)
     assert a.completion(completion("s5-g1-r1", migrations=2)) == (1, 1)
     assert a.reward(1, 1, 0.5) is None
@@ -55,7 +44,7 @@ def test_a_group_is_ready_only_when_all_its_samples_are_rewarded():
 
 
 def test_a_token_of_another_version_is_refused():
-    a = GroupAssembler(spec(version=3))
+    a = GroupAssembler(step_spec(version=3))
     a.delta(common_pb2.TokenDelta(request_id="s5-g0-r0", token_ids=[7], weight_version=3))
     with pytest.raises(OnPolicyViolation, match="weight version 2"):
         a.delta(common_pb2.TokenDelta(request_id="s5-g0-r0", position=1, token_ids=[8],
@@ -69,11 +58,11 @@ def test_a_token_of_another_version_is_refused():
                                           ("s5-g0-r9", "not one of step 5")])
 def test_foreign_requests_are_refused(rid, message):
     with pytest.raises(ValueError, match=message):
-        GroupAssembler(spec()).completion(completion(rid))
+        GroupAssembler(step_spec()).completion(completion(rid))
 
 
 def test_failed_and_duplicate_completions_are_refused():
-    a = GroupAssembler(spec())
+    a = GroupAssembler(step_spec())
     with pytest.raises(RolloutFailed, match="no healthy worker"):
         a.completion(completion("s5-g0-r0", failed=True, finish_reason="no healthy worker"))
     a.completion(completion("s5-g0-r1"))

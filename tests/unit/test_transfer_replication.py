@@ -17,6 +17,7 @@ from rlharvest.services.transfer_agent import replicator
 from rlharvest.services.transfer_agent.client import PullError, PullResult
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.replication import pick_agent, relay_source
+from tests.builders import Clock
 
 
 # ---- pairing workers with agents -------------------------------------------------------------
@@ -132,14 +133,6 @@ class FakeAgent:
 
     async def hold(self, job: str, version: int, tensors, source: str):
         self.held[version] = tensors
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def test_a_rank_arriving_twice_at_once_or_at_another_tp_size_is_refused():
     staging.admit(1, 0, 2, SIGNATURE, 128)
     with pytest.raises(ShardStagingError, match="already arriving on another stream") as err:
         staging.admit(1, 0, 2, SIGNATURE, 128)  # its first stream is still arriving
-    assert err.value.code == "ALREADY_EXISTS"
+    assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
     with pytest.raises(ShardStagingError, match="at tp_size 4, but other ranks did at tp_size 2"):
         staging.admit(1, 1, 4, SIGNATURE, 128)
     with pytest.raises(ShardStagingError, match="not a rank of a TP group"):
@@ -77,7 +78,7 @@ def test_a_tp_size_beyond_the_cap_is_refused_and_a_large_allowed_one_stays_cheap
     with pytest.raises(ShardStagingError, match="tp_size 1000000000 is over this agent's "
                                                 "max_tp_size 256") as err:
         staging.admit(1, 0, 10**9, SIGNATURE, 128)
-    assert err.value.code == "INVALID_ARGUMENT"
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
     started = time.perf_counter()
     for rank in range(255):
         assert stage(staging, 1, rank, tp_size=256) is None
@@ -113,7 +114,7 @@ def test_under_budget_pressure_the_oldest_incomplete_version_makes_way_for_a_new
     assert admission.dropped == (1,) and staging.staged_versions == (2, 3)
     with pytest.raises(ShardStagingError, match=r"wait for ranks .*2: '1 of 2 ranks'") as err:
         staging.admit(2, 1, 2, SIGNATURE, 400)  # no older version to evict; the newer stays
-    assert err.value.code == "RESOURCE_EXHAUSTED"
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert staging.staged_versions == (2, 3)
 
 
@@ -141,7 +142,7 @@ def test_a_newer_run_never_completes_a_version_with_the_old_runs_shards():
     assert staging.add(admission, shard(1)) is None and staging.missing(5) == [0]
     with pytest.raises(ShardStagingError, match="from run 1, but run 2") as err:
         staging.admit(5, 0, 2, SIGNATURE, 128, run=1)
-    assert err.value.code == "FAILED_PRECONDITION"
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
     assert values(stage(staging, 5, 0, run=2)) == [0, 1]
 
 
@@ -151,7 +152,7 @@ def test_a_shard_whose_version_was_dropped_while_it_decoded_is_refused_as_not_st
     staging.drop_through(5)  # version 5 is held meanwhile (e.g. relayed from elsewhere)
     with pytest.raises(ShardStagingError, match="not staged any more") as err:
         staging.add(admission, shard(0))
-    assert err.value.code == "FAILED_PRECONDITION"
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
     again = staging.admit(5, 0, 2, SIGNATURE, 128)  # a later admission is not taken by the old one
     with pytest.raises(ShardStagingError, match="not staged any more"):
         staging.add(admission, shard(0))
@@ -164,6 +165,6 @@ def test_a_completed_version_refuses_its_ranks_until_it_is_stored():
     assert stage(staging, 5, 1) is not None  # complete: on its way into the store
     with pytest.raises(ShardStagingError, match="complete and being stored") as err:
         staging.admit(5, 0, 2, SIGNATURE, 128)
-    assert err.value.code == "ALREADY_EXISTS"
+    assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
     staging.stored(5)
     assert staging.admit(5, 0, 2, SIGNATURE, 128).version == 5  # the service refuses it as held

@@ -1,4 +1,4 @@
-"""The worker's per-session outbox and the spot-notice parser: pure pieces of the worker shell."""
+"""The worker core's per-session outbox and the spot-notice parser: pure pieces of the worker."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rlharvest.services.rollout_worker.outbox import Outbox
+from rlharvest.common.worker_core.outbox import Outbox
 from rlharvest.services.rollout_worker.preemption_notice import is_notice
 
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Union, cast
 
 # (prompt, completion, reference) -> reward; may be sync or async.
 RewardFn = Callable[[str, str, str], Union[float, Awaitable[float]]]
@@ -128,7 +128,8 @@ class RewardPool:
     def _call(self, request: RewardRequest) -> Awaitable[Any]:
         args = (request.prompt, request.completion, request.reference)
         if self._is_async:
-            return self._fn(*args)
+            # A coroutine function (checked in __init__); the flag does not narrow the type.
+            return cast(Awaitable[Any], self._fn(*args))
         return _run_in_thread(lambda: self._fn(*args))
 
     def _failure(self, request: RewardRequest, start: float, error: str) -> RewardOutcome:

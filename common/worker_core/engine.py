@@ -1,19 +1,20 @@
-"""The inference engine interface behind a rollout worker (ARCHITECTURE.md, "Models, data and engines").
+"""The inference engine interface the worker core drives.
 
-An engine is synchronous and single-threaded from its caller's view: the async worker shell calls
-``add``/``abort``/``load_weights`` only between ``step`` calls, and runs ``step`` in a worker thread
-so gRPC I/O goes on while the batch computes. The built-in implementation is
-``torch_engine.TorchEngine``; vLLM is the GPU implementation.
+An engine is synchronous and single-threaded from its caller's view: the core calls ``add``,
+``abort``, ``load`` and ``load_weights`` only between ``step`` calls, and runs ``step`` (and a
+weight load) in a dedicated thread so gRPC I/O goes on while the batch computes. The built-in
+implementation is ``services/rollout_worker/torch_engine.TorchEngine``; vLLM is the GPU one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutput
+
+if TYPE_CHECKING:  # the core runs without torch; only engines need it
+    import torch
 
 
 class Engine(Protocol):
@@ -22,6 +23,18 @@ class Engine(Protocol):
 
     @property
     def weight_version(self) -> int: ...
+
+    @property
+    def batch_admission(self) -> str:
+        """How queued requests enter the running batch: "slots" (up to a fixed number of
+        sequences, ``max_running``), or "kv_memory" (while KV-cache blocks last, as vLLM does). The
+        worker publishes it in its member record; the manager reads it (worker_pool.Admission)."""
+        ...
+
+    @property
+    def last_step_prefill_tokens(self) -> int:
+        """Prompt and resume tokens the last ``step()`` prefilled (0 before the first step)."""
+        ...
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request (raises EngineInputError for bad input: empty prompt, ids outside the

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a rollout worker (one worker per process, so the default registry)."""
+"""Prometheus metrics of the worker core (one worker per process, so the default registry)."""
 
 from prometheus_client import Counter, Gauge, Histogram
 

@@ -1,0 +1,309 @@
+"""The one lifecycle every service runs. A service is a declaration — ``ServiceSpec``: its name,
+config model and a build step that returns its ``Parts`` — and the host does the rest:
+
+startup
+    logging -> etcd -> gRPC port bound (so ``host.endpoint`` is known to the build step) ->
+    ``spec.build(host)`` -> gRPC served with health and reflection -> HTTP ``/metrics`` and
+    ``/healthz`` -> membership registered under a lease -> background loops started.
+teardown, once, in this order, whatever stopped the service (SIGTERM or SIGINT, ``host.stop``,
+a loop that crashed under the "stop" policy, a failed startup)
+    stop accepting (gRPC health NOT_SERVING, ``parts.stop_accepting``) -> ``parts.drain`` ->
+    gRPC stop within ``shutdown_grace`` -> loops cancelled -> deregistered -> HTTP closed ->
+    etcd closed -> ``parts.close`` hooks, in order.
+
+A loop that raises is logged with its traceback and, by its ``on_crash`` policy, restarted after
+a backoff or made to stop the service with exit code 1: a loop never dies silently. A step of
+the teardown that fails is logged and the next one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
+
+import aetcd
+import grpc
+from aiohttp import web
+
+from rlharvest.common import registry, rpc
+from rlharvest.common.config import ServiceConfig
+from rlharvest.common.observability import HealthCheck, setup_logging, start_http
+from rlharvest.common.retry import Backoff
+
+log = logging.getLogger(__name__)
+C = TypeVar("C", bound=ServiceConfig)
+
+# A loop that ran this long before it crashed starts its restart backoff over.
+_HEALTHY_RUN_S = 30.0
+
+
+class HostedConfig(Protocol):
+    """The fields every hosted service's config has; the host reads them."""
+
+    etcd: str
+    host: str
+    port: int
+    advertise_host: str
+    metrics_port: int
+    max_message_bytes: int
+    lease_ttl: int
+    shutdown_grace: float
+    log_level: str
+    json_logs: bool
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why the service stops: handed to ``Parts.drain``. ``from_signal``: SIGTERM or SIGINT."""
+
+    message: str
+    exit_code: int = 0
+    from_signal: bool = False
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A background loop: ``run()`` is called again for each restart. On a crash, "stop" stops
+    the service with exit code 1; "restart" calls ``run()`` again after ``backoff``. A loop that
+    returns is done (logged) and the service goes on; one that ends the service calls
+    ``host.stop``."""
+
+    name: str
+    run: Callable[[], Awaitable[None]]
+    on_crash: Literal["stop", "restart"] = "stop"
+    backoff: Backoff = Backoff(first_s=0.5, max_s=30.0)
+
+
+@dataclass(frozen=True)
+class Servicer:
+    """A gRPC servicer: the implementation, its generated ``add_..._to_server`` and its full
+    service name (for health and reflection)."""
+
+    impl: object
+    add: Callable[[Any, grpc.aio.Server], None]
+    name: str
+
+
+@dataclass
+class Parts:
+    """What a service's build step returns. ``member_info`` is published in etcd next to the
+    ``endpoint`` and ``metrics`` addresses the host adds; ``serving`` False starts gRPC health
+    NOT_SERVING (a standby sets it with ``host.set_serving``)."""
+
+    member_id: str
+    servicers: Sequence[Servicer]
+    health: HealthCheck
+    member_info: Mapping[str, Any] = field(default_factory=dict)
+    on_scrape: Callable[[], None] | None = None
+    loops: Sequence[Loop] = ()
+    serving: bool = True
+    stop_accepting: Callable[[], None] | None = None
+    drain: Callable[[StopReason], Awaitable[None]] | None = None
+    close: Sequence[Callable[[], Awaitable[None] | None]] = ()
+
+
+@dataclass(frozen=True)
+class ServiceSpec(Generic[C]):
+    """A service, declared: ``name`` (logs, membership, the ``rlharvest-<name>`` command),
+    its config model (which must have every ``HostedConfig`` field) and its build step."""
+
+    name: str
+    config: type[C]
+    build: Callable[[Host[C]], Awaitable[Parts]]
+    doc: str | None = None
+
+    def __post_init__(self) -> None:
+        missing = sorted(set(HostedConfig.__annotations__) - set(self.config.model_fields))
+        if missing:
+            raise TypeError(f"{self.config.__name__} lacks the fields the service host reads: "
+                            f"{', '.join(missing)}")
+
+    @property
+    def program(self) -> str:
+        return "rlharvest-" + self.name.replace("_", "-")
+
+
+class Host(Generic[C]):
+    """One running service, as its build step and loops see it."""
+
+    def __init__(self, spec: ServiceSpec[C], config: C) -> None:
+        self.spec = spec
+        self.config = config
+        self.endpoint = ""  # host:port others dial; set before the build step runs
+        self.membership: registry.Membership | None = None  # set once registered
+        self.reason: StopReason | None = None
+        self._etcd: aetcd.Client | None = None
+        self._bound: grpc.aio.Server | None = None
+        self._server: rpc.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._parts: Parts | None = None
+        self._loops: set[asyncio.Task] = set()
+        self._loops_cancelled = False
+        self._exit_code = 0
+        self._stopping = asyncio.Event()
+
+    @property
+    def etcd(self) -> aetcd.Client:
+        assert self._etcd is not None, "etcd is connected before the build step runs"
+        return self._etcd
+
+    def stop(self, message: str, exit_code: int = 0) -> None:
+        """Ask for the teardown. The first reason is the one drained with; the exit code is
+        non-zero if any request's was."""
+        self._request_stop(StopReason(message, exit_code))
+
+    def start_loop(self, loop: Loop) -> None:
+        """Supervise ``loop`` from now on (loops that begin later than startup, e.g. a
+        leader's); it is cancelled with the others at teardown, and not started after it."""
+        if self._loops_cancelled:
+            log.info("not starting loop %r: the service has stopped", loop.name)
+            return
+        task = asyncio.get_running_loop().create_task(self._supervise(loop),
+                                                      name=f"loop {loop.name}")
+        self._loops.add(task)
+        task.add_done_callback(self._loops.discard)
+
+    async def set_serving(self, serving: bool) -> None:
+        if self._server is not None:
+            await self._server.set_serving(serving)
+
+    async def run(self, signalled: asyncio.Event) -> int:
+        """Start, serve until stopped, tear down; returns the process exit code."""
+        cfg = cast(HostedConfig, self.config)
+        watcher = asyncio.create_task(self._on_signal(signalled), name="signals")
+        try:
+            await self._start(cfg)
+        except Exception as exc:
+            log.exception("%s failed to start", self.spec.name)
+            self.stop(f"startup failed: {exc!r}", exit_code=1)
+        await self._stopping.wait()
+        watcher.cancel()
+        await self._teardown(cfg)
+        return self._exit_code
+
+    # ---- startup -------------------------------------------------------------------------------
+
+    async def _start(self, cfg: HostedConfig) -> None:
+        self._etcd = await registry.connect(cfg.etcd)
+        self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
+        advertise = cfg.advertise_host or cfg.host
+        self.endpoint = f"{advertise}:{port}"
+        parts = self._parts = await self.spec.build(self)
+        self._server = await rpc.serve(
+            self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],
+            [s.name for s in parts.servicers], serving=parts.serving)
+        self._http, metrics_port = await start_http(cfg.host, cfg.metrics_port, parts.health,
+                                                    on_scrape=parts.on_scrape)
+        info = {**parts.member_info, "endpoint": self.endpoint,
+                "metrics": f"{advertise}:{metrics_port}"}
+        self.membership = await registry.register(self.etcd, self.spec.name, parts.member_id,
+                                                  info, ttl=cfg.lease_ttl)
+        for loop in parts.loops:
+            self.start_loop(loop)
+        log.info("%s %s serving on %s (metrics on %d)", self.spec.name, parts.member_id,
+                 self.endpoint, metrics_port)
+
+    async def _on_signal(self, signalled: asyncio.Event) -> None:
+        await signalled.wait()
+        self._request_stop(StopReason("shutting down on a signal", 0, from_signal=True))
+
+    def _request_stop(self, reason: StopReason) -> None:
+        self._exit_code = self._exit_code or reason.exit_code
+        if self.reason is None:
+            self.reason = reason
+            (log.error if reason.exit_code else log.info)("%s stopping: %s", self.spec.name,
+                                                          reason.message)
+        elif reason.exit_code:
+            log.error("%s, while stopping: %s", self.spec.name, reason.message)
+        self._stopping.set()
+
+    # ---- loops -------------------------------------------------------------------------------
+
+    async def _supervise(self, loop: Loop) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await loop.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if loop.on_crash == "stop":
+                    log.error("loop %r crashed; stopping the service", loop.name, exc_info=True)
+                    self.stop(f"loop {loop.name!r} crashed: {exc!r}", exit_code=1)
+                    return
+                failures = 1 if time.monotonic() - started >= _HEALTHY_RUN_S else failures + 1
+                delay = loop.backoff.delay(failures)
+                log.error("loop %r crashed (%d in a row); restarting it in %.1fs", loop.name,
+                          failures, delay, exc_info=True)
+                await asyncio.sleep(delay)
+                continue
+            log.info("loop %r finished", loop.name)
+            return
+
+    # ---- teardown ----------------------------------------------------------------------------
+
+    async def _teardown(self, cfg: HostedConfig) -> None:
+        parts, reason = self._parts, self.reason
+        assert reason is not None
+        if self.membership is not None and parts is not None:  # started: it served
+            await _step("stop accepting", self._stop_accepting)
+            if parts.drain is not None:
+                await _step("drain", partial(parts.drain, reason))
+        if self._server is not None:
+            await _step("gRPC stop", partial(self._server.stop, cfg.shutdown_grace))
+        elif self._bound is not None:  # bound, never served: a listener closes once started
+            await _step("gRPC release", partial(_release, self._bound))
+        await _step("loop cancel", self._cancel_loops)
+        if self.membership is not None:
+            await _step("deregister", self.membership.close)
+        if self._http is not None:
+            await _step("HTTP cleanup", self._http.cleanup)
+        if self._etcd is not None:
+            await _step("etcd close", self._etcd.close)
+        for hook in parts.close if parts is not None else ():
+            await _step("close hook", hook)
+        log.info("%s %s stopped (%s; exit code %d)", self.spec.name,
+                 parts.member_id if parts else "", reason.message, self._exit_code)
+
+    async def _stop_accepting(self) -> None:
+        await self.set_serving(False)
+        if self._parts is not None and self._parts.stop_accepting is not None:
+            self._parts.stop_accepting()
+
+    async def _cancel_loops(self) -> None:
+        self._loops_cancelled = True
+        tasks = list(self._loops)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _release(server: grpc.aio.Server) -> None:
+    await server.start()
+    await server.stop(None)
+
+
+async def _step(name: str, action: Callable[[], Awaitable[Any] | Any]) -> None:
+    """Run one teardown step; a failure is logged and the teardown goes on."""
+    try:
+        result = action()
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        log.exception("teardown step %s failed; going on", name)
+
+
+async def serve(spec: ServiceSpec[C], config: C, signalled: asyncio.Event) -> int:
+    """Run ``spec`` with ``config`` until it stops (``signalled`` set, ``host.stop``, a crash);
+    returns the exit code: 0 after a clean stop, 1 after a crash or a failed startup. Logs go
+    to stderr as the config says (structured JSON by default)."""
+    cfg = cast(HostedConfig, config)
+    setup_logging(spec.name, cfg.log_level, cfg.json_logs)
+    return await Host(spec, config).run(signalled)

@@ -1,0 +1,172 @@
+"""The engine pump: runs an engine's steps in a dedicated thread, pipelined, and hands each
+step's outputs to a sink (the session hub).
+
+Step N+1 computes in the engine thread while step N's outputs are encoded and sent, and every
+engine mutation (add, abort, weight load) runs on the event loop between steps, so the engine
+needs no locks. Each step is measured around ``engine.step()`` — batch size, wall time, decoded
+and prefilled tokens — and that true sample of the batching profile travels with its outputs.
+``bench/worker_delivery.py`` measures what this loop costs against the bare engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from rlharvest.common.engine_types import RequestOutput
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
+from rlharvest.common.worker_core import metrics
+from rlharvest.common.worker_core.engine import Engine
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_TOKEN_RATE_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One engine step as the pump hands it on: numbered from 1, with the weight version that
+    produced it, the engine's load right after it and its measured stats."""
+
+    number: int
+    outputs: list[RequestOutput]
+    weight_version: int
+    load: common_pb2.Load
+    stats: pb.EngineStepStats
+
+
+class StepSink(Protocol[R]):
+    """Where steps go. ``route`` runs between steps, before queued mutations are applied (so they
+    see requests the step finished as finished); ``send`` runs while the next step computes, and
+    awaiting in it is backpressure on the engine."""
+
+    def route(self, step: EngineStep) -> R: ...
+
+    async def send(self, routed: R) -> None: ...
+
+    def heartbeat(self, load: common_pb2.Load) -> None:
+        """An idle engine's load, every ``heartbeat_s``."""
+        ...
+
+
+class EnginePump(Generic[R]):
+    """``step_delay_s`` (benchmarks only) sleeps after each step to emulate slower hardware."""
+
+    def __init__(self, engine: Engine, sink: StepSink[R], *, step_delay_s: float = 0.0,
+                 heartbeat_s: float = 1.0) -> None:
+        self._engine = engine
+        self._sink = sink
+        self._step_delay_s = step_delay_s
+        self._heartbeat_s = heartbeat_s
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._mutations: deque[Callable[[], Awaitable[object]]] = deque()
+        self._wakeup = asyncio.Event()
+        self._token_counts: deque[tuple[float, int]] = deque()
+        self.steps = 0  # engine steps run so far
+        self.last_load = common_pb2.Load()  # as of the last step boundary; readable any time
+        self.snapshot_load()  # the engine is idle at construction
+
+    async def run(self) -> None:
+        """Step while there is work, forever. An exception from the engine or a mutation ends
+        it: a broken engine must not look like a healthy worker."""
+        loop = asyncio.get_running_loop()
+        running: asyncio.Future[tuple[list[RequestOutput], float, int]] | None = None
+        while True:
+            if running is None:
+                await self._apply_mutations()
+                if not self._engine.has_work():
+                    await self._idle()
+                    continue
+                running = self._launch(loop)
+            routed = self._sink.route(self._record(*await running))
+            await self._apply_mutations()
+            running = self._launch(loop) if self._engine.has_work() else None
+            await self._sink.send(routed)
+            if self._step_delay_s:
+                await asyncio.sleep(self._step_delay_s)
+
+    def between_steps(self, mutation: Callable[[], Awaitable[object]]) -> None:
+        """Run ``mutation`` on the event loop before the next step launches, after those queued
+        before it. It may touch the engine (and await ``in_engine_thread``)."""
+        self._mutations.append(mutation)
+        self._wakeup.set()
+
+    async def in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking engine call in the engine's thread (only from a mutation)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def snapshot_load(self) -> common_pb2.Load:
+        """Read the engine's load, update the gauges and ``last_load``; only between steps (the
+        engine is not thread-safe)."""
+        load = self._engine.load()
+        metrics.PENDING.set(load.pending)
+        metrics.EXECUTING.set(load.executing)
+        metrics.KV_USED.set(load.kv_used_tokens)
+        self.last_load = common_pb2.Load(pending=load.pending, executing=load.executing,
+                                         kv_used_tokens=load.kv_used_tokens,
+                                         kv_capacity_tokens=load.kv_capacity_tokens,
+                                         weight_version=load.weight_version,
+                                         tokens_per_second=self._tokens_per_second())
+        return self.last_load
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _launch(self, loop: asyncio.AbstractEventLoop
+                ) -> asyncio.Future[tuple[list[RequestOutput], float, int]]:
+        return loop.run_in_executor(self._executor, self._timed_step)
+
+    def _timed_step(self) -> tuple[list[RequestOutput], float, int]:
+        """In the engine thread: the step, its wall time and what it prefilled."""
+        started = time.perf_counter()
+        outputs = self._engine.step()
+        duration_s = time.perf_counter() - started
+        return outputs, duration_s, self._engine.last_step_prefill_tokens
+
+    def _record(self, outputs: list[RequestOutput], duration_s: float,
+                prefill_tokens: int) -> EngineStep:
+        batch_size = decode_tokens = 0
+        for out in outputs:
+            if out.new_token_ids:
+                batch_size += 1
+                decode_tokens += len(out.new_token_ids)
+        self.steps += 1
+        metrics.ENGINE_STEPS.inc()
+        metrics.STEP_SECONDS.observe(duration_s)
+        metrics.TOKENS_GENERATED.inc(decode_tokens)
+        metrics.PREFILL_TOKENS.inc(prefill_tokens)
+        self._token_counts.append((time.monotonic(), decode_tokens))
+        stats = pb.EngineStepStats(batch_size=batch_size, duration_s=duration_s,
+                                   decode_tokens=decode_tokens, prefill_tokens=prefill_tokens)
+        return EngineStep(self.steps, outputs, self._engine.weight_version, self.snapshot_load(),
+                          stats)
+
+    async def _apply_mutations(self) -> None:
+        while self._mutations:
+            await self._mutations.popleft()()
+
+    async def _idle(self) -> None:
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), self._heartbeat_s)
+        except asyncio.TimeoutError:
+            self._sink.heartbeat(self.snapshot_load())
+
+    def _tokens_per_second(self) -> float:
+        """Tokens over the last few seconds: the load report's rate (a window average; the step
+        stats are the true samples)."""
+        now = time.monotonic()
+        counts = self._token_counts
+        while counts and counts[0][0] < now - _TOKEN_RATE_WINDOW_S:
+            counts.popleft()
+        if len(counts) < 2:
+            return 0.0
+        return sum(n for _, n in counts) / max(now - counts[0][0], 1e-3)

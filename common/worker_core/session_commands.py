@@ -1,0 +1,181 @@
+"""What a Session's commands do to an engine, and what comes back to the sessions.
+
+An add is decided at once (the admission policy; a refusal is a ``CommandError``), held in the
+hub (so a duplicate in the same batch of commands is caught) and started in the engine between
+steps. An abort ends the request between steps and confirms it with a final delta. A session
+that goes away has its requests taken out of the engine. A weight swap loads between steps and
+ends the requests the policy says a swap ends. All engine calls go through a ``StepLoop`` — the
+``EnginePump``, or a service's own loop that keeps the same promise: mutations run between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import grpc
+
+from rlharvest.common.engine_types import (
+    EngineInputError,
+    EngineRequest,
+    RequestOutput,
+    sampling_from_proto,
+)
+from rlharvest.common.errors import InvalidArgument, NotFound
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
+from rlharvest.common.worker_core import metrics
+from rlharvest.common.worker_core.admission import Admission, WorkerView
+from rlharvest.common.worker_core.engine import Engine
+from rlharvest.common.worker_core.session_hub import Session, SessionHub
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StepLoop(Protocol):
+    """What the commands need from the loop that steps the engine (``EnginePump`` has it)."""
+
+    last_load: common_pb2.Load  # as of the last step boundary
+
+    def between_steps(self, mutation: Callable[[], Awaitable[object]]) -> None: ...
+
+    def in_engine_thread(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
+
+    def snapshot_load(self) -> common_pb2.Load: ...
+
+
+class SessionCommands:
+    """``on_version_change`` is called with the new version after each weight swap."""
+
+    def __init__(self, engine: Engine, hub: SessionHub, loop: StepLoop, admission: Admission, *,
+                 on_version_change: Callable[[int], None] | None = None) -> None:
+        self._engine = engine
+        self._hub = hub
+        self._loop = loop
+        self._admission = admission
+        self._on_version_change = on_version_change
+
+    async def serve(self, commands: AsyncIterator[pb.WorkerCommand]
+                    ) -> AsyncGenerator[pb.WorkerEvent, None]:
+        """One Session stream: read ``commands``, yield the session's events until it ends.
+        Closing the iterator (the stream went away) takes the session's requests out."""
+        session = self._hub.open(self._loop.last_load)
+        reader = asyncio.create_task(self._read(commands, session))
+        try:
+            async for event in self._hub.events(session):
+                yield event
+        finally:
+            reader.cancel()
+            for rid in self._hub.close(session):
+                self._loop.between_steps(partial(self._abort_orphan, rid))
+
+    def add(self, session: Session, msg: pb.AddRequest) -> None:
+        request = EngineRequest(request_id=msg.request_id,
+                                prompt_token_ids=list(msg.prompt_token_ids),
+                                sampling=sampling_from_proto(msg.sampling),
+                                generated_token_ids=list(msg.generated_token_ids))
+        view = WorkerView(self._engine.weight_version, self._hub.held_ids(), self._hub.draining)
+        refusal = self._admission.admit(request, msg.weight_version, view)
+        if refusal is not None:
+            return self._hub.refuse(session, request.request_id, refusal)
+        self._hub.hold(session, request.request_id, len(request.generated_token_ids),
+                       msg.weight_version)
+        self._loop.between_steps(partial(self._start, request))
+
+    def abort(self, session: Session, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            if not self._hub.owns(session, rid):
+                self._hub.refuse(session, rid, NotFound(
+                    f"no request {rid!r} of this session on this worker"))
+                continue
+            self._loop.between_steps(partial(self._abort_held, rid))
+
+    async def swap_weights(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
+                           source: str) -> int:
+        """Between steps: ``read`` the tensors and load them in the engine thread, then end the
+        requests the admission policy says a swap ends. Returns the number of tensors loaded;
+        raises what ``read`` or the engine raised (the engine then keeps its weights)."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def apply() -> None:
+            try:
+                count = await self._swap(read, version, source)
+            except Exception as exc:  # handed to the awaiting caller
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            if not done.done():  # the caller may have gone away; the swap happened all the same
+                done.set_result(count)
+
+        self._loop.between_steps(apply)
+        return await done
+
+    # ---- between steps -------------------------------------------------------------------------
+
+    async def _read(self, commands: AsyncIterator[pb.WorkerCommand], session: Session) -> None:
+        try:
+            async for command in commands:
+                which = command.WhichOneof("command")
+                if which == "add":
+                    self.add(session, command.add)
+                elif which == "abort":
+                    self.abort(session, command.abort.request_ids)
+                else:
+                    self._hub.refuse(session, "", InvalidArgument(
+                        "command has neither add nor abort set"))
+        except grpc.aio.AioRpcError:
+            return  # the stream broke: serve()'s caller sees it too and closes the session
+        self._hub.client_done(session)
+
+    async def _start(self, request: EngineRequest) -> None:
+        rid = request.request_id
+        held = self._hub.holder(rid)
+        if held is None or held.session.closed:  # aborted, swapped out or orphaned meanwhile
+            return
+        try:
+            self._engine.add(request)
+        except EngineInputError as exc:
+            self._hub.release(rid)
+            return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)))
+        metrics.REQUESTS_ADDED.labels(str(bool(request.generated_token_ids)).lower()).inc()
+
+    async def _abort_held(self, rid: str) -> None:
+        if self._hub.holder(rid) is not None:  # else it finished meanwhile: its final delta went
+            self._end(rid)
+
+    def _end(self, rid: str) -> None:
+        try:
+            final = self._engine.abort(rid)
+        except KeyError:  # held but not started in the engine yet: confirm all the same
+            final = RequestOutput(rid, [], [], finished=True, finish_reason="abort")
+        self._hub.end(final, self._engine.weight_version, self._loop.snapshot_load())
+
+    async def _abort_orphan(self, rid: str) -> None:
+        if self._hub.holder(rid) is None:
+            return
+        self._hub.release(rid, "abort")
+        try:
+            self._engine.abort(rid)
+        except KeyError:  # its session went away before it started
+            pass
+
+    async def _swap(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
+                    source: str) -> int:
+        tensors = await self._loop.in_engine_thread(read)
+        await self._loop.in_engine_thread(self._engine.load_weights, tensors, version)
+        ended = self._admission.on_weight_swap(version, self._hub.held_versions())
+        for rid in ended:
+            self._end(rid)
+        self._loop.snapshot_load()  # GetInfo and /healthz report the new version at once
+        metrics.WEIGHT_VERSION.set(version)
+        log.info("loaded weights version %d from %s (%d tensors; %d requests of the old version "
+                 "aborted)", version, source, len(tensors), len(ended))
+        if self._on_version_change is not None:
+            self._on_version_change(version)
+        return len(tensors)

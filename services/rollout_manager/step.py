@@ -1,0 +1,73 @@
+"""The manager's step: one client's batch of requests, from admission to its one end.
+
+A step is what a ``SubmitStep`` (or a single ``Generate``) asks for: its requests, the weight
+version every token must come from, and its policy (step_policy.py). It is *outstanding* while
+some completion has not been delivered to its client, and it ends exactly once: finished when the
+last completion is delivered, abandoned when the client goes away first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from enum import Enum
+
+from rlharvest.services.rollout_manager.batching_profile import ProfileSamples
+from rlharvest.services.rollout_manager.step_policy import StepPolicy
+
+
+class StepOutcome(str, Enum):
+    FINISHED = "finished"  # every completion was delivered (finished, failed or cut requests)
+    ABANDONED = "abandoned"  # the client went away before
+
+
+class Step:
+    """One step as the core holds it. ``profiled``: its engine-step samples become the batching
+    profile P when it finishes (step_book.py); a single-request Generate is not profiled."""
+
+    def __init__(self, key: int, step_id: str, weight_version: int, request_ids: Sequence[str],
+                 policy: StepPolicy, profiled: bool, started_at: float) -> None:
+        if not request_ids:
+            raise ValueError(f"step {step_id!r} has no requests; a step holds at least one")
+        self.key = key  # unique per manager; clients may reuse step ids
+        self.step_id = step_id
+        self.weight_version = weight_version
+        self.request_ids = tuple(request_ids)
+        self.policy = policy
+        self.profiled = profiled
+        self.started_at = started_at
+        # Worker kind -> engine-step samples taken while this step was in flight.
+        self.samples: dict[str, ProfileSamples] = {}
+        self.outcome: StepOutcome | None = None
+        self._outstanding = set(self.request_ids)
+
+    @property
+    def outstanding(self) -> Set[str]:
+        """Requests whose completion has not been delivered to the client yet."""
+        return self._outstanding
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+    def delivered(self, request_id: str) -> bool:
+        """Note a delivered completion; True when it was the last one (the step should end)."""
+        if self.outcome is not None:
+            raise ValueError(f"step {self.step_id!r} already {self.outcome.value}; nothing of it "
+                             "is delivered any more")
+        self._outstanding.remove(request_id)
+        return not self._outstanding
+
+    def end(self, outcome: StepOutcome) -> None:
+        """End the step; a step ends once, and a step with outstanding requests only abandoned."""
+        if self.outcome is not None:
+            raise ValueError(f"step {self.step_id!r} already ended ({self.outcome.value}); a "
+                             "step ends once")
+        if outcome is StepOutcome.FINISHED and self._outstanding:
+            raise ValueError(f"step {self.step_id!r} has {len(self._outstanding)} outstanding "
+                             "requests; it finishes when the last completion is delivered")
+        self.outcome = outcome
+        self._outstanding.clear()
+
+    def __repr__(self) -> str:
+        state = self.outcome.value if self.outcome else f"{len(self._outstanding)} outstanding"
+        return f"Step({self.step_id!r}#{self.key}, v{self.weight_version}, {state})"

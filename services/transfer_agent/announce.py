@@ -1,0 +1,47 @@
+"""What an agent tells etcd when a version lands: its holder record (the versions it holds and
+what the memory bound evicted, under its lease, gone with it) and the job's forward-only
+announcement that workers and relays watch."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import aetcd
+
+from rlharvest.common import keys, registry
+from rlharvest.services.transfer_agent.config import AgentConfig
+from rlharvest.services.transfer_agent.version_store import EvictionRecord
+
+_EVICTIONS_KEPT = 16  # per job, in the holder record
+
+
+class Announcer:
+    """The agent service's ``on_held`` hook. ``held(job)`` lists the versions held now;
+    ``membership()`` is the agent's registration (None until registered: the record then has
+    no lease), ``endpoint`` its gRPC address."""
+
+    def __init__(self, cfg: AgentConfig, etcd: aetcd.Client, endpoint: str,
+                 held: Callable[[str], tuple[int, ...]],
+                 membership: Callable[[], registry.Membership | None]) -> None:
+        self._cfg, self._etcd, self._endpoint = cfg, etcd, endpoint
+        self._held, self._membership = held, membership
+        self._evicted: dict[str, list[dict]] = {}
+
+    async def __call__(self, job: str, version: int, records: list[EvictionRecord]) -> None:
+        cfg = self._cfg
+        notes = self._evicted.setdefault(job, [])
+        notes.extend({"version": r.version, "reason": r.reason, "freed_bytes": r.freed_bytes,
+                      "at": r.at} for r in records)
+        del notes[:-_EVICTIONS_KEPT]
+        membership = self._membership()
+        await self._etcd.put(keys.weights_holder_key(job, cfg.agent_id).encode(), json.dumps({
+            "agent_id": cfg.agent_id, "endpoint": self._endpoint, "cluster": cfg.cluster,
+            "node": cfg.node, "versions": list(self._held(job)), "latest": version,
+            "evicted": notes}).encode(), lease=membership.lease if membership else None)
+        try:
+            await registry.put_versioned(self._etcd, keys.weights_announced_key(job), version, {
+                "agent_id": cfg.agent_id, "endpoint": self._endpoint, "at": time.time()})
+        except registry.StaleVersionError:
+            pass  # another agent announced this version (or a newer one) first

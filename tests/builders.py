@@ -1,0 +1,116 @@
+"""Shared test builders: a clock that moves only when a test says so, rollout requests, and steps
+(requests in GRPO groups), for the manager's core, its wire, and the trainer.
+
+One place, like vLLM's ``create_requests``/``create_scheduler``: when a request's shape changes,
+the builders change, not every test file. Builders take keywords for what a test cares about and
+default the rest to small valid values.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rlharvest.common.engine_types import SamplingParams, sampling_to_proto
+from rlharvest.common.pb import rollout_manager_pb2 as mpb
+from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.services.rollout_manager.tracker import NewRequest
+from rlharvest.services.trainer.step_plan import StepSpec
+from rlharvest.services.trainer.tasks import TaskDataset
+
+if TYPE_CHECKING:  # the stream trainer imports torch; the manager's tests need not
+    from rlharvest.services.trainer.stream_trainer import RewardedGroup
+
+
+class Clock:
+    """Seconds that pass only when a test says so. Pass it where a core takes ``clock``; set
+    ``now`` to jump to an instant, or ``advance`` by a duration."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        """Move time forward (never back: the cores read it as a monotonic clock)."""
+        if seconds < 0:
+            raise ValueError(f"a clock only moves forward; advance({seconds}) would go back")
+        self.now += seconds
+        return self.now
+
+
+# ---- requests and steps as the manager's core sees them --------------------------------------
+
+def request(request_id: str = "r0", *, group: str = "g", prompt: Sequence[int] = (1, 2, 3),
+            max_tokens: int = 16, version: int = 0, stop: Sequence[int] = (),
+            temperature: float = 1.0, seed: int = 0,
+            no_worker_timeout_s: float | None = None) -> NewRequest:
+    """One rollout request for the manager's core."""
+    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                              stop_token_ids=tuple(stop), seed=seed)
+    return NewRequest(request_id, group, tuple(prompt), sampling, version, no_worker_timeout_s)
+
+
+def step(n: int, *, group_size: int = 4, prefix: str = "r",
+         prompts: Sequence[Sequence[int]] = ((1, 2, 3),), max_tokens: int | Sequence[int] = 16,
+         version: int = 0, seed: int = 0) -> list[NewRequest]:
+    """``n`` requests ``{prefix}0..{prefix}{n-1}`` in GRPO groups of ``group_size``: request i is
+    in group ``g{i // group_size}``, whose samples share a prompt (the groups take ``prompts`` in
+    turn) and differ by seed. ``max_tokens`` is one budget for all or one per request."""
+    budgets = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    if len(budgets) != n:
+        raise ValueError(f"{len(budgets)} max_tokens for {n} requests; give one or one each")
+    return [request(f"{prefix}{i}", group=f"g{i // group_size}",
+                    prompt=prompts[(i // group_size) % len(prompts)], max_tokens=budgets[i],
+                    version=version, seed=seed + i)
+            for i in range(n)]
+
+
+def submit_step(requests: Sequence[NewRequest], step_id: str = "s",
+                no_worker_deadline_s: float = 0.0) -> mpb.SubmitStepRequest:
+    """The same requests on the wire: what a trainer sends to ``RolloutManager.SubmitStep``.
+    Every request must share one weight version (a step runs on one)."""
+    versions = {r.weight_version for r in requests}
+    if len(versions) > 1:
+        raise ValueError(f"a step runs on one weight version; these requests hold {versions}")
+    return mpb.SubmitStepRequest(
+        step_id=step_id, weight_version=versions.pop() if versions else 0,
+        no_worker_deadline_s=no_worker_deadline_s, requests=[
+            mpb.RolloutRequest(request_id=r.request_id, group_id=r.group_id,
+                               prompt_token_ids=r.prompt_token_ids,
+                               sampling=sampling_to_proto(r.sampling))
+            for r in requests])
+
+
+# ---- steps as the trainer sees them ------------------------------------------------------------
+
+def step_spec(*, step_number: int = 5, version: int = 3, prompts: int = 2, samples: int = 2,
+              data_seed: int = 0) -> StepSpec:
+    """A trainer step: ``prompts`` addition-task items, ``samples`` samples (one group) each."""
+    tok = CharTokenizer()
+    items = tuple(TaskDataset(seed=data_seed).next_batch(prompts))
+    return StepSpec(step=step_number, weight_version=version, items=items,
+                    prompts=tuple(tuple(tok.encode(i.prompt)) for i in items),
+                    samples_per_prompt=samples)
+
+
+def rewarded_groups(seed: int, num_groups: int = 5, group_size: int = 3) -> list[RewardedGroup]:
+    """Rewarded GRPO groups for the stream trainer: random prompts and completions, rollout
+    logprobs off-policy enough to exercise clipping, and group 0 tied (zero advantage)."""
+    # Imported here: the stream trainer pulls in torch, which the manager's tests never need.
+    from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        completions, rewards = [], []
+        for _ in range(group_size):
+            prompt = [1] + [rng.randrange(3, 100) for _ in range(rng.randint(1, 3))]
+            tokens = [rng.randrange(3, 100) for _ in range(rng.randint(1, 5))]
+            old = [rng.uniform(-6.0, -3.0) for _ in tokens]
+            completions.append(Completion(prompt, tokens, old))
+            rewards.append(1.0 if g == 0 else rng.choice([0.0, 0.5, 1.0]))
+        groups.append(RewardedGroup(g, completions, rewards))
+    return groups

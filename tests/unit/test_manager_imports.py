@@ -1,0 +1,37 @@
+"""The control plane imports without torch: the manager, the simulator and the benchmarks that
+only need the control plane run on machines without it (wire-neutral types live in common/)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTROL_PLANE = [
+    "rlharvest.services.rollout_manager.service",
+    "rlharvest.services.rollout_manager.main",
+    "rlharvest.services.rollout_manager.policy_sim",
+    "rlharvest.sim.cluster",
+    "rlharvest.sim.optimum",
+    "rlharvest.sim.baselines",
+    "rlharvest.sim.workloads",
+    "bench.manager_policy",
+    "bench.manager_relay",
+    "bench.manager_relay_worker",
+    "bench.manager_preemption",
+    "bench.manager_longtail",
+]
+
+
+def test_the_manager_the_simulator_and_the_control_plane_benchmarks_import_without_torch():
+    # A fresh interpreter: this one may have imported torch for other tests.
+    check = ("import importlib, sys\n"
+             f"for name in {CONTROL_PLANE!r}:\n"
+             "    importlib.import_module(name)\n"
+             "    assert 'torch' not in sys.modules, f'{name} imports torch'\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

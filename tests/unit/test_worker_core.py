@@ -1,0 +1,248 @@
+"""The worker core composed in-process — session hub, engine pump, session commands and the
+rollout admission policy around a real TorchEngine — driven by in-process sessions: true step
+stats, backpressure on the pump, command errors, aborts, drain, weight swaps, lost sessions; and
+the same parts composed with another admission policy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Collection, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from rlharvest.common.engine_types import EngineRequest
+from rlharvest.common.errors import AlreadyExists, ServiceError
+from rlharvest.common.pb import rollout_worker_pb2 as pb
+from rlharvest.common.tiny_model import build_model
+from rlharvest.common.worker_core.admission import Admission, WorkerView
+from rlharvest.common.worker_core.engine_pump import EnginePump
+from rlharvest.common.worker_core.session_commands import SessionCommands
+from rlharvest.common.worker_core.session_hub import RoutedStep, SessionHub
+from rlharvest.services.rollout_worker.admission import RolloutAdmission
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from tests.worker_sessions import InProcessSession, abort, add
+
+PROMPT = [1, 5, 9, 13, 17]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny ops: OpenMP threads spin-waiting for a busy core would slow every step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass
+class Core:
+    engine: TorchEngine
+    hub: SessionHub
+    pump: EnginePump[RoutedStep]
+    commands: SessionCommands
+    versions_seen: list[int]
+
+    def session(self) -> InProcessSession:
+        return InProcessSession(self.commands)
+
+
+@asynccontextmanager
+async def running_core(max_running: int = 4, max_pending: int = 4, session_queue: int = 256,
+                       heartbeat_s: float = 1.0,
+                       admission: Admission | None = None) -> AsyncIterator[Core]:
+    """The rollout worker's composition (or the core with another ``admission``), its pump
+    running for the block."""
+    engine = TorchEngine("tiny", seed=0, max_running=max_running, max_len=128)
+    hub = SessionHub(session_queue)
+    pump: EnginePump[RoutedStep] = EnginePump(engine, hub, heartbeat_s=heartbeat_s)
+    versions: list[int] = []
+    commands = SessionCommands(engine, hub, pump,
+                               admission or RolloutAdmission(max_running, max_pending),
+                               on_version_change=versions.append)
+    task = asyncio.create_task(pump.run())
+    try:
+        yield Core(engine, hub, pump, commands, versions)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        pump.close()
+
+
+async def test_every_step_message_carries_the_steps_true_stats():
+    prompts = {"a": PROMPT, "b": PROMPT * 2, "c": PROMPT * 3, "d": PROMPT[:2]}
+    async with running_core(max_running=2) as core:
+        first, second = core.session(), core.session()
+        await first.send(add("a", prompts["a"], max_tokens=5), add("b", prompts["b"], max_tokens=7))
+        await second.send(add("c", prompts["c"], max_tokens=4), add("d", prompts["d"], max_tokens=3))
+        await first.finish(["a", "b"])
+        await second.finish(["c", "d"])
+    steps: dict[int, list[pb.StepOutputs]] = {}
+    for session in (first, second):
+        for message in session.collected.steps:
+            steps.setdefault(message.step, []).append(message)
+    first_step = {}  # request id -> the step that admitted (prefilled) it
+    for number in sorted(steps):
+        for message in steps[number]:
+            for d in message.deltas:
+                first_step.setdefault(d.request_id, number)
+    assert len(steps) == core.pump.steps  # a message for every step, none for other events
+    for number, messages in steps.items():
+        stats = messages[0].stats
+        assert all(m.stats == stats for m in messages)  # the same in every session's message
+        deltas = [d for m in messages for d in m.deltas]
+        assert stats.batch_size == len(deltas) <= 2  # every decoding request, within the slots
+        assert stats.decode_tokens == sum(len(d.token_ids) for d in deltas)
+        assert stats.prefill_tokens == sum(len(prompts[r]) for r, n in first_step.items()
+                                           if n == number)
+        assert stats.duration_s > 0
+    assert {s[0].stats.batch_size for s in steps.values()} >= {1, 2}
+
+
+async def test_a_slow_reader_slows_the_pump():
+    async with running_core(session_queue=1) as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, max_tokens=60))
+        await asyncio.sleep(0.3)  # nobody reads: the outbox holds the hello, the pump waits
+        assert core.pump.steps <= 2
+        got = await session.finish(["r"])
+        assert len(got.completions["r"].tokens) == 60 and core.pump.steps >= 60
+
+
+async def test_command_errors_come_back_and_the_session_goes_on():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("ok", PROMPT, max_tokens=8), add("empty", [], max_tokens=8),
+                           add("vocab", [1, 100000]), add("zero", PROMPT, max_tokens=0),
+                           add("version", PROMPT, version=42), add("", PROMPT),
+                           pb.WorkerCommand(), abort("never-added"), add("ok", PROMPT))
+        got = await session.finish(["ok", "empty", "vocab", "zero", "version", "never-added", ""])
+        codes = {rid: code for rid, (code, _) in got.errors.items()}
+        assert codes == {"empty": grpc.StatusCode.INVALID_ARGUMENT,
+                         "vocab": grpc.StatusCode.INVALID_ARGUMENT,
+                         "zero": grpc.StatusCode.INVALID_ARGUMENT,
+                         "version": grpc.StatusCode.FAILED_PRECONDITION,
+                         "": grpc.StatusCode.INVALID_ARGUMENT,
+                         "never-added": grpc.StatusCode.NOT_FOUND,
+                         "ok": grpc.StatusCode.ALREADY_EXISTS}  # the duplicate
+        assert "100000" in got.errors["vocab"][1] and "42" in got.errors["version"][1]
+        await session.read_until(lambda c: "ok" in c.completions
+                                 and c.completions["ok"].finish_reason == "length")
+        assert core.hub.holder("empty") is None  # an engine refusal frees the id
+
+
+async def test_an_abort_confirms_after_the_tokens_before_it():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("long", PROMPT, max_tokens=100))
+        await session.read_until(lambda c: "long" in c.completions
+                                 and len(c.completions["long"].tokens) >= 3)
+        await session.send(abort("long"))
+        got = await session.finish(["long"])  # positions are checked as they arrive
+        assert got.completions["long"].finish_reason == "abort"
+        assert len(got.completions["long"].tokens) < 100
+        assert not core.engine.has_work()
+
+
+async def test_a_half_closed_session_ends_after_its_requests():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, max_tokens=5))
+        session.half_close()
+        await session.read_until(lambda c: False)  # returns when the session ends
+        assert session.collected.completions["r"].finish_reason == "length"
+
+
+async def test_draining_refuses_new_adds_and_every_session_hears_it():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, max_tokens=100))
+        await session.read_until(lambda c: "r" in c.completions)
+        drain = asyncio.create_task(core.hub.drain(timeout=10, reason="spot notice"))
+        await session.read_until(lambda c: c.draining)
+        await session.send(add("late", PROMPT), abort("r"))
+        got = await session.finish(["late", "r"])
+        assert got.errors["late"][0] == grpc.StatusCode.UNAVAILABLE
+        assert got.completions["r"].finish_reason == "abort"
+        assert await asyncio.wait_for(drain, 5) is True
+
+
+async def test_a_weight_swap_ends_held_requests_and_later_ones_run_on_the_new_version():
+    async with running_core(max_running=1) as core:
+        session = core.session()
+        await session.send(add("running", PROMPT, max_tokens=100),
+                           add("queued", PROMPT, max_tokens=100))
+        await session.read_until(lambda c: "running" in c.completions)
+        weights = {k: v * 2 for k, v in build_model("tiny", seed=0).state_dict().items()
+                   if k.endswith("norm.weight")}
+        loaded = await core.commands.swap_weights(lambda: weights, 1, "a test")
+        assert loaded == len(weights) and core.versions_seen == [1]
+        await session.send(add("stale", PROMPT, version=0), add("fresh", PROMPT, max_tokens=4,
+                                                                 version=1))
+        got = await session.finish(["running", "queued", "stale", "fresh"])
+        assert got.completions["running"].finish_reason == "abort"
+        assert got.completions["queued"].finish_reason == "abort"
+        assert got.errors["stale"][0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert got.completions["fresh"].versions == {1}
+        assert core.pump.last_load.weight_version == 1
+
+
+async def test_a_refused_weight_swap_keeps_the_weights_and_the_requests():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, max_tokens=30))
+        await session.read_until(lambda c: "r" in c.completions)
+        with pytest.raises(ValueError, match="nonexistent"):
+            await core.commands.swap_weights(lambda: {"model.nonexistent": torch.zeros(2)}, 1, "x")
+        got = await session.finish(["r"])
+        assert got.completions["r"].finish_reason == "length" and core.engine.weight_version == 0
+
+
+async def test_a_session_that_goes_away_takes_its_requests_out_of_the_engine():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("a", PROMPT, max_tokens=100), add("b", PROMPT, max_tokens=100))
+        await session.read_until(lambda c: "a" in c.completions)
+        await session.close()
+        for _ in range(100):
+            if not core.engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+        assert not core.engine.has_work() and not core.hub.held_ids()
+        other = core.session()  # the ids are free again
+        await other.send(add("a", PROMPT, max_tokens=3))
+        assert (await other.finish(["a"])).completions["a"].finish_reason == "length"
+
+
+class ServeAnyVersion:
+    """Another service's admission: takes any version (serving traffic is not on-policy) and
+    lets a weight swap leave every request running."""
+
+    def admit(self, request: EngineRequest, weight_version: int,
+              view: WorkerView) -> ServiceError | None:
+        return AlreadyExists("duplicate") if request.request_id in view.held else None
+
+    def on_weight_swap(self, version: int, held: Mapping[str, int]) -> Collection[str]:
+        return ()
+
+
+async def test_another_admission_policy_composes_with_the_same_core():
+    async with running_core(admission=ServeAnyVersion()) as core:
+        session = core.session()
+        await session.send(add("chat", PROMPT, max_tokens=100, version=7))
+        await session.read_until(lambda c: "chat" in c.completions)
+        await core.commands.swap_weights(dict, 1, "an empty delta")
+        got = await session.finish(["chat"])
+        assert got.completions["chat"].finish_reason == "length"  # kept across the swap
+        assert got.completions["chat"].versions == {0, 1}
+
+
+async def test_an_idle_pump_sends_load_heartbeats():
+    async with running_core(heartbeat_s=0.02) as core:
+        session = core.session()
+        got = await session.read_until(lambda c: len(c.loads) >= 3, timeout=5)
+        assert all(load.executing == 0 for load in got.loads)

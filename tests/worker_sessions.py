@@ -1,0 +1,145 @@
+"""A manager's view of a worker's Session stream, for tests: command builders, what came back
+(``Collected``, which checks that positions arrive without a gap or a duplicate), and a session
+driven in-process against the worker core (``InProcessSession``; the gRPC one is
+``tests/integration/worker_client.WorkerSession``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
+from rlharvest.common.worker_core.session_commands import SessionCommands
+
+
+def add(request_id: str, prompt: list[int], max_tokens: int = 16, seed: int = 0,
+        temperature: float = 1.0, version: int = 0, generated: list[int] | None = None,
+        **sampling) -> pb.WorkerCommand:
+    return pb.WorkerCommand(add=pb.AddRequest(
+        request_id=request_id, prompt_token_ids=prompt, generated_token_ids=generated or [],
+        weight_version=version,
+        sampling=common_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                           seed=seed, **sampling)))
+
+
+def abort(*request_ids: str) -> pb.WorkerCommand:
+    return pb.WorkerCommand(abort=pb.AbortRequest(request_ids=list(request_ids)))
+
+
+@dataclass
+class Completion:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+    finish_reason: str = ""
+    deltas: int = 0
+
+
+@dataclass
+class Collected:
+    completions: dict[str, Completion] = field(default_factory=dict)
+    errors: dict[str, tuple[grpc.StatusCode, str]] = field(default_factory=dict)
+    step_messages: int = 0
+    max_deltas_per_message: int = 0
+    loads: list[common_pb2.Load] = field(default_factory=list)
+    steps: list[pb.StepOutputs] = field(default_factory=list)  # every step message, in order
+    draining: bool = False
+    kinds: list[str] = field(default_factory=list)  # each event's kind, in order
+
+    def absorb(self, event: pb.WorkerEvent) -> None:
+        which = event.WhichOneof("event")
+        self.kinds.append(which)
+        if which == "step":
+            self._absorb_step(event.step)
+        elif which == "load":
+            self.loads.append(event.load)
+        elif which == "error":
+            self.errors[event.error.request_id] = (status_code(event.error.code),
+                                                   event.error.message)
+        elif which == "draining":
+            self.draining = True
+
+    def expect_resume(self, request_id: str, generated: list[int]) -> None:
+        """A resumed request's deltas start at len(generated): seed the completion with them."""
+        self.completions[request_id] = Completion(tokens=list(generated))
+
+    def finished(self, request_ids) -> bool:
+        """Every one of ``request_ids`` has its final delta or a refusal."""
+        return all((r in self.completions and self.completions[r].finish_reason)
+                   or r in self.errors for r in request_ids)
+
+    def _absorb_step(self, step: pb.StepOutputs) -> None:
+        self.step_messages += 1
+        self.steps.append(step)
+        self.max_deltas_per_message = max(self.max_deltas_per_message, len(step.deltas))
+        self.loads.append(step.load)
+        for d in step.deltas:
+            comp = self.completions.setdefault(d.request_id, Completion())
+            assert d.position == len(comp.tokens), \
+                f"{d.request_id}: gap or duplicate at {d.position} (have {len(comp.tokens)})"
+            comp.tokens.extend(d.token_ids)
+            comp.logprobs.extend(d.logprobs)
+            comp.versions.add(d.weight_version)
+            comp.deltas += 1
+            if d.finished:
+                comp.finish_reason = d.finish_reason
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    return next(code for code in grpc.StatusCode if code.value[0] == value)
+
+
+async def read_until(collected: Collected,
+                     next_event: Callable[[], Awaitable[pb.WorkerEvent | None]],
+                     done: Callable[[Collected], bool], timeout: float) -> Collected:
+    """Absorb events from ``next_event()`` (an awaitable giving an event, or None at the end)
+    until ``done(collected)`` holds or the stream ends."""
+    async def loop() -> None:
+        while not done(collected):
+            event = await next_event()
+            if event is None:
+                return
+            collected.absorb(event)
+    await asyncio.wait_for(loop(), timeout)
+    return collected
+
+
+class InProcessSession:
+    """One manager-like Session driven in-process against ``SessionCommands.serve``: the same
+    protocol as over gRPC, without a process or a socket."""
+
+    def __init__(self, commands: SessionCommands) -> None:
+        self._commands: asyncio.Queue[pb.WorkerCommand | None] = asyncio.Queue()
+        self._events = commands.serve(self._command_stream())
+        self.collected = Collected()
+
+    async def _command_stream(self) -> AsyncIterator[pb.WorkerCommand]:
+        while (command := await self._commands.get()) is not None:
+            yield command
+
+    async def send(self, *commands: pb.WorkerCommand) -> None:
+        for command in commands:
+            self._commands.put_nowait(command)
+        await asyncio.sleep(0)  # let the session's reader take them, as a write would
+
+    def half_close(self) -> None:
+        """The manager sends no more commands."""
+        self._commands.put_nowait(None)
+
+    async def next_event(self) -> pb.WorkerEvent | None:
+        return await anext(self._events, None)
+
+    async def read_until(self, done: Callable[[Collected], bool],
+                         timeout: float = 30.0) -> Collected:
+        return await read_until(self.collected, self.next_event, done, timeout)
+
+    async def finish(self, request_ids, timeout: float = 30.0) -> Collected:
+        ids = set(request_ids)
+        return await self.read_until(lambda c: c.finished(ids), timeout)
+
+    async def close(self) -> None:
+        """The stream goes away (as when a manager dies)."""
+        await self._events.aclose()
