@@ -1,7 +1,7 @@
 """The pure parts of one RL step: the requests it submits, the groups it assembles from the
 manager's completions, and which weight version a resumed run continues with.
 
-Synchronous and I/O-free (ARCHITECTURE.md, "pure core"); ``loop.py`` drives them.
+Synchronous and I/O-free (docs/architecture.md, "pure core"); ``loop.py`` drives them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ gradients are computed and accumulated; if more than m_b are ready at once (``ad
 what became ready while the trainer was busy) they form a single micro-batch, so a trainer that
 fell behind catches up in fewer, larger passes. The step's last groups train in ``finish()``
 even when fewer than m_b. No parameter or optimizer state changes until ``finish()``, which
-steps exactly once, so the update equals that of one monolithic batch (ARCHITECTURE.md, "Exact
+steps exactly once, so the update equals that of one monolithic batch (docs/architecture.md, "Exact
 update"), however the groups were cut into micro-batches.
 
 Normalisation uses the whole step's denominators (``grpo.aggregate_loss``):

@@ -1,6 +1,6 @@
 """Built-in verifiable tasks: prompts, reference answers, rule-based rewards, resumable data.
 
-ARCHITECTURE.md ("Models, data and engines without the internet"): the demo and tests train a
+docs/architecture.md ("Models, data and engines without the internet"): the demo and tests train a
 seeded tiny Qwen3 on a CPU, so the task must be learnable from a random init in a few dozen
 GRPO steps. Single-digit addition with a shaped reward is: the format terms (answer with a
 number, then stop) are learnt first and lift the mean reward within ~10 steps; the closeness

@@ -1,4 +1,4 @@
-"""On-policy under mixed weight versions (ARCHITECTURE.md, invariants): no token of a completion
+"""On-policy under mixed weight versions (docs/architecture.md, invariants): no token of a completion
 comes from a worker holding another weight version — not at dispatch, not when the step's own
 workers are full, and not when one of them is SIGKILLed and its requests migrate."""
 
