@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import time
 import pytest
 
 from rlharvest.common import registry
+
+from .worker_client import listening
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "COLUMNS": "240", "TERM": "dumb", "NO_COLOR": "1"}
@@ -34,14 +35,6 @@ def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Matc
             return match
     raise AssertionError(f"no {pattern!r} in the output of rlharvest up:\n{''.join(seen)}")
 
-
-def _listening(endpoint: str) -> bool:
-    host, port = endpoint.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 async def _endpoints(etcd: str) -> dict[str, str]:
@@ -74,7 +67,7 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
         assert "stopped" in up.stdout.read()
-        assert not any(_listening(e) for e in [*endpoints.values(), etcd])
+        assert not any(listening(e) for e in [*endpoints.values(), etcd])
     finally:
         if up.poll() is None:
             up.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,8 @@ from rlharvest.common.config import ServiceConfig
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.common.retry import Backoff
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
+
+from .worker_client import listening
 
 pytestmark = pytest.mark.integration
 NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
@@ -96,14 +97,6 @@ async def answers(endpoint: str) -> bool:
     except grpc.aio.AioRpcError:
         return False
 
-
-def listening(endpoint: str) -> bool:
-    host, port = endpoint.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 async def test_a_hosted_service_serves_health_reflection_and_http_and_registers(

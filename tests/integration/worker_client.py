@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 
@@ -93,3 +94,12 @@ class WorkerSession:
         self.call.cancel()
         await self.channel.close()
 
+
+def listening(endpoint: str) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (a server left behind)."""
+    host, port = endpoint.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
