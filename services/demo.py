@@ -100,7 +100,7 @@ class Run:
     trainer_endpoint: str
     manager_endpoint: str
     spot: ServiceProcess | None
-    worker_flags: list[str]
+    spot_flags: list[str]  # a replacement spot process starts with these
     events: dict[int, list[str]] = field(default_factory=dict)
     spot_generation: int = 0
 
@@ -118,20 +118,28 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
                                                str(manager_port), "--stall-timeout-s", "5",
                                                *common])
     # A few slots per worker, so every step's requests spread over all workers in waves.
-    worker_flags = ["--torch-threads", "1", "--job", "default", "--agent-pull",
-                    "--max-running", str(args["max_running"]),
-                    "--step-delay-s", str(args["step_delay_s"]), *common]
+    def worker_flags(step_delay_s: float) -> list[str]:
+        return ["--torch-threads", "1", "--job", "default", "--agent-pull",
+                "--max-running", str(args["max_running"]), "--step-delay-s", str(step_delay_s),
+                *common]
+
     for i in range(args["workers"] - 1):
-        stack.start("rollout_worker", f"worker-{i}", ["--worker-id", f"worker-{i}", *worker_flags])
-    spot = stack.start("rollout_worker", "spot-0", ["--worker-id", "spot-0", "--kind", "spot",
-                                                    *worker_flags])
+        stack.start("rollout_worker", f"worker-{i}", ["--worker-id", f"worker-{i}",
+                                                      *worker_flags(args["step_delay_s"])])
+    # The spot worker is slower (an emulated older GPU): by default it holds its share of every
+    # step's requests for a second or more (4 tokens at 0.25 s per engine step, a sleep that a
+    # busy CPU does not shorten), far longer than the status poll below takes to come round, so
+    # the kill lands mid-step in the scheduled step. At the others' speed it held them for a
+    # moment the poll could miss for several steps in a row.
+    spot_flags = ["--kind", "spot", *worker_flags(args["spot_step_delay_s"])]
+    spot = stack.start("rollout_worker", "spot-0", ["--worker-id", "spot-0", *spot_flags])
     port = free_port()
     stack.start("trainer", "trainer", [
         "--trainer-id", "trainer-0", "--port", str(port), "--steps", str(args["steps"]),
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
         "--torch-threads", "1", "--no-exit-when-done", *common])
-    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, worker_flags)
+    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags)
 
 
 async def _status(stub, timeout: float = 2.0) -> tpb.TrainerStatus | None:
@@ -203,8 +211,8 @@ async def _preempt(run: Run, schedule: PreemptionSchedule, cur: tpb.StepProgress
         elif isinstance(action, Replace):
             run.spot_generation += 1
             name = f"spot-{run.spot_generation}"
-            run.spot = run.stack.start("rollout_worker", name, [
-                "--worker-id", name, "--kind", "spot", *run.worker_flags])
+            run.spot = run.stack.start("rollout_worker", name, ["--worker-id", name,
+                                                                 *run.spot_flags])
             run.note(action.step, f"start {name}")
             console.log(f"[green]replacement[/] {name} starting during step {action.step}")
     for w in workers:  # a replacement joins the manager once it pulled the current version
@@ -296,6 +304,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          max_running: int = typer.Option(8, min=1, help="requests a worker runs at once"),
          step_delay_s: float = typer.Option(0.05, min=0.0, help="emulate slower accelerators: "
                                                                 "seconds each engine step sleeps"),
+         spot_step_delay_s: float = typer.Option(0.25, min=0.0, help="the same for the spot "
+                                                 "worker, slower so the kill lands mid-step"),
          backend: str = typer.Option("deepspeed", help="trainer backend: deepspeed or torch"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
@@ -313,7 +323,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
     started = time.monotonic()
     run = _start_stack(log_dir, dict(workers=workers, steps=steps, prompts=prompts,
                                      samples=samples, lr=lr, backend=backend, max_running=max_running,
-                                     step_delay_s=step_delay_s))
+                                     step_delay_s=step_delay_s,
+                                     spot_step_delay_s=spot_step_delay_s))
     try:
         status = asyncio.run(_drive(run, schedule, steps, timeout))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which

@@ -89,7 +89,11 @@ async def wait_workers(endpoint: str, count: int, timeout: float = 60) -> None:
 
 @pytest.fixture
 def cluster(stack):
-    workers = [launch_worker(stack, f"w{i}", "--max-running", "4") for i in range(3)]
+    # w0, the worker the kill tests SIGKILL, is slowed (50 ms per engine step, an emulated slower
+    # GPU): it is the step's laggard, so it still holds requests when killed, even late in a step.
+    workers = [launch_worker(stack, f"w{i}", "--max-running", "4",
+                             *(("--step-delay-s", "0.05") if i == 0 else ()))
+               for i in range(3)]
     manager = start_manager(stack)  # starts while the workers import torch
     for worker in workers:
         wait_serving(worker, 120)
@@ -146,6 +150,8 @@ async def test_sigkilled_worker_loses_no_token(cluster, kill_after_tokens):
         assert done[f"k{i}"].weight_version == 0
     st = await status(manager.endpoint)
     assert st.tokens_regenerated == 0
+    # The kill moved requests (those it held), so the step above did survive a loss.
+    assert scrape(manager.metrics_port).get('rlh_manager_migrations_total{cause="lost"}', 0) >= 1
 
 
 async def test_graceful_drain_moves_requests_before_exit(stack):

@@ -40,7 +40,9 @@ async def test_member_key_disappears_within_ttl_after_sigkill(etcd_client, etcd_
         proc.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         while key in await registry.list_members(etcd_client, "rollout_worker"):
-            assert time.monotonic() - killed_at < 2 + 2, "key outlived its lease"
+            # The bound is the claim (the 2 s TTL), plus 3 s for etcd's expiry sweep and a busy
+            # machine: a key whose lease did not expire would outlive it by far.
+            assert time.monotonic() - killed_at < 2 + 3, "key outlived its lease"
             await asyncio.sleep(0.1)
     finally:
         proc.kill()
@@ -60,10 +62,7 @@ async def test_watch_reports_join_update_and_leave(etcd_client):
         later = await registry.register(etcd_client, "rollout_worker", "late", {"v": 0}, ttl=5)
         await later.update(v=1)
         await before.close()
-        for _ in range(100):
-            if len(events) >= 4:
-                break
-            await asyncio.sleep(0.05)
+        await _until(lambda: len(events) >= 4, timeout=30)
         summary = [(e.kind, e.member_id, e.info.get("v")) for e in events]
         assert summary == [("join", "early", 0), ("join", "late", 0), ("update", "late", 1),
                            ("leave", "early", None)]
@@ -170,7 +169,7 @@ async def test_list_and_watch_lists_again_after_etcd_is_sigkilled_and_comes_back
         etcd.stop()
 
 
-async def _until(condition, timeout: float = 10.0) -> None:
+async def _until(condition, timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
