@@ -200,7 +200,8 @@ class RolloutControl:
         req = self.tracker.get(request_id)
         if req.done or req.worker_id != worker_id:
             return []  # about an assignment the request already left
-        return self._apply([self.failure.refused(request_id, worker_id, code, message)])
+        decided = self.failure.refused(request_id, worker_id, code, message)
+        return self._apply([decided]) if decided is not None else []
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -33,6 +33,12 @@ RETRYABLE_REFUSALS = frozenset(code.value[0] for code in (
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
+# The worker's answer to an abort of a request it does not hold: the request had already left
+# it (finished, or aborted before). It refuses no add, so it says nothing about the request the
+# manager tracks under that id now (a client that retries a step reuses its request ids, and an
+# abort of the abandoned attempt can be answered after the retry's add went to the same worker).
+NOTHING_TO_ABORT = grpc.StatusCode.NOT_FOUND.value[0]
+
 @dataclass(frozen=True)
 class FailureConfig:
     stall_timeout_s: float = 60.0
@@ -78,9 +84,12 @@ class FailurePolicy:
         return [Release(r, worker_id, cause) for r in request_ids]
 
     @staticmethod
-    def refused(request_id: str, worker_id: str, code: int, message: str) -> Release | Fail:
-        """A worker refused the request (a gRPC status ``code``): wait for another worker, or
-        fail when any worker would refuse it too (e.g. longer than the context)."""
+    def refused(request_id: str, worker_id: str, code: int, message: str) -> Release | Fail | None:
+        """A worker refused a command about the request (a gRPC status ``code``): wait for
+        another worker, fail when any worker would refuse it too (e.g. longer than the context),
+        or nothing when it only answers an abort of a request it no longer held."""
+        if code == NOTHING_TO_ABORT:
+            return None
         if code in RETRYABLE_REFUSALS:
             return Release(request_id, worker_id, "refused", abort=False)
         return Fail(request_id, f"worker {worker_id} refused the request: {message}")

@@ -208,6 +208,19 @@ def test_a_refusal_about_the_request_itself_fails_it_with_the_workers_message():
     assert control.tracker.get("r0").state is RequestState.FAILED
 
 
+def test_a_refused_abort_never_fails_the_request_now_tracked_under_that_id():
+    # A client retried its step with the same ids: the abort of the abandoned attempt reaches
+    # the worker after it finished that request, and its NOT_FOUND lands on the retry's request.
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    assert placed(control.tick()) == {"r0": "w"}
+    code = grpc.StatusCode.NOT_FOUND.value[0]
+    assert control.command_refused("w", "r0", code, "no request 'r0' of this session") == []
+    request = control.tracker.get("r0")
+    assert request.state is RequestState.PENDING and request.worker_id == "w"
+
+
 def test_a_refusal_about_an_assignment_the_request_left_is_ignored():
     control, _ = make()
     control.worker_joined("w", 1, capacity=4, kind="k")
