@@ -162,11 +162,7 @@ class SessionHub:
         held = self._held.get(final.request_id)
         if held is None:
             return
-        delta = common_pb2.TokenDelta(
-            request_id=final.request_id, position=held.next_position,
-            token_ids=final.new_token_ids, logprobs=final.new_logprobs,
-            weight_version=weight_version, finished=final.finished,
-            finish_reason=final.finish_reason)
+        delta = _token_delta(final, held.next_position, weight_version)
         event = pb.WorkerEvent(step=pb.StepOutputs(step=self._last_step, deltas=[delta], load=load))
         self.release(final.request_id, final.finish_reason)
         if self._unsent is not None:
@@ -206,10 +202,7 @@ class SessionHub:
         version = step.weight_version
         by_session: dict[Session, list[common_pb2.TokenDelta]] = {}
         for session, out, position in routed.items:
-            by_session.setdefault(session, []).append(common_pb2.TokenDelta(
-                request_id=out.request_id, position=position, token_ids=out.new_token_ids,
-                logprobs=out.new_logprobs, weight_version=version,
-                finished=out.finished, finish_reason=out.finish_reason))
+            by_session.setdefault(session, []).append(_token_delta(out, position, version))
         for session, deltas in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.
@@ -252,3 +245,11 @@ class SessionHub:
     def _maybe_end(self, session: Session) -> None:
         if session.client_done and not session.requests and not session.closed:
             session.push(None)
+
+
+def _token_delta(out: RequestOutput, position: int, weight_version: int) -> common_pb2.TokenDelta:
+    """One request's output of a step (or its final abort output) on the wire."""
+    return common_pb2.TokenDelta(
+        request_id=out.request_id, position=position, token_ids=out.new_token_ids,
+        logprobs=out.new_logprobs, weight_version=weight_version, finished=out.finished,
+        finish_reason=out.finish_reason)

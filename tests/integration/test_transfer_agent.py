@@ -42,7 +42,9 @@ from rlharvest.services.transfer_agent.client import (
 )
 from rlharvest.services.transfer_agent.data_path import BucketAssembler
 
-from .worker_client import WorkerSession, add, start_worker
+from tests.worker_sessions import add
+
+from .worker_client import WorkerSession, start_worker
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()

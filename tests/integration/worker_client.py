@@ -15,7 +15,6 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 from tests.worker_sessions import Collected, read_until
-from tests.worker_sessions import add as add  # noqa: F401  (test_transfer_agent imports it here)
 
 
 @dataclass
