@@ -30,6 +30,16 @@ MODULES = {
 _DIST_ENV = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
 
 
+def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a service process: this one's, with this launcher's checkout first on
+    PYTHONPATH (the child runs the same code) and without a torch.distributed rendezvous (each
+    service is its own process group: an inherited one, from a test that ran DeepSpeed
+    in-process, would collide on its port)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    path = os.pathsep.join(filter(None, [_IMPORT_ROOT, inherited.get("PYTHONPATH", "")]))
+    return {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(extra or {})}
+
+
 @dataclass
 class ServiceProcess:
     service: str
@@ -82,11 +92,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", MODULES[service], "--etcd", self.etcd.endpoint, *(flags or [])]
-        # Each service is its own process group for torch.distributed: a rendezvous inherited from
-        # the launching process (a test that ran DeepSpeed in-process) would collide on its port.
-        inherited = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        path = os.pathsep.join(filter(None, [_IMPORT_ROOT, inherited.get("PYTHONPATH", "")]))
-        child_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
+        child_env = child_environment(env)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                     start_new_session=True)

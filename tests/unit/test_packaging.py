@@ -32,6 +32,16 @@ def test_service_processes_import_the_checkout_under_test(tmp_path: Path):
     assert Path(out).resolve() == ROOT / "services" / "launcher.py"
 
 
+def test_the_launcher_puts_its_checkout_first_for_service_processes(monkeypatch):
+    # Without this a service process would import whichever checkout was installed last.
+    from rlharvest.services.launcher import child_environment
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert child_environment()["PYTHONPATH"].split(os.pathsep) == [str(ROOT)]
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert child_environment()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/elsewhere"]
+
+
 def test_every_package_folder_is_found_by_setuptools():
     found = set(find_packages(str(ROOT), include=["rlharvest*"]))
     expected = {"rlharvest"}
