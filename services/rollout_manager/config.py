@@ -35,7 +35,8 @@ class ManagerConfig(ServiceConfig):
     max_step_requests: int = Field(65536, ge=1)
     max_prompt_tokens: int = Field(32768, ge=1)
     max_new_tokens: int = Field(32768, ge=1)
-    vocab_size: int = Field(128, ge=2, description="token ids must be below this")
+    vocab_size: int = Field(0, ge=0, description="token ids must be below this; 0 = the "
+                            "vocabulary the job's workers publish (their model's)")
     client_queue: int = Field(64, ge=1, description="events buffered per client stream; a slower "
                                                      "client slows delivery beyond this")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)

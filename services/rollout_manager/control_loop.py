@@ -130,10 +130,24 @@ class RolloutControl:
     # ---- workers ------------------------------------------------------------------------------
 
     def worker_joined(self, worker_id: str, weight_version: int, capacity: int,
-                      kind: str, admission: str = "slots") -> None:
-        """``admission``: "slots" or "kv_memory" (worker_pool.py); ValueError for another."""
+                      kind: str, admission: str = "slots", vocab_size: int = 0) -> None:
+        """``admission``: "slots" or "kv_memory" (worker_pool.py); ValueError for another, and
+        for a worker whose model's vocabulary differs from the job's. ``vocab_size`` 0: the
+        worker did not say (it is taken as serving the job's model)."""
+        self._check_vocabulary(worker_id, vocab_size)
         self.pool.join(worker_id, weight_version, capacity, kind, admission)
         self.steps.add_kind(kind)
+
+    def _check_vocabulary(self, worker_id: str, vocab_size: int) -> None:
+        """The first worker that states its vocabulary fixes the job's (unless configured); one
+        serving another model would emit token ids that mean something else, so it is refused."""
+        known = self.tracker.vocab_size
+        if not vocab_size or vocab_size == known:
+            return
+        if known:
+            raise ValueError(f"it serves a model with a vocabulary of {vocab_size} tokens, but "
+                             f"this job's model has {known}; start it with the job's model")
+        self.tracker.vocab_size = vocab_size
 
     def worker_lost(self, worker_id: str, reason: str) -> list[Command]:
         """Stream broke, lease vanished, or the worker left: its requests wait, tokens kept

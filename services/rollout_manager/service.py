@@ -96,7 +96,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         try:
             self._control.worker_joined(
                 worker_id, int(info["weight_version"]), int(info["capacity"]),
-                str(info.get("kind", "dedicated")), str(info.get("admission", "slots")))
+                str(info.get("kind", "dedicated")), str(info.get("admission", "slots")),
+                int(info.get("vocab_size", 0)))
         except ValueError as exc:
             log.error("worker %s left out: %s", worker_id, exc)
             return

@@ -44,7 +44,9 @@ class StepLimits:
     max_requests: int = 65_536
     max_prompt_tokens: int = 32_768
     max_new_tokens: int = 32_768
-    vocab_size: int = 128
+    # Token ids must be below this. 0: not fixed by configuration; the job's workers tell it
+    # (their etcd records carry their model's vocabulary size) through ``set_vocab_size``.
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class RequestTracker:
     def __init__(self, limits: StepLimits, clock: Callable[[], float]) -> None:
         self._limits = limits
         self._clock = clock
+        self.vocab_size = limits.vocab_size  # 0 until configured or learnt from a worker
         self._requests: dict[str, TrackedRequest] = {}
         # Waiting requests, in dispatch order: released ones (they carry progress) before new ones.
         self._waiting_released: dict[str, None] = {}
@@ -186,6 +189,12 @@ class RequestTracker:
         # mean context (for P, on the relay's hot path) needs no walk over the requests.
         self._context: dict[str, int] = {}
         self.counters = TrackerCounters()
+
+    @property
+    def _vocab_limit(self) -> int:
+        # Before any worker told its vocabulary only negative ids are refused here; the worker
+        # that gets the request checks it against its model (and refuses it with the reason).
+        return self.vocab_size or 2**63
 
     # ---- steps --------------------------------------------------------------------------------
 
@@ -221,10 +230,10 @@ class RequestTracker:
             if len(r.prompt_token_ids) > lim.max_prompt_tokens:
                 raise StepError(f"{where} has a prompt of {len(r.prompt_token_ids)} tokens, above "
                                 f"the limit of {lim.max_prompt_tokens}")
-            bad = [t for t in r.prompt_token_ids if not 0 <= t < lim.vocab_size]
+            bad = [t for t in r.prompt_token_ids if not 0 <= t < self._vocab_limit]
             if bad:
                 raise StepError(f"{where} has token id {bad[0]} outside the vocabulary "
-                                f"[0, {lim.vocab_size})")
+                                f"[0, {self._vocab_limit}) of the job's model")
             if not 0 < r.sampling.max_tokens <= lim.max_new_tokens:
                 raise StepError(f"{where} asks for max_tokens={r.sampling.max_tokens}; it must be "
                                 f"in [1, {lim.max_new_tokens}]")
@@ -382,7 +391,7 @@ class RequestTracker:
         # delta; reading a wire container from Python costs ~1 µs, so each is touched once.
         report = ApplyReport()
         requests = self._requests
-        vocab_size = self._limits.vocab_size
+        vocab_size = self._vocab_limit
         accepted = report.accepted
         generated = regenerated = 0
         for delta in deltas:

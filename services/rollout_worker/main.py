@@ -76,7 +76,7 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     return Parts(member_id=cfg.worker_id, member_info={
         "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
         "weight_version": engine.weight_version, "draining": False,
-        "admission": engine.batch_admission},
+        "admission": engine.batch_admission, "vocab_size": engine.vocab_size},
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
         health=service.health, loops=loops, drain=drain, close=[close])

@@ -109,6 +109,29 @@ def test_a_malformed_step_is_refused_as_an_invalid_argument_and_nothing_is_added
     assert "a" not in control.tracker and not control.steps.live()
 
 
+# ---- the vocabulary comes from the job's workers --------------------------------------------------
+
+def test_the_first_worker_fixes_the_vocabulary_that_prompts_and_deltas_are_checked_against():
+    control = RolloutControl(ControlConfig(), Clock())
+    control.worker_joined("old", 0, capacity=4, kind=KIND)  # an older worker states none
+    control.add_step("early", [request("big", prompt=(1, 150_000))], 0)
+    control.worker_joined("w", 0, capacity=4, kind=KIND, vocab_size=151_936)  # a Qwen3 vocabulary
+    control.add_step("qwen", [request("ok", prompt=(1, 151_935))], 0)
+    with pytest.raises(StepError, match=r"token id 151936 outside the vocabulary \[0, 151936\)"):
+        control.add_step("bad", [request("over", prompt=(151_936,))], 0)
+
+
+def test_a_worker_serving_another_vocabulary_is_refused_with_both_sizes():
+    control = RolloutControl(ControlConfig(), Clock())
+    control.worker_joined("qwen", 0, capacity=4, kind=KIND, vocab_size=151_936)
+    with pytest.raises(ValueError, match="vocabulary of 128256 tokens, but this job's model has "
+                                         "151936"):
+        control.worker_joined("llama", 0, capacity=4, kind=KIND, vocab_size=128_256)
+    assert "llama" not in control.pool
+    control.worker_joined("silent", 0, capacity=4, kind=KIND)  # an older worker states none
+    assert "silent" in control.pool
+
+
 # ---- the step-policy seam -----------------------------------------------------------------------
 
 class CutAfter:

@@ -219,6 +219,18 @@ async def test_non_numeric_rewards_are_failures_not_crashes() -> None:
     assert not (await pool.score(RewardRequest("n", "", ""))).ok
 
 
+async def test_a_request_may_carry_its_own_reward_function_sync_or_async() -> None:
+    async def half(prompt: str, completion: str, reference: str) -> float:
+        return 0.5
+
+    pool = RewardPool(_raising, max_concurrency=2, timeout_s=5.0)
+    routed = await pool.score_all([
+        RewardRequest("sync", "p", "#### 4", "4", reward_fn=lambda p, c, r: 1.0),
+        RewardRequest("async", "p", "c", "r", reward_fn=half),
+        RewardRequest("default", "p", "c", "r")])
+    assert [(o.ok, o.reward) for o in routed] == [(True, 1.0), (True, 0.5), (False, 0.0)]
+
+
 async def test_reward_functions_load_by_import_path() -> None:
     fn = load_reward_fn("rlharvest.services.trainer.rewards.verifier:math_reward")
     pool = RewardPool(fn, max_concurrency=1, timeout_s=5.0)

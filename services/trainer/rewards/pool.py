@@ -40,6 +40,9 @@ class RewardRequest:
     prompt: str
     completion: str
     reference: str = ""
+    # This sample's reward when it is not the pool's own: a dataset mixing sources picks one per
+    # row from its data_source (rewards/builtin.py).
+    reward_fn: RewardFn | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,6 @@ class RewardPool:
             raise ValueError(f"max_concurrency and timeout_s must be > 0, got {max_concurrency}, "
                              f"{timeout_s}")
         self._fn = reward_fn
-        self._is_async = inspect.iscoroutinefunction(reward_fn)
         self._slots = asyncio.Semaphore(max_concurrency)
         self._timeout_s = timeout_s
         self._failure_reward = failure_reward
@@ -112,7 +114,7 @@ class RewardPool:
                         or not math.isfinite(reward):
                     raise TypeError(f"returned {reward!r}; a reward must be a finite number")
             except asyncio.TimeoutError:
-                if not self._is_async:
+                if not inspect.iscoroutinefunction(request.reward_fn or self._fn):
                     self.abandoned_calls += 1
                 return self._failure(request, start, f"timed out after {self._timeout_s:g}s")
             except RewardFailure as exc:
@@ -126,11 +128,12 @@ class RewardPool:
         return list(await asyncio.gather(*(self.score(r) for r in requests)))
 
     def _call(self, request: RewardRequest) -> Awaitable[Any]:
+        fn = request.reward_fn or self._fn
         args = (request.prompt, request.completion, request.reference)
-        if self._is_async:
-            # A coroutine function (checked in __init__); the flag does not narrow the type.
-            return cast(Awaitable[Any], self._fn(*args))
-        return _run_in_thread(lambda: self._fn(*args))
+        if inspect.iscoroutinefunction(fn):
+            # The check does not narrow the union of sync and async functions for the checker.
+            return cast(Awaitable[Any], fn(*args))
+        return _run_in_thread(lambda: fn(*args))
 
     def _failure(self, request: RewardRequest, start: float, error: str) -> RewardOutcome:
         return RewardOutcome(request.sample_id, self._failure_reward, False, error,
