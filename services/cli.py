@@ -1,4 +1,6 @@
-"""`rlharvest`: run a whole local stack (`up`) and look at a running one (`status`)."""
+"""`rlharvest`: run a whole local stack (`up`) and look at a running one (`status`); train your own
+checkpoint on your own dataset (`train`), and build both locally (`build-checkpoint`,
+`make-dataset`)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,16 @@ from rich.table import Table
 from rlharvest.common import registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
+from rlharvest.common.hf_checkpoint import build_checkpoint_command
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.train_command import train
+from rlharvest.services.trainer.gsm8k import make_dataset
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True)
 console = Console()
+app.command("train")(train)
+app.command("build-checkpoint")(build_checkpoint_command)
+app.command("make-dataset")(make_dataset)
 
 
 @app.command()

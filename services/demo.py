@@ -149,7 +149,7 @@ async def _status(stub, timeout: float = 2.0) -> tpb.TrainerStatus | None:
         return None
 
 
-async def _drive(run: Run, schedule: PreemptionSchedule, steps: int,
+async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                  timeout: float) -> tpb.TrainerStatus:
     deadline = time.monotonic() + timeout
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -255,8 +255,9 @@ def rise_failure(rewards: list[float], min_rise: float,
 
 # ---- the report -------------------------------------------------------------------------------
 
-def _table(status: tpb.TrainerStatus, events: dict[int, list[str]]) -> Table:
-    table = Table(title="rlharvest demo: one GRPO step per row")
+def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
+               title: str = "rlharvest demo: one GRPO step per row") -> Table:
+    table = Table(title=title)
     for column in ("step", "version", "reward", "time s", "tokens/s", "micro", "migr",
                    "events"):
         table.add_column(column, justify="right" if column != "events" else "left")
@@ -267,7 +268,8 @@ def _table(status: tpb.TrainerStatus, events: dict[int, list[str]]) -> Table:
     return table
 
 
-def _plot(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path) -> None:
+def plot_run(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path,
+             title: str = "GRPO on the addition task (tiny Qwen3, CPU)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +279,7 @@ def _plot(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path) -
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [s.mean_reward for s in status.steps], marker="o")
     top.set_ylabel("mean reward")
-    top.set_title("GRPO on the addition task (tiny Qwen3, CPU)")
+    top.set_title(title)
     bottom.bar(steps, [s.tokens_per_second for s in status.steps], color="tab:green")
     bottom.set_ylabel("tokens trained / s")
     bottom.set_xlabel("step")
@@ -289,6 +291,18 @@ def _plot(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path) -
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: Path,
+                 plot_name: str, title: str | None = None) -> None:
+    """The plot and ``steps.json`` (one object per step) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot_run(status, events, out / plot_name, *([title] if title else []))
+    (out / "steps.json").write_text(json.dumps([
+        {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
+         "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
+         "migrations": s.migrations, "events": events.get(s.step, [])}
+        for s in status.steps], indent=1))
 
 
 @app.command()
@@ -326,7 +340,7 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                      step_delay_s=step_delay_s,
                                      spot_step_delay_s=spot_step_delay_s))
     try:
-        status = asyncio.run(_drive(run, schedule, steps, timeout))
+        status = asyncio.run(drive(run, schedule, steps, timeout))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which
         console.print(f"[bold red]demo failed[/]: {exc}")
         raise typer.Exit(1) from None
@@ -335,14 +349,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
     if status.state == "failed":
         console.print(f"[bold red]training failed[/]: {status.error}; logs in {log_dir}")
         raise typer.Exit(1)
-    console.print(_table(status, run.events))
-    out.mkdir(parents=True, exist_ok=True)
-    _plot(status, run.events, out / "demo.png")
-    (out / "steps.json").write_text(json.dumps([
-        {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
-         "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
-         "migrations": s.migrations, "events": run.events.get(s.step, [])}
-        for s in status.steps], indent=1))
+    console.print(step_table(status, run.events))
+    write_report(status, run.events, out, "demo.png")
     rewards = [s.mean_reward for s in status.steps]
     failure = rise_failure(rewards, min_rise)
     if len(rewards) >= 2:

@@ -32,9 +32,20 @@ class TrainerConfig(ServiceConfig):
     model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
     model_seed: int = 0
     task: Literal["addition", "code"] = Field("addition", description="built-in task with its "
-                                              "reward: addition (rule-based) or code (sandboxed)")
-    reward_fn: str = Field("", description="optional 'package.module:function' (prompt, completion, "
-                                           "reference) -> float replacing the task's reward")
+                                              "reward: addition (rule-based) or code (sandboxed); "
+                                              "--data replaces it")
+    data: str = Field("", description="a JSONL or Parquet dataset (veRL layout: prompt, "
+                                      "reward_model.ground_truth, data_source) instead of --task")
+    data_fields: str = Field("", description="field mapping for another layout, e.g. "
+                                             "'prompt=question,ground_truth=answer'")
+    reward: str = Field("", description="reward of every sample: a built-in (math, exact, code) "
+                                        "or 'package.module:function'; empty = by each row's "
+                                        "data_source (--data) or the task's own")
+    reward_fn: str = Field("", description="'package.module:function' (prompt, completion, "
+                                           "reference) -> float; the same as --reward with an "
+                                           "import path (docs/rewards.md)")
+    max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted from --data; 0 = "
+                                                        "the model's context minus max_new_tokens")
     data_seed: int = 0
     steps: int = Field(0, ge=0, description="RL steps to run (a resume counts those done); 0 = "
                                             "no limit")
@@ -74,6 +85,10 @@ class TrainerConfig(ServiceConfig):
     step_attempts: int = Field(3, ge=1, description="tries of one step when its rollout fails")
     checkpoint_dir: str = Field("", description="where checkpoints go; empty = no checkpoints "
                                                 "and no resume")
+    tensorboard_dir: str = Field("", description="write training curves as TensorBoard event "
+                                                 "files here; empty = none")
+    wandb_project: str = Field("", description="log training curves to this W&B project (needs "
+                                               "wandb installed); WANDB_PROJECT works too")
     checkpoint_every: int = Field(5, ge=1, description="K: checkpoint every K steps")
     keep_checkpoints: int = Field(3, ge=1)
     keep_step_summaries: int = Field(1000, ge=1, description="finished steps GetStatus reports")
@@ -91,6 +106,18 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"micro_batch_groups ({self.micro_batch_groups}) exceeds "
                              f"prompts_per_step ({self.prompts_per_step}): a micro-batch would "
                              "wait for groups the step does not have")
+        return self
+
+    @model_validator(mode="after")
+    def _one_source_of_prompts(self) -> TrainerConfig:
+        if self.data and self.task != "addition":
+            raise ValueError(f"--data {self.data!r} and --task {self.task} both name the prompts; "
+                             "give one (a dataset's rewards come from --reward or its data_source)")
+        if self.data_fields and not self.data:
+            raise ValueError("--data-fields maps the fields of a --data file; give --data too")
+        if self.reward and self.reward_fn and self.reward != self.reward_fn:
+            raise ValueError(f"--reward {self.reward!r} and --reward-fn {self.reward_fn!r} both "
+                             "set the reward; give one")
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -36,20 +37,14 @@ import torch
 
 from rlharvest.common.pb import trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
+from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
-from rlharvest.services.trainer.code_task import CodeTask, CodeTaskConfig
 from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
-from rlharvest.services.trainer.rewards.adaptive_timeout import TimeoutPolicy
-from rlharvest.services.trainer.rewards.pool import (
-    RewardOutcome,
-    RewardPool,
-    RewardRequest,
-    load_reward_fn,
-)
+from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
     OnPolicyViolation,
@@ -60,7 +55,8 @@ from rlharvest.services.trainer.step_plan import (
     submit_request,
 )
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
-from rlharvest.services.trainer.tasks import AdditionTask, DatasetState, Task, TaskDataset
+from rlharvest.services.trainer.task_setup import build_task_setup
+from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset
 
 if sys.version_info >= (3, 11):
     from asyncio import TaskGroup
@@ -78,16 +74,6 @@ _PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, Connectio
 _PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 # Reward failures kept for inspection: a few steps' worth even when every sample fails.
 _KEPT_REWARD_FAILURES = 1000
-
-
-def task_factory(cfg: TrainerConfig) -> Callable[[int], Task]:
-    """The built-in task ``cfg.task`` names, as a function of the data seed."""
-    if cfg.task == "code":
-        policy = TimeoutPolicy(t_min_s=cfg.sandbox_t_min_s, t_max_s=cfg.sandbox_t_max_s,
-                               slack=cfg.sandbox_slack)
-        return lambda seed: CodeTask(seed, CodeTaskConfig(timeouts=policy,
-                                                          workers=cfg.reward_concurrency))
-    return AdditionTask
 
 
 @dataclass(frozen=True)
@@ -140,7 +126,8 @@ class TrainerLoop:
         self._cfg = cfg
         self._etcd = etcd
         self._clock = clock
-        self._tok = CharTokenizer()
+        # The model's own tokenizer, EOS/stop and pad ids (the built-in one for presets).
+        self._tok = load_tokenizer(cfg.model)
         self._model = build_model(cfg.model, cfg.model_seed).train()
         self._ref_model = build_model(cfg.model, cfg.model_seed).eval() if cfg.beta > 0 else None
         self._backend = make_backend(cfg.backend, self._model, OptimConfig(
@@ -148,12 +135,15 @@ class TrainerLoop:
             grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
-        self._task_factory = task_factory(cfg)
+        self._setup = build_task_setup(cfg, self._tok,
+                                       self._model.config.max_position_embeddings)
+        self._task_factory = self._setup.factory
         self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
-        reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
-        self._rewards = RewardPool(reward_fn or self._task_reward,
+        self._rewards = RewardPool(self._setup.reward_fn or self._task_reward,
                                    max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
+        self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
+                                   config=cfg.model_dump(mode="json"))
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes)
                            if cfg.publish else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
@@ -204,7 +194,8 @@ class TrainerLoop:
     def _next_spec(self) -> StepSpec:
         items = tuple(self._data.next_batch(self._cfg.prompts_per_step))
         return StepSpec(step=self._step + 1, weight_version=self._version, items=items,
-                        prompts=tuple(tuple(self._tok.encode(it.prompt)) for it in items),
+                        prompts=tuple(tuple(self._tok.encode_prompt(it.messages or it.prompt))
+                                      for it in items),
                         samples_per_prompt=self._cfg.samples_per_prompt)
 
     async def _step_with_retries(self, spec: StepSpec) -> None:
@@ -244,23 +235,29 @@ class TrainerLoop:
         manager = self._manager or await rollout_client.find_manager(self._etcd, cfg.job)
         request = submit_request(spec, max_new_tokens=cfg.max_new_tokens,
                                  temperature=cfg.temperature, top_p=cfg.top_p,
-                                 stop_token_ids=[EOS_ID], data_seed=cfg.data_seed,
+                                 stop_token_ids=list(self._tok.stop_ids),
+                                 data_seed=cfg.data_seed,
                                  no_worker_deadline_s=cfg.no_worker_deadline_s)
         assembler = GroupAssembler(spec)
         ready: asyncio.Queue[ReadyGroup] = asyncio.Queue()
         train = StreamingStep(self._backend, num_groups=len(spec.items),
                               group_size=spec.samples_per_prompt,
                               micro_batch_groups=cfg.micro_batch_groups, loss=self._loss,
-                              pad_id=PAD_ID, ref_model=self._ref_model, clock=self._clock)
+                              pad_id=self._tok.pad_id, ref_model=self._ref_model,
+                              clock=self._clock)
         progress.phase = "rollout"
 
         async def reward(group: int, sample: int, completion) -> None:
             item = spec.items[group]
+            text = self._tok.decode(completion.token_ids)
             outcome = await self._rewards.score(RewardRequest(
-                completion.request_id, item.prompt, self._tok.decode(completion.token_ids),
-                item.answer))
+                completion.request_id, item.prompt, text, item.answer,
+                reward_fn=self._setup.reward_of(item)))
             if not outcome.ok:
                 self._record_reward_failure(spec.step, outcome)
+            if group == 0 and sample == 0:  # one sample per step, to read what the policy writes
+                log.info("sample of step %d: reward %.3f for completion %s (reference %s)",
+                         spec.step, outcome.reward, json.dumps(text), json.dumps(item.answer))
             done = assembler.reward(group, sample, outcome.reward)
             if done is not None:
                 ready.put_nowait(done)
@@ -399,6 +396,7 @@ class TrainerLoop:
         metrics.MIGRATIONS.inc(summary.migrations)
         self.status.summaries.append(summary)
         del self.status.summaries[:-self._cfg.keep_step_summaries]
+        self._curves.step(summary, {"reward/failures": self.status.current.reward_failures})
         log.info("step %d on version %d: reward %.3f, %d tokens in %.2fs (%.0f tokens/s), %d "
                  "micro-batches, waited %.2fs, %d migrations, %d reward failures", summary.step,
                  summary.weight_version, summary.mean_reward, summary.tokens, summary.step_time_s,
@@ -430,6 +428,7 @@ class TrainerLoop:
 
     def close(self) -> None:
         self._compute.shutdown(wait=True, cancel_futures=True)
+        self._curves.close()
 
 
 def torch_threads(count: int) -> None:

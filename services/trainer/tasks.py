@@ -10,16 +10,23 @@ term then pulls guesses towards the right sum. The sandboxed code task is in ``c
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+# One chat message, {"role": ..., "content": ...}, as in veRL/OpenRLHF datasets.
+Message = Mapping[str, str]
 
 
 @dataclass(frozen=True)
 class TaskItem:
     index: int  # position in the task's deterministic sequence
-    prompt: str
-    answer: str
+    prompt: str  # the prompt as text (a chat prompt's messages joined), what rewards see
+    answer: str  # the reference a reward compares against (veRL's reward_model.ground_truth)
+    # A chat prompt's messages: the model is fed them through its chat template. Empty: the
+    # prompt is plain text, fed as it is.
+    messages: tuple[Message, ...] = ()
+    data_source: str = ""  # selects the built-in reward for this item (datasets from files)
 
 
 class Task(Protocol):

@@ -51,7 +51,7 @@ def _finished_run(monkeypatch, rewards: list[float]) -> None:
             tpb.StepSummary(step=i + 1, weight_version=i, mean_reward=r, tokens_per_second=100)
             for i, r in enumerate(rewards)])
 
-    monkeypatch.setattr(demo, "_drive", drive)
+    monkeypatch.setattr(demo, "drive", drive)
 
 
 @pytest.mark.parametrize("rewards, exit_code", [

@@ -1,8 +1,13 @@
 """Exact-answer verifier for math-style completions: extract the final answer, normalise, compare.
 
 Rule-based and deterministic: the same completion always earns the same reward, which keeps
-GRPO's group statistics meaningful. Numbers compare by value ("0.50" == "1/2" == "\\frac{1}{2}"),
+GRPO's group statistics meaningful. Numbers compare by value ("0.50" == "1/2" == "\\frac{1}{2}",
+"1e3" == "1,000", "$5" == "5", "50%" == "50") within a relative tolerance of ``REL_TOL``;
 everything else by normalised text.
+
+The tolerance is 1e-9, relative: tight enough that a rounded decimal is not taken for a fraction
+("0.333333" != "1/3": a model that rounds has not found the exact answer GSM8K and MATH ask for),
+loose enough that float formatting noise never decides ("2.0000000001" == "2").
 """
 
 from __future__ import annotations
@@ -47,12 +52,18 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+REL_TOL = 1e-9
+
+
 def normalize_answer(answer: str) -> str:
     """Canonical text: no TeX wrappers, units of formatting, or trailing punctuation."""
     text = _FRAC.sub(r"\1/\2", answer)
     text = re.sub(r"\\(?:text|mathrm|mbox)\s*\{([^{}]*)\}", r"\1", text)
     text = text.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("$", "")
+    text = text.replace("\\%", "%")
     text = re.sub(r"\s+", "", text).strip(".").lower()
+    if text.endswith("%") and _as_number(text[:-1]) is not None:
+        text = text[:-1]  # "50%" answers "50": GSM8K's references drop the sign
     if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
         text = text.replace(",", "")  # thousands separators, not a tuple
     return text
@@ -60,16 +71,16 @@ def normalize_answer(answer: str) -> str:
 
 def _as_number(text: str) -> Fraction | None:
     try:
-        return Fraction(text)
+        return Fraction(text)  # also "1e3", "-0.5", "3/4"
     except (ValueError, ZeroDivisionError):
         return None
 
 
-def answers_match(predicted: str, reference: str) -> bool:
+def answers_match(predicted: str, reference: str, rel_tol: float = REL_TOL) -> bool:
     pred, ref = normalize_answer(predicted), normalize_answer(reference)
     pred_num, ref_num = _as_number(pred), _as_number(ref)
     if pred_num is not None and ref_num is not None:
-        return pred_num == ref_num
+        return abs(pred_num - ref_num) <= rel_tol * max(abs(ref_num), abs(pred_num))
     return pred == ref
 
 
