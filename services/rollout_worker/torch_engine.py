@@ -31,7 +31,7 @@ import torch
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
-from rlharvest.services.rollout_worker.qwen3_forward import Qwen3Forward
+from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, head_dim
 from rlharvest.services.rollout_worker.sampling import (
     GREEDY_BELOW,
     SamplingBatch,
@@ -132,8 +132,8 @@ class _SlotSampling:
 
 
 class TorchEngine:
-    """``Engine`` (``common/worker_core/engine.py``) over a Qwen3 model (a preset name or a local
-    checkpoint directory).
+    """``Engine`` (``common/worker_core/engine.py``) over a Qwen3, Qwen2 or Llama model (a preset
+    name or a local checkpoint directory).
 
     ``prefill_token_budget`` caps the padded tokens of one prefill call (admitted requests are
     prefilled in groups below it), bounding activation memory when many requests join at once.
@@ -154,9 +154,9 @@ class TorchEngine:
         self._max_len = max_len
         self._prefill_token_budget = prefill_token_budget
         self._weight_version = weight_version
-        self._forward = Qwen3Forward(self._model, max_len)
+        self._forward = DecoderForward(self._model, max_len)
         self._cache = SlotKVCache(cfg.num_hidden_layers, max_running, cfg.num_key_value_heads,
-                                  max_len, cfg.head_dim, dtype, device)
+                                  max_len, head_dim(cfg), dtype, device)
         self._slot_sampling = _SlotSampling(max_running, device)
         self._device = torch.device(device)
         self._pending: OrderedDict[str, _Admitted] = OrderedDict()

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
-from rlharvest.services.rollout_worker.qwen3_forward import Qwen3Forward
+from rlharvest.services.rollout_worker.decoder_forward import DecoderForward
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 MAX_LEN = 96
@@ -90,7 +90,7 @@ def test_forward_matches_hf_logits_in_prefill_and_decode(preset):
     model = build_model(preset, seed=4)
     model.load_state_dict(sharpened(model, 3.0))
     model.requires_grad_(False)
-    forward = Qwen3Forward(model, max_len=64)
+    forward = DecoderForward(model, max_len=64)
     cfg = model.config
     cache = SlotKVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, cfg.head_dim,
                         torch.float32, "cpu")

@@ -1,4 +1,5 @@
-"""A Qwen3 forward pass over a slot KV cache, reading the weights of a transformers Qwen3 module.
+"""A decoder forward pass (Qwen3, Qwen2, Llama) over a slot KV cache, reading the weights of the
+transformers module.
 
 The HF module is the weight store (``load_weights`` copies into its parameters, names as in its
 state_dict); this file only computes. To keep the decode step to a few large ops, q/k/v and
@@ -7,8 +8,13 @@ memory, and a refresh after every weight load), the module's q/k/v and gate/up p
 re-pointed at row slices of one fused tensor per layer, so an in-place copy into a parameter
 updates the fused weight too. The HF module keeps working unchanged on those views.
 
-Math follows transformers' ``modeling_qwen3``: pre-norm blocks, per-head RMSNorm on q and k,
-rotate-half RoPE, GQA, SwiGLU MLP, final norm, lm_head (tied or not).
+Math follows transformers' ``modeling_qwen3`` / ``modeling_qwen2`` / ``modeling_llama``: pre-norm
+blocks, rotate-half RoPE, GQA, SwiGLU MLP, final norm, lm_head (tied or not). The three families
+differ only in parts each layer either has or not, so they are read from the module rather than
+written per family: per-head RMSNorm on q and k (Qwen3), q/k/v biases (Qwen2; Llama and Qwen3 with
+``attention_bias``), an o_proj bias (Llama ``attention_bias``), MLP biases (Llama ``mlp_bias``).
+RoPE frequencies come from the module's rotary embedding, which already applies static scaling
+(linear, llama3); scalings that depend on the sequence length are refused.
 """
 
 from __future__ import annotations
@@ -22,28 +28,51 @@ from transformers import PreTrainedModel
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 
 
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+# RoPE types whose frequencies are fixed at load time (the module's inv_freq holds them).
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
 @dataclass
 class _LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2 * KVH) * head_dim, D], rows shared with q/k/v_proj.weight
-    q_norm: torch.Tensor  # the module's parameters (read on refresh)
-    k_norm: torch.Tensor
-    qk_norm: torch.Tensor  # [H + KVH, head_dim]: q_norm for every q head, then k_norm per k head
+    qkv_bias: torch.Tensor | None  # shared with q/k/v_proj.bias, when the family has them
+    q_norm: torch.Tensor | None  # the module's parameters (read on refresh); Qwen3 only
+    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [H + KVH, head_dim]: q_norm per q head, then k_norm per k head
     o: torch.Tensor
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * I, D], rows shared with gate_proj/up_proj.weight
+    gate_up_bias: torch.Tensor | None
     down: torch.Tensor
+    down_bias: torch.Tensor | None
 
 
-def _fuse_rows(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """Concatenates the linears' weights and re-points each weight at its slice of the result."""
-    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor:
+    """Concatenates the linears' ``attr`` (weight or bias) and re-points each at its slice."""
+    fused = torch.cat([getattr(lin, attr).detach() for lin in linears], dim=0).contiguous()
     start = 0
     for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = fused[start:start + rows]
+        rows = getattr(lin, attr).shape[0]
+        getattr(lin, attr).data = fused[start:start + rows]
         start += rows
     return fused
+
+
+def _fuse_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+    present = [lin.bias is not None for lin in linears]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ValueError("some of the fused projections have a bias and some not; unsupported")
+    return _fuse(linears, "bias")
+
+
+def head_dim(cfg) -> int:
+    """Per-head width: explicit in Qwen3 configs, hidden / heads in older Qwen2 and Llama ones."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -56,8 +85,8 @@ def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tens
     return rotate
 
 
-class Qwen3Forward:
-    """Prefill and batched decode of a Qwen3 model over a ``SlotKVCache``.
+class DecoderForward:
+    """Prefill and batched decode of a Qwen3, Qwen2 or Llama model over a ``SlotKVCache``.
 
     Call ``refresh()`` after changing the module's parameters in place (derived tensors).
     """
@@ -67,7 +96,7 @@ class Qwen3Forward:
         self._check_supported(cfg, max_len)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        self.head_dim = head_dim(cfg)
         self.eps = cfg.rms_norm_eps
         self.num_layers = cfg.num_hidden_layers
         inner = model.model
@@ -90,15 +119,19 @@ class Qwen3Forward:
 
     @staticmethod
     def _check_supported(cfg, max_len: int) -> None:
-        if cfg.model_type != "qwen3":
-            raise ValueError(f"TorchEngine runs Qwen3 models; got model_type {cfg.model_type!r}")
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"TorchEngine runs the {', '.join(SUPPORTED_MODEL_TYPES)} families; "
+                             f"got model_type {cfg.model_type!r}")
         if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("sliding-window attention is not supported by TorchEngine")
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported by "
+                             "TorchEngine")
         if cfg.hidden_act != "silu":
             raise ValueError(f"expected a SwiGLU (silu) MLP, got hidden_act {cfg.hidden_act!r}")
-        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type not in ("default", "linear"):  # dynamic types rescale with the length
-            raise ValueError(f"rope_type {rope_type!r} is not supported by TorchEngine")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in _STATIC_ROPE:  # dynamic, yarn, longrope: rescale with the length
+            raise ValueError(f"rope_type {rope_type!r} is not supported by TorchEngine (supported: "
+                             f"{', '.join(_STATIC_ROPE)})")
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context "
                              f"({cfg.max_position_embeddings} positions); lower max_len")
@@ -106,21 +139,25 @@ class Qwen3Forward:
     @staticmethod
     def _layer_weights(layer) -> _LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _LayerWeights(
             input_norm=layer.input_layernorm.weight,
-            qkv=_fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]),
-            q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight,
-            qk_norm=attn.q_norm.weight,  # placeholder until refresh()
-            o=attn.o_proj.weight,
+            qkv_bias=_fuse_bias(qkv), qkv=_fuse(qkv, "weight"),
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            qk_norm=None,  # set by refresh()
+            o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_fuse_rows([mlp.gate_proj, mlp.up_proj]),
-            down=mlp.down_proj.weight,
+            gate_up_bias=_fuse_bias(gate_up), gate_up=_fuse(gate_up, "weight"),
+            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
         )
 
     def refresh(self) -> None:
         for w in self.layers:
-            w.qk_norm = torch.cat([w.q_norm.detach().expand(self.heads, -1),
-                                   w.k_norm.detach().expand(self.kv_heads, -1)])
+            if w.q_norm is not None and w.k_norm is not None:
+                w.qk_norm = torch.cat([w.q_norm.detach().expand(self.heads, -1),
+                                       w.k_norm.detach().expand(self.kv_heads, -1)])
 
     # ---- shared pieces ---------------------------------------------------------------------
 
@@ -129,16 +166,18 @@ class Qwen3Forward:
 
     def _qkv(self, w: _LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., D] -> q [..., H, hd], k and v [..., KVH, hd], with q/k normed and rotated."""
-        qkv = F.linear(h, w.qkv).unflatten(-1, (self.heads + 2 * self.kv_heads, self.head_dim))
-        qk = F.rms_norm(qkv[..., :self.heads + self.kv_heads, :], (self.head_dim,), eps=self.eps)
-        qk = qk * w.qk_norm
+        qkv = F.linear(h, w.qkv, w.qkv_bias).unflatten(
+            -1, (self.heads + 2 * self.kv_heads, self.head_dim))
+        qk = qkv[..., :self.heads + self.kv_heads, :]
+        if w.qk_norm is not None:  # Qwen3's per-head RMSNorm, before RoPE
+            qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * w.qk_norm
         qk = qk * cos + (qk @ self.rotate_half) * sin  # RoPE
         v = qkv[..., self.heads + self.kv_heads:, :]
         return qk[..., :self.heads, :], qk[..., self.heads:, :], v
 
     def _mlp(self, w: _LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w.down)
+        gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w.down, w.down_bias)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self._norm(x, self.final_norm), self.lm_head)
@@ -165,7 +204,7 @@ class Qwen3Forward:
             cache.v[layer, slots, :, :seq] = v
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                   scale=self.scale, enable_gqa=True)
-            x = x + F.linear(attn.transpose(1, 2).flatten(2), w.o)
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), w.o, w.o_bias)
             x = x + self._mlp(w, x)
         for i, length in enumerate(lengths):
             cache.set_length(first_slot + i, length)
@@ -197,7 +236,7 @@ class Qwen3Forward:
             attn = F.scaled_dot_product_attention(
                 q.unflatten(1, (self.kv_heads, group)), cache_k[:count, :, :longest],
                 cache_v[:count, :, :longest], attn_mask=mask, scale=self.scale)
-            x = x + F.linear(attn.flatten(1), w.o)
+            x = x + F.linear(attn.flatten(1), w.o, w.o_bias)
             x = x + self._mlp(w, x)
         cache.advance(count)
         return self._logits(x)
