@@ -2,17 +2,22 @@
 
 Both sides generate the same number of tokens for the same static batch of prompts, with sampling
 on (temperature 1, top-k 50, top-p 0.95) and no stop token, so every request runs to
-max_new_tokens. The ratio is engine tokens/s over generate tokens/s (target >= 0.6 at batch 16
-and 64). Each side is timed as the best of ``--repeats`` runs after a warm-up run, with one torch
-thread unless ``--threads`` says otherwise.
+max_new_tokens. The ratio is engine tokens/s over generate tokens/s: the median over interleaved
+rounds, with its spread (targets: >= 0.6 at batch 16 and 64 on the presets; >= 1.0 at batch 16 on
+an HF checkpoint directory). The models are the presets and real HF checkpoint directories of a
+preset's shape (Qwen3 and Llama, built locally), each loaded by both sides from the same place.
+One torch thread unless ``--threads`` says otherwise.
 
-    python bench/engine_throughput.py            # tiny + small, batch 1/16/64, 128 new tokens
-    python bench/engine_throughput.py --quick    # tiny only, 32 new tokens
+    python bench/engine_throughput.py            # presets + HF dirs, batch 1/16/64, 128 tokens
+    python bench/engine_throughput.py --quick    # tiny preset + tiny HF dirs, 32 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,43 +64,65 @@ def engine_seconds(engine: TorchEngine, batch_prompts: torch.Tensor, new_tokens:
     return elapsed
 
 
-def best_of(repeats: int, run) -> float:
-    run()  # warm-up: allocator, kernels, lazy imports
-    return min(run() for _ in range(repeats))
+def ratio_rounds(rounds: int, generate, engine) -> tuple[list[float], list[float]]:
+    """Both sides once as a warm-up (allocator, kernels, lazy imports), then ``rounds`` rounds,
+    each timing both sides back to back, the order alternating: the machine's noise then falls
+    on both alike. Returns each side's seconds per round."""
+    generate(), engine()
+    hf_times, ours_times = [], []
+    for r in range(rounds):
+        first, second = (generate, engine) if r % 2 == 0 else (engine, generate)
+        a, b = first(), second()
+        hf_times.append(a if first is generate else b)
+        ours_times.append(b if first is generate else a)
+    return hf_times, ours_times
 
 
-def bench_preset(preset: str, batches: list[int], prompt_len: int, new_tokens: int,
-                 repeats: int) -> list[tuple]:
-    model = build_model(preset, seed=0)
-    engine = TorchEngine(preset, seed=0, max_running=max(batches),
+def bench_model(label: str, model_ref: str, batches: list[int], prompt_len: int, new_tokens: int,
+                rounds: int) -> list[tuple]:
+    """TorchEngine vs HF generate on one model: a preset name or a checkpoint directory."""
+    model = build_model(model_ref, seed=0)
+    engine = TorchEngine(model_ref, seed=0, max_running=max(batches),
                          max_len=prompt_len + new_tokens)
     rows = []
     for batch in batches:
         batch_prompts = prompts(batch, prompt_len, model.config.vocab_size)
         tokens = batch * new_tokens
-        hf_s = best_of(repeats, lambda: hf_generate_seconds(model, batch_prompts, new_tokens))
-        ours_s = best_of(repeats, lambda: engine_seconds(engine, batch_prompts, new_tokens))
-        hf, ours = tokens / hf_s, tokens / ours_s
-        rows.append((preset, batch, hf, ours, ours / hf))
-        print(f"{preset:>6} batch {batch:>3}: generate {hf:9.0f} tok/s   TorchEngine "
-              f"{ours:9.0f} tok/s   ratio {ours / hf:5.2f}", flush=True)
+        hf_times, ours_times = ratio_rounds(
+            rounds, lambda: hf_generate_seconds(model, batch_prompts, new_tokens),
+            lambda: engine_seconds(engine, batch_prompts, new_tokens))
+        ratios = sorted(hf / ours for hf, ours in zip(hf_times, ours_times))
+        hf_tps, ours_tps = tokens / statistics.median(hf_times), tokens / statistics.median(
+            ours_times)
+        rows.append((label, batch, hf_tps, ours_tps, statistics.median(ratios), ratios[0],
+                     ratios[-1]))
+        print(f"{label:>18} batch {batch:>3}: generate {hf_tps:9.0f} tok/s   TorchEngine "
+              f"{ours_tps:9.0f} tok/s   ratio median {rows[-1][4]:5.2f} "
+              f"[{ratios[0]:.2f}, {ratios[-1]:.2f}] over {rounds} rounds", flush=True)
     return rows
 
 
-def write_results(rows: list[tuple], args: argparse.Namespace) -> None:
+def checkpoint_models(families: list[str], size: str, root: Path) -> list[tuple[str, str]]:
+    """Real HF checkpoint directories of a preset's shape (``rlharvest build-checkpoint``)."""
+    from rlharvest.common.hf_checkpoint import build_checkpoint
+
+    return [(f"{family}-{size} (HF dir)",
+             str(build_checkpoint(root / family, family=family, size=size))) for family in families]
+
+
+def write_results(rows: list[tuple], args: argparse.Namespace, command: str) -> None:
     lines = [
         "# engine_throughput",
         "",
-        f"`python bench/engine_throughput.py{' --quick' if args.quick else ''}` — "
-        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, sampling on "
-        f"(T={TEMPERATURE}, top-k {TOP_K}, top-p {TOP_P}), no stop; "
-        f"torch threads: {torch.get_num_threads()}; best of {args.repeats}.",
+        f"`{command}` — prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, sampling "
+        f"on (T={TEMPERATURE}, top-k {TOP_K}, top-p {TOP_P}), no stop; torch threads: "
+        f"{torch.get_num_threads()}; {args.rounds} interleaved rounds after a warm-up.",
         "",
-        "| model | batch | HF generate tok/s | TorchEngine tok/s | ratio |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| model | batch | HF generate tok/s | TorchEngine tok/s | ratio (median) | spread |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [f"| {p} | {b} | {hf:.0f} | {ours:.0f} | {ratio:.2f} |"
-              for p, b, hf, ours, ratio in rows]
+    lines += [f"| {m} | {b} | {hf:.0f} | {ours:.0f} | {ratio:.2f} | {lo:.2f}–{hi:.2f} |"
+              for m, b, hf, ours, ratio, lo, hi in rows]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text("\n".join(lines) + "\n")
     print(f"wrote {RESULTS}")
@@ -103,24 +130,32 @@ def write_results(rows: list[tuple], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny only, 32 new tokens (< 20 s)")
-    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--quick", action="store_true", help="tiny preset and tiny HF "
+                        "checkpoints, 32 new tokens, 3 rounds")
+    parser.add_argument("--presets", nargs="*", default=["tiny", "small"])
+    parser.add_argument("--checkpoints", nargs="*", default=["qwen3", "llama"],
+                        help="families of HF checkpoint directories to build and measure")
+    parser.add_argument("--checkpoint-size", default="tiny", help="a preset's shape")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     # One thread by default: on a shared 2-core machine, OpenMP threads spin-waiting for a busy
     # core swamp these small ops and turn both sides' timings into noise.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
     args = parser.parse_args()
     if args.quick:
-        args.presets, args.new_tokens, args.repeats = ["tiny"], 32, 1
+        args.presets, args.new_tokens, args.rounds = ["tiny"], 32, 3
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    for preset in args.presets:
-        rows += bench_preset(preset, args.batches, args.prompt_len, args.new_tokens, args.repeats)
-    write_results(rows, args)
+    with tempfile.TemporaryDirectory(prefix="rlh-bench-ckpt-") as root:
+        models = [(p, p) for p in args.presets]
+        models += checkpoint_models(args.checkpoints, args.checkpoint_size, Path(root))
+        for label, ref in models:
+            rows += bench_model(label, ref, args.batches, args.prompt_len, args.new_tokens,
+                                args.rounds)
+    write_results(rows, args, "python bench/engine_throughput.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class Checked:
 
     context_tokens: int
     longest_prompt: int
-    rows: str  # e.g. "7473 rows, data_source gsm8k"
+    rewards: str  # e.g. "reward by data_source: gsm8k" or "reward math"
 
 
 def model_context(model: str) -> int:
@@ -60,9 +60,9 @@ def preflight(cfg: TrainerConfig) -> Checked:
     """Everything the trainer would refuse, refused now; ValueError says what and where."""
     context = model_context(cfg.model)
     setup = build_task_setup(cfg, load_tokenizer(cfg.model), context)
-    sources = sorted(setup.by_source) or [cfg.reward or cfg.reward_fn]
-    return Checked(context, setup.longest_prompt,
-                   f"rewards {', '.join(s or '-' for s in sources)}")
+    rewards = (f"reward by data_source: {', '.join(sorted(setup.by_source))}"
+               if setup.by_source else f"reward {cfg.reward or cfg.reward_fn}")
+    return Checked(context, setup.longest_prompt, rewards)
 
 
 def _start(log_dir: Path, cfg: TrainerConfig, checked: Checked, workers: int, max_running: int,
@@ -146,7 +146,7 @@ def train(model: str = typer.Option(..., help="a local HF checkpoint directory (
         console.print(f"[bold red]cannot train[/]: {exc}")
         raise typer.Exit(2) from None
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-train-"))
-    console.print(f"[bold]rlharvest train[/]: {model} on {data} ({checked.rows}; longest prompt "
+    console.print(f"[bold]rlharvest train[/]: {model} on {data} ({checked.rewards}; longest prompt "
                   f"{checked.longest_prompt} tokens); {steps} steps of {prompts}x{samples}, "
                   f"{workers} workers; logs in {log_dir}")
     started = time.monotonic()
