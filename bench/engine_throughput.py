@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.engine_types import EngineRequest, SamplingParams
-from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
+from rlharvest.common.tiny_model import build_model  # noqa: E402
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.md"

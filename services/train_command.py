@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from pydantic import ValidationError
@@ -26,6 +26,7 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.services.demo import PreemptionSchedule, Run, drive, step_table, write_report
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_worker.decoder_forward import check_servable
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.task_setup import build_task_setup
 
@@ -41,24 +42,28 @@ class Checked:
     rewards: str  # e.g. "reward by data_source: gsm8k" or "reward math"
 
 
-def model_context(model: str) -> int:
-    """The model's context in tokens, from its config (presets: the built-in one)."""
+def model_config(model: str) -> Any:
+    """The model's config (presets: the built-in one), without loading weights."""
     from transformers import AutoConfig
 
     from rlharvest.common.tiny_model import PRESETS, tiny_config
 
     if model in PRESETS:
-        return tiny_config(model).max_position_embeddings
+        return tiny_config(model)
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}) nor a local "
+                         "checkpoint directory; rlharvest never downloads one")
     try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        return AutoConfig.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{model} is not a usable model directory (config.json): {exc}") from exc
-    return int(config.max_position_embeddings)
 
 
 def preflight(cfg: TrainerConfig) -> Checked:
-    """Everything the trainer would refuse, refused now; ValueError says what and where."""
-    context = model_context(cfg.model)
+    """Everything the trainer or a worker would refuse, refused now; ValueError says what."""
+    config = model_config(cfg.model)
+    context = int(config.max_position_embeddings)
+    check_servable(config, context)
     setup = build_task_setup(cfg, load_tokenizer(cfg.model), context)
     rewards = (f"reward by data_source: {', '.join(sorted(setup.by_source))}"
                if setup.by_source else f"reward {cfg.reward or cfg.reward_fn}")

@@ -85,6 +85,27 @@ def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tens
     return rotate
 
 
+def check_servable(cfg, max_len: int) -> None:
+    """ValueError naming what TorchEngine cannot serve in this model config (read before any
+    weights load, so `rlharvest train` can refuse a model in a second)."""
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"TorchEngine runs the {', '.join(SUPPORTED_MODEL_TYPES)} families; "
+                         f"got model_type {cfg.model_type!r}")
+    if getattr(cfg, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window) is not supported by "
+                         "TorchEngine")
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"expected a SwiGLU (silu) MLP, got hidden_act {cfg.hidden_act!r}")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _STATIC_ROPE:  # dynamic, yarn, longrope: rescale with the length
+        raise ValueError(f"rope_type {rope_type!r} is not supported by TorchEngine (supported: "
+                         f"{', '.join(_STATIC_ROPE)})")
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"max_len {max_len} exceeds the model's context "
+                         f"({cfg.max_position_embeddings} positions); lower max_len")
+
+
 class DecoderForward:
     """Prefill and batched decode of a Qwen3, Qwen2 or Llama model over a ``SlotKVCache``.
 
@@ -93,7 +114,7 @@ class DecoderForward:
 
     def __init__(self, model: PreTrainedModel, max_len: int) -> None:
         cfg = model.config
-        self._check_supported(cfg, max_len)
+        check_servable(cfg, max_len)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim(cfg)
@@ -116,25 +137,6 @@ class DecoderForward:
         self.key_positions = torch.arange(max_len, device=device)
         self.rotate_half = _rotate_half_matrix(self.head_dim, dtype, device)
         self.refresh()
-
-    @staticmethod
-    def _check_supported(cfg, max_len: int) -> None:
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"TorchEngine runs the {', '.join(SUPPORTED_MODEL_TYPES)} families; "
-                             f"got model_type {cfg.model_type!r}")
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window) is not supported by "
-                             "TorchEngine")
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"expected a SwiGLU (silu) MLP, got hidden_act {cfg.hidden_act!r}")
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in _STATIC_ROPE:  # dynamic, yarn, longrope: rescale with the length
-            raise ValueError(f"rope_type {rope_type!r} is not supported by TorchEngine (supported: "
-                             f"{', '.join(_STATIC_ROPE)})")
-        if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len {max_len} exceeds the model's context "
-                             f"({cfg.max_position_embeddings} positions); lower max_len")
 
     @staticmethod
     def _layer_weights(layer) -> _LayerWeights:

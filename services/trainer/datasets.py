@@ -68,7 +68,7 @@ def load_rows(path: str | Path, fields: FieldMap = FieldMap()) -> list[Row]:
     if not path.is_file():
         raise DatasetError(f"{path}: no such dataset file")
     raw = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
-    rows = [_row(path, line, record, fields) for line, record in raw]
+    rows = [parse_row(path, line, record, fields) for line, record in raw]
     if not rows:
         raise DatasetError(f"{path}: the dataset has no rows")
     return rows
@@ -106,7 +106,8 @@ def _lookup(record: Any, dotted: str) -> Any:
     return value
 
 
-def _row(path: Path, line: int, record: Any, fields: FieldMap) -> Row:
+def parse_row(path: Path, line: int, record: Any, fields: FieldMap = FieldMap()) -> Row:
+    """One decoded record as a checked ``Row``; DatasetError names ``path``, ``line``, field."""
     where = f"{path} line {line}"
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: a row must be a JSON object, got {type(record).__name__}")

@@ -13,7 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from rlharvest.services.trainer import gsm8k
-from rlharvest.services.trainer.datasets import DatasetError, FieldMap, FileTask, load_rows
+from rlharvest.services.trainer.datasets import (
+    DatasetError,
+    FieldMap,
+    FileTask,
+    load_rows,
+    parse_row,
+)
 from rlharvest.services.trainer.rewards.verifier import extract_answer
 from rlharvest.services.trainer.tasks import TaskDataset
 
@@ -85,13 +91,11 @@ def test_empty_missing_and_unsupported_files_are_refused(tmp_path):
 
 def task(rows: int = 10, seed: int = 0) -> FileTask:
     made = [{"prompt": f"q{i}", "reward_model": {"ground_truth": str(i)}} for i in range(rows)]
-    return FileTask([r for r in _rows(made)], seed=seed, source="mem")
+    return FileTask(_rows(made), seed=seed, source="mem")
 
 
 def _rows(made: list[dict]):
-    from rlharvest.services.trainer.datasets import _row
-
-    return [_row(Path("mem"), i + 1, r, FieldMap()) for i, r in enumerate(made)]
+    return [parse_row(Path("mem"), i + 1, r) for i, r in enumerate(made)]
 
 
 def test_every_row_once_per_epoch_epochs_differ_and_a_seed_fixes_the_order():
