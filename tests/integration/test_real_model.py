@@ -16,7 +16,8 @@ import pytest
 
 from rlharvest.common.hf_checkpoint import build_checkpoint
 from rlharvest.common.model_tokenizer import load_tokenizer
-from rlharvest.services.trainer import gsm8k
+from rlharvest.services.trainer import checkpoint, gsm8k
+from rlharvest.services.trainer.datasets import FileTask, load_rows
 from rlharvest.services.trainer.rewards.verifier import math_reward
 
 from .test_trainer import (
@@ -147,3 +148,26 @@ def test_train_command_refuses_an_unusable_model_dataset_or_reward_before_starti
     assert result.returncode == 2, result.stdout + result.stderr
     said = "".join(result.stdout.split("\n"))  # rich wraps long lines at the terminal width
     assert said.startswith("cannot train") and expected in said, result.stdout
+
+
+async def test_a_sigkilled_trainer_resumes_a_dataset_run_at_its_saved_data_position(
+        stack, etcd_client, artefacts, tmp_path):
+    model, data, ckpt = str(artefacts["qwen3"]), str(artefacts["data"]), tmp_path / "ckpt"
+    await start_job(stack, 1, "--model", model, "--max-len", "256", "--max-running", "8")
+    flags = ["--model", model, "--data", data, "--data-seed", "11", "--prompts-per-step", "2",
+             "--samples-per-prompt", "2", "--micro-batch-groups", "1", "--max-new-tokens", "4",
+             "--backend", "torch", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    first, _ = await start_trainer(stack, "trainer", "--steps", "0", *flags)
+    await wait_trainer(first, lambda s: s.steps_done >= 2)
+    first.process.kill()  # SIGKILL: the newest complete checkpoint is where it resumes
+    saved = int(checkpoint.list_checkpoints(ckpt)[-1].name.rsplit("-", 1)[-1])
+    again, _ = await start_trainer(stack, "trainer-again", "--steps", str(saved + 2), *flags)
+    st = await wait_trainer(again, lambda s: s.state == "done")
+    assert st.resumed_from_step == saved
+    # Each step's logged sample is its first prompt: item (step - 1) * 2 of the shuffled data.
+    task = FileTask(load_rows(data), seed=11)
+    before = {s: ref for s, _, _, ref in samples_logged(first.process.log_tail(3000))}
+    after = {s: ref for s, _, _, ref in samples_logged(again.process.log_tail(3000))}
+    assert sorted(after) == [saved + 1, saved + 2]
+    for step, reference in {**before, **after}.items():
+        assert reference == task.item((step - 1) * 2).answer, step
