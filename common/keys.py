@@ -72,6 +72,13 @@ def weights_holder_key(job: str, agent_id: str) -> str:
     return f"{ROOT}/weights/{_segment(job, 'job')}/holders/{_segment(agent_id, 'agent id')}"
 
 
+def instance_cap_key(job: str) -> str:
+    """The job's remote-instance cap N_prem (RLBoost Algorithm 1): {"n_prem": int}; absent, no
+    cap. Its controller writes it; the job's manager holds workers beyond it as standby, and an
+    autoscaler reads it to start no more spot instances than will be used."""
+    return f"{ROOT}/jobs/{_segment(job, 'job')}/instance_cap"
+
+
 def pairing_key(worker_id: str) -> str:
     return f"{ROOT}/pairing/{_segment(worker_id, 'worker id')}"
 

@@ -6,6 +6,7 @@ going away drops and when P is frozen are the core's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -41,12 +42,28 @@ def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
                                  weight_version=delta.weight_version)
 
 
+def parse_instance_cap(raw: bytes | None) -> int | None:
+    """{"n_prem": n} -> n; absent -> None. A malformed record is logged and read as no cap: a
+    bad write must not stop the job's rollout."""
+    if raw is None:
+        return None
+    try:
+        cap = json.loads(raw)["n_prem"]
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0:
+            return cap
+    except (ValueError, KeyError, TypeError):
+        pass
+    log.error("ignoring a malformed instance cap %r: expected {\"n_prem\": <int >= 0>}", raw[:200])
+    return None
+
+
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  client_queue: int, tick_interval_s: float):
         self._control = control
         self._etcd = etcd
         self._announced_key = keys.weights_announced_key(job)
+        self._cap_key = keys.instance_cap_key(job)
         self._max_message_bytes = max_message_bytes
         self._client_queue = client_queue
         self._tick_interval = tick_interval_s
@@ -72,6 +89,18 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 await self._join(event.member_id, event.info)
             else:
                 self._update(event.member_id, event.info)
+            self._wake.set()
+
+    async def watch_instance_cap(self) -> None:
+        """The job's N_prem in etcd (RLBoost Algorithm 1): workers beyond it stand by."""
+        async for event in registry.list_and_watch(self._etcd, self._cap_key, prefix=False):
+            raw = (event.values.get(self._cap_key) if isinstance(event, registry.Listing)
+                   else event.value)
+            cap = parse_instance_cap(raw)
+            if cap != self._control.pool.instance_cap:
+                self._control.pool.set_instance_cap(cap)
+                log.info("instance cap for spot workers: %s", "none" if cap is None else cap)
+            metrics.INSTANCE_CAP.set(-1 if cap is None else cap)
             self._wake.set()
 
     async def run_ticks(self) -> None:
@@ -302,11 +331,13 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         counters = self._control.tracker.counters
         workers = []
+        standby = self._control.pool.standby()
         for view in self._control.pool.all():
             info = self._endpoints.get(view.worker_id, {})
             workers.append(mpb.WorkerStatus(
                 worker_id=view.worker_id, endpoint=info.get("endpoint", ""), kind=view.kind,
-                weight_version=view.weight_version, state=view.state.value,
+                weight_version=view.weight_version,
+                state="standby" if view.worker_id in standby else view.state.value,
                 assigned=self._control.tracker.assigned_count(view.worker_id)))
         return mpb.ManagerStatus(
             workers=workers, in_flight=self._control.tracker.unfinished(),

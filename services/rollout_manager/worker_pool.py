@@ -49,10 +49,18 @@ class WorkerView:
         return self.state is WorkerState.HEALTHY and self.weight_version == weight_version
 
 
+# Kinds the instance cap counts: the preemptible remote instances RLBoost's N_prem bounds. Dedicated
+# workers are paid for whether used or not, and the seed role is the trainer itself.
+CAPPED_KINDS = frozenset({"spot"})
+
+
 class WorkerPool:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._workers: dict[str, WorkerView] = {}
+        # N_prem (RLBoost Algorithm 1, §4.1): at most this many healthy spot workers take work,
+        # the first to have joined; the rest stand by and replace a lost one at once.
+        self.instance_cap: int | None = None
 
     def join(self, worker_id: str, weight_version: int, capacity: int, kind: str,
              admission: str = "slots") -> WorkerView:
@@ -86,7 +94,26 @@ class WorkerPool:
         return self._workers.values()
 
     def eligible(self, weight_version: int) -> list[WorkerView]:
-        return [w for w in self._workers.values() if w.eligible_for(weight_version)]
+        standby = self.standby() if self.instance_cap is not None else set()
+        return [w for w in self._workers.values()
+                if w.eligible_for(weight_version) and w.worker_id not in standby]
+
+    def standby(self) -> set[str]:
+        """Healthy capped workers beyond the instance cap, latest joined first to stand by.
+        Recomputed on each call, so a lost active worker's place goes to the next at once."""
+        if self.instance_cap is None:
+            return set()
+        capped = sorted((w for w in self._workers.values()
+                         if w.kind in CAPPED_KINDS and w.state is WorkerState.HEALTHY),
+                        key=lambda w: w.joined_at)
+        return {w.worker_id for w in capped[self.instance_cap:]}
+
+    def set_instance_cap(self, cap: int | None) -> None:
+        """None lifts the cap. Requests already on a worker that now stands by stay there; it
+        only takes no new ones."""
+        if cap is not None and cap < 0:
+            raise ValueError(f"instance cap must be >= 0 (or None for no cap), got {cap}")
+        self.instance_cap = cap
 
     def set_version(self, worker_id: str, weight_version: int) -> None:
         self.get(worker_id).weight_version = weight_version

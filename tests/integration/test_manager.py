@@ -218,3 +218,34 @@ async def test_no_worker_for_the_version_fails_after_the_deadline(stack, etcd_cl
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await run_step(manager.endpoint, request)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_the_instance_cap_in_etcd_holds_later_spot_workers_as_standby(stack, etcd_client):
+    """N_prem written for the job: spot workers beyond it (latest joined) stand by and take no
+    request of a step; the step still completes on the active ones; lifting it frees them."""
+    manager = start_manager(stack)
+    for i in range(3):  # one by one, so the join order is known
+        wait_serving(launch_worker(stack, f"spot{i}", "--kind", "spot", "--max-running", "4"), 120)
+        await wait_workers(manager.endpoint, i + 1)
+    await etcd_client.put(keys.instance_cap_key("default").encode(), b'{"n_prem": 1}')
+    deadline = time.monotonic() + 30
+    while {w.worker_id for w in (await status(manager.endpoint)).workers
+           if w.state == "standby"} != {"spot1", "spot2"}:
+        assert time.monotonic() < deadline, await status(manager.endpoint)
+        await asyncio.sleep(0.1)
+    assert scrape(manager.metrics_port)["rlh_manager_instance_cap"] == 1
+    seen: dict[str, int] = {}
+
+    async def record(completions, streamed) -> None:  # who holds requests, all step long
+        for w in (await status(manager.endpoint)).workers:
+            seen[w.worker_id] = max(seen.get(w.worker_id, 0), w.assigned)
+
+    completions = await run_step(manager.endpoint, step_request(8, max_tokens=6), record)
+    assert len(completions) == 8 and not any(c.failed for c in completions.values())
+    assert seen["spot0"] > 0 and seen["spot1"] == seen["spot2"] == 0, seen
+    assert scrape(manager.metrics_port).get('rlh_manager_migrations_total{cause="lost"}', 0) == 0
+    await etcd_client.delete(keys.instance_cap_key("default").encode())
+    deadline = time.monotonic() + 30
+    while any(w.state == "standby" for w in (await status(manager.endpoint)).workers):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
