@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlharvest/v1/trainer.proto\x12\x0crlharvest.v1\"*\n\x14TrainerStatusRequest\x12\x12\n\nlast_steps\x18\x01 \x01(\x05\"\x9e\x02\n\x0bStepSummary\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x12\n\nmigrations\x18\x07 \x01(\x05\x12\x15\n\rmicro_batches\x18\x08 \x01(\x05\x12\x1a\n\x12micro_batch_wait_s\x18\t \x01(\x01\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x11\n\tgrad_norm\x18\x0b \x01(\x01\x12\x11\n\tpublish_s\x18\x0c \x01(\x01\x12\x19\n\x11published_version\x18\r \x01(\x03\"\x9b\x01\n\x0cStepProgress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x05\x12\x13\n\x0b\x63ompletions\x18\x04 \x01(\x05\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\r\n\x05phase\x18\x07 \x01(\t\"\x82\x02\n\rTrainerStatus\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nsteps_done\x18\x04 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x19\n\x11resumed_from_step\x18\x07 \x01(\x03\x12+\n\x07\x63urrent\x18\x08 \x01(\x0b\x32\x1a.rlharvest.v1.StepProgress\x12(\n\x05steps\x18\t \x03(\x0b\x32\x19.rlharvest.v1.StepSummary\x12\r\n\x05\x65rror\x18\n \x01(\t2W\n\x07Trainer\x12L\n\tGetStatus\x12\".rlharvest.v1.TrainerStatusRequest\x1a\x1b.rlharvest.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1arlharvest/v1/trainer.proto\x12\x0crlharvest.v1\"*\n\x14TrainerStatusRequest\x12\x12\n\nlast_steps\x18\x01 \x01(\x05\"\xb7\x02\n\x0bStepSummary\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x13\n\x0bmean_reward\x18\x03 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x12\n\nmigrations\x18\x07 \x01(\x05\x12\x15\n\rmicro_batches\x18\x08 \x01(\x05\x12\x1a\n\x12micro_batch_wait_s\x18\t \x01(\x01\x12\x0c\n\x04loss\x18\n \x01(\x01\x12\x11\n\tgrad_norm\x18\x0b \x01(\x01\x12\x11\n\tpublish_s\x18\x0c \x01(\x01\x12\x19\n\x11published_version\x18\r \x01(\x03\x12\x17\n\x0ftrain_compute_s\x18\x0e \x01(\x01\"\x9b\x01\n\x0cStepProgress\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07samples\x18\x03 \x01(\x05\x12\x13\n\x0b\x63ompletions\x18\x04 \x01(\x05\x12\x16\n\x0egroups_trained\x18\x05 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\r\n\x05phase\x18\x07 \x01(\t\"\x82\x02\n\rTrainerStatus\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x12\n\nsteps_done\x18\x04 \x01(\x03\x12\x14\n\x0ctarget_steps\x18\x05 \x01(\x03\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\x19\n\x11resumed_from_step\x18\x07 \x01(\x03\x12+\n\x07\x63urrent\x18\x08 \x01(\x0b\x32\x1a.rlharvest.v1.StepProgress\x12(\n\x05steps\x18\t \x03(\x0b\x32\x19.rlharvest.v1.StepSummary\x12\r\n\x05\x65rror\x18\n \x01(\t2W\n\x07Trainer\x12L\n\tGetStatus\x12\".rlharvest.v1.TrainerStatusRequest\x1a\x1b.rlharvest.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSTATUSREQUEST']._serialized_start=44
   _globals['_TRAINERSTATUSREQUEST']._serialized_end=86
   _globals['_STEPSUMMARY']._serialized_start=89
-  _globals['_STEPSUMMARY']._serialized_end=375
-  _globals['_STEPPROGRESS']._serialized_start=378
-  _globals['_STEPPROGRESS']._serialized_end=533
-  _globals['_TRAINERSTATUS']._serialized_start=536
-  _globals['_TRAINERSTATUS']._serialized_end=794
-  _globals['_TRAINER']._serialized_start=796
-  _globals['_TRAINER']._serialized_end=883
+  _globals['_STEPSUMMARY']._serialized_end=400
+  _globals['_STEPPROGRESS']._serialized_start=403
+  _globals['_STEPPROGRESS']._serialized_end=558
+  _globals['_TRAINERSTATUS']._serialized_start=561
+  _globals['_TRAINERSTATUS']._serialized_end=819
+  _globals['_TRAINER']._serialized_start=821
+  _globals['_TRAINER']._serialized_end=908
 # @@protoc_insertion_point(module_scope)

@@ -26,6 +26,7 @@ CURVES: dict[str, str] = {
     "tokens": "train/tokens",
     "micro_batches": "train/micro_batches",
     "micro_batch_wait_s": "time/micro_batch_wait_s",
+    "train_compute_s": "time/train_compute_s",
     "step_time_s": "time/step_s",
     "tokens_per_second": "throughput/tokens_per_second",
     "migrations": "rollout/migrations",

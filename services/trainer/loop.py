@@ -310,6 +310,7 @@ class TrainerLoop:
             tokens_per_second=stats.num_tokens / max(elapsed, 1e-9),
             migrations=assembler.migrations, micro_batches=stats.micro_batches,
             micro_batch_wait_s=waited, loss=stats.loss, grad_norm=stats.grad_norm,
+            train_compute_s=stats.compute_s,
             published_version=self._version if self._publisher is not None else 0)
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:

@@ -82,6 +82,7 @@ async def test_grpo_runs_on_a_local_hf_checkpoint_and_dataset_and_a_sigkill_lose
     for s in st.steps:
         assert s.weight_version == s.step - 1 and s.published_version == s.step, s
         assert s.tokens > 0 and 0.0 <= s.mean_reward <= 1.0, s
+        assert 0 < s.train_compute_s < s.step_time_s, s  # Algorithm 1's t_train
     # The kill moved requests with their tokens: nothing regenerated, no step retried.
     assert metric(scrape(manager.metrics_port), 'rlh_manager_migrations_total{cause="lost"}') > 0
     assert (await manager_status(manager.endpoint)).tokens_regenerated == 0
