@@ -119,6 +119,7 @@ def train(model: str = typer.Option(..., help="a local HF checkpoint directory (
                                               "empty = by each row's data_source"),
           data_fields: str = typer.Option("", help="field mapping for another layout, e.g. "
                                                    "'prompt=question,ground_truth=answer'"),
+          data_seed: int = typer.Option(0, help="seed of the per-epoch shuffle"),
           steps: int = typer.Option(10, min=1, help="RL steps to train"),
           workers: int = typer.Option(2, min=1, help="rollout workers"),
           prompts: int = typer.Option(8, min=1, help="P0: prompts per step"),
@@ -139,7 +140,8 @@ def train(model: str = typer.Option(..., help="a local HF checkpoint directory (
     """Train MODEL on DATA with GRPO; Ctrl-C stops the stack cleanly."""
     try:
         cfg = TrainerConfig.model_validate(dict(
-            model=model, data=str(data), reward=reward, data_fields=data_fields, steps=steps,
+            model=model, data=str(data), reward=reward, data_fields=data_fields,
+            data_seed=data_seed, steps=steps,
             prompts_per_step=prompts, samples_per_prompt=samples,
             micro_batch_groups=micro_batch_groups, max_new_tokens=max_new_tokens,
             temperature=temperature, lr=lr, backend=backend,

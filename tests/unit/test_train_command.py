@@ -18,11 +18,11 @@ def test_the_trainer_flags_it_builds_parse_back_into_the_same_config():
                         prompts_per_step=4, samples_per_prompt=4, micro_batch_groups=1,
                         max_new_tokens=128, temperature=0.7, lr=1e-6, backend="torch",
                         checkpoint_dir="/out/ckpt", checkpoint_every=2,
-                        tensorboard_dir="/out/tb"))
+                        tensorboard_dir="/out/tb", data_seed=3))
     again = load_config(TrainerConfig, flags=parse_flags(TrainerConfig, trainer_flags(cfg)))
     fields = ("model", "data", "reward", "data_fields", "steps", "prompts_per_step",
               "samples_per_prompt", "micro_batch_groups", "max_new_tokens", "temperature", "lr",
-              "backend", "checkpoint_dir", "checkpoint_every", "tensorboard_dir")
+              "backend", "checkpoint_dir", "checkpoint_every", "tensorboard_dir", "data_seed")
     assert {f: getattr(again, f) for f in fields} == {f: getattr(cfg, f) for f in fields}
 
 
