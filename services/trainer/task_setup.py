@@ -64,7 +64,10 @@ def build_task_setup(cfg: TrainerConfig, tokenizer: ModelTokenizer,
     lengths: list[int] = []
 
     def prompt_tokens(row: Row) -> int:
-        lengths.append(len(tokenizer.encode_prompt(row.prompt)))
+        try:
+            lengths.append(len(tokenizer.encode_prompt(row.prompt)))
+        except ValueError as exc:  # TokenizerError: a character or message the model cannot take
+            raise ValueError(f"{cfg.data} line {row.line}: {exc}") from None
         return lengths[-1]
 
     factory(cfg.data_seed).check_prompt_lengths(prompt_tokens, limit)

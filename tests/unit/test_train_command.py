@@ -38,3 +38,15 @@ def test_defaults_are_left_to_the_trainer():
 def test_contradictory_data_and_reward_flags_are_refused_naming_both(flags, fragment):
     with pytest.raises(ConfigError, match=fragment):
         load_config(TrainerConfig, flags=flags)
+
+
+def test_a_prompt_the_models_tokenizer_cannot_encode_is_refused_naming_its_line(tmp_path):
+    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.services.trainer.task_setup import build_task_setup
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n'
+                    '{"prompt": "caf\\u00e9?", "reward_model": {"ground_truth": "x"}}\n')
+    cfg = TrainerConfig.model_validate(dict(data=str(data), reward="exact"))
+    with pytest.raises(ValueError, match=r"d.jsonl line 2: character 'é'"):
+        build_task_setup(cfg, load_tokenizer("tiny"), context_tokens=1024)
