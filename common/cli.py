@@ -79,6 +79,12 @@ def service_app(spec: ServiceSpec) -> typer.Typer:
         except ConfigError as exc:
             typer.echo(f"{spec.program}: {exc}", err=True)
             raise typer.Exit(2) from None
+        if service_host.launch_rank()[0] > 0:
+            try:
+                raise typer.Exit(service_host.follow(spec, cfg))
+            except ValueError as exc:
+                typer.echo(f"{spec.program}: {exc}", err=True)
+                raise typer.Exit(2) from None
         raise typer.Exit(run_service(partial(service_host.serve, spec, cfg)))
 
     return app

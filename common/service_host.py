@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +118,10 @@ class ServiceSpec(Generic[C]):
     config: type[C]
     build: Callable[[Host[C]], Awaitable[Parts]]
     doc: str | None = None
+    # A service launched as a multi-rank job (torchrun, the deepspeed launcher): rank 0 is the
+    # service (this host); ranks 1..N-1 run ``follower(config)`` instead, which returns the exit
+    # code. None: the service runs as one process and refuses a rank above 0.
+    follower: Callable[[C], int] | None = None
 
     def __post_init__(self) -> None:
         missing = sorted(set(HostedConfig.__annotations__) - set(self.config.model_fields))
@@ -298,6 +303,23 @@ async def _step(name: str, action: Callable[[], Awaitable[Any] | Any]) -> None:
             await result
     except Exception:
         log.exception("teardown step %s failed; going on", name)
+
+
+def launch_rank() -> tuple[int, int]:
+    """(rank, world size) as torchrun / the deepspeed launcher set them; (0, 1) when alone."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def follow(spec: ServiceSpec[C], config: C) -> int:
+    """A rank above 0 of a multi-rank launch: no port, no etcd, no membership; it does what
+    rank 0 tells it (``spec.follower``). Its logs carry the rank."""
+    rank, world = launch_rank()
+    if spec.follower is None:
+        raise ValueError(f"{spec.program} runs as one process, but was launched as rank {rank} "
+                         f"of {world}")
+    cfg = cast(HostedConfig, config)
+    setup_logging(f"{spec.name}-rank{rank}", cfg.log_level, cfg.json_logs)
+    return spec.follower(config)
 
 
 async def serve(spec: ServiceSpec[C], config: C, signalled: asyncio.Event) -> int:

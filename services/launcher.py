@@ -3,6 +3,7 @@ tests all use this, so what the tests exercise is what an operator runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,10 +52,22 @@ class ServiceProcess:
         return self.process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL: the crash a spot preemption or OOM looks like."""
+        """SIGKILL of the process and everything it started (a launcher's ranks): the crash a
+        spot preemption, an OOM or a lost node looks like."""
         if self.alive():
-            self.process.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+    def rank_pids(self) -> list[int]:
+        """The pids of a multi-rank job's ranks, by rank (from their RANK variable)."""
+        import psutil  # DeepSpeed's dependency; only multi-rank jobs need it
+
+        found = {}
+        for child in psutil.Process(self.process.pid).children():
+            with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                found[int(child.environ()["RANK"])] = child.pid
+        return [found[r] for r in sorted(found)]
 
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM (graceful: drain, deregister), then SIGKILL if it overstays."""
@@ -86,12 +99,19 @@ class LocalStack:
         return self.etcd.endpoint
 
     def start(self, service: str, name: str, flags: list[str] | None = None,
-              env: dict[str, str] | None = None) -> ServiceProcess:
+              env: dict[str, str] | None = None, ranks: int = 1,
+              restarts: int = 0) -> ServiceProcess:
+        """``ranks`` > 1: a multi-rank job under ``torchrun`` on this machine, which restarts
+        the whole group up to ``restarts`` times when a rank dies (the trainer)."""
         if self.etcd is None:
             raise RuntimeError("start etcd first")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", MODULES[service], "--etcd", self.etcd.endpoint, *(flags or [])]
+        launcher = [] if ranks == 1 else [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            f"--max-restarts={restarts}", "--monitor-interval=0.5"]
+        cmd = [sys.executable, *launcher, "-m", MODULES[service], "--etcd", self.etcd.endpoint,
+               *(flags or [])]
         child_env = child_environment(env)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,

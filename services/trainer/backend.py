@@ -5,18 +5,30 @@ step), rescale the accumulated gradients, and one optimizer step. DeepSpeed runs
 ``managed_gradient_accumulation: false`` so that *we* own the accumulation boundary: backward
 only accumulates, ``engine.step()`` reduces and updates once (DeepSpeed 0.19 engine.py), and
 ``scale_wrt_gas=False`` keeps it from dividing losses that already carry the step's denominator.
+
+With N data-parallel ranks (``ranks.py``) every rank's loss already carries the step's global
+denominator, so the update needs the *sum* of the ranks' gradients. ZeRO 1/2 average them (divide
+by N), so their rescale folds in a factor N; at stage 0 we reduce ourselves (one flat all-reduce,
+a sum) and switch DeepSpeed's own off, which also lets the reported norm be the global one.
+
+``save``/``load`` write and read this rank's part of a checkpoint: the whole model and optimizer
+for plain torch, a DeepSpeed checkpoint (every rank's ZeRO partition) for DeepSpeed.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 
 BackendName = Literal["torch", "deepspeed"]
+_TORCH_FILE = "weights.pt"
+_DS_TAG = "deepspeed"  # the one tag under a checkpoint directory's deepspeed/ folder
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,12 @@ class TrainBackend(Protocol):
     def step(self, grad_scale: float = 1.0) -> float:
         """Multiply the pending gradients by ``grad_scale``, clip, update once, zero them.
         Returns the global gradient norm before clipping (after the rescale)."""
+
+    def save(self, path: Path) -> None:
+        """Write this rank's weights and optimizer state under the directory ``path``."""
+
+    def load(self, path: Path) -> None:
+        """Read back what ``save`` wrote, in place."""
 
 
 def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:
@@ -92,10 +110,32 @@ class TorchBackend:
         self._optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def save(self, path: Path) -> None:
+        with open(path / _TORCH_FILE, "wb") as f:
+            torch.save({"model": self._model.state_dict(),
+                        "optimizer": self._optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, path: Path) -> None:
+        file = path / _TORCH_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} does not exist: not a checkpoint of the torch backend")
+        payload = torch.load(file, map_location="cpu", weights_only=True)
+        self._model.load_state_dict(payload["model"])
+        self._optimizer.load_state_dict(payload["optimizer"])
+
 
 def _grad_norm(model: torch.nn.Module) -> float:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def _fsync_tree(root: Path) -> None:
+    """DeepSpeed writes without fsync; the checkpoint is only complete once it is on disk."""
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def _free_port() -> int:
@@ -114,6 +154,25 @@ def ensure_single_process_dist_env() -> None:
         os.environ["MASTER_PORT"] = str(_free_port())
 
 
+def _init_restarted_group(backend: str) -> bool:
+    """Join a torchrun group through the agent's store with keys scoped to this restart.
+
+    Why: torchrun hands a restarted group the agent's store with the previous attempt's keys
+    still in it, so gloo dials the dead ranks' listening ports and the new group never forms
+    (seen with torch 2.13 ``--max-restarts``). Returns False when not under torchrun's agent
+    store; the caller then initialises the usual way."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return False
+    agent = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                       is_master=False, timeout=timedelta(minutes=10))
+    store = torch.distributed.PrefixStore(
+        f"rlharvest/attempt-{env['TORCHELASTIC_RESTART_COUNT']}", agent)
+    torch.distributed.init_process_group(backend, store=store, rank=int(env["RANK"]),
+                                         world_size=int(env["WORLD_SIZE"]))
+    return True
+
+
 class DeepSpeedBackend:
     def __init__(self, model: torch.nn.Module, config: OptimConfig) -> None:
         if config.zero_stage not in (0, 1, 2):
@@ -123,7 +182,8 @@ class DeepSpeedBackend:
 
         if not torch.distributed.is_initialized():
             backend = "gloo" if not torch.cuda.is_available() else "nccl"
-            deepspeed.init_distributed(dist_backend=backend)
+            if not _init_restarted_group(backend):
+                deepspeed.init_distributed(dist_backend=backend)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -139,6 +199,9 @@ class DeepSpeedBackend:
         self._engine, self._optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config)
         self._zero = config.zero_stage > 0
+        self._world = torch.distributed.get_world_size()
+        if not self._zero and self._world > 1:
+            self._engine.enable_backward_allreduce = False  # step() reduces: a sum, see above
 
     @property
     def module(self) -> torch.nn.Module:
@@ -157,6 +220,10 @@ class DeepSpeedBackend:
         self._engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, grad_scale: float = 1.0) -> float:
+        if not self._zero and self._world > 1:
+            self._all_reduce_sum()
+        if self._zero:
+            grad_scale *= self._world  # ZeRO averages over the ranks; we want the sum
         if grad_scale != 1.0:
             self._rescale(grad_scale)
         # Stage 0 clips param.grad in place and records no norm, so take it before the step.
@@ -169,6 +236,32 @@ class DeepSpeedBackend:
         if norm is None:
             norm = self._engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
+
+    def _all_reduce_sum(self) -> None:
+        params = [p for p in self._engine.module.parameters() if p.requires_grad]
+        for p in params:  # a rank whose share touched no parameter still joins the sum
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        torch.distributed.all_reduce(flat)
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            grad.copy_(reduced)
+
+    def save(self, path: Path) -> None:
+        self._engine.save_checkpoint(str(path / _DS_TAG), tag=_DS_TAG, save_latest=False)
+        _fsync_tree(path / _DS_TAG)
+
+    def load(self, path: Path) -> None:
+        folder = path / _DS_TAG / _DS_TAG
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} does not exist: not a checkpoint of the deepspeed "
+                                    "backend")
+        loaded, _ = self._engine.load_checkpoint(str(path / _DS_TAG), tag=_DS_TAG,
+                                                 load_optimizer_states=True,
+                                                 load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
 
     def _rescale(self, grad_scale: float) -> None:
         if self._zero:

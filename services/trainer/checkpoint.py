@@ -1,9 +1,12 @@
 """Trainer checkpoints: model, optimizer, step, weight version, data position and RNG states.
 
-A checkpoint is a directory ``step-<n>`` holding ``state.pt``. It is written under a temporary
-name and renamed into place, so a crash mid-save leaves either the previous checkpoints or the
+A checkpoint is a directory ``step-<n>``: the weights and optimizer state of every rank, as the
+backend writes them (``write_weights``: a DeepSpeed checkpoint of all ranks, or one torch file),
+and ``state.pt``, the control state, written last. It is assembled under a temporary name and
+renamed into place, so a crash of any rank mid-save leaves either the previous checkpoints or the
 new one, never a half-written ``step-*``; leftovers of an interrupted save are ignored and swept
-by the next save. The newest ``keep_last`` checkpoints are kept.
+by the next save. The newest ``keep_last`` checkpoints are kept. With ranks on several nodes the
+root must be a shared file system (every rank writes into the same temporary directory).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +51,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: str | os.PathLike, state: TrainerState, model: torch.nn.Module,
-                    optimizer: Any, keep_last: int = 3) -> Path:
+WeightsIO = Callable[[Path], None]  # every rank writes (or reads) its part under the directory
+
+
+def save_checkpoint(root: str | os.PathLike, state: TrainerState, write_weights: WeightsIO,
+                    keep_last: int = 3) -> Path:
     """Atomically write checkpoint ``step-<state.step>`` under ``root``; returns its path."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -56,12 +63,8 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, model: torch.n
     root_path.mkdir(parents=True, exist_ok=True)
     final = root_path / f"{_PREFIX}{state.step:09d}"
     tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=root_path))
-    payload = {
-        "state": state.__dict__,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "rng": capture_rng_states(),
-    }
+    write_weights(tmp)
+    payload = {"state": state.__dict__, "rng": capture_rng_states()}
     with open(tmp / "state.pt", "wb") as f:
         torch.save(payload, f)
         f.flush()
@@ -90,7 +93,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
+def load_checkpoint(path: str | os.PathLike, read_weights: WeightsIO,
                     restore_rng: bool = True) -> TrainerState:
     """Load weights and optimizer state in place; returns step/version/data position."""
     file = Path(path) / "state.pt"
@@ -98,17 +101,16 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         raise FileNotFoundError(f"{file} does not exist; pass a directory from list_checkpoints()")
     # weights_only=False: the payload holds RNG states and plain dicts we wrote ourselves.
     payload = torch.load(file, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    read_weights(Path(path))
     if restore_rng:
         restore_rng_states(payload["rng"])
     return TrainerState(**payload["state"])
 
 
-def load_latest(root: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
+def load_latest(root: str | os.PathLike, read_weights: WeightsIO,
                 restore_rng: bool = True) -> TrainerState | None:
     """Resume from the newest complete checkpoint; None when there is none (a fresh start)."""
     checkpoints = list_checkpoints(root)
     if not checkpoints:
         return None
-    return load_checkpoint(checkpoints[-1], model, optimizer, restore_rng)
+    return load_checkpoint(checkpoints[-1], read_weights, restore_rng)

@@ -41,6 +41,7 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
+from rlharvest.services.trainer.ranks import check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
@@ -112,14 +113,6 @@ class RunStatus:
         default_factory=lambda: deque(maxlen=_KEPT_REWARD_FAILURES))
 
 
-def _discard_gradients(backend: TrainBackend) -> None:
-    """Forget a failed step's accumulated gradients: the retry starts from a clean slate."""
-    backend.model.zero_grad(set_to_none=True)
-    zero_grad = getattr(backend.optimizer, "zero_grad", None)
-    if zero_grad is not None:
-        zero_grad(set_to_none=True)
-
-
 class TrainerLoop:
     def __init__(self, cfg: TrainerConfig, etcd: Any, *,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -128,15 +121,13 @@ class TrainerLoop:
         self._clock = clock
         # The model's own tokenizer, EOS/stop and pad ids (the built-in one for presets).
         self._tok = load_tokenizer(cfg.model)
-        self._model = build_model(cfg.model, cfg.model_seed).train()
-        self._ref_model = build_model(cfg.model, cfg.model_seed).eval() if cfg.beta > 0 else None
-        self._backend = make_backend(cfg.backend, self._model, OptimConfig(
-            lr=cfg.lr, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))
+        self._backend, self._ref_model = build_trainee(cfg)
+        self._model = self._backend.model
+        # With N launched ranks this is rank 0: micro-batches and the update spread over them.
+        self._ranks = join(self._backend, self._ref_model)
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
-        self._setup = build_task_setup(cfg, self._tok,
-                                       self._model.config.max_position_embeddings)
+        self._setup = build_task_setup(cfg, self._tok, max_positions(self._model))
         self._task_factory = self._setup.factory
         self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
         self._rewards = RewardPool(self._setup.reward_fn or self._task_reward,
@@ -159,7 +150,7 @@ class TrainerLoop:
         """Resume from the newest checkpoint, if any, and make its weights the current version."""
         if self._cfg.checkpoint_dir:
             state = await self._run(checkpoint.load_latest, self._cfg.checkpoint_dir,
-                                    self._backend.model, self._backend.optimizer)
+                                    self._ranks.load)
             if state is not None:
                 self._step = state.step
                 self._data = TaskDataset.from_state(DatasetState(**state.data_position),
@@ -217,11 +208,11 @@ class TrainerLoop:
         try:
             return await self.train_step(spec)
         except _RETRYABLE:
-            await self._run(_discard_gradients, self._backend)
+            await self._run(self._ranks.discard)
             metrics.STEPS.labels("retried").inc()
             raise
         except BaseException:
-            await asyncio.shield(self._run(_discard_gradients, self._backend))
+            await asyncio.shield(self._run(self._ranks.discard))
             raise
 
     # ---- one step --------------------------------------------------------------------------
@@ -244,7 +235,7 @@ class TrainerLoop:
                               group_size=spec.samples_per_prompt,
                               micro_batch_groups=cfg.micro_batch_groups, loss=self._loss,
                               pad_id=self._tok.pad_id, ref_model=self._ref_model,
-                              clock=self._clock)
+                              ranks=self._ranks, clock=self._clock)
         progress.phase = "rollout"
 
         async def reward(group: int, sample: int, completion) -> None:
@@ -378,8 +369,7 @@ class TrainerLoop:
                                         data_position=dataclasses.asdict(self._data.state()),
                                         extra={"task": self._data.task.checkpoint_state()})
         path = await self._run(checkpoint.save_checkpoint, self._cfg.checkpoint_dir, state,
-                               self._backend.model, self._backend.optimizer,
-                               self._cfg.keep_checkpoints)
+                               self._ranks.save, self._cfg.keep_checkpoints)
         metrics.CHECKPOINT_SECONDS.observe(self._clock() - started)
         log.info("checkpoint of step %d (version %d) at %s", self._step, self._version, path)
 
@@ -429,7 +419,25 @@ class TrainerLoop:
 
     def close(self) -> None:
         self._compute.shutdown(wait=True, cancel_futures=True)
+        self._ranks.close()  # after the training thread: no two collectives at once
         self._curves.close()
+
+
+def build_trainee(cfg: TrainerConfig) -> tuple[TrainBackend, torch.nn.Module | None]:
+    """What every rank trains with: the model in its backend, and the frozen reference model
+    when the loss has a KL term. Every rank builds the same (same preset or checkpoint, seed)."""
+    check_world(cfg.backend)
+    model = build_model(cfg.model, cfg.model_seed).train()
+    ref_model = build_model(cfg.model, cfg.model_seed).eval() if cfg.beta > 0 else None
+    backend = make_backend(cfg.backend, model, OptimConfig(
+        lr=cfg.lr, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))
+    return backend, ref_model
+
+
+def max_positions(model: torch.nn.Module) -> int:
+    """The context length of a transformers model (its config says)."""
+    return int(getattr(model, "config").max_position_embeddings)
 
 
 def torch_threads(count: int) -> None:

@@ -1,15 +1,21 @@
-"""`rlharvest-trainer`: GRPO on one RL job's streamed completions; publishes each new version."""
+"""`rlharvest-trainer`: GRPO on one RL job's streamed completions; publishes each new version.
+
+Run it alone, or under ``torchrun`` / the ``deepspeed`` launcher with N ranks: rank 0 is the
+service, ranks 1..N-1 follow it (``ranks.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 from rlharvest.common.cli import service_app
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.trainer.config import TrainerConfig
-from rlharvest.services.trainer.loop import TrainerLoop, torch_threads
+from rlharvest.services.trainer import ranks
+from rlharvest.services.trainer.loop import TrainerLoop, build_trainee, torch_threads
 from rlharvest.services.trainer.service import TrainerService
 
 log = logging.getLogger("rlharvest.trainer")
@@ -64,7 +70,24 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                  close=[loop.close])
 
 
-SPEC = ServiceSpec("trainer", TrainerConfig, build, __doc__)
+def follow(cfg: TrainerConfig) -> int:
+    """Ranks 1..N-1: the same model and backend as rank 0 (built in the same collective order),
+    then rank 0's commands until it says stop (0) or is gone (1)."""
+    # The launcher forwards SIGTERM to every rank; rank 0 then still needs us for its last
+    # checkpoint and tells us when to go. Rank 0's death ends our wait anyway.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch_threads(cfg.torch_threads)
+    backend, ref_model = build_trainee(cfg)
+    group = ranks.control_group()
+    try:
+        ranks.follow(ranks.LocalRanks(backend, ref_model), group)
+    except RuntimeError as exc:  # the collective failed: rank 0 (or a peer) is gone
+        log.error("leaving: rank 0 is unreachable (%s)", exc)
+        return 1
+    return 0
+
+
+SPEC = ServiceSpec("trainer", TrainerConfig, build, __doc__, follower=follow)
 app = service_app(SPEC)
 
 

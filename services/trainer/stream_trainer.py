@@ -15,8 +15,9 @@ Normalisation uses the whole step's denominators (``grpo.aggregate_loss``):
   it is used directly. Otherwise micro-batches are normalised by the sample count, a provisional
   denominator of a sane magnitude, and ``finish()`` multiplies the accumulated gradients by
   samples / tokens before clipping and stepping. Gradients are linear in the loss, so this is
-  exact up to float rounding. (RollPacker rescales per data-parallel replica by n_i / N; with one
-  trainer process the replica factor is 1 and only this denominator fix remains.)
+  exact up to float rounding. With N trainer ranks (``ranks.py``) each rank's share of a
+  micro-batch carries the step's global denominator and the backend reduces gradients as a sum,
+  which is RollPacker's per-replica rescale by n_i / N done once, at the source.
 """
 
 from __future__ import annotations
@@ -28,13 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from rlharvest.services.trainer.backend import TrainBackend
-from rlharvest.services.trainer.grpo import (
-    LossConfig,
-    aggregate_loss,
-    completion_logprobs,
-    group_advantages,
-    per_token_loss,
-)
+from rlharvest.services.trainer.grpo import LossConfig, group_advantages
+from rlharvest.services.trainer.ranks import LocalRanks, MicroBatch, Ranks, Sample
 
 
 class StepInputError(ValueError):
@@ -77,14 +73,17 @@ class StreamingStep:
                  micro_batch_groups: int, loss: LossConfig, pad_id: int,
                  std_normalize: bool = True, total_tokens: int | None = None,
                  ref_model: torch.nn.Module | None = None,
+                 ranks: Ranks | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
+        """``backend``: this process's; ``ranks``: how micro-batches and the update spread
+        over the trainer's ranks (``ranks.py``), by default this process alone."""
         if num_groups <= 0 or group_size <= 0 or micro_batch_groups <= 0:
             raise ValueError(
                 f"num_groups, group_size and micro_batch_groups must be > 0, got {num_groups}, "
                 f"{group_size}, {micro_batch_groups}")
-        if loss.beta > 0 and ref_model is None:
+        if loss.beta > 0 and ref_model is None and ranks is None:
             raise ValueError("loss.beta > 0 needs ref_model (a frozen copy of the initial policy)")
-        self._backend = backend
+        self._ranks: Ranks = ranks or LocalRanks(backend, ref_model)
         self._num_groups = num_groups
         self._group_size = group_size
         self._micro_batch_groups = micro_batch_groups
@@ -92,7 +91,6 @@ class StreamingStep:
         self._pad_id = pad_id
         self._std_normalize = std_normalize
         self._total_tokens = total_tokens
-        self._ref_model = ref_model
         self._clock = clock
         self._ready: list[RewardedGroup] = []
         self._seen: set[int] = set()
@@ -158,7 +156,7 @@ class StreamingStep:
                 f"{self._tokens_seen} completion tokens; pass the exact count or None")
         grad_scale = self._denominator() / self._final_denominator()
         start = self._clock()
-        grad_norm = self._backend.step(grad_scale)
+        grad_norm = self._ranks.step(grad_scale)
         self._compute_s += self._clock() - start
         self._finished = True
         samples = self._num_groups * self._group_size
@@ -218,25 +216,10 @@ class StreamingStep:
 
     def _backward(self, completions: Sequence[Completion], advantages: torch.Tensor) -> None:
         start = self._clock()
-        loss = self._micro_batch_loss(completions, advantages)
-        self._backend.backward(loss)
-        self._loss_sum += float(loss.detach())
+        batch = MicroBatch(tuple(
+            Sample(c.prompt_ids, c.completion_ids, c.rollout_logprobs, float(a))
+            for c, a in zip(completions, advantages.tolist())), self._loss, self._pad_id,
+            self._denominator())
+        self._loss_sum += self._ranks.backward(batch)
         self._backward_runs += 1
         self._compute_s += self._clock() - start
-
-    def _micro_batch_loss(self, completions: Sequence[Completion],
-                          advantages: torch.Tensor) -> torch.Tensor:
-        prompts = [c.prompt_ids for c in completions]
-        outputs = [c.completion_ids for c in completions]
-        logprobs, mask = completion_logprobs(self._backend.module, prompts, outputs, self._pad_id)
-        old = logprobs.detach().clone()
-        for i, c in enumerate(completions):
-            if c.rollout_logprobs is not None:
-                old[i, :len(c.rollout_logprobs)] = torch.tensor(c.rollout_logprobs)
-        ref = None
-        if self._loss.beta > 0:
-            assert self._ref_model is not None  # checked in __init__
-            with torch.no_grad():
-                ref, _ = completion_logprobs(self._ref_model, prompts, outputs, self._pad_id)
-        token_loss = per_token_loss(logprobs, old, advantages, self._loss, ref)
-        return aggregate_loss(token_loss, mask, self._loss.aggregation, self._denominator())

@@ -64,13 +64,16 @@ def start_worker(stack, name: str, spot: bool, *flags: str):
         "--job", "default", "--agent-pull", *COMMON, *flags])
 
 
-async def start_trainer(stack, name: str, *flags: str) -> tuple[WorkerHandle, int]:
-    """Start a trainer and wait until it serves status. The wait runs off the event loop: a
-    watcher task the test started keeps running while the trainer takes its first steps."""
+async def start_trainer(stack, name: str, *flags: str, ranks: int = 1,
+                        restarts: int = 0) -> tuple[WorkerHandle, int]:
+    """Start a trainer (``ranks`` > 1: under torchrun) and wait until it serves status. The wait
+    runs off the event loop: a watcher task the test started keeps running while the trainer
+    takes its first steps."""
     port, metrics_port = free_port(), free_port()
     proc = stack.start("trainer", name, [
         "--trainer-id", "trainer-0", "--port", str(port), "--metrics-port", str(metrics_port),
-        "--torch-threads", "1", "--no-exit-when-done", *COMMON, *flags])
+        "--torch-threads", "1", "--no-exit-when-done", *COMMON, *flags], ranks=ranks,
+        restarts=restarts)
     handle = WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
     await asyncio.to_thread(wait_serving, handle, 120)
     return handle, metrics_port

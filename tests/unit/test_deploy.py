@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from torch.distributed.run import get_args_parser as torchrun_parser
+
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import load_config
 from rlharvest.services.rollout_manager.config import ManagerConfig
@@ -30,7 +32,22 @@ CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
 CONFIGS["rlharvest-trainer"] = TrainerConfig
 
 
+MODULES = {"rlharvest.services.trainer.main": "rlharvest-trainer"}
+
+
+def _service_argv(argv: list[str]) -> list[str]:
+    """A service's own argv; a ``torchrun`` line (a multi-rank trainer) is parsed by torchrun's
+    own parser and must launch a service module as a module."""
+    if Path(argv[0]).name != "torchrun":
+        return argv
+    launch = torchrun_parser().parse_args(argv[1:])
+    assert launch.module and launch.training_script in MODULES, argv
+    assert launch.max_restarts > 0, "a multi-rank trainer must let torchrun restart its group"
+    return [MODULES[launch.training_script], *launch.training_script_args]
+
+
 def _config_of(argv: list[str]):
+    argv = _service_argv(argv)
     program = Path(argv[0]).name
     return CONFIGS[program](**parse_flags(CONFIGS[program], argv[1:]))
 
@@ -41,7 +58,7 @@ def test_compose_stack_is_one_job_whose_workers_follow_the_trainer():
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     by_program: dict[str, list] = {}
     for name, svc in services.items():
-        if name != "etcd":
+        if name != "etcd" and not svc.get("profiles"):  # a profile is an alternative
             by_program.setdefault(svc["command"][0], []).append(_config_of(svc["command"]))
     [trainer] = by_program["rlharvest-trainer"]
     [manager] = by_program["rlharvest-rollout-manager"]
@@ -54,7 +71,8 @@ def test_compose_stack_is_one_job_whose_workers_follow_the_trainer():
     assert by_program["rlharvest-transfer-agent"]
 
 
-def _check_command(argv: list[str]) -> None:
+def _check_command(argv: list[str]) -> str | None:
+    argv = _service_argv(argv)
     program = Path(argv[0]).name
     assert program in SCRIPTS, f"{program} is not a console script in pyproject.toml"
     args = argv[1:]
@@ -84,7 +102,8 @@ def test_compose_services_run_real_commands_with_valid_flags():
 
 def test_every_console_script_has_a_compose_service_and_a_systemd_unit():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    programs = {svc["command"][0] for n, svc in compose["services"].items() if n != "etcd"}
+    programs = {_service_argv(svc["command"])[0] for n, svc in compose["services"].items()
+                if n != "etcd"}
     units = {p.stem for p in (ROOT / "deploy" / "systemd").glob("*.service")}
     for script in SCRIPTS:
         if script == "rlharvest":
@@ -110,3 +129,22 @@ def test_systemd_unit_is_well_formed(unit: Path):
     example = ROOT / "deploy" / (Path(config_file).name.replace(".toml", ".example.toml"))
     assert example.is_file(), f"no example for {config_file}"
     load_config(CONFIGS[unit.stem], example)  # the example config itself must load
+
+
+def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
+    """The compose profile and the systemd drop-in run ranks of the same trainer, with a
+    backend that can reduce across ranks and a valid config."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ranked = compose["trainer-ranks"]
+    assert ranked["command"][0] == "torchrun" and ranked["profiles"] == ["ranks"]
+    assert _config_of(ranked["command"]).backend == "deepspeed"
+    drop_in = ROOT / "deploy" / "systemd" / "rlharvest-trainer.service.d" / "ranks.conf"
+    lines = [line.split("=", 1) for line in drop_in.read_text().splitlines()
+             if line and not line.startswith(("#", "["))]
+    exec_starts = [value for key, value in lines if key == "ExecStart"]
+    assert exec_starts[0] == "", "a drop-in must clear the unit's ExecStart first"
+    argv = shlex.split(exec_starts[1])
+    assert argv[0].startswith("/") and Path(argv[0]).name == "torchrun"
+    config_file = _check_command(argv)
+    example = ROOT / "deploy" / Path(config_file).name.replace(".toml", ".example.toml")
+    assert load_config(TrainerConfig, example).backend == "deepspeed"

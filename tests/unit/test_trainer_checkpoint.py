@@ -8,6 +8,7 @@ import random
 import torch
 
 from rlharvest.common.tiny_model import build_model
+from rlharvest.services.trainer.backend import OptimConfig, TorchBackend
 from rlharvest.services.trainer.checkpoint import (
     TrainerState,
     list_checkpoints,
@@ -17,29 +18,29 @@ from rlharvest.services.trainer.checkpoint import (
 from rlharvest.services.trainer.tasks import DatasetState, TaskDataset
 
 
-def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = build_model("tiny", seed=seed).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits.square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer
+def _trained(seed: int) -> TorchBackend:
+    backend = TorchBackend(build_model("tiny", seed=seed), OptimConfig(lr=1e-2, grad_clip=0.0))
+    backend.model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits.square().mean().backward()
+    backend.step()
+    return backend
 
 
 def test_a_resumed_trainer_has_the_same_weights_optimizer_data_position_and_randomness(tmp_path):
-    model, optimizer = _trained(0)
+    backend = _trained(0)
+    model, optimizer = backend.model, backend.optimizer
     data = TaskDataset(seed=4)
     data.next_batch(6)
     state = TrainerState(step=12, weight_version=12,
                          data_position=dataclasses.asdict(data.state()),
                          extra={"anchors": {"case-1": 0.4}})
-    save_checkpoint(tmp_path, state, model, optimizer)
+    save_checkpoint(tmp_path, state, backend.save)
     expected_draws = (random.random(), torch.rand(3))
     expected_items = data.next_batch(3)
 
-    other, other_opt = _trained(1)  # a fresh process with different everything
+    fresh = _trained(1)  # a fresh process with different everything
+    other, other_opt = fresh.model, fresh.optimizer
     random.random(), torch.rand(3)
-    loaded = load_latest(tmp_path, other, other_opt)
+    loaded = load_latest(tmp_path, fresh.load)
 
     assert loaded == state
     for a, b in zip(model.state_dict().values(), other.state_dict().values()):
@@ -51,26 +52,25 @@ def test_a_resumed_trainer_has_the_same_weights_optimizer_data_position_and_rand
 
 
 def test_only_the_last_n_checkpoints_are_kept(tmp_path):
-    model, optimizer = _trained(0)
+    backend = _trained(0)
     for step in range(5):
-        save_checkpoint(tmp_path, TrainerState(step, step, {}), model, optimizer, keep_last=2)
+        save_checkpoint(tmp_path, TrainerState(step, step, {}), backend.save, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000003", "step-000000004"]
 
 
 def test_an_interrupted_save_is_invisible_and_swept_by_the_next_save(tmp_path):
-    model, optimizer = _trained(0)
-    save_checkpoint(tmp_path, TrainerState(1, 1, {}), model, optimizer)
+    backend = _trained(0)
+    save_checkpoint(tmp_path, TrainerState(1, 1, {}), backend.save)
     # A crash between writing and renaming leaves only a temp directory with a partial file.
     partial = tmp_path / ".tmp-crashed"
     partial.mkdir()
     (partial / "state.pt").write_bytes(b"\x80half a pickle")
     (tmp_path / "step-000000002").mkdir()  # renamed dir can't be empty, but be robust anyway
-    assert load_latest(tmp_path, model, optimizer).step == 1
-    save_checkpoint(tmp_path, TrainerState(3, 3, {}), model, optimizer)
+    assert load_latest(tmp_path, backend.load).step == 1
+    save_checkpoint(tmp_path, TrainerState(3, 3, {}), backend.save)
     assert not partial.exists()
-    assert load_latest(tmp_path, model, optimizer).step == 3
+    assert load_latest(tmp_path, backend.load).step == 3
 
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
-    model, optimizer = _trained(0)
-    assert load_latest(tmp_path / "missing", model, optimizer) is None
+    assert load_latest(tmp_path / "missing", _trained(0).load) is None

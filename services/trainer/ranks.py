@@ -1,0 +1,317 @@
+"""Many trainer ranks, one RL step: rank 0 leads, the other ranks follow.
+
+The trainer runs under ``torchrun`` or the ``deepspeed`` launcher with N ranks (or alone, N = 1).
+Rank 0 holds every control-plane role (it submits steps, reads the stream, runs rewards, answers
+gRPC, registers in etcd); ranks 1..N-1 hold only a model replica (or a ZeRO partition) and do
+what rank 0 tells them over a gloo control group:
+
+- ``Backward``: each rank gets one contiguous share of a micro-batch's samples and runs forward
+  and backward on it, its loss divided by the *step's* global denominator (the one
+  ``StreamingStep`` computed), so the shares' losses sum to the monolithic batch's loss and their
+  gradients to its gradient (docs/architecture.md, "Exact update"). A rank whose share is empty
+  still runs a zero backward: ZeRO-2 reduces inside backward, so every rank must run as many.
+- ``Step``: every rank steps once; the backend reduces gradients across ranks (a sum) first.
+- ``Discard`` (a failed step's gradients), ``Save`` / ``Load`` (checkpoints of every rank), ``Stop``.
+
+Every command ends with a gather of each rank's reply, so a follower's failure reaches rank 0
+as an exception naming the rank instead of a hang. A rank that dies (SIGKILL) closes its gloo
+sockets: the survivors' next collective raises, rank 0's step fails with nothing applied, and
+the launcher restarts the group, which resumes from the newest complete checkpoint.
+
+Pure of I/O except the collectives; the loss itself is ``micro_batch_loss``, shared by all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroup
+
+from rlharvest.common.service_host import launch_rank
+from rlharvest.services.trainer.backend import TrainBackend
+from rlharvest.services.trainer.grpo import (
+    LossConfig,
+    aggregate_loss,
+    completion_logprobs,
+    per_token_loss,
+)
+
+log = logging.getLogger(__name__)
+
+# Followers wait in a broadcast while rank 0 waits for rollouts, which may take long (a manager
+# outage, slow workers). A dead rank 0 still ends the wait at once (its sockets close).
+_CONTROL_TIMEOUT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion to train on; ``rollout_logprobs`` None means "these very weights"."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    rollout_logprobs: Sequence[float] | None
+    advantage: float
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    samples: tuple[Sample, ...]
+    loss: LossConfig
+    pad_id: int
+    denominator: float  # the whole step's (aggregate_loss), never this batch's
+
+    def split(self, parts: int) -> list[MicroBatch]:
+        """``parts`` contiguous shares, sizes differing by at most one; some may be empty."""
+        n = len(self.samples)
+        return [MicroBatch(self.samples[i * n // parts:(i + 1) * n // parts], self.loss,
+                           self.pad_id, self.denominator) for i in range(parts)]
+
+
+def micro_batch_loss(module: torch.nn.Module, batch: MicroBatch,
+                     ref_model: torch.nn.Module | None) -> torch.Tensor:
+    prompts = [s.prompt_ids for s in batch.samples]
+    outputs = [s.completion_ids for s in batch.samples]
+    logprobs, mask = completion_logprobs(module, prompts, outputs, batch.pad_id)
+    old = logprobs.detach().clone()
+    for i, s in enumerate(batch.samples):
+        if s.rollout_logprobs is not None:
+            old[i, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
+    ref = None
+    if batch.loss.beta > 0:
+        if ref_model is None:
+            raise ValueError("loss.beta > 0 needs ref_model (a frozen copy of the initial policy)")
+        with torch.no_grad():
+            ref, _ = completion_logprobs(ref_model, prompts, outputs, batch.pad_id)
+    advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
+    token_loss = per_token_loss(logprobs, old, advantages, batch.loss, ref)
+    return aggregate_loss(token_loss, mask, batch.loss.aggregation, batch.denominator)
+
+
+def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    """A loss of exactly zero that reaches every parameter (so ZeRO's reduce hooks all fire)."""
+    return sum((p.sum() * 0.0 for p in module.parameters() if p.requires_grad),
+               torch.zeros(()))
+
+
+class Ranks(Protocol):
+    """How a step's micro-batches and its one update spread over the trainer's ranks."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def backward(self, batch: MicroBatch) -> float:
+        """Accumulate the batch's gradients (spread over the ranks); returns its loss."""
+
+    def step(self, grad_scale: float) -> float:
+        """Every rank: reduce, rescale, clip and update once. Returns the global grad norm."""
+
+    def discard(self) -> None:
+        """Forget the pending gradients on every rank."""
+
+    def save(self, path: Path) -> None:
+        """Every rank writes its part of the weights and optimizer state under ``path``."""
+
+    def load(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalRanks:
+    """This process alone: the rank of a one-process trainer, and each rank's own work."""
+
+    def __init__(self, backend: TrainBackend, ref_model: torch.nn.Module | None = None) -> None:
+        self.backend = backend
+        self.ref_model = ref_model
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def backward(self, batch: MicroBatch) -> float:
+        module = self.backend.module
+        loss = micro_batch_loss(module, batch, self.ref_model) if batch.samples \
+            else _zero_loss(module)
+        self.backend.backward(loss)
+        return float(loss.detach())
+
+    def step(self, grad_scale: float) -> float:
+        return self.backend.step(grad_scale)
+
+    def discard(self) -> None:
+        self.backend.model.zero_grad(set_to_none=True)
+        zero_grad = getattr(self.backend.optimizer, "zero_grad", None)
+        if zero_grad is not None:
+            zero_grad(set_to_none=True)
+
+    def save(self, path: Path) -> None:
+        self.backend.save(path)
+
+    def load(self, path: Path) -> None:
+        self.backend.load(path)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- the control group -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Backward:
+    shares: tuple[MicroBatch, ...]  # one per rank
+
+
+@dataclass(frozen=True)
+class Step:
+    grad_scale: float
+
+
+@dataclass(frozen=True)
+class Discard:
+    pass
+
+
+@dataclass(frozen=True)
+class Save:
+    path: str
+
+
+@dataclass(frozen=True)
+class Load:
+    path: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Backward | Step | Discard | Save | Load | Stop
+
+
+@dataclass(frozen=True)
+class Reply:
+    value: float = 0.0
+    error: str = ""
+
+
+class RankFailed(RuntimeError):
+    """A follower rank could not carry out a command; the step must not be applied."""
+
+
+def control_group() -> ProcessGroup:
+    """The gloo group the commands travel on (CPU objects, even when gradients use NCCL).
+    Collective: every rank creates it in the same order, after the backend's process group."""
+    return torch.distributed.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
+
+
+def _run(local: LocalRanks, rank: int, command: Command) -> float:
+    if isinstance(command, Backward):
+        return local.backward(command.shares[rank])
+    if isinstance(command, Step):
+        return local.step(command.grad_scale)
+    if isinstance(command, Discard):
+        local.discard()
+    elif isinstance(command, Save):
+        local.save(Path(command.path))
+    elif isinstance(command, Load):
+        local.load(Path(command.path))
+    return 0.0
+
+
+class LeaderRanks:
+    """Rank 0 of N: runs its own share of every command and has the followers run theirs."""
+
+    def __init__(self, backend: TrainBackend, ref_model: torch.nn.Module | None,
+                 group: ProcessGroup) -> None:
+        self._local = LocalRanks(backend, ref_model)
+        self._group = group
+        self._world = torch.distributed.get_world_size()
+        self._stopped = False
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def backward(self, batch: MicroBatch) -> float:
+        return sum(self._command(Backward(tuple(batch.split(self._world)))))
+
+    def step(self, grad_scale: float) -> float:
+        return self._command(Step(grad_scale))[0]  # the same global norm on every rank
+
+    def discard(self) -> None:
+        self._command(Discard())
+
+    def save(self, path: Path) -> None:
+        self._command(Save(str(path)))
+
+    def load(self, path: Path) -> None:
+        self._command(Load(str(path)))
+
+    def close(self) -> None:
+        """Let the followers exit 0. Best effort: a dead follower has nothing left to stop."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            torch.distributed.broadcast_object_list([Stop()], src=0, group=self._group)
+        except RuntimeError as exc:
+            log.warning("could not tell the follower ranks to stop: %s", exc)
+
+    def _command(self, command: Command) -> list[float]:
+        if self._stopped:
+            raise RankFailed("the follower ranks were told to stop")
+        torch.distributed.broadcast_object_list([command], src=0, group=self._group)
+        try:
+            mine = Reply(_run(self._local, 0, command))
+        except Exception as exc:
+            mine = Reply(error=f"{type(exc).__name__}: {exc}")
+        replies: list[Reply | None] = [None] * self._world
+        torch.distributed.gather_object(mine, replies, dst=0, group=self._group)
+        failed = [f"rank {r}: {reply.error}" for r, reply in enumerate(replies)
+                  if reply is not None and reply.error]
+        if failed:
+            raise RankFailed(f"{type(command).__name__} failed on " + "; ".join(failed))
+        return [reply.value for reply in replies if reply is not None]
+
+
+def follow(local: LocalRanks, group: ProcessGroup) -> None:
+    """A follower rank's whole life: carry out rank 0's commands on ``local`` (this rank's
+    backend and reference model) until it says stop. Raises when rank 0 is gone."""
+    rank = torch.distributed.get_rank()
+    log.info("rank %d of %d following rank 0", rank, torch.distributed.get_world_size())
+    while True:
+        box: list[Command | None] = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=group)
+        command = box[0]
+        if command is None or isinstance(command, Stop):
+            log.info("rank %d: rank 0 says stop", rank)
+            return
+        try:
+            reply = Reply(_run(local, rank, command))
+        except Exception as exc:
+            log.exception("rank %d: %s failed", rank, type(command).__name__)
+            reply = Reply(error=f"{type(exc).__name__}: {exc}")
+        torch.distributed.gather_object(reply, None, dst=0, group=group)
+
+
+def check_world(backend_name: str) -> tuple[int, int]:
+    """(rank, world size); refuses a multi-rank launch of a backend that cannot reduce."""
+    rank, world = launch_rank()
+    if world > 1 and backend_name != "deepspeed":
+        raise ValueError(f"the trainer was launched with {world} ranks but backend "
+                         f"{backend_name!r} trains one; use --backend deepspeed")
+    return rank, world
+
+
+def join(backend: TrainBackend, ref_model: torch.nn.Module | None) -> Ranks:
+    """Rank 0's view of the job's ranks: itself alone, or the leader of the launched group.
+    Call after the backend is built (it starts the process group)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return LeaderRanks(backend, ref_model, control_group())
+    return LocalRanks(backend, ref_model)

@@ -1,0 +1,121 @@
+"""The trainer as many ranks (torchrun, gloo on CPU, DeepSpeed): two ranks apply exactly the
+single-process monolithic update at ZeRO 0, 1 and 2; every rank checkpoints its part; a rank
+SIGKILLed mid-step fails the step with nothing applied; and the trainer service, run as two
+ranks on the real stack, trains, survives a SIGKILLed rank (torchrun restarts the group) and
+resumes from its newest complete checkpoint at a version above any announced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlharvest.common import keys, registry
+from rlharvest.services.launcher import child_environment
+from rlharvest.services.trainer import checkpoint
+from rlharvest.services.trainer.grpo import LossConfig
+from tests.builders import rewarded_groups
+from tests.unit.test_trainer_stream import fresh_model, monolithic_update, seeded_model
+
+from .test_trainer import start_job, start_trainer, wait_trainer
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_ranks(out: Path, *flags: str, ranks: int = 2) -> dict:
+    """tests/rank_job.py under torchrun; what rank 0 wrote."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", str(ROOT / "tests" / "rank_job.py"), "--out", str(out),
+           *flags]
+    env = child_environment({"OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.exists(), f"rank 0 wrote nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("zero_stage", "aggregation", "beta", "micro_batch_groups", "seed"), [
+    (0, "token", 0.0, 2, 0),
+    (1, "sequence", 0.05, 3, 5),
+    (2, "token", 0.05, 1, 7),
+])
+def test_two_ranks_apply_exactly_the_monolithic_single_process_update(
+        tmp_path, zero_stage, aggregation, beta, micro_batch_groups, seed):
+    out = tmp_path / "out.json"
+    stats = run_ranks(out, "--zero-stage", str(zero_stage), "--aggregation", aggregation,
+                      "--beta", str(beta), "--micro-batch-groups", str(micro_batch_groups),
+                      "--seed", str(seed))
+    assert "error" not in stats, stats
+    expected = fresh_model(seed % 3)
+    monolithic_update(expected, rewarded_groups(seed),
+                      LossConfig(beta=beta, aggregation=aggregation),
+                      seeded_model(99) if beta else None, lr=0.5)
+    trained = torch.load(str(out) + ".pt", weights_only=True)
+    base = fresh_model(seed % 3).state_dict()
+    for name, want in expected.state_dict().items():
+        assert torch.allclose(trained[name], want, atol=1e-6, rtol=0), \
+            f"{name} differs by {(trained[name] - want).abs().max().item():.3g}"
+    assert any(not torch.equal(trained[n], base[n]) for n in base), "no update at all"
+
+
+def test_every_rank_writes_its_zero_partition_and_reads_it_back(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    stats = run_ranks(tmp_path / "out.json", "--zero-stage", "2", "--checkpoint", str(ckpt))
+    assert stats["restored"] is True, stats
+    parts = sorted(p.name for p in (ckpt / "deepspeed" / "deepspeed").glob("zero_pp_rank_*"))
+    assert parts == ["zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+def test_a_rank_sigkilled_mid_step_fails_the_step_with_no_parameter_moved(tmp_path):
+    stats = run_ranks(tmp_path / "out.json", "--kill-follower-after", "2")
+    assert "error" in stats, stats
+    assert stats["moved"] is False
+
+
+async def test_the_trainer_service_as_two_ranks_survives_a_sigkilled_rank_and_resumes(
+        stack, etcd_client, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--backend",
+             "deepspeed", "--zero-stage", "2", "--steps", "0"]
+    await start_job(stack, 2)
+    trainer, _ = await start_trainer(stack, "trainer", *flags, ranks=2, restarts=1)
+    assert "rank 1 of 2 following rank 0" in trainer.process.log_path.read_text()
+    first = await wait_trainer(trainer, lambda s: s.steps_done >= 3)
+    assert first.steps[-1].loss == first.steps[-1].loss  # trained, not NaN
+    saved = checkpoint.list_checkpoints(ckpt)
+    assert saved, "no checkpoint of two ranks before the kill"
+    follower = trainer.process.rank_pids()[1]
+    os.kill(follower, signal.SIGKILL)
+
+    # torchrun restarts both ranks; rank 0 comes back on the same port and resumes.
+    deadline = time.monotonic() + 180
+    while True:
+        assert time.monotonic() < deadline, trainer.process.log_tail(80)
+        try:
+            st = await wait_trainer(trainer, lambda s: s.resumed_from_step >= 0, timeout=5)
+            break
+        except Exception:  # between the groups: no trainer answers for a moment
+            await asyncio.sleep(0.5)
+    assert st.resumed_from_step >= 2 and st.resumed_from_step % 2 == 0
+    assert follower not in trainer.process.rank_pids()
+    announced_before = (await registry.get_versioned(
+        etcd_client, keys.weights_announced_key("default")))["version"]
+    resumed = await wait_trainer(trainer, lambda s: s.steps_done >= st.resumed_from_step + 2)
+    assert resumed.steps[-1].step == resumed.steps_done
+    assert resumed.weight_version >= announced_before
+    # SIGTERM reaches torchrun, which forwards it: rank 0 stops gracefully and tells rank 1.
+    # (torchrun itself then exits non-zero by design: it reports the signal it was sent.)
+    trainer.process.terminate()
+    log = trainer.process.log_path.read_text()
+    assert "trainer trainer-0 stopped (shutting down on a signal; exit code 0)" in log
+    assert "rank 1: rank 0 says stop" in log
