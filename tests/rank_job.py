@@ -9,7 +9,6 @@ SIGKILLs itself after its N-th command, and rank 0 writes what the step raised i
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import random
@@ -44,7 +43,8 @@ def main() -> None:
     model = fresh_model(args.seed % 3)
     ref_model = seeded_model(99) if args.beta > 0 else None
     backend = make_backend("deepspeed", model, OptimConfig(
-        lr=args.lr, optimizer="sgd", grad_clip=0.0, zero_stage=args.zero_stage))
+        lr=args.lr, optimizer="sgd", grad_clip=0.0, zero_stage=args.zero_stage,
+        zero3_persistence_threshold=0))  # a tiny model, really partitioned at ZeRO-3
     group = ranks.control_group()
     if torch.distributed.get_rank() > 0:
         local = ranks.LocalRanks(backend, ref_model)
@@ -61,7 +61,7 @@ def main() -> None:
                          micro_batch_groups=args.micro_batch_groups,
                          loss=LossConfig(beta=args.beta, aggregation=args.aggregation),
                          pad_id=PAD_ID, ref_model=ref_model, ranks=leader)
-    before = copy.deepcopy(model.state_dict())
+    before = leader.weights()
     out: dict = {}
     try:
         for ready in bursts(arrivals, 2, args.seed + 2):
@@ -72,21 +72,29 @@ def main() -> None:
         out = {"error": str(exc)}
     except RuntimeError as exc:  # the collective itself failed: a peer is gone
         out = {"error": f"collective: {exc}"}
-    out["moved"] = any(not torch.equal(a, b) for a, b in zip(before.values(),
-                                                             model.state_dict().values()))
+    trained = leader.weights() if "error" not in out else model.state_dict()
+    out["moved"] = any(not torch.equal(a, b) for a, b in zip(before.values(), trained.values()))
     if args.checkpoint and "error" not in out:
-        trained = copy.deepcopy(model.state_dict())
         leader.save(Path(args.checkpoint))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+        leader.backward(step_batch(args.seed))  # move the weights away from the checkpoint
+        leader.step(1.0)
+        out["perturbed"] = any(not torch.equal(a, b) for a, b in
+                               zip(trained.values(), leader.weights().values()))
         leader.load(Path(args.checkpoint))
         out["restored"] = all(torch.equal(a, b) for a, b in zip(trained.values(),
-                                                                model.state_dict().values()))
-    torch.save(model.state_dict(), args.out + ".pt")
+                                                                leader.weights().values()))
+    torch.save(trained, args.out + ".pt")
     Path(args.out).write_text(json.dumps(out))
     if "error" not in out:
         leader.close()
+
+
+def step_batch(seed: int) -> ranks.MicroBatch:
+    """Some samples of the test's groups as one micro-batch (lr 0.5: it moves every weight)."""
+    group = rewarded_groups(seed)[0]
+    samples = tuple(ranks.Sample(c.prompt_ids, c.completion_ids, None, 1.0 - i)
+                    for i, c in enumerate(group.completions))
+    return ranks.MicroBatch(samples, LossConfig(), PAD_ID, float(len(samples)))
 
 
 class _Dying(ranks.LocalRanks):

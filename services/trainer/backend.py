@@ -7,7 +7,7 @@ only accumulates, ``engine.step()`` reduces and updates once (DeepSpeed 0.19 eng
 ``scale_wrt_gas=False`` keeps it from dividing losses that already carry the step's denominator.
 
 With N data-parallel ranks (``ranks.py``) every rank's loss already carries the step's global
-denominator, so the update needs the *sum* of the ranks' gradients. ZeRO 1/2 average them (divide
+denominator, so the update needs the *sum* of the ranks' gradients. ZeRO 1-3 average them (divide
 by N), so their rescale folds in a factor N; at stage 0 we reduce ourselves (one flat all-reduce,
 a sum) and switch DeepSpeed's own off, which also lets the reported norm be the global one.
 
@@ -38,7 +38,10 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    zero_stage: int = 0  # DeepSpeed only; 0, 1 or 2 run on CPU
+    zero_stage: int = 0  # DeepSpeed only; 0-3 (3 partitions the parameters themselves)
+    # ZeRO-3 keeps parameters smaller than this whole on every rank (DeepSpeed's default);
+    # tests set 0 so a tiny model is really partitioned.
+    zero3_persistence_threshold: int = 100_000
 
 
 class TrainBackend(Protocol):
@@ -65,6 +68,15 @@ class TrainBackend(Protocol):
 
     def load(self, path: Path) -> None:
         """Read back what ``save`` wrote, in place."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A detached CPU copy of the whole model's weights: what a version IS, independent of
+        later updates. Collective under ZeRO-3 (every rank must call it)."""
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True).contiguous()
+            for name, t in model.state_dict().items()}
 
 
 def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:
@@ -125,6 +137,9 @@ class TorchBackend:
         self._model.load_state_dict(payload["model"])
         self._optimizer.load_state_dict(payload["optimizer"])
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        return snapshot(self._model)
+
 
 def _grad_norm(model: torch.nn.Module) -> float:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -175,8 +190,8 @@ def _init_restarted_group(backend: str) -> bool:
 
 class DeepSpeedBackend:
     def __init__(self, model: torch.nn.Module, config: OptimConfig) -> None:
-        if config.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2 (3 is not wired), got {config.zero_stage}")
+        if config.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {config.zero_stage}")
         ensure_single_process_dist_env()
         import deepspeed  # late: importing it probes accelerators and costs ~1 s
 
@@ -190,8 +205,10 @@ class DeepSpeedBackend:
             # We own the accumulation boundary: backward accumulates, step() reduces + updates.
             "managed_gradient_accumulation": False,
             "gradient_clipping": config.grad_clip,
-            "zero_optimization": {"stage": config.zero_stage},
-            "zero_allow_untested_optimizer": True,  # our torch AdamW/SGD under ZeRO 1/2
+            "zero_optimization": {"stage": config.zero_stage} if config.zero_stage < 3 else {
+                "stage": 3,
+                "stage3_param_persistence_threshold": config.zero3_persistence_threshold},
+            "zero_allow_untested_optimizer": True,  # our torch AdamW/SGD under ZeRO
             "steps_per_print": 2**31 - 1,
         }
         optimizer = _make_optimizer(model.parameters(), config)
@@ -199,6 +216,7 @@ class DeepSpeedBackend:
         self._engine, self._optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config)
         self._zero = config.zero_stage > 0
+        self._stage = config.zero_stage
         self._world = torch.distributed.get_world_size()
         if not self._zero and self._world > 1:
             self._engine.enable_backward_allreduce = False  # step() reduces: a sum, see above
@@ -263,9 +281,20 @@ class DeepSpeedBackend:
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self._stage < 3:
+            return snapshot(self._engine.module)  # every rank holds every parameter
+        import deepspeed
+
+        # ZeRO-3: each rank holds a slice; gather them all (on every rank: a collective), copy,
+        # and let the context re-partition. Buffers are never partitioned.
+        with deepspeed.zero.GatheredParameters(list(self._engine.module.parameters()),
+                                               modifier_rank=None):
+            return snapshot(self._engine.module)
+
     def _rescale(self, grad_scale: float) -> None:
         if self._zero:
-            # ZeRO 1/2 keep gradients in partitioned flat buffers that no public API reaches
+            # ZeRO 1-3 keep gradients in partitioned flat buffers that no public API reaches
             # before step() in unmanaged mode; the optimizer divides them by its (fp32: static,
             # 1.0) loss scale inside step() before clipping, so a loss scale of 1/grad_scale
             # applies exactly our rescale — and the clip sees the rescaled norm.

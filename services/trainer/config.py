@@ -57,7 +57,7 @@ class TrainerConfig(ServiceConfig):
     top_p: float = Field(1.0, gt=0, le=1)
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="where gradients "
                                                    "accumulate; torch is the plain reference")
-    zero_stage: int = Field(0, ge=0, le=2)
+    zero_stage: int = Field(0, ge=0, le=3)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-2, gt=0)
     weight_decay: float = Field(0.0, ge=0)

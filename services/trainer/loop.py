@@ -328,7 +328,7 @@ class TrainerLoop:
         """Snapshot the weights now and hand them to the agent in the background: the trainer
         goes on at once; the next step waits for it only before submitting its rollout."""
         assert self._publisher is not None
-        tensors = rollout_client.weights_snapshot(self._backend.model)
+        tensors = self._ranks.weights()  # every rank joins under ZeRO-3; between steps
         publisher = self._publisher
 
         async def publish() -> float:

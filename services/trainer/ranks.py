@@ -9,8 +9,10 @@ what rank 0 tells them over a gloo control group:
   and backward on it, its loss divided by the *step's* global denominator (the one
   ``StreamingStep`` computed), so the shares' losses sum to the monolithic batch's loss and their
   gradients to its gradient (docs/architecture.md, "Exact update"). A rank whose share is empty
-  still runs a zero backward: ZeRO-2 reduces inside backward, so every rank must run as many.
+  still runs a forward and backward, of a one-token sample times zero: ZeRO-2/3 reduce (and
+  ZeRO-3 gathers parameters) inside them, so every rank must run as many.
 - ``Step``: every rank steps once; the backend reduces gradients across ranks (a sum) first.
+- ``Weights``: the whole model for publishing; under ZeRO-3 every rank joins the gather.
 - ``Discard`` (a failed step's gradients), ``Save`` / ``Load`` (checkpoints of every rank), ``Stop``.
 
 Every command ends with a gather of each rank's reply, so a follower's failure reaches rank 0
@@ -93,10 +95,14 @@ def micro_batch_loss(module: torch.nn.Module, batch: MicroBatch,
     return aggregate_loss(token_loss, mask, batch.loss.aggregation, batch.denominator)
 
 
-def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
-    """A loss of exactly zero that reaches every parameter (so ZeRO's reduce hooks all fire)."""
-    return sum((p.sum() * 0.0 for p in module.parameters() if p.requires_grad),
-               torch.zeros(()))
+def zero_loss(module: torch.nn.Module, batch: MicroBatch,
+              ref_model: torch.nn.Module | None) -> torch.Tensor:
+    """A loss of exactly zero through a real forward (one pad token), for a rank whose share is
+    empty: ZeRO-3 gathers parameters in forward, ZeRO-2/3 reduce gradients in backward, and
+    both are collectives every rank must join. Every parameter gets a gradient of exactly 0."""
+    pad = Sample((batch.pad_id,), (batch.pad_id,), None, 0.0)
+    dummy = MicroBatch((pad,), batch.loss, batch.pad_id, 1.0)
+    return micro_batch_loss(module, dummy, ref_model) * 0.0
 
 
 class Ranks(Protocol):
@@ -113,6 +119,9 @@ class Ranks(Protocol):
 
     def discard(self) -> None:
         """Forget the pending gradients on every rank."""
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (a CPU copy), gathered from every rank under ZeRO-3."""
 
     def save(self, path: Path) -> None:
         """Every rank writes its part of the weights and optimizer state under ``path``."""
@@ -136,7 +145,7 @@ class LocalRanks:
     def backward(self, batch: MicroBatch) -> float:
         module = self.backend.module
         loss = micro_batch_loss(module, batch, self.ref_model) if batch.samples \
-            else _zero_loss(module)
+            else zero_loss(module, batch, self.ref_model)
         self.backend.backward(loss)
         return float(loss.detach())
 
@@ -148,6 +157,9 @@ class LocalRanks:
         zero_grad = getattr(self.backend.optimizer, "zero_grad", None)
         if zero_grad is not None:
             zero_grad(set_to_none=True)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.backend.weights()
 
     def save(self, path: Path) -> None:
         self.backend.save(path)
@@ -177,6 +189,11 @@ class Discard:
 
 
 @dataclass(frozen=True)
+class Weights:
+    pass
+
+
+@dataclass(frozen=True)
 class Save:
     path: str
 
@@ -191,7 +208,7 @@ class Stop:
     pass
 
 
-Command = Backward | Step | Discard | Save | Load | Stop
+Command = Backward | Step | Discard | Weights | Save | Load | Stop
 
 
 @dataclass(frozen=True)
@@ -210,7 +227,12 @@ def control_group() -> ProcessGroup:
     return torch.distributed.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
-def _run(local: LocalRanks, rank: int, command: Command) -> float:
+Result = float | dict[str, torch.Tensor]
+
+
+def _run(local: LocalRanks, rank: int, command: Command) -> Result:
+    if isinstance(command, Weights):
+        return local.weights()  # the followers' copies are dropped: rank 0 publishes
     if isinstance(command, Backward):
         return local.backward(command.shares[rank])
     if isinstance(command, Step):
@@ -239,13 +261,18 @@ class LeaderRanks:
         return self._world
 
     def backward(self, batch: MicroBatch) -> float:
-        return sum(self._command(Backward(tuple(batch.split(self._world)))))
+        return sum(self._command(Backward(tuple(batch.split(self._world))))[1])
 
     def step(self, grad_scale: float) -> float:
-        return self._command(Step(grad_scale))[0]  # the same global norm on every rank
+        return self._command(Step(grad_scale))[1][0]  # the same global norm on every rank
 
     def discard(self) -> None:
         self._command(Discard())
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        mine = self._command(Weights())[0]
+        assert isinstance(mine, dict)
+        return mine
 
     def save(self, path: Path) -> None:
         self._command(Save(str(path)))
@@ -263,12 +290,15 @@ class LeaderRanks:
         except RuntimeError as exc:
             log.warning("could not tell the follower ranks to stop: %s", exc)
 
-    def _command(self, command: Command) -> list[float]:
+    def _command(self, command: Command) -> tuple[Result, list[float]]:
+        """Rank 0's own result, and every rank's reply value (rank 0's first)."""
         if self._stopped:
             raise RankFailed("the follower ranks were told to stop")
         torch.distributed.broadcast_object_list([command], src=0, group=self._group)
+        result: Result = 0.0
         try:
-            mine = Reply(_run(self._local, 0, command))
+            result = _run(self._local, 0, command)
+            mine = _reply(result)
         except Exception as exc:
             mine = Reply(error=f"{type(exc).__name__}: {exc}")
         replies: list[Reply | None] = [None] * self._world
@@ -277,7 +307,11 @@ class LeaderRanks:
                   if reply is not None and reply.error]
         if failed:
             raise RankFailed(f"{type(command).__name__} failed on " + "; ".join(failed))
-        return [reply.value for reply in replies if reply is not None]
+        return result, [reply.value for reply in replies if reply is not None]
+
+
+def _reply(result: Result) -> Reply:
+    return Reply(result if isinstance(result, float) else 0.0)
 
 
 def follow(local: LocalRanks, group: ProcessGroup) -> None:
@@ -293,7 +327,7 @@ def follow(local: LocalRanks, group: ProcessGroup) -> None:
             log.info("rank %d: rank 0 says stop", rank)
             return
         try:
-            reply = Reply(_run(local, rank, command))
+            reply = _reply(_run(local, rank, command))
         except Exception as exc:
             log.exception("rank %d: %s failed", rank, type(command).__name__)
             reply = Reply(error=f"{type(exc).__name__}: {exc}")

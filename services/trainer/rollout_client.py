@@ -57,12 +57,6 @@ async def announced_version(etcd, job: str) -> int | None:
     return int(record["version"]) if record is not None else None
 
 
-def weights_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of the weights: what a version IS, independent of later updates."""
-    return {name: t.detach().to("cpu", copy=True).contiguous()
-            for name, t in model.state_dict().items()}
-
-
 class Publisher:
     """Hands each new version to the node's transfer agent (its client, not a second path)."""
 

@@ -1,5 +1,5 @@
-"""The trainer as many ranks (torchrun, gloo on CPU, DeepSpeed): two ranks apply exactly the
-single-process monolithic update at ZeRO 0, 1 and 2; every rank checkpoints its part; a rank
+"""The trainer as many ranks (torchrun, gloo on CPU, DeepSpeed): two and four ranks apply exactly
+the single-process monolithic update at ZeRO 0-3; every rank checkpoints its part; a rank
 SIGKILLed mid-step fails the step with nothing applied; and the trainer service, run as two
 ranks on the real stack, trains, survives a SIGKILLed rank (torchrun restarts the group) and
 resumes from its newest complete checkpoint at a version above any announced."""
@@ -42,17 +42,21 @@ def run_ranks(out: Path, *flags: str, ranks: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(("zero_stage", "aggregation", "beta", "micro_batch_groups", "seed"), [
-    (0, "token", 0.0, 2, 0),
-    (1, "sequence", 0.05, 3, 5),
-    (2, "token", 0.05, 1, 7),
-])
-def test_two_ranks_apply_exactly_the_monolithic_single_process_update(
-        tmp_path, zero_stage, aggregation, beta, micro_batch_groups, seed):
+@pytest.mark.parametrize(
+    ("ranks", "zero_stage", "aggregation", "beta", "micro_batch_groups", "seed"), [
+        (2, 0, "token", 0.0, 2, 0),
+        (2, 1, "sequence", 0.05, 3, 5),
+        (2, 2, "token", 0.05, 1, 7),
+        (2, 3, "sequence", 0.0, 2, 4),
+        # 4 ranks, micro-batches of one 3-sample group: a rank with an empty share each time.
+        (4, 3, "token", 0.05, 1, 2),
+    ])
+def test_many_ranks_apply_exactly_the_monolithic_single_process_update(
+        tmp_path, ranks, zero_stage, aggregation, beta, micro_batch_groups, seed):
     out = tmp_path / "out.json"
     stats = run_ranks(out, "--zero-stage", str(zero_stage), "--aggregation", aggregation,
                       "--beta", str(beta), "--micro-batch-groups", str(micro_batch_groups),
-                      "--seed", str(seed))
+                      "--seed", str(seed), ranks=ranks)
     assert "error" not in stats, stats
     expected = fresh_model(seed % 3)
     monolithic_update(expected, rewarded_groups(seed),
@@ -66,14 +70,18 @@ def test_two_ranks_apply_exactly_the_monolithic_single_process_update(
     assert any(not torch.equal(trained[n], base[n]) for n in base), "no update at all"
 
 
-def test_every_rank_writes_its_zero_partition_and_reads_it_back(tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_every_rank_writes_its_zero_partition_and_reads_it_back(tmp_path, zero_stage):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    stats = run_ranks(tmp_path / "out.json", "--zero-stage", "2", "--checkpoint", str(ckpt))
-    assert stats["restored"] is True, stats
+    stats = run_ranks(tmp_path / "out.json", "--zero-stage", str(zero_stage),
+                      "--checkpoint", str(ckpt))
+    assert stats["perturbed"] is True and stats["restored"] is True, stats
     parts = sorted(p.name for p in (ckpt / "deepspeed" / "deepspeed").glob("zero_pp_rank_*"))
-    assert parts == ["zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                     "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert [p for p in parts if "optim_states" in p] == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    if zero_stage == 3:  # the parameters themselves are partitioned too
+        assert "zero_pp_rank_1_mp_rank_00_model_states.pt" in parts, parts
 
 
 def test_a_rank_sigkilled_mid_step_fails_the_step_with_no_parameter_moved(tmp_path):

@@ -22,9 +22,9 @@ from rlharvest.services.trainer.ranks import (
     LocalRanks,
     MicroBatch,
     Sample,
-    _zero_loss,
     check_world,
     micro_batch_loss,
+    zero_loss,
 )
 
 
@@ -70,9 +70,11 @@ def test_the_shares_losses_and_gradients_sum_to_the_whole_batchs(parts, loss):
     assert any(g.abs().sum() > 0 for g in whole)  # the check can fail: gradients are not all 0
 
 
-def test_an_empty_share_backwards_exactly_zero_into_every_parameter():
+@pytest.mark.parametrize("loss_config", [LossConfig(), LossConfig(beta=0.1)])
+def test_an_empty_share_backwards_exactly_zero_into_every_parameter(loss_config):
     model = build_model("tiny", seed=1)
-    loss = _zero_loss(model)
+    empty = MicroBatch((), loss_config, PAD_ID, 9.0)
+    loss = zero_loss(model, empty, build_model("tiny", seed=2))
     loss.backward()
     assert float(loss.detach()) == 0.0
     for name, p in model.named_parameters():
