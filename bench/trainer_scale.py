@@ -14,7 +14,7 @@ Prints tokens/s of each and the median ratio 2x1 / 1x1 (scaling: 2.0 is perfect)
 2x1 / 1x2 (ranks vs threads on the same cores), with the spread over rounds. This box has 2 CPU cores
 and gloo; on GPUs (one per rank, NCCL) the same script measures the real scale-out.
 
-    python bench/trainer_scale.py [--quick] [--model tiny|small] [--zero-stage 0|1|2]
+    python bench/trainer_scale.py [--quick] [--model tiny|small] [--zero-stage 0|1|2|3]
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model", default="small", choices=["tiny", "small"])
-    parser.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=128)
