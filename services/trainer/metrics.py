@@ -23,3 +23,10 @@ PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one versi
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 CHECKPOINT_SECONDS = Histogram("rlh_trainer_checkpoint_seconds", "Writing one checkpoint",
                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+RANKS = Gauge("rlh_trainer_ranks", "Ranks training this job (1: a one-process trainer)")
+RANK_COMMAND_SECONDS = Histogram(
+    "rlh_trainer_rank_command_seconds",
+    "One command carried out by every rank: rank 0's broadcast to the last rank's reply",
+    ["command"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+RANK_FAILURES = Counter("rlh_trainer_rank_failures_total",
+                        "Commands that failed on a rank or whose collective broke (a rank died)")

@@ -26,6 +26,7 @@ Pure of I/O except the collectives; the loss itself is ``micro_batch_loss``, sha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,7 @@ import torch
 from torch.distributed import ProcessGroup
 
 from rlharvest.common.service_host import launch_rank
+from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.backend import TrainBackend
 from rlharvest.services.trainer.grpo import (
     LossConfig,
@@ -292,6 +294,17 @@ class LeaderRanks:
 
     def _command(self, command: Command) -> tuple[Result, list[float]]:
         """Rank 0's own result, and every rank's reply value (rank 0's first)."""
+        name = type(command).__name__
+        started = time.perf_counter()
+        try:
+            return self._collective(command)
+        except Exception:
+            metrics.RANK_FAILURES.inc()
+            raise
+        finally:
+            metrics.RANK_COMMAND_SECONDS.labels(name).observe(time.perf_counter() - started)
+
+    def _collective(self, command: Command) -> tuple[Result, list[float]]:
         if self._stopped:
             raise RankFailed("the follower ranks were told to stop")
         torch.distributed.broadcast_object_list([command], src=0, group=self._group)
@@ -347,5 +360,9 @@ def join(backend: TrainBackend, ref_model: torch.nn.Module | None) -> Ranks:
     """Rank 0's view of the job's ranks: itself alone, or the leader of the launched group.
     Call after the backend is built (it starts the process group)."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        return LeaderRanks(backend, ref_model, control_group())
-    return LocalRanks(backend, ref_model)
+        ranks: Ranks = LeaderRanks(backend, ref_model, control_group())
+    else:
+        ranks = LocalRanks(backend, ref_model)
+    metrics.RANKS.set(ranks.world_size)
+    log.info("training on %d rank(s)", ranks.world_size)
+    return ranks

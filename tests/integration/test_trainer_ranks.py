@@ -1,4 +1,4 @@
-"""The trainer as many ranks (torchrun, gloo on CPU, DeepSpeed): two and four ranks apply exactly
+"""The trainer as many ranks (torchrun or the deepspeed launcher, gloo on CPU, DeepSpeed): two and four ranks apply exactly
 the single-process monolithic update at ZeRO 0-3; every rank checkpoints its part; a rank
 SIGKILLed mid-step fails the step with nothing applied; and the trainer service, run as two
 ranks on the real stack, trains, survives a SIGKILLed rank (torchrun restarts the group) and
@@ -25,38 +25,44 @@ from rlharvest.services.trainer.grpo import LossConfig
 from tests.builders import rewarded_groups
 from tests.unit.test_trainer_stream import fresh_model, monolithic_update, seeded_model
 
-from .test_trainer import start_job, start_trainer, wait_trainer
+from .test_trainer import metric, scrape, start_job, start_trainer, wait_trainer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_ranks(out: Path, *flags: str, ranks: int = 2) -> dict:
-    """tests/rank_job.py under torchrun; what rank 0 wrote."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", str(ROOT / "tests" / "rank_job.py"), "--out", str(out),
-           *flags]
-    env = child_environment({"OMP_NUM_THREADS": "1"})
+def run_ranks(out: Path, *flags: str, ranks: int = 2, launcher: str = "torchrun") -> dict:
+    """tests/rank_job.py under torchrun or the deepspeed launcher; what rank 0 wrote."""
+    script = [str(ROOT / "tests" / "rank_job.py"), "--out", str(out), *flags]
+    extra = {"OMP_NUM_THREADS": "1"}
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={ranks}", *script]
+    else:  # on CPU its accelerator counts LOCAL_SIZE "devices"
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}",
+               "--no_local_rank", *script]
+        extra["LOCAL_SIZE"] = str(ranks)
+    env = child_environment(extra)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.exists(), f"rank 0 wrote nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize(
-    ("ranks", "zero_stage", "aggregation", "beta", "micro_batch_groups", "seed"), [
-        (2, 0, "token", 0.0, 2, 0),
-        (2, 1, "sequence", 0.05, 3, 5),
-        (2, 2, "token", 0.05, 1, 7),
-        (2, 3, "sequence", 0.0, 2, 4),
+    ("launcher", "ranks", "zero_stage", "aggregation", "beta", "micro_batch_groups", "seed"), [
+        ("torchrun", 2, 0, "token", 0.0, 2, 0),
+        ("torchrun", 2, 1, "sequence", 0.05, 3, 5),
+        ("deepspeed", 2, 2, "token", 0.05, 1, 7),
+        ("torchrun", 2, 3, "sequence", 0.0, 2, 4),
         # 4 ranks, micro-batches of one 3-sample group: a rank with an empty share each time.
-        (4, 3, "token", 0.05, 1, 2),
+        ("torchrun", 4, 3, "token", 0.05, 1, 2),
     ])
 def test_many_ranks_apply_exactly_the_monolithic_single_process_update(
-        tmp_path, ranks, zero_stage, aggregation, beta, micro_batch_groups, seed):
+        tmp_path, launcher, ranks, zero_stage, aggregation, beta, micro_batch_groups, seed):
     out = tmp_path / "out.json"
     stats = run_ranks(out, "--zero-stage", str(zero_stage), "--aggregation", aggregation,
                       "--beta", str(beta), "--micro-batch-groups", str(micro_batch_groups),
-                      "--seed", str(seed), ranks=ranks)
+                      "--seed", str(seed), ranks=ranks, launcher=launcher)
     assert "error" not in stats, stats
     expected = fresh_model(seed % 3)
     monolithic_update(expected, rewarded_groups(seed),
@@ -96,10 +102,14 @@ async def test_the_trainer_service_as_two_ranks_survives_a_sigkilled_rank_and_re
     flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--backend",
              "deepspeed", "--zero-stage", "2", "--steps", "0"]
     await start_job(stack, 2)
-    trainer, _ = await start_trainer(stack, "trainer", *flags, ranks=2, restarts=1)
+    trainer, metrics_port = await start_trainer(stack, "trainer", *flags, ranks=2, restarts=1)
     assert "rank 1 of 2 following rank 0" in trainer.process.log_path.read_text()
     first = await wait_trainer(trainer, lambda s: s.steps_done >= 3)
     assert first.steps[-1].loss == first.steps[-1].loss  # trained, not NaN
+    text = await asyncio.to_thread(scrape, metrics_port)
+    assert metric(text, "rlh_trainer_ranks") == 2
+    for command in ("Backward", "Step", "Weights", "Save"):
+        assert metric(text, f'rlh_trainer_rank_command_seconds_count{{command="{command}"}}') > 0
     saved = checkpoint.list_checkpoints(ckpt)
     assert saved, "no checkpoint of two ranks before the kill"
     follower = trainer.process.rank_pids()[1]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rlharvest.services.trainer.backend import OptimConfig, TorchBackend
 from rlharvest.services.trainer.checkpoint import TrainerState, load_latest, save_checkpoint
 from rlharvest.services.trainer.code_task import (
     PASSED_REWARD,
@@ -84,13 +85,12 @@ async def test_a_hanging_expression_is_cut_off_at_the_adaptive_timeout() -> None
 async def test_timeout_anchors_survive_a_checkpoint(tmp_path) -> None:
     code = task()
     assert await code.score("3==", "1+2", "3") == PASSED_REWARD
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backend = TorchBackend(torch.nn.Linear(2, 2), OptimConfig(optimizer="sgd"))
     save_checkpoint(tmp_path, TrainerState(1, 1, {}, extra={"task": code.checkpoint_state()}),
-                    model, optimizer)
+                    backend.save)
 
     resumed = task()
-    resumed.restore_state(load_latest(tmp_path, model, optimizer).extra["task"])
+    resumed.restore_state(load_latest(tmp_path, backend.load).extra["task"])
     assert resumed.checkpoint_state() == code.checkpoint_state() != {"timeout_anchors": {}}
     assert resumed.timeout_for("3==") == code.timeout_for("3==") < POLICY.t_max_s
 
