@@ -62,12 +62,28 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("deltas", "completions")
+    __slots__ = ("deltas", "completions", "remote")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+    remote: RemoteTimings
+    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ...) -> None: ...
+
+class RemoteTimings(_message.Message):
+    __slots__ = ("t_remote", "t_remote_wait", "n_prem_mean", "n_prem_next", "instances")
+    T_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    T_REMOTE_WAIT_FIELD_NUMBER: _ClassVar[int]
+    N_PREM_MEAN_FIELD_NUMBER: _ClassVar[int]
+    N_PREM_NEXT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    t_remote: float
+    t_remote_wait: float
+    n_prem_mean: float
+    n_prem_next: int
+    instances: int
+    def __init__(self, t_remote: _Optional[float] = ..., t_remote_wait: _Optional[float] = ..., n_prem_mean: _Optional[float] = ..., n_prem_next: _Optional[int] = ..., instances: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -92,7 +108,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[str] = ..., assigned: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ...) -> None: ...
 
 class ManagerStatus(_message.Message):
-    __slots__ = ("workers", "in_flight", "waiting", "tokens_generated", "tokens_regenerated", "migrations", "completions", "failures")
+    __slots__ = ("workers", "in_flight", "waiting", "tokens_generated", "tokens_regenerated", "migrations", "completions", "failures", "last_step_remote")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +117,7 @@ class ManagerStatus(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_REMOTE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     in_flight: int
     waiting: int
@@ -109,4 +126,5 @@ class ManagerStatus(_message.Message):
     migrations: int
     completions: int
     failures: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_regenerated: _Optional[int] = ..., migrations: _Optional[int] = ..., completions: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
+    last_step_remote: RemoteTimings
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., in_flight: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., tokens_regenerated: _Optional[int] = ..., migrations: _Optional[int] = ..., completions: _Optional[int] = ..., failures: _Optional[int] = ..., last_step_remote: _Optional[_Union[RemoteTimings, _Mapping]] = ...) -> None: ...

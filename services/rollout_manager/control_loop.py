@@ -36,6 +36,7 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.failure import FailureConfig, FailurePolicy
+from rlharvest.services.rollout_manager.remote_timing import RemoteTiming
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
 from rlharvest.services.rollout_manager.step_book import StepBook, admit_version
@@ -48,7 +49,12 @@ from rlharvest.services.rollout_manager.tracker import (
     StepError,
     StepLimits,
 )
-from rlharvest.services.rollout_manager.worker_pool import WorkerPool, WorkerState, WorkerView
+from rlharvest.services.rollout_manager.worker_pool import (
+    CAPPED_KINDS,
+    WorkerPool,
+    WorkerState,
+    WorkerView,
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class RolloutControl:
         self.pool = WorkerPool(clock)
         self.failure = FailurePolicy(config.failure, clock)
         self.steps = StepBook(clock, config.profile_epsilon)
+        self.remote = RemoteTiming(clock)  # Algorithm 1's remote-instance timings per step
         self._clock = clock
         self._select = select
         self._outbox: list[Command] = []  # decided outside tick (protocol errors), sent by tick
@@ -97,7 +104,9 @@ class RolloutControl:
                 raise StepError(f"request {r.request_id!r} has weight_version "
                                 f"{r.weight_version}; a step runs on one version, {weight_version}")
         ids = self.tracker.add_step(requests)
-        return self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled)
+        step = self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled)
+        self.remote.step_opened(step.key)
+        return step
 
     def version_held(self, weight_version: int) -> bool:
         """Whether some worker holds the version (then add_step needs no announced version)."""
@@ -111,12 +120,16 @@ class RolloutControl:
         if request_id not in self.tracker:
             return None
         self.tracker.forget(request_id)
-        return self.steps.delivered(request_id)
+        step = self.steps.delivered(request_id)
+        if step is not None:
+            step.remote = self.remote.step_closed(step.key)
+        return step
 
     def abandon_step(self, step: Step) -> list[Command]:
         """The client went away: its undelivered requests are dropped (aborted where they run)
         and the step ends, without freezing P. A step that already ended is left as it is."""
         out: list[Command] = []
+        self.remote.step_closed(step.key)
         for request_id in self.steps.abandon(step):
             if request_id not in self.tracker:
                 continue
@@ -137,6 +150,7 @@ class RolloutControl:
         self._check_vocabulary(worker_id, vocab_size)
         self.pool.join(worker_id, weight_version, capacity, kind, admission)
         self.steps.add_kind(kind)
+        self._count_remote()
 
     def _check_vocabulary(self, worker_id: str, vocab_size: int) -> None:
         """The first worker that states its vocabulary fixes the job's (unless configured); one
@@ -181,6 +195,8 @@ class RolloutControl:
         report = self.tracker.apply_outputs(worker_id, deltas)
         if report.accepted:
             self.pool.note_progress(worker_id)
+            if self.pool.get(worker_id).kind in CAPPED_KINDS:
+                self._remote_produced(worker_id, report.accepted)
         for dropped in report.dropped:
             if dropped.reason in ("position", "version"):
                 # The assignee and the manager disagree about this request: take it off that
@@ -220,6 +236,7 @@ class RolloutControl:
     # ---- the loop -----------------------------------------------------------------------------
 
     def tick(self) -> list[Command]:
+        self._count_remote()  # joins, losses, drains and cap changes all pass through here
         out, self._outbox = self._outbox, []
         for loss in self.failure.detect_losses(self.pool.all(), self._busy):
             out += self.worker_lost(loss.worker_id, loss.reason)
@@ -283,6 +300,18 @@ class RolloutControl:
             elif isinstance(c, Fail):
                 self.tracker.fail(c.request_id, c.reason)
         return list(commands)
+
+    def _count_remote(self) -> None:
+        """Active remote instances: healthy spot workers not held as standby."""
+        standby = self.pool.standby()
+        self.remote.active_changed(sum(
+            1 for w in self.pool.all() if w.kind in CAPPED_KINDS
+            and w.state is WorkerState.HEALTHY and w.worker_id not in standby))
+
+    def _remote_produced(self, worker_id: str, accepted: Sequence[DeltaLike]) -> None:
+        for key in {step.key for d in accepted
+                    if (step := self.steps.step_of(d.request_id)) is not None}:
+            self.remote.produced(key, worker_id)
 
     def _note_busy(self, worker_id: str) -> None:
         # The stall clock of a worker that was idle starts when it gets work, not when it last

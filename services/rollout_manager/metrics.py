@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge
 
+from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
+
 IN_FLIGHT = Gauge("rlh_manager_in_flight_requests", "Requests not finished yet")
 WAITING = Gauge("rlh_manager_waiting_requests", "Requests held in the manager (no worker)")
 ASSIGNED = Gauge("rlh_manager_assigned_requests", "Requests assigned per worker", ["worker"])
@@ -16,3 +18,15 @@ TOKENS_PER_SECOND = Gauge("rlh_manager_tokens_per_second", "Token rate over the 
 COMPLETIONS = Counter("rlh_manager_completions_total", "Finished requests", ["outcome"])
 WORKERS = Gauge("rlh_manager_workers", "Workers known to the manager", ["state"])
 STEPS = Counter("rlh_manager_steps_total", "Steps submitted", ["outcome"])
+REMOTE_SECONDS = Gauge("rlh_manager_step_remote_seconds", "Last finished step, mean per remote "
+                       "instance: t_remote (first to last tokens), t_remote_wait (idle after)",
+                       ["phase"])
+REMOTE_INSTANCES = Gauge("rlh_manager_step_remote_instances", "Last finished step: mean "
+                         "(time-weighted) and next count of active remote instances", ["at"])
+
+
+def observe_remote(timings: RemoteStepTimings) -> None:
+    REMOTE_SECONDS.labels("busy").set(timings.t_remote)
+    REMOTE_SECONDS.labels("wait").set(timings.t_remote_wait)
+    REMOTE_INSTANCES.labels("mean").set(timings.n_prem_mean)
+    REMOTE_INSTANCES.labels("next").set(timings.n_prem_next)

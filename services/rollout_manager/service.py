@@ -6,6 +6,7 @@ going away drops and when P is frozen are the core's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -73,6 +74,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._wake = asyncio.Event()
         self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) over the last 5 s
         self._rate_tokens = 0
+        self._last_remote: mpb.RemoteTimings | None = None
         self.accepting = True
 
     def stop_accepting(self) -> None:
@@ -269,8 +271,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         """The completion is in its client's stream: delivered, as far as the core is told."""
         metrics.COMPLETIONS.labels(outcome).inc()
         stream = self._streams.pop(request_id)
-        if self._control.deliver(request_id) is not None:
-            stream.end()  # the step ended (and froze P if it is a step of the RL loop)
+        step = self._control.deliver(request_id)
+        if step is None:
+            return
+        # The step ended (and froze P if it is a step of the RL loop).
+        remote = None
+        if step.remote is not None and step.profiled:
+            remote = mpb.RemoteTimings(**dataclasses.asdict(step.remote))
+            self._last_remote = remote
+            metrics.observe_remote(step.remote)
+        stream.end(remote)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -344,7 +354,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             waiting=len(self._control.tracker.waiting()),
             tokens_generated=counters.tokens_generated,
             tokens_regenerated=counters.tokens_regenerated, migrations=counters.migrations,
-            completions=counters.finished, failures=counters.failed)
+            completions=counters.finished, failures=counters.failed,
+            last_step_remote=self._last_remote)
 
     # ---- observability ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence, Set
 from enum import Enum
 
 from rlharvest.services.rollout_manager.batching_profile import ProfileSamples
+from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
 from rlharvest.services.rollout_manager.step_policy import StepPolicy
 
 
@@ -38,6 +39,7 @@ class Step:
         # Worker kind -> engine-step samples taken while this step was in flight.
         self.samples: dict[str, ProfileSamples] = {}
         self.outcome: StepOutcome | None = None
+        self.remote: RemoteStepTimings | None = None  # set when it finishes (remote_timing.py)
         self._outstanding = set(self.request_ids)
 
     @property

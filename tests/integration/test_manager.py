@@ -42,9 +42,12 @@ def step_request(n: int, max_tokens: int, version: int = 0, prefix: str = "r") -
         for i in range(n)])
 
 
-async def run_step(endpoint: str, request: mpb.SubmitStepRequest, on_event=None):
-    """Completions by id; asserts every streamed delta continues its request without gap."""
+async def run_step(endpoint: str, request: mpb.SubmitStepRequest, on_event=None,
+                   last_event: list | None = None):
+    """Completions by id; asserts every streamed delta continues its request without gap.
+    ``last_event``: the step's last event is appended to it."""
     completions: dict[str, mpb.Completion] = {}
+    event = None
     streamed: dict[str, list[int]] = {}
     async with rpc.channel(endpoint) as chan:
         stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
@@ -58,6 +61,8 @@ async def run_step(endpoint: str, request: mpb.SubmitStepRequest, on_event=None)
                 completions[c.request_id] = c
             if on_event is not None:
                 await on_event(completions, streamed)
+    if last_event is not None:
+        last_event.append(event)
     for rid, c in completions.items():
         if not c.failed:
             assert list(c.token_ids) == streamed.get(rid, []), "stream and completion disagree"
@@ -240,9 +245,16 @@ async def test_the_instance_cap_in_etcd_holds_later_spot_workers_as_standby(stac
         for w in (await status(manager.endpoint)).workers:
             seen[w.worker_id] = max(seen.get(w.worker_id, 0), w.assigned)
 
-    completions = await run_step(manager.endpoint, step_request(8, max_tokens=6), record)
+    last: list = []
+    completions = await run_step(manager.endpoint, step_request(8, max_tokens=6), record, last)
     assert len(completions) == 8 and not any(c.failed for c in completions.values())
     assert seen["spot0"] > 0 and seen["spot1"] == seen["spot2"] == 0, seen
+    # Algorithm 1's remote inputs ride on the step's last event: one active instance worked.
+    remote = last[0].remote
+    assert remote.instances == 1 and remote.n_prem_next == 1, remote
+    assert remote.n_prem_mean == pytest.approx(1.0) and remote.t_remote > 0, remote
+    assert (await status(manager.endpoint)).last_step_remote == remote
+    assert scrape(manager.metrics_port)['rlh_manager_step_remote_instances{at="next"}'] == 1
     assert scrape(manager.metrics_port).get('rlh_manager_migrations_total{cause="lost"}', 0) == 0
     await etcd_client.delete(keys.instance_cap_key("default").encode())
     deadline = time.monotonic() + 30

@@ -1,0 +1,96 @@
+"""How a step went on the remote (spot) instances: the manager's half of RLBoost Algorithm 1's
+inputs (§4.1; the trainer measures t_train and t_train_wait, ``services/trainer/
+seeding_window.py`` decides).
+
+Per step, from the manager's clock:
+
+- ``t_remote``: the mean, over the remote instances that produced tokens of the step, of the
+  time from an instance's first to its last accepted tokens of the step: how long the step's
+  rollout kept an instance busy. (The paper calls it the remote rollout time and says no more;
+  first-to-last is what an instance spends on the step whatever the seeding window was.)
+- ``t_remote_wait``: the mean over the same instances of the time from an instance's last
+  tokens of the step to the step's end (its last completion delivered): the instance idles
+  while the tail finishes elsewhere. Line 9 weighs it against the trainer's wait.
+- ``n_prem_mean``: the time-weighted mean count of active remote instances (healthy spot
+  workers not held as standby) over the step, from its start to its end.
+- ``n_prem_next``: that count when the step ended: what the next step starts with.
+
+Pure and synchronous (an injected clock); the control loop reports what happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RemoteStepTimings:
+    t_remote: float
+    t_remote_wait: float
+    n_prem_mean: float
+    n_prem_next: int
+    instances: int  # remote instances that produced tokens of the step
+
+
+@dataclass
+class _Open:
+    started_at: float
+    count_since: float  # when the active count last changed (or the step started)
+    area: float = 0.0  # integral of the active count over [started_at, count_since]
+    first: dict[str, float] = field(default_factory=dict)  # instance -> first tokens at
+    last: dict[str, float] = field(default_factory=dict)
+
+
+class RemoteTiming:
+    """The remote timings of every step in flight, keyed by the step's key."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._count = 0
+        self._open: dict[int, _Open] = {}
+
+    @property
+    def active(self) -> int:
+        return self._count
+
+    def step_opened(self, key: int) -> None:
+        now = self._clock()
+        self._open[key] = _Open(started_at=now, count_since=now)
+
+    def active_changed(self, count: int) -> None:
+        """The number of active remote instances is now ``count``."""
+        if count < 0:
+            raise ValueError(f"an instance count is >= 0, got {count}")
+        if count == self._count:
+            return
+        now = self._clock()
+        for step in self._open.values():
+            step.area += self._count * (now - step.count_since)
+            step.count_since = now
+        self._count = count
+
+    def produced(self, key: int, instance: str) -> None:
+        """A remote instance's tokens of step ``key`` were accepted now."""
+        step = self._open.get(key)
+        if step is None:
+            return
+        now = self._clock()
+        step.first.setdefault(instance, now)
+        step.last[instance] = now
+
+    def step_closed(self, key: int) -> RemoteStepTimings | None:
+        """The step ended; its timings (None for a step never opened or already closed)."""
+        step = self._open.pop(key, None)
+        if step is None:
+            return None
+        now = self._clock()
+        duration = now - step.started_at
+        area = step.area + self._count * (now - step.count_since)
+        instances = list(step.last)
+        n = len(instances)
+        return RemoteStepTimings(
+            t_remote=sum(step.last[i] - step.first[i] for i in instances) / n if n else 0.0,
+            t_remote_wait=sum(now - step.last[i] for i in instances) / n if n else 0.0,
+            n_prem_mean=area / duration if duration > 0 else float(self._count),
+            n_prem_next=self._count, instances=n)
