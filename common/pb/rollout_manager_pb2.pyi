@@ -72,18 +72,20 @@ class StepEvent(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ...) -> None: ...
 
 class RemoteTimings(_message.Message):
-    __slots__ = ("t_remote", "t_remote_wait", "n_prem_mean", "n_prem_next", "instances")
+    __slots__ = ("t_remote", "t_remote_wait", "n_prem_mean", "n_prem_next", "instances", "n_available_next")
     T_REMOTE_FIELD_NUMBER: _ClassVar[int]
     T_REMOTE_WAIT_FIELD_NUMBER: _ClassVar[int]
     N_PREM_MEAN_FIELD_NUMBER: _ClassVar[int]
     N_PREM_NEXT_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    N_AVAILABLE_NEXT_FIELD_NUMBER: _ClassVar[int]
     t_remote: float
     t_remote_wait: float
     n_prem_mean: float
     n_prem_next: int
     instances: int
-    def __init__(self, t_remote: _Optional[float] = ..., t_remote_wait: _Optional[float] = ..., n_prem_mean: _Optional[float] = ..., n_prem_next: _Optional[int] = ..., instances: _Optional[int] = ...) -> None: ...
+    n_available_next: int
+    def __init__(self, t_remote: _Optional[float] = ..., t_remote_wait: _Optional[float] = ..., n_prem_mean: _Optional[float] = ..., n_prem_next: _Optional[int] = ..., instances: _Optional[int] = ..., n_available_next: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -302,11 +302,10 @@ class RolloutControl:
         return list(commands)
 
     def _count_remote(self) -> None:
-        """Active remote instances: healthy spot workers not held as standby."""
-        standby = self.pool.standby()
-        self.remote.active_changed(sum(
-            1 for w in self.pool.all() if w.kind in CAPPED_KINDS
-            and w.state is WorkerState.HEALTHY and w.worker_id not in standby))
+        """Active remote instances (healthy spot workers not held as standby), of available."""
+        healthy = {w.worker_id for w in self.pool.all()
+                   if w.kind in CAPPED_KINDS and w.state is WorkerState.HEALTHY}
+        self.remote.active_changed(len(healthy - self.pool.standby()), len(healthy))
 
     def _remote_produced(self, worker_id: str, accepted: Sequence[DeltaLike]) -> None:
         for key in {step.key for d in accepted

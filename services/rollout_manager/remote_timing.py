@@ -14,6 +14,9 @@ Per step, from the manager's clock:
 - ``n_prem_mean``: the time-weighted mean count of active remote instances (healthy spot
   workers not held as standby) over the step, from its start to its end.
 - ``n_prem_next``: that count when the step ended: what the next step starts with.
+- ``n_available_next``: healthy spot workers when the step ended, standby included: what the
+  next step *could* use. Algorithm 1 clamps N_prem to availability; the active count alone
+  would be the current cap, and N_prem could then never grow past it.
 
 Pure and synchronous (an injected clock); the control loop reports what happens.
 """
@@ -31,6 +34,7 @@ class RemoteStepTimings:
     n_prem_mean: float
     n_prem_next: int
     instances: int  # remote instances that produced tokens of the step
+    n_available_next: int = 0
 
 
 @dataclass
@@ -48,6 +52,7 @@ class RemoteTiming:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._count = 0
+        self._available = 0
         self._open: dict[int, _Open] = {}
 
     @property
@@ -58,10 +63,13 @@ class RemoteTiming:
         now = self._clock()
         self._open[key] = _Open(started_at=now, count_since=now)
 
-    def active_changed(self, count: int) -> None:
-        """The number of active remote instances is now ``count``."""
-        if count < 0:
-            raise ValueError(f"an instance count is >= 0, got {count}")
+    def active_changed(self, count: int, available: int | None = None) -> None:
+        """``count`` remote instances are active now, of ``available`` (default: ``count``)."""
+        available = count if available is None else available
+        if count < 0 or available < count:
+            raise ValueError(f"instance counts must be 0 <= active <= available, got {count} "
+                             f"of {available}")
+        self._available = available
         if count == self._count:
             return
         now = self._clock()
@@ -93,4 +101,4 @@ class RemoteTiming:
             t_remote=sum(step.last[i] - step.first[i] for i in instances) / n if n else 0.0,
             t_remote_wait=sum(now - step.last[i] for i in instances) / n if n else 0.0,
             n_prem_mean=area / duration if duration > 0 else float(self._count),
-            n_prem_next=self._count, instances=n)
+            n_prem_next=self._count, instances=n, n_available_next=self._available)

@@ -80,6 +80,9 @@ class TrainerConfig(ServiceConfig):
                                             "first is on-policy)")
     agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
     bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
+    instance_cap: Literal["off", "auto"] = Field(
+        "off", description="auto: after each step write the job's spot-instance cap N_prem "
+        "(RLBoost Algorithm 1) to etcd for the manager and an autoscaler")
     no_worker_deadline_s: float = Field(120.0, ge=0, description="how long a request may wait "
                                         "for a worker holding the step's version")
     step_attempts: int = Field(3, ge=1, description="tries of one step when its rollout fails")

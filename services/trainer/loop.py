@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import torch
 
-from rlharvest.common.pb import trainer_pb2 as tpb
+from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
@@ -45,6 +45,7 @@ from rlharvest.services.trainer.ranks import check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
+from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
@@ -125,6 +126,7 @@ class TrainerLoop:
         self._model = self._backend.model
         # With N launched ranks this is rank 0: micro-batches and the update spread over them.
         self._ranks = join(self._backend, self._ref_model)
+        self._instance_cap = InstanceCap(etcd, cfg.job) if cfg.instance_cap == "auto" else None
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
         self._setup = build_task_setup(cfg, self._tok, max_positions(self._model))
@@ -253,8 +255,12 @@ class TrainerLoop:
             if done is not None:
                 ready.put_nowait(done)
 
+        remote: list[mpb.RemoteTimings] = []  # the manager's half of Algorithm 1's inputs
+
         async def rollout(tasks: TaskGroup) -> None:
             async for event in rollout_client.stream_step(manager, request, cfg.max_message_bytes):
+                if event.HasField("remote"):
+                    remote.append(event.remote)
                 for delta in event.deltas:
                     assembler.delta(delta)
                 for completion in event.completions:
@@ -289,6 +295,9 @@ class TrainerLoop:
                         if not isinstance(e, asyncio.CancelledError)), failed) from None
         progress.phase = "optimizer"
         stats = await self._run(train.finish)  # the one optimizer step of this RL step
+        if self._instance_cap is not None:
+            await self._instance_cap.after_step(stats.compute_s, waited,
+                                                remote[-1] if remote else None)
         self._step = spec.step
         elapsed = self._clock() - started
 

@@ -252,6 +252,7 @@ async def test_the_instance_cap_in_etcd_holds_later_spot_workers_as_standby(stac
     # Algorithm 1's remote inputs ride on the step's last event: one active instance worked.
     remote = last[0].remote
     assert remote.instances == 1 and remote.n_prem_next == 1, remote
+    assert remote.n_available_next == 3, remote  # the standby workers could be used
     assert remote.n_prem_mean == pytest.approx(1.0) and remote.t_remote > 0, remote
     assert (await status(manager.endpoint)).last_step_remote == remote
     assert scrape(manager.metrics_port)['rlh_manager_step_remote_instances{at="next"}'] == 1

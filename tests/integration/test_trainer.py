@@ -5,6 +5,7 @@ SIGKILLed trainer resumes from its last checkpoint with the workers converging t
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -173,6 +174,31 @@ async def test_grpo_learns_on_policy_while_a_spot_worker_is_preempted(stack, etc
     while (await worker_versions(etcd_client)).get("w3") != st.weight_version:
         assert time.monotonic() < deadline, await worker_versions(etcd_client)
         await asyncio.sleep(0.2)
+
+
+async def test_the_trainer_writes_n_prem_from_each_steps_timings_and_the_manager_applies_it(
+        stack, etcd_client):
+    """RLBoost Algorithm 1's cap, end to end: the manager measures the remote instances' side
+    of a step, the trainer its own, writes N_prem (clamped to the 2 spot workers available)
+    to etcd, and the manager holds spot workers beyond it as standby."""
+    manager = await start_job(stack, 2, spot=True)  # w0 dedicated, w1 spot
+    start_worker(stack, "w2", True)
+    deadline = time.monotonic() + 120
+    while len([w for w in (await manager_status(manager.endpoint)).workers
+               if w.state == "healthy"]) < 3:
+        assert time.monotonic() < deadline, "the second spot worker did not join"
+        await asyncio.sleep(0.3)
+    trainer, _ = await start_trainer(stack, "trainer", "--instance-cap", "auto", "--steps", "3")
+    await wait_trainer(trainer, lambda s: s.state == "done")
+    cap = json.loads((await etcd_client.get(keys.instance_cap_key("default").encode())).value)
+    assert 1 <= cap["n_prem"] <= 2, cap
+    assert "instance cap N_prem=" in trainer.process.log_path.read_text()
+    deadline = time.monotonic() + 30
+    while metric(scrape(manager.metrics_port), "rlh_manager_instance_cap") != cap["n_prem"]:
+        assert time.monotonic() < deadline, "the manager did not apply the trainer's cap"
+        await asyncio.sleep(0.2)
+    standby = [w for w in (await manager_status(manager.endpoint)).workers if w.state == "standby"]
+    assert len(standby) == 2 - cap["n_prem"], standby
 
 
 async def test_sigkilled_trainer_resumes_from_its_last_checkpoint(stack, etcd_client, tmp_path):

@@ -28,10 +28,10 @@ def test_worked_example_of_two_instances_and_a_preemption():
     timing.produced(7, "b")
     clock.now = 4.0
     timing.produced(7, "a")  # a works 1 -> 4
-    timing.active_changed(1)  # b preempted at 4 after working 1 -> 1
+    timing.active_changed(1, 3)  # b preempted at 4 after working 1 -> 1; 2 more stand by
     clock.now = 10.0
     got = timing.step_closed(7)
-    assert got is not None
+    assert got is not None and got.n_available_next == 3
     assert got.t_remote == pytest.approx((3.0 + 0.0) / 2)
     assert got.t_remote_wait == pytest.approx((6.0 + 9.0) / 2)
     assert got.n_prem_mean == pytest.approx((2 * 4 + 1 * 6) / 10)
@@ -59,8 +59,10 @@ def test_tokens_of_another_or_a_closed_step_are_ignored_and_a_step_closes_once()
     assert timing.step_closed(1) is not None
     timing.produced(1, "a")
     assert timing.step_closed(1) is None
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="0 <= active <= available"):
         timing.active_changed(-1)
+    with pytest.raises(ValueError, match="0 <= active <= available"):
+        timing.active_changed(3, 2)
 
 
 def test_two_steps_in_flight_each_measure_over_their_own_lifetime():
