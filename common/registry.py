@@ -276,3 +276,29 @@ async def put_versioned(client: aetcd.Client, key: str, version: int, record: di
             return
     raise RuntimeError(f"{key}: gave up after {attempts} contended attempts")
 
+
+def parse_instance_cap(raw: bytes | None) -> int | None:
+    """{"n_prem": n} -> n; absent -> None. A malformed record is logged and read as no cap: a
+    bad write must not stop the job's rollout."""
+    if raw is None:
+        return None
+    try:
+        cap = json.loads(raw)["n_prem"]
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0:
+            return cap
+    except (ValueError, KeyError, TypeError):
+        pass
+    log.error("ignoring a malformed instance cap %r: expected {\"n_prem\": <int >= 0>}", raw[:200])
+    return None
+
+
+def instance_cap_record(n_prem: int) -> bytes:
+    """What ``keys.instance_cap_key`` holds: the one writer-side form ``parse_instance_cap``
+    reads."""
+    return json.dumps({"n_prem": n_prem}).encode()
+
+
+async def read_instance_cap(client: aetcd.Client, job: str) -> int | None:
+    """The job's N_prem now (None: no cap, or a malformed record)."""
+    found = await client.get(keys.instance_cap_key(job).encode())
+    return parse_instance_cap(None if found is None else found.value)

@@ -21,6 +21,7 @@ from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.hf_checkpoint import build_checkpoint_command
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.spot_replay import SpotReplay, load_trace
 from rlharvest.services.train_command import train
 from rlharvest.services.trainer.gsm8k import make_dataset
 
@@ -44,8 +45,21 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                                                 "(4 rollout + 2 training nodes; see its --help)"),
        trainer: bool = typer.Option(False, help="also start a trainer for the job 'default' "
                                                "(needs the manager and an agent)"),
+       spot_trace: str = typer.Option("", help="replay spot availability instead of --spot: "
+                                       "a segment of RLBoost Table 5 (A, B, C) or a "
+                                       "time_s,event,instance CSV; at most N_prem run"),
+       trace_seconds: float = typer.Option(600.0, min=1.0, help="the trace, compressed to "
+                                           "this many seconds of replay"),
+       trace_seed: int = typer.Option(0, help="seed of a synthesized segment"),
        ready_timeout: float = typer.Option(120.0, help="seconds to wait for every member")) -> None:
     """Start etcd and the services as local processes; Ctrl-C stops them all cleanly."""
+    replay_trace = None
+    if spot_trace:
+        try:
+            replay_trace = load_trace(spot_trace, trace_seconds, trace_seed)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--spot-trace") from None
+        spot = 0  # the trace decides the spot workers
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
     endpoint = stack.start_etcd()
     try:
@@ -74,7 +88,17 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                       f"rollout workers{', 1 rollout manager' if manager else ''}, "
                       f"logs in {stack.log_dir}")
         console.print(f"  rlharvest status --etcd {endpoint}")
-        _wait_for_signal()
+        if replay_trace is None:
+            _wait_for_signal()
+            return
+        console.print(f"replaying spot availability {spot_trace} over {trace_seconds:g}s "
+                      f"(mean {replay_trace.mean_count():.2f} instances, "
+                      f"{replay_trace.allocations} allocations, "
+                      f"{replay_trace.preemptions} preemptions)")
+        worker_flags = ["--model", model, *(["--job", "default", "--agent-pull"] if agents
+                                            else [])]
+        asyncio.run(_replay(endpoint, SpotReplay(stack, replay_trace, worker_flags,
+                                                 report=console.print)))
     finally:
         console.print("stopping...")
         stack.stop()
@@ -92,6 +116,18 @@ async def _wait_members(endpoint: str, expected: int, timeout: float, stack: Loc
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not all {expected} members registered within {timeout}s")
             await asyncio.sleep(0.2)
+    finally:
+        await etcd.close()
+
+
+async def _replay(endpoint: str, replay: SpotReplay) -> None:
+    stopped = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopped.set)
+    etcd = await registry.connect(endpoint)
+    try:
+        await replay.run(etcd, stopped)
     finally:
         await etcd.close()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections import deque
@@ -41,21 +40,6 @@ def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
     return common_pb2.TokenDelta(request_id=delta.request_id, position=delta.position,
                                  token_ids=delta.token_ids, logprobs=delta.logprobs,
                                  weight_version=delta.weight_version)
-
-
-def parse_instance_cap(raw: bytes | None) -> int | None:
-    """{"n_prem": n} -> n; absent -> None. A malformed record is logged and read as no cap: a
-    bad write must not stop the job's rollout."""
-    if raw is None:
-        return None
-    try:
-        cap = json.loads(raw)["n_prem"]
-        if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0:
-            return cap
-    except (ValueError, KeyError, TypeError):
-        pass
-    log.error("ignoring a malformed instance cap %r: expected {\"n_prem\": <int >= 0>}", raw[:200])
-    return None
 
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -98,7 +82,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         async for event in registry.list_and_watch(self._etcd, self._cap_key, prefix=False):
             raw = (event.values.get(self._cap_key) if isinstance(event, registry.Listing)
                    else event.value)
-            cap = parse_instance_cap(raw)
+            cap = registry.parse_instance_cap(raw)
             if cap != self._control.pool.instance_cap:
                 self._control.pool.set_instance_cap(cap)
                 log.info("instance cap for spot workers: %s", "none" if cap is None else cap)

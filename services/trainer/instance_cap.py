@@ -14,10 +14,9 @@ an etcd error is logged and the next step writes again.
 
 from __future__ import annotations
 
-import json
 import logging
 
-from rlharvest.common import keys
+from rlharvest.common import keys, registry
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.trainer.seeding_window import SeedingWindow, StepTimings
 
@@ -46,7 +45,7 @@ class InstanceCap:
             return None
         n_prem = self.window.observe(step_timings(t_train, t_train_wait, remote)).n_prem
         try:
-            await self._etcd.put(self._key.encode(), json.dumps({"n_prem": n_prem}).encode())
+            await self._etcd.put(self._key.encode(), registry.instance_cap_record(n_prem))
         except Exception as exc:  # advisory: the next step writes again
             log.warning("could not write the instance cap N_prem=%d: %s", n_prem, exc)
             return None

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlharvest.common import registry
+from rlharvest.common import keys, registry
 
 from .worker_client import listening
 
@@ -21,9 +21,11 @@ ENV = {**os.environ, "COLUMNS": "240", "TERM": "dumb", "NO_COLOR": "1"}
 CLI = [sys.executable, "-m", "rlharvest.services.cli"]
 
 
-def _read_until(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
+def _read_until(proc: subprocess.Popen, pattern: str, timeout: float,
+                seen: list[str] | None = None) -> re.Match:
+    """The first line matching ``pattern``; every line read is appended to ``seen``."""
     deadline = time.monotonic() + timeout
-    seen = []
+    seen = [] if seen is None else seen
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -71,6 +73,44 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_replays_a_spot_trace_under_the_jobs_instance_cap(tmp_path):
+    """App. C's replayer on real processes: the trace's instances start, the cap in etcd stops
+    the latest one, a preemption SIGKILLs its instance and an available one starts at once."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("time_s,event,instance\n0,add,spot-a\n0,add,spot-b\n2,add,spot-c\n"
+                     "3,remove,spot-a\n5,remove,spot-c\n")
+    up = subprocess.Popen([*CLI, "up", "--workers", "0", "--agents", "0", "--no-manager",
+                           "--spot-trace", str(trace), "--trace-seconds", "20",
+                           "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        etcd = _read_until(up, r"etcd at (127\.0\.0\.1:\d+)", timeout=180).group(1)
+        seen: list[str] = []
+        _read_until(up, r"1 allocations, 2 preemptions", timeout=30, seen=seen)
+        _read_until(up, r"start spot-a", timeout=30, seen=seen)
+        _read_until(up, r"start spot-b", timeout=30, seen=seen)
+        asyncio.run(_put_cap(etcd, 1))
+        _read_until(up, r"stop spot-b", timeout=30, seen=seen)  # the latest started leaves
+        _read_until(up, r"kill spot-a", timeout=30, seen=seen)  # preempted at 3/5 of 20 s
+        _read_until(up, r"start spot-b", timeout=30, seen=seen)  # at once, the first available
+        # spot-c was available from 8 s, but the cap of 1 never let it run.
+        assert not any("start spot-c" in line for line in seen), seen
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+async def _put_cap(etcd: str, n_prem: int) -> None:
+    client = await registry.connect(etcd)
+    try:
+        await client.put(keys.instance_cap_key("default").encode(),
+                         registry.instance_cap_record(n_prem))
+    finally:
+        await client.close()
 
 
 def test_status_without_etcd_says_so():

@@ -8,7 +8,7 @@ import pytest
 
 from rlharvest.services.rollout_manager.commands import Dispatch
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
-from rlharvest.services.rollout_manager.service import parse_instance_cap
+from rlharvest.common.registry import parse_instance_cap
 from tests.builders import Clock, step
 
 
