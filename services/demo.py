@@ -138,7 +138,7 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
         "--trainer-id", "trainer-0", "--port", str(port), "--steps", str(args["steps"]),
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
-        "--torch-threads", "1", "--no-exit-when-done", *common])
+        "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto", *common])
     return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags)
 
 
@@ -259,12 +259,13 @@ def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
                title: str = "rlharvest demo: one GRPO step per row") -> Table:
     table = Table(title=title)
     for column in ("step", "version", "reward", "time s", "tokens/s", "micro", "migr",
-                   "events"):
+                   "N_prem", "T_seed", "events"):
         table.add_column(column, justify="right" if column != "events" else "left")
     for s in status.steps:
         table.add_row(str(s.step), str(s.weight_version), f"{s.mean_reward:.3f}",
                       f"{s.step_time_s:.2f}", f"{s.tokens_per_second:.0f}", str(s.micro_batches),
-                      str(s.migrations), "; ".join(events.get(s.step, [])))
+                      str(s.migrations), str(s.n_prem or "-"), f"{s.t_seed_s:.1f}",
+                      "; ".join(events.get(s.step, [])))
     return table
 
 
@@ -301,7 +302,8 @@ def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: P
     (out / "steps.json").write_text(json.dumps([
         {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
          "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
-         "migrations": s.migrations, "events": events.get(s.step, [])}
+         "migrations": s.migrations, "n_prem": s.n_prem, "t_seed_s": s.t_seed_s,
+         "events": events.get(s.step, [])}
         for s in status.steps], indent=1))
 
 

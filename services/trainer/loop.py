@@ -295,9 +295,10 @@ class TrainerLoop:
                         if not isinstance(e, asyncio.CancelledError)), failed) from None
         progress.phase = "optimizer"
         stats = await self._run(train.finish)  # the one optimizer step of this RL step
+        n_prem = 0
         if self._instance_cap is not None:
-            await self._instance_cap.after_step(stats.compute_s, waited,
-                                                remote[-1] if remote else None)
+            n_prem = await self._instance_cap.after_step(
+                stats.compute_s, waited, remote[-1] if remote else None) or 0
         self._step = spec.step
         elapsed = self._clock() - started
 
@@ -310,7 +311,8 @@ class TrainerLoop:
             tokens_per_second=stats.num_tokens / max(elapsed, 1e-9),
             migrations=assembler.migrations, micro_batches=stats.micro_batches,
             micro_batch_wait_s=waited, loss=stats.loss, grad_norm=stats.grad_norm,
-            train_compute_s=stats.compute_s,
+            train_compute_s=stats.compute_s, n_prem=n_prem,
+            t_seed_s=self._instance_cap.window.schedule.t_seed if self._instance_cap else 0.0,
             published_version=self._version if self._publisher is not None else 0)
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:

@@ -26,4 +26,6 @@ def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     steps = json.loads((out / "steps.json").read_text())
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all(s["tokens_per_second"] > 0 for s in steps)
+    # The trainer runs Algorithm 1's cap (--instance-cap auto): one spot worker, so N_prem is 1.
+    assert [s["n_prem"] for s in steps] == [1, 1, 1], steps
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
