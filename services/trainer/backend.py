@@ -73,6 +73,10 @@ class TrainBackend(Protocol):
         """A detached CPU copy of the whole model's weights: what a version IS, independent of
         later updates. Collective under ZeRO-3 (every rank must call it)."""
 
+    @property
+    def weights_are_sharded(self) -> bool:
+        """Whether ``weights`` needs every rank (ZeRO-3) or rank 0 holds them all."""
+
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous()
@@ -139,6 +143,10 @@ class TorchBackend:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return snapshot(self._model)
+
+    @property
+    def weights_are_sharded(self) -> bool:
+        return False
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
@@ -280,6 +288,10 @@ class DeepSpeedBackend:
                                                  load_lr_scheduler_states=False)
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {folder}")
+
+    @property
+    def weights_are_sharded(self) -> bool:
+        return self._stage == 3
 
     def weights(self) -> dict[str, torch.Tensor]:
         if self._stage < 3:

@@ -272,6 +272,8 @@ class LeaderRanks:
         self._command(Discard())
 
     def weights(self) -> dict[str, torch.Tensor]:
+        if not self._local.backend.weights_are_sharded:
+            return self._local.weights()  # rank 0 holds every parameter: no one else copies
         mine = self._command(Weights())[0]
         assert isinstance(mine, dict)
         return mine
