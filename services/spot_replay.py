@@ -63,6 +63,10 @@ class SpotReplay:
             self.history.append((at, action))
             proc = self.processes.get(action.instance)
             if isinstance(action, Start):
+                if proc is not None and proc.alive():
+                    # Still draining from an earlier stop: a worker id is unique while alive,
+                    # so the old process goes now (its requests migrate with their tokens).
+                    proc.kill()
                 self.processes[action.instance] = self.stack.start(
                     "rollout_worker", action.instance,
                     ["--worker-id", action.instance, "--kind", "spot", *self.worker_flags])
