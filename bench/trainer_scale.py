@@ -67,12 +67,19 @@ def worker(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             tokens += sum(len(c.completion_ids) for g in groups for c in g.completions)
+    gathers = []  # what publishing a version costs rank 0 (ZeRO-3: a gather over every rank)
+    for _ in range(5):
+        start = time.perf_counter()
+        trainer_ranks.weights()
+        gathers.append(time.perf_counter() - start)
     trainer_ranks.close()
-    Path(args.out).write_text(json.dumps({"tokens": tokens, "seconds": sum(times)}))
+    Path(args.out).write_text(json.dumps({"tokens": tokens, "seconds": sum(times),
+                                          "weights_s": statistics.median(gathers)}))
 
 
-def launch(config: str, args: argparse.Namespace, out: Path) -> float:
-    """Run one configuration; returns its tokens/s."""
+def launch(config: str, args: argparse.Namespace, out: Path) -> tuple[float, float]:
+    """Run one configuration; returns its tokens/s and the median time rank 0 took to get the
+    whole model's weights for publishing."""
     nproc, threads = CONFIGS[config]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("model", "zero_stage", "groups", "group_size", "max_len",
@@ -82,7 +89,7 @@ def launch(config: str, args: argparse.Namespace, out: Path) -> float:
                     f"--nproc-per-node={nproc}", __file__, "--worker", f"--threads={threads}",
                     f"--out={out}", *flags], env=env, check=True, capture_output=True)
     result = json.loads(out.read_text())
-    return result["tokens"] / result["seconds"]
+    return result["tokens"] / result["seconds"], result["weights_s"]
 
 
 def spread(values: list[float]) -> str:
@@ -117,16 +124,21 @@ def main() -> None:
           f"completions (<= {args.max_len} tokens) m_b={args.micro_batch_groups} "
           f"steps={args.steps} rounds={rounds}{' (quick)' if quick else ''}")
     rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    weights: dict[str, list[float]] = {c: [] for c in CONFIGS}
     order = list(CONFIGS)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for config in order[r % 3:] + order[:r % 3]:
-                rates[config].append(launch(config, args, Path(tmp) / f"{config}-{r}.json"))
+                rate, weights_s = launch(config, args, Path(tmp) / f"{config}-{r}.json")
+                rates[config].append(rate)
+                weights[config].append(weights_s)
             print(f"  round {r}: " + "  ".join(f"{c} {rates[c][-1]:,.0f} tok/s" for c in CONFIGS))
     scale = [b / a for a, b in zip(rates["1x1"], rates["2x1"])]
     same_cores = [b / a for a, b in zip(rates["1x2"], rates["2x1"])]
     print(f"2 ranks / 1 rank (1 thread each): {spread(scale)}   "
           f"2 ranks x 1 thread / 1 rank x 2 threads: {spread(same_cores)}")
+    print("whole-model weights for publishing on rank 0 (median ms): " + "  ".join(
+        f"{c} {1000 * statistics.median(weights[c]):.1f}" for c in CONFIGS))
 
 
 if __name__ == "__main__":

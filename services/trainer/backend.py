@@ -69,9 +69,10 @@ class TrainBackend(Protocol):
     def load(self, path: Path) -> None:
         """Read back what ``save`` wrote, in place."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """A detached CPU copy of the whole model's weights: what a version IS, independent of
-        later updates. Collective under ZeRO-3 (every rank must call it)."""
+        later updates. Collective under ZeRO-3 (every rank must call it); ``keep=False``: join
+        the gather, copy nothing (a follower rank), return {}."""
 
     @property
     def weights_are_sharded(self) -> bool:
@@ -141,8 +142,8 @@ class TorchBackend:
         self._model.load_state_dict(payload["model"])
         self._optimizer.load_state_dict(payload["optimizer"])
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return snapshot(self._model)
+    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        return snapshot(self._model) if keep else {}
 
     @property
     def weights_are_sharded(self) -> bool:
@@ -293,16 +294,16 @@ class DeepSpeedBackend:
     def weights_are_sharded(self) -> bool:
         return self._stage == 3
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        if self._stage < 3:
-            return snapshot(self._engine.module)  # every rank holds every parameter
+    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        if self._stage < 3:  # every rank holds every parameter
+            return snapshot(self._engine.module) if keep else {}
         import deepspeed
 
         # ZeRO-3: each rank holds a slice; gather them all (on every rank: a collective), copy,
         # and let the context re-partition. Buffers are never partitioned.
         with deepspeed.zero.GatheredParameters(list(self._engine.module.parameters()),
                                                modifier_rank=None):
-            return snapshot(self._engine.module)
+            return snapshot(self._engine.module) if keep else {}
 
     def _rescale(self, grad_scale: float) -> None:
         if self._zero:

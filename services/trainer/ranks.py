@@ -160,8 +160,8 @@ class LocalRanks:
         if zero_grad is not None:
             zero_grad(set_to_none=True)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.backend.weights()
+    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        return self.backend.weights(keep)
 
     def save(self, path: Path) -> None:
         self.backend.save(path)
@@ -234,7 +234,7 @@ Result = float | dict[str, torch.Tensor]
 
 def _run(local: LocalRanks, rank: int, command: Command) -> Result:
     if isinstance(command, Weights):
-        return local.weights()  # the followers' copies are dropped: rank 0 publishes
+        return local.weights(keep=rank == 0)  # rank 0 publishes; the others only gather
     if isinstance(command, Backward):
         return local.backward(command.shares[rank])
     if isinstance(command, Step):
