@@ -4,11 +4,14 @@ Rank 0 leads a ``StreamingStep`` over ``LeaderRanks``; the other ranks ``follow`
 the updated parameters and the step's stats to ``--out``. ``--kill-follower-after N``: rank 1
 SIGKILLs itself after its N-th command, and rank 0 writes what the step raised instead.
 ``--checkpoint DIR``: after the step every rank saves, then loads back into a perturbed model.
+``--publish-to AGENT --publish-job JOB``: after the step every rank publishes its flat shard of
+version 1 to that transfer agent; rank 0 pulls the version back and compares it with the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -21,6 +24,8 @@ from rlharvest.common.tokenizer import PAD_ID
 from rlharvest.services.trainer import ranks
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import LossConfig
+from rlharvest.services.trainer.shard_publish import ShardTarget
+from rlharvest.services.transfer_agent import client
 from rlharvest.services.trainer.stream_trainer import StreamingStep
 from tests.builders import rewarded_groups
 from tests.unit.test_trainer_stream import GROUP_SIZE, bursts, fresh_model, seeded_model
@@ -36,6 +41,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--kill-follower-after", type=int, default=0)
     parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--publish-to", default="")
+    parser.add_argument("--publish-job", default="ranks")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,6 +81,8 @@ def main() -> None:
         out = {"error": f"collective: {exc}"}
     trained = leader.weights() if "error" not in out else model.state_dict()
     out["moved"] = any(not torch.equal(a, b) for a, b in zip(before.values(), trained.values()))
+    if args.publish_to and "error" not in out:
+        out.update(publish_and_pull(leader, args.publish_to, args.publish_job, trained))
     if args.checkpoint and "error" not in out:
         leader.save(Path(args.checkpoint))
         leader.backward(step_batch(args.seed))  # move the weights away from the checkpoint
@@ -87,6 +96,17 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out))
     if "error" not in out:
         leader.close()
+
+
+def publish_and_pull(leader: ranks.LeaderRanks, agent: str, job: str,
+                     trained: dict[str, torch.Tensor]) -> dict:
+    """Every rank publishes its shard of version 1; the agent's joined version, pulled back."""
+    leader.publish_shards(1, ShardTarget(agent, job, bucket_bytes=1 << 16, run=1))
+    complete = leader.await_published(1)
+    got = asyncio.run(client.pull(agent, job, version=1)).tensors
+    exact = sorted(got) == sorted(trained) and all(torch.equal(got[n], t)
+                                                   for n, t in trained.items())
+    return {"publish_complete": complete, "published_exact": exact}
 
 
 def step_batch(seed: int) -> ranks.MicroBatch:

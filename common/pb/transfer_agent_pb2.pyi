@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PublishHeader(_message.Message):
-    __slots__ = ("job", "version", "manifest_json", "tp_rank", "tp_size")
+    __slots__ = ("job", "version", "manifest_json", "tp_rank", "tp_size", "dp_rank", "dp_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     manifest_json: str
     tp_rank: int
     tp_size: int
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_json: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    dp_rank: int
+    dp_size: int
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_json: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class PublishChunk(_message.Message):
     __slots__ = ("header", "chunk")

@@ -26,6 +26,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from rlharvest.services.transfer_agent.flat_shards import flat_shard
+
 BackendName = Literal["torch", "deepspeed"]
 _TORCH_FILE = "weights.pt"
 _DS_TAG = "deepspeed"  # the one tag under a checkpoint directory's deepspeed/ folder
@@ -78,10 +80,24 @@ class TrainBackend(Protocol):
     def weights_are_sharded(self) -> bool:
         """Whether ``weights`` needs every rank (ZeRO-3) or rank 0 holds them all."""
 
+    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, tuple[int, ...]]]:
+        """Rank ``rank`` of ``size``'s flat slice of every tensor ``weights`` would give (copies;
+        transfer_agent/flat_shards.py) and the whole tensors' shapes. Never collective: under
+        ZeRO-3 it is the partition this rank holds, so only this rank's own (rank, size)."""
+
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous()
             for name, t in model.state_dict().items()}
+
+
+def _replicated_shard(model: torch.nn.Module, rank: int,
+                      size: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """Every rank holds the whole model (no ZeRO-3): rank ``rank``'s slices of it."""
+    state = model.state_dict()
+    return ({name: flat_shard(t, rank, size) for name, t in state.items()},
+            {name: tuple(t.shape) for name, t in state.items()})
 
 
 def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:
@@ -148,6 +164,10 @@ class TorchBackend:
     @property
     def weights_are_sharded(self) -> bool:
         return False
+
+    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, tuple[int, ...]]]:
+        return _replicated_shard(self._model, rank, size)
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
@@ -304,6 +324,28 @@ class DeepSpeedBackend:
         with deepspeed.zero.GatheredParameters(list(self._engine.module.parameters()),
                                                modifier_rank=None):
             return snapshot(self._engine.module) if keep else {}
+
+    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, tuple[int, ...]]]:
+        if self._stage < 3:
+            return _replicated_shard(self._engine.module, rank, size)
+        if (rank, size) != (torch.distributed.get_rank(), self._world):
+            raise ValueError(f"under ZeRO-3 rank {torch.distributed.get_rank()} of {self._world} "
+                             f"holds only its own partition, not rank {rank} of {size}'s")
+        # A partitioned parameter's ds_tensor is exactly its flat_shards slice (DeepSpeed pads
+        # numel up to a multiple of the world size and gives rank r the r-th run): copy it. Tied
+        # names share one parameter; buffers are never partitioned, so they are sliced here.
+        params = dict(self._engine.module.named_parameters(remove_duplicate=False))
+        shard, shapes = {}, {}
+        for name, value in self._engine.module.state_dict().items():
+            param = params.get(name)
+            if param is not None and hasattr(param, "ds_tensor"):
+                shard[name] = param.ds_tensor.detach().to("cpu", copy=True).reshape(-1)
+                shapes[name] = tuple(param.ds_shape)
+            else:
+                shard[name] = flat_shard(value, rank, size)
+                shapes[name] = tuple(value.shape)
+        return shard, shapes
 
     def _rescale(self, grad_scale: float) -> None:
         if self._zero:

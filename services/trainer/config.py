@@ -80,6 +80,13 @@ class TrainerConfig(ServiceConfig):
                                             "first is on-policy)")
     agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
     bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
+    # shards is the default because it measured faster on 2 ranks (bench/trainer_publish.py:
+    # the version held 1.27x sooner at ZeRO-2, 1.56x at ZeRO-3, where it also blocks the
+    # trainer 7x less: no gather). One rank always publishes the whole model.
+    publish_mode: Literal["gather", "shards"] = Field(
+        "shards", description="with several ranks: every rank publishes its own flat shard and "
+        "the agent joins them (shards; no ZeRO-3 gather), or rank 0 gathers the model and "
+        "publishes it (gather)")
     instance_cap: Literal["off", "auto"] = Field(
         "off", description="auto: after each step write the job's spot-instance cap N_prem "
         "(RLBoost Algorithm 1) to etcd for the manager and an autoscaler")

@@ -26,7 +26,7 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,12 +41,13 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
-from rlharvest.services.trainer.ranks import check_world, join
+from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
+from rlharvest.services.trainer.shard_publish import ShardTarget
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
     OnPolicyViolation,
@@ -74,6 +75,7 @@ _STEP_BACKOFF = Backoff(first_s=2.0, max_s=10.0, jitter=0.0)
 # No agent yet, or one restarting: publishing again soon may succeed.
 _PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError)
 _PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
+_SHARD_PUBLISH_ATTEMPTS = 3  # each rank also retries its own shard on transport errors
 # Reward failures kept for inspection: a few steps' worth even when every sample fails.
 _KEPT_REWARD_FAILURES = 1000
 
@@ -143,7 +145,11 @@ class TrainerLoop:
         self._manager = cfg.manager
         self._version = 0
         self._step = 0  # steps applied
-        self._pending_publish: asyncio.Task | None = None
+        # What the next step awaits before its rollout: the last version's publish.
+        self._pending_publish: Callable[[], Awaitable[float]] | None = None
+        # Every rank publishes its own shard (issue 21); one rank always publishes whole.
+        self._shard_publish = cfg.publish_mode == "shards" and isinstance(self._ranks, LeaderRanks)
+        self._run_number = time.time_ns() // 1_000_000  # a restart's shards never join ours
         self.status = RunStatus()
 
     # ---- the run -------------------------------------------------------------------------------
@@ -165,7 +171,7 @@ class TrainerLoop:
                          "continuing as version %d", state.step, state.weight_version, announced,
                          self._version)
                 if publish and self._publisher is not None:
-                    self._start_publish(self._version)
+                    await self._start_publish(self._version)
         self._sync_status()
 
     async def run(self) -> None:
@@ -304,7 +310,7 @@ class TrainerLoop:
 
         if self._publisher is not None:
             self._version += 1
-            self._start_publish(self._version)
+            await self._start_publish(self._version)
         return tpb.StepSummary(
             step=spec.step, weight_version=spec.weight_version, mean_reward=stats.mean_reward,
             step_time_s=elapsed, tokens=stats.num_tokens,
@@ -335,9 +341,12 @@ class TrainerLoop:
 
     # ---- after the step: publish and checkpoint ---------------------------------------------
 
-    def _start_publish(self, version: int) -> None:
+    async def _start_publish(self, version: int) -> None:
         """Snapshot the weights now and hand them to the agent in the background: the trainer
         goes on at once; the next step waits for it only before submitting its rollout."""
+        if self._shard_publish:
+            await self._start_shard_publish(version)
+            return
         assert self._publisher is not None
         tensors = self._ranks.weights()  # every rank joins under ZeRO-3; between steps
         publisher = self._publisher
@@ -355,15 +364,54 @@ class TrainerLoop:
             log.info("published version %d in %.2fs", version, elapsed)
             return elapsed
 
-        self._pending_publish = asyncio.get_running_loop().create_task(
-            publish(), name=f"publish v{version}")
+        task = asyncio.get_running_loop().create_task(publish(), name=f"publish v{version}")
+        self._pending_publish = lambda: task
+
+    async def _start_shard_publish(self, version: int) -> None:
+        """Every rank copies its shard now and sends it on its own thread; the next step asks
+        the ranks how that ended (a command, so it waits until then: the compute thread stays
+        free for the checkpoint meanwhile). Versions stay unchanged until that step trains, so
+        an incomplete version (the agent restarted and lost shards) is simply published again."""
+        assert self._publisher is not None and isinstance(self._ranks, LeaderRanks)
+        ranks, publisher = self._ranks, self._publisher
+        started = self._clock()
+
+        async def start() -> None:
+            endpoint = await retry(publisher.endpoint, attempts=5, backoff=_PUBLISH_BACKOFF,
+                                   retry_if=lambda exc: isinstance(exc, LookupError),
+                                   what="finding a transfer agent")
+            target = ShardTarget(endpoint, self._cfg.job, self._cfg.bucket_bytes,
+                                 self._run_number)
+            await self._run(ranks.publish_shards, version, target)
+
+        async def finish() -> float:
+            for attempt in range(1, _SHARD_PUBLISH_ATTEMPTS + 1):
+                try:
+                    if await self._run(ranks.await_published, version):
+                        break
+                    problem = "every shard was accepted but none completed the version"
+                except RankFailed as exc:
+                    problem = str(exc)
+                if attempt == _SHARD_PUBLISH_ATTEMPTS:
+                    raise RuntimeError(f"could not publish version {version} as shards: "
+                                       f"{problem}")
+                log.warning("publishing version %d again (%s)", version, problem)
+                await start()
+            elapsed = self._clock() - started
+            metrics.PUBLISH_SECONDS.observe(elapsed)
+            log.info("published version %d as %d shards in %.2fs", version, ranks.world_size,
+                     elapsed)
+            return elapsed
+
+        await start()
+        self._pending_publish = finish
 
     async def _await_publish(self) -> None:
-        task, self._pending_publish = self._pending_publish, None
-        if task is None:
+        pending, self._pending_publish = self._pending_publish, None
+        if pending is None:
             return
         self.status.current.phase = "publish"
-        elapsed = await task
+        elapsed = await pending()
         if self.status.summaries and self.status.summaries[-1].published_version == \
                 self._version:
             self.status.summaries[-1].publish_s = elapsed

@@ -13,6 +13,9 @@ what rank 0 tells them over a gloo control group:
   ZeRO-3 gathers parameters) inside them, so every rank must run as many.
 - ``Step``: every rank steps once; the backend reduces gradients across ranks (a sum) first.
 - ``Weights``: the whole model for publishing; under ZeRO-3 every rank joins the gather.
+- ``PublishShard`` / ``AwaitPublished`` (``--publish-mode shards``): every rank copies its own
+  flat shard and sends it to the agent in the background, then reports how that ended
+  (``shard_publish.py``).
 - ``Discard`` (a failed step's gradients), ``Save`` / ``Load`` (checkpoints of every rank), ``Stop``.
 
 Every command ends with a gather of each rank's reply, so a follower's failure reaches rank 0
@@ -39,6 +42,7 @@ from torch.distributed import ProcessGroup
 from rlharvest.common.service_host import launch_rank
 from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.backend import TrainBackend
+from rlharvest.services.trainer.shard_publish import RankPublisher, ShardTarget
 from rlharvest.services.trainer.grpo import (
     LossConfig,
     aggregate_loss,
@@ -139,6 +143,7 @@ class LocalRanks:
     def __init__(self, backend: TrainBackend, ref_model: torch.nn.Module | None = None) -> None:
         self.backend = backend
         self.ref_model = ref_model
+        self._publisher: RankPublisher | None = None
 
     @property
     def world_size(self) -> int:
@@ -169,8 +174,22 @@ class LocalRanks:
     def load(self, path: Path) -> None:
         self.backend.load(path)
 
+    def publish_shard(self, version: int, target: ShardTarget, rank: int, size: int) -> None:
+        """Copy this rank's shard of the current weights now; send it in the background."""
+        shard, shapes = self.backend.weights_shard(rank, size)
+        if self._publisher is None:
+            self._publisher = RankPublisher()
+        self._publisher.start(version, shard, shapes, rank, size, target)
+
+    def shard_published(self, version: int) -> bool:
+        """How this rank's shard of ``version`` ended: True if it completed the version."""
+        if self._publisher is None:
+            raise RuntimeError(f"this rank was never asked to publish version {version}")
+        return self._publisher.wait(version)
+
     def close(self) -> None:
-        pass
+        if self._publisher is not None:
+            self._publisher.close()
 
 
 # ---- the control group -------------------------------------------------------------------------
@@ -196,6 +215,17 @@ class Weights:
 
 
 @dataclass(frozen=True)
+class PublishShard:
+    version: int
+    target: ShardTarget
+
+
+@dataclass(frozen=True)
+class AwaitPublished:
+    version: int
+
+
+@dataclass(frozen=True)
 class Save:
     path: str
 
@@ -210,7 +240,7 @@ class Stop:
     pass
 
 
-Command = Backward | Step | Discard | Weights | Save | Load | Stop
+Command = Backward | Step | Discard | Weights | PublishShard | AwaitPublished | Save | Load | Stop
 
 
 @dataclass(frozen=True)
@@ -239,6 +269,11 @@ def _run(local: LocalRanks, rank: int, command: Command) -> Result:
         return local.backward(command.shares[rank])
     if isinstance(command, Step):
         return local.step(command.grad_scale)
+    if isinstance(command, AwaitPublished):
+        return 1.0 if local.shard_published(command.version) else 0.0
+    if isinstance(command, PublishShard):
+        local.publish_shard(command.version, command.target, rank,
+                            torch.distributed.get_world_size())
     if isinstance(command, Discard):
         local.discard()
     elif isinstance(command, Save):
@@ -278,6 +313,15 @@ class LeaderRanks:
         assert isinstance(mine, dict)
         return mine
 
+    def publish_shards(self, version: int, target: ShardTarget) -> None:
+        """Every rank copies its shard of the current weights and starts sending it."""
+        self._command(PublishShard(version, target))
+
+    def await_published(self, version: int) -> bool:
+        """Every rank's shard of ``version`` was accepted (else RankFailed); True when one of
+        them completed the version, so the agent holds it."""
+        return any(done > 0 for done in self._command(AwaitPublished(version))[1])
+
     def save(self, path: Path) -> None:
         self._command(Save(str(path)))
 
@@ -293,6 +337,7 @@ class LeaderRanks:
             torch.distributed.broadcast_object_list([Stop()], src=0, group=self._group)
         except RuntimeError as exc:
             log.warning("could not tell the follower ranks to stop: %s", exc)
+        self._local.close()
 
     def _command(self, command: Command) -> tuple[Result, list[float]]:
         """Rank 0's own result, and every rank's reply value (rank 0's first)."""
@@ -340,6 +385,7 @@ def follow(local: LocalRanks, group: ProcessGroup) -> None:
         command = box[0]
         if command is None or isinstance(command, Stop):
             log.info("rank %d: rank 0 says stop", rank)
+            local.close()
             return
         try:
             reply = _reply(_run(local, rank, command))

@@ -74,9 +74,14 @@ class Publisher:
         self._agent = agent
         self._bucket_bytes = bucket_bytes
 
+    async def endpoint(self) -> str:
+        """The agent to publish to: the configured one, else one registered in etcd
+        (LookupError while none is)."""
+        return self._agent or await self._client.find_agent(self._etcd)
+
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
-        agent = self._agent or await self._client.find_agent(self._etcd)
+        agent = await self.endpoint()
         await self._client.publish(agent, self._job, version, dict(tensors),
                                    bucket_bytes=self._bucket_bytes)
         return agent

@@ -53,8 +53,10 @@ class ManifestEntry:
 @dataclass(frozen=True)
 class VersionManifest:
     """What one pull carries: ``version`` for TP slice (tp_rank, tp_size), as deltas against
-    ``base_version`` where an entry's encoding is not DENSE. ``run``: on a published TP shard,
-    the trainer run it comes from (shard_staging.py); 0 everywhere else."""
+    ``base_version`` where an entry's encoding is not DENSE. ``run``: on a published TP or DP
+    shard, the trainer run it comes from (shard_staging.py); 0 everywhere else. ``full_shapes``:
+    on a published flat DP shard (flat_shards.py), each entry's whole tensor shape, in entry
+    order; empty everywhere else."""
 
     version: int
     base_version: int | None
@@ -64,13 +66,17 @@ class VersionManifest:
     bucket_checksums: tuple[int, ...]
     entries: tuple[ManifestEntry, ...]
     run: int = 0
+    full_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
     def to_dict(self) -> dict:
-        run = {"run": self.run} if self.run else {}  # pull manifests (and their plan ids) unchanged
+        # Publish-only fields appear only when set: pull manifests (and their plan ids) unchanged.
+        extra: dict = {"run": self.run} if self.run else {}
+        if self.full_shapes:
+            extra["full_shapes"] = [list(shape) for shape in self.full_shapes]
         return {
             "format": MANIFEST_FORMAT, "version": self.version, "base_version": self.base_version,
             "tp_rank": self.tp_rank, "tp_size": self.tp_size,
@@ -82,7 +88,7 @@ class VersionManifest:
                  "segments": [[s.bucket, s.offset, s.length] for s in e.segments]}
                 for e in self.entries
             ],
-            **run,
+            **extra,
         }
 
     @classmethod
@@ -103,7 +109,12 @@ class VersionManifest:
                            int(data["tp_rank"]), int(data["tp_size"]),
                            tuple(int(n) for n in data["bucket_sizes"]),
                            tuple(int(c) for c in data["bucket_checksums"]), entries,
-                           int(data.get("run", 0)))
+                           int(data.get("run", 0)),
+                           tuple(tuple(int(n) for n in shape)
+                                 for shape in data.get("full_shapes", ())))
+            if manifest.full_shapes and len(manifest.full_shapes) != len(entries):
+                raise ManifestError(f"the manifest has {len(entries)} entries but "
+                                    f"{len(manifest.full_shapes)} full_shapes; one per entry")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ManifestError):
                 raise

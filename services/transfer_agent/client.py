@@ -61,7 +61,8 @@ def agent_channel(endpoint: str) -> grpc.aio.Channel:
 
 async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, torch.Tensor],
                   *, bucket_bytes: int = 64 << 20, tp_rank: int = 0, tp_size: int = 1,
-                  run: int = 0) -> pb.PublishReply:
+                  run: int = 0, dp_rank: int = 0, dp_size: int = 1,
+                  full_shapes: Mapping[str, Sequence[int]] | None = None) -> pb.PublishReply:
     """Hand version ``version`` of ``job`` to the agent at ``endpoint``. Returns once the agent
     holds it (it announces the version in etcd itself); raises PublishError with the agent's
     message when it refuses (an older version, a shape change, a version over its budget).
@@ -73,11 +74,22 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
     number every rank of one trainer run states alike and a restarted trainer raises (e.g. rank
     0's start time, broadcast); the agent then drops what the dead run staged of a version
     instead of completing it with the new run's shards. A rank publishing a version again
-    replaces the shard it staged."""
+    replaces the shard it staged.
+
+    With ``dp_size`` > 1, ``tensors`` is ZeRO/DP rank ``dp_rank``'s flat slice of every tensor
+    (``flat_shards.py``) and ``full_shapes`` the whole tensors' shapes; the agent joins the
+    slices once every rank has published, with the same replies and ``run`` rule as TP shards."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    if dp_size > 1:
+        if full_shapes is None:
+            raise ValueError("a flat DP shard needs full_shapes: the agent cannot infer them")
+        shapes = tuple(tuple(full_shapes[name]) for name in tensors)
     loop = asyncio.get_running_loop()
     manifest, buckets = await loop.run_in_executor(
         None, partial(_pack_dense, version, tensors, bucket_bytes, tp_rank, tp_size, run))
+    manifest = replace(manifest, full_shapes=shapes)
     header = pb.PublishHeader(job=job, version=version, tp_rank=tp_rank, tp_size=tp_size,
+                              dp_rank=dp_rank, dp_size=dp_size if dp_size > 1 else 0,
                               manifest_json=json.dumps(manifest.to_dict()))
 
     def messages():

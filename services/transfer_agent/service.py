@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +22,7 @@ import torch
 
 from rlharvest.common import errors
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
-from rlharvest.services.transfer_agent import metrics, sharding
+from rlharvest.services.transfer_agent import flat_shards, metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
 from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
@@ -140,6 +140,20 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             version, shards, now=time.time(), copy=False))
         return await self._now_held(job, version, records, f"{len(shards)} TP shards")
 
+    async def hold_flat_shards(self, job: str, version: int, shards: list[dict[str, torch.Tensor]],
+                               full_shapes: Mapping[str, tuple[int, ...]]) -> list[EvictionRecord]:
+        """Store a version a training side published as flat DP shards: joined on the store
+        thread (one copy), then held like a whole publish."""
+        store = self._job(job).store
+
+        def join_and_store() -> list[EvictionRecord]:
+            tensors = {name: flat_shards.join_flat(name, [r[name] for r in shards], shape)
+                       for name, shape in full_shapes.items()}
+            return store.publish(version, tensors, now=time.time(), copy=False)
+
+        records = await self._in_store(join_and_store)
+        return await self._now_held(job, version, records, f"{len(shards)} DP shards")
+
     async def _now_held(self, job: str, version: int, records: list[EvictionRecord],
                         source: str) -> list[EvictionRecord]:
         entry = self._jobs[job]
@@ -151,7 +165,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     any(r.version in (k[1], k[2]) for r in records)]:
             del self._packed[key]
         for stale in entry.staging.drop_through(version):
-            log.warning("job %s: dropped the TP shards of version %d: its other ranks never "
+            log.warning("job %s: dropped the shards of version %d: its other ranks never "
                         "published and version %d is held now", job, stale, version)
         metrics.VERSIONS_HELD.labels(job).set(len(entry.store.held_versions))
         metrics.HELD_BYTES.labels(job).set(entry.store.held_bytes)
@@ -169,7 +183,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         try:
             header, manifest, admission, tensors = await self._receive_publish(request_iterator)
             if admission is not None:
-                return await self._publish_shard(header, admission, tensors)
+                return await self._publish_shard(header, manifest, admission, tensors)
             records = await self.hold(header.job, header.version, tensors, "publish",
                                       {e.name: e.checksum for e in manifest.entries})
         except errors.ServiceError as exc:
@@ -230,21 +244,30 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         except (ManifestError, DeltaCodecError) as exc:
             raise errors.DataLoss(f"publish of version {header.version}: {exc}") from None
 
-    async def _publish_shard(self, header: pb.PublishHeader, admission: Admission,
+    async def _publish_shard(self, header: pb.PublishHeader, manifest: VersionManifest,
+                             admission: Admission,
                              tensors: dict[str, torch.Tensor]) -> pb.PublishReply:
-        """Stage one training rank's shard; the rank that completes the version stores it (the
-        store re-slices shards for workers of any TP size) and answers for the whole version."""
+        """Stage one training rank's shard; the rank that completes the version stores it (TP:
+        the store re-slices shards for workers of any TP size; DP: the agent joins them) and
+        answers for the whole version."""
         staging = self._jobs[header.job].staging
         shards = staging.add(admission, tensors)  # refused if dropped while the shard decoded
         if shards is None:
             missing = staging.missing(header.version)
-            log.info("job %s: staged rank %d of %d of version %d; waiting for ranks %s",
-                     header.job, header.tp_rank, header.tp_size, header.version, missing)
+            log.info("job %s: staged %s rank %d of version %d; waiting for ranks %s",
+                     header.job, _shard_label(header), admission.tp_rank, header.version,
+                     missing)
             metrics.PUBLISHES.labels("staged").inc()
             return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                    shards_missing=missing)
         try:
-            records = await self.hold_shards(header.job, header.version, shards)
+            if _is_dp_shard(header):
+                full_shapes = {e.name: shape
+                               for e, shape in zip(manifest.entries, manifest.full_shapes)}
+                records = await self.hold_flat_shards(header.job, header.version, shards,
+                                                      full_shapes)
+            else:
+                records = await self.hold_shards(header.job, header.version, shards)
         finally:
             staging.stored(header.version)
         metrics.PUBLISHES.labels("ok").inc()
@@ -274,6 +297,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             raise errors.ResourceExhausted(f"version {header.version} is "
                                            f"{manifest.total_bytes} bytes, over this agent's "
                                            f"memory_budget_bytes {self.cfg.memory_budget_bytes}")
+        if _is_dp_shard(header) and (header.tp_size > 1 or header.tp_rank):
+            raise errors.InvalidArgument(f"version {header.version} is published as DP shards "
+                                         f"and TP shards (tp_size {header.tp_size}) at once; "
+                                         "publish one layout (TP within DP is not supported)")
         if not _is_shard(header) and (manifest.tp_size > 1 or manifest.tp_rank):
             raise errors.InvalidArgument(f"the header publishes version {header.version} as a "
                                          f"whole model (tp_size {header.tp_size}) but its "
@@ -284,6 +311,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
         """Refuse a shard that cannot join its version before its bytes arrive."""
+        if _is_dp_shard(header):
+            return self._admit_dp_shard(header, manifest)
         if (manifest.tp_rank, manifest.tp_size) != (header.tp_rank, header.tp_size):
             raise errors.InvalidArgument(f"the header says TP rank {header.tp_rank} of "
                                          f"{header.tp_size} but the manifest says "
@@ -302,6 +331,28 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                         "version %d: their missing ranks moved on, a newer run replaced them, "
                         "or the staging budget needed their bytes", header.job,
                         list(admission.dropped), header.tp_rank, header.version)
+        return admission
+
+    def _admit_dp_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
+        """A flat DP shard: one slice of every tensor, whose whole shape the manifest states."""
+        if len(manifest.full_shapes) != len(manifest.entries):
+            raise errors.InvalidArgument(f"DP shard of version {header.version}: the manifest "
+                                         "states no full_shapes; a flat shard names the whole "
+                                         "shape of every tensor")
+        try:
+            for entry, shape in zip(manifest.entries, manifest.full_shapes):
+                flat_shards.check_shard_shape(entry.name, entry.shape, shape, header.dp_size)
+            signature = {e.name: (e.dtype, shape)
+                         for e, shape in zip(manifest.entries, manifest.full_shapes)}
+            admission = self._job(header.job).staging.admit(
+                header.version, header.dp_rank, header.dp_size, signature, manifest.total_bytes,
+                manifest.run, layout="dp")
+        except flat_shards.FlatShardError as exc:
+            raise errors.InvalidArgument(f"DP shard of version {header.version}: {exc}") from None
+        if admission.dropped:
+            log.warning("job %s: dropped the staged DP shards of versions %s for rank %d of "
+                        "version %d", header.job, list(admission.dropped), header.dp_rank,
+                        header.version)
         return admission
 
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
@@ -451,5 +502,13 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
 
 def _is_shard(header: pb.PublishHeader) -> bool:
-    """tp_size 0 or 1 and rank 0 publish a whole model; anything else claims to be a shard."""
-    return header.tp_size > 1 or header.tp_rank != 0
+    """tp/dp_size 0 or 1 and rank 0 publish a whole model; anything else claims to be a shard."""
+    return header.tp_size > 1 or header.tp_rank != 0 or _is_dp_shard(header)
+
+
+def _is_dp_shard(header: pb.PublishHeader) -> bool:
+    return header.dp_size > 1 or header.dp_rank != 0
+
+
+def _shard_label(header: pb.PublishHeader) -> str:
+    return "DP" if _is_dp_shard(header) else "TP"

@@ -1,8 +1,10 @@
-"""Staging a training side's TP shards until every rank of a version has published (ROSE §4.2:
-the trainer need not gather its model before a transfer; the agent re-slices the shards for
-workers of any TP size). Each rank publishes its own shard on its own stream and returns at
-once; the shard that completes the version hands all of them, in rank order, to the version
-store. Pure bookkeeping: no I/O, no clock.
+"""Staging a training side's shards until every rank of a version has published (ROSE §4.2:
+the trainer need not gather its model before a transfer). Two layouts: ``tp`` (tensor-parallel
+shards, which the store keeps and re-slices for workers of any TP size) and ``dp`` (flat
+ZeRO/data-parallel shards, flat_shards.py, which the agent joins). Each rank publishes its own
+shard on its own stream and returns at once; the shard that completes the version hands all of
+them, in rank order, to the version store. Pure bookkeeping: no I/O, no clock. ``tp_rank`` and
+``tp_size`` below name the rank and group size of either layout.
 
 A rank that never publishes (it crashed) must not leave its version staged for good, nor let a
 restarted trainer's shards join the dead run's:
@@ -54,6 +56,7 @@ class Admission:
 @dataclass
 class _Staged:
     tp_size: int
+    layout: str
     signature: dict[str, tuple[str, tuple[int, ...]]]
     run: int
     ranks: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -103,12 +106,13 @@ class ShardStaging:
         return staged.missing() if staged else []
 
     def admit(self, version: int, tp_rank: int, tp_size: int, signature: Signature,
-              nbytes: int, run: int = 0) -> Admission:
+              nbytes: int, run: int = 0, layout: str = "tp") -> Admission:
         """Check a shard's header before its bytes arrive: the rank is one of ``tp_size`` (at
-        most ``max_tp_size``), no other stream brings it, ``tp_size`` and the tensors (names,
-        dtypes, shapes) agree with the ranks already staged, ``run`` is not older than theirs,
-        and the staged bytes stay within the budget (evicting older versions if need be)."""
-        self._check_rank(version, tp_rank, tp_size)
+        most ``max_tp_size``), no other stream brings it, ``layout``, ``tp_size`` and the
+        tensors (names, dtypes, shapes; a ``dp`` signature gives the whole tensors' shapes)
+        agree with the ranks already staged, ``run`` is not older than theirs, and the staged
+        bytes stay within the budget (evicting older versions if need be)."""
+        self._check_rank(version, tp_rank, tp_size, layout)
         if version in self._completing:
             raise ShardStagingError(f"version {version} is complete and being stored; rank "
                                     f"{tp_rank}'s shard is not needed",
@@ -116,12 +120,12 @@ class ShardStaging:
         dropped = self._drop_older_run(version, tp_rank, run)
         staged = self._staged.get(version)
         if staged is not None:
-            _check_joins(version, tp_rank, tp_size, signature, staged)
+            _check_joins(version, tp_rank, tp_size, layout, signature, staged)
             staged.release(tp_rank)  # a rank publishing again replaces what it staged
         dropped += self._drop_left_behind(version, tp_rank)
         dropped += self._make_room(version, nbytes)
         if staged is None:
-            staged = self._staged[version] = _Staged(tp_size, dict(signature), run)
+            staged = self._staged[version] = _Staged(tp_size, layout, dict(signature), run)
         admission = Admission(version, tp_rank, next(self._tickets), tuple(dropped))
         staged.expected[tp_rank] = admission.ticket
         staged.rank_bytes[tp_rank] = nbytes
@@ -168,14 +172,18 @@ class ShardStaging:
         announced, since versions only move forward. Returns the dropped versions."""
         return self._drop([v for v in self._staged if v <= version])
 
-    def _check_rank(self, version: int, tp_rank: int, tp_size: int) -> None:
+    def _check_rank(self, version: int, tp_rank: int, tp_size: int, layout: str) -> None:
+        if layout not in ("tp", "dp"):
+            raise ShardStagingError(f"shard of version {version}: layout {layout!r} is not "
+                                    "'tp' or 'dp'")
         if tp_size > self.max_tp_size:
-            raise ShardStagingError(f"shard of version {version}: tp_size {tp_size} is over this "
-                                    f"agent's max_tp_size {self.max_tp_size}")
+            raise ShardStagingError(f"shard of version {version}: {layout}_size {tp_size} is "
+                                    f"over this agent's max_tp_size {self.max_tp_size}")
         if tp_size < 2 or not 0 <= tp_rank < tp_size:
-            raise ShardStagingError(f"shard of version {version}: tp_rank {tp_rank} of tp_size "
-                                    f"{tp_size} is not a rank of a TP group (tp_size >= 2, ranks "
-                                    "0 to tp_size - 1); publish a full model with tp_size 0")
+            raise ShardStagingError(f"shard of version {version}: {layout}_rank {tp_rank} of "
+                                    f"{layout}_size {tp_size} is not a rank of a shard group "
+                                    f"({layout}_size >= 2, ranks 0 to {layout}_size - 1); publish "
+                                    "a full model with tp_size 0")
 
     def _drop_older_run(self, version: int, tp_rank: int, run: int) -> list[int]:
         """A restarted trainer's shards never join the dead run's: the newer run's first shard
@@ -224,10 +232,14 @@ class ShardStaging:
         return versions
 
 
-def _check_joins(version: int, tp_rank: int, tp_size: int, signature: Signature,
+def _check_joins(version: int, tp_rank: int, tp_size: int, layout: str, signature: Signature,
                  staged: _Staged) -> None:
-    """A shard joins the ranks already staged only at their tp_size, with their tensors and
-    while no other stream brings the same rank."""
+    """A shard joins the ranks already staged only in their layout, at their group size, with
+    their tensors and while no other stream brings the same rank."""
+    if staged.layout != layout:
+        raise ShardStagingError(f"rank {tp_rank} publishes version {version} as {layout} "
+                                f"shards, but other ranks did as {staged.layout} shards; every "
+                                "rank publishes in the same layout")
     if staged.tp_size != tp_size:
         raise ShardStagingError(f"rank {tp_rank} publishes version {version} at tp_size "
                                 f"{tp_size}, but other ranks did at tp_size "

@@ -1,8 +1,9 @@
 """The trainer as many ranks (torchrun or the deepspeed launcher, gloo on CPU, DeepSpeed): two and four ranks apply exactly
-the single-process monolithic update at ZeRO 0-3; every rank checkpoints its part; a rank
-SIGKILLed mid-step fails the step with nothing applied; and the trainer service, run as two
-ranks on the real stack, trains, survives a SIGKILLed rank (torchrun restarts the group) and
-resumes from its newest complete checkpoint at a version above any announced."""
+the single-process monolithic update at ZeRO 0-3 and publish it exactly as per-rank shards;
+every rank checkpoints its part; a rank SIGKILLed mid-step fails the step with nothing applied;
+and the trainer service, run as two ranks on the real stack publishing shards, trains, survives
+a SIGKILLed rank (torchrun restarts the group) and resumes from its newest complete checkpoint
+at a version above any announced."""
 
 from __future__ import annotations
 
@@ -26,9 +27,15 @@ from tests.builders import rewarded_groups
 from tests.unit.test_trainer_stream import fresh_model, monolithic_update, seeded_model
 
 from .test_trainer import metric, scrape, start_job, start_trainer, wait_trainer
+from .test_transfer_agent import start_agent
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def agent(module_stack) -> str:
+    return start_agent(module_stack, "ranks-agent")[1]
 
 
 def run_ranks(out: Path, *flags: str, ranks: int = 2, launcher: str = "torchrun") -> dict:
@@ -58,12 +65,17 @@ def run_ranks(out: Path, *flags: str, ranks: int = 2, launcher: str = "torchrun"
         ("torchrun", 4, 3, "token", 0.05, 1, 2),
     ])
 def test_many_ranks_apply_exactly_the_monolithic_single_process_update(
-        tmp_path, launcher, ranks, zero_stage, aggregation, beta, micro_batch_groups, seed):
+        tmp_path, agent, launcher, ranks, zero_stage, aggregation, beta, micro_batch_groups,
+        seed):
+    """... and every rank's flat shard, published to a real agent, joins into exactly it."""
     out = tmp_path / "out.json"
     stats = run_ranks(out, "--zero-stage", str(zero_stage), "--aggregation", aggregation,
                       "--beta", str(beta), "--micro-batch-groups", str(micro_batch_groups),
-                      "--seed", str(seed), ranks=ranks, launcher=launcher)
+                      "--seed", str(seed), "--publish-to", agent,
+                      "--publish-job", f"ranks-{launcher}-{ranks}-{zero_stage}",
+                      ranks=ranks, launcher=launcher)
     assert "error" not in stats, stats
+    assert stats["publish_complete"] and stats["published_exact"], stats
     expected = fresh_model(seed % 3)
     monolithic_update(expected, rewarded_groups(seed),
                       LossConfig(beta=beta, aggregation=aggregation),
@@ -100,7 +112,7 @@ async def test_the_trainer_service_as_two_ranks_survives_a_sigkilled_rank_and_re
         stack, etcd_client, tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--backend",
-             "deepspeed", "--zero-stage", "2", "--steps", "0"]
+             "deepspeed", "--zero-stage", "2", "--steps", "0", "--publish-mode", "shards"]
     await start_job(stack, 2)
     trainer, metrics_port = await start_trainer(stack, "trainer", *flags, ranks=2, restarts=1)
     assert "rank 1 of 2 following rank 0" in trainer.process.log_path.read_text()
@@ -108,7 +120,8 @@ async def test_the_trainer_service_as_two_ranks_survives_a_sigkilled_rank_and_re
     assert first.steps[-1].loss == first.steps[-1].loss  # trained, not NaN
     text = await asyncio.to_thread(scrape, metrics_port)
     assert metric(text, "rlh_trainer_ranks") == 2
-    for command in ("Backward", "Step", "Save"):  # ZeRO-2: rank 0 holds the weights itself
+    # Every rank publishes its own shard of each version; nobody gathers the weights.
+    for command in ("Backward", "Step", "Save", "PublishShard", "AwaitPublished"):
         assert metric(text, f'rlh_trainer_rank_command_seconds_count{{command="{command}"}}') > 0
     assert metric(text, 'rlh_trainer_rank_command_seconds_count{command="Weights"}') == 0
     saved = checkpoint.list_checkpoints(ckpt)

@@ -27,7 +27,7 @@ from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.launcher import LocalStack
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-from rlharvest.services.transfer_agent import sharding
+from rlharvest.services.transfer_agent import flat_shards, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.client import (
@@ -264,6 +264,43 @@ async def test_training_ranks_publish_tp_shards_and_workers_get_the_exact_full_m
     assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
     assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)  # bit-exact
     late.process.kill()
+
+
+async def test_zero_ranks_publish_flat_shards_and_the_agent_holds_the_exact_model(agent, etcd):
+    """Issue 21: ZeRO/DP ranks publish their flat slices; the agent joins them, nobody gathers."""
+    _, endpoint, _ = agent
+    job, ranks = "job-dp-shards", 3  # 3 ranks: most tensors' sizes leave padding on the last
+    shapes = {name: tuple(t.shape) for name, t in V1.items()}
+
+    async def publish_rank(tensors, version: int, rank: int, run: int):
+        return await publish(endpoint, job, version, flat_shards.flat_shards(tensors, rank, ranks),
+                             dp_rank=rank, dp_size=ranks, full_shapes=shapes, run=run)
+
+    dead_run = await publish_rank(V2, 3, 2, run=1)  # a trainer run that died mid-publish
+    assert list(dead_run.shards_missing) == [0, 1]
+    assert list((await publish_rank(V1, 3, 0, run=2)).shards_missing) == [1, 2]  # drops run 1's
+    with pytest.raises(PublishError, match="is from run 1, but run 2 has staged"):
+        await publish_rank(V2, 3, 1, run=1)
+    bad = flat_shards.flat_shards(V1, 1, ranks)
+    name = next(iter(bad))
+    bad[name] = bad[name][1:]
+    with pytest.raises(PublishError, match=f"the flat shard of {name} has shape"):
+        await publish(endpoint, job, 3, bad, dp_rank=1, dp_size=ranks, full_shapes=shapes, run=2)
+    with pytest.raises(PublishError, match="as DP shards and TP shards"):
+        await publish(endpoint, job, 3, bad, dp_rank=1, dp_size=ranks, full_shapes=shapes,
+                      tp_rank=0, tp_size=2, run=2)
+    assert list((await publish_rank(V1, 3, 1, run=2)).shards_missing) == [2]
+    assert await etcd.get(keys.weights_announced_key(job).encode()) is None  # not yet whole
+    done = await publish_rank(V1, 3, 2, run=2)
+    assert list(done.shards_missing) == [] and list(done.held_versions) == [3]
+    assert (await registry.get_versioned(etcd, keys.weights_announced_key(job)))["version"] == 3
+    whole = await pull(endpoint, job, version=3)
+    assert all(torch.equal(whole.tensors[n], V1[n]) for n in V1)
+
+    await asyncio.gather(*(publish_rank(V2, 4, rank, run=2) for rank in range(ranks)))
+    delta = await pull(endpoint, job, version=4, held=whole.tensors, held_version=3)
+    assert delta.delta and delta.payload_bytes < delta.dense_bytes
+    assert all(torch.equal(delta.tensors[n], V2[n]) for n in V2)
 
 
 async def test_publish_returns_while_a_slow_pull_is_in_progress(agent, etcd):

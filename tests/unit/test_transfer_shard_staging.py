@@ -48,8 +48,18 @@ def test_a_rank_arriving_twice_at_once_or_at_another_tp_size_is_refused():
     assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
     with pytest.raises(ShardStagingError, match="at tp_size 4, but other ranks did at tp_size 2"):
         staging.admit(1, 1, 4, SIGNATURE, 128)
-    with pytest.raises(ShardStagingError, match="not a rank of a TP group"):
+    with pytest.raises(ShardStagingError, match="tp_rank 2 of tp_size 2 is not a rank of a "
+                                                "shard group"):
         staging.admit(2, 2, 2, SIGNATURE, 128)
+
+
+def test_tp_and_dp_shards_of_one_version_never_mix():
+    staging = ShardStaging(byte_budget=1 << 20)
+    staging.admit(1, 0, 2, SIGNATURE, 128, layout="dp")
+    with pytest.raises(ShardStagingError, match="as tp shards, but other ranks did as dp"):
+        staging.admit(1, 1, 2, SIGNATURE, 128, layout="tp")
+    with pytest.raises(ShardStagingError, match="layout 'zero' is not 'tp' or 'dp'"):
+        staging.admit(2, 0, 2, SIGNATURE, 128, layout="zero")
 
 
 def test_ranks_disagreeing_on_tensors_shapes_or_dtypes_are_refused():
