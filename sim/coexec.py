@@ -1,0 +1,110 @@
+"""A serving device with rollout harvested in its slack, simulated (ROSE §4.1; issue 12).
+
+Drives the co-executor's real scheduler (``services/coexecutor/scheduler.py``) and admission
+with a virtual clock: serving requests arrive, prefill (monolithic), then decode one token per
+step in one batch; the rollout side always has work (a backlog of decode steps of its batch).
+Every action takes exactly the time the latency profile says (``rollout_cost_s`` for a rollout
+step), so "exact profiles" holds by construction. Reports, per serving request, TTFT and every
+inter-token gap, and the rollout steps run.
+
+Pure and deterministic: a trace in, a result out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from rlharvest.services.coexecutor.admission import (
+    DecodeBatch,
+    DualSloAdmission,
+    PendingPrefill,
+    ServingWork,
+)
+from rlharvest.services.coexecutor.scheduler import ActionKind, CoexecScheduler, RolloutUnit
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class ServedRequest:
+    ttft_s: float = math.nan
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens
+    done: bool = False
+
+
+@dataclass
+class CoexecResult:
+    served: dict[str, ServedRequest]
+    rollout_steps: int
+    rollout_busy_s: float
+    serving_busy_s: float
+    end_s: float
+
+    def ttft_misses(self, budget_s: float, eps: float = 1e-9) -> list[str]:
+        return [rid for rid, r in self.served.items() if not r.ttft_s <= budget_s + eps]
+
+    def gap_misses(self, budget_s: float, eps: float = 1e-9) -> list[str]:
+        return [rid for rid, r in self.served.items() if any(g > budget_s + eps for g in r.gaps_s)]
+
+
+def simulate(requests: Sequence[ServingRequest], admission: DualSloAdmission, *,
+             rollout_cost_s: float | None, until_s: float, headroom_pages: int = 0,
+             free_pages: int = 1 << 30) -> CoexecResult:
+    """Run until ``until_s`` (virtual seconds); ``rollout_cost_s`` None: serving alone."""
+    profile = admission.profile
+    scheduler = CoexecScheduler(admission, headroom_pages)
+    arrivals = sorted(requests, key=lambda r: (r.arrival, r.request_id))
+    served = {r.request_id: ServedRequest() for r in arrivals}
+    by_id = {r.request_id: r for r in arrivals}
+    queue: list[PendingPrefill] = []
+    batch: dict[str, tuple[float, int]] = {}  # decoding: id -> (last token time, tokens out)
+    now, nxt, steps, busy, serving_busy = 0.0, 0, 0, 0.0, 0.0
+    unit = [RolloutUnit("decode", rollout_cost_s)] if rollout_cost_s is not None else []
+    while now < until_s:
+        while nxt < len(arrivals) and arrivals[nxt].arrival <= now:
+            r = arrivals[nxt]
+            queue.append(PendingPrefill(r.request_id, r.arrival, r.prompt_tokens))
+            nxt += 1
+        oldest = min((t for t, _ in batch.values()), default=math.inf)
+        work = ServingWork(tuple(queue), DecodeBatch(len(batch), oldest))
+        action = scheduler.next_action(now, work, unit, free_pages)
+        if action.kind is ActionKind.ROLLOUT:
+            assert rollout_cost_s is not None
+            now += rollout_cost_s
+            steps, busy = steps + 1, busy + rollout_cost_s
+        elif action.kind is ActionKind.SERVING_PREFILL:
+            pending = next(p for p in queue if p.request_id == action.request_id)
+            queue.remove(pending)
+            cost = profile.prefill_s(pending.prompt_tokens)
+            now, serving_busy = now + cost, serving_busy + cost
+            served[pending.request_id].ttft_s = now - pending.arrival
+            batch[pending.request_id] = (now, 1)
+            _finish_done(batch, by_id, served)
+        elif action.kind is ActionKind.SERVING_DECODE:
+            cost = profile.decode_s(len(batch))
+            now, serving_busy = now + cost, serving_busy + cost
+            for rid, (last, out) in list(batch.items()):
+                served[rid].gaps_s.append(now - last)
+                batch[rid] = (now, out + 1)
+            _finish_done(batch, by_id, served)
+        else:  # idle until the next arrival
+            if nxt == len(arrivals):
+                break
+            now = max(now, arrivals[nxt].arrival)
+    return CoexecResult(served, steps, busy, serving_busy, now)
+
+
+def _finish_done(batch: dict[str, tuple[float, int]], by_id: dict[str, ServingRequest],
+                 served: dict[str, ServedRequest]) -> None:
+    for rid, (_, out) in list(batch.items()):
+        if out >= by_id[rid].output_tokens:
+            del batch[rid]
+            served[rid].done = True
