@@ -48,6 +48,17 @@ class CoexecResult:
     serving_busy_s: float
     end_s: float
 
+    def tpot_s(self, request_id: str) -> float:
+        """The request's time per output token: (t_last - t_first) / (n - 1), as served."""
+        gaps = self.served[request_id].gaps_s
+        return sum(gaps) / len(gaps) if gaps else 0.0
+
+    def attained(self, ttft_budget_s: float, tpot_budget_s: float) -> float:
+        """The share of requests that got their first token and met both SLOs."""
+        ok = [r.ttft_s <= ttft_budget_s and self.tpot_s(rid) <= tpot_budget_s
+              for rid, r in self.served.items()]
+        return sum(ok) / len(ok) if ok else 1.0
+
     def ttft_misses(self, budget_s: float, eps: float = 1e-9) -> list[str]:
         return [rid for rid, r in self.served.items() if not r.ttft_s <= budget_s + eps]
 
