@@ -1,0 +1,310 @@
+"""The co-executor's serving front: an OpenAI-compatible HTTP API (aiohttp).
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or SSE with ``stream`` ending
+in ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk), ``GET /v1/models``;
+``usage`` on every answer; vLLM's ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``
+extensions, and ``seed``. Works with the official ``openai`` client
+(tests/integration/test_openai_api.py).
+
+Bad input gets a 400 whose message names the field (malformed JSON, wrong types, an unknown
+model, an empty prompt, prompt + max_tokens over the context, max_tokens <= 0, a NaN or negative
+temperature, top_p outside (0, 1], n > 1, stop strings); a body over ``max_body_bytes`` a 413;
+a full server a 503 with ``Retry-After`` (serving is never shed for rollout). Errors use
+OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects
+aborts its request; a slow SSE reader never blocks the engine (``serving_backend.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from rlharvest.common.engine_types import SamplingParams
+from rlharvest.common.errors import InvalidArgument
+from rlharvest.common.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
+from rlharvest.services.coexecutor.serving_backend import (
+    EngineServingBackend,
+    Generation,
+    ServingParams,
+    ServingQueueFull,
+)
+
+RETRY_AFTER_S = 1
+_MAX_BODY = web.AppKey("max_body_bytes", int)
+_DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequest(InvalidArgument):
+    """A 400: ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    model: str  # the name clients ask for
+    context_len: int  # prompt + max_tokens must fit
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Request:
+    prompt_ids: list[int]
+    params: ServingParams
+    stream: bool
+    include_usage: bool
+
+
+def make_app(backend: EngineServingBackend, tokenizer: ModelTokenizer,
+             config: ApiConfig) -> web.Application:
+    api = _Api(backend, tokenizer, config)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
+    app[_MAX_BODY] = config.max_body_bytes
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_get("/v1/models", api.models)
+    return app
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error") -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request,
+                  handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(400, str(exc), exc.param)
+    except InvalidArgument as exc:  # the engine refused the request
+        return error_response(400, str(exc))
+    except ServingQueueFull as exc:
+        return error_response(503, str(exc), kind="server_overloaded")
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(413, f"the request body is over {request.app[_MAX_BODY]} "
+                              "bytes, the most this server reads")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.status, exc.reason)
+        raise
+
+
+class _Api:
+    def __init__(self, backend: EngineServingBackend, tokenizer: ModelTokenizer,
+                 config: ApiConfig) -> None:
+        self._backend = backend
+        self._tok = tokenizer
+        self._config = config
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self._config.model, "object": "model", "created": 0,
+            "owned_by": "rlharvest"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:  # a tokenizer may still add BOS: an empty text is no prompt
+                raise BadRequest("the prompt is empty", "prompt")
+            ids = self._tok.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in prompt):
+            ids = list(prompt)
+        else:
+            raise BadRequest("prompt must be a string or a list of token ids (one prompt: "
+                             "batches are not supported)", "prompt")
+        if any(not 0 <= t < self._tok.vocab_size for t in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {self._tok.vocab_size})",
+                             "prompt")
+        parsed = self._parse(body, ids)
+        if parsed.stream:
+            return await self._stream(request, parsed, "text_completion", _completion_chunk)
+        text, reason, count = await self._collect(parsed)
+        return web.json_response({
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": self._config.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+            "usage": _usage(len(ids), count)})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        try:
+            raw = body.get("messages")
+            if not isinstance(raw, list):
+                raise BadRequest("messages must be a list of {role, content} objects",
+                                 "messages")
+            messages = check_messages(raw)
+            ids = self._tok.encode_prompt(messages)
+        except (TokenizerError, ValueError, TypeError) as exc:
+            raise BadRequest(f"messages: {exc}", "messages") from None
+        parsed = self._parse(body, ids)
+        if parsed.stream:
+            return await self._stream(request, parsed, "chat.completion.chunk", _chat_chunk)
+        text, reason, count = await self._collect(parsed)
+        return web.json_response({
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": self._config.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": reason}],
+            "usage": _usage(len(ids), count)})
+
+    # ---- the shared parts ----------------------------------------------------------------------
+
+    def _parse(self, body: dict[str, Any], ids: list[int]) -> _Request:
+        if body.get("model") != self._config.model:
+            raise BadRequest(f"model {body.get('model')!r} is not served here; this server "
+                             f"serves {self._config.model!r} (GET /v1/models)", "model")
+        if not ids:
+            raise BadRequest("the prompt is empty", "prompt" if "prompt" in body else "messages")
+        max_tokens = _integer(body, "max_tokens", _DEFAULT_MAX_TOKENS, "max_completion_tokens")
+        if max_tokens <= 0:
+            raise BadRequest(f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
+        if len(ids) + max_tokens > self._config.context_len:
+            raise BadRequest(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
+                             f"over the model's context of {self._config.context_len} tokens",
+                             "max_tokens")
+        temperature = _number(body, "temperature", 1.0)
+        if temperature < 0:
+            raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
+        top_p = _number(body, "top_p", 1.0)
+        if not 0 < top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+        if _integer(body, "n", 1) != 1:
+            raise BadRequest("n must be 1: one completion per request", "n")
+        if body.get("stop") not in (None, [], ""):
+            raise BadRequest("stop strings are not supported; give stop_token_ids", "stop")
+        min_tokens = _integer(body, "min_tokens", 0)
+        if not 0 <= min_tokens <= max_tokens:
+            raise BadRequest(f"min_tokens must be in [0, max_tokens], got {min_tokens}",
+                             "min_tokens")
+        stops = () if _flag(body, "ignore_eos") else tuple(self._tok.stop_ids)
+        extra = body.get("stop_token_ids") or []
+        if not isinstance(extra, list) or not all(isinstance(t, int) for t in extra):
+            raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+        seed = _integer(body, "seed", uuid.uuid4().int & 0x7FFFFFFF)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                  stop_token_ids=tuple(dict.fromkeys([*stops, *extra])),
+                                  seed=seed)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("stream_options must be an object", "stream_options")
+        return _Request(ids, ServingParams(sampling, min_tokens), _flag(body, "stream"),
+                        bool(options.get("include_usage")))
+
+    async def _collect(self, parsed: _Request) -> tuple[str, str, int]:
+        tokens: list[int] = []
+        reason = "length"
+        steps = self._backend.generate(parsed.prompt_ids, parsed.params)
+        try:
+            async for step in steps:
+                tokens.extend(step.token_ids)
+                reason = step.finish_reason or reason
+        finally:
+            await steps.aclose()  # the handler cancelled (client gone): abort the request
+        return self._tok.decode(tokens), reason, len(tokens)
+
+    async def _stream(self, request: web.Request, parsed: _Request, kind: str,
+                      chunk: Callable[[str, str | None, bool], dict]) -> web.StreamResponse:
+        steps = self._backend.generate(parsed.prompt_ids, parsed.params)
+        first = await anext(steps)  # refusals (queue full, engine) are still a JSON status
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        ident, created, count = f"{kind[:4]}-{uuid.uuid4().hex}", int(time.time()), 0
+        try:
+            async for step in _chain(first, steps):
+                count += len(step.token_ids)
+                payload = chunk(self._tok.decode(step.token_ids), step.finish_reason,
+                                count == len(step.token_ids))
+                await _send(response, {"id": ident, "object": kind, "created": created,
+                                       "model": self._config.model, **payload})
+            if parsed.include_usage:
+                await _send(response, {"id": ident, "object": kind, "created": created,
+                                       "model": self._config.model, "choices": [],
+                                       "usage": _usage(len(parsed.prompt_ids), count)})
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            await steps.aclose()  # a client gone mid-stream aborts its request
+        return response
+
+
+async def _chain(first: Generation, rest: AsyncIterator[Generation]) -> AsyncIterator[Generation]:
+    yield first
+    async for step in rest:
+        yield step
+
+
+async def _send(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _completion_chunk(text: str, reason: str | None, first: bool) -> dict:
+    return {"choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+
+def _chat_chunk(text: str, reason: str | None, first: bool) -> dict:
+    delta: dict[str, str] = {"role": "assistant"} if first else {}
+    if text:
+        delta["content"] = text
+    return {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": reason}]}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{key} must be a number, got {type(value).__name__}", key)
+    if not math.isfinite(value):
+        raise BadRequest(f"{key} must be a finite number, got {value}", key)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], key: str, default: int, alias: str = "") -> int:
+    value = body.get(key, body.get(alias) if alias else None)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer, got {type(value).__name__}", key)
+    return value
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {type(value).__name__}", key)
+    return value

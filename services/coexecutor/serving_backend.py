@@ -1,0 +1,156 @@
+"""Serving requests on an engine: the serving side of the co-executor, usable on its own.
+
+``EngineServingBackend`` runs any ``Engine`` (the torch engine here, vLLM on GPUs) under the
+worker core's ``EnginePump`` — steps in the engine's own thread, every add and abort between
+steps — and hands each request's tokens to whoever awaits them (the OpenAI-compatible API).
+A reader that is slow, or gone, never blocks the engine: tokens wait in the request's own queue
+(a few bytes each, at most ``max_tokens`` of them), and a reader that stops (client
+disconnect) aborts its request, which frees its KV at the next step boundary.
+
+Stop tokens and ``min_tokens`` (vLLM's extension) are handled here rather than in the engine:
+with ``min_tokens`` > 0 the engine generates without stop ids and this layer ends the request at
+the first stop token at position >= ``min_tokens``. Deviation from vLLM, which masks stop tokens
+out of sampling until ``min_tokens``: here one sampled earlier stays in the text as an ordinary
+token. Trace replay uses ``ignore_eos`` (no stop ids at all), where the two agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, replace
+
+from rlharvest.common.engine_types import EngineInputError, EngineRequest, RequestOutput, SamplingParams
+from rlharvest.common.errors import InvalidArgument, ResourceExhausted
+from rlharvest.common.pb import common_pb2
+from rlharvest.common.worker_core.engine import Engine
+from rlharvest.common.worker_core.engine_pump import EnginePump, EngineStep
+
+log = logging.getLogger(__name__)
+
+
+class ServingQueueFull(ResourceExhausted):
+    """More requests wait than ``max_waiting``: answer 503 with Retry-After, shed nothing."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Tokens a request produced since the last one, and why it ended (None: it goes on)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True)
+class ServingParams:
+    sampling: SamplingParams
+    min_tokens: int = 0
+
+
+class EngineServingBackend:
+    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
+        self._engine = engine
+        self._pump: EnginePump[list[RequestOutput]] = EnginePump(engine, self)
+        self._max_waiting = max_waiting
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._pump.run(), name="serving")
+        self._task.add_done_callback(self._engine_stopped)
+
+    def _engine_stopped(self, task: asyncio.Task) -> None:
+        """A broken engine fails every request in flight instead of leaving them waiting."""
+        error = RuntimeError("the serving engine stopped" if task.cancelled() else
+                             f"the serving engine failed: {task.exception()!r}")
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._pump.close()
+
+    async def generate(self, prompt_ids: Sequence[int],
+                       params: ServingParams) -> AsyncGenerator[Generation, None]:
+        """The request's tokens as the engine produces them; closing the iterator early (the
+        client went away) aborts the request."""
+        if self._task is None or self._task.done():
+            raise RuntimeError("the serving engine is not running")
+        if len(self._streams) >= self._max_waiting:
+            raise ServingQueueFull(f"{len(self._streams)} requests are in flight, the most "
+                                   f"this server takes ({self._max_waiting}); retry shortly")
+        rid = f"serve-{next(self._ids)}"
+        stops = frozenset(params.sampling.stop_token_ids)
+        sampling = replace(params.sampling, stop_token_ids=()) if params.min_tokens else \
+            params.sampling
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._pump.between_steps(lambda: self._add(EngineRequest(rid, list(prompt_ids), sampling)))
+        engine_done = False  # the engine ended it (else this layer did, or the reader left)
+        produced = 0
+        reason: str | None = None
+        try:
+            while reason is None:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                tokens, reason = item.new_token_ids, item.finish_reason or None
+                if params.min_tokens and stops:
+                    tokens, reason = _min_tokens_stop(tokens, reason, produced, stops,
+                                                      params.min_tokens)
+                if reason == "stop" and tokens and tokens[-1] in stops:
+                    tokens = tokens[:-1]  # the stop token is not part of the text
+                produced += len(item.new_token_ids)
+                engine_done = item.finished
+                reason = reason or ("length" if engine_done else None)
+                yield Generation(tokens, reason)
+        finally:
+            self._streams.pop(rid, None)
+            if not engine_done:
+                self._pump.between_steps(lambda: self._abort(rid))
+
+    async def _add(self, request: EngineRequest) -> None:
+        try:
+            self._engine.add(request)
+        except EngineInputError as exc:  # refused by the engine: the request's error, not ours
+            queue = self._streams.get(request.request_id)
+            if queue is not None:
+                queue.put_nowait(InvalidArgument(str(exc)))
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            self._engine.abort(request_id)
+        except KeyError:
+            pass  # it finished meanwhile
+
+    # ---- StepSink ------------------------------------------------------------------------------
+
+    def route(self, step: EngineStep) -> list[RequestOutput]:
+        return step.outputs
+
+    async def send(self, routed: list[RequestOutput]) -> None:
+        for out in routed:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def heartbeat(self, load: common_pb2.Load) -> None:
+        pass
+
+
+def _min_tokens_stop(tokens: list[int], reason: str | None, before: int, stops: frozenset[int],
+                     min_tokens: int) -> tuple[list[int], str | None]:
+    """End at the first stop token at position >= min_tokens (the engine ignores stops)."""
+    for i, token in enumerate(tokens):
+        if token in stops and before + i >= min_tokens:
+            return tokens[:i + 1], "stop"
+    return tokens, reason

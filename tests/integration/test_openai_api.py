@@ -1,0 +1,166 @@
+"""The co-executor's OpenAI-compatible API over real HTTP on loopback, served by the torch
+engine, used through the official ``openai`` client: completions and chat, streamed and not,
+usage, vLLM's extensions, precise 400s, 413, 503 with Retry-After, and a client that goes away
+freeing its request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
+from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+MODEL = "tiny-serving"
+
+
+async def serve(max_waiting: int = 8):
+    engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
+    backend = EngineServingBackend(engine, max_waiting=max_waiting)
+    backend.start()
+    app = make_app(backend, load_tokenizer("tiny"), ApiConfig(MODEL, context_len=256,
+                                                              max_body_bytes=64 << 10))
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, backend, engine, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def server():
+    runner, backend, engine, url = await serve()
+    yield backend, engine, url
+    await runner.cleanup()
+    await backend.close()
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_completions_streamed_and_not_give_the_same_seeded_text_and_usage(server):
+    _, _, url = server
+    api = client(url)
+    whole = await api.completions.create(model=MODEL, prompt="12+34=", max_tokens=8, seed=7,
+                                         extra_body={"ignore_eos": True})
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
+    pieces, usage = [], None
+    stream = await api.completions.create(model=MODEL, prompt="12+34=", max_tokens=8, seed=7,
+                                          stream=True, stream_options={"include_usage": True},
+                                          extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == whole.choices[0].text  # sampling is keyed by (seed, position)
+    assert usage is not None and usage.completion_tokens == 8
+    models = await api.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_chat_completions_streamed_and_not(server):
+    _, _, url = server
+    api = client(url)
+    messages = [{"role": "user", "content": "2+2="}]
+    whole = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                              seed=3, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 6
+    stream = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                               seed=3, stream=True,
+                                               extra_body={"ignore_eos": True})
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_stop_tokens_end_a_completion_only_after_min_tokens(server):
+    _, engine, url = server
+    api = client(url)
+    every_id = list(range(engine.vocab_size))  # any token stops it
+    first = await api.completions.create(model=MODEL, prompt="1+1=", max_tokens=10,
+                                         extra_body={"stop_token_ids": every_id})
+    assert first.choices[0].finish_reason == "stop" and first.usage.completion_tokens == 0
+    later = await api.completions.create(model=MODEL, prompt="1+1=", max_tokens=10,
+                                         extra_body={"stop_token_ids": every_id,
+                                                     "min_tokens": 4})
+    assert later.choices[0].finish_reason == "stop" and later.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"model": "gpt-4", "prompt": "1"}, "model", "is not served here"),
+    ({"model": MODEL, "prompt": ""}, "prompt", "the prompt is empty"),
+    ({"model": MODEL, "prompt": "1", "max_tokens": 0}, "max_tokens", "must be > 0"),
+    ({"model": MODEL, "prompt": "1", "max_tokens": "5"}, "max_tokens", "must be an integer"),
+    ({"model": MODEL, "prompt": "1", "max_tokens": 300}, "max_tokens", "over the model's context"),
+    ({"model": MODEL, "prompt": "1", "temperature": -1}, "temperature", "must be >= 0"),
+    ({"model": MODEL, "prompt": "1", "top_p": 0}, "top_p", r"must be in \(0, 1\]"),
+    ({"model": MODEL, "prompt": "1", "top_p": 1.5}, "top_p", r"must be in \(0, 1\]"),
+    ({"model": MODEL, "prompt": "1", "n": 2}, "n", "n must be 1"),
+    ({"model": MODEL, "prompt": "1", "stop": ["\n"]}, "stop", "stop strings"),
+    ({"model": MODEL, "prompt": 5}, "prompt", "must be a string or a list of token ids"),
+    ({"model": MODEL, "prompt": [1, 10**9]}, "prompt", "token ids must be in"),
+    ({"model": MODEL, "messages": "hi"}, "messages", "must be a list"),
+])
+async def test_bad_requests_get_a_400_naming_the_field(server, body, param, message):
+    _, _, url = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    async with aiohttp.ClientSession() as http, http.post(url + path, json=body) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert re.search(message, error["message"]), error["message"]
+
+
+async def test_malformed_json_nan_and_an_oversized_body_are_refused(server):
+    _, _, url = server
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", data=b"{not json") as resp:
+            assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]
+        nan = b'{"model": "%s", "prompt": "1", "temperature": NaN}' % MODEL.encode()
+        async with http.post(url + "/v1/completions", data=nan) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "temperature"
+        big = json.dumps({"model": MODEL, "prompt": "1" * (100 << 10)})
+        async with http.post(url + "/v1/completions", data=big) as resp:
+            assert resp.status == 413 and "over 65536 bytes" in (await resp.json())["error"]["message"]
+
+
+async def test_a_full_server_answers_503_with_retry_after_and_a_gone_client_frees_its_request():
+    runner, backend, engine, url = await serve(max_waiting=1)
+    try:
+        body = {"model": MODEL, "prompt": "9", "max_tokens": 200, "stream": True,
+                "ignore_eos": True}
+        async with aiohttp.ClientSession() as http:
+            held = await http.post(url + "/v1/completions", json=body)
+            assert held.status == 200
+            await held.content.readline()  # streaming: the request holds its place
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client(url).completions.create(model=MODEL, prompt="1", max_tokens=2)
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["Retry-After"] == "1"
+            held.close()  # the client goes away mid-stream
+        for _ in range(200):
+            if backend.in_flight == 0 and engine.load().executing == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert backend.in_flight == 0 and engine.load().executing == 0
+        done = await client(url).completions.create(model=MODEL, prompt="1", max_tokens=2,
+                                                    extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 2  # and the place is free again
+    finally:
+        await runner.cleanup()
+        await backend.close()
