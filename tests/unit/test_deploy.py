@@ -33,6 +33,8 @@ CONFIGS["rlharvest-trainer"] = TrainerConfig
 
 
 MODULES = {"rlharvest.services.trainer.main": "rlharvest-trainer"}
+# Console scripts that are tools an operator runs, not long-lived services to deploy.
+TOOLS = {"rlharvest", "rlharvest-loadgen"}
 
 
 def _service_argv(argv: list[str]) -> list[str]:
@@ -106,7 +108,7 @@ def test_every_console_script_has_a_compose_service_and_a_systemd_unit():
                 if n != "etcd"}
     units = {p.stem for p in (ROOT / "deploy" / "systemd").glob("*.service")}
     for script in SCRIPTS:
-        if script == "rlharvest":
+        if script in TOOLS:
             continue
         assert script in programs, f"{script} has no docker-compose.yml entry"
         assert script in units, f"{script} has no deploy/systemd unit"
