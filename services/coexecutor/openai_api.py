@@ -16,6 +16,7 @@ aborts its request; a slow SSE reader never blocks the engine (``serving_backend
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -29,6 +30,7 @@ from aiohttp import web
 from rlharvest.common.engine_types import SamplingParams
 from rlharvest.common.errors import InvalidArgument
 from rlharvest.common.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
+from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.serving_backend import (
     EngineServingBackend,
     Generation,
@@ -86,21 +88,33 @@ def error_response(status: int, message: str, param: str | None = None,
 async def _errors(request: web.Request,
                   handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                   ) -> web.StreamResponse:
+    outcome = "error"
     try:
-        return await handler(request)
+        response = await handler(request)
+        outcome = "ok"
+        return response
     except BadRequest as exc:
+        outcome = "bad_request"
         return error_response(400, str(exc), exc.param)
     except InvalidArgument as exc:  # the engine refused the request
+        outcome = "bad_request"
         return error_response(400, str(exc))
     except ServingQueueFull as exc:
+        outcome = "overloaded"
         return error_response(503, str(exc), kind="server_overloaded")
     except web.HTTPRequestEntityTooLarge:
+        outcome = "too_large"
         return error_response(413, f"the request body is over {request.app[_MAX_BODY]} "
                               "bytes, the most this server reads")
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(exc.status, exc.reason)
         raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "aborted"  # the client went away
+        raise
+    finally:
+        metrics.REQUESTS.labels(outcome).inc()
 
 
 class _Api:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
@@ -27,6 +28,7 @@ from rlharvest.common.errors import InvalidArgument, ResourceExhausted
 from rlharvest.common.pb import common_pb2
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.common.worker_core.engine_pump import EnginePump, EngineStep
+from rlharvest.services.coexecutor import metrics
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class EngineServingBackend:
             params.sampling
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
+        metrics.IN_FLIGHT.set(len(self._streams))
+        timing = _Timing(time.perf_counter())
         self._pump.between_steps(lambda: self._add(EngineRequest(rid, list(prompt_ids), sampling)))
         engine_done = False  # the engine ended it (else this layer did, or the reader left)
         produced = 0
@@ -110,11 +114,14 @@ class EngineServingBackend:
                 if reason == "stop" and tokens and tokens[-1] in stops:
                     tokens = tokens[:-1]  # the stop token is not part of the text
                 produced += len(item.new_token_ids)
+                timing.tokens(len(item.new_token_ids))
                 engine_done = item.finished
                 reason = reason or ("length" if engine_done else None)
                 yield Generation(tokens, reason)
         finally:
             self._streams.pop(rid, None)
+            metrics.IN_FLIGHT.set(len(self._streams))
+            timing.observe()
             if not engine_done:
                 self._pump.between_steps(lambda: self._abort(rid))
 
@@ -145,6 +152,29 @@ class EngineServingBackend:
 
     def heartbeat(self, load: common_pb2.Load) -> None:
         pass
+
+
+class _Timing:
+    """TTFT and TPOT of one request, as the engine side sees them."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first = self.last = 0.0
+        self.count = 0
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.last = time.perf_counter()
+        if not self.count:
+            self.first = self.last
+            metrics.TTFT.observe(self.first - self.started)
+        self.count += n
+        metrics.TOKENS.inc(n)
+
+    def observe(self) -> None:
+        if self.count >= 2:
+            metrics.TPOT.observe((self.last - self.first) / (self.count - 1))
 
 
 def _min_tokens_stop(tokens: list[int], reason: str | None, before: int, stops: frozenset[int],

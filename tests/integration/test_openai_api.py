@@ -164,3 +164,27 @@ async def test_a_full_server_answers_503_with_retry_after_and_a_gone_client_free
     finally:
         await runner.cleanup()
         await backend.close()
+
+
+async def test_serving_latency_and_outcomes_are_exported_as_metrics(server):
+    from prometheus_client import REGISTRY
+
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    _, _, url = server
+    before = {"ttft": value("rlh_coexec_serving_ttft_seconds_count"),
+              "tpot": value("rlh_coexec_serving_tpot_seconds_count"),
+              "tokens": value("rlh_coexec_serving_tokens_total"),
+              "ok": value("rlh_coexec_serving_requests_total", outcome="ok"),
+              "bad": value("rlh_coexec_serving_requests_total", outcome="bad_request")}
+    await client(url).completions.create(model=MODEL, prompt="7", max_tokens=5,
+                                         extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        await client(url).completions.create(model=MODEL, prompt="7", max_tokens=0)
+    assert value("rlh_coexec_serving_ttft_seconds_count") == before["ttft"] + 1
+    assert value("rlh_coexec_serving_tpot_seconds_count") == before["tpot"] + 1
+    assert value("rlh_coexec_serving_tokens_total") == before["tokens"] + 5
+    assert value("rlh_coexec_serving_requests_total", outcome="ok") == before["ok"] + 1
+    assert value("rlh_coexec_serving_requests_total", outcome="bad_request") == before["bad"] + 1
+    assert value("rlh_coexec_serving_in_flight") == 0
