@@ -52,21 +52,35 @@ class ServingParams:
 
 
 class EngineServingBackend:
-    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
+    """Serves on ``engine``, stepped by a pump of its own — or, given ``pump``, by that one
+    (the co-executor's, which steps both models): adds and aborts then go through it and the
+    outputs come back through ``deliver``."""
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256,
+                 pump: EnginePump | None = None) -> None:
         self._engine = engine
-        self._pump: EnginePump[list[RequestOutput]] = EnginePump(engine, self)
+        self._own_pump = pump is None
+        self._pump: EnginePump = pump if pump is not None else EnginePump(engine, self)
         self._max_waiting = max_waiting
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
+        self._shared_running = False
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
     def start(self) -> None:
+        if not self._own_pump:
+            self._shared_running = True  # the owner runs the pump
+            return
         self._task = asyncio.get_running_loop().create_task(self._pump.run(), name="serving")
         self._task.add_done_callback(self._engine_stopped)
+
+    @property
+    def running(self) -> bool:
+        return self._shared_running or (self._task is not None and not self._task.done())
 
     def _engine_stopped(self, task: asyncio.Task) -> None:
         """A broken engine fails every request in flight instead of leaving them waiting."""
@@ -76,16 +90,18 @@ class EngineServingBackend:
             queue.put_nowait(error)
 
     async def close(self) -> None:
+        self._shared_running = False
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._pump.close()
+        if self._own_pump:
+            self._pump.close()
 
     async def generate(self, prompt_ids: Sequence[int],
                        params: ServingParams) -> AsyncGenerator[Generation, None]:
         """The request's tokens as the engine produces them; closing the iterator early (the
         client went away) aborts the request."""
-        if self._task is None or self._task.done():
+        if not self.running:
             raise RuntimeError("the serving engine is not running")
         if len(self._streams) >= self._max_waiting:
             raise ServingQueueFull(f"{len(self._streams)} requests are in flight, the most "
@@ -145,7 +161,11 @@ class EngineServingBackend:
         return step.outputs
 
     async def send(self, routed: list[RequestOutput]) -> None:
-        for out in routed:
+        self.deliver(routed)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to the requests waiting for them (on the event loop)."""
+        for out in outputs:
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

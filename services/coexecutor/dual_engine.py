@@ -1,0 +1,311 @@
+"""Two models on one device, one forward at a time (ROSE §4.1): the co-executor's engine.
+
+``DualEngine`` holds the serving model's engine and the RL job's rollout engine. To the worker
+core it is the rollout side's ``Engine`` (the manager's requests come and go through it as
+through a rollout worker's); the serving side adds and aborts through ``serving_side`` and gets
+its outputs through ``deliver``. Each ``step`` is one tick of ``scheduler.CoexecScheduler``:
+exactly one of the two engines steps (an admitted rollout step, else serving's), so serving
+never shares a forward with rollout.
+
+KV memory is accounted in one ``PagePool``: every request holds the pages its tokens need in its
+model's layout (``tokens_per_page`` per model), granted as it grows. Deviation (documented in
+the README): the engines keep their own slot caches, so the pool governs how much each model
+may hold rather than being the memory itself; a paged attention that reads the pool's pages is
+the GPU path's. Memory sharing (``memory_sharing.py``) runs on it: B_roll from serving's recent
+use at each weight version, the one halving cut when serving crosses the watermark, reclaim by
+aborting rollout requests — their abort goes back to the manager with every token kept — and
+leases. Serving is never refused for memory: when the pool is short, rollout gives way first
+(and a serving request past even that is let run; the miss is counted).
+
+Rollout step costs are predicted from the rollout model's latency profile and serving's from
+serving's; both profiles correct themselves from measured steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutput
+from rlharvest.common.worker_core.engine import Engine
+from rlharvest.services.coexecutor.admission import DecodeBatch, PendingPrefill, ServingWork
+from rlharvest.services.coexecutor.latency_profile import LatencyProfile
+from rlharvest.services.coexecutor.memory_sharing import MemorySharing
+from rlharvest.services.coexecutor.page_pool import Owner, PoolExhausted, pages_for
+from rlharvest.services.coexecutor.scheduler import Action, ActionKind, CoexecScheduler, RolloutUnit
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class _Held:
+    """A request's KV accounting: tokens it holds (prompt + generated) and when it arrived."""
+
+    tokens: int
+    arrival: float
+    generated: int = 0
+    last_token: float | None = None  # serving: when its latest token came out
+
+
+@dataclass
+class DualStats:
+    steps: Counter = field(default_factory=Counter)  # by ActionKind value
+    aborts: Counter = field(default_factory=Counter)  # rollout aborts by cause
+    serving_oversubscribed: int = 0  # serving grants the pool could not cover even after reclaim
+
+
+class DualEngine:
+    def __init__(self, rollout: Engine, serving: Engine, *, scheduler: CoexecScheduler,
+                 memory: MemorySharing, rollout_profile: LatencyProfile,
+                 tokens_per_page: tuple[int, int],
+                 deliver: Callable[[list[RequestOutput]], None] = lambda outputs: None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 idle_sleep_s: float = 0.001) -> None:
+        self.rollout = rollout
+        self.serving = serving
+        self.scheduler = scheduler
+        self.memory = memory
+        self.pool = memory.pool
+        self.rollout_profile = rollout_profile
+        self.serving_tpp, self.rollout_tpp = tokens_per_page
+        self.deliver = deliver
+        self._clock = clock
+        self._idle_sleep_s = idle_sleep_s
+        self._serving: dict[str, _Held] = {}
+        self._rollout: dict[str, _Held] = {}
+        self._last_prefill = 0
+        self._pending_aborts: list[RequestOutput] = []
+        self.last_action: Action | None = None
+        self.stats = DualStats()
+        self.serving_side = _ServingSide(self)
+
+    # ---- the rollout side's Engine ------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rollout.vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        return self.rollout.weight_version
+
+    @property
+    def batch_admission(self) -> str:
+        return self.rollout.batch_admission
+
+    @property
+    def last_step_prefill_tokens(self) -> int:
+        return self._last_prefill
+
+    def add(self, request: EngineRequest) -> None:
+        self.rollout.add(request)
+        known = len(request.prompt_token_ids) + len(request.generated_token_ids)
+        self._rollout[request.request_id] = _Held(known, self._clock(),
+                                                  generated=len(request.generated_token_ids))
+
+    def abort(self, request_id: str) -> RequestOutput:
+        out = self.rollout.abort(request_id)
+        self._forget_rollout(request_id)
+        return out
+
+    def has_work(self) -> bool:
+        return self.rollout.has_work() or self.serving.has_work()
+
+    def load(self) -> EngineLoad:
+        load = self.rollout.load()
+        return EngineLoad(pending=load.pending, executing=load.executing,
+                          kv_used_tokens=self.pool.rollout_pages * self.rollout_tpp,
+                          kv_capacity_tokens=self.pool.rollout_budget * self.rollout_tpp,
+                          weight_version=load.weight_version)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """A new weight version: the rollout model loads it and the RL step starts (B_roll is
+        set again from serving's recent use and the freeze ends)."""
+        self.rollout.load_weights(tensors, version)
+        self.memory.start_step(self._clock())
+
+    def rollout_room_pages(self) -> int:
+        """Pages rollout may still take under B_roll."""
+        return max(0, self.pool.rollout_budget - self.pool.rollout_pages)
+
+    # ---- one tick ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        now = self._clock()
+        reclaimed, self._pending_aborts = self._pending_aborts, []
+        reclaimed += self._expire(now)
+        if self.memory.on_serving_use(now, self.pool.serving_pages):
+            reclaimed += self._reclaim(now, "memory_pressure")
+        units = [self._rollout_unit()] if self.rollout.has_work() else []
+        action = self.scheduler.next_action(now, self._serving_work(), units,
+                                            self.pool.free_pages)
+        self.last_action = action
+        self.stats.steps[action.kind.value] += 1
+        self._last_prefill = 0
+        if action.kind is ActionKind.ROLLOUT:
+            return reclaimed + self._rollout_step()
+        if action.kind is ActionKind.IDLE:
+            time.sleep(self._idle_sleep_s)  # nothing may run now (no headroom): do not spin
+            return reclaimed
+        return reclaimed + self._serving_step()
+
+    def _rollout_step(self) -> list[RequestOutput]:
+        executing = self.rollout.load().executing
+        started = self._clock()
+        outputs = self.rollout.step()
+        took = self._clock() - started
+        self._last_prefill = self.rollout.last_step_prefill_tokens
+        _observe(self.rollout_profile, executing, self._last_prefill, took)
+        return outputs + self._account_rollout(outputs, self._clock())
+
+    def _serving_step(self) -> list[RequestOutput]:
+        executing = self.serving.load().executing
+        started = self._clock()
+        outputs = self.serving.step()
+        now = self._clock()
+        _observe(self.scheduler.admission.profile, executing,
+                 self.serving.last_step_prefill_tokens, now - started)
+        aborted = self._account_serving(outputs, now)
+        self.deliver(outputs)
+        return aborted
+
+    # ---- what the scheduler sees ---------------------------------------------------------------
+
+    def _serving_work(self) -> ServingWork:
+        prefills = tuple(PendingPrefill(rid, held.arrival, held.tokens)
+                         for rid, held in self._serving.items() if held.last_token is None)
+        lasts = [held.last_token for held in self._serving.values() if held.last_token is not None]
+        return ServingWork(prefills, DecodeBatch(len(lasts), min(lasts, default=float("inf"))))
+
+    def _rollout_unit(self) -> RolloutUnit:
+        """The next rollout step: one decode of the running batch plus the prefill of what it
+        admits, its predicted cost and the pages it needs."""
+        load = self.rollout.load()
+        # Every waiting request is counted as admitted: an upper bound when slots are short.
+        pending = [(rid, held) for rid, held in self._rollout.items() if held.last_token is None]
+        prefill_tokens = sum(held.tokens for _, held in pending)
+        cost = (self.rollout_profile.decode_s(load.executing)
+                + self.rollout_profile.prefill_s(prefill_tokens))
+        pages = sum(pages_for(h.tokens + 1, self.rollout_tpp) - self._pages(rid)
+                    for rid, h in self._rollout.items() if h.last_token is not None)
+        pages += sum(pages_for(h.tokens + 1, self.rollout_tpp) for _, h in pending)
+        return RolloutUnit("step", cost, pages, tuple(rid for rid, _ in pending))
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def _pages(self, rid: str) -> int:
+        return len(self.pool.table(rid).pages) if self.pool.holds(rid) else 0
+
+    def _grow(self, rid: str, owner: Owner, tokens: int, now: float) -> None:
+        tpp = self.serving_tpp if owner is Owner.SERVING else self.rollout_tpp
+        self.pool.allocate(rid, owner, max(0, pages_for(tokens, tpp) - self._pages(rid)), now)
+
+    def _account_rollout(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        aborted: list[RequestOutput] = []
+        for out in outputs:
+            held = self._rollout.get(out.request_id)
+            if held is None:
+                continue
+            held.tokens += len(out.new_token_ids)
+            held.generated += len(out.new_token_ids)
+            held.last_token = now
+            if out.finished:
+                self._forget_rollout(out.request_id)
+                continue
+            try:
+                self._grow(out.request_id, Owner.ROLLOUT, held.tokens, now)
+            except PoolExhausted:  # past B_roll or the pool: this request gives way
+                aborted.append(self._abort_rollout(out.request_id, "budget"))
+        return aborted
+
+    def _account_serving(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        aborted: list[RequestOutput] = []
+        for out in outputs:
+            held = self._serving.get(out.request_id)
+            if held is None:
+                continue
+            held.tokens += len(out.new_token_ids)
+            held.last_token = now
+            if out.finished:
+                self._forget_serving(out.request_id)
+                continue
+            aborted += self._grant_serving(out.request_id, held.tokens, now)
+        return aborted
+
+    def _grant_serving(self, rid: str, tokens: int, now: float) -> list[RequestOutput]:
+        """Serving's pages, taking them from rollout when the pool is short."""
+        need = max(0, pages_for(tokens, self.serving_tpp) - self._pages(rid))
+        aborted: list[RequestOutput] = []
+        if need > self.pool.free_pages:
+            aborted = self._reclaim(now, "memory_pressure", serving_need=need)
+        try:
+            self.pool.allocate(rid, Owner.SERVING, need, now)
+        except PoolExhausted:
+            self.stats.serving_oversubscribed += 1  # serving runs anyway; the engine has room
+        return aborted
+
+    def _reclaim(self, now: float, cause: str, serving_need: int = 0) -> list[RequestOutput]:
+        generated = {rid: held.generated for rid, held in self._rollout.items()}
+        return [self._abort_rollout(rid, cause)
+                for rid in self.memory.victims(now, generated, serving_need)]
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        return [self._abort_rollout(rid, "lease") for rid in self.pool.expired(now)]
+
+    def _abort_rollout(self, rid: str, cause: str) -> RequestOutput:
+        """Abort a rollout request for memory: the manager gets its abort (its tokens are
+        already streamed) and places it elsewhere."""
+        self.stats.aborts[cause] += 1
+        if rid in self._rollout:
+            return self.abort(rid)
+        self.pool.free(rid)  # a cached prefix with no request behind it
+        return RequestOutput(rid, [], [], finished=True, finish_reason="abort")
+
+    def _forget_rollout(self, rid: str) -> None:
+        self._rollout.pop(rid, None)
+        if self.pool.holds(rid):
+            self.pool.free(rid)
+
+    def _forget_serving(self, rid: str) -> None:
+        self._serving.pop(rid, None)
+        if self.pool.holds(rid):
+            self.pool.free(rid)
+
+
+class _ServingSide:
+    """What the serving backend adds to and aborts from: the serving engine, with the arrival
+    times and KV pages the scheduler and the pool need."""
+
+    def __init__(self, dual: DualEngine) -> None:
+        self._dual = dual
+
+    @property
+    def vocab_size(self) -> int:
+        return self._dual.serving.vocab_size
+
+    def add(self, request: EngineRequest) -> None:
+        dual = self._dual
+        dual.serving.add(request)
+        now = dual._clock()
+        dual._serving[request.request_id] = _Held(len(request.prompt_token_ids), now)
+        # Rollout requests reclaimed for this prompt reach the manager with the next step.
+        dual._pending_aborts += dual._grant_serving(request.request_id,
+                                                    len(request.prompt_token_ids), now)
+
+    def abort(self, request_id: str) -> RequestOutput:
+        out = self._dual.serving.abort(request_id)
+        self._dual._forget_serving(request_id)
+        return out
+
+
+def _observe(profile: LatencyProfile, executing: int, prefill_tokens: int, took: float) -> None:
+    """Correct a profile from one measured step: a pure decode step teaches the decode curve,
+    a step that also prefilled teaches the prefill curve (its decode part predicted)."""
+    if prefill_tokens:
+        profile.observe_prefill(prefill_tokens, "mono", max(0.0, took - profile.decode_s(executing)))
+    elif executing:
+        profile.observe_decode(executing, took)

@@ -1,0 +1,114 @@
+"""The co-executor's dual engine with two real torch engines: transparent to rollout alone, one
+engine steps per tick, serving's burst halves B_roll and aborts rollout requests back to the
+manager, pages conserved throughout, a new weight version starts a new step."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rlharvest.common.engine_types import EngineRequest, RequestOutput, SamplingParams
+from rlharvest.services.coexecutor.admission import DualSloAdmission, SloConfig
+from rlharvest.services.coexecutor.dual_engine import DualEngine
+from rlharvest.services.coexecutor.latency_profile import LatencyProfile
+from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing, MemoryState
+from rlharvest.services.coexecutor.page_pool import PagePool
+from rlharvest.services.coexecutor.scheduler import CoexecScheduler
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+
+def profile() -> LatencyProfile:
+    return LatencyProfile.linear(prefill_base_s=1e-3, prefill_per_token_s=1e-5,
+                                 decode_base_s=1e-3, decode_per_seq_s=1e-4)
+
+
+class Counted(TorchEngine):
+    """A torch engine that counts its forwards."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+
+def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0)):
+    pool = PagePool(total_pages, lease_s=60.0)
+    memory = MemorySharing(pool, MemoryConfig(headroom=0.2))
+    scheduler = CoexecScheduler(DualSloAdmission(slo, profile()), memory.headroom_pages)
+    served: dict[str, list[int]] = defaultdict(list)
+
+    def deliver(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            served[out.request_id] += out.new_token_ids
+
+    engine = DualEngine(Counted("tiny", seed=0, max_running=8, max_len=128),
+                        Counted("tiny", seed=1, max_running=8, max_len=128),
+                        scheduler=scheduler, memory=memory, rollout_profile=profile(),
+                        tokens_per_page=(8, 8), deliver=deliver)
+    return engine, served
+
+
+def request(rid: str, prompt_len: int = 6, max_tokens: int = 12, seed: int = 0) -> EngineRequest:
+    return EngineRequest(rid, [5 + i % 20 for i in range(prompt_len)],
+                         SamplingParams(max_tokens=max_tokens, seed=seed))
+
+
+def run(engine: DualEngine, ticks: int = 10_000) -> dict[str, list[RequestOutput]]:
+    outputs: dict[str, list[RequestOutput]] = defaultdict(list)
+    for _ in range(ticks):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        engine.pool.check()
+    return outputs
+
+
+def test_rollout_alone_gets_exactly_the_tokens_of_a_plain_engine():
+    engine, _ = dual()
+    plain = TorchEngine("tiny", seed=0, max_running=8, max_len=128)
+    for i in range(5):
+        engine.add(request(f"r{i}", seed=i))
+        plain.add(request(f"r{i}", seed=i))
+    got = run(engine)
+    want: dict[str, list[int]] = defaultdict(list)
+    while plain.has_work():
+        for out in plain.step():
+            want[out.request_id] += out.new_token_ids
+    assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()} == want
+    assert engine.pool.rollout_pages == 0 and engine.pool.free_pages == engine.pool.total_pages
+
+
+def test_each_tick_steps_one_engine_and_both_sides_finish():
+    engine, served = dual()
+    for i in range(4):
+        engine.add(request(f"r{i}", seed=i))
+        engine.serving_side.add(request(f"s{i}", max_tokens=10, seed=10 + i))
+    got = run(engine)
+    forwards = engine.rollout.steps + engine.serving.steps  # type: ignore[attr-defined]
+    assert forwards == engine.stats.steps["rollout"] + engine.stats.steps["serving_prefill"] \
+        + engine.stats.steps["serving_decode"]
+    assert all(len(served[f"s{i}"]) == 10 for i in range(4))
+    assert all(outs[-1].finish_reason == "length" for outs in got.values()) and len(got) == 4
+
+
+def test_a_serving_burst_halves_b_roll_once_and_aborts_rollout_back_with_pages_conserved():
+    engine, _ = dual(total_pages=40)  # H = 8 pages; B_roll = 32 with no serving yet
+    for i in range(6):
+        engine.add(request(f"r{i}", prompt_len=30, max_tokens=40, seed=i))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.rollout_pages > 16 and engine.memory.budget == 32
+    budgets = [engine.memory.budget]
+    engine.serving_side.add(request("burst", prompt_len=60, max_tokens=40))  # 8 pages
+    got = run(engine, ticks=5)
+    budgets.append(engine.memory.budget)
+    assert engine.memory.state is MemoryState.PRESSURE and engine.memory.budget == 16
+    aborted = [rid for rid, outs in got.items() if outs[-1].finish_reason == "abort"]
+    assert aborted and engine.stats.aborts["memory_pressure"] == len(aborted)
+    assert engine.pool.rollout_pages <= 16
+    run(engine)
+    budgets.append(engine.memory.budget)
+    assert budgets == sorted(budgets, reverse=True)  # never up within the step
+    engine.load_weights({}, version=1)  # the next step: B_roll from serving's recent use again
+    assert engine.memory.state is MemoryState.NORMAL and engine.weight_version == 1
