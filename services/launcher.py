@@ -25,6 +25,7 @@ MODULES = {
     "trainer": "rlharvest.services.trainer.main",
     "transfer_agent": "rlharvest.services.transfer_agent.main",
     "placement_scheduler": "rlharvest.services.placement_scheduler.main",
+    "coexecutor": "rlharvest.services.coexecutor.main",
 }
 
 

@@ -13,10 +13,12 @@ class WorkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_KIND_DEDICATED: _ClassVar[WorkerKind]
     WORKER_KIND_SPOT: _ClassVar[WorkerKind]
     WORKER_KIND_SEED: _ClassVar[WorkerKind]
+    WORKER_KIND_SERVING: _ClassVar[WorkerKind]
 WORKER_KIND_UNSPECIFIED: WorkerKind
 WORKER_KIND_DEDICATED: WorkerKind
 WORKER_KIND_SPOT: WorkerKind
 WORKER_KIND_SEED: WorkerKind
+WORKER_KIND_SERVING: WorkerKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")

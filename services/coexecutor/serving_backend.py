@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol, cast
 
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, RequestOutput, SamplingParams
 from rlharvest.common.errors import InvalidArgument, ResourceExhausted
@@ -31,6 +32,15 @@ from rlharvest.common.worker_core.engine_pump import EnginePump, EngineStep
 from rlharvest.services.coexecutor import metrics
 
 log = logging.getLogger(__name__)
+
+
+class Submitter(Protocol):
+    """What serving adds requests to and aborts them from (an engine, or the co-executor's
+    serving side)."""
+
+    def add(self, request: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str) -> RequestOutput: ...
 
 
 class ServingQueueFull(ResourceExhausted):
@@ -56,11 +66,13 @@ class EngineServingBackend:
     (the co-executor's, which steps both models): adds and aborts then go through it and the
     outputs come back through ``deliver``."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256,
+    def __init__(self, engine: Submitter, *, max_waiting: int = 256,
                  pump: EnginePump | None = None) -> None:
         self._engine = engine
         self._own_pump = pump is None
-        self._pump: EnginePump = pump if pump is not None else EnginePump(engine, self)
+        # Alone, ``engine`` is a whole Engine that this backend's own pump steps.
+        self._pump: EnginePump = pump if pump is not None else EnginePump(cast(Engine, engine),
+                                                                        self)
         self._max_waiting = max_waiting
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._ids = itertools.count(1)

@@ -46,6 +46,7 @@ async def build(host: Host[ManagerConfig]) -> Parts:
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],
                  health=service.health, on_scrape=service.refresh_gauges,
                  loops=[Loop("watch workers", service.watch_workers),
+                        Loop("watch co-executors", service.watch_coexecutors),
                         Loop("watch instance cap", service.watch_instance_cap),
                         Loop("ticks", service.run_ticks)],
                  stop_accepting=service.stop_accepting)

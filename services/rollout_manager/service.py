@@ -47,6 +47,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                  client_queue: int, tick_interval_s: float):
         self._control = control
         self._etcd = etcd
+        self._job = job
         self._announced_key = keys.weights_announced_key(job)
         self._cap_key = keys.instance_cap_key(job)
         self._max_message_bytes = max_message_bytes
@@ -68,7 +69,19 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     # ---- background loops ----------------------------------------------------------------------
 
     async def watch_workers(self) -> None:
-        async for event in registry.watch_members(self._etcd, "rollout_worker"):
+        await self._watch("rollout_worker")
+
+    async def watch_coexecutors(self) -> None:
+        """Serving co-executors lent to this job (``job`` in their record) join as workers of
+        kind ``serving``: the same Session contract, their own admission (ROSE's proxy)."""
+        await self._watch("coexecutor", job=self._job)
+
+    async def _watch(self, service: str, job: str | None = None) -> None:
+        async for event in registry.watch_members(self._etcd, service):
+            if job is not None and event.kind != "leave" and event.info.get("job") != job:
+                if event.member_id in self._links:  # lent to another job now
+                    self._lose(event.member_id, f"lent to job {event.info.get('job')!r}")
+                continue
             if event.kind == "leave":
                 self._lose(event.member_id, "etcd lease expired or worker deregistered")
             elif event.kind == "join" or event.member_id not in self._links:

@@ -18,6 +18,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import load_config
+from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.placement_scheduler.config import PlacementConfig
 from rlharvest.services.rollout_worker.config import WorkerConfig
@@ -30,6 +31,7 @@ CONFIGS = {"rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": 
            "rlharvest-rollout-manager": ManagerConfig}
 CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
 CONFIGS["rlharvest-trainer"] = TrainerConfig
+CONFIGS["rlharvest-coexecutor"] = CoexecutorConfig
 
 
 MODULES = {"rlharvest.services.trainer.main": "rlharvest-trainer"}

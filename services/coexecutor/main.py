@@ -1,0 +1,156 @@
+"""`rlharvest-coexecutor`: serve production traffic over an OpenAI-compatible API and, inside its
+SLO slack, an RL job's rollouts over the rollout worker contract (ROSE §4.1).
+
+One process, two models, one forward at a time (``dual_engine.py``). The rollout side is the
+worker core composed exactly as a rollout worker's (``WorkerService``: the Session contract,
+the engine pump, drain), registered in etcd as a ``coexecutor`` member of kind ``serving`` for
+its ``job``; the job's manager treats it as one more worker. The serving side is
+``openai_api.py`` on ``serving_backend.py``, sharing that pump. SIGTERM drains rollout first
+(its requests migrate with their tokens), then lets serving requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from rlharvest.common.cli import service_app
+from rlharvest.common.engine_types import RequestOutput
+from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
+from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
+from rlharvest.services.coexecutor.admission import (
+    AdmissionPolicy,
+    DualSloAdmission,
+    SlackMode,
+    SloConfig,
+)
+from rlharvest.services.coexecutor.config import CoexecutorConfig
+from rlharvest.services.coexecutor.dual_engine import DualEngine
+from rlharvest.services.coexecutor.latency_profile import LatencyProfile
+from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
+from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
+from rlharvest.services.coexecutor.page_pool import PagePool
+from rlharvest.services.coexecutor.scheduler import CoexecScheduler
+from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
+from rlharvest.services.rollout_worker.service import WorkerService
+
+log = logging.getLogger("rlharvest.coexecutor")
+
+SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
+
+
+def build_dual(cfg: CoexecutorConfig, deliver) -> DualEngine:
+    import torch
+
+    from rlharvest.services.coexecutor.profiling import measure
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    rollout = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
+                          max_len=cfg.max_len)
+    serving = TorchEngine(model=cfg.serving_model, seed=0, max_running=cfg.serving_max_running,
+                          max_len=cfg.max_len)
+    if cfg.profile:
+        profiles = json.loads(Path(cfg.profile).read_text())
+        serving_profile = LatencyProfile.from_dict(profiles["serving"])
+        rollout_profile = LatencyProfile.from_dict(profiles["rollout"])
+    else:
+        started = time.perf_counter()
+        serving_profile = measure(serving, cfg.max_len)
+        rollout_profile = measure(rollout, cfg.max_len)
+        log.info("latency profiles measured in %.1fs", time.perf_counter() - started)
+    pool = PagePool(cfg.total_pages, lease_s=cfg.lease_s)
+    static = cfg.static_partition or cfg.policy == "static_partition"
+    memory = MemorySharing(pool, MemoryConfig(headroom=cfg.headroom, static=static))
+    tpot = cfg.tpot_slo_ms / 1000
+    admission = DualSloAdmission(SloConfig(cfg.ttft_slo_ms / 1000, tpot, cfg.slo_margin * tpot),
+                                 serving_profile, AdmissionPolicy(cfg.policy),
+                                 SlackMode(cfg.slack_mode))
+    return DualEngine(rollout, serving, scheduler=CoexecScheduler(admission,
+                                                                  memory.headroom_pages),
+                      memory=memory, rollout_profile=rollout_profile,
+                      tokens_per_page=(cfg.page_tokens, cfg.page_tokens), deliver=deliver)
+
+
+async def build(host: Host[CoexecutorConfig]) -> Parts:
+    cfg = host.config
+    loop = asyncio.get_running_loop()
+    backend_box: list[EngineServingBackend] = []
+
+    def deliver(outputs: list[RequestOutput]) -> None:  # from the engine thread
+        if outputs and backend_box:
+            loop.call_soon_threadsafe(backend_box[0].deliver, outputs)
+
+    dual = build_dual(cfg, deliver)
+
+    def on_version_change(version: int) -> None:
+        if host.membership is not None:
+            loop.create_task(host.membership.update(weight_version=version))
+
+    service = WorkerService(dual, cfg.coexec_id, endpoint=host.endpoint, model=cfg.model,
+                            kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
+                            max_len=cfg.max_len, session_queue=cfg.session_queue,
+                            max_pending=cfg.max_pending, on_version_change=on_version_change)
+    backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
+                                   pump=service.pump)
+    backend_box.append(backend)
+    backend.start()
+    api = ApiConfig(cfg.served_model_name, context_len=cfg.max_len,
+                    max_body_bytes=cfg.max_body_bytes)
+    runner = web.AppRunner(make_app(backend, load_tokenizer(cfg.serving_model), api),
+                           handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.http_port)
+    await site.start()
+    http_port = runner.addresses[0][1]
+    http_endpoint = f"http://{cfg.advertise_host or cfg.host}:{http_port}"
+    log.info("co-executor %s serves %s at %s/v1 and job %s's rollouts", cfg.coexec_id,
+             cfg.served_model_name, http_endpoint, cfg.job)
+
+    loops = [Loop("engine", service.run_engine)]
+    if cfg.agent_pull:
+        from rlharvest.services.rollout_worker.puller import Puller
+
+        loops.append(Loop("weight puller", Puller(host.etcd, service, cfg.coexec_id, cfg.job,
+                                                  lease_ttl=cfg.lease_ttl).run,
+                          on_crash="restart"))
+
+    async def drain(reason: StopReason) -> None:
+        assert host.membership is not None
+        await host.membership.update(draining=True)
+        await service.drain(cfg.drain_timeout, "co-executor shutting down" if reason.from_signal
+                            else reason.message)
+        deadline = time.monotonic() + cfg.drain_timeout  # then serving finishes what it has
+        while backend.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def close() -> None:
+        await runner.cleanup()
+        await backend.close()
+        service.close()
+        log.info("co-executor %s stopped (steps %s, rollout aborts %s)", cfg.coexec_id,
+                 dict(dual.stats.steps), dict(dual.stats.aborts))
+
+    return Parts(member_id=cfg.coexec_id, member_info={
+        "model": cfg.model, "kind": "serving", "capacity": cfg.max_running,
+        "max_len": cfg.max_len, "weight_version": dual.weight_version, "draining": False,
+        "admission": dual.batch_admission, "vocab_size": dual.vocab_size, "job": cfg.job,
+        "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
+        servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
+                            SERVICE_NAME)],
+        health=service.health, loops=loops, drain=drain, close=[close])
+
+
+SPEC = ServiceSpec("coexecutor", CoexecutorConfig, build, __doc__)
+app = service_app(SPEC)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,72 @@
+"""Measuring a latency profile on the engine itself (ROSE §4.1: "we pre-profile runtime costs").
+
+``measure`` times, on an idle engine, one prefill per prompt length (a request of that many
+tokens and max_tokens 1: the step that admits it is its prefill) and one decode step per batch
+size (b requests prefilled first, then the step that decodes all of them). Each point is the
+median of ``repeats``. The chunked-prefill curve is the monolithic one summed per 512-token chunk
+(the torch engine prefills a prompt in one forward). Takes a second or two for the presets.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
+from rlharvest.common.worker_core.engine import Engine
+from rlharvest.services.coexecutor.latency_profile import LatencyProfile
+
+CHUNK_TOKENS = 512
+
+
+def measure(engine: Engine, max_len: int, *, lengths: Sequence[int] = (16, 64, 256),
+            batches: Sequence[int] = (1, 4, 16), repeats: int = 3) -> LatencyProfile:
+    if engine.has_work():
+        raise RuntimeError("profile an idle engine")
+    lengths = sorted({min(n, max_len - 2) for n in lengths if n >= 1})
+    mono = tuple((n, _median(lambda n=n: _prefill(engine, n), repeats)) for n in lengths)
+    chunk = tuple((n, _chunked(mono, n)) for n in lengths)
+    decode = tuple((b, _median(lambda b=b: _decode(engine, b), repeats)) for b in sorted(batches))
+    return LatencyProfile({"mono": mono, "chunk": chunk}, decode)
+
+
+def _median(run, repeats: int) -> float:
+    return statistics.median(run() for _ in range(repeats))
+
+
+def _request(rid: str, tokens: int, max_tokens: int) -> EngineRequest:
+    return EngineRequest(rid, [4 + i % 32 for i in range(tokens)],
+                         SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def _prefill(engine: Engine, tokens: int) -> float:
+    engine.add(_request("profile-prefill", tokens, 1))
+    started = time.perf_counter()
+    engine.step()
+    took = time.perf_counter() - started
+    _drain(engine)
+    return took
+
+
+def _decode(engine: Engine, batch: int) -> float:
+    for i in range(batch):
+        engine.add(_request(f"profile-decode-{i}", 8, 2))
+    engine.step()  # prefill all of them (and their first token)
+    started = time.perf_counter()
+    engine.step()  # one decode step of the batch (their second and last token)
+    took = time.perf_counter() - started
+    _drain(engine)
+    return took
+
+
+def _drain(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+
+
+def _chunked(mono: Sequence[tuple[int, float]], tokens: int) -> float:
+    chunks = math.ceil(tokens / CHUNK_TOKENS)
+    per_chunk = dict(mono).get(min(tokens, CHUNK_TOKENS), mono[-1][1])
+    return chunks * per_chunk
