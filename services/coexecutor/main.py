@@ -33,11 +33,13 @@ from rlharvest.services.coexecutor.admission import (
 from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.coexecutor.dual_engine import DualEngine
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
-from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
+from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing, MemoryState
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
 from rlharvest.services.coexecutor.page_pool import PagePool
+from rlharvest.services.coexecutor.rollout_admission import CoexecRolloutAdmission
 from rlharvest.services.coexecutor.scheduler import CoexecScheduler
 from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
+from rlharvest.services.rollout_worker.admission import RolloutAdmission
 from rlharvest.services.rollout_worker.service import WorkerService
 
 log = logging.getLogger("rlharvest.coexecutor")
@@ -94,10 +96,14 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         if host.membership is not None:
             loop.create_task(host.membership.update(weight_version=version))
 
+    admission = CoexecRolloutAdmission(
+        RolloutAdmission(cfg.max_running, cfg.max_pending), dual.rollout_room_pages,
+        lambda: dual.memory.state is MemoryState.PRESSURE, cfg.page_tokens)
     service = WorkerService(dual, cfg.coexec_id, endpoint=host.endpoint, model=cfg.model,
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
-                            max_pending=cfg.max_pending, on_version_change=on_version_change)
+                            max_pending=cfg.max_pending, on_version_change=on_version_change,
+                            admission=admission)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
                                    pump=service.pump)
     backend_box.append(backend)

@@ -15,6 +15,7 @@ from rlharvest.common import errors
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.common.worker_core import metrics
+from rlharvest.common.worker_core.admission import Admission
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.common.worker_core.session_commands import SessionCommands
@@ -28,19 +29,21 @@ if TYPE_CHECKING:
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     """``capacity`` requests run at once and ``max_pending`` more may wait; ``session_queue`` step
     messages are buffered per session; ``on_version_change`` hears every weight swap;
-    ``step_delay_s`` (benchmarks only) emulates slower hardware."""
+    ``step_delay_s`` (benchmarks only) emulates slower hardware; ``admission`` replaces the
+    rollout worker's own policy (the co-executor adds its memory budget)."""
 
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,
                  on_version_change: Callable[[int], None] | None = None,
-                 step_delay_s: float = 0.0, max_pending: int = 4096):
+                 step_delay_s: float = 0.0, max_pending: int = 4096,
+                 admission: Admission | None = None):
         self._engine = engine
         self._info: dict[str, Any] = dict(worker_id=worker_id, endpoint=endpoint, model=model,
                                           kind=kind, capacity=capacity, max_len=max_len)
         self.hub = SessionHub(session_queue)
         self.pump: EnginePump[RoutedStep] = EnginePump(engine, self.hub, step_delay_s=step_delay_s)
         self.commands = SessionCommands(engine, self.hub, self.pump,
-                                        RolloutAdmission(capacity, max_pending),
+                                        admission or RolloutAdmission(capacity, max_pending),
                                         on_version_change=on_version_change)
         metrics.WEIGHT_VERSION.set(engine.weight_version)
 

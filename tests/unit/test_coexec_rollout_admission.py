@@ -1,0 +1,37 @@
+"""A co-executor takes a rollout request only if the rollout worker would and its KV fits in
+what B_roll leaves, and none while serving bursts (the freeze)."""
+
+from __future__ import annotations
+
+import grpc
+
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
+from rlharvest.common.worker_core.admission import WorkerView
+from rlharvest.services.coexecutor.rollout_admission import CoexecRolloutAdmission
+from rlharvest.services.rollout_worker.admission import RolloutAdmission
+
+
+def admission(room: int, pressure: bool = False) -> CoexecRolloutAdmission:
+    return CoexecRolloutAdmission(RolloutAdmission(4, 4), lambda: room, lambda: pressure,
+                                  tokens_per_page=8)
+
+
+def request(prompt: int, resumed: int = 0) -> EngineRequest:
+    return EngineRequest("r", [1] * prompt, SamplingParams(), generated_token_ids=[2] * resumed)
+
+
+VIEW = WorkerView(weight_version=3, held=(), draining=False)
+
+
+def test_a_request_whose_kv_fits_the_budget_is_taken_and_one_that_does_not_goes_elsewhere():
+    assert admission(room=2).admit(request(15), 3, VIEW) is None  # 16 tokens: 2 pages
+    refused = admission(room=2).admit(request(10, resumed=6), 3, VIEW)  # 17 tokens: 3 pages
+    assert refused is not None and refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "needs 3 KV pages, the rollout budget leaves 2" in str(refused)
+
+
+def test_under_memory_pressure_nothing_new_is_taken_and_the_workers_own_checks_come_first():
+    refused = admission(room=100, pressure=True).admit(request(1), 3, VIEW)
+    assert refused is not None and "memory pressure" in str(refused)
+    stale = admission(room=100, pressure=True).admit(request(1), 2, VIEW)
+    assert stale is not None and stale.code is grpc.StatusCode.FAILED_PRECONDITION
