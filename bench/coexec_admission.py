@@ -37,8 +37,8 @@ from rlharvest.sim.serving_trace import synthetic  # noqa: E402
 PROFILE = LatencyProfile.linear(prefill_base_s=0.002, prefill_per_token_s=2e-4,
                                 decode_base_s=0.008, decode_per_seq_s=5e-4)
 ROLLOUT_STEP_S = PROFILE.decode_s(16)  # one decode step of a 16-request rollout batch
-# (label, policy, slack mode, margin as a share of B_TPOT). Without a margin rollout stretches
-# every decode gap to B_TPOT, so any request arriving meanwhile pushes a gap over it.
+# (label, policy, slack mode, margin as a share of each budget). Without a margin rollout
+# stretches every decode gap to B_TPOT, so any request arriving meanwhile pushes a gap over it.
 MARGIN = 0.3
 VARIANTS = [(f"dual, queue-aware, margin {MARGIN:.0%}", AdmissionPolicy.DUAL,
              SlackMode.QUEUE_AWARE, MARGIN),
@@ -89,7 +89,7 @@ def one_seed(seed: int, args: argparse.Namespace) -> dict[str, tuple[float, ...]
             *tails(dense), dense.attained(slo.ttft_s, slo.tpot_s), 0.0,
             dense.serving_busy_s / dense.end_s)
     for i, (name, policy, mode, margin) in enumerate(VARIANTS):
-        slo_m = SloConfig(slo.ttft_s, slo.tpot_s, margin * slo.tpot_s)
+        slo_m = SloConfig(slo.ttft_s, slo.tpot_s, margin)
         for density in ((1.0, 1.5, 2.0) if i == 0 else (1.0,)):
             result = run(trace(density), slo_m, policy, mode, True, until)
             label = name if density == 1.0 else f"{name} at density {density}"

@@ -3,7 +3,9 @@
 One forward runs at a time. Before each rollout unit (one prefill chunk, or one decode step of
 the rollout batch) the executor asks whether serving can afford it:
 
-- compute: the unit's predicted cost c fits in the serving SLO slack S (minus ``margin_s``);
+- compute: the unit's predicted cost c fits in the serving SLO slack S, keeping ``margin`` of
+  each budget unused (a share: measured steps scatter around the profile, and requests arrive
+  while a unit runs);
 - memory: after the unit's pages are granted, at least the headroom H of the pool stays free.
 
 The slack, per ``slack_mode``:
@@ -59,15 +61,15 @@ class SlackMode(str, enum.Enum):
 class SloConfig:
     ttft_s: float  # B_TTFT
     tpot_s: float  # B_TPOT
-    margin_s: float = 0.0  # slack a unit must leave unused ("sufficient slack": the paper's is 0)
+    margin: float = 0.0  # share of each budget a unit leaves unused (the paper's is 0)
 
     def __post_init__(self) -> None:
         for key in ("ttft_s", "tpot_s"):
             value = getattr(self, key)
             if not math.isfinite(value) or value <= 0:
                 raise InvalidArgument(f"{key} must be a positive number of seconds, got {value}")
-        if not math.isfinite(self.margin_s) or self.margin_s < 0:
-            raise InvalidArgument(f"margin_s must be >= 0, got {self.margin_s}")
+        if not 0 <= self.margin < 1:
+            raise InvalidArgument(f"margin must be in [0, 1), got {self.margin}")
 
 
 @dataclass(frozen=True)
@@ -151,20 +153,26 @@ class DualSloAdmission:
             return Verdict(True, "admitted", math.inf)
         if self.slack_mode is SlackMode.PAPER:
             slack = self._paper_slack(now, work)
-            fits = cost_s <= slack - self.slo.margin_s + _EPS
+            fits = cost_s <= slack + _EPS
         else:  # the deadlines with the unit run first; EDF order can change with the delay
             slack = self._queue_slack(now, work)
-            fits = self._queue_slack(now + cost_s, work) >= self.slo.margin_s - _EPS
+            fits = self._queue_slack(now + cost_s, work) >= -_EPS
         return Verdict(fits, "admitted" if fits else "no_slack", slack)
 
     # ---- Eq. 1 and 2 ---------------------------------------------------------------------------
 
+    def _budgets(self) -> tuple[float, float]:
+        """B_TTFT and B_TPOT less the margin: the deadlines admission plans against."""
+        keep = 1.0 - self.slo.margin
+        return self.slo.ttft_s * keep, self.slo.tpot_s * keep
+
     def _paper_slack(self, now: float, work: ServingWork) -> float:
-        prf = min((p.arrival + self.slo.ttft_s - now - self.profile.prefill_s(p.prompt_tokens)
+        ttft, tpot = self._budgets()
+        prf = min((p.arrival + ttft - now - self.profile.prefill_s(p.prompt_tokens)
                    for p in work.prefills), default=math.inf)
         dec = math.inf
         if work.decode.size:
-            dec = (work.decode.oldest_last_token + self.slo.tpot_s - now
+            dec = (work.decode.oldest_last_token + tpot - now
                    - self.profile.decode_s(work.decode.size))
         if self.policy is AdmissionPolicy.TTFT_ONLY:
             return prf
@@ -179,10 +187,13 @@ class DualSloAdmission:
         work in its own order (``decode_first``) from ``start`` (negative: one is missed)."""
         ttft = self.policy is not AdmissionPolicy.TPOT_ONLY
         tpot = self.policy is not AdmissionPolicy.TTFT_ONLY
-        # The scheduler's order exactly (scheduler.serving_action): oldest first, then id.
-        queue = sorted((p.arrival + self.slo.ttft_s, p.request_id, p.prompt_tokens)
+        # The scheduler's order exactly (scheduler.serving_action): oldest first, then id; its
+        # decode deadline is the real B_TPOT. The margins only shrink what counts as met.
+        slo = self.slo
+        keep_ttft, keep_tpot = slo.margin * slo.ttft_s, slo.margin * slo.tpot_s
+        queue = sorted((p.arrival + slo.ttft_s, p.request_id, p.prompt_tokens)
                        for p in work.prefills)
-        batch, due = work.decode.size, work.decode.oldest_last_token + self.slo.tpot_s
+        batch, due = work.decode.size, work.decode.oldest_last_token + slo.tpot_s
         t, worst, i = start, math.inf, 0
         for _ in range(_MAX_SIM_STEPS):
             if i == len(queue) and batch == 0:
@@ -191,7 +202,7 @@ class DualSloAdmission:
             if decode_first(t, batch, due, head, self.profile, self.slo.tpot_s):
                 t += self.profile.decode_s(batch)
                 if tpot:
-                    worst = min(worst, due - t)
+                    worst = min(worst, due - keep_tpot - t)
                 if i == len(queue):
                     return worst  # the batch's later steps wait on nothing known now
                 due = t + self.slo.tpot_s
@@ -200,7 +211,7 @@ class DualSloAdmission:
                 i += 1
                 t += self.profile.prefill_s(tokens)
                 if ttft:
-                    worst = min(worst, deadline - t)
+                    worst = min(worst, deadline - keep_ttft - t)
                 batch += 1  # its first token is out: it decodes from now on
                 due = min(due, t + self.slo.tpot_s)
         return -math.inf  # decode steps that take no time: nothing can be promised

@@ -55,8 +55,8 @@ class CoexecutorConfig(ServiceConfig):
     # ---- admission (ROSE §4.1 Eq. 1-2)
     ttft_slo_ms: float = Field(500.0, gt=0, description="B_TTFT")
     tpot_slo_ms: float = Field(150.0, gt=0, description="B_TPOT")
-    slo_margin: float = Field(0.3, ge=0, lt=1, description="slack a rollout step leaves unused, "
-                              "as a share of B_TPOT (bench/coexec_admission.py: 0 misses SLOs)")
+    slo_margin: float = Field(0.3, ge=0, lt=1, description="share of each SLO budget a rollout "
+                              "step leaves unused (bench/coexec_admission.py: 0 misses SLOs)")
     policy: Literal["dual", "ttft_only", "tpot_only", "always", "static_partition"] = "dual"
     slack_mode: Literal["queue_aware", "paper"] = "queue_aware"
     profile: str = Field("", description="latency profiles JSON (serving and rollout); empty: "

@@ -33,7 +33,7 @@ from rlharvest.services.coexecutor.admission import (
 from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.coexecutor.dual_engine import DualEngine
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
-from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing, MemoryState
+from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
 from rlharvest.services.coexecutor.page_pool import PagePool
 from rlharvest.services.coexecutor.rollout_admission import CoexecRolloutAdmission
@@ -72,7 +72,7 @@ def build_dual(cfg: CoexecutorConfig, deliver) -> DualEngine:
     static = cfg.static_partition or cfg.policy == "static_partition"
     memory = MemorySharing(pool, MemoryConfig(headroom=cfg.headroom, static=static))
     tpot = cfg.tpot_slo_ms / 1000
-    admission = DualSloAdmission(SloConfig(cfg.ttft_slo_ms / 1000, tpot, cfg.slo_margin * tpot),
+    admission = DualSloAdmission(SloConfig(cfg.ttft_slo_ms / 1000, tpot, cfg.slo_margin),
                                  serving_profile, AdmissionPolicy(cfg.policy),
                                  SlackMode(cfg.slack_mode))
     return DualEngine(rollout, serving, scheduler=CoexecScheduler(admission,
@@ -98,7 +98,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
 
     admission = CoexecRolloutAdmission(
         RolloutAdmission(cfg.max_running, cfg.max_pending), dual.rollout_room_pages,
-        lambda: dual.memory.state is MemoryState.PRESSURE, cfg.page_tokens)
+        cfg.page_tokens)
     service = WorkerService(dual, cfg.coexec_id, endpoint=host.endpoint, model=cfg.model,
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,

@@ -1,9 +1,10 @@
 """Which rollout requests a co-executor takes (ROSE §4.1: "no slack or budget" -> elsewhere).
 
 The rollout worker's checks first (draining, version, duplicates, running + pending limit),
-then memory: under PRESSURE no new rollout request is taken until the next weight version (the
-freeze), and one whose KV (prompt + resumed tokens + the next one) does not fit in what B_roll
-leaves is refused with RESOURCE_EXHAUSTED, which the manager answers by placing it elsewhere.
+then memory: a request whose KV (prompt + resumed tokens + the next one) does not fit in what
+B_roll leaves is refused with RESOURCE_EXHAUSTED, which the manager answers by placing it
+elsewhere. Under PRESSURE rollout goes on within the halved budget, as the paper has it (the
+freeze only stops B_roll from growing back).
 Requests taken but not yet started hold no pages, so a burst of adds can still overshoot the
 budget; the dual engine then aborts the growth that does not fit (back to the manager). Pure:
 reads two numbers through the callables it is given.
@@ -21,10 +22,9 @@ from rlharvest.services.coexecutor.page_pool import pages_for
 
 class CoexecRolloutAdmission:
     def __init__(self, base: Admission, room_pages: Callable[[], int],
-                 under_pressure: Callable[[], bool], tokens_per_page: int) -> None:
+                 tokens_per_page: int) -> None:
         self._base = base
         self._room = room_pages
-        self._pressure = under_pressure
         self._tpp = tokens_per_page
 
     def admit(self, request: EngineRequest, weight_version: int,
@@ -32,10 +32,6 @@ class CoexecRolloutAdmission:
         refused = self._base.admit(request, weight_version, view)
         if refused is not None:
             return refused
-        if self._pressure():
-            return ResourceExhausted("serving is bursting on this co-executor (memory "
-                                     "pressure): no new rollout until the next weight version; "
-                                     "dispatch elsewhere")
         need = pages_for(len(request.prompt_token_ids) + len(request.generated_token_ids) + 1,
                          self._tpp)
         room = self._room()

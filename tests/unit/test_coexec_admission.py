@@ -70,14 +70,17 @@ def test_the_baselines_check_no_compute(policy):
     assert admission(policy).admit(0.0, TWO_PREFILLS, 99.0, 10, 0).admitted
 
 
-def test_the_margin_is_slack_a_unit_must_leave():
-    a = admission(slo=SloConfig(ttft_s=0.5, tpot_s=0.15, margin_s=0.03))
+def test_the_margin_is_a_share_of_each_budget_a_unit_must_leave():
+    # 6% of B_TTFT = 30 ms: a 0.3 s unit ends the second prefill exactly at 0.5 s, too late now;
+    # 0.25 s leaves 50 ms of TTFT and 29 ms of TPOT beyond 6% of 0.15 s.
+    a = admission(slo=SloConfig(ttft_s=0.5, tpot_s=0.15, margin=0.06))
     assert not a.admit(0.0, TWO_PREFILLS, 0.3, 100, 0).admitted
     assert a.admit(0.0, TWO_PREFILLS, 0.25, 100, 0).admitted
 
 
 @pytest.mark.parametrize(("key", "value"), [("ttft_s", 0.0), ("tpot_s", -1.0),
-                                            ("ttft_s", float("nan")), ("margin_s", -0.1)])
+                                            ("ttft_s", float("nan")), ("margin", -0.1),
+                                            ("margin", 1.0)])
 def test_a_bad_slo_is_refused_by_name(key, value):
     kwargs = {"ttft_s": 0.5, "tpot_s": 0.15, key: value}
     with pytest.raises(InvalidArgument, match=key):

@@ -1,0 +1,208 @@
+"""Serving with rollout harvested in its slack, real processes (ROSE Table 2 analogue; issue 12).
+
+One ``rlharvest-coexecutor`` process (serving model ``small``, the job's model ``small`` too,
+as the paper pairs models of one size; one torch thread) behind a real manager and etcd, driven by two loads at once: serving traffic
+replayed open-loop by ``rlharvest-loadgen``'s ``replay`` (a synthetic bursty trace) against its
+OpenAI-compatible API, and rollout steps submitted to the manager back to back. Configurations,
+each on a freshly started co-executor, interleaved over rounds (the order rotates):
+
+- ``serving alone``: no rollout submitted — the serving baseline;
+- ``dual``: ROSE's preemptive memory sharing + dual-SLO admission (the default);
+- ``static``: Table 2's static partition (half the pool each, no compute admission);
+- ``dedicated``: a plain rollout worker on the same core, rollout only — what a dedicated
+  device yields, the denominator of the harvest.
+
+The SLOs are the paper's calibration: 1.6x serving alone's P99 TTFT and TPOT, taken from a
+serving-alone run at the start of the same invocation and given to every co-executor. Prints per configuration (medians over rounds):
+serving P99 TTFT/TPOT, SLO attainment, and rollout tokens/s as a share of the dedicated
+worker's. Needs a few minutes; ``--quick`` runs one short round.
+
+    python bench/coexec_serving.py [--quick] [--rounds 3] [--seconds 20] [--rps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlharvest.common import rpc  # noqa: E402
+from rlharvest.common.local_etcd import free_port  # noqa: E402
+from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
+from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
+from rlharvest.services import loadgen  # noqa: E402
+from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
+from rlharvest.sim.serving_trace import synthetic  # noqa: E402
+
+MODEL = "served"
+CONFIGS = ("serving alone", "dual", "static", "dedicated")
+
+
+def wait_http(url: str, proc: ServiceProcess, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            raise RuntimeError(f"process exited:\n{proc.log_tail()}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not up:\n{proc.log_tail()}") from None
+            time.sleep(0.2)
+
+
+def scrape_total(metrics_port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+    return sum(float(line.rpartition(" ")[2]) for line in text.decode().splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[float, float],
+                       model: str) -> tuple[ServiceProcess, int, str]:
+    """The co-executor (or, for ``dedicated``, a rollout worker); its metrics port and URL."""
+    port, metrics, http = free_port(), free_port(), free_port()
+    common = ["--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
+              "--torch-threads", "1", "--max-running", "8", "--drain-timeout", "1",
+              "--json-logs"]
+    if config == "dedicated":
+        proc = stack.start("rollout_worker", name, ["--worker-id", name, "--model", model,
+                                                    *common])
+    else:
+        policy = ["--policy", "static_partition"] if config == "static" else []
+        proc = stack.start("coexecutor", name, [
+            "--coexec-id", name, "--http-port", str(http), "--serving-model", "small",
+            "--model", model,
+            "--served-model-name", MODEL, "--total-pages", "256", "--page-tokens", "16",
+            "--ttft-slo-ms", f"{1000 * slo[0]:.3f}", "--tpot-slo-ms", f"{1000 * slo[1]:.3f}",
+            *policy, *common])
+    wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
+    return proc, metrics, f"http://127.0.0.1:{http}"
+
+
+async def rollout_load(manager: str, until: float) -> int:
+    """Steps of 16 x 48 tokens, back to back, until ``until``; tokens completed."""
+    tokens, step = 0, 0
+    async with rpc.channel(manager) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        while time.perf_counter() < until:
+            step += 1
+            request = mpb.SubmitStepRequest(step_id=f"s{step}", weight_version=0, requests=[
+                mpb.RolloutRequest(request_id=f"s{step}-{i}", group_id=f"g{i // 4}",
+                                   prompt_token_ids=[5 + (i + j) % 20 for j in range(24)],
+                                   sampling=common_pb2.SamplingParams(
+                                       temperature=1.0, max_tokens=48, seed=i))
+                for i in range(16)])
+            async for event in stub.SubmitStep(request, timeout=600):
+                tokens += sum(len(c.token_ids) for c in event.completions)
+    return tokens
+
+
+async def wait_worker(manager: str, name: str, timeout: float = 60) -> None:
+    """Until ``name`` is the only healthy worker (the last run's has left)."""
+    deadline = time.monotonic() + timeout
+    async with rpc.channel(manager) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        while True:
+            workers = (await stub.GetStatus(mpb.GetStatusRequest())).workers
+            if [w.worker_id for w in workers if w.state == "healthy"] == [name]:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} did not become the manager's only worker: "
+                                   f"{[(w.worker_id, w.state) for w in workers]}")
+            await asyncio.sleep(0.2)
+
+
+async def one_run(stack: LocalStack, manager: str, config: str, name: str,
+                  args: argparse.Namespace, slo: tuple[float, float]) -> dict:
+    proc, metrics, url = start_rollout_side(stack, config, name, slo, args.rollout_model)
+    try:
+        await wait_worker(manager, name)
+        start = time.perf_counter()
+        until = start + args.seconds
+        trace = [loadgen._fit(r, 256) for r in synthetic(
+            args.seconds, args.rps, seed=args.seed, max_tokens=256, prompt_median=64,
+            output_median=32)]
+        serving = (loadgen.replay(url, MODEL, trace, max_seconds=args.seconds)
+                   if config != "dedicated" else asyncio.sleep(0, result=[]))
+        rollout = (rollout_load(manager, until) if config != "serving alone"
+                   else asyncio.sleep(0, result=0))
+        results, _ = await asyncio.gather(serving, rollout)
+        elapsed = time.perf_counter() - start
+        generated = scrape_total(metrics, "rlh_worker_tokens_generated_total")
+        return {"results": results, "rollout_tps": generated / elapsed}
+    finally:
+        proc.terminate()
+
+
+def tails(results: list) -> tuple[float, float]:
+    ok = [r for r in results if r.ok]
+    return (loadgen.quantile([r.ttft_s for r in ok], 0.99),
+            loadgen.quantile([r.tpot_s for r in ok if r.tokens >= 2], 0.99))
+
+
+async def bench(args: argparse.Namespace) -> None:
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-coexec-")))
+    stack.start_etcd()
+    manager_port, manager_metrics = free_port(), free_port()
+    manager = stack.start("rollout_manager", "manager", [
+        "--port", str(manager_port), "--metrics-port", str(manager_metrics), "--lease-ttl", "2",
+        "--stall-timeout-s", "10"])
+    wait_http(f"http://127.0.0.1:{manager_metrics}/healthz", manager)
+    endpoint = f"127.0.0.1:{manager_port}"
+    runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    try:
+        # Calibration: the SLOs every co-executor then enforces (1.6x serving alone's P99).
+        calibration = await one_run(stack, endpoint, "serving alone", "calibrate", args,
+                                    (10.0, 10.0))
+        ttft99, tpot99 = tails(calibration["results"])
+        slo = (1.6 * ttft99, 1.6 * tpot99)
+        for r in range(args.rounds):
+            for i, config in enumerate(CONFIGS[r % 4:] + CONFIGS[:r % 4]):
+                runs[config].append(await one_run(stack, endpoint, config, f"c{r}-{i}", args,
+                                                  slo))
+            print(f"  round {r} done", flush=True)
+    finally:
+        stack.stop()
+    ttft_slo, tpot_slo = slo
+    dedicated = statistics.median(run["rollout_tps"] for run in runs["dedicated"])
+    print(f"{args.seconds:.0f} s per run, {args.rounds} round(s), {args.rps} req/s; SLOs = 1.6x "
+          f"serving-alone P99: TTFT {1000 * ttft_slo:.0f} ms, TPOT {1000 * tpot_slo:.1f} ms; "
+          f"dedicated worker: {dedicated:.0f} rollout tokens/s")
+    print(f"{'config':16s} {'P99 TTFT':>10s} {'P99 TPOT':>10s} {'attained':>9s} "
+          f"{'harvest':>18s}")
+    for config in CONFIGS[:3]:
+        rows = [(*tails(run["results"]),
+                 loadgen.report(run["results"], ttft_slo, tpot_slo, args.seconds).attainment,
+                 run["rollout_tps"] / dedicated) for run in runs[config]]
+        med = [statistics.median(c) for c in zip(*rows)]
+        harvest = [row[3] for row in rows]
+        print(f"{config:16s} {1000 * med[0]:8.0f}ms {1000 * med[1]:8.1f}ms {med[2]:9.1%} "
+              f"{med[3]:7.0%} [{min(harvest):.0%}-{max(harvest):.0%}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rps", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rollout-model", default="small", choices=["tiny", "small"],
+                        help="the job's model (serving's is small: the paper pairs models of "
+                             "one size)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.seconds = 1, 8.0
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()
