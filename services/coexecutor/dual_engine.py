@@ -33,8 +33,9 @@ from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutp
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.services.coexecutor.admission import DecodeBatch, PendingPrefill, ServingWork
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
-from rlharvest.services.coexecutor.memory_sharing import MemorySharing
-from rlharvest.services.coexecutor.page_pool import Owner, PoolExhausted, pages_for
+from rlharvest.services.coexecutor import metrics
+from rlharvest.services.coexecutor.memory_sharing import MemorySharing, MemoryState
+from rlharvest.services.coexecutor.page_pool import Owner, PageState, PoolExhausted, pages_for
 from rlharvest.services.coexecutor.scheduler import Action, ActionKind, CoexecScheduler, RolloutUnit
 
 if TYPE_CHECKING:
@@ -128,6 +129,13 @@ class DualEngine:
         self.rollout.load_weights(tensors, version)
         self.memory.start_step(self._clock())
 
+    def export_gauges(self) -> None:
+        """Pages by state, B_roll and the pressure state into the gauges (at scrape time)."""
+        for state in PageState:
+            metrics.PAGES.labels(state.value).set(self.pool.count(state))
+        metrics.ROLLOUT_BUDGET.set(self.pool.rollout_budget)
+        metrics.PRESSURE.set(1 if self.memory.state is MemoryState.PRESSURE else 0)
+
     def rollout_room_pages(self) -> int:
         """Pages rollout may still take under B_roll."""
         return max(0, self.pool.rollout_budget - self.pool.rollout_pages)
@@ -139,12 +147,14 @@ class DualEngine:
         reclaimed, self._pending_aborts = self._pending_aborts, []
         reclaimed += self._expire(now)
         if self.memory.on_serving_use(now, self.pool.serving_pages):
+            metrics.PRESSURE_EVENTS.inc()
             reclaimed += self._reclaim(now, "memory_pressure")
         units = [self._rollout_unit()] if self.rollout.has_work() else []
         action = self.scheduler.next_action(now, self._serving_work(), units,
                                             self.pool.free_pages)
         self.last_action = action
         self.stats.steps[action.kind.value] += 1
+        metrics.TICKS.labels(action.kind.value).inc()
         self._last_prefill = 0
         if action.kind is ActionKind.ROLLOUT:
             return reclaimed + self._rollout_step()
@@ -160,6 +170,7 @@ class DualEngine:
         took = self._clock() - started
         self._last_prefill = self.rollout.last_step_prefill_tokens
         _observe(self.rollout_profile, executing, self._last_prefill, took)
+        metrics.ROLLOUT_TOKENS.inc(sum(len(out.new_token_ids) for out in outputs))
         return outputs + self._account_rollout(outputs, self._clock())
 
     def _serving_step(self) -> list[RequestOutput]:
@@ -260,6 +271,7 @@ class DualEngine:
         """Abort a rollout request for memory: the manager gets its abort (its tokens are
         already streamed) and places it elsewhere."""
         self.stats.aborts[cause] += 1
+        metrics.ROLLOUT_ABORTS.labels(cause).inc()
         if rid in self._rollout:
             return self.abort(rid)
         self.pool.free(rid)  # a cached prefix with no request behind it

@@ -105,7 +105,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                             max_pending=cfg.max_pending, on_version_change=on_version_change,
                             admission=admission)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
-                                   pump=service.pump)
+                                   pump=service.pump,
+                                   slo=(cfg.ttft_slo_ms / 1000, cfg.tpot_slo_ms / 1000))
     backend_box.append(backend)
     backend.start()
     api = ApiConfig(cfg.served_model_name, context_len=cfg.max_len,
@@ -151,7 +152,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
-        health=service.health, loops=loops, drain=drain, close=[close])
+        health=service.health, on_scrape=dual.export_gauges, loops=loops, drain=drain,
+        close=[close])
 
 
 SPEC = ServiceSpec("coexecutor", CoexecutorConfig, build, __doc__)

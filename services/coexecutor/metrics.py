@@ -11,3 +11,13 @@ TPOT = Histogram("rlh_coexec_serving_tpot_seconds", "Time per output token after
                  "per request", buckets=_LATENCY)
 TOKENS = Counter("rlh_coexec_serving_tokens_total", "Serving tokens generated")
 IN_FLIGHT = Gauge("rlh_coexec_serving_in_flight", "Serving requests in the engine")
+SLO = Counter("rlh_coexec_serving_slo_total", "Finished serving requests by whether they met "
+              "both SLOs (TTFT and TPOT)", ["met"])  # yes | no
+TICKS = Counter("rlh_coexec_ticks_total", "Scheduler ticks by the forward they ran", ["action"])
+PAGES = Gauge("rlh_coexec_pages", "KV pool pages by state", ["state"])
+ROLLOUT_BUDGET = Gauge("rlh_coexec_rollout_budget_pages", "B_roll: pages rollout may hold")
+PRESSURE = Gauge("rlh_coexec_memory_pressure", "1 while serving's burst froze B_roll")
+PRESSURE_EVENTS = Counter("rlh_coexec_pressure_events_total", "Burst cuts of B_roll")
+ROLLOUT_ABORTS = Counter("rlh_coexec_rollout_aborts_total", "Rollout requests aborted back to "
+                         "the manager for memory", ["cause"])  # memory_pressure | budget | lease
+ROLLOUT_TOKENS = Counter("rlh_coexec_rollout_tokens_total", "Rollout tokens generated here")

@@ -67,7 +67,9 @@ class EngineServingBackend:
     outputs come back through ``deliver``."""
 
     def __init__(self, engine: Submitter, *, max_waiting: int = 256,
-                 pump: EnginePump | None = None) -> None:
+                 pump: EnginePump | None = None,
+                 slo: tuple[float, float] | None = None) -> None:
+        self._slo = slo  # (TTFT, TPOT) seconds: finished requests count as met or not
         self._engine = engine
         self._own_pump = pump is None
         # Alone, ``engine`` is a whole Engine that this backend's own pump steps.
@@ -125,7 +127,7 @@ class EngineServingBackend:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = queue
         metrics.IN_FLIGHT.set(len(self._streams))
-        timing = _Timing(time.perf_counter())
+        timing = _Timing(time.perf_counter(), self._slo)
         self._pump.between_steps(lambda: self._add(EngineRequest(rid, list(prompt_ids), sampling)))
         engine_done = False  # the engine ended it (else this layer did, or the reader left)
         produced = 0
@@ -189,8 +191,9 @@ class EngineServingBackend:
 class _Timing:
     """TTFT and TPOT of one request, as the engine side sees them."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, slo: tuple[float, float] | None) -> None:
         self.started = started
+        self.slo = slo
         self.first = self.last = 0.0
         self.count = 0
 
@@ -205,8 +208,12 @@ class _Timing:
         metrics.TOKENS.inc(n)
 
     def observe(self) -> None:
+        tpot = (self.last - self.first) / (self.count - 1) if self.count >= 2 else 0.0
         if self.count >= 2:
-            metrics.TPOT.observe((self.last - self.first) / (self.count - 1))
+            metrics.TPOT.observe(tpot)
+        if self.slo is not None and self.count:
+            met = self.first - self.started <= self.slo[0] and tpot <= self.slo[1]
+            metrics.SLO.labels("yes" if met else "no").inc()
 
 
 def _min_tokens_stop(tokens: list[int], reason: str | None, before: int, stops: frozenset[int],

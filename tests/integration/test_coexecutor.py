@@ -60,6 +60,13 @@ async def test_the_manager_places_rollout_on_it_while_it_serves_openai_traffic(l
     metrics = scrape(coexec.metrics_port)
     assert metrics["rlh_worker_tokens_generated_total"] > 0  # it harvested rollout tokens
     assert metrics['rlh_coexec_serving_requests_total{outcome="ok"}'] == 6
+    assert sum(metrics.get(f'rlh_coexec_serving_slo_total{{met="{m}"}}', 0)
+               for m in ("yes", "no")) == 6  # every finished serving request judged
+    pages = [v for k, v in metrics.items() if k.startswith("rlh_coexec_pages{")]
+    assert len(pages) == 4 and sum(pages) == 512  # the pool, by state, conserved
+    assert metrics["rlh_coexec_rollout_budget_pages"] > 0
+    assert metrics['rlh_coexec_ticks_total{action="rollout"}'] > 0
+    assert metrics["rlh_coexec_rollout_tokens_total"] == metrics["rlh_worker_tokens_generated_total"]
     assert (await status(manager.endpoint)).tokens_regenerated == 0
 
 
