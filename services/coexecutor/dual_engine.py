@@ -65,7 +65,7 @@ class DualEngine:
                  tokens_per_page: tuple[int, int],
                  deliver: Callable[[list[RequestOutput]], None] = lambda outputs: None,
                  clock: Callable[[], float] = time.perf_counter,
-                 idle_sleep_s: float = 0.001) -> None:
+                 idle_sleep_s: float = 0.001, stall_s: float = 2.0) -> None:
         self.rollout = rollout
         self.serving = serving
         self.scheduler = scheduler
@@ -76,6 +76,8 @@ class DualEngine:
         self.deliver = deliver
         self._clock = clock
         self._idle_sleep_s = idle_sleep_s
+        self._stall_s = stall_s  # ROSE: no progress this long -> back to the manager
+        self._last_rollout_step = float("-inf")
         self._serving: dict[str, _Held] = {}
         self._rollout: dict[str, _Held] = {}
         self._last_prefill = 0
@@ -145,7 +147,7 @@ class DualEngine:
     def step(self) -> list[RequestOutput]:
         now = self._clock()
         reclaimed, self._pending_aborts = self._pending_aborts, []
-        reclaimed += self._expire(now)
+        reclaimed += self._expire(now) + self._stalled(now)
         if self.memory.on_serving_use(now, self.pool.serving_pages):
             metrics.PRESSURE_EVENTS.inc()
             reclaimed += self._reclaim(now, "memory_pressure")
@@ -167,7 +169,8 @@ class DualEngine:
         executing = self.rollout.load().executing
         started = self._clock()
         outputs = self.rollout.step()
-        took = self._clock() - started
+        self._last_rollout_step = self._clock()
+        took = self._last_rollout_step - started
         self._last_prefill = self.rollout.last_step_prefill_tokens
         _observe(self.rollout_profile, executing, self._last_prefill, took)
         metrics.ROLLOUT_TOKENS.inc(sum(len(out.new_token_ids) for out in outputs))
@@ -263,6 +266,17 @@ class DualEngine:
         generated = {rid: held.generated for rid, held in self._rollout.items()}
         return [self._abort_rollout(rid, cause)
                 for rid in self.memory.victims(now, generated, serving_need)]
+
+    def _stalled(self, now: float) -> list[RequestOutput]:
+        """Rollout requests that made no progress for ``stall_s`` because no rollout step ran
+        (serving left no slack): aborted so the manager reroutes them with their tokens (ROSE
+        §4.1). One merely queued for a slot while rollout steps run is not stalled."""
+        if now - self._last_rollout_step < self._stall_s:
+            return []
+        stalled = [rid for rid, held in self._rollout.items()
+                   if now - (held.last_token if held.last_token is not None else held.arrival)
+                   >= self._stall_s]
+        return [self._abort_rollout(rid, "stall") for rid in stalled]
 
     def _expire(self, now: float) -> list[RequestOutput]:
         return [self._abort_rollout(rid, "lease") for rid in self.pool.expired(now)]

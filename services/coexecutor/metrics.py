@@ -19,5 +19,5 @@ ROLLOUT_BUDGET = Gauge("rlh_coexec_rollout_budget_pages", "B_roll: pages rollout
 PRESSURE = Gauge("rlh_coexec_memory_pressure", "1 while serving's burst froze B_roll")
 PRESSURE_EVENTS = Counter("rlh_coexec_pressure_events_total", "Burst cuts of B_roll")
 ROLLOUT_ABORTS = Counter("rlh_coexec_rollout_aborts_total", "Rollout requests aborted back to "
-                         "the manager for memory", ["cause"])  # memory_pressure | budget | lease
+                         "the manager", ["cause"])  # memory_pressure | budget | lease | stall
 ROLLOUT_TOKENS = Counter("rlh_coexec_rollout_tokens_total", "Rollout tokens generated here")

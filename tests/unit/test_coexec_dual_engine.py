@@ -112,3 +112,26 @@ def test_a_serving_burst_halves_b_roll_once_and_aborts_rollout_back_with_pages_c
     assert budgets == sorted(budgets, reverse=True)  # never up within the step
     engine.load_weights({}, version=1)  # the next step: B_roll from serving's recent use again
     assert engine.memory.state is MemoryState.NORMAL and engine.weight_version == 1
+
+
+def test_a_rollout_request_with_no_progress_for_2_s_goes_back_to_the_manager():
+    now = [0.0]
+    pool = PagePool(400, lease_s=60.0)
+    memory = MemorySharing(pool)
+    # Serving that always has a deadline due keeps rollout from running at all.
+    scheduler = CoexecScheduler(DualSloAdmission(SloConfig(0.001, 0.001), profile()), 0)
+    engine = DualEngine(TorchEngine("tiny", max_running=4, max_len=128),
+                        TorchEngine("tiny", max_running=4, max_len=128), scheduler=scheduler,
+                        memory=memory, rollout_profile=profile(), tokens_per_page=(8, 8),
+                        clock=lambda: now[0])
+    engine.add(request("starved"))
+    engine.serving_side.add(request("busy", max_tokens=100))
+    outputs = []
+    for _ in range(30):  # 1.9 s of virtual time: still waiting
+        now[0] += 0.0633
+        outputs += engine.step()
+    assert outputs == [] and engine.stats.steps["rollout"] == 0
+    now[0] = 2.0
+    [aborted] = engine.step()
+    assert aborted.request_id == "starved" and aborted.finish_reason == "abort"
+    assert engine.stats.aborts["stall"] == 1 and not engine.rollout.has_work()
