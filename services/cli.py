@@ -35,6 +35,10 @@ app.command("make-dataset")(make_dataset)
 @app.command()
 def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        spot: int = typer.Option(0, min=0, help="spot rollout workers"),
+       coexecutors: int = typer.Option(0, min=0, help="serving co-executors lent to the job "
+                                       "'default' (ROSE): an OpenAI-compatible API each"),
+       coexec_http_port: int = typer.Option(8000, min=1, max=65535, help="the first "
+                                            "co-executor's HTTP port; the next ones count up"),
        model: str = typer.Option("tiny", help="model preset or local checkpoint directory"),
        manager: bool = typer.Option(True, "--manager/--no-manager",
                                     help="start one rollout manager for the job 'default'"),
@@ -70,9 +74,14 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
             stack.start("rollout_worker", f"worker-{i}",
                         ["--worker-id", f"worker-{i}", "--kind", kind, "--model", model,
                          *(["--job", "default", "--agent-pull"] if agents else [])])
+        for i in range(coexecutors):
+            stack.start("coexecutor", f"coexec-{i}",
+                        ["--coexec-id", f"coexec-{i}", "--model", model, "--http-port",
+                         str(coexec_http_port + i), "--job", "default",
+                         *(["--agent-pull"] if agents else [])])
         if manager:
             stack.start("rollout_manager", "manager-0", ["--manager-id", "manager-0"])
-        expected = workers + spot + int(manager) + agents
+        expected = workers + spot + coexecutors + int(manager) + agents
         if placement_scheduler:
             stack.start("placement_scheduler", "placement-scheduler",
                         ["--scheduler-id", "scheduler-0"])
@@ -87,6 +96,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {workers + spot} "
                       f"rollout workers{', 1 rollout manager' if manager else ''}, "
                       f"logs in {stack.log_dir}")
+        for i in range(coexecutors):
+            console.print(f"  co-executor coexec-{i}: OpenAI API at "
+                          f"http://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
         console.print(f"  rlharvest status --etcd {endpoint}")
         if replay_trace is None:
             _wait_for_signal()

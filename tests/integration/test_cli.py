@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
 from rlharvest.common import keys, registry
+from rlharvest.common.local_etcd import free_port
 
 from .worker_client import listening
 
@@ -49,15 +52,20 @@ async def _endpoints(etcd: str) -> dict[str, str]:
 
 
 def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_path):
+    http = free_port()
     up = subprocess.Popen([*CLI, "up", "--workers", "1", "--spot", "1", "--agents", "1",
+                           "--coexecutors", "1", "--coexec-http-port", str(http),
                            "--log-dir", str(tmp_path)], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
         etcd = _read_until(up, r"etcd at (127\.0\.0\.1:\d+)", timeout=180).group(1)
         endpoints = asyncio.run(_endpoints(etcd))
         assert {k.rsplit("/", 2)[-2] for k in endpoints} == {
-            "rollout_worker", "rollout_manager", "transfer_agent"}
-        assert len(endpoints) == 4
+            "rollout_worker", "rollout_manager", "transfer_agent", "coexecutor"}
+        assert len(endpoints) == 5
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models",
+                                                   timeout=10).read())
+        assert [m["id"] for m in models["data"]] == ["small"]  # the co-executor serves
 
         shown = subprocess.run([*CLI, "status", "--etcd", etcd], capture_output=True,
                                text=True, env=ENV, timeout=60)
