@@ -5,14 +5,22 @@ tokens and max_tokens 1: the step that admits it is its prefill) and one decode 
 size (b requests prefilled first, then the step that decodes all of them). Each point is the
 median of ``repeats``. The chunked-prefill curve is the monolithic one summed per 512-token chunk
 (the torch engine prefills a prompt in one forward). Takes a second or two for the presets.
+
+``python -m rlharvest.services.coexecutor.profiling --serving-model small --model tiny --out
+profile.json`` writes both models' profiles for ``rlharvest-coexecutor --profile profile.json``
+(the co-executor measures them itself at start when it is given none).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+import typer
 
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.common.worker_core.engine import Engine
@@ -70,3 +78,34 @@ def _chunked(mono: Sequence[tuple[int, float]], tokens: int) -> float:
     chunks = math.ceil(tokens / CHUNK_TOKENS)
     per_chunk = dict(mono).get(min(tokens, CHUNK_TOKENS), mono[-1][1])
     return chunks * per_chunk
+
+
+app = typer.Typer(add_completion=False, help="Measure the co-executor's latency profiles.")
+
+
+@app.command()
+def main(out: Path = typer.Option(..., help="the JSON file to write"),
+         serving_model: str = typer.Option("small", help="preset or checkpoint directory"),
+         model: str = typer.Option("tiny", help="the RL job's model (rollout side)"),
+         max_len: int = typer.Option(512, min=8),
+         torch_threads: int = typer.Option(0, min=0, help="0 keeps torch's default"),
+         repeats: int = typer.Option(3, min=1)) -> None:
+    import torch
+
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    profiles = {}
+    for role, name in (("serving", serving_model), ("rollout", model)):
+        engine = TorchEngine(model=name, max_running=16, max_len=max_len)
+        profiles[role] = measure(engine, max_len, repeats=repeats).to_dict()
+        decode = profiles[role]["decode"]
+        typer.echo(f"{role} ({name}): prefill {profiles[role]['prefill']['mono']} "
+                   f"decode {decode}")
+    out.write_text(json.dumps(profiles, indent=1))
+    typer.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    app()
