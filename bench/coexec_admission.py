@@ -30,8 +30,9 @@ from rlharvest.services.coexecutor.admission import (  # noqa: E402
     SloConfig,
 )
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile  # noqa: E402
-from rlharvest.sim.coexec import CoexecResult, ServingRequest, simulate  # noqa: E402
-from rlharvest.sim.serving_trace import synthetic  # noqa: E402
+from rlharvest.services.loadgen import quantile  # noqa: E402
+from rlharvest.sim.coexec import CoexecResult, simulate  # noqa: E402
+from rlharvest.sim.serving_trace import TraceRequest, synthetic  # noqa: E402
 
 # A device where a 256-token prefill takes ~53 ms and a decode step 8.5 ms + 0.5 ms per sequence.
 PROFILE = LatencyProfile.linear(prefill_base_s=0.002, prefill_per_token_s=2e-4,
@@ -51,12 +52,7 @@ VARIANTS = [(f"dual, queue-aware, margin {MARGIN:.0%}", AdmissionPolicy.DUAL,
             ("always", AdmissionPolicy.ALWAYS, SlackMode.QUEUE_AWARE, 0.0)]
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0
-
-
-def run(requests: list[ServingRequest], slo: SloConfig, policy: AdmissionPolicy,
+def run(requests: list[TraceRequest], slo: SloConfig, policy: AdmissionPolicy,
         mode: SlackMode, rollout: bool, until: float) -> CoexecResult:
     admission = DualSloAdmission(slo, PROFILE, policy, mode)
     return simulate(requests, admission, rollout_cost_s=ROLLOUT_STEP_S if rollout else None,
@@ -65,15 +61,13 @@ def run(requests: list[ServingRequest], slo: SloConfig, policy: AdmissionPolicy,
 
 def tails(result: CoexecResult) -> tuple[float, float]:
     served = [rid for rid, r in result.served.items() if r.ttft_s == r.ttft_s]
-    return (p99([result.served[rid].ttft_s for rid in served]),
-            p99([result.tpot_s(rid) for rid in served]))
+    return (quantile([result.served[rid].ttft_s for rid in served], 0.99),
+            quantile([result.tpot_s(rid) for rid in served], 0.99))
 
 
 def one_seed(seed: int, args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
-    def trace(density: float) -> list[ServingRequest]:
-        return [ServingRequest(f"s{i}", r.arrival, r.prompt_tokens, r.output_tokens)
-                for i, r in enumerate(synthetic(args.seconds, args.rps, seed=seed,
-                                                density=density, max_tokens=1024))]
+    def trace(density: float) -> list[TraceRequest]:
+        return synthetic(args.seconds, args.rps, seed=seed, density=density, max_tokens=1024)
 
     until = args.seconds + 30  # let the last requests finish
     calm = SloConfig(1e9, 1e9)  # serving alone never waits on rollout: any SLO

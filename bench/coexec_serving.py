@@ -33,13 +33,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlharvest.common import rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
-from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
 from rlharvest.services import loadgen  # noqa: E402
 from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
 from rlharvest.sim.serving_trace import synthetic  # noqa: E402
+from tests.integration.test_manager import scrape  # noqa: E402
+
+from bench.manager_preemption import manager_status, run_step, step_request  # noqa: E402
 
 MODEL = "served"
 CONFIGS = ("serving alone", "dual", "static", "dedicated")
@@ -57,12 +57,6 @@ def wait_http(url: str, proc: ServiceProcess, timeout: float = 120) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} not up:\n{proc.log_tail()}") from None
             time.sleep(0.2)
-
-
-def scrape_total(metrics_port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
-    return sum(float(line.rpartition(" ")[2]) for line in text.decode().splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[float, float],
@@ -87,37 +81,26 @@ def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[flo
     return proc, metrics, f"http://127.0.0.1:{http}"
 
 
-async def rollout_load(manager: str, until: float) -> int:
-    """Steps of 16 x 48 tokens, back to back, until ``until``; tokens completed."""
-    tokens, step = 0, 0
-    async with rpc.channel(manager) as chan:
-        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
-        while time.perf_counter() < until:
-            step += 1
-            request = mpb.SubmitStepRequest(step_id=f"s{step}", weight_version=0, requests=[
-                mpb.RolloutRequest(request_id=f"s{step}-{i}", group_id=f"g{i // 4}",
-                                   prompt_token_ids=[5 + (i + j) % 20 for j in range(24)],
-                                   sampling=common_pb2.SamplingParams(
-                                       temperature=1.0, max_tokens=48, seed=i))
-                for i in range(16)])
-            async for event in stub.SubmitStep(request, timeout=600):
-                tokens += sum(len(c.token_ids) for c in event.completions)
-    return tokens
+async def rollout_load(manager: str, until: float) -> None:
+    """Steps of 16 x 48 tokens, back to back, until ``until`` (the rollout side counts what it
+    generated)."""
+    step = 0
+    while time.perf_counter() < until:
+        step += 1
+        await run_step(manager, step_request(f"s{step}-", [48] * 16), None, lambda: None)
 
 
 async def wait_worker(manager: str, name: str, timeout: float = 60) -> None:
     """Until ``name`` is the only healthy worker (the last run's has left)."""
     deadline = time.monotonic() + timeout
-    async with rpc.channel(manager) as chan:
-        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
-        while True:
-            workers = (await stub.GetStatus(mpb.GetStatusRequest())).workers
-            if [w.worker_id for w in workers if w.state == "healthy"] == [name]:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} did not become the manager's only worker: "
-                                   f"{[(w.worker_id, w.state) for w in workers]}")
-            await asyncio.sleep(0.2)
+    while True:
+        workers = (await manager_status(manager)).workers
+        if [w.worker_id for w in workers if w.state == "healthy"] == [name]:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not become the manager's only worker: "
+                               f"{[(w.worker_id, w.state) for w in workers]}")
+        await asyncio.sleep(0.2)
 
 
 async def one_run(stack: LocalStack, manager: str, config: str, name: str,
@@ -133,10 +116,10 @@ async def one_run(stack: LocalStack, manager: str, config: str, name: str,
         serving = (loadgen.replay(url, MODEL, trace, max_seconds=args.seconds)
                    if config != "dedicated" else asyncio.sleep(0, result=[]))
         rollout = (rollout_load(manager, until) if config != "serving alone"
-                   else asyncio.sleep(0, result=0))
+                   else asyncio.sleep(0))
         results, _ = await asyncio.gather(serving, rollout)
         elapsed = time.perf_counter() - start
-        generated = scrape_total(metrics, "rlh_worker_tokens_generated_total")
+        generated = scrape(metrics).get("rlh_worker_tokens_generated_total", 0.0)
         return {"results": results, "rollout_tps": generated / elapsed}
     finally:
         proc.terminate()

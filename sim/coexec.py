@@ -23,14 +23,7 @@ from rlharvest.services.coexecutor.admission import (
     ServingWork,
 )
 from rlharvest.services.coexecutor.scheduler import ActionKind, CoexecScheduler, RolloutUnit
-
-
-@dataclass(frozen=True)
-class ServingRequest:
-    request_id: str
-    arrival: float
-    prompt_tokens: int
-    output_tokens: int
+from rlharvest.sim.serving_trace import TraceRequest
 
 
 @dataclass
@@ -66,23 +59,25 @@ class CoexecResult:
         return [rid for rid, r in self.served.items() if any(g > budget_s + eps for g in r.gaps_s)]
 
 
-def simulate(requests: Sequence[ServingRequest], admission: DualSloAdmission, *,
+def simulate(trace: Sequence[TraceRequest], admission: DualSloAdmission, *,
              rollout_cost_s: float | None, until_s: float, headroom_pages: int = 0,
              free_pages: int = 1 << 30) -> CoexecResult:
-    """Run until ``until_s`` (virtual seconds); ``rollout_cost_s`` None: serving alone."""
+    """Run until ``until_s`` (virtual seconds); ``rollout_cost_s`` None: serving alone. The
+    trace's request i is ``s<i>`` in the result."""
     profile = admission.profile
     scheduler = CoexecScheduler(admission, headroom_pages)
-    arrivals = sorted(requests, key=lambda r: (r.arrival, r.request_id))
-    served = {r.request_id: ServedRequest() for r in arrivals}
-    by_id = {r.request_id: r for r in arrivals}
+    named = [(f"s{i}", r) for i, r in enumerate(trace)]
+    arrivals = sorted(named, key=lambda item: item[1].arrival)
+    served = {rid: ServedRequest() for rid, _ in named}
+    outputs = {rid: r.output_tokens for rid, r in named}
     queue: list[PendingPrefill] = []
     batch: dict[str, tuple[float, int]] = {}  # decoding: id -> (last token time, tokens out)
     now, nxt, steps, busy, serving_busy = 0.0, 0, 0, 0.0, 0.0
     unit = [RolloutUnit("decode", rollout_cost_s)] if rollout_cost_s is not None else []
     while now < until_s:
-        while nxt < len(arrivals) and arrivals[nxt].arrival <= now:
-            r = arrivals[nxt]
-            queue.append(PendingPrefill(r.request_id, r.arrival, r.prompt_tokens))
+        while nxt < len(arrivals) and arrivals[nxt][1].arrival <= now:
+            rid, r = arrivals[nxt]
+            queue.append(PendingPrefill(rid, r.arrival, r.prompt_tokens))
             nxt += 1
         oldest = min((t for t, _ in batch.values()), default=math.inf)
         work = ServingWork(tuple(queue), DecodeBatch(len(batch), oldest))
@@ -98,24 +93,24 @@ def simulate(requests: Sequence[ServingRequest], admission: DualSloAdmission, *,
             now, serving_busy = now + cost, serving_busy + cost
             served[pending.request_id].ttft_s = now - pending.arrival
             batch[pending.request_id] = (now, 1)
-            _finish_done(batch, by_id, served)
+            _finish_done(batch, outputs, served)
         elif action.kind is ActionKind.SERVING_DECODE:
             cost = profile.decode_s(len(batch))
             now, serving_busy = now + cost, serving_busy + cost
             for rid, (last, out) in list(batch.items()):
                 served[rid].gaps_s.append(now - last)
                 batch[rid] = (now, out + 1)
-            _finish_done(batch, by_id, served)
+            _finish_done(batch, outputs, served)
         else:  # idle until the next arrival
             if nxt == len(arrivals):
                 break
-            now = max(now, arrivals[nxt].arrival)
+            now = max(now, arrivals[nxt][1].arrival)
     return CoexecResult(served, steps, busy, serving_busy, now)
 
 
-def _finish_done(batch: dict[str, tuple[float, int]], by_id: dict[str, ServingRequest],
+def _finish_done(batch: dict[str, tuple[float, int]], outputs: dict[str, int],
                  served: dict[str, ServedRequest]) -> None:
     for rid, (_, out) in list(batch.items()):
-        if out >= by_id[rid].output_tokens:
+        if out >= outputs[rid]:
             del batch[rid]
             served[rid].done = True

@@ -36,7 +36,7 @@ from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.memory_sharing import MemorySharing, MemoryState
 from rlharvest.services.coexecutor.page_pool import Owner, PageState, PoolExhausted, pages_for
-from rlharvest.services.coexecutor.scheduler import Action, ActionKind, CoexecScheduler, RolloutUnit
+from rlharvest.services.coexecutor.scheduler import ActionKind, CoexecScheduler, RolloutUnit
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,6 @@ class DualEngine:
         self._rollout: dict[str, _Held] = {}
         self._last_prefill = 0
         self._pending_aborts: list[RequestOutput] = []
-        self.last_action: Action | None = None
         self.stats = DualStats()
         self.serving_side = _ServingSide(self)
 
@@ -112,7 +111,7 @@ class DualEngine:
 
     def abort(self, request_id: str) -> RequestOutput:
         out = self.rollout.abort(request_id)
-        self._forget_rollout(request_id)
+        self._forget(self._rollout, request_id)
         return out
 
     def has_work(self) -> bool:
@@ -154,7 +153,6 @@ class DualEngine:
         units = [self._rollout_unit()] if self.rollout.has_work() else []
         action = self.scheduler.next_action(now, self._serving_work(), units,
                                             self.pool.free_pages)
-        self.last_action = action
         self.stats.steps[action.kind.value] += 1
         metrics.TICKS.labels(action.kind.value).inc()
         self._last_prefill = 0
@@ -172,7 +170,7 @@ class DualEngine:
         self._last_rollout_step = self._clock()
         took = self._last_rollout_step - started
         self._last_prefill = self.rollout.last_step_prefill_tokens
-        _observe(self.rollout_profile, executing, self._last_prefill, took)
+        self.rollout_profile.observe_step(executing, self._last_prefill, took)
         metrics.ROLLOUT_TOKENS.inc(sum(len(out.new_token_ids) for out in outputs))
         return outputs + self._account_rollout(outputs, self._clock())
 
@@ -181,8 +179,8 @@ class DualEngine:
         started = self._clock()
         outputs = self.serving.step()
         now = self._clock()
-        _observe(self.scheduler.admission.profile, executing,
-                 self.serving.last_step_prefill_tokens, now - started)
+        self.scheduler.admission.profile.observe_step(
+            executing, self.serving.last_step_prefill_tokens, now - started)
         aborted = self._account_serving(outputs, now)
         self.deliver(outputs)
         return aborted
@@ -204,55 +202,54 @@ class DualEngine:
         prefill_tokens = sum(held.tokens for _, held in pending)
         cost = (self.rollout_profile.decode_s(load.executing)
                 + self.rollout_profile.prefill_s(prefill_tokens))
-        pages = sum(pages_for(h.tokens + 1, self.rollout_tpp) - self._pages(rid)
-                    for rid, h in self._rollout.items() if h.last_token is not None)
-        pages += sum(pages_for(h.tokens + 1, self.rollout_tpp) for _, h in pending)
-        return RolloutUnit("step", cost, pages, tuple(rid for rid, _ in pending))
+        pages = sum(self._missing_pages(rid, held.tokens + 1, self.rollout_tpp)
+                    for rid, held in self._rollout.items())
+        return RolloutUnit("step", cost, pages)
 
     # ---- accounting ----------------------------------------------------------------------------
 
-    def _pages(self, rid: str) -> int:
-        return len(self.pool.table(rid).pages) if self.pool.holds(rid) else 0
+    def _missing_pages(self, rid: str, tokens: int, tokens_per_page: int) -> int:
+        """Pages ``rid`` needs beyond those it holds to hold ``tokens`` tokens."""
+        held = len(self.pool.table(rid).pages) if self.pool.holds(rid) else 0
+        return max(0, pages_for(tokens, tokens_per_page) - held)
 
-    def _grow(self, rid: str, owner: Owner, tokens: int, now: float) -> None:
-        tpp = self.serving_tpp if owner is Owner.SERVING else self.rollout_tpp
-        self.pool.allocate(rid, owner, max(0, pages_for(tokens, tpp) - self._pages(rid)), now)
-
-    def _account_rollout(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
-        aborted: list[RequestOutput] = []
+    def _advance(self, table: dict[str, _Held], outputs: list[RequestOutput],
+                 now: float) -> list[tuple[str, _Held]]:
+        """Count a step's tokens into ``table``; forget the finished requests and return the
+        others, which may need more pages."""
+        growing = []
         for out in outputs:
-            held = self._rollout.get(out.request_id)
+            held = table.get(out.request_id)
             if held is None:
                 continue
             held.tokens += len(out.new_token_ids)
             held.generated += len(out.new_token_ids)
             held.last_token = now
             if out.finished:
-                self._forget_rollout(out.request_id)
-                continue
+                self._forget(table, out.request_id)
+            else:
+                growing.append((out.request_id, held))
+        return growing
+
+    def _account_rollout(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
+        aborted: list[RequestOutput] = []
+        for rid, held in self._advance(self._rollout, outputs, now):
             try:
-                self._grow(out.request_id, Owner.ROLLOUT, held.tokens, now)
+                self.pool.allocate(rid, Owner.ROLLOUT,
+                                   self._missing_pages(rid, held.tokens, self.rollout_tpp), now)
             except PoolExhausted:  # past B_roll or the pool: this request gives way
-                aborted.append(self._abort_rollout(out.request_id, "budget"))
+                aborted.append(self._abort_rollout(rid, "budget"))
         return aborted
 
     def _account_serving(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
         aborted: list[RequestOutput] = []
-        for out in outputs:
-            held = self._serving.get(out.request_id)
-            if held is None:
-                continue
-            held.tokens += len(out.new_token_ids)
-            held.last_token = now
-            if out.finished:
-                self._forget_serving(out.request_id)
-                continue
-            aborted += self._grant_serving(out.request_id, held.tokens, now)
+        for rid, held in self._advance(self._serving, outputs, now):
+            aborted += self._grant_serving(rid, held.tokens, now)
         return aborted
 
     def _grant_serving(self, rid: str, tokens: int, now: float) -> list[RequestOutput]:
         """Serving's pages, taking them from rollout when the pool is short."""
-        need = max(0, pages_for(tokens, self.serving_tpp) - self._pages(rid))
+        need = self._missing_pages(rid, tokens, self.serving_tpp)
         aborted: list[RequestOutput] = []
         if need > self.pool.free_pages:
             aborted = self._reclaim(now, "memory_pressure", serving_need=need)
@@ -291,13 +288,8 @@ class DualEngine:
         self.pool.free(rid)  # a cached prefix with no request behind it
         return RequestOutput(rid, [], [], finished=True, finish_reason="abort")
 
-    def _forget_rollout(self, rid: str) -> None:
-        self._rollout.pop(rid, None)
-        if self.pool.holds(rid):
-            self.pool.free(rid)
-
-    def _forget_serving(self, rid: str) -> None:
-        self._serving.pop(rid, None)
+    def _forget(self, table: dict[str, _Held], rid: str) -> None:
+        table.pop(rid, None)
         if self.pool.holds(rid):
             self.pool.free(rid)
 
@@ -308,10 +300,6 @@ class _ServingSide:
 
     def __init__(self, dual: DualEngine) -> None:
         self._dual = dual
-
-    @property
-    def vocab_size(self) -> int:
-        return self._dual.serving.vocab_size
 
     def add(self, request: EngineRequest) -> None:
         dual = self._dual
@@ -324,14 +312,6 @@ class _ServingSide:
 
     def abort(self, request_id: str) -> RequestOutput:
         out = self._dual.serving.abort(request_id)
-        self._dual._forget_serving(request_id)
+        self._dual._forget(self._dual._serving, request_id)
         return out
 
-
-def _observe(profile: LatencyProfile, executing: int, prefill_tokens: int, took: float) -> None:
-    """Correct a profile from one measured step: a pure decode step teaches the decode curve,
-    a step that also prefilled teaches the prefill curve (its decode part predicted)."""
-    if prefill_tokens:
-        profile.observe_prefill(prefill_tokens, "mono", max(0.0, took - profile.decode_s(executing)))
-    elif executing:
-        profile.observe_decode(executing, took)

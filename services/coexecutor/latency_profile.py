@@ -104,6 +104,16 @@ class LatencyProfile:
     def observe_decode(self, batch: int, measured_s: float) -> None:
         self._observe("decode", self.decode_s(batch) / self.correction["decode"], measured_s)
 
+    def observe_step(self, executing: int, prefill_tokens: int, measured_s: float) -> None:
+        """One measured engine step (a decode of ``executing`` requests, plus a monolithic
+        prefill of ``prefill_tokens``): a pure decode step teaches the decode curve, a step that
+        also prefilled teaches the prefill curve (its decode part predicted)."""
+        if prefill_tokens:
+            self.observe_prefill(prefill_tokens, "mono",
+                                 max(0.0, measured_s - self.decode_s(executing)))
+        elif executing:
+            self.observe_decode(executing, measured_s)
+
     def _observe(self, kind: str, raw_s: float, measured_s: float) -> None:
         if raw_s <= 0 or not math.isfinite(measured_s) or measured_s < 0:
             return  # nothing to learn from a zero prediction or a broken measurement

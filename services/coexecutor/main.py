@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -47,7 +48,8 @@ log = logging.getLogger("rlharvest.coexecutor")
 SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
 
 
-def build_dual(cfg: CoexecutorConfig, deliver) -> DualEngine:
+def build_dual(cfg: CoexecutorConfig,
+               deliver: Callable[[list[RequestOutput]], None]) -> DualEngine:
     import torch
 
     from rlharvest.services.coexecutor.profiling import measure

@@ -147,15 +147,7 @@ class _Api:
         if any(not 0 <= t < self._tok.vocab_size for t in ids):
             raise BadRequest(f"prompt token ids must be in [0, {self._tok.vocab_size})",
                              "prompt")
-        parsed = self._parse(body, ids)
-        if parsed.stream:
-            return await self._stream(request, parsed, "text_completion", _completion_chunk)
-        text, reason, count = await self._collect(parsed)
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": self._config.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
-            "usage": _usage(len(ids), count)})
+        return await self._answer(request, body, ids, _COMPLETION)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
@@ -168,18 +160,21 @@ class _Api:
             ids = self._tok.encode_prompt(messages)
         except (TokenizerError, ValueError, TypeError) as exc:
             raise BadRequest(f"messages: {exc}", "messages") from None
-        parsed = self._parse(body, ids)
-        if parsed.stream:
-            return await self._stream(request, parsed, "chat.completion.chunk", _chat_chunk)
-        text, reason, count = await self._collect(parsed)
-        return web.json_response({
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": self._config.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": reason}],
-            "usage": _usage(len(ids), count)})
+        return await self._answer(request, body, ids, _CHAT)
 
     # ---- the shared parts ----------------------------------------------------------------------
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], ids: list[int],
+                      shape: _Shape) -> web.StreamResponse:
+        parsed = self._parse(body, ids)
+        head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self._config.model}
+        if parsed.stream:
+            return await self._stream(request, parsed, shape, head)
+        text, reason, count = await self._collect(parsed)
+        return web.json_response({**head, "object": shape.object,
+                                  "choices": [_choice(shape.content(text), reason)],
+                                  "usage": _usage(len(ids), count)})
 
     def _parse(self, body: dict[str, Any], ids: list[int]) -> _Request:
         if body.get("model") != self._config.model:
@@ -234,24 +229,22 @@ class _Api:
             await steps.aclose()  # the handler cancelled (client gone): abort the request
         return self._tok.decode(tokens), reason, len(tokens)
 
-    async def _stream(self, request: web.Request, parsed: _Request, kind: str,
-                      chunk: Callable[[str, str | None, bool], dict]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed: _Request, shape: _Shape,
+                      head: dict[str, Any]) -> web.StreamResponse:
         steps = self._backend.generate(parsed.prompt_ids, parsed.params)
         first = await anext(steps)  # refusals (queue full, engine) are still a JSON status
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
-        ident, created, count = f"{kind[:4]}-{uuid.uuid4().hex}", int(time.time()), 0
+        head = {**head, "object": shape.chunk_object}
+        count = 0
         try:
-            async for step in _chain(first, steps):
+            async for i, step in _numbered(first, steps):
                 count += len(step.token_ids)
-                payload = chunk(self._tok.decode(step.token_ids), step.finish_reason,
-                                count == len(step.token_ids))
-                await _send(response, {"id": ident, "object": kind, "created": created,
-                                       "model": self._config.model, **payload})
+                delta = shape.delta(self._tok.decode(step.token_ids), i == 0)
+                await _send(response, {**head, "choices": [_choice(delta, step.finish_reason)]})
             if parsed.include_usage:
-                await _send(response, {"id": ident, "object": kind, "created": created,
-                                       "model": self._config.model, "choices": [],
+                await _send(response, {**head, "choices": [],
                                        "usage": _usage(len(parsed.prompt_ids), count)})
             await response.write(b"data: [DONE]\n\n")
         finally:
@@ -259,26 +252,47 @@ class _Api:
         return response
 
 
-async def _chain(first: Generation, rest: AsyncIterator[Generation]) -> AsyncIterator[Generation]:
-    yield first
+async def _numbered(first: Generation, rest: AsyncIterator[Generation]
+                    ) -> AsyncIterator[tuple[int, Generation]]:
+    """``first`` (already taken, so a refusal was still a JSON status), then the rest, numbered."""
+    yield 0, first
+    i = 1
     async for step in rest:
-        yield step
+        yield i, step
+        i += 1
 
 
 async def _send(response: web.StreamResponse, payload: dict) -> None:
     await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
-def _completion_chunk(text: str, reason: str | None, first: bool) -> dict:
-    return {"choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
+def _choice(fields: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    return {"index": 0, **fields, "logprobs": None, "finish_reason": reason}
 
 
-def _chat_chunk(text: str, reason: str | None, first: bool) -> dict:
+def _chat_delta(text: str, first: bool) -> dict[str, Any]:
     delta: dict[str, str] = {"role": "assistant"} if first else {}
     if text:
         delta["content"] = text
-    return {"choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": reason}]}
+    return {"delta": delta}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint's answers look (OpenAI's completion or chat objects): the object
+    names, the id prefix, a whole answer's choice fields and a streamed chunk's."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+    content: Callable[[str], dict[str, Any]]
+    delta: Callable[[str, bool], dict[str, Any]]  # (text, first chunk?)
+
+
+_COMPLETION = _Shape("text_completion", "text_completion", "cmpl",
+                     lambda text: {"text": text}, lambda text, first: {"text": text})
+_CHAT = _Shape("chat.completion", "chat.completion.chunk", "chatcmpl",
+               lambda text: {"message": {"role": "assistant", "content": text}}, _chat_delta)
 
 
 def _usage(prompt: int, completion: int) -> dict:

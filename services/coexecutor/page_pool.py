@@ -21,7 +21,6 @@ Pure bookkeeping: no tensors, no clock (times are arguments). ``check`` verifies
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rlharvest.common.errors import InvalidArgument, ResourceExhausted
@@ -196,6 +195,3 @@ class PagePool:
         assert sum(by_state.values()) == self.total_pages, "pages are missing from the pool"
         assert free | set(seen) == set(range(self.total_pages)), "a page left the pool"
 
-
-def sum_pages(tables: Iterable[BlockTable]) -> int:
-    return sum(len(t.pages) for t in tables)

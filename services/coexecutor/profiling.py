@@ -14,7 +14,6 @@ profile.json`` writes both models' profiles for ``rlharvest-coexecutor --profile
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -35,8 +34,9 @@ def measure(engine: Engine, max_len: int, *, lengths: Sequence[int] = (16, 64, 2
         raise RuntimeError("profile an idle engine")
     lengths = sorted({min(n, max_len - 2) for n in lengths if n >= 1})
     mono = tuple((n, _median(lambda n=n: _prefill(engine, n), repeats)) for n in lengths)
-    chunk = tuple((n, _chunked(mono, n)) for n in lengths)
     decode = tuple((b, _median(lambda b=b: _decode(engine, b), repeats)) for b in sorted(batches))
+    measured = LatencyProfile({"mono": mono, "chunk": mono}, decode)
+    chunk = tuple((n, _chunked(measured, n)) for n in lengths)
     return LatencyProfile({"mono": mono, "chunk": chunk}, decode)
 
 
@@ -74,10 +74,10 @@ def _drain(engine: Engine) -> None:
         engine.step()
 
 
-def _chunked(mono: Sequence[tuple[int, float]], tokens: int) -> float:
-    chunks = math.ceil(tokens / CHUNK_TOKENS)
-    per_chunk = dict(mono).get(min(tokens, CHUNK_TOKENS), mono[-1][1])
-    return chunks * per_chunk
+def _chunked(profile: LatencyProfile, tokens: int) -> float:
+    """Full 512-token chunks and the rest, each a monolithic prefill of its own."""
+    full, rest = divmod(tokens, CHUNK_TOKENS)
+    return full * profile.prefill_s(CHUNK_TOKENS) + profile.prefill_s(rest)
 
 
 app = typer.Typer(add_completion=False, help="Measure the co-executor's latency profiles.")

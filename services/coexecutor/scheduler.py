@@ -43,10 +43,9 @@ class RolloutUnit:
     """One rollout forward the rollout side could run next: its predicted cost and the pages it
     needs granted first."""
 
-    kind: str  # "prefill_chunk" | "decode"
+    kind: str  # "prefill_chunk" | "decode" | "step" (a decode with the prefills it admits)
     cost_s: float
     pages: int = 0
-    request_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

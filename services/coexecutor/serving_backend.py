@@ -68,13 +68,14 @@ class EngineServingBackend:
 
     def __init__(self, engine: Submitter, *, max_waiting: int = 256,
                  pump: EnginePump | None = None,
-                 slo: tuple[float, float] | None = None) -> None:
+                 slo: tuple[float, float] | None = None, step_delay_s: float = 0.0) -> None:
         self._slo = slo  # (TTFT, TPOT) seconds: finished requests count as met or not
         self._engine = engine
         self._own_pump = pump is None
         # Alone, ``engine`` is a whole Engine that this backend's own pump steps.
-        self._pump: EnginePump = pump if pump is not None else EnginePump(cast(Engine, engine),
-                                                                        self)
+        # (``step_delay_s``, tests and benchmarks only: the own pump's emulated slower device.)
+        self._pump: EnginePump = pump if pump is not None else EnginePump(
+            cast(Engine, engine), self, step_delay_s=step_delay_s)
         self._max_waiting = max_waiting
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._ids = itertools.count(1)

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from rlharvest.services.transfer_agent.flat_shards import flat_shard
+from rlharvest.services.transfer_agent.flat_shards import flat_shard, flat_shards
 
 BackendName = Literal["torch", "deepspeed"]
 _TORCH_FILE = "weights.pt"
@@ -96,8 +96,7 @@ def _replicated_shard(model: torch.nn.Module, rank: int,
                       size: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
     """Every rank holds the whole model (no ZeRO-3): rank ``rank``'s slices of it."""
     state = model.state_dict()
-    return ({name: flat_shard(t, rank, size) for name, t in state.items()},
-            {name: tuple(t.shape) for name, t in state.items()})
+    return flat_shards(state, rank, size), {name: tuple(t.shape) for name, t in state.items()}
 
 
 def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import grpc
 import torch
 
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
@@ -72,9 +71,8 @@ log = logging.getLogger(__name__)
 # Failures after which the same step is simply tried again (nothing of it was applied).
 _RETRYABLE = (rollout_client.RolloutStreamError, RolloutFailed, OnPolicyViolation)
 _STEP_BACKOFF = Backoff(first_s=2.0, max_s=10.0, jitter=0.0)
-# No agent yet, or one restarting: publishing again soon may succeed.
-_PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError)
-_PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
+_PUBLISH_RETRYABLE = rollout_client.PUBLISH_RETRYABLE
+_PUBLISH_BACKOFF = rollout_client.PUBLISH_BACKOFF
 _SHARD_PUBLISH_ATTEMPTS = 3  # each rank also retries its own shard on transport errors
 # Reward failures kept for inspection: a few steps' worth even when every sample fails.
 _KEPT_REWARD_FAILURES = 1000

@@ -12,6 +12,7 @@ import torch
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
+from rlharvest.common.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ async def stream_step(endpoint: str, request: mpb.SubmitStepRequest,
 async def announced_version(etcd, job: str) -> int | None:
     record = await registry.get_versioned(etcd, keys.weights_announced_key(job))
     return int(record["version"]) if record is not None else None
+
+
+# No agent yet, or one restarting: publishing again soon may succeed (whole or a rank's shard).
+PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, ConnectionError)
+PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 
 
 class Publisher:

@@ -20,15 +20,12 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
 import torch
 
-from rlharvest.common.retry import Backoff, retry
+from rlharvest.common.retry import retry
+from rlharvest.services.trainer.rollout_client import PUBLISH_BACKOFF, PUBLISH_RETRYABLE
 
 log = logging.getLogger(__name__)
-
-_RETRYABLE = (grpc.aio.AioRpcError, ConnectionError, TimeoutError)
-_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 
 
 @dataclass(frozen=True)
@@ -83,8 +80,10 @@ def _publish_blocking(version: int, shard: dict[str, torch.Tensor],
         return not reply.shards_missing
 
     async def with_retries() -> bool:
-        return await retry(once, attempts=5, retry_if=lambda exc: isinstance(exc, _RETRYABLE),
-                           backoff=_BACKOFF, what=f"rank {rank}'s shard of version {version}")
+        return await retry(once, attempts=5,
+                           retry_if=lambda exc: isinstance(exc, PUBLISH_RETRYABLE),
+                           backoff=PUBLISH_BACKOFF,
+                           what=f"rank {rank}'s shard of version {version}")
 
     done = asyncio.run(with_retries())
     log.info("rank %d: shard of version %d %s", rank, version,

@@ -72,6 +72,10 @@ class VersionManifest:
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
+    def full_shape_of(self) -> dict[str, tuple[int, ...]]:
+        """A flat DP shard's entries' whole shapes by name ({} when the manifest has none)."""
+        return {e.name: shape for e, shape in zip(self.entries, self.full_shapes)}
+
     def to_dict(self) -> dict:
         # Publish-only fields appear only when set: pull manifests (and their plan ids) unchanged.
         extra: dict = {"run": self.run} if self.run else {}

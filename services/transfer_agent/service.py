@@ -262,10 +262,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                    shards_missing=missing)
         try:
             if _is_dp_shard(header):
-                full_shapes = {e.name: shape
-                               for e, shape in zip(manifest.entries, manifest.full_shapes)}
                 records = await self.hold_flat_shards(header.job, header.version, shards,
-                                                      full_shapes)
+                                                      manifest.full_shape_of())
             else:
                 records = await self.hold_shards(header.job, header.version, shards)
         finally:
@@ -335,15 +333,16 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     def _admit_dp_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
         """A flat DP shard: one slice of every tensor, whose whole shape the manifest states."""
-        if len(manifest.full_shapes) != len(manifest.entries):
+        if not manifest.full_shapes:  # from_dict already refused a count that does not match
             raise errors.InvalidArgument(f"DP shard of version {header.version}: the manifest "
                                          "states no full_shapes; a flat shard names the whole "
                                          "shape of every tensor")
+        shapes = manifest.full_shape_of()
         try:
-            for entry, shape in zip(manifest.entries, manifest.full_shapes):
-                flat_shards.check_shard_shape(entry.name, entry.shape, shape, header.dp_size)
-            signature = {e.name: (e.dtype, shape)
-                         for e, shape in zip(manifest.entries, manifest.full_shapes)}
+            for entry in manifest.entries:
+                flat_shards.check_shard_shape(entry.name, entry.shape, shapes[entry.name],
+                                              header.dp_size)
+            signature = {e.name: (e.dtype, shapes[e.name]) for e in manifest.entries}
             admission = self._job(header.job).staging.admit(
                 header.version, header.dp_rank, header.dp_size, signature, manifest.total_bytes,
                 manifest.run, layout="dp")

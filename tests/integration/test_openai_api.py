@@ -23,9 +23,9 @@ from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 MODEL = "tiny-serving"
 
 
-async def serve(max_waiting: int = 8):
+async def serve(max_waiting: int = 8, step_delay_s: float = 0.0):
     engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
-    backend = EngineServingBackend(engine, max_waiting=max_waiting)
+    backend = EngineServingBackend(engine, max_waiting=max_waiting, step_delay_s=step_delay_s)
     backend.start()
     app = make_app(backend, load_tokenizer("tiny"), ApiConfig(MODEL, context_len=256,
                                                               max_body_bytes=64 << 10))
@@ -140,7 +140,9 @@ async def test_malformed_json_nan_and_an_oversized_body_are_refused(server):
 
 
 async def test_a_full_server_answers_503_with_retry_after_and_a_gone_client_frees_its_request():
-    runner, backend, engine, url = await serve(max_waiting=1)
+    # 20 ms a step: the 200 tokens take 4 s, so the request is surely mid-way when its client
+    # leaves, and only an abort ends it within the second the test then waits.
+    runner, backend, engine, url = await serve(max_waiting=1, step_delay_s=0.02)
     try:
         body = {"model": MODEL, "prompt": "9", "max_tokens": 200, "stream": True,
                 "ignore_eos": True}
@@ -153,11 +155,11 @@ async def test_a_full_server_answers_503_with_retry_after_and_a_gone_client_free
             assert refused.value.status_code == 503
             assert refused.value.response.headers["Retry-After"] == "1"
             held.close()  # the client goes away mid-stream
-        for _ in range(200):
+        for _ in range(20):
             if backend.in_flight == 0 and engine.load().executing == 0:
                 break
             await asyncio.sleep(0.05)
-        assert backend.in_flight == 0 and engine.load().executing == 0
+        assert backend.in_flight == 0 and engine.load().executing == 0  # aborted, not finished
         done = await client(url).completions.create(model=MODEL, prompt="1", max_tokens=2,
                                                     extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 2  # and the place is free again

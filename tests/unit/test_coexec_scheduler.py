@@ -15,7 +15,8 @@ from rlharvest.services.coexecutor.admission import (
 )
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.scheduler import ActionKind, CoexecScheduler, RolloutUnit
-from rlharvest.sim.coexec import ServingRequest, simulate
+from rlharvest.sim.coexec import simulate
+from rlharvest.sim.serving_trace import TraceRequest
 
 PROFILE = LatencyProfile.linear(prefill_base_s=0.002, prefill_per_token_s=2e-4,
                                 decode_base_s=0.008, decode_per_seq_s=5e-4)
@@ -32,7 +33,7 @@ def admission(ttft: float, tpot: float, policy=AdmissionPolicy.DUAL) -> DualSloA
 def test_with_every_request_known_rollout_causes_no_serving_slo_miss(prompts, ttft, tpot, unit):
     """All serving requests arrive at once; whatever serving alone meets, it meets with rollout
     harvesting (exact profiles, queue-aware dual-SLO admission)."""
-    requests = [ServingRequest(f"s{i}", 0.0, n, NEVER_DONE) for i, n in enumerate(prompts)]
+    requests = [TraceRequest(0.0, n, NEVER_DONE) for n in prompts]
     until = ttft + 4 * tpot
     alone = simulate(requests, admission(ttft, tpot), rollout_cost_s=None, until_s=until)
     shared = simulate(requests, admission(ttft, tpot), rollout_cost_s=unit, until_s=until)
@@ -41,7 +42,7 @@ def test_with_every_request_known_rollout_causes_no_serving_slo_miss(prompts, tt
 
 
 def test_rollout_fills_the_slack_between_serving_steps_and_all_of_an_idle_device():
-    requests = [ServingRequest("s0", 0.0, 100, 40), ServingRequest("s1", 1.0, 100, 40)]
+    requests = [TraceRequest(0.0, 100, 40), TraceRequest(1.0, 100, 40)]  # s0, s1
     shared = simulate(requests, admission(0.2, 0.05), rollout_cost_s=0.01, until_s=4.0)
     assert shared.ttft_misses(0.2) == [] and shared.gap_misses(0.05) == []
     assert all(r.done for r in shared.served.values())
@@ -53,7 +54,7 @@ def test_rollout_fills_the_slack_between_serving_steps_and_all_of_an_idle_device
 
 
 def test_without_compute_admission_rollout_and_serving_take_turns_and_tpot_suffers():
-    requests = [ServingRequest(f"s{i}", 0.0, 50, 200) for i in range(4)]
+    requests = [TraceRequest(0.0, 50, 200) for _ in range(4)]  # s0 .. s3
     dual = simulate(requests, admission(0.3, 0.03), rollout_cost_s=0.04, until_s=2.0)
     always = simulate(requests, admission(0.3, 0.03, AdmissionPolicy.ALWAYS),
                       rollout_cost_s=0.04, until_s=2.0)
