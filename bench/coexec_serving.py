@@ -137,7 +137,7 @@ async def bench(args: argparse.Namespace) -> None:
     manager_port, manager_metrics = free_port(), free_port()
     manager = stack.start("rollout_manager", "manager", [
         "--port", str(manager_port), "--metrics-port", str(manager_metrics), "--lease-ttl", "2",
-        "--stall-timeout-s", "10"])
+        "--stall-timeout-s", "10", "--max-serving-workers", "1"])  # borrows each co-executor
     wait_http(f"http://127.0.0.1:{manager_metrics}/healthz", manager)
     endpoint = f"127.0.0.1:{manager_port}"
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}

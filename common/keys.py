@@ -6,6 +6,8 @@
 /rlharvest/v1/weights/<job>/announced            latest weight version announced for a job
 /rlharvest/v1/weights/<job>/holders/<agent_id>   which agents hold which versions (transfer agents)
 /rlharvest/v1/pairing/<worker_id>                the transfer agent a rollout worker pulls from
+/rlharvest/v1/lending/<coexec_id>                the job a serving co-executor is lent to (ROSE
+                                                 §5): {"job", "manager"}, on the manager's lease
 /rlharvest/v1/placement/...                      placement scheduler state (nodes, groups, permits)
 /rlharvest/v1/placement/state/meta               scheduler counters and statistics
 /rlharvest/v1/placement/state/groups/<group_id>  a co-execution group: members, nodes, permit queues
@@ -112,3 +114,14 @@ def placement_alive_prefix() -> str:
 
 def placement_alive_key(job_id: str) -> str:
     return placement_alive_prefix() + _segment(job_id, "job id")
+
+
+def lending_prefix() -> str:
+    return f"{ROOT}/lending/"
+
+
+def lending_key(coexec_id: str) -> str:
+    """Who borrowed serving co-executor ``coexec_id``: {"job": str, "manager": str}, created
+    only if absent (one job per co-executor) and attached to the claiming manager's lease, so
+    it goes when the manager does (ROSE §5)."""
+    return lending_prefix() + _segment(coexec_id, "co-executor id")

@@ -35,8 +35,9 @@ app.command("make-dataset")(make_dataset)
 @app.command()
 def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        spot: int = typer.Option(0, min=0, help="spot rollout workers"),
-       coexecutors: int = typer.Option(0, min=0, help="serving co-executors lent to the job "
-                                       "'default' (ROSE): an OpenAI-compatible API each"),
+       coexecutors: int = typer.Option(0, min=0, help="serving co-executors (ROSE): an "
+                                       "OpenAI-compatible API each; the job 'default' borrows "
+                                       "them through etcd"),
        coexec_http_port: int = typer.Option(8000, min=1, max=65535, help="the first "
                                             "co-executor's HTTP port; the next ones count up"),
        model: str = typer.Option("tiny", help="model preset or local checkpoint directory"),
@@ -77,10 +78,11 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         for i in range(coexecutors):
             stack.start("coexecutor", f"coexec-{i}",
                         ["--coexec-id", f"coexec-{i}", "--model", model, "--http-port",
-                         str(coexec_http_port + i), "--job", "default",
-                         *(["--agent-pull"] if agents else [])])
+                         str(coexec_http_port + i), *(["--agent-pull"] if agents else [])])
         if manager:
-            stack.start("rollout_manager", "manager-0", ["--manager-id", "manager-0"])
+            stack.start("rollout_manager", "manager-0", ["--manager-id", "manager-0",
+                                                         "--max-serving-workers",
+                                                         str(coexecutors)])
         expected = workers + spot + coexecutors + int(manager) + agents
         if placement_scheduler:
             stack.start("placement_scheduler", "placement-scheduler",
@@ -188,13 +190,16 @@ async def _collect(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
     rows: list[tuple[str, ...]] = []
     for key, info in sorted(members.items()):
         service, member = key.rsplit("/", 2)[-2:]
-        load = await _worker_load(info["endpoint"], timeout) if service == "rollout_worker" else None
+        worker_like = service in ("rollout_worker", "coexecutor")  # the same Session contract
+        load = await _worker_load(info["endpoint"], timeout) if worker_like else None
         state = "draining" if info.get("draining") else "up"
+        if service == "coexecutor" and not info.get("draining"):
+            state = f"lent to {info['job']}" if info.get("job") else "not lent"
         rows.append((service, member, info.get("endpoint", ""), info.get("kind", ""),
                      str(info.get("weight_version", "")),
                      str(load.pending) if load else "", str(load.executing) if load else "",
                      f"{load.tokens_per_second:.0f}" if load else "",
-                     state if load or service != "rollout_worker" else "unreachable"))
+                     state if load or not worker_like else "unreachable"))
     return rows
 
 

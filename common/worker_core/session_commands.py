@@ -96,6 +96,14 @@ class SessionCommands:
                 continue
             self._loop.between_steps(partial(self._abort_held, rid))
 
+    def end_all(self) -> int:
+        """End every request held, between steps, each confirmed by its final abort delta (a
+        manager re-dispatches it with its tokens kept). Returns how many."""
+        held = list(self._hub.held_ids())
+        for rid in held:
+            self._loop.between_steps(partial(self._abort_held, rid))
+        return len(held)
+
     async def swap_weights(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
                            source: str) -> int:
         """Between steps: ``read`` the tensors and load them in the engine thread, then end the

@@ -34,8 +34,13 @@ class CoexecutorConfig(ServiceConfig):
                                    "serving_model")
     model: str = Field("tiny", description="the RL job's model (the rollout side)")
     model_seed: int = 0
-    job: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="the RL job this "
-                     "co-executor is lent to")
+    job: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="pin the co-executor to "
+                     "this RL job (static lending); empty: lent to the job whose manager claims "
+                     "it in etcd (ROSE §5, the manager's max_serving_workers)")
+    lending_lapse_s: float = Field(10.0, gt=0, description="etcd unreadable this long: the "
+                                   "lending lapses (rollout requests go back; serving goes on)")
+    lending_probe_s: float = Field(1.0, gt=0, description="how often the lending record is "
+                                   "read besides on every change")
     agent_pull: bool = Field(False, description="pull the job's weights from a transfer agent "
                              "when it announces a version")
     max_running: int = Field(16, ge=1, le=4096, description="rollout requests executing at once")

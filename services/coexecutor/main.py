@@ -15,7 +15,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -33,6 +33,8 @@ from rlharvest.services.coexecutor.admission import (
 )
 from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.coexecutor.dual_engine import DualEngine
+from rlharvest.services.coexecutor.lending import LendingWatch
+from rlharvest.services.coexecutor.lent_rollout import LentRollout
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
@@ -100,7 +102,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
 
     admission = CoexecRolloutAdmission(
         RolloutAdmission(cfg.max_running, cfg.max_pending), dual.rollout_room_pages,
-        cfg.page_tokens)
+        cfg.page_tokens, lent=lambda: lending.lent())
     service = WorkerService(dual, cfg.coexec_id, endpoint=host.endpoint, model=cfg.model,
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
@@ -120,16 +122,26 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
     await site.start()
     http_port = runner.addresses[0][1]
     http_endpoint = f"http://{cfg.advertise_host or cfg.host}:{http_port}"
-    log.info("co-executor %s serves %s at %s/v1 and job %s's rollouts", cfg.coexec_id,
-             cfg.served_model_name, http_endpoint, cfg.job)
+    log.info("co-executor %s serves %s at %s/v1 and %s", cfg.coexec_id, cfg.served_model_name,
+             http_endpoint, f"job {cfg.job}'s rollouts" if cfg.job
+             else "the rollouts of the job that borrows it")
 
-    loops = [Loop("engine", service.run_engine)]
-    if cfg.agent_pull:
+    def puller(job: str) -> Callable[[], Awaitable[None]] | None:
+        if not cfg.agent_pull:
+            return None
         from rlharvest.services.rollout_worker.puller import Puller
 
-        loops.append(Loop("weight puller", Puller(host.etcd, service, cfg.coexec_id, cfg.job,
-                                                  lease_ttl=cfg.lease_ttl).run,
-                          on_crash="restart"))
+        return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl).run
+
+    lending = LentRollout(service, lambda: host.membership, puller,
+                          lambda: dual.memory.recent_serving_share, job=cfg.job or None)
+    loops = [Loop("engine", service.run_engine)]
+    if cfg.job:  # pinned: lent from the start, for good
+        lending.start_pulling()
+    else:
+        loops.append(Loop("lending", LendingWatch(
+            host.etcd, cfg.coexec_id, lending.apply, lending.settle, lapse_s=cfg.lending_lapse_s,
+            probe_s=cfg.lending_probe_s).run, on_crash="restart"))
 
     async def drain(reason: StopReason) -> None:
         assert host.membership is not None
@@ -141,6 +153,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
             await asyncio.sleep(0.05)
 
     async def close() -> None:
+        await lending.close()
         await runner.cleanup()
         await backend.close()
         service.close()
@@ -151,7 +164,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         "model": cfg.model, "kind": "serving", "capacity": cfg.max_running,
         "max_len": cfg.max_len, "weight_version": dual.weight_version, "draining": False,
         "admission": dual.batch_admission, "vocab_size": dual.vocab_size, "job": cfg.job,
-        "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
+        "lendable": not cfg.job, "serving_kv_recent": 0.0, "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
         health=service.health, on_scrape=dual.export_gauges, loops=loops, drain=drain,

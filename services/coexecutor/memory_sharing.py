@@ -68,6 +68,11 @@ class MemorySharing:
         self.headroom_pages = math.ceil(config.headroom * pool.total_pages)
         self.cuts = 0  # pressure events, for the metric
         self._samples: deque[tuple[float, int]] = deque()
+        self._sample_sum = 0
+        # Serving's mean share of the pool over the window: what lending ranks co-executors by
+        # (ROSE §5: "lowest KV usage over a recent window"). One float, so another thread may
+        # read it while the engine thread writes.
+        self.recent_serving_share = 0.0
         self._step_budget = pool.rollout_budget
         self.start_step(0.0)
 
@@ -90,9 +95,11 @@ class MemorySharing:
     def observe(self, now: float, serving_pages: int) -> None:
         """Record serving's KV use (call every tick)."""
         self._samples.append((now, serving_pages))
+        self._sample_sum += serving_pages
         horizon = now - self.config.usage_window_s
         while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
+            self._sample_sum -= self._samples.popleft()[1]
+        self.recent_serving_share = self._sample_sum / len(self._samples) / self.pool.total_pages
 
     def start_step(self, now: float) -> int:
         """A new weight version activates: set B_roll from serving's recent use and end the

@@ -1,7 +1,8 @@
 """Which rollout requests a co-executor takes (ROSE §4.1: "no slack or budget" -> elsewhere).
 
 The rollout worker's checks first (draining, version, duplicates, running + pending limit),
-then memory: a request whose KV (prompt + resumed tokens + the next one) does not fit in what
+then lending and memory: a co-executor lent to no job refuses with UNAVAILABLE (the manager
+places the request elsewhere), and a request whose KV (prompt + resumed tokens + the next one) does not fit in what
 B_roll leaves is refused with RESOURCE_EXHAUSTED, which the manager answers by placing it
 elsewhere. Under PRESSURE rollout goes on within the halved budget, as the paper has it (the
 freeze only stops B_roll from growing back).
@@ -15,20 +16,24 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 
 from rlharvest.common.engine_types import EngineRequest
-from rlharvest.common.errors import ResourceExhausted, ServiceError
+from rlharvest.common.errors import ResourceExhausted, ServiceError, Unavailable
 from rlharvest.common.worker_core.admission import Admission, WorkerView
 from rlharvest.services.coexecutor.page_pool import pages_for
 
 
 class CoexecRolloutAdmission:
     def __init__(self, base: Admission, room_pages: Callable[[], int],
-                 tokens_per_page: int) -> None:
+                 tokens_per_page: int, lent: Callable[[], bool] = lambda: True) -> None:
         self._base = base
+        self._lent = lent
         self._room = room_pages
         self._tpp = tokens_per_page
 
     def admit(self, request: EngineRequest, weight_version: int,
               view: WorkerView) -> ServiceError | None:
+        if not self._lent():
+            return Unavailable(f"request {request.request_id}: this co-executor is lent to no "
+                               "job now (its lending ended or lapsed); dispatch elsewhere")
         refused = self._base.admit(request, weight_version, view)
         if refused is not None:
             return refused

@@ -37,6 +37,14 @@ class ManagerConfig(ServiceConfig):
     max_new_tokens: int = Field(32768, ge=1)
     vocab_size: int = Field(0, ge=0, description="token ids must be below this; 0 = the "
                             "vocabulary the job's workers publish (their model's)")
+    max_serving_workers: int = Field(0, ge=0, description="serving co-executors this job may "
+                                     "borrow (ROSE's N_serving): claimed in etcd, lowest recent "
+                                     "serving KV use first; 0 = none claimed (co-executors pinned "
+                                     "to the job with --job still join)")
+    rollout_model: str = Field("", description="when set, only co-executors that deployed this "
+                               "rollout model are borrowed")
+    lending_interval_s: float = Field(1.0, gt=0, description="how often claims are checked "
+                                      "besides on every etcd change")
     client_queue: int = Field(64, ge=1, description="events buffered per client stream; a slower "
                                                      "client slows delivery beyond this")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)

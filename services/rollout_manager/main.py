@@ -12,6 +12,7 @@ from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager.lender import Lender
 from rlharvest.services.rollout_manager.service import ManagerService
 from rlharvest.services.rollout_manager.tracker import StepLimits
 
@@ -41,14 +42,20 @@ async def build(host: Host[ManagerConfig]) -> Parts:
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
                              tick_interval_s=cfg.rebalance_interval_s)
     log.info("manager %s for job %s", cfg.manager_id, cfg.job)
+    loops = [Loop("watch workers", service.watch_workers),
+             Loop("watch co-executors", service.watch_coexecutors),
+             Loop("watch instance cap", service.watch_instance_cap),
+             Loop("ticks", service.run_ticks)]
+    if cfg.max_serving_workers:
+        lender = Lender(host.etcd, lambda: host.membership.lease if host.membership else None,
+                        job=cfg.job, manager_id=cfg.manager_id, limit=cfg.max_serving_workers,
+                        model=cfg.rollout_model, interval_s=cfg.lending_interval_s)
+        loops.append(Loop("borrow co-executors", lender.run, on_crash="restart"))
     return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job},
                  servicers=[Servicer(service, rollout_manager_pb2_grpc
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],
                  health=service.health, on_scrape=service.refresh_gauges,
-                 loops=[Loop("watch workers", service.watch_workers),
-                        Loop("watch co-executors", service.watch_coexecutors),
-                        Loop("watch instance cap", service.watch_instance_cap),
-                        Loop("ticks", service.run_ticks)],
+                 loops=loops,
                  stop_accepting=service.stop_accepting)
 
 

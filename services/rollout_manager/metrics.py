@@ -30,3 +30,7 @@ def observe_remote(timings: RemoteStepTimings) -> None:
     REMOTE_SECONDS.labels("wait").set(timings.t_remote_wait)
     REMOTE_INSTANCES.labels("mean").set(timings.n_prem_mean)
     REMOTE_INSTANCES.labels("next").set(timings.n_prem_next)
+SERVING_WORKERS = Gauge("rlh_manager_serving_workers_claimed", "Serving co-executors this "
+                        "manager's job has borrowed (ROSE §5; at most max_serving_workers)")
+SERVING_CLAIMS = Counter("rlh_manager_serving_claims_total", "Lending claims by outcome",
+                         ["outcome"])  # claimed | lost_race | released

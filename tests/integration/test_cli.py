@@ -72,6 +72,12 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
         assert shown.returncode == 0, shown.stderr
         for member in ("worker-0", "worker-1", "manager-0", "agent-0", "spot", "dedicated"):
             assert member in shown.stdout, shown.stdout
+        deadline = time.monotonic() + 60  # the job's manager borrows the co-executor
+        while "lent to default" not in shown.stdout:
+            assert time.monotonic() < deadline, shown.stdout
+            time.sleep(0.5)
+            shown = subprocess.run([*CLI, "status", "--etcd", etcd], capture_output=True,
+                                   text=True, env=ENV, timeout=60)
         assert "rollout managers" in shown.stdout and "default" in shown.stdout
 
         up.send_signal(signal.SIGINT)

@@ -1,15 +1,24 @@
-"""`rlharvest-coexecutor` as a real process on the real stack: the job's manager places rollout
-requests on it like on any worker while it answers OpenAI-compatible traffic (the official
-client), and a SIGKILLed co-executor loses no rollout token (the manager migrates them)."""
+"""`rlharvest-coexecutor` as a real process on the real stack: the job's manager borrows it in
+etcd (ROSE §5) and places rollout requests on it like on any worker while it answers
+OpenAI-compatible traffic (the official client); a SIGKILLed or returned co-executor loses no
+rollout token (the manager migrates them); a claim lives as long as its manager, one job at a
+time; an etcd outage lapses the lending while serving goes on."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import time
 
 import openai
 import pytest
 
-from rlharvest.common.local_etcd import free_port
+from rlharvest.common import keys
+from rlharvest.common.lending_record import Claim, parse_claim
+from rlharvest.common.local_etcd import LocalEtcd, free_port
+from rlharvest.services.launcher import LocalStack
 
 from .test_manager import run_step, scrape, start_manager, status, step_request, wait_workers
 from .worker_client import WorkerHandle, launch_worker, wait_serving
@@ -28,14 +37,32 @@ def launch_coexecutor(stack, name: str, *extra: str) -> tuple[WorkerHandle, str]
 
 
 @pytest.fixture
-def lent(stack):
-    """A co-executor lent to the default job, one dedicated worker, the job's manager."""
+def lent(stack, etcd_client):
+    """A co-executor, one dedicated worker, and the default job's manager, which borrows it."""
     coexec, url = launch_coexecutor(stack, "coexec-0")
     worker = launch_worker(stack, "w0", "--max-running", "4")
-    manager = start_manager(stack)
+    manager = start_manager(stack, "--max-serving-workers", "1")
     wait_serving(coexec, 120)
     wait_serving(worker, 120)
     return coexec, url, worker, manager
+
+
+async def until(condition, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (found := await condition()):
+        assert time.monotonic() < deadline, f"{what} not met in {timeout}s"
+        await asyncio.sleep(0.2)
+    return found
+
+
+async def member_job(client, coexec_id: str) -> str | None:
+    found = await client.get(keys.member_key("coexecutor", coexec_id).encode())
+    return json.loads(found.value)["job"] if found is not None else None
+
+
+async def claim_of(client, coexec_id: str) -> Claim | None:
+    found = await client.get(keys.lending_key(coexec_id).encode())
+    return parse_claim(found.value if found is not None else None)
 
 
 async def serve_traffic(url: str, count: int) -> list[int]:
@@ -51,6 +78,7 @@ async def test_the_manager_places_rollout_on_it_while_it_serves_openai_traffic(l
     await wait_workers(manager.endpoint, 2)
     kinds = {w.worker_id: w.kind for w in (await status(manager.endpoint)).workers}
     assert set(kinds) == {"coexec-0", "w0"}
+    assert scrape(manager.metrics_port)["rlh_manager_serving_workers_claimed"] == 1
     step = asyncio.create_task(run_step(manager.endpoint, step_request(12, 24)))
     served = await serve_traffic(url, 6)
     done = await step
@@ -104,3 +132,87 @@ async def test_sigterm_mid_step_drains_rollout_to_the_worker_and_exits_0(lent):
     assert all(len(c.token_ids) == 40 for c in done.values())
     assert (await status(manager.endpoint)).tokens_regenerated == 0
     assert "co-executor coexec-0 stopped" in coexec.process.log_path.read_text()
+
+
+def gauge(handle: WorkerHandle, name: str) -> float:
+    return scrape(handle.metrics_port).get(name, 0.0)
+
+
+async def test_a_claim_lives_with_its_manager_and_lends_to_one_job_at_a_time(stack, etcd_client):
+    coexec, url = launch_coexecutor(stack, "coexec-0")
+    first = start_manager(stack, "--job", "a", "--manager-id", "ma",
+                          "--max-serving-workers", "1")
+    wait_serving(coexec, 120)
+
+    async def serves(job: str) -> bool:
+        return await member_job(etcd_client, "coexec-0") == job
+
+    await until(lambda: serves("a"), what="lent to job a")
+    await wait_workers(first.endpoint, 1)
+    second = start_manager(stack, "--job", "b", "--manager-id", "mb",
+                           "--max-serving-workers", "1")
+    await asyncio.sleep(2)  # several lending rounds of the second manager
+    assert await claim_of(etcd_client, "coexec-0") == Claim("a", "ma")  # one job at a time
+    assert gauge(second, "rlh_manager_serving_workers_claimed") == 0
+    first.process.kill()  # its lease (2 s) ends, and the claim with it
+    await until(lambda: serves("b"), what="lent to job b after job a's manager died")
+    assert await claim_of(etcd_client, "coexec-0") == Claim("b", "mb")
+    await wait_workers(second.endpoint, 1)
+    assert gauge(second, "rlh_manager_serving_workers_claimed") == 1
+    assert gauge(coexec, 'rlh_coexec_lending_changes_total{change="returned"}') == 1
+    assert await serve_traffic(url, 2) == [8, 8]  # serving never stopped
+
+
+async def test_a_coexecutor_returned_mid_step_sends_its_rollout_back_with_every_token(
+        lent, etcd_client):
+    coexec, _, _, manager = lent
+    await wait_workers(manager.endpoint, 2)
+    reference = await run_step(manager.endpoint, step_request(8, 40, prefix="ref"))
+    handed: list[bool] = []
+
+    async def lend_elsewhere(completions, streamed):
+        if not handed and sum(map(len, streamed.values())) >= 60:
+            handed.append(True)  # an operator hands it to another job: the claim is replaced
+            await etcd_client.put(keys.lending_key("coexec-0").encode(),
+                                  Claim("other", "operator").encode())
+
+    done = await run_step(manager.endpoint, step_request(8, 40, prefix="m"), lend_elsewhere)
+    assert handed and len(done) == 8 and not any(c.failed for c in done.values())
+    for i in range(8):
+        assert list(done[f"m{i}"].token_ids) == list(reference[f"ref{i}"].token_ids), i
+    assert (await status(manager.endpoint)).tokens_regenerated == 0
+    assert await member_job(etcd_client, "coexec-0") == "other"
+    assert gauge(coexec, 'rlh_coexec_rollout_aborts_total{cause="deactivated"}') >= 1
+    await etcd_client.delete(keys.lending_key("coexec-0").encode())
+
+
+async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path):
+    etcd = await asyncio.to_thread(LocalEtcd().start)
+    local = LocalStack(tmp_path / "logs", etcd=etcd)
+    try:
+        # Leases longer than the outage: the claim outlives it, so the lending comes back.
+        coexec, url = launch_coexecutor(local, "coexec-x", "--lease-ttl", "20",
+                                        "--lending-lapse-s", "2", "--lending-probe-s", "0.5")
+        manager = start_manager(local, "--lease-ttl", "20", "--max-serving-workers", "1")
+        wait_serving(coexec, 120)
+        await wait_workers(manager.endpoint, 1)
+        assert gauge(coexec, "rlh_coexec_lent") == 1
+        os.kill(etcd.process.pid, signal.SIGSTOP)
+        try:
+            async def lapsed() -> bool:
+                return gauge(coexec, "rlh_coexec_lent") == 0
+
+            await until(lapsed, timeout=30, what="the lending lapsed")
+            assert await serve_traffic(url, 2) == [8, 8]  # no etcd, serving all the same
+        finally:
+            os.kill(etcd.process.pid, signal.SIGCONT)
+
+        async def back() -> bool:
+            return gauge(coexec, "rlh_coexec_lent") == 1
+
+        await until(back, timeout=30, what="lent again once etcd answered")
+        await wait_workers(manager.endpoint, 1)
+    finally:
+        for proc in local.processes:
+            proc.kill()
+        etcd.stop()

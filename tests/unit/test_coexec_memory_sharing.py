@@ -90,3 +90,12 @@ def test_the_static_partition_gives_each_half_and_never_cuts():
 def test_a_bad_setting_is_refused_by_name(key, value):
     with pytest.raises(InvalidArgument, match=f"setting {key} = "):
         MemoryConfig(**{key: value})
+
+
+def test_recent_serving_share_is_the_mean_over_the_window_what_lending_ranks_by():
+    mem = sharing(100, usage_window_s=10)
+    assert mem.recent_serving_share == 0.0
+    mem.observe(0.0, 80)
+    for t in range(11, 21):
+        mem.observe(float(t), 10 if t % 2 else 30)
+    assert mem.recent_serving_share == pytest.approx(0.2)  # the 80 at t=0 left the window

@@ -32,3 +32,14 @@ def test_a_request_whose_kv_fits_the_budget_is_taken_and_one_that_does_not_goes_
 def test_the_rollout_workers_own_checks_come_first():
     stale = admission(room=0).admit(request(1), 2, VIEW)
     assert stale is not None and stale.code is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_coexecutor_lent_to_no_job_sends_every_request_elsewhere():
+    lent = [False]
+    gate = CoexecRolloutAdmission(RolloutAdmission(4, 4), lambda: 100, tokens_per_page=8,
+                                  lent=lambda: lent[0])
+    refused = gate.admit(request(4), 3, VIEW)
+    assert refused is not None and refused.code is grpc.StatusCode.UNAVAILABLE  # retry elsewhere
+    assert "lent to no job" in str(refused)
+    lent[0] = True
+    assert gate.admit(request(4), 3, VIEW) is None

@@ -1,0 +1,99 @@
+"""The rollout side's switch (ROSE §5): lent to a job, the co-executor takes that job's rollout
+requests and pulls its weights; lent to none, it refuses them with UNAVAILABLE and ends the ones
+it held — each goes back to its manager as an abort with every token kept, and its pages are
+freed with it. Its member record says which job it serves (``job``; the job's manager takes it
+in as a worker from that) and how much of its KV pool serving used lately (``serving_kv_recent``,
+what managers choose by)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from rlharvest.common.registry import Membership
+from rlharvest.services.coexecutor import metrics
+from rlharvest.services.coexecutor.lending import LendingChange
+from rlharvest.services.rollout_worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+_SHARE_STEP = 0.02  # serving_kv_recent is rewritten when it moved this much (not every second)
+
+
+class LentRollout:
+    """``puller(job)``: the weight pull loop for a job, or None when weights come otherwise;
+    ``membership()``: the member record once registered; ``recent_share()``: serving's recent
+    share of the pool."""
+
+    def __init__(self, service: WorkerService, membership: Callable[[], Membership | None],
+                 puller: Callable[[str], Callable[[], Awaitable[None]] | None],
+                 recent_share: Callable[[], float], job: str | None = None) -> None:
+        self._service = service
+        self._membership = membership
+        self._puller = puller
+        self._recent_share = recent_share
+        self.job = job
+        self._pulling: asyncio.Task | None = None
+        metrics.LENT.set(job is not None)
+
+    def lent(self) -> bool:
+        return self.job is not None
+
+    async def apply(self, change: LendingChange) -> None:
+        if change.job is None:
+            ended = self._service.commands.end_all()
+            metrics.ROLLOUT_ABORTS.labels("deactivated").inc(ended)
+            log.info("lent to no job (%s): %d rollout requests go back to their manager",
+                     change.reason, ended)
+        self.job = change.job
+        metrics.LENT.set(change.job is not None)
+        metrics.LENDING_CHANGES.labels("lent" if change.job else "returned").inc()
+        await self._stop_pulling()
+        if change.job is not None:
+            self.start_pulling()
+        await self.settle()
+
+    def start_pulling(self) -> None:
+        run = self._puller(self.job) if self.job is not None else None
+        if run is not None:
+            self._pulling = asyncio.create_task(self._pull_forever(run), name="weight puller")
+
+    async def settle(self) -> None:
+        """Bring the member record up to date (job, serving's recent use); an etcd error is
+        logged and the next settle tries again."""
+        membership = self._membership()
+        if membership is None:
+            return
+        share = round(self._recent_share(), 3)
+        changes: dict = {}
+        if membership.info.get("job") != (self.job or ""):
+            changes["job"] = self.job or ""
+        if abs(membership.info.get("serving_kv_recent", 0.0) - share) >= _SHARE_STEP:
+            changes["serving_kv_recent"] = share
+        if not changes:
+            return
+        try:
+            await membership.update(**changes)
+        except Exception as exc:  # etcd hiccup: the record catches up at the next settle
+            membership.info.update({k: None for k in changes})  # differs, so it is written again
+            log.warning("could not update the member record (%r); trying again", exc)
+
+    async def close(self) -> None:
+        await self._stop_pulling()
+
+    async def _pull_forever(self, run: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            try:
+                await run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("weight puller crashed; restarting it in 1s")
+                await asyncio.sleep(1.0)
+
+    async def _stop_pulling(self) -> None:
+        task, self._pulling = self._pulling, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
