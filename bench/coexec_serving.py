@@ -110,7 +110,7 @@ async def one_run(stack: LocalStack, manager: str, config: str, name: str,
         await wait_worker(manager, name)
         start = time.perf_counter()
         until = start + args.seconds
-        trace = [loadgen._fit(r, 256) for r in synthetic(
+        trace = [loadgen.fit_to_context(r, 256) for r in synthetic(
             args.seconds, args.rps, seed=args.seed, max_tokens=256, prompt_median=64,
             output_median=32)]
         serving = (loadgen.replay(url, MODEL, trace, max_seconds=args.seconds)

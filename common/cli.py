@@ -68,12 +68,18 @@ def service_app(spec: ServiceSpec) -> typer.Typer:
     the service host on uvloop (graceful SIGTERM); the exit code is the host's."""
     model = spec.config
     app = typer.Typer(add_completion=False, help=spec.doc)
+    epilog = describe_flags(model)
+    if spec.tools:
+        epilog = ("Tools (run instead of serving; each has --help): "
+                  + ", ".join(f"{spec.program} {name}" for name in spec.tools) + "\n\n" + epilog)
 
     @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-                 epilog=describe_flags(model))
+                 epilog=epilog)
     def main(ctx: typer.Context,
              config: Optional[Path] = typer.Option(None, "--config",
                                                    help="TOML or YAML config file")) -> None:
+        if ctx.args and ctx.args[0] in spec.tools:
+            raise typer.Exit(spec.tools[ctx.args[0]](ctx.args[1:]))
         try:
             cfg = load_config(model, config, parse_flags(model, ctx.args))
         except ConfigError as exc:

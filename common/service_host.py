@@ -122,6 +122,10 @@ class ServiceSpec(Generic[C]):
     # service (this host); ranks 1..N-1 run ``follower(config)`` instead, which returns the exit
     # code. None: the service runs as one process and refuses a rank above 0.
     follower: Callable[[C], int] | None = None
+    # Offline tools of the service, run as ``rlharvest-<name> <tool> ...`` instead of serving
+    # (e.g. the co-executor's ``profile``): name -> a command taking the rest of the arguments
+    # and returning an exit code.
+    tools: Mapping[str, Callable[[list[str]], int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = sorted(set(HostedConfig.__annotations__) - set(self.config.model_fields))

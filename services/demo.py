@@ -4,9 +4,14 @@ etcd, a transfer agent, the rollout manager, rollout workers (one of them spot) 
 run as separate processes, exactly as `rlharvest up` starts them. A schedule SIGKILLs the spot
 worker in the middle of a step (the manager migrates its requests, no token lost) and later starts
 a new spot process, which joins while a step runs and takes requests once it pulled the current
-weight version. Ends with a table per step and a PNG plot of reward and throughput.
+weight version. A serving co-executor (ROSE) answers a bursty synthetic trace on its
+OpenAI-compatible API the whole time, and the job borrows it for rollouts inside that traffic's
+SLO slack (``demo_serving.py``). Ends with a table per step — reward, throughput, migrations,
+and the serving SLO attainment and rollout tokens harvested on the co-executor in that step —
+and a PNG plot of reward and throughput.
 
     python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
+                                      [--coexecutor/--no-coexecutor] [--serving-rps 1]
 
 The demo fails (exit 1) if the reward did not rise: the mean of the last few steps must beat the
 mean of the first few by ``--min-rise``.
@@ -33,6 +38,7 @@ from rlharvest.common import rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
+from rlharvest.services.demo_serving import DemoServing, StepServing
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 
 app = typer.Typer(add_completion=False, help=__doc__)
@@ -40,6 +46,8 @@ console = Console()
 _POLL_S = 0.05
 _RISE_WINDOW = 3  # steps averaged at each end: one step's reward is too noisy to compare
 _TIME_LIMIT_S = 300.0  # issue 5: a handful of steps within 5 minutes on 2 cores
+# The co-executor's SLOs: what a serving model this small answers well within on 2 busy cores.
+_SERVING_SLO_S = (1.5, 0.3)
 
 
 # ---- the preemption schedule (pure) ---------------------------------------------------------
@@ -101,6 +109,7 @@ class Run:
     manager_endpoint: str
     spot: ServiceProcess | None
     spot_flags: list[str]  # a replacement spot process starts with these
+    serving: DemoServing | None = None  # the co-executor's traffic and per-step report
     events: dict[int, list[str]] = field(default_factory=dict)
     spot_generation: int = 0
 
@@ -116,7 +125,9 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
     manager_port = free_port()
     stack.start("rollout_manager", "manager", ["--manager-id", "manager-0", "--port",
                                                str(manager_port), "--stall-timeout-s", "5",
-                                               *common])
+                                               "--max-serving-workers",
+                                               str(int(args["coexecutor"])), *common])
+    serving = _start_coexecutor(stack, args, common) if args["coexecutor"] else None
     # A few slots per worker, so every step's requests spread over all workers in waves.
     def worker_flags(step_delay_s: float) -> list[str]:
         return ["--torch-threads", "1", "--job", "default", "--agent-pull",
@@ -139,7 +150,21 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
         "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto", *common])
-    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags)
+    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags,
+               serving)
+
+
+def _start_coexecutor(stack: LocalStack, args: dict, common: list[str]) -> DemoServing:
+    """A serving co-executor the job borrows (not pinned: the manager claims it in etcd)."""
+    http, metrics = free_port(), free_port()
+    ttft, tpot = _SERVING_SLO_S
+    stack.start("coexecutor", "coexec-0", [
+        "--coexec-id", "coexec-0", "--agent-pull", "--http-port", str(http), "--metrics-port",
+        str(metrics), "--serving-model", "tiny", "--served-model-name", "served",
+        "--torch-threads", "1", "--max-running", str(args["max_running"]),
+        "--ttft-slo-ms", str(1000 * ttft), "--tpot-slo-ms", str(1000 * tpot), *common])
+    return DemoServing(f"http://127.0.0.1:{http}", metrics, "served", slo_s=_SERVING_SLO_S,
+                       seconds=_TIME_LIMIT_S, rps=args["serving_rps"])
 
 
 async def _status(stub, timeout: float = 2.0) -> tpb.TrainerStatus | None:
@@ -157,6 +182,8 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
     bars: dict[int, TaskID] = {}
     known_spots: set[str] = set()
+    closed: set[int] = set()
+    traffic: asyncio.Task | None = None
     async with rpc.channel(run.trainer_endpoint) as chan, \
             rpc.channel(run.manager_endpoint) as manager_chan:
         stub = trainer_pb2_grpc.TrainerStub(chan)
@@ -173,12 +200,18 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                     await asyncio.sleep(0.2)
                     continue
                 progress.update(starting, visible=False)
+                if run.serving is not None and traffic is None:  # traffic from the first step on
+                    traffic = asyncio.create_task(run.serving.run(), name="serving traffic")
                 cur = st.current
-                for done in st.steps:  # close the bars of finished steps
+                for done in st.steps:  # close finished steps (a quick one may have no bar)
+                    if done.step in closed:
+                        continue
+                    closed.add(done.step)
+                    served = await _close_serving(run, done.step)
                     bar = bars.get(done.step)
-                    if bar is not None and not progress.tasks[bar].finished:
+                    if bar is not None:
                         progress.update(bar, completed=progress.tasks[bar].total,
-                                        info=f"reward {done.mean_reward:.3f}")
+                                        info=f"reward {done.mean_reward:.3f}{served}")
                         progress.stop_task(bar)
                 if cur.step and cur.step not in bars and st.state == "training":
                     bars[cur.step] = progress.add_task(
@@ -189,8 +222,19 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                                     info=f"{cur.phase}, {cur.tokens_generated} tokens")
                 await _preempt(run, schedule, cur, manager, known_spots)
                 if st.state in ("done", "failed"):
+                    if traffic is not None:
+                        traffic.cancel()
                     return st
                 await asyncio.sleep(_POLL_S)
+
+
+async def _close_serving(run: Run, step: int) -> str:
+    """Record the co-executor's share of ``step``; the progress bar's note about it."""
+    if run.serving is None:
+        return ""
+    served = await run.serving.close_step(step)
+    attained = "-" if served.attainment is None else f"{served.attainment:.0%}"
+    return f", serving SLO {attained}, harvested {served.harvested_tokens} tokens"
 
 
 async def _preempt(run: Run, schedule: PreemptionSchedule, cur: tpb.StepProgress, manager,
@@ -256,16 +300,27 @@ def rise_failure(rewards: list[float], min_rise: float,
 # ---- the report -------------------------------------------------------------------------------
 
 def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
-               title: str = "rlharvest demo: one GRPO step per row") -> Table:
+               title: str = "rlharvest demo: one GRPO step per row",
+               serving: dict[int, StepServing] | None = None) -> Table:
+    """One row per step; with ``serving``, the co-executor's columns: SLO attainment of the
+    serving requests finished in the step (of how many) and rollout tokens harvested there."""
     table = Table(title=title)
-    for column in ("step", "version", "reward", "time s", "tokens/s", "micro", "migr",
-                   "N_prem", "T_seed", "events"):
+    columns = ["step", "version", "reward", "time s", "tokens/s", "micro", "migr", "N_prem",
+               "T_seed"]
+    if serving is not None:
+        columns += ["serving SLO", "harvested"]
+    for column in [*columns, "events"]:
         table.add_column(column, justify="right" if column != "events" else "left")
     for s in status.steps:
-        table.add_row(str(s.step), str(s.weight_version), f"{s.mean_reward:.3f}",
-                      f"{s.step_time_s:.2f}", f"{s.tokens_per_second:.0f}", str(s.micro_batches),
-                      str(s.migrations), str(s.n_prem or "-"), f"{s.t_seed_s:.1f}",
-                      "; ".join(events.get(s.step, [])))
+        row = [str(s.step), str(s.weight_version), f"{s.mean_reward:.3f}", f"{s.step_time_s:.2f}",
+               f"{s.tokens_per_second:.0f}", str(s.micro_batches), str(s.migrations),
+               str(s.n_prem or "-"), f"{s.t_seed_s:.1f}"]
+        if serving is not None:
+            served = serving.get(s.step)
+            row += ["-" if served is None or served.attainment is None
+                    else f"{served.attainment:.0%} of {served.requests}",
+                    "-" if served is None else str(served.harvested_tokens)]
+        table.add_row(*row, "; ".join(events.get(s.step, [])))
     return table
 
 
@@ -295,16 +350,22 @@ def plot_run(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path
 
 
 def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: Path,
-                 plot_name: str, title: str | None = None) -> None:
+                 plot_name: str, title: str | None = None,
+                 serving: dict[int, StepServing] | None = None) -> None:
     """The plot and ``steps.json`` (one object per step) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     plot_run(status, events, out / plot_name, *([title] if title else []))
-    (out / "steps.json").write_text(json.dumps([
-        {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
-         "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
-         "migrations": s.migrations, "n_prem": s.n_prem, "t_seed_s": s.t_seed_s,
-         "events": events.get(s.step, [])}
-        for s in status.steps], indent=1))
+    rows = []
+    for s in status.steps:
+        row = {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
+               "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
+               "migrations": s.migrations, "n_prem": s.n_prem, "t_seed_s": s.t_seed_s,
+               "events": events.get(s.step, [])}
+        if serving is not None and (served := serving.get(s.step)) is not None:
+            row.update(serving_requests=served.requests, serving_attained=served.attained,
+                       harvested_tokens=served.harvested_tokens)
+        rows.append(row)
+    (out / "steps.json").write_text(json.dumps(rows, indent=1))
 
 
 @app.command()
@@ -323,6 +384,11 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          spot_step_delay_s: float = typer.Option(0.25, min=0.0, help="the same for the spot "
                                                  "worker, slower so the kill lands mid-step"),
          backend: str = typer.Option("deepspeed", help="trainer backend: deepspeed or torch"),
+         coexecutor: bool = typer.Option(True, "--coexecutor/--no-coexecutor",
+                                         help="a serving co-executor under a bursty trace, "
+                                              "borrowed by the job for rollouts (ROSE)"),
+         serving_rps: float = typer.Option(3.0, min=0.01, help="the co-executor's mean serving "
+                                           "requests per second"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
          min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
@@ -340,7 +406,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
     run = _start_stack(log_dir, dict(workers=workers, steps=steps, prompts=prompts,
                                      samples=samples, lr=lr, backend=backend, max_running=max_running,
                                      step_delay_s=step_delay_s,
-                                     spot_step_delay_s=spot_step_delay_s))
+                                     spot_step_delay_s=spot_step_delay_s,
+                                     coexecutor=coexecutor, serving_rps=serving_rps))
     try:
         status = asyncio.run(drive(run, schedule, steps, timeout))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which
@@ -351,8 +418,9 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
     if status.state == "failed":
         console.print(f"[bold red]training failed[/]: {status.error}; logs in {log_dir}")
         raise typer.Exit(1)
-    console.print(step_table(status, run.events))
-    write_report(status, run.events, out, "demo.png")
+    serving = run.serving.steps if run.serving is not None else None
+    console.print(step_table(status, run.events, serving=serving))
+    write_report(status, run.events, out, "demo.png", serving=serving)
     rewards = [s.mean_reward for s in status.steps]
     failure = rise_failure(rewards, min_rise)
     if len(rewards) >= 2:
@@ -360,6 +428,14 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
         console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
                       f"{sum(s.migrations for s in status.steps)} migrations; "
                       f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+    if serving:
+        requests = sum(x.requests for x in serving.values())
+        attained = sum(x.attained for x in serving.values())
+        console.print(f"co-executor: {requests} serving requests finished during the steps, "
+                      f"{attained / max(requests, 1):.0%} within the SLOs (TTFT "
+                      f"{_SERVING_SLO_S[0] * 1000:.0f} ms, TPOT {_SERVING_SLO_S[1] * 1000:.0f} "
+                      f"ms); {sum(x.harvested_tokens for x in serving.values())} rollout tokens "
+                      "harvested on it")
     if failure is not None:
         console.print(f"[bold red]demo failed[/]: {failure}")
         raise typer.Exit(1)

@@ -55,10 +55,16 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+def meets_slo(result: RequestResult, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    """Answered, first token within the TTFT SLO, and (two tokens or more) within the TPOT SLO."""
+    return result.ok and result.ttft_s <= ttft_slo_s and (result.tokens < 2
+                                                          or result.tpot_s <= tpot_slo_s)
+
+
 def report(results: list[RequestResult], ttft_slo_s: float, tpot_slo_s: float,
            duration_s: float) -> LoadReport:
     ok = [r for r in results if r.ok]
-    met = [r for r in ok if r.ttft_s <= ttft_slo_s and (r.tokens < 2 or r.tpot_s <= tpot_slo_s)]
+    met = [r for r in ok if meets_slo(r, ttft_slo_s, tpot_slo_s)]
     ttft = [r.ttft_s for r in ok]
     tpot = [r.tpot_s for r in ok if r.tokens >= 2]
     return LoadReport(len(results), len(results) - len(ok), quantile(ttft, 0.5),
@@ -145,7 +151,7 @@ def main(url: str = typer.Option("http://127.0.0.1:8000", help="the server's bas
     except (TraceError, OSError) as exc:
         typer.echo(f"rlharvest-loadgen: {exc}", err=True)
         raise typer.Exit(2) from None
-    requests = [_fit(r, max_len) for r in requests]
+    requests = [fit_to_context(r, max_len) for r in requests]
     started = time.perf_counter()
     results = asyncio.run(replay(url, model, requests, max_requests=max_requests,
                                  max_seconds=max_seconds))
@@ -164,7 +170,7 @@ def main(url: str = typer.Option("http://127.0.0.1:8000", help="the server's bas
                                    "requests": [asdict(r) for r in results]}, indent=1))
 
 
-def _fit(request: TraceRequest, max_len: int) -> TraceRequest:
+def fit_to_context(request: TraceRequest, max_len: int) -> TraceRequest:
     """Prompt + output within the context: the output is cut first, down to one token."""
     output = max(1, min(request.output_tokens, max_len - 1 - min(request.prompt_tokens,
                                                                  max_len - 2)))

@@ -171,7 +171,13 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         close=[close])
 
 
-SPEC = ServiceSpec("coexecutor", CoexecutorConfig, build, __doc__)
+def _profile(args: list[str]) -> int:
+    from rlharvest.services.coexecutor import profiling
+
+    return profiling.run(args)
+
+
+SPEC = ServiceSpec("coexecutor", CoexecutorConfig, build, __doc__, tools={"profile": _profile})
 app = service_app(SPEC)
 
 

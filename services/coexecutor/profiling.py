@@ -6,9 +6,9 @@ size (b requests prefilled first, then the step that decodes all of them). Each 
 median of ``repeats``. The chunked-prefill curve is the monolithic one summed per 512-token chunk
 (the torch engine prefills a prompt in one forward). Takes a second or two for the presets.
 
-``python -m rlharvest.services.coexecutor.profiling --serving-model small --model tiny --out
-profile.json`` writes both models' profiles for ``rlharvest-coexecutor --profile profile.json``
-(the co-executor measures them itself at start when it is given none).
+``rlharvest-coexecutor profile --serving-model small --model tiny --out profile.json`` writes
+both models' profiles for ``rlharvest-coexecutor --profile profile.json`` (the co-executor
+measures them itself at start when it is given none).
 """
 
 from __future__ import annotations
@@ -105,6 +105,15 @@ def main(out: Path = typer.Option(..., help="the JSON file to write"),
                    f"decode {decode}")
     out.write_text(json.dumps(profiles, indent=1))
     typer.echo(f"wrote {out}")
+
+
+def run(args: list[str]) -> int:
+    """``rlharvest-coexecutor profile ARGS``: this command's exit code."""
+    try:
+        app(args=args, prog_name="rlharvest-coexecutor profile", standalone_mode=True)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
 
 
 if __name__ == "__main__":

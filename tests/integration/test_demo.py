@@ -1,5 +1,6 @@
-"""`make run` in miniature: the demo's CLI starts the whole local stack, trains a few steps and
-leaves its step table and plot; a run that is too short to show learning is judged with the
+"""`make run` in miniature: the demo's CLI starts the whole local stack, trains a few steps with
+a serving co-executor under traffic that the job borrows for rollouts, and leaves its step table
+and plot; a run that is too short to show learning is judged with the
 rise check turned permissive (tests/unit/test_trainer_demo.py covers the check itself)."""
 
 from __future__ import annotations
@@ -29,3 +30,10 @@ def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     # The trainer runs Algorithm 1's cap (--instance-cap auto): one spot worker, so N_prem is 1.
     assert [s["n_prem"] for s in steps] == [1, 1, 1], steps
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The co-executor: per step, serving requests judged against the SLOs and rollout tokens
+    # harvested there; the job did borrow it.
+    assert all({"serving_requests", "serving_attained", "harvested_tokens"} <= set(s)
+               for s in steps), steps
+    assert all(0 <= s["serving_attained"] <= s["serving_requests"] for s in steps)
+    assert sum(s["harvested_tokens"] for s in steps) > 0, steps
+    assert "rollout tokens harvested on it" in result.stdout

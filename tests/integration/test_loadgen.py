@@ -19,7 +19,7 @@ from .test_openai_api import MODEL, serve
 async def test_an_open_loop_replay_gets_every_request_at_its_trace_length():
     runner, backend, _, url = await serve(max_waiting=64)
     try:
-        trace = [loadgen._fit(r, 64) for r in synthetic(3.0, 5.0, seed=2, max_tokens=64,
+        trace = [loadgen.fit_to_context(r, 64) for r in synthetic(3.0, 5.0, seed=2, max_tokens=64,
                                                         prompt_median=12, output_median=6)]
         results = await loadgen.replay(url, MODEL, trace, max_requests=30, max_seconds=3.0)
     finally:
@@ -42,7 +42,7 @@ def test_refused_requests_count_as_failed_not_as_fast():
     refused = loadgen.RequestResult(0.5, False, error="HTTP 503: full")
     summary = loadgen.report([ok, refused], ttft_slo_s=1.0, tpot_slo_s=1.0, duration_s=1.0)
     assert summary.failed == 1 and summary.attainment == 0.5
-    assert loadgen._fit(TraceRequest(0.0, 500, 500), 256) == TraceRequest(0.0, 254, 1)
+    assert loadgen.fit_to_context(TraceRequest(0.0, 500, 500), 256) == TraceRequest(0.0, 254, 1)
 
 
 def test_the_cli_names_a_bad_trace_file_and_exits_2(tmp_path):

@@ -24,9 +24,9 @@ def test_a_measured_profile_has_every_asked_point_and_leaves_the_engine_idle():
     assert all(seconds > 0 for _, seconds in (*profile.prefill["mono"], *profile.decode))
 
 
-def test_the_profiling_command_writes_what_the_coexecutor_loads(tmp_path):
+def test_the_profile_subcommand_writes_what_the_coexecutor_loads(tmp_path):
     out = tmp_path / "profile.json"
-    done = subprocess.run([sys.executable, "-m", "rlharvest.services.coexecutor.profiling",
+    done = subprocess.run([sys.executable, "-m", "rlharvest.services.coexecutor.main", "profile",
                            "--serving-model", "tiny", "--model", "tiny", "--max-len", "64",
                            "--repeats", "1", "--out", str(out)], capture_output=True,
                           text=True, env=child_environment(), timeout=120)
@@ -37,3 +37,13 @@ def test_the_profiling_command_writes_what_the_coexecutor_loads(tmp_path):
     serving = LatencyProfile.from_dict(written["serving"])
     assert dual.scheduler.admission.profile.decode == serving.decode
     assert dual.rollout_profile.prefill == LatencyProfile.from_dict(written["rollout"]).prefill
+
+
+def test_the_profile_subcommand_refuses_bad_input_and_is_listed_in_the_help():
+    bad = subprocess.run([sys.executable, "-m", "rlharvest.services.coexecutor.main", "profile",
+                          "--max-len", "2", "--out", "x.json"], capture_output=True, text=True,
+                         env=child_environment(), timeout=120)
+    assert bad.returncode == 2 and "--max-len" in bad.stderr
+    shown = subprocess.run([sys.executable, "-m", "rlharvest.services.coexecutor.main", "--help"],
+                           capture_output=True, text=True, env=child_environment(), timeout=120)
+    assert shown.returncode == 0 and "rlharvest-coexecutor profile" in shown.stdout
