@@ -14,8 +14,12 @@ may hold rather than being the memory itself; a paged attention that reads the p
 the GPU path's. Memory sharing (``memory_sharing.py``) runs on it: B_roll from serving's recent
 use at each weight version, the one halving cut when serving crosses the watermark, reclaim by
 aborting rollout requests — their abort goes back to the manager with every token kept — and
-leases. Serving is never refused for memory: when the pool is short, rollout gives way first
-(and a serving request past even that is let run; the miss is counted).
+leases. Serving is never refused for memory: when the pool is short, rollout gives way first.
+Serving demand beyond the whole pool waits (FIFO, ahead of any rollout step) until pages free
+up, and a running serving request that cannot grow preempts the latest-arrived serving request
+by recomputation (vLLM's policy): it leaves the engine and its pages, and re-enters at the head
+of the queue with the tokens it already streamed, which it prefills again and continues from —
+its client sees no gap.
 
 Rollout step costs are predicted from the rollout model's latency profile and serving's from
 serving's; both profiles correct themselves from measured steps.
@@ -24,9 +28,9 @@ serving's; both profiles correct themselves from measured steps.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutput
@@ -50,13 +54,16 @@ class _Held:
     arrival: float
     generated: int = 0
     last_token: float | None = None  # serving: when its latest token came out
+    request: EngineRequest | None = None  # serving: what to re-add after a preemption
+    output: list[int] = field(default_factory=list)  # serving: its tokens so far
 
 
 @dataclass
 class DualStats:
     steps: Counter = field(default_factory=Counter)  # by ActionKind value
     aborts: Counter = field(default_factory=Counter)  # rollout aborts by cause
-    serving_oversubscribed: int = 0  # serving grants the pool could not cover even after reclaim
+    serving_queued: int = 0  # serving requests that waited for pages (the pool was full)
+    serving_preempted: int = 0  # serving requests recomputed to let another one grow
 
 
 class DualEngine:
@@ -79,6 +86,7 @@ class DualEngine:
         self._stall_s = stall_s  # ROSE: no progress this long -> back to the manager
         self._last_rollout_step = float("-inf")
         self._serving: dict[str, _Held] = {}
+        self._serving_queue: deque[str] = deque()  # waiting for pages, in the serving engine not yet
         self._rollout: dict[str, _Held] = {}
         self._last_prefill = 0
         self._pending_aborts: list[RequestOutput] = []
@@ -115,7 +123,7 @@ class DualEngine:
         return out
 
     def has_work(self) -> bool:
-        return self.rollout.has_work() or self.serving.has_work()
+        return self.rollout.has_work() or self.serving.has_work() or bool(self._serving_queue)
 
     def load(self) -> EngineLoad:
         load = self.rollout.load()
@@ -150,6 +158,7 @@ class DualEngine:
         if self.memory.on_serving_use(now, self.pool.serving_pages):
             metrics.PRESSURE_EVENTS.inc()
             reclaimed += self._reclaim(now, "memory_pressure")
+        reclaimed += self._admit_queued(now)
         units = [self._rollout_unit()] if self.rollout.has_work() else []
         action = self.scheduler.next_action(now, self._serving_work(), units,
                                             self.pool.free_pages)
@@ -243,12 +252,22 @@ class DualEngine:
 
     def _account_serving(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
         aborted: list[RequestOutput] = []
+        for out in outputs:
+            if (held := self._serving.get(out.request_id)) is not None:
+                held.output += out.new_token_ids
         for rid, held in self._advance(self._serving, outputs, now):
-            aborted += self._grant_serving(rid, held.tokens, now)
+            while rid not in self._serving_queue:
+                grown, reclaimed = self._grant_serving(rid, held.tokens, now)
+                aborted += reclaimed
+                if grown:
+                    break
+                self._preempt_serving(now)  # the latest arrival, maybe ``rid`` itself
         return aborted
 
-    def _grant_serving(self, rid: str, tokens: int, now: float) -> list[RequestOutput]:
-        """Serving's pages, taking them from rollout when the pool is short."""
+    def _grant_serving(self, rid: str, tokens: int, now: float
+                       ) -> tuple[bool, list[RequestOutput]]:
+        """Serving's pages, taking them from rollout when the pool is short; whether they were
+        granted, and the rollout requests aborted for them."""
         need = self._missing_pages(rid, tokens, self.serving_tpp)
         aborted: list[RequestOutput] = []
         if need > self.pool.free_pages:
@@ -256,8 +275,37 @@ class DualEngine:
         try:
             self.pool.allocate(rid, Owner.SERVING, need, now)
         except PoolExhausted:
-            self.stats.serving_oversubscribed += 1  # serving runs anyway; the engine has room
+            return False, aborted
+        return True, aborted
+
+    def _admit_queued(self, now: float) -> list[RequestOutput]:
+        """Serving requests waiting for pages enter the engine, in order, while they fit."""
+        aborted: list[RequestOutput] = []
+        while self._serving_queue:
+            rid = self._serving_queue[0]
+            held = self._serving[rid]
+            granted, reclaimed = self._grant_serving(rid, held.tokens, now)
+            aborted += reclaimed
+            if not granted:
+                break
+            self._serving_queue.popleft()
+            assert held.request is not None
+            self.serving.add(replace(held.request, generated_token_ids=list(held.output)))
         return aborted
+
+    def _preempt_serving(self, now: float) -> None:
+        """Recompute the latest-arrived running serving request: out of the engine and the
+        pool, back at the head of the queue with its tokens."""
+        running = [(held.arrival, rid) for rid, held in self._serving.items()
+                   if rid not in self._serving_queue]
+        _, victim = max(running)
+        self.serving.abort(victim)  # its abort output is ours, not the client's
+        if self.pool.holds(victim):
+            self.pool.free(victim)
+        self._serving[victim].last_token = None  # a prefill again, to the scheduler
+        self._serving_queue.appendleft(victim)
+        self.stats.serving_preempted += 1
+        metrics.SERVING_PREEMPTED.inc()
 
     def _reclaim(self, now: float, cause: str, serving_need: int = 0) -> list[RequestOutput]:
         generated = {rid: held.generated for rid, held in self._rollout.items()}
@@ -302,16 +350,31 @@ class _ServingSide:
         self._dual = dual
 
     def add(self, request: EngineRequest) -> None:
+        """Into the engine (which refuses bad input at once), with its pages — or, when the
+        pool cannot hold it even after rollout gave way, into the queue for pages."""
         dual = self._dual
+        rid = request.request_id
         dual.serving.add(request)
         now = dual._clock()
-        dual._serving[request.request_id] = _Held(len(request.prompt_token_ids), now)
-        # Rollout requests reclaimed for this prompt reach the manager with the next step.
-        dual._pending_aborts += dual._grant_serving(request.request_id,
-                                                    len(request.prompt_token_ids), now)
+        dual._serving[rid] = _Held(len(request.prompt_token_ids), now, request=request)
+        granted = False
+        if not dual._serving_queue:  # first come, first served: none may pass a waiting one
+            granted, reclaimed = dual._grant_serving(rid, len(request.prompt_token_ids), now)
+            # Rollout requests reclaimed for this prompt reach the manager with the next step.
+            dual._pending_aborts += reclaimed
+        if not granted:
+            dual.serving.abort(rid)  # nothing ran yet: it waits outside the engine
+            dual._serving_queue.append(rid)
+            dual.stats.serving_queued += 1
+            metrics.SERVING_QUEUED.inc()
 
     def abort(self, request_id: str) -> RequestOutput:
-        out = self._dual.serving.abort(request_id)
-        self._dual._forget(self._dual._serving, request_id)
+        dual = self._dual
+        if request_id in dual._serving_queue:  # waiting for pages: never reached the engine
+            dual._serving_queue.remove(request_id)
+            dual._forget(dual._serving, request_id)
+            return RequestOutput(request_id, [], [], finished=True, finish_reason="abort")
+        out = dual.serving.abort(request_id)
+        dual._forget(dual._serving, request_id)
         return out
 

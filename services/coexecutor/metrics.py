@@ -24,3 +24,7 @@ ROLLOUT_TOKENS = Counter("rlh_coexec_rollout_tokens_total", "Rollout tokens gene
 LENT = Gauge("rlh_coexec_lent", "1 while lent to an RL job (its rollouts run here)")
 LENDING_CHANGES = Counter("rlh_coexec_lending_changes_total", "Lent to a job / returned",
                           ["change"])
+SERVING_QUEUED = Counter("rlh_coexec_serving_queued_total", "Serving requests that waited for "
+                         "KV pages (the whole pool was in use)")
+SERVING_PREEMPTED = Counter("rlh_coexec_serving_preempted_total", "Serving requests recomputed "
+                            "(left the engine, re-prefilled later) so another one could grow")

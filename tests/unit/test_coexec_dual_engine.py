@@ -135,3 +135,48 @@ def test_a_rollout_request_with_no_progress_for_2_s_goes_back_to_the_manager():
     [aborted] = engine.step()
     assert aborted.request_id == "starved" and aborted.finish_reason == "abort"
     assert engine.stats.aborts["stall"] == 1 and not engine.rollout.has_work()
+
+
+def plain_serving(requests: list[EngineRequest]) -> dict[str, list[int]]:
+    """What the serving engine alone, with room for everything, generates for ``requests``."""
+    plain = TorchEngine("tiny", seed=1, max_running=8, max_len=128)
+    for r in requests:
+        plain.add(r)
+    want: dict[str, list[int]] = defaultdict(list)
+    while plain.has_work():
+        for out in plain.step():
+            want[out.request_id] += out.new_token_ids
+    return want
+
+
+def test_serving_beyond_the_whole_pool_waits_for_pages_and_all_of_it_is_served():
+    engine, served = dual(total_pages=4)  # 32 tokens: two 6-token prompts, not five
+    asked = [request(f"s{i}", prompt_len=6, max_tokens=6, seed=i) for i in range(5)]
+    for r in asked:
+        engine.serving_side.add(r)
+    assert engine.stats.serving_queued == 1  # 4 prompts fit at first (1 page each), one waits
+    run(engine)  # checks page conservation every tick
+    assert dict(served) == plain_serving(asked)  # every token, as if there had been room
+    assert engine.pool.free_pages == engine.pool.total_pages
+
+
+def test_a_serving_request_that_cannot_grow_recomputes_the_latest_and_its_stream_goes_on():
+    engine, served = dual(total_pages=4)
+    asked = [request(f"s{i}", prompt_len=6, max_tokens=12, seed=i) for i in range(2)]
+    for r in asked:  # 18 tokens each at the end: 3 pages each, 6 > 4
+        engine.serving_side.add(r)
+    run(engine)
+    assert engine.stats.serving_preempted >= 1
+    assert dict(served) == plain_serving(asked)  # the recomputed one continued exactly
+    assert all(len(tokens) == 12 for tokens in served.values())
+
+
+def test_a_serving_request_aborted_while_it_waits_for_pages_leaves_no_trace():
+    engine, served = dual(total_pages=2)
+    engine.serving_side.add(request("first", prompt_len=12, max_tokens=4))  # 2 pages
+    engine.serving_side.add(request("waits", prompt_len=6, max_tokens=4))
+    assert engine.stats.serving_queued == 1
+    gone = engine.serving_side.abort("waits")
+    assert gone.finish_reason == "abort" and gone.finished
+    run(engine)
+    assert list(served) == ["first"] and not engine.has_work()
