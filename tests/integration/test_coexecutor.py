@@ -163,27 +163,36 @@ async def test_a_claim_lives_with_its_manager_and_lends_to_one_job_at_a_time(sta
     assert await serve_traffic(url, 2) == [8, 8]  # serving never stopped
 
 
-async def test_a_coexecutor_returned_mid_step_sends_its_rollout_back_with_every_token(
-        lent, etcd_client):
-    coexec, _, _, manager = lent
-    await wait_workers(manager.endpoint, 2)
+async def test_a_coexecutor_taken_back_mid_step_returns_its_rollout_with_every_token(
+        stack, etcd_client):
+    coexec, _ = launch_coexecutor(stack, "coexec-0")  # the job's only worker
+    manager = start_manager(stack, "--max-serving-workers", "1")
+    wait_serving(coexec, 120)
+    await wait_workers(manager.endpoint, 1)
     reference = await run_step(manager.endpoint, step_request(8, 40, prefix="ref"))
-    handed: list[bool] = []
+    key = keys.lending_key("coexec-0").encode()
+    handed: list[asyncio.Task] = []
+
+    async def give_back_later() -> None:
+        await asyncio.sleep(1.0)  # the requests wait in the manager meanwhile
+        await etcd_client.delete(key)  # free again: the job's manager borrows it once more
 
     async def lend_elsewhere(completions, streamed):
-        if not handed and sum(map(len, streamed.values())) >= 60:
-            handed.append(True)  # an operator hands it to another job: the claim is replaced
-            await etcd_client.put(keys.lending_key("coexec-0").encode(),
-                                  Claim("other", "operator").encode())
+        if not handed and sum(map(len, streamed.values())) >= 40:
+            # An operator hands it to another job mid-step: the claim is replaced.
+            await etcd_client.put(key, Claim("other", "operator").encode())
+            handed.append(asyncio.create_task(give_back_later()))
 
     done = await run_step(manager.endpoint, step_request(8, 40, prefix="m"), lend_elsewhere)
     assert handed and len(done) == 8 and not any(c.failed for c in done.values())
-    for i in range(8):
+    for i in range(8):  # resumed from the tokens they had: as if nothing happened
         assert list(done[f"m{i}"].token_ids) == list(reference[f"ref{i}"].token_ids), i
     assert (await status(manager.endpoint)).tokens_regenerated == 0
-    assert await member_job(etcd_client, "coexec-0") == "other"
     assert gauge(coexec, 'rlh_coexec_rollout_aborts_total{cause="deactivated"}') >= 1
-    await etcd_client.delete(keys.lending_key("coexec-0").encode())
+    # Lent to default, to other, to default again; returned by default and by other.
+    assert gauge(coexec, 'rlh_coexec_lending_changes_total{change="lent"}') == 3
+    assert gauge(coexec, 'rlh_coexec_lending_changes_total{change="returned"}') == 2
+    assert await claim_of(etcd_client, "coexec-0") == Claim("default", "manager-0")
 
 
 async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path):
