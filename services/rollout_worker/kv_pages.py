@@ -1,0 +1,148 @@
+"""Paged KV memory (ROSE §4.1 and App. C; vLLM's PagedAttention, gathered in plain torch).
+
+A ``PageStore`` is one byte buffer of ``num_pages`` pages. Each model sees it through its own
+layout, ``[pages, layers, 2 (K, V), kv_heads, page_tokens, head_dim]`` of its dtype (``view``):
+two models of different shapes share one pool, and a page changes owner without a copy — the
+page ids are those of the co-executor's ``PagePool``, which says who holds which.
+
+A ``PagedKVCache`` gives an engine the slot interface of ``SlotKVCache`` (compact slots, lengths
+on host and device) with a block table per slot instead of a row of ``max_len`` tokens: memory
+is held only for tokens that exist. Writing scatters into pages; reading a batch gathers its
+pages, one index per layer — the price of paging without a kernel. Moving a slot (to keep slots
+compact) moves its block table, not its KV.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+
+def page_bytes(layers: int, kv_heads: int, head_dim: int, page_tokens: int,
+               dtype: torch.dtype) -> int:
+    """Bytes one page of ``page_tokens`` tokens takes in a model's layout."""
+    return layers * 2 * kv_heads * page_tokens * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class PageStore:
+    def __init__(self, num_pages: int, bytes_per_page: int,
+                 device: torch.device | str = "cpu") -> None:
+        if num_pages < 1 or bytes_per_page < 1:
+            raise ValueError(f"need num_pages >= 1 and bytes_per_page >= 1, got {num_pages}, "
+                             f"{bytes_per_page}")
+        # Rows padded to 8 bytes, so any float dtype can view them in place.
+        self.bytes_per_page = -(-bytes_per_page // 8) * 8
+        self.num_pages = num_pages
+        self.buffer = torch.zeros(num_pages, self.bytes_per_page, dtype=torch.uint8, device=device)
+
+    def view(self, layers: int, kv_heads: int, head_dim: int, page_tokens: int,
+             dtype: torch.dtype) -> torch.Tensor:
+        """The pages as one model sees them (a view: writes land in the store)."""
+        need = page_bytes(layers, kv_heads, head_dim, page_tokens, dtype)
+        if need > self.bytes_per_page:
+            raise ValueError(f"a page of this model takes {need} bytes; the store's pages hold "
+                             f"{self.bytes_per_page}")
+        return (self.buffer[:, :need].view(dtype)
+                .view(self.num_pages, layers, 2, kv_heads, page_tokens, head_dim))
+
+
+class PagedKVCache:
+    """``pages``: a ``PageStore.view``. A slot's pages are bound by the engine (``bind``) before
+    any of its tokens are written; reading or writing past the bound pages is a bug."""
+
+    def __init__(self, pages: torch.Tensor, max_slots: int, max_len: int) -> None:
+        self.pages = pages
+        self.page_tokens = pages.shape[4]
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self.max_pages = math.ceil(max_len / self.page_tokens)
+        device = pages.device
+        self.tables = torch.zeros(max_slots, self.max_pages, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.host_lengths: list[int] = []
+        self.bound: list[int] = []  # pages bound per occupied slot
+
+    # ---- the slot interface (as SlotKVCache) ---------------------------------------------------
+
+    @property
+    def occupied(self) -> int:
+        return len(self.host_lengths)
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - self.occupied
+
+    @property
+    def used_tokens(self) -> int:
+        return sum(self.host_lengths)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pages.shape[0] * self.page_tokens
+
+    def acquire(self) -> int:
+        if self.free_slots == 0:
+            raise RuntimeError(f"all {self.max_slots} KV slots are taken; release one first")
+        slot = self.occupied
+        self.host_lengths.append(0)
+        self.bound.append(0)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> int | None:
+        last = self.occupied - 1
+        if not 0 <= slot <= last:
+            raise IndexError(f"slot {slot} is not occupied (occupied: 0..{last})")
+        if slot != last:
+            self.move(last, slot)
+        self.host_lengths.pop()
+        self.bound.pop()
+        return last if slot != last else None
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes ``src``'s block table and length: no KV moves."""
+        self.tables[dst] = self.tables[src]
+        self.bound[dst] = self.bound[src]
+        self.lengths[dst] = self.lengths[src]
+        self.host_lengths[dst] = self.host_lengths[src]
+
+    def advance(self, count: int, tokens: int = 1) -> None:
+        self.lengths[:count] += tokens
+        for slot in range(count):
+            self.host_lengths[slot] += tokens
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.lengths[slot] = length
+        self.host_lengths[slot] = length
+
+    # ---- pages ---------------------------------------------------------------------------------
+
+    def bind(self, slot: int, pages: Sequence[int]) -> None:
+        """The slot's KV lives in ``pages`` (in token order) from now on."""
+        if len(pages) > self.max_pages:
+            raise ValueError(f"{len(pages)} pages for one slot; max_len allows {self.max_pages}")
+        if pages:
+            self.tables[slot, :len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
+        self.bound[slot] = len(pages)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """K and V ``[n, kv_heads, t, head_dim]`` of slots ``slots`` ``[n]`` at ``positions``
+        ``[n, t]``; ``valid`` ``[n, t]`` (optional) masks padding out."""
+        page = self.tables[slots[:, None], positions // self.page_tokens]
+        offset = positions % self.page_tokens
+        kk, vv = k.transpose(1, 2), v.transpose(1, 2)  # [n, t, kv_heads, head_dim]
+        if valid is not None:
+            page, offset, kk, vv = page[valid], offset[valid], kk[valid], vv[valid]
+        self.pages[page, layer, 0, :, offset] = kk
+        self.pages[page, layer, 1, :, offset] = vv
+
+    def read(self, layer: int, count: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``count`` slots' first ``longest`` positions, ``[count,
+        kv_heads, longest, head_dim]`` (positions a slot does not hold are garbage: mask them)."""
+        n_pages = math.ceil(longest / self.page_tokens)
+        kv = self.pages[self.tables[:count, :n_pages], layer]  # [n, pages, 2, kvh, pt, hd]
+        kv = kv.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :longest]
+        return kv[0], kv[1]
