@@ -32,6 +32,10 @@ class WorkerConfig(ServiceConfig):
     max_running: int = Field(64, ge=1, le=4096, description="concurrently executing requests")
     max_len: int = Field(512, ge=8, le=131072, description="prompt + completion tokens per request")
     max_pending: int = Field(4096, ge=1, description="queued requests beyond max_running")
+    prefill_chunk: int = Field(0, ge=0, description="prefill at most this many tokens per engine "
+                               "step (chunked prefill, e.g. 512), so a long prompt never stalls "
+                               "the running requests' decode for longer than one chunk; 0 "
+                               "prefills whole prompts")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "

@@ -213,6 +213,40 @@ class DecoderForward:
         last = torch.tensor(lengths, device=x.device) - 1
         return self._logits(x[torch.arange(count, device=x.device), last])
 
+    def prefill_from(self, token_ids: torch.Tensor, cache: SlotKVCache, slot: int,
+                     start: int) -> torch.Tensor:
+        """Runs one sequence's tokens at positions [start, start + T) into ``slot``, whose cache
+        already holds positions [0, start) (a chunked prefill's next chunk), and returns the
+        logits at the last of them, [1, V].
+
+        A chunk's queries attend to the slot's cached keys plus causally within the chunk. With
+        start == 0 that is the whole-prompt path above (its causal kernel), so a first chunk
+        runs exactly as an unchunked prefill of the same tokens.
+        """
+        seq = token_ids.shape[0]
+        if start == 0:
+            return self.prefill(token_ids[None], [seq], cache, slot)
+        end = start + seq
+        cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
+        # Query at position start + i sees keys 0 .. start + i. SDPA's is_causal aligns the
+        # diagonal top-left (query i sees keys <= i) when there are more keys than queries, so the
+        # mask is explicit.
+        query_positions = self.key_positions[start:end]
+        mask = self.key_positions[:end][None, :] <= query_positions[:, None]  # [T, end]
+        x = F.embedding(token_ids[None], self.embed)
+        for layer, w in enumerate(self.layers):
+            q, k, v = self._qkv(w, self._norm(x, w.input_norm), cos, sin)
+            cache.k[layer, slot, :, start:end] = k[0].transpose(0, 1)  # [KVH, T, hd]
+            cache.v[layer, slot, :, start:end] = v[0].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), cache.k[layer, slot:slot + 1, :, :end],
+                cache.v[layer, slot:slot + 1, :, :end], attn_mask=mask, scale=self.scale,
+                enable_gqa=True)
+            x = x + F.linear(attn.transpose(1, 2).flatten(2), w.o, w.o_bias)
+            x = x + self._mlp(w, x)
+        cache.set_length(slot, end)
+        return self._logits(x[:, -1])
+
     # ---- decode ----------------------------------------------------------------------------
 
     def decode(self, token_ids: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:

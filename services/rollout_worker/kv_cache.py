@@ -58,13 +58,18 @@ class SlotKVCache:
         if not 0 <= slot <= last:
             raise IndexError(f"slot {slot} is not occupied (occupied: 0..{last})")
         if slot != last:
-            held = self.host_lengths[last]
-            self.k[:, slot, :, :held] = self.k[:, last, :, :held]
-            self.v[:, slot, :, :held] = self.v[:, last, :, :held]
-            self.lengths[slot] = held
-            self.host_lengths[slot] = held
+            self.move(last, slot)
         self.host_lengths.pop()
         return last if slot != last else None
+
+    def move(self, src: int, dst: int) -> None:
+        """Copies occupied slot ``src``'s tokens and length into occupied slot ``dst`` (whose
+        contents are lost); ``src`` keeps its copy until released."""
+        held = self.host_lengths[src]
+        self.k[:, dst, :, :held] = self.k[:, src, :, :held]
+        self.v[:, dst, :, :held] = self.v[:, src, :, :held]
+        self.lengths[dst] = held
+        self.host_lengths[dst] = held
 
     def advance(self, count: int, tokens: int = 1) -> None:
         """Records that the first ``count`` slots each appended ``tokens`` tokens."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -146,3 +147,51 @@ class PagedKVCache:
         kv = self.pages[self.tables[:count, :n_pages], layer]  # [n, pages, 2, kvh, pt, hd]
         kv = kv.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :longest]
         return kv[0], kv[1]
+
+
+class KVPages(Protocol):
+    """Who says which pages a request's KV lives in: an engine's own allocator, or the
+    co-executor's ``PagePool`` (where its dual engine grants pages before each step)."""
+
+    def reserve(self, request_id: str, tokens: int) -> bool:
+        """May ``request_id`` start, holding ``tokens`` tokens? (Its pages exist afterwards.)"""
+        ...
+
+    def table(self, request_id: str, tokens: int) -> Sequence[int]:
+        """Its pages, enough for ``tokens`` tokens, in token order."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class OwnPages:
+    """A dedicated engine's allocator: a request reserves every page it can need (prompt +
+    max_tokens) when it starts, so it never runs out mid-decode; a request that does not fit
+    waits. With as many pages as slots x max_len this never binds; with fewer, memory is held
+    only for what requests can use (vLLM-style admission by KV memory)."""
+
+    def __init__(self, num_pages: int, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._held: dict[str, list[int]] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def reserve(self, request_id: str, tokens: int) -> bool:
+        need = math.ceil(tokens / self.page_tokens)
+        if need > len(self._free):
+            return False
+        self._held[request_id] = [self._free.pop() for _ in range(need)]
+        return True
+
+    def table(self, request_id: str, tokens: int) -> Sequence[int]:
+        pages = self._held[request_id]
+        if len(pages) * self.page_tokens < tokens:
+            raise RuntimeError(f"request {request_id} reserved {len(pages)} pages, needs "
+                               f"{math.ceil(tokens / self.page_tokens)}")
+        return pages
+
+    def release(self, request_id: str) -> None:
+        self._free.extend(reversed(self._held.pop(request_id, [])))

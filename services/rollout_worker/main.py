@@ -28,7 +28,8 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
-                         max_len=cfg.max_len, weight_version=cfg.weight_version)
+                         max_len=cfg.max_len, weight_version=cfg.weight_version,
+                         prefill_chunk=cfg.prefill_chunk)
     if cfg.weights:
         engine.load_safetensors(cfg.weights, cfg.weight_version)
     return engine

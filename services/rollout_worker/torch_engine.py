@@ -12,6 +12,15 @@ moved. Here that means:
 - sampling noise is keyed by (seed, token position) (``sampling.py``), so a resumed request draws
   the same tokens it would have drawn uninterrupted.
 
+Chunked prefill (ROSE §4.1, ``prefill_chunk`` > 0): one step prefills at most ``prefill_chunk``
+tokens in all, beside its one decode, so a step never runs longer than one chunk plus one decode
+however long the prompts that arrive. Pending requests are taken FIFO while they fit in what is left
+of the chunk; the first that does not fit is prefilled as far as the chunk allows and goes on in the
+next steps (at most one request is mid-prefill at a time). It holds a KV slot meanwhile (``load``
+counts it as executing) but is not decoded and emits nothing until its last chunk runs; that step
+samples its first token and it joins the decode batch. ``prefill_chunk`` = 0 prefills every admitted
+prompt whole in its first step.
+
 Resumed output equals uninterrupted output up to float numerics: the resumed prefill computes the
 same attention in one pass that decode computed token by token, and the two differ in the last
 bits, which can flip a near-tie between two tokens (``tests/unit/test_torch_engine.py`` measures
@@ -48,6 +57,7 @@ class _Admitted:
     known_tokens: list[int]  # prompt + tokens generated before a resume
     stop_ids: frozenset[int]
     generated: int  # tokens generated so far, including those before a resume
+    prefilled: int = 0  # known tokens already in the KV cache (chunked prefill only)
 
 
 def validate_request(request: EngineRequest, vocab_size: int, max_len: int) -> None:
@@ -137,15 +147,25 @@ class TorchEngine:
 
     ``prefill_token_budget`` caps the padded tokens of one prefill call (admitted requests are
     prefilled in groups below it), bounding activation memory when many requests join at once.
+    ``prefill_chunk`` > 0 caps the tokens one step prefills (chunked prefill, see the module
+    docstring); 0 prefills whole prompts.
+
+    Slots: running requests hold KV slots [0, len(running)), which decode reads as one slice. The
+    request mid-prefill, if any, holds the slot right after them, outside the decode slice, and
+    ``_release`` keeps it there; when its last chunk runs it is appended to the running list,
+    whose next index is exactly its slot.
     """
 
     def __init__(self, model: str = "tiny", seed: int = 0, max_running: int = 64,
                  max_len: int = 512, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", weight_version: int = 0,
-                 prefill_token_budget: int = 8192) -> None:
+                 prefill_token_budget: int = 8192, prefill_chunk: int = 0) -> None:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
+                             f"prompts), got {prefill_chunk}")
         # transformers wraps PreTrainedModel.to in a decorator that mypy reads as unbound
         self._model = build_model(model, seed, dtype).to(device)  # type: ignore[arg-type]
         self._model.requires_grad_(False)
@@ -153,6 +173,7 @@ class TorchEngine:
         self._vocab_size = cfg.vocab_size
         self._max_len = max_len
         self._prefill_token_budget = prefill_token_budget
+        self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
         self._forward = DecoderForward(self._model, max_len)
         self._cache = SlotKVCache(cfg.num_hidden_layers, max_running, cfg.num_key_value_heads,
@@ -161,7 +182,8 @@ class TorchEngine:
         self._device = torch.device(device)
         self._pending: OrderedDict[str, _Admitted] = OrderedDict()
         self._running: list[_Admitted] = []  # index = KV slot
-        self._slot_of: dict[str, int] = {}
+        self._partial: _Admitted | None = None  # mid-prefill, in slot len(self._running)
+        self._slot_of: dict[str, int] = {}  # running and partial requests
         self._weight_targets = self._state_dict_targets()
         self._last_step_prefill_tokens = 0
 
@@ -198,6 +220,8 @@ class TorchEngine:
     def abort(self, request_id: str) -> RequestOutput:
         if request_id in self._pending:
             del self._pending[request_id]
+        elif self._partial is not None and self._partial.request.request_id == request_id:
+            self._drop_partial()
         elif request_id in self._slot_of:
             self._release(self._slot_of[request_id])
         else:
@@ -205,7 +229,7 @@ class TorchEngine:
         return RequestOutput(request_id, [], [], finished=True, finish_reason="abort")
 
     def has_work(self) -> bool:
-        return bool(self._pending or self._running)
+        return bool(self._pending or self._running or self._partial)
 
     def step(self) -> list[RequestOutput]:
         with torch.inference_mode():
@@ -213,7 +237,7 @@ class TorchEngine:
             if self._running:
                 logits.append(self._forward.decode(
                     self._slot_sampling.last_token[:len(self._running)], self._cache))
-            logits.extend(self._admit())
+            logits.extend(self._admit_chunked() if self._prefill_chunk else self._admit())
             if not logits:
                 return []
             tokens, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0],
@@ -224,7 +248,9 @@ class TorchEngine:
             return self._emit(tokens.tolist(), logprobs.tolist())
 
     def load(self) -> EngineLoad:
-        return EngineLoad(pending=len(self._pending), executing=len(self._running),
+        """``executing`` counts a request mid-prefill: it holds a KV slot, as running ones do."""
+        executing = len(self._running) + (self._partial is not None)
+        return EngineLoad(pending=len(self._pending), executing=executing,
                           kv_used_tokens=self._cache.used_tokens,
                           kv_capacity_tokens=self._cache.capacity_tokens,
                           weight_version=self._weight_version)
@@ -271,6 +297,10 @@ class TorchEngine:
         while self._pending and len(self._running) + len(admitted) < self._cache.max_slots:
             admitted.append(self._pending.popitem(last=False)[1])
         self._last_step_prefill_tokens = sum(len(entry.known_tokens) for entry in admitted)
+        return self._prefill_whole(admitted)
+
+    def _prefill_whole(self, admitted: list[_Admitted]) -> list[torch.Tensor]:
+        """Gives ``admitted`` the next slots and prefills their known tokens whole."""
         logits = []
         for group in self._prefill_groups(admitted):
             first_slot = len(self._running)
@@ -281,6 +311,57 @@ class TorchEngine:
                 self._slot_sampling.set(slot, entry)
             logits.append(self._prefill(group, first_slot))
         return logits
+
+    def _admit_chunked(self) -> list[torch.Tensor]:
+        """Prefills at most ``prefill_chunk`` tokens: the next chunk of the request mid-prefill,
+        then pending requests (FIFO) that fit whole in what is left, then the first that does not
+        fit, partly. Returns the last-token logits of the requests whose prefill completed, in
+        slot order (each is running now)."""
+        budget = self._prefill_chunk
+        logits: list[torch.Tensor] = []
+        if self._partial is not None:
+            budget -= self._prefill_partial(budget, logits)
+        whole: list[_Admitted] = []
+        while (budget and self._pending and len(whole) < self._cache.free_slots
+               and len(next(iter(self._pending.values())).known_tokens) <= budget):
+            whole.append(self._pending.popitem(last=False)[1])
+            budget -= len(whole[-1].known_tokens)
+        logits.extend(self._prefill_whole(whole))
+        # Budget left means no request is mid-prefill now, so the new partial takes the slot
+        # right after the running ones.
+        if budget and self._pending and self._cache.free_slots:
+            self._begin_partial(self._pending.popitem(last=False)[1])
+            budget -= self._prefill_partial(budget, logits)
+        self._last_step_prefill_tokens = self._prefill_chunk - budget
+        return logits
+
+    def _begin_partial(self, entry: _Admitted) -> None:
+        slot = self._cache.acquire()
+        self._partial = entry
+        self._slot_of[entry.request.request_id] = slot
+        self._slot_sampling.set(slot, entry)
+
+    def _prefill_partial(self, budget: int, logits: list[torch.Tensor]) -> int:
+        """Prefills the partial request's next chunk (at most ``budget`` tokens); if that was its
+        last, appends its logits and moves it into the running batch. Returns the tokens run."""
+        entry = self._partial
+        assert entry is not None
+        start = entry.prefilled
+        chunk = entry.known_tokens[start:start + budget]
+        out = self._forward.prefill_from(torch.tensor(chunk, device=self._device), self._cache,
+                                         len(self._running), start)
+        entry.prefilled += len(chunk)
+        if entry.prefilled == len(entry.known_tokens):
+            self._running.append(entry)  # its slot is len(running) before the append
+            self._partial = None
+            logits.append(out)
+        return len(chunk)
+
+    def _drop_partial(self) -> None:
+        assert self._partial is not None
+        del self._slot_of[self._partial.request.request_id]
+        self._cache.release(len(self._running))  # the last occupied slot: nothing moves
+        self._partial = None
 
     def _prefill_groups(self, admitted: list[_Admitted]) -> list[list[_Admitted]]:
         groups: list[list[_Admitted]] = []
@@ -323,13 +404,24 @@ class TorchEngine:
         return outputs
 
     def _release(self, slot: int) -> None:
+        """Frees running ``slot``, keeping the running requests in slots [0, len(running)) and
+        the partial one right after them (see the class docstring)."""
         del self._slot_of[self._running[slot].request.request_id]
-        moved_from = self._cache.release(slot)
-        last = self._running.pop()
-        if moved_from is not None:
-            self._running[slot] = last
-            self._slot_of[last.request.request_id] = slot
-            self._slot_sampling.move(moved_from, slot)
+        last = len(self._running) - 1
+        if slot != last:  # the last running request fills the hole
+            self._move_slot(last, slot)
+            self._running[slot] = self._running[last]
+            self._slot_of[self._running[slot].request.request_id] = slot
+        self._running.pop()
+        if self._partial is not None:  # it moves down one, out of the shrunk decode slice
+            self._move_slot(last + 1, last)
+            self._slot_of[self._partial.request.request_id] = last
+            last += 1
+        self._cache.release(last)  # the last occupied slot now: nothing moves
+
+    def _move_slot(self, src: int, dst: int) -> None:
+        self._cache.move(src, dst)
+        self._slot_sampling.move(src, dst)
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ token to token and any mix-up of positions, slots or weights shows in the output
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -492,3 +493,196 @@ def test_a_local_checkpoint_directory_serves_like_the_model_it_was_saved_from(tm
     assert drain(from_dir) == drain(from_preset)
     with pytest.raises(ValueError, match="never downloads"):
         TorchEngine(str(tmp_path / "missing"), max_running=1, max_len=MAX_LEN)
+
+
+# ---- chunked prefill (ROSE §4.1) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_forward_prefill_from_an_offset_matches_hf_logits_and_decode_continues(preset):
+    model = build_model(preset, seed=4)
+    model.load_state_dict(sharpened(model, 3.0))
+    model.requires_grad_(False)
+    forward = DecoderForward(model, max_len=64)
+    cfg = model.config
+    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, cfg.head_dim,
+                        torch.float32, "cpu")
+    seq = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        reference = model(seq).logits[0]
+        cache.acquire()  # slot 0 holds an unrelated request: the chunks must not read it
+        forward.prefill(seq[:, :7].flip(1), [7], cache, first_slot=0)
+        cache.acquire()
+        for start, end in ((0, 5), (5, 6), (6, 17), (17, 30)):
+            logits = forward.prefill_from(seq[0, start:end], cache, slot=1, start=start)
+            assert (logits[0] - reference[end - 1]).abs().max() < 1e-4
+        assert cache.host_lengths == [7, 30]
+        for position in range(30, 40):  # decode reads the chunks' keys as a whole prefill's
+            logits = forward.decode(torch.stack([seq[0, 0], seq[0, position]]), cache)
+            assert (logits[1] - reference[position]).abs().max() < 1e-4
+
+
+def mixed_requests(count: int, seed: int) -> list[EngineRequest]:
+    """Prompts of 1 to 60 tokens, greedy and sampled, a third of them resumed."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        resumed = [rng.randrange(3, 128) for _ in range(rng.choice([0, 0, 6]))]
+        params = (SamplingParams(temperature=0.0, max_tokens=16 + len(resumed)) if i % 2
+                  else sampled(seed + i, max_tokens=16 + len(resumed)))
+        requests.append(EngineRequest(f"r{i}", prompt(seed + i, length=rng.randrange(1, 61)),
+                                      params, generated_token_ids=resumed))
+    return requests
+
+
+def tokens_of(requests: list[EngineRequest], **engine_kwargs) -> dict[str, list[int]]:
+    eng = engine(**engine_kwargs)
+    for r in requests:
+        eng.add(r)
+    return {rid: tokens for rid, (tokens, _, _) in drain(eng).items()}
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16])
+def test_chunked_prefill_gives_the_same_tokens_as_whole_prompt_prefill(chunk):
+    """Exact equality holds in float32: over 200 mixed requests x chunks {1, 2, 3, 5, 7, 16, 33}
+    x max_running {1, 5, 16} no token differed from whole-prompt prefill."""
+    requests = mixed_requests(24, seed=700)
+    whole = tokens_of(requests, max_running=6)
+    assert tokens_of(requests, max_running=6, prefill_chunk=chunk) == whole
+
+
+def test_no_step_prefills_more_than_the_chunk_and_a_long_prompt_waits_ceil_len_over_chunk_steps():
+    chunk, length = 7, 40
+    eng = engine(max_running=4, prefill_chunk=chunk)
+    eng.add(EngineRequest("long", prompt(1, length=length), sampled(1, max_tokens=4)))
+    prefilled = []
+    while not (outputs := eng.step()):
+        prefilled.append(eng.last_step_prefill_tokens)
+        assert eng.has_work() and (eng.load().executing, eng.load().pending) == (1, 0)
+        assert eng.load().kv_used_tokens == sum(prefilled)
+    prefilled.append(eng.last_step_prefill_tokens)
+    assert prefilled == [7, 7, 7, 7, 7, 5] and len(prefilled) == math.ceil(length / chunk)
+    assert [o.request_id for o in outputs] == ["long"]
+
+    requests = mixed_requests(12, seed=800)
+    eng = engine(max_running=5, prefill_chunk=chunk)
+    for r in requests:
+        eng.add(r)
+    total = 0
+    while eng.has_work():
+        eng.step()
+        assert 0 <= eng.last_step_prefill_tokens <= chunk
+        total += eng.last_step_prefill_tokens
+    assert total == sum(len(r.prompt_token_ids) + len(r.generated_token_ids) for r in requests)
+
+
+def test_running_requests_keep_decoding_one_token_per_step_while_a_long_prompt_is_chunk_prefilled():
+    short = [EngineRequest(f"s{i}", prompt(60 + i, length=4), sampled(60 + i, max_tokens=20))
+             for i in range(2)]
+    long = EngineRequest("long", prompt(70, length=60), sampled(70, max_tokens=12))
+    eng = engine(max_running=4, prefill_chunk=8)
+    for r in short:
+        eng.add(r)
+    done: dict = {}
+    collect(eng.step(), done)  # both short prompts fit in one chunk
+    assert set(done) == {"s0", "s1"}
+    eng.add(long)
+    for _ in range(7):  # 60 tokens in chunks of 8: the long prompt's first token comes in step 8
+        outputs = eng.step()
+        assert sorted((o.request_id, len(o.new_token_ids)) for o in outputs) == [
+            ("s0", 1), ("s1", 1)]
+        assert eng.last_step_prefill_tokens == 8
+        collect(outputs, done)
+    outputs = eng.step()
+    assert sorted(o.request_id for o in outputs) == ["long", "s0", "s1"]
+    assert eng.last_step_prefill_tokens == 4
+    collect(outputs, done)
+    while eng.has_work():
+        collect(eng.step(), done)
+    expected = {r.request_id: run_alone(r) for r in [*short, long]}
+    assert {rid: tokens for rid, (tokens, _, _) in done.items()} == expected
+
+
+def test_aborting_a_request_mid_prefill_frees_its_slot_and_leaves_the_others_unchanged():
+    running = [EngineRequest(f"r{i}", prompt(80 + i, length=3), sampled(80 + i, max_tokens=16))
+               for i in range(2)]
+    eng = engine(max_running=3, prefill_chunk=6)
+    for r in running:
+        eng.add(r)
+    done: dict = {}
+    collect(eng.step(), done)  # both prompts fit in one chunk
+    eng.add(EngineRequest("long", prompt(90, length=50), sampled(90)))
+    for _ in range(3):
+        collect(eng.step(), done)
+    held = eng.load().kv_used_tokens
+    final = eng.abort("long")
+    assert (final.finished, final.finish_reason, final.new_token_ids) == (True, "abort", [])
+    assert eng.load().executing == 2 and eng.load().kv_used_tokens == held - 18
+    late = EngineRequest("late", prompt(91, length=5), sampled(91, max_tokens=8))
+    eng.add(late)  # takes the freed slot at once: 5 tokens fit in one chunk
+    collect(eng.step(), done)
+    assert "late" in done and eng.load().executing == 3
+    while eng.has_work():
+        collect(eng.step(), done)
+    assert "long" not in done
+    assert {rid: tokens for rid, (tokens, _, _) in done.items()} == {
+        r.request_id: run_alone(r) for r in [*running, late]}
+    with pytest.raises(KeyError, match="long"):
+        eng.abort("long")
+
+
+def test_running_requests_leaving_while_one_is_mid_prefill_keep_it_out_of_the_decode_batch():
+    """Finished and aborted running requests free slots below the request mid-prefill; it must
+    move down with them and still continue exactly."""
+    running = [EngineRequest(f"r{i}", prompt(100 + i, length=2), sampled(100 + i, max_tokens=2 + i))
+               for i in range(3)]
+    long = EngineRequest("long", prompt(110, length=45), sampled(110, max_tokens=10))
+    eng = engine(max_running=4, prefill_chunk=7)
+    for r in [*running, long]:
+        eng.add(r)
+    done: dict = {}
+    collect(eng.step(), done)  # 3 x 2 prompt tokens, then the long prompt's first token
+    assert sorted(done) == ["r0", "r1", "r2"] and eng.load().executing == 4
+    eng.abort("r2")  # the last running slot: the request mid-prefill moves down one
+    del done["r2"]
+    for _ in range(2):  # r0 (slot 0), then r1 finish while the long prompt is mid-prefill
+        collect(eng.step(), done)
+        assert "long" not in done
+    assert eng.load().executing == 1
+    while eng.has_work():
+        collect(eng.step(), done)
+    assert {rid: tokens for rid, (tokens, _, _) in done.items()} == {
+        r.request_id: run_alone(r) for r in [running[0], running[1], long]}
+
+
+def test_resumed_requests_chunk_prompt_plus_generated_tokens_and_continue_exactly():
+    original = EngineRequest("a", prompt(120, length=13), sampled(120, max_tokens=20))
+    uninterrupted = run_alone(original)
+    resumed = EngineRequest("a", original.prompt_token_ids, original.sampling,
+                            generated_token_ids=uninterrupted[:9])
+    eng = engine(prefill_chunk=5)
+    eng.add(resumed)
+    steps = 0
+    while not (outputs := eng.step()):
+        steps += 1
+    assert steps + 1 == math.ceil((13 + 9) / 5) and eng.last_step_prefill_tokens == 2
+    done: dict = {}
+    collect(outputs, done)
+    while eng.has_work():
+        collect(eng.step(), done)
+    assert uninterrupted[:9] + done["a"][0] == uninterrupted
+
+
+def test_negative_prefill_chunk_is_refused():
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 0"):
+        TorchEngine("tiny", max_running=1, max_len=MAX_LEN, prefill_chunk=-1)
+
+
+def test_the_worker_config_passes_prefill_chunk_to_its_engine():
+    from rlharvest.services.rollout_worker.config import WorkerConfig
+    from rlharvest.services.rollout_worker.main import build_engine
+
+    assert WorkerConfig().prefill_chunk == 0
+    eng = build_engine(WorkerConfig(max_running=2, max_len=MAX_LEN, prefill_chunk=4))
+    eng.add(EngineRequest("a", prompt(1, length=10), sampled(1, max_tokens=2)))
+    assert eng.step() == [] and eng.last_step_prefill_tokens == 4
