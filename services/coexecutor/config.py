@@ -48,6 +48,9 @@ class CoexecutorConfig(ServiceConfig):
                                      "at once")
     max_len: int = Field(512, ge=8, le=131072, description="prompt + completion tokens, both models")
     max_pending: int = Field(256, ge=1, description="rollout requests queued beyond max_running")
+    rollout_prefill_chunk: int = Field(512, ge=0, description="rollout prompt tokens one step "
+                                       "prefills (ROSE §4.1: a rollout unit never holds serving "
+                                       "longer than one chunk or one decode); 0 = whole prompts")
     max_waiting: int = Field(256, ge=1, description="serving requests in flight before 503")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
     # ---- memory (ROSE §4.1, App. C)

@@ -72,7 +72,8 @@ class DualEngine:
                  tokens_per_page: tuple[int, int],
                  deliver: Callable[[list[RequestOutput]], None] = lambda outputs: None,
                  clock: Callable[[], float] = time.perf_counter,
-                 idle_sleep_s: float = 0.001, stall_s: float = 2.0) -> None:
+                 idle_sleep_s: float = 0.001, stall_s: float = 2.0,
+                 rollout_prefill_chunk: int = 0) -> None:
         self.rollout = rollout
         self.serving = serving
         self.scheduler = scheduler
@@ -84,6 +85,7 @@ class DualEngine:
         self._clock = clock
         self._idle_sleep_s = idle_sleep_s
         self._stall_s = stall_s  # ROSE: no progress this long -> back to the manager
+        self._chunk = rollout_prefill_chunk  # the rollout engine's prefill_chunk (0: whole)
         self._last_rollout_step = float("-inf")
         self._serving: dict[str, _Held] = {}
         self._serving_queue: deque[str] = deque()  # waiting for pages, in the serving engine not yet
@@ -206,9 +208,12 @@ class DualEngine:
         """The next rollout step: one decode of the running batch plus the prefill of what it
         admits, its predicted cost and the pages it needs."""
         load = self.rollout.load()
-        # Every waiting request is counted as admitted: an upper bound when slots are short.
+        # Every waiting request is counted as admitted: an upper bound when slots are short. With
+        # chunked prefill the engine prefills at most one chunk per step.
         pending = [(rid, held) for rid, held in self._rollout.items() if held.last_token is None]
         prefill_tokens = sum(held.tokens for _, held in pending)
+        if self._chunk:
+            prefill_tokens = min(prefill_tokens, self._chunk)
         cost = (self.rollout_profile.decode_s(load.executing)
                 + self.rollout_profile.prefill_s(prefill_tokens))
         pages = sum(self._missing_pages(rid, held.tokens + 1, self.rollout_tpp)

@@ -60,7 +60,7 @@ def build_dual(cfg: CoexecutorConfig,
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     rollout = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
-                          max_len=cfg.max_len)
+                          max_len=cfg.max_len, prefill_chunk=cfg.rollout_prefill_chunk)
     serving = TorchEngine(model=cfg.serving_model, seed=0, max_running=cfg.serving_max_running,
                           max_len=cfg.max_len)
     if cfg.profile:
@@ -82,7 +82,8 @@ def build_dual(cfg: CoexecutorConfig,
     return DualEngine(rollout, serving, scheduler=CoexecScheduler(admission,
                                                                   memory.headroom_pages),
                       memory=memory, rollout_profile=rollout_profile,
-                      tokens_per_page=(cfg.page_tokens, cfg.page_tokens), deliver=deliver)
+                      tokens_per_page=(cfg.page_tokens, cfg.page_tokens), deliver=deliver,
+                      rollout_prefill_chunk=cfg.rollout_prefill_chunk)
 
 
 async def build(host: Host[CoexecutorConfig]) -> Parts:

@@ -31,7 +31,7 @@ class Counted(TorchEngine):
         return super().step()
 
 
-def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0)):
+def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: int = 0):
     pool = PagePool(total_pages, lease_s=60.0)
     memory = MemorySharing(pool, MemoryConfig(headroom=0.2))
     scheduler = CoexecScheduler(DualSloAdmission(slo, profile()), memory.headroom_pages)
@@ -41,10 +41,10 @@ def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0)):
         for out in outputs:
             served[out.request_id] += out.new_token_ids
 
-    engine = DualEngine(Counted("tiny", seed=0, max_running=8, max_len=128),
+    engine = DualEngine(Counted("tiny", seed=0, max_running=8, max_len=128, prefill_chunk=chunk),
                         Counted("tiny", seed=1, max_running=8, max_len=128),
                         scheduler=scheduler, memory=memory, rollout_profile=profile(),
-                        tokens_per_page=(8, 8), deliver=deliver)
+                        tokens_per_page=(8, 8), deliver=deliver, rollout_prefill_chunk=chunk)
     return engine, served
 
 
@@ -180,3 +180,17 @@ def test_a_serving_request_aborted_while_it_waits_for_pages_leaves_no_trace():
     assert gone.finish_reason == "abort" and gone.finished
     run(engine)
     assert list(served) == ["first"] and not engine.has_work()
+
+
+def test_with_chunked_rollout_prefill_a_unit_is_predicted_and_run_as_one_chunk_at_most():
+    engine, _ = dual(chunk=8)
+    engine.add(request("long", prompt_len=60, max_tokens=4))
+    unit = engine._rollout_unit()
+    assert unit.cost_s == profile().decode_s(0) + profile().prefill_s(8)  # not 60 tokens' prefill
+    prefilled = []
+    for _ in range(100):
+        if not engine.has_work():
+            break
+        engine.step()
+        prefilled.append(engine.last_step_prefill_tokens)
+    assert max(prefilled) == 8 and sum(prefilled) == 60  # 60 tokens in chunks of 8
