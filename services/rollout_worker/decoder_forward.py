@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
+from rlharvest.services.rollout_worker.kv_cache import KVCache
 
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -107,7 +107,8 @@ def check_servable(cfg, max_len: int) -> None:
 
 
 class DecoderForward:
-    """Prefill and batched decode of a Qwen3, Qwen2 or Llama model over a ``SlotKVCache``.
+    """Prefill and batched decode of a Qwen3, Qwen2 or Llama model over a ``KVCache`` (slots
+    or pages).
 
     Call ``refresh()`` after changing the module's parameters in place (derived tensors).
     """
@@ -186,7 +187,7 @@ class DecoderForward:
 
     # ---- prefill ---------------------------------------------------------------------------
 
-    def prefill(self, token_ids: torch.Tensor, lengths: list[int], cache: SlotKVCache,
+    def prefill(self, token_ids: torch.Tensor, lengths: list[int], cache: KVCache,
                 first_slot: int) -> torch.Tensor:
         """Runs whole sequences (right-padded to one length) into slots first_slot.. and
         returns the logits at each sequence's last real token, [N, V].
@@ -196,14 +197,12 @@ class DecoderForward:
         length, where decode masks them and later tokens overwrite them.
         """
         count, seq = token_ids.shape
-        slots = slice(first_slot, first_slot + count)
         cos, sin = self.cos[:seq, None, :], self.sin[:seq, None, :]
         x = F.embedding(token_ids, self.embed)
         for layer, w in enumerate(self.layers):
             q, k, v = self._qkv(w, self._norm(x, w.input_norm), cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [N, KVH, T, hd]
-            cache.k[layer, slots, :, :seq] = k
-            cache.v[layer, slots, :, :seq] = v
+            cache.store_prefill(layer, first_slot, k, v, lengths)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
                                                   scale=self.scale, enable_gqa=True)
             x = x + F.linear(attn.transpose(1, 2).flatten(2), w.o, w.o_bias)
@@ -213,7 +212,7 @@ class DecoderForward:
         last = torch.tensor(lengths, device=x.device) - 1
         return self._logits(x[torch.arange(count, device=x.device), last])
 
-    def prefill_from(self, token_ids: torch.Tensor, cache: SlotKVCache, slot: int,
+    def prefill_from(self, token_ids: torch.Tensor, cache: KVCache, slot: int,
                      start: int) -> torch.Tensor:
         """Runs one sequence's tokens at positions [start, start + T) into ``slot``, whose cache
         already holds positions [0, start) (a chunked prefill's next chunk), and returns the
@@ -236,12 +235,11 @@ class DecoderForward:
         x = F.embedding(token_ids[None], self.embed)
         for layer, w in enumerate(self.layers):
             q, k, v = self._qkv(w, self._norm(x, w.input_norm), cos, sin)
-            cache.k[layer, slot, :, start:end] = k[0].transpose(0, 1)  # [KVH, T, hd]
-            cache.v[layer, slot, :, start:end] = v[0].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), cache.k[layer, slot:slot + 1, :, :end],
-                cache.v[layer, slot:slot + 1, :, :end], attn_mask=mask, scale=self.scale,
-                enable_gqa=True)
+            cache.store_chunk(layer, slot, start, k[0].transpose(0, 1), v[0].transpose(0, 1))
+            keys, values = cache.window(layer, slot, 1, end)  # [1, KVH, end, hd]
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                  attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=True)
             x = x + F.linear(attn.transpose(1, 2).flatten(2), w.o, w.o_bias)
             x = x + self._mlp(w, x)
         cache.set_length(slot, end)
@@ -249,7 +247,7 @@ class DecoderForward:
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def decode(self, token_ids: torch.Tensor, cache: SlotKVCache) -> torch.Tensor:
+    def decode(self, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feeds one token to each of the first ``len(token_ids)`` slots; returns logits [n, V].
 
         Decode attention groups the query heads that share a KV head as that head's "query
@@ -258,7 +256,6 @@ class DecoderForward:
         count = token_ids.shape[0]
         positions = cache.lengths[:count]
         longest = max(cache.host_lengths[:count]) + 1
-        rows = torch.arange(count, device=token_ids.device)
         visible = self.key_positions[:longest][None, :] <= positions[:, None]
         mask = visible[:, None, None, :]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
@@ -266,12 +263,11 @@ class DecoderForward:
         group = self.heads // self.kv_heads
         for layer, w in enumerate(self.layers):
             q, k, v = self._qkv(w, self._norm(x, w.input_norm), cos, sin)
-            cache_k, cache_v = cache.k[layer], cache.v[layer]
-            cache_k[rows, :, positions] = k
-            cache_v[rows, :, positions] = v
+            cache.store_tokens(layer, positions, k, v)
+            keys, values = cache.window(layer, 0, count, longest)
             attn = F.scaled_dot_product_attention(
-                q.unflatten(1, (self.kv_heads, group)), cache_k[:count, :, :longest],
-                cache_v[:count, :, :longest], attn_mask=mask, scale=self.scale)
+                q.unflatten(1, (self.kv_heads, group)), keys, values, attn_mask=mask,
+                scale=self.scale)
             x = x + F.linear(attn.flatten(1), w.o, w.o_bias)
             x = x + self._mlp(w, x)
         cache.advance(count)

@@ -10,7 +10,43 @@ release costs one row copy, far less than gathering every slot on every step.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class KVCache(Protocol):
+    """What the decoder reads and writes (``SlotKVCache``, or ``kv_pages.PagedKVCache``)."""
+
+    lengths: torch.Tensor  # tokens held per slot, on the device
+    host_lengths: list[int]
+
+    def store_prefill(self, layer: int, first_slot: int, k: torch.Tensor, v: torch.Tensor,
+                      lengths: list[int]) -> None:
+        """K, V ``[n, kv_heads, T, head_dim]`` of right-padded sequences at positions [0, T)
+        of slots first_slot..; only each one's first ``lengths[i]`` positions are real."""
+        ...
+
+    def store_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """K, V ``[kv_heads, T, head_dim]`` of one slot at positions [start, start + T)."""
+        ...
+
+    def store_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """One token's K, V ``[n, kv_heads, head_dim]`` for each of the first n slots, at
+        ``positions`` ``[n]``."""
+        ...
+
+    def window(self, layer: int, first_slot: int, count: int,
+               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V ``[count, kv_heads, longest, head_dim]`` of slots first_slot.. (positions a
+        slot does not hold are garbage: the caller masks them)."""
+        ...
+
+    def set_length(self, slot: int, length: int) -> None: ...
+
+    def advance(self, count: int, tokens: int = 1) -> None: ...
 
 
 class SlotKVCache:
@@ -80,3 +116,28 @@ class SlotKVCache:
     def set_length(self, slot: int, length: int) -> None:
         self.lengths[slot] = length
         self.host_lengths[slot] = length
+
+    # ---- what the decoder reads and writes (KVCache): plain slices ----------------------------
+
+    def store_prefill(self, layer: int, first_slot: int, k: torch.Tensor, v: torch.Tensor,
+                      lengths: list[int]) -> None:
+        # The padded tail lands beyond each slot's length, where it is masked and overwritten.
+        slots, seq = slice(first_slot, first_slot + k.shape[0]), k.shape[2]
+        self.k[layer, slots, :, :seq] = k
+        self.v[layer, slots, :, :seq] = v
+
+    def store_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        self.k[layer, slot, :, start:start + k.shape[1]] = k
+        self.v[layer, slot, :, start:start + k.shape[1]] = v
+
+    def store_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
+    def window(self, layer: int, first_slot: int, count: int,
+               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slice(first_slot, first_slot + count)
+        return self.k[layer, slots, :, :longest], self.v[layer, slots, :, :longest]

@@ -128,23 +128,42 @@ class PagedKVCache:
             self.tables[slot, :len(pages)] = torch.as_tensor(pages, dtype=torch.int64)
         self.bound[slot] = len(pages)
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """K and V ``[n, kv_heads, t, head_dim]`` of slots ``slots`` ``[n]`` at ``positions``
-        ``[n, t]``; ``valid`` ``[n, t]`` (optional) masks padding out."""
-        page = self.tables[slots[:, None], positions // self.page_tokens]
+    def _scatter(self, layer: int, slots: torch.Tensor, positions: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """K, V ``[m, kv_heads, head_dim]`` of slot ``slots[i]`` at ``positions[i]``."""
+        page = self.tables[slots, positions // self.page_tokens]
         offset = positions % self.page_tokens
-        kk, vv = k.transpose(1, 2), v.transpose(1, 2)  # [n, t, kv_heads, head_dim]
-        if valid is not None:
-            page, offset, kk, vv = page[valid], offset[valid], kk[valid], vv[valid]
-        self.pages[page, layer, 0, :, offset] = kk
-        self.pages[page, layer, 1, :, offset] = vv
+        self.pages[page, layer, 0, :, offset] = k
+        self.pages[page, layer, 1, :, offset] = v
 
-    def read(self, layer: int, count: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first ``count`` slots' first ``longest`` positions, ``[count,
-        kv_heads, longest, head_dim]`` (positions a slot does not hold are garbage: mask them)."""
+    # ---- what the decoder reads and writes (kv_cache.KVCache) ---------------------------------
+
+    def store_prefill(self, layer: int, first_slot: int, k: torch.Tensor, v: torch.Tensor,
+                      lengths: list[int]) -> None:
+        count, seq = k.shape[0], k.shape[2]
+        device = k.device
+        positions = torch.arange(seq, device=device).expand(count, seq)
+        real = positions < torch.as_tensor(lengths, device=device)[:, None]  # no padding in pages
+        slots = (torch.arange(count, device=device) + first_slot)[:, None].expand(count, seq)
+        self._scatter(layer, slots[real], positions[real], k.transpose(1, 2)[real],
+                      v.transpose(1, 2)[real])
+
+    def store_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        seq = k.shape[1]
+        positions = torch.arange(start, start + seq, device=k.device)
+        slots = torch.full((seq,), slot, dtype=torch.int64, device=k.device)
+        self._scatter(layer, slots, positions, k.transpose(0, 1), v.transpose(0, 1))
+
+    def store_tokens(self, layer: int, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        self._scatter(layer, torch.arange(k.shape[0], device=k.device), positions, k, v)
+
+    def window(self, layer: int, first_slot: int, count: int,
+               longest: int) -> tuple[torch.Tensor, torch.Tensor]:
         n_pages = math.ceil(longest / self.page_tokens)
-        kv = self.pages[self.tables[:count, :n_pages], layer]  # [n, pages, 2, kvh, pt, hd]
+        table = self.tables[first_slot:first_slot + count, :n_pages]
+        kv = self.pages[table, layer]  # [n, pages, 2, kvh, pt, hd]
         kv = kv.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)[:, :, :, :longest]
         return kv[0], kv[1]
 

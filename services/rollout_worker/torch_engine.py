@@ -40,6 +40,7 @@ import torch
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
+from rlharvest.services.rollout_worker.kv_pages import KVPages, PagedKVCache, PageStore
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, head_dim
 from rlharvest.services.rollout_worker.sampling import (
     GREEDY_BELOW,
@@ -47,6 +48,18 @@ from rlharvest.services.rollout_worker.sampling import (
     sample,
     seed_key,
 )
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """The paged KV cache option: the engine's KV lives in pages of ``store`` (maybe shared
+    with another model), ``page_tokens`` tokens each, and ``pages`` says which pages each
+    request holds (``kv_pages.OwnPages`` for an engine of its own, the co-executor's pool for
+    its two)."""
+
+    store: PageStore
+    page_tokens: int
+    pages: KVPages
 
 
 @dataclass
@@ -159,7 +172,8 @@ class TorchEngine:
     def __init__(self, model: str = "tiny", seed: int = 0, max_running: int = 64,
                  max_len: int = 512, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", weight_version: int = 0,
-                 prefill_token_budget: int = 8192, prefill_chunk: int = 0) -> None:
+                 prefill_token_budget: int = 8192, prefill_chunk: int = 0,
+                 paged: PagedKV | None = None) -> None:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
@@ -176,8 +190,16 @@ class TorchEngine:
         self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
         self._forward = DecoderForward(self._model, max_len)
-        self._cache = SlotKVCache(cfg.num_hidden_layers, max_running, cfg.num_key_value_heads,
-                                  max_len, head_dim(cfg), dtype, device)
+        self._paged = paged
+        self._cache: SlotKVCache | PagedKVCache
+        if paged is None:
+            self._cache = SlotKVCache(cfg.num_hidden_layers, max_running,
+                                      cfg.num_key_value_heads, max_len, head_dim(cfg), dtype,
+                                      device)
+        else:
+            view = paged.store.view(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                    head_dim(cfg), paged.page_tokens, dtype)
+            self._cache = PagedKVCache(view, max_running, max_len)
         self._slot_sampling = _SlotSampling(max_running, device)
         self._device = torch.device(device)
         self._pending: OrderedDict[str, _Admitted] = OrderedDict()
@@ -235,6 +257,7 @@ class TorchEngine:
         with torch.inference_mode():
             logits = []
             if self._running:
+                self._bind_growth()
                 logits.append(self._forward.decode(
                     self._slot_sampling.last_token[:len(self._running)], self._cache))
             logits.extend(self._admit_chunked() if self._prefill_chunk else self._admit())
@@ -294,7 +317,8 @@ class TorchEngine:
         """Moves pending requests (FIFO) into free slots and prefills them in padded groups
         under the token budget; returns each group's last-token logits, in slot order."""
         admitted: list[_Admitted] = []
-        while self._pending and len(self._running) + len(admitted) < self._cache.max_slots:
+        while self._pending and len(self._running) + len(admitted) < self._cache.max_slots \
+                and self._reserve_next():
             admitted.append(self._pending.popitem(last=False)[1])
         self._last_step_prefill_tokens = sum(len(entry.known_tokens) for entry in admitted)
         return self._prefill_whole(admitted)
@@ -306,6 +330,7 @@ class TorchEngine:
             first_slot = len(self._running)
             for entry in group:
                 slot = self._cache.acquire()
+                self._bind(slot, entry, len(entry.known_tokens))
                 self._running.append(entry)
                 self._slot_of[entry.request.request_id] = slot
                 self._slot_sampling.set(slot, entry)
@@ -323,13 +348,14 @@ class TorchEngine:
             budget -= self._prefill_partial(budget, logits)
         whole: list[_Admitted] = []
         while (budget and self._pending and len(whole) < self._cache.free_slots
-               and len(next(iter(self._pending.values())).known_tokens) <= budget):
+               and len(next(iter(self._pending.values())).known_tokens) <= budget
+               and self._reserve_next()):
             whole.append(self._pending.popitem(last=False)[1])
             budget -= len(whole[-1].known_tokens)
         logits.extend(self._prefill_whole(whole))
         # Budget left means no request is mid-prefill now, so the new partial takes the slot
         # right after the running ones.
-        if budget and self._pending and self._cache.free_slots:
+        if budget and self._pending and self._cache.free_slots and self._reserve_next():
             self._begin_partial(self._pending.popitem(last=False)[1])
             budget -= self._prefill_partial(budget, logits)
         self._last_step_prefill_tokens = self._prefill_chunk - budget
@@ -337,6 +363,7 @@ class TorchEngine:
 
     def _begin_partial(self, entry: _Admitted) -> None:
         slot = self._cache.acquire()
+        self._bind(slot, entry, len(entry.known_tokens))
         self._partial = entry
         self._slot_of[entry.request.request_id] = slot
         self._slot_sampling.set(slot, entry)
@@ -360,6 +387,7 @@ class TorchEngine:
     def _drop_partial(self) -> None:
         assert self._partial is not None
         del self._slot_of[self._partial.request.request_id]
+        self._give_back(self._partial.request.request_id)
         self._cache.release(len(self._running))  # the last occupied slot: nothing moves
         self._partial = None
 
@@ -407,6 +435,7 @@ class TorchEngine:
         """Frees running ``slot``, keeping the running requests in slots [0, len(running)) and
         the partial one right after them (see the class docstring)."""
         del self._slot_of[self._running[slot].request.request_id]
+        self._give_back(self._running[slot].request.request_id)
         last = len(self._running) - 1
         if slot != last:  # the last running request fills the hole
             self._move_slot(last, slot)
@@ -418,6 +447,37 @@ class TorchEngine:
             self._slot_of[self._partial.request.request_id] = last
             last += 1
         self._cache.release(last)  # the last occupied slot now: nothing moves
+
+    # ---- paged KV (``paged``): which pages a slot's KV lives in --------------------------------
+
+    def _reserve_next(self) -> bool:
+        """Whether the first pending request may start: with paged KV, its pages for the whole
+        request (prompt + what it may still generate) are reserved now, or it waits."""
+        if self._paged is None:
+            return True
+        entry = next(iter(self._pending.values()))
+        left = entry.request.sampling.max_tokens - entry.generated
+        return self._paged.pages.reserve(entry.request.request_id, len(entry.known_tokens) + left)
+
+    def _bind(self, slot: int, entry: _Admitted, tokens: int) -> None:
+        if self._paged is not None:
+            assert isinstance(self._cache, PagedKVCache)
+            self._cache.bind(slot, self._paged.pages.table(entry.request.request_id, tokens))
+
+    def _bind_growth(self) -> None:
+        """Before a decode: every running slot has a page for the token it writes."""
+        if self._paged is None:
+            return
+        cache = self._cache
+        assert isinstance(cache, PagedKVCache)
+        for slot, entry in enumerate(self._running):
+            need = cache.host_lengths[slot] + 1
+            if need > cache.bound[slot] * cache.page_tokens:
+                self._bind(slot, entry, need)
+
+    def _give_back(self, request_id: str) -> None:
+        if self._paged is not None:
+            self._paged.pages.release(request_id)
 
     def _move_slot(self, src: int, dst: int) -> None:
         self._cache.move(src, dst)
