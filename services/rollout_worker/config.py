@@ -36,6 +36,10 @@ class WorkerConfig(ServiceConfig):
                                "step (chunked prefill, e.g. 512), so a long prompt never stalls "
                                "the running requests' decode for longer than one chunk; 0 "
                                "prefills whole prompts")
+    kv_pages: int = Field(0, ge=0, description="paged KV cache of this many pages (page_tokens "
+                          "each): memory held only for tokens a request can use; 0 = one "
+                          "max_len row per running request")
+    page_tokens: int = Field(16, ge=1, description="tokens per KV page (with kv_pages)")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "

@@ -29,7 +29,8 @@ def build_engine(cfg: WorkerConfig) -> Engine:
         torch.set_num_threads(cfg.torch_threads)
     engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
                          max_len=cfg.max_len, weight_version=cfg.weight_version,
-                         prefill_chunk=cfg.prefill_chunk)
+                         prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
+                         page_tokens=cfg.page_tokens)
     if cfg.weights:
         engine.load_safetensors(cfg.weights, cfg.weight_version)
     return engine

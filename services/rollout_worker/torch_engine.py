@@ -40,7 +40,13 @@ import torch
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
-from rlharvest.services.rollout_worker.kv_pages import KVPages, PagedKVCache, PageStore
+from rlharvest.services.rollout_worker.kv_pages import (
+    KVPages,
+    OwnPages,
+    PagedKVCache,
+    PageStore,
+    page_bytes,
+)
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, head_dim
 from rlharvest.services.rollout_worker.sampling import (
     GREEDY_BELOW,
@@ -161,7 +167,10 @@ class TorchEngine:
     ``prefill_token_budget`` caps the padded tokens of one prefill call (admitted requests are
     prefilled in groups below it), bounding activation memory when many requests join at once.
     ``prefill_chunk`` > 0 caps the tokens one step prefills (chunked prefill, see the module
-    docstring); 0 prefills whole prompts.
+    docstring); 0 prefills whole prompts. ``paged`` puts the KV in pages (``PagedKV``; ``kv_pages`` > 0: a
+    store of that many ``page_tokens``-token pages of its own) instead of a ``max_len`` row per
+    slot: a request reserves pages for prompt + max_tokens when it starts and waits while they
+    are short.
 
     Slots: running requests hold KV slots [0, len(running)), which decode reads as one slice. The
     request mid-prefill, if any, holds the slot right after them, outside the decode slice, and
@@ -173,7 +182,7 @@ class TorchEngine:
                  max_len: int = 512, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", weight_version: int = 0,
                  prefill_token_budget: int = 8192, prefill_chunk: int = 0,
-                 paged: PagedKV | None = None) -> None:
+                 paged: PagedKV | None = None, kv_pages: int = 0, page_tokens: int = 16) -> None:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
@@ -190,6 +199,10 @@ class TorchEngine:
         self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
         self._forward = DecoderForward(self._model, max_len)
+        if paged is None and kv_pages:  # paged KV in a store of its own
+            paged = PagedKV(PageStore(kv_pages, page_bytes(
+                cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg), page_tokens,
+                dtype), device), page_tokens, OwnPages(kv_pages, page_tokens))
         self._paged = paged
         self._cache: SlotKVCache | PagedKVCache
         if paged is None:

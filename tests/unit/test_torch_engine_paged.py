@@ -119,3 +119,22 @@ def test_two_models_share_one_page_store_without_touching_each_others_pages():
                 together[side].setdefault(out.request_id, []).extend(out.new_token_ids)
     alone = [{rid: t for rid, (t, _, _) in drain(e).items()} for e in (small, tiny)]
     assert together == alone and pool.free_pages == 96
+
+
+def test_an_engine_with_kv_pages_of_its_own_matches_the_slot_cache():
+    own = engine(max_running=4, kv_pages=64, page_tokens=8)
+    slots = engine(max_running=4)
+    for eng in (own, slots):
+        for r in requests(6):
+            eng.add(r)
+    assert drain(own) == drain(slots)
+    assert own.load().kv_capacity_tokens == 64 * 8
+
+
+def test_the_worker_config_gives_its_engine_paged_kv():
+    from rlharvest.services.rollout_worker.config import WorkerConfig
+    from rlharvest.services.rollout_worker.main import build_engine
+
+    assert WorkerConfig().kv_pages == 0
+    eng = build_engine(WorkerConfig(max_running=2, max_len=MAX_LEN, kv_pages=10, page_tokens=4))
+    assert eng.load().kv_capacity_tokens == 40
