@@ -41,6 +41,16 @@ def tiny_config(preset: str = "tiny", max_position_embeddings: int = 1024) -> Qw
     )
 
 
+def model_config(model: str):
+    """The configuration of a preset or a local checkpoint directory, without building it."""
+    if model in PRESETS:
+        return tiny_config(model)
+    if not Path(model).is_dir():
+        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}) nor a local "
+                         "checkpoint directory; rlharvest never downloads weights")
+    return AutoConfig.from_pretrained(Path(model), local_files_only=True)
+
+
 def build_model(model: str = "tiny", seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A preset name builds a seeded random init; anything else is a local checkpoint directory."""
     if model in PRESETS:

@@ -57,6 +57,10 @@ class CoexecutorConfig(ServiceConfig):
     total_pages: int = Field(512, ge=1, description="pages in the KV pool both models share")
     page_tokens: int = Field(16, ge=1, description="tokens a page holds (both models here; a "
                              "page smaller than one token is refused)")
+    kv_memory: Literal["pool", "slots"] = Field("pool", description="pool: both models' KV "
+                                                 "lives in the pool's pages (one physical "
+                                                 "pool); slots: each engine keeps a slot cache "
+                                                 "and the pool only accounts")
     headroom: float = Field(0.2, gt=0, lt=1, description="H: share of the pool kept for serving")
     lease_s: float = Field(10.0, gt=0, description="lease of a rollout page, renewed on use")
     static_partition: bool = Field(False, description="Table 2's baseline: half the pool each")
@@ -76,6 +80,13 @@ class CoexecutorConfig(ServiceConfig):
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _pool_holds_a_request(self) -> CoexecutorConfig:
+        if self.total_pages * self.page_tokens < self.max_len:
+            raise ValueError(f"total_pages ({self.total_pages}) x page_tokens ({self.page_tokens})"
+                             f" must hold one request of max_len ({self.max_len}) tokens")
+        return self
 
     @model_validator(mode="after")
     def _served_name(self) -> CoexecutorConfig:

@@ -7,11 +7,11 @@ its outputs through ``deliver``. Each ``step`` is one tick of ``scheduler.Coexec
 exactly one of the two engines steps (an admitted rollout step, else serving's), so serving
 never shares a forward with rollout.
 
-KV memory is accounted in one ``PagePool``: every request holds the pages its tokens need in its
-model's layout (``tokens_per_page`` per model), granted as it grows. Deviation (documented in
-the README): the engines keep their own slot caches, so the pool governs how much each model
-may hold rather than being the memory itself; a paged attention that reads the pool's pages is
-the GPU path's. Memory sharing (``memory_sharing.py``) runs on it: B_roll from serving's recent
+KV memory is one ``PagePool``: every request holds the pages its tokens need in its model's
+layout (``tokens_per_page`` per model) — its prompt's when it arrives, one more before a token
+needs it. With paged engines over one ``PageStore`` (``pool_pages.py``; the co-executor's
+default) those pages are the KV memory itself: an engine reads its block tables from the pool.
+With slot engines (``--kv-memory slots``) the pool only governs how much each model may hold. Memory sharing (``memory_sharing.py``) runs on it: B_roll from serving's recent
 use at each weight version, the one halving cut when serving crosses the watermark, reclaim by
 aborting rollout requests — their abort goes back to the manager with every token kept — and
 leases. Serving is never refused for memory: when the pool is short, rollout gives way first.
@@ -114,10 +114,17 @@ class DualEngine:
         return self._last_prefill
 
     def add(self, request: EngineRequest) -> None:
+        """Into the rollout engine with the pages its known tokens need (a paged engine writes
+        them at its prefill); when B_roll cannot grant them it goes back to the manager."""
         self.rollout.add(request)
+        rid = request.request_id
         known = len(request.prompt_token_ids) + len(request.generated_token_ids)
-        self._rollout[request.request_id] = _Held(known, self._clock(),
-                                                  generated=len(request.generated_token_ids))
+        now = self._clock()
+        self._rollout[rid] = _Held(known, now, generated=len(request.generated_token_ids))
+        try:
+            self.pool.allocate(rid, Owner.ROLLOUT, pages_for(known, self.rollout_tpp), now)
+        except PoolExhausted:  # admission saw room; a step since took it
+            self._pending_aborts.append(self._abort_rollout(rid, "budget"))
 
     def abort(self, request_id: str) -> RequestOutput:
         out = self.rollout.abort(request_id)

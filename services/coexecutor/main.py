@@ -38,7 +38,7 @@ from rlharvest.services.coexecutor.lent_rollout import LentRollout
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
-from rlharvest.services.coexecutor.page_pool import PagePool
+from rlharvest.services.coexecutor.page_pool import Owner, PagePool
 from rlharvest.services.coexecutor.rollout_admission import CoexecRolloutAdmission
 from rlharvest.services.coexecutor.scheduler import CoexecScheduler
 from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
@@ -54,25 +54,38 @@ def build_dual(cfg: CoexecutorConfig,
                deliver: Callable[[list[RequestOutput]], None]) -> DualEngine:
     import torch
 
+    from rlharvest.services.coexecutor.pool_pages import PoolPages
     from rlharvest.services.coexecutor.profiling import measure
-    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+    from rlharvest.services.rollout_worker.kv_pages import PageStore
+    from rlharvest.services.rollout_worker.torch_engine import PagedKV, TorchEngine, kv_page_bytes
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
+    pool = PagePool(cfg.total_pages, lease_s=cfg.lease_s)
+    views = {owner: PoolPages(pool, cfg.page_tokens, owner) for owner in Owner}
+    paged: dict[Owner, PagedKV | None] = {owner: None for owner in Owner}
+    if cfg.kv_memory == "pool":  # one store; each model sees its pages in its own layout
+        size = max(kv_page_bytes(name, cfg.page_tokens) for name in (cfg.model, cfg.serving_model))
+        store = PageStore(cfg.total_pages, size)
+        paged = {owner: PagedKV(store, cfg.page_tokens, view) for owner, view in views.items()}
     rollout = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
-                          max_len=cfg.max_len, prefill_chunk=cfg.rollout_prefill_chunk)
+                          max_len=cfg.max_len, prefill_chunk=cfg.rollout_prefill_chunk,
+                          paged=paged[Owner.ROLLOUT])
     serving = TorchEngine(model=cfg.serving_model, seed=0, max_running=cfg.serving_max_running,
-                          max_len=cfg.max_len)
+                          max_len=cfg.max_len, paged=paged[Owner.SERVING])
     if cfg.profile:
         profiles = json.loads(Path(cfg.profile).read_text())
         serving_profile = LatencyProfile.from_dict(profiles["serving"])
         rollout_profile = LatencyProfile.from_dict(profiles["rollout"])
     else:
         started = time.perf_counter()
+        for view in views.values():  # its own requests take pool pages while it measures
+            view.granting = True
         serving_profile = measure(serving, cfg.max_len)
         rollout_profile = measure(rollout, cfg.max_len)
+        for view in views.values():
+            view.granting = False
         log.info("latency profiles measured in %.1fs", time.perf_counter() - started)
-    pool = PagePool(cfg.total_pages, lease_s=cfg.lease_s)
     static = cfg.static_partition or cfg.policy == "static_partition"
     memory = MemorySharing(pool, MemoryConfig(headroom=cfg.headroom, static=static))
     tpot = cfg.tpot_slo_ms / 1000

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.common.tiny_model import build_model, model_config
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.kv_pages import (
@@ -54,6 +54,13 @@ from rlharvest.services.rollout_worker.sampling import (
     sample,
     seed_key,
 )
+
+
+def kv_page_bytes(model: str, page_tokens: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes a KV page of ``page_tokens`` tokens takes for ``model`` (a preset or checkpoint)."""
+    cfg = model_config(model)
+    return page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg),
+                      page_tokens, dtype)
 
 
 @dataclass(frozen=True)

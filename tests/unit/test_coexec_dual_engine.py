@@ -11,9 +11,11 @@ from rlharvest.services.coexecutor.admission import DualSloAdmission, SloConfig
 from rlharvest.services.coexecutor.dual_engine import DualEngine
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing, MemoryState
-from rlharvest.services.coexecutor.page_pool import PagePool
+from rlharvest.services.coexecutor.page_pool import Owner, PagePool
+from rlharvest.services.coexecutor.pool_pages import PoolPages
+from rlharvest.services.rollout_worker.kv_pages import PageStore
 from rlharvest.services.coexecutor.scheduler import CoexecScheduler
-from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from rlharvest.services.rollout_worker.torch_engine import PagedKV, TorchEngine, kv_page_bytes
 
 
 def profile() -> LatencyProfile:
@@ -31,8 +33,15 @@ class Counted(TorchEngine):
         return super().step()
 
 
-def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: int = 0):
+def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: int = 0,
+         paged: bool = False):
+    """``paged``: both engines keep their KV in the pool's pages (one store), as the service
+    does by default."""
     pool = PagePool(total_pages, lease_s=60.0)
+    kv = {owner: None for owner in Owner}
+    if paged:
+        store = PageStore(total_pages, kv_page_bytes("tiny", 8))
+        kv = {owner: PagedKV(store, 8, PoolPages(pool, 8, owner)) for owner in Owner}
     memory = MemorySharing(pool, MemoryConfig(headroom=0.2))
     scheduler = CoexecScheduler(DualSloAdmission(slo, profile()), memory.headroom_pages)
     served: dict[str, list[int]] = defaultdict(list)
@@ -41,8 +50,10 @@ def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: 
         for out in outputs:
             served[out.request_id] += out.new_token_ids
 
-    engine = DualEngine(Counted("tiny", seed=0, max_running=8, max_len=128, prefill_chunk=chunk),
-                        Counted("tiny", seed=1, max_running=8, max_len=128),
+    engine = DualEngine(Counted("tiny", seed=0, max_running=8, max_len=128, prefill_chunk=chunk,
+                                paged=kv[Owner.ROLLOUT]),
+                        Counted("tiny", seed=1, max_running=8, max_len=128,
+                                paged=kv[Owner.SERVING]),
                         scheduler=scheduler, memory=memory, rollout_profile=profile(),
                         tokens_per_page=(8, 8), deliver=deliver, rollout_prefill_chunk=chunk)
     return engine, served
@@ -194,3 +205,32 @@ def test_with_chunked_rollout_prefill_a_unit_is_predicted_and_run_as_one_chunk_a
         engine.step()
         prefilled.append(engine.last_step_prefill_tokens)
     assert max(prefilled) == 8 and sum(prefilled) == 60  # 60 tokens in chunks of 8
+
+
+def test_in_one_physical_pool_both_models_get_exactly_their_own_tokens_through_cuts():
+    """The pool's pages are the KV: serving bursts take pages rollout held (its requests go
+    back to the manager), serving recomputes when it cannot grow, and every token either model
+    produced is the one it produces with memory of its own."""
+    engine, served = dual(total_pages=12, paged=True, chunk=8)
+    rollout_asked = [request(f"r{i}", prompt_len=10, max_tokens=12, seed=i) for i in range(4)]
+    for r in rollout_asked:
+        engine.add(r)
+    for _ in range(4):
+        engine.step()
+    serving_asked = [request(f"s{i}", prompt_len=14, max_tokens=12, seed=10 + i)
+                     for i in range(4)]
+    for r in serving_asked:
+        engine.serving_side.add(r)
+    got = run(engine)  # page conservation checked every tick
+    assert dict(served) == plain_serving(serving_asked)
+    assert engine.stats.aborts and engine.pool.free_pages == engine.pool.total_pages
+    plain = TorchEngine("tiny", seed=0, max_running=8, max_len=128)
+    for r in rollout_asked:
+        plain.add(r)
+    want: dict[str, list[int]] = defaultdict(list)
+    while plain.has_work():
+        for out in plain.step():
+            want[out.request_id] += out.new_token_ids
+    for rid, outs in got.items():  # an aborted request's tokens are a prefix of the full run
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert tokens == want[rid][:len(tokens)], rid
