@@ -17,7 +17,7 @@ serving-alone run at the start of the same invocation and given to every co-exec
 serving P99 TTFT/TPOT, SLO attainment, and rollout tokens/s as a share of the dedicated
 worker's. Needs a few minutes; ``--quick`` runs one short round.
 
-    python bench/coexec_serving.py [--quick] [--rounds 3] [--seconds 20] [--rps 2]
+    python bench/coexec_serving.py [--quick] [--rounds 3] [--seconds 20] [--rps 2] [--kv-memory pool|slots] [--chunk 512]
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def wait_http(url: str, proc: ServiceProcess, timeout: float = 120) -> None:
 
 
 def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[float, float],
-                       model: str) -> tuple[ServiceProcess, int, str]:
+                       model: str, kv_memory: str = "pool",
+                       chunk: int = 512) -> tuple[ServiceProcess, int, str]:
     """The co-executor (or, for ``dedicated``, a rollout worker); its metrics port and URL."""
     port, metrics, http = free_port(), free_port(), free_port()
     common = ["--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
@@ -71,6 +72,7 @@ def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[flo
                                                     *common])
     else:
         policy = ["--policy", "static_partition"] if config == "static" else []
+        policy += ["--kv-memory", kv_memory, "--rollout-prefill-chunk", str(chunk)]
         proc = stack.start("coexecutor", name, [
             "--coexec-id", name, "--http-port", str(http), "--serving-model", "small",
             "--model", model,
@@ -105,7 +107,8 @@ async def wait_worker(manager: str, name: str, timeout: float = 60) -> None:
 
 async def one_run(stack: LocalStack, manager: str, config: str, name: str,
                   args: argparse.Namespace, slo: tuple[float, float]) -> dict:
-    proc, metrics, url = start_rollout_side(stack, config, name, slo, args.rollout_model)
+    proc, metrics, url = start_rollout_side(stack, config, name, slo, args.rollout_model,
+                                            args.kv_memory, args.chunk)
     try:
         await wait_worker(manager, name)
         start = time.perf_counter()
@@ -143,7 +146,10 @@ async def bench(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     try:
         # Calibration: the SLOs every co-executor then enforces (1.6x serving alone's P99).
-        calibration = await one_run(stack, endpoint, "serving alone", "calibrate", args,
+        # Twice as long as a measured run: a P99 over a few dozen requests is noisy.
+        calibration = await one_run(stack, endpoint, "serving alone", "calibrate",
+                                    argparse.Namespace(**{**vars(args),
+                                                          "seconds": 2 * args.seconds}),
                                     (10.0, 10.0))
         ttft99, tpot99 = tails(calibration["results"])
         slo = (1.6 * ttft99, 1.6 * tpot99)
@@ -178,6 +184,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rps", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-memory", default="pool", choices=["pool", "slots"],
+                        help="the co-executor's KV: one paged pool (default) or slot caches")
+    parser.add_argument("--chunk", type=int, default=512,
+                        help="the co-executor's rollout prefill chunk (tokens)")
     parser.add_argument("--rollout-model", default="small", choices=["tiny", "small"],
                         help="the job's model (serving's is small: the paper pairs models of "
                              "one size)")
