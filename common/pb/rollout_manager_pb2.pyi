@@ -20,16 +20,34 @@ class RolloutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class SubmitStepRequest(_message.Message):
-    __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s")
+    __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s", "acceptance")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NO_WORKER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     weight_version: int
     requests: _containers.RepeatedCompositeFieldContainer[RolloutRequest]
     no_worker_deadline_s: float
-    def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ...) -> None: ...
+    acceptance: Acceptance
+    def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ..., acceptance: _Optional[_Union[Acceptance, _Mapping]] = ...) -> None: ...
+
+class Acceptance(_message.Message):
+    __slots__ = ("prompts", "responses")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    prompts: int
+    responses: int
+    def __init__(self, prompts: _Optional[int] = ..., responses: _Optional[int] = ...) -> None: ...
+
+class GroupVerdict(_message.Message):
+    __slots__ = ("group_id", "accepted")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    accepted: bool
+    def __init__(self, group_id: _Optional[str] = ..., accepted: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request", "weight_version", "no_worker_deadline_s")
@@ -42,7 +60,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[RolloutRequest, _Mapping]] = ..., weight_version: _Optional[int] = ..., no_worker_deadline_s: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "group_id", "token_ids", "logprobs", "weight_version", "finish_reason", "failed", "migrations")
+    __slots__ = ("request_id", "group_id", "token_ids", "logprobs", "weight_version", "finish_reason", "failed", "migrations", "cancelled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +69,7 @@ class Completion(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,17 +78,20 @@ class Completion(_message.Message):
     finish_reason: str
     failed: bool
     migrations: int
-    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., migrations: _Optional[int] = ...) -> None: ...
+    cancelled: bool
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., migrations: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("deltas", "completions", "remote")
+    __slots__ = ("deltas", "completions", "remote", "verdicts")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     remote: RemoteTimings
-    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ...) -> None: ...
+    verdicts: _containers.RepeatedCompositeFieldContainer[GroupVerdict]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[GroupVerdict, _Mapping]]] = ...) -> None: ...
 
 class RemoteTimings(_message.Message):
     __slots__ = ("t_remote", "t_remote_wait", "n_prem_mean", "n_prem_next", "instances", "n_available_next")

@@ -52,6 +52,10 @@ class ClientStream:
         """Never waits and never drops: a completion may exceed the event bound by one."""
         self._tail(len(completion.token_ids)).completions.append(completion)
 
+    def put_verdicts(self, verdicts: list[mpb.GroupVerdict]) -> None:
+        if verdicts:
+            self._tail(0).verdicts.extend(verdicts)
+
     def end(self, remote: mpb.RemoteTimings | None = None) -> None:
         """No more output; ``remote`` rides on the step's last event."""
         if remote is not None:

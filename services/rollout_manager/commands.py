@@ -58,6 +58,7 @@ class Fail:
     request_id: str
     reason: str
     worker_id: str | None = None
+    cancelled: bool = False  # its step's policy no longer needs it (tail batching)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class RolloutControl:
         """Whether some worker holds the version (then add_step needs no announced version)."""
         return weight_version in self._held_versions()
 
-    def deliver(self, request_id: str) -> Step | None:
+    def deliver(self, request_id: str, succeeded: bool = True) -> Step | None:
         """The request's completion (finished or failed) reached its client: the manager forgets
         it. Returns its step when that was the step's last one: the step has ended, and if it is
         profiled its samples are P now. A request no longer tracked (its step was abandoned
@@ -120,7 +120,7 @@ class RolloutControl:
         if request_id not in self.tracker:
             return None
         self.tracker.forget(request_id)
-        step = self.steps.delivered(request_id)
+        step = self.steps.delivered(request_id, succeeded)
         if step is not None:
             step.remote = self.remote.step_closed(step.key)
         return step
@@ -269,7 +269,7 @@ class RolloutControl:
             req = self.tracker.get(request_id)
             if not req.done:  # finished meanwhile: its completion is on its way
                 fails.append(Fail(request_id, f"cut by the {step.policy.name} step policy",
-                                  req.worker_id))
+                                  req.worker_id, cancelled=True))
         return fails
 
     def _wait_limit(self, request_id: str) -> tuple[float, float | None]:

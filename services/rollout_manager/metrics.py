@@ -34,3 +34,6 @@ SERVING_WORKERS = Gauge("rlh_manager_serving_workers_claimed", "Serving co-execu
                         "manager's job has borrowed (ROSE §5; at most max_serving_workers)")
 SERVING_CLAIMS = Counter("rlh_manager_serving_claims_total", "Lending claims by outcome",
                          ["outcome"])  # claimed | lost_race | released
+TOKENS_DISCARDED = Counter("rlh_manager_tokens_discarded_total", "Tokens of requests a step's "
+                           "policy cancelled (tail batching: deferred or surplus responses; "
+                           "regenerated on-policy later, never trained)")

@@ -29,6 +29,7 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
+from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tracker import DeltaLike, NewRequest, RequestState
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
 
@@ -235,7 +236,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             elif isinstance(c, Fail):
                 if c.worker_id is not None:
                     self._abort(c.worker_id, c.request_id)
-                self._notify_failed(c.request_id)
+                self._notify_failed(c.request_id, c.cancelled)
             elif isinstance(c, Abort):
                 self._abort(c.worker_id, c.request_id)
 
@@ -251,14 +252,20 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if link is not None:
             link.abort([request_id])
 
-    def _notify_failed(self, request_id: str) -> None:
+    def _notify_failed(self, request_id: str, cancelled: bool = False) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_completion(self._completion(request_id))
-            self._done(request_id, "failed")
+            stream.put_completion(self._completion(request_id, cancelled))
+            self._done(request_id, "cancelled" if cancelled else "failed")
 
-    def _completion(self, request_id: str) -> mpb.Completion:
+    def _completion(self, request_id: str, cancelled: bool = False) -> mpb.Completion:
         req = self._control.tracker.get(request_id)
+        if cancelled:  # not needed: its partial tokens are discarded, never trained
+            metrics.TOKENS_DISCARDED.inc(len(req.token_ids))
+            return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
+                                  weight_version=req.weight_version,
+                                  finish_reason=req.finish_reason, failed=True, cancelled=True,
+                                  migrations=req.migrations)
         return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
                               token_ids=req.token_ids, logprobs=req.logprobs,
                               weight_version=req.weight_version, finish_reason=req.finish_reason,
@@ -268,7 +275,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         """The completion is in its client's stream: delivered, as far as the core is told."""
         metrics.COMPLETIONS.labels(outcome).inc()
         stream = self._streams.pop(request_id)
-        step = self._control.deliver(request_id)
+        step = self._control.deliver(request_id, succeeded=outcome == "finished")
+        policy = stream.step.policy
+        if isinstance(policy, TailBatchingStep):  # before the step's end, if this was its last
+            stream.put_verdicts([mpb.GroupVerdict(group_id=v.group_id, accepted=v.accepted)
+                                 for v in policy.verdicts(stream.step)])
         if step is None:
             return
         # The step ended (and froze P if it is a step of the RL loop).
@@ -283,9 +294,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def SubmitStep(self, request: mpb.SubmitStepRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
+        acceptance = request.acceptance if request.HasField("acceptance") else None
         async for event in self._stream_step(request.step_id, list(request.requests),
                                              request.weight_version,
-                                             request.no_worker_deadline_s, True, context):
+                                             request.no_worker_deadline_s, True, context,
+                                             acceptance):
             yield event
 
     async def Generate(self, request: mpb.GenerateRequest,
@@ -298,7 +311,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def _stream_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
                            deadline_s: float, profiled: bool,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
+                           context: grpc.aio.ServicerContext,
+                           acceptance: mpb.Acceptance | None = None
+                           ) -> AsyncIterator[mpb.StepEvent]:
         if not self.accepting:
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
@@ -308,8 +323,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         try:
             # etcd is read only for a version no worker holds yet.
             announced = None if self._control.version_held(version) else await self._announced()
+            policy = None if acceptance is None else TailBatchingStep(
+                {r.request_id: r.group_id for r in requests}, acceptance.prompts,
+                acceptance.responses)
             step = self._control.add_step(step_id, new, version, announced_version=announced,
-                                          profiled=profiled)
+                                          profiled=profiled, policy=policy)
         except errors.ServiceError as exc:
             metrics.STEPS.labels("refused").inc()
             await errors.abort(context, exc)

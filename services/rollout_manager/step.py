@@ -8,7 +8,7 @@ last completion is delivered, abandoned when the client goes away first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from enum import Enum
 
 from rlharvest.services.rollout_manager.batching_profile import ProfileSamples
@@ -41,6 +41,8 @@ class Step:
         self.outcome: StepOutcome | None = None
         self.remote: RemoteStepTimings | None = None  # set when it finishes (remote_timing.py)
         self._outstanding = set(self.request_ids)
+        self._succeeded: dict[str, int] = {}  # finished (not failed), in delivery order
+        self._deliveries = 0
 
     @property
     def outstanding(self) -> Set[str]:
@@ -51,12 +53,20 @@ class Step:
     def ended(self) -> bool:
         return self.outcome is not None
 
-    def delivered(self, request_id: str) -> bool:
+    @property
+    def succeeded(self) -> Mapping[str, int]:
+        """Requests whose finished (not failed) completion was delivered -> delivery order."""
+        return self._succeeded
+
+    def delivered(self, request_id: str, succeeded: bool = True) -> bool:
         """Note a delivered completion; True when it was the last one (the step should end)."""
         if self.outcome is not None:
             raise ValueError(f"step {self.step_id!r} already {self.outcome.value}; nothing of it "
                              "is delivered any more")
         self._outstanding.remove(request_id)
+        self._deliveries += 1
+        if succeeded:
+            self._succeeded[request_id] = self._deliveries
         return not self._outstanding
 
     def end(self, outcome: StepOutcome) -> None:

@@ -74,10 +74,11 @@ class StepBook:
     def step_of(self, request_id: str) -> Step | None:
         return self._step_of.get(request_id)
 
-    def delivered(self, request_id: str) -> Step | None:
-        """A completion reached its client; returns its step when that finished it."""
+    def delivered(self, request_id: str, succeeded: bool = True) -> Step | None:
+        """A completion (``succeeded``: finished, not failed) reached its client; returns its
+        step when that finished it."""
         step = self._step_of.pop(request_id, None)
-        if step is None or not step.delivered(request_id):
+        if step is None or not step.delivered(request_id, succeeded):
             return None
         self._end(step, StepOutcome.FINISHED)
         return step

@@ -14,7 +14,7 @@ changes it itself.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Set
+from collections.abc import Collection, Mapping, Set
 from typing import Protocol
 
 
@@ -31,6 +31,8 @@ class StepProgress(Protocol):
     def request_ids(self) -> tuple[str, ...]: ...
     @property
     def outstanding(self) -> Set[str]: ...  # not delivered to the client yet
+    @property
+    def succeeded(self) -> Mapping[str, int]: ...  # finished and delivered -> delivery order
 
 
 class StepPolicy(Protocol):

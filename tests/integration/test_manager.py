@@ -1,5 +1,6 @@
 """The rollout manager with real worker processes: zero-loss migration when workers are
-SIGKILLed, on-policy dispatch, graceful drain, and precise statuses for bad steps."""
+SIGKILLed, on-policy dispatch, graceful drain, precise statuses for bad steps, and RollPacker's
+short round (a step with an acceptance rule ends at P0 accepted prompts and cancels the tail)."""
 
 from __future__ import annotations
 
@@ -262,3 +263,55 @@ async def test_the_instance_cap_in_etcd_holds_later_spot_workers_as_standby(stac
     while any(w.state == "standby" for w in (await status(manager.endpoint)).workers):
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
+
+
+# ---- RollPacker's short round (tail batching): the acceptance rule on the real stack ----------
+
+def short_round(lengths: dict[str, int], responses: int, p0: int, r0: int) -> mpb.SubmitStepRequest:
+    requests = [mpb.RolloutRequest(
+        request_id=f"{gid}-{r}", group_id=gid, prompt_token_ids=PROMPTS[i % len(PROMPTS)],
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=length, seed=10 * i + r))
+        for i, (gid, length) in enumerate(lengths.items()) for r in range(responses)]
+    return mpb.SubmitStepRequest(step_id="short", weight_version=0, requests=requests,
+                                 acceptance=mpb.Acceptance(prompts=p0, responses=r0))
+
+
+async def test_a_short_round_ends_at_p0_accepted_prompts_and_cancels_the_tail(cluster):
+    _, manager = cluster
+    await wait_workers(manager.endpoint, 3)
+    lengths = {"quick0": 6, "quick1": 6, "slow0": 200, "slow1": 200}  # a long tail
+    completions: dict[str, mpb.Completion] = {}
+    verdicts: list[mpb.GroupVerdict] = []
+    async with rpc.channel(manager.endpoint) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        async for event in stub.SubmitStep(short_round(lengths, 3, p0=2, r0=2), timeout=120):
+            completions.update({c.request_id: c for c in event.completions})
+            verdicts.extend(event.verdicts)
+    assert len(completions) == 12  # every request ends in exactly one completion
+    assert sorted(v.group_id for v in verdicts) == sorted(lengths)  # one verdict per group
+    accepted = {v.group_id for v in verdicts if v.accepted}
+    assert accepted == {"quick0", "quick1"}
+    for gid in accepted:  # at least R0 finished responses each, with all their tokens
+        done = [c for c in completions.values() if c.group_id == gid and not c.failed]
+        assert len(done) >= 2 and all(len(c.token_ids) == 6 for c in done)
+    cancelled = [c for c in completions.values() if c.cancelled]
+    assert {c.group_id for c in cancelled} >= {"slow0", "slow1"}
+    assert all(c.failed and not c.token_ids for c in cancelled)  # nothing of them to train
+    st = await status(manager.endpoint)
+    assert st.in_flight == 0 and sum(w.assigned for w in st.workers) == 0
+    metrics = scrape(manager.metrics_port)
+    assert metrics['rlh_manager_completions_total{outcome="cancelled"}'] == len(cancelled)
+    assert metrics["rlh_manager_tokens_discarded_total"] > 0  # the tail had started
+
+
+async def test_a_rule_the_step_cannot_meet_is_refused_with_invalid_argument(cluster):
+    _, manager = cluster
+    await wait_workers(manager.endpoint, 3)
+    async with rpc.channel(manager.endpoint) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.SubmitStep(short_round({"a": 4, "b": 4}, 2, p0=3, r0=1),
+                                           timeout=30):
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "fewer than the 3 it must accept" in refused.value.details()
