@@ -72,7 +72,9 @@ class TailBatchingStep:
 
     def verdicts(self, step: StepProgress) -> list[Verdict]:
         """Verdicts not handed out yet: each accepted group once it is accepted; the deferred
-        ones once the round is over (closed, or nothing of it outstanding)."""
+        ones once the round is over (closed, or nothing of it outstanding). Asked after each
+        delivery, so a group's verdict goes out with its R0-th finished response."""
+        self._accept(step)
         out = [Verdict(gid, True) for gid in self.accepted[self._told:]]
         self._told = len(self.accepted)
         if not self._deferred_told and (self.closed or not step.outstanding):

@@ -114,3 +114,16 @@ def test_a_rule_the_step_cannot_meet_is_refused():
         TailBatchingStep(round_of(2, 2), 3, 1)
     with pytest.raises(AcceptanceError, match=">= 1"):
         TailBatchingStep(round_of(2, 2), 0, 1)
+
+
+def test_a_groups_verdict_goes_out_with_its_r0th_finished_response():
+    groups = round_of(2, 2)
+    policy = TailBatchingStep(groups, 2, 2)
+    step = Progress(tuple(groups), set(groups))
+    for rid in ("g1-r0", "g1-r1"):
+        step.deliver(rid, True)
+    assert [(v.group_id, v.accepted) for v in policy.verdicts(step)] == [("g1", True)]
+    for rid in ("g0-r1", "g0-r0"):  # the round ends with no tick in between: still told
+        step.deliver(rid, True)
+    assert [(v.group_id, v.accepted) for v in policy.verdicts(step)] == [("g0", True)]
+    assert policy.verdicts(step) == []
