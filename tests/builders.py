@@ -9,6 +9,7 @@ default the rest to small valid values.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from rlharvest.common.engine_types import SamplingParams, sampling_to_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.rollout_manager.tracker import NewRequest
-from rlharvest.services.trainer.step_plan import StepSpec
+from rlharvest.services.trainer.step_plan import Acceptance, StepSpec
 from rlharvest.services.trainer.tasks import TaskDataset
 
 if TYPE_CHECKING:  # the stream trainer imports torch; the manager's tests need not
@@ -87,13 +88,15 @@ def submit_step(requests: Sequence[NewRequest], step_id: str = "s",
 # ---- steps as the trainer sees them ------------------------------------------------------------
 
 def step_spec(*, step_number: int = 5, version: int = 3, prompts: int = 2, samples: int = 2,
-              data_seed: int = 0) -> StepSpec:
-    """A trainer step: ``prompts`` addition-task items, ``samples`` samples (one group) each."""
+              data_seed: int = 0, accept: Acceptance | None = None) -> StepSpec:
+    """A trainer step: ``prompts`` addition-task items, ``samples`` samples (one group) each;
+    with ``accept``, a short round of tail batching."""
     tok = CharTokenizer()
     items = tuple(TaskDataset(seed=data_seed).next_batch(prompts))
     return StepSpec(step=step_number, weight_version=version, items=items,
                     prompts=tuple(tuple(tok.encode(i.prompt)) for i in items),
-                    samples_per_prompt=samples)
+                    samples_per_prompt=samples, accept=accept,
+                    round="short" if accept else "")
 
 
 def rewarded_groups(seed: int, num_groups: int = 5, group_size: int = 3) -> list[RewardedGroup]:
@@ -114,3 +117,23 @@ def rewarded_groups(seed: int, num_groups: int = 5, group_size: int = 3) -> list
             rewards.append(1.0 if g == 0 else rng.choice([0.0, 0.5, 1.0]))
         groups.append(RewardedGroup(g, completions, rewards))
     return groups
+
+
+@dataclass
+class PolicyProgress:
+    """A manager step as a step policy sees it (``step_policy.StepProgress``), driven by a test:
+    ``deliver`` is the manager handing a request's completion to the client."""
+
+    request_ids: tuple[str, ...]
+    outstanding: set[str] = field(default_factory=set)
+    succeeded: dict[str, int] = field(default_factory=dict)
+    delivered: int = 0
+    step_id: str = "s"
+    weight_version: int = 0
+    started_at: float = 0.0
+
+    def deliver(self, rid: str, ok: bool) -> None:
+        self.outstanding.discard(rid)
+        self.delivered += 1
+        if ok:
+            self.succeeded[rid] = self.delivered

@@ -52,6 +52,18 @@ class TrainerConfig(ServiceConfig):
     prompts_per_step: int = Field(8, ge=1, description="P0: prompts (GRPO groups) per step")
     samples_per_prompt: int = Field(8, ge=2, description="R0: samples per prompt (group size)")
     micro_batch_groups: int = Field(2, ge=1, description="m_b: rewarded groups per micro-batch")
+    data_prompts: int = Field(0, ge=0, description="prompts of the data the run trains, then it "
+                                                   "ends (tail batching flushes its deferred "
+                                                   "queue there); 0 = unbounded")
+    # RollPacker's tail batching (§3): short rounds of ceil(eta_P*P0) x ceil(eta_R*R0) that train
+    # the first P0 prompts to finish R0 responses, long rounds of the deferred ones.
+    tail_batching: bool = Field(False, description="RollPacker's tail batching: speculative "
+                                                   "short rounds, deferred prompts in long ones")
+    eta_prompts: float = Field(1.25, ge=1, description="eta_P: prompts launched per prompt "
+                                                       "trained in a short round")
+    eta_responses: float = Field(1.25, ge=1, description="eta_R: responses launched per "
+                                                         "response trained (keeps the R0 "
+                                                         "shortest of R draws)")
     max_new_tokens: int = Field(4, ge=1, le=32768)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -48,17 +48,20 @@ from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.shard_publish import ShardTarget
 from rlharvest.services.trainer.step_plan import (
+    Acceptance,
     GroupAssembler,
     OnPolicyViolation,
     ReadyGroup,
     RolloutFailed,
     StepSpec,
+    StreamIncomplete,
     resume_version,
     submit_request,
 )
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
+from rlharvest.services.trainer.tail_batcher import Round, TailBatcher
 from rlharvest.services.trainer.task_setup import build_task_setup
-from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset
+from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset, TaskItem
 
 if sys.version_info >= (3, 11):
     from asyncio import TaskGroup
@@ -69,7 +72,8 @@ else:  # Python 3.10: the backports of the 3.11 structured-concurrency API
 log = logging.getLogger(__name__)
 
 # Failures after which the same step is simply tried again (nothing of it was applied).
-_RETRYABLE = (rollout_client.RolloutStreamError, RolloutFailed, OnPolicyViolation)
+_RETRYABLE = (rollout_client.RolloutStreamError, StreamIncomplete, RolloutFailed,
+              OnPolicyViolation)
 _STEP_BACKOFF = Backoff(first_s=2.0, max_s=10.0, jitter=0.0)
 _PUBLISH_RETRYABLE = rollout_client.PUBLISH_RETRYABLE
 _PUBLISH_BACKOFF = rollout_client.PUBLISH_BACKOFF
@@ -132,6 +136,11 @@ class TrainerLoop:
         self._setup = build_task_setup(cfg, self._tok, max_positions(self._model))
         self._task_factory = self._setup.factory
         self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
+        # RollPacker's tail batching decides each step's prompts (tail_batcher.py).
+        self._tail = TailBatcher(cfg.prompts_per_step, cfg.samples_per_prompt,
+                                 cfg.data_prompts or None, eta_prompts=cfg.eta_prompts,
+                                 eta_responses=cfg.eta_responses) if cfg.tail_batching else None
+        self._round: Round | None = None  # the round the step in progress runs
         self._rewards = RewardPool(self._setup.reward_fn or self._task_reward,
                                    max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
@@ -162,6 +171,7 @@ class TrainerLoop:
                 self._data = TaskDataset.from_state(DatasetState(**state.data_position),
                                                     self._task_factory)
                 self._data.task.restore_state(state.extra.get("task", {}))
+                self._restore_tail(state.extra.get("tail_batching"))
                 announced = await rollout_client.announced_version(self._etcd, self._cfg.job)
                 self._version, publish = resume_version(state.weight_version, announced)
                 self.status.resumed_from_step = state.step
@@ -177,7 +187,7 @@ class TrainerLoop:
         progress is abandoned, nothing of it applied."""
         self.status.state = "training"
         try:
-            while not self._cfg.steps or self._step < self._cfg.steps:
+            while (not self._cfg.steps or self._step < self._cfg.steps) and not self._data_done:
                 await self._step_with_retries(self._next_spec())
             await self._await_publish()
             self.status.state = "done"
@@ -188,12 +198,54 @@ class TrainerLoop:
             self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
 
+    @property
+    def _data_done(self) -> bool:
+        """Every prompt of ``--data-prompts`` trained (never, when unbounded)."""
+        if self._tail is not None:
+            return self._tail.done
+        return bool(self._cfg.data_prompts) and \
+            self._data.state().position >= self._cfg.data_prompts
+
     def _next_spec(self) -> StepSpec:
-        items = tuple(self._data.next_batch(self._cfg.prompts_per_step))
+        if self._tail is not None:
+            self._round = self._tail.plan()
+            return self._round_spec(self._round)
+        count = self._cfg.prompts_per_step
+        if self._cfg.data_prompts:
+            count = min(count, self._cfg.data_prompts - self._data.state().position)
+        return self._spec(tuple(self._data.next_batch(count)), self._cfg.samples_per_prompt)
+
+    def _round_spec(self, round_: Round) -> StepSpec:
+        """A tail batching round as a step: a short round carries its acceptance rule."""
+        items = tuple(self._data.task.item(i) for i in round_.prompts)
+        accept = Acceptance(round_.accept_prompts, round_.accept_responses) \
+            if round_.speculative else None
+        return self._spec(items, round_.responses, accept, round_.kind)
+
+    def _spec(self, items: tuple[TaskItem, ...], responses: int,
+              accept: Acceptance | None = None, round_kind: str = "") -> StepSpec:
         return StepSpec(step=self._step + 1, weight_version=self._version, items=items,
                         prompts=tuple(tuple(self._tok.encode_prompt(it.messages or it.prompt))
                                       for it in items),
-                        samples_per_prompt=self._cfg.samples_per_prompt)
+                        samples_per_prompt=responses, accept=accept, round=round_kind)
+
+    def _commit_round(self, spec: StepSpec, assembler: GroupAssembler) -> None:
+        """After the optimizer step, with the step count: the round's prompts are spent."""
+        if self._tail is None or self._round is None:
+            return
+        self._tail.commit(self._round, [spec.items[g].index for g in assembler.accepted])
+        self._round = None
+        self._data.seek(self._tail.position)
+        metrics.ROUNDS.labels(spec.round).inc()
+        metrics.PROMPTS_DEFERRED.inc(len(assembler.deferred))
+
+    def _restore_tail(self, state: dict | None) -> None:
+        position = self._data.state().position
+        if self._tail is not None:
+            self._tail.load_state_dict(state or {"position": position, "deferred": []})
+        elif state and state["deferred"]:
+            log.warning("the checkpoint holds %d prompts tail batching deferred; without "
+                        "--tail-batching they are not trained", len(state["deferred"]))
 
     async def _step_with_retries(self, spec: StepSpec) -> None:
         attempts = self._cfg.step_attempts
@@ -237,9 +289,10 @@ class TrainerLoop:
                                  no_worker_deadline_s=cfg.no_worker_deadline_s)
         assembler = GroupAssembler(spec)
         ready: asyncio.Queue[ReadyGroup] = asyncio.Queue()
-        train = StreamingStep(self._backend, num_groups=len(spec.items),
-                              group_size=spec.samples_per_prompt,
-                              micro_batch_groups=cfg.micro_batch_groups, loss=self._loss,
+        train = StreamingStep(self._backend, num_groups=spec.train_groups,
+                              group_size=spec.group_size,
+                              micro_batch_groups=min(cfg.micro_batch_groups, spec.train_groups),
+                              loss=self._loss,
                               pad_id=self._tok.pad_id, ref_model=self._ref_model,
                               ranks=self._ranks, clock=self._clock)
         progress.phase = "rollout"
@@ -260,6 +313,7 @@ class TrainerLoop:
                 ready.put_nowait(done)
 
         remote: list[mpb.RemoteTimings] = []  # the manager's half of Algorithm 1's inputs
+        rewarding: dict[int, list[asyncio.Task]] = {}  # by group: a deferred one's are cancelled
 
         async def rollout(tasks: TaskGroup) -> None:
             async for event in rollout_client.stream_step(manager, request, cfg.max_message_bytes):
@@ -268,20 +322,25 @@ class TrainerLoop:
                 for delta in event.deltas:
                     assembler.delta(delta)
                 for completion in event.completions:
-                    group, sample = assembler.completion(completion)
-                    tasks.create_task(reward(group, sample, completion))
+                    if (place := assembler.completion(completion)) is not None:
+                        rewarding.setdefault(place[0], []).append(
+                            tasks.create_task(reward(*place, completion)))
+                for verdict in event.verdicts:  # after the completions that decided them
+                    if (done := assembler.verdict(verdict.group_id, verdict.accepted)) is not None:
+                        ready.put_nowait(done)
+                    if not verdict.accepted:
+                        for task in rewarding.pop(assembler.parse(f"{verdict.group_id}-r0")[0],
+                                                  []):
+                            task.cancel()  # its tokens are discarded; so is its reward
                 progress.completions = assembler.completions
                 progress.tokens_generated = assembler.tokens_generated
-            if assembler.completions != spec.samples:
-                raise rollout_client.RolloutStreamError(
-                    f"the step stream ended after {assembler.completions} of {spec.samples} "
-                    "completions")
+            assembler.check_complete()
 
         waited = 0.0
         try:
             async with TaskGroup() as tasks:
                 tasks.create_task(rollout(tasks))
-                while train.groups_received < len(spec.items):  # train on groups as they come
+                while train.groups_received < spec.train_groups:  # train on groups as they come
                     idle_since = self._clock()
                     groups = [await ready.get()]
                     wait = self._clock() - idle_since
@@ -304,6 +363,7 @@ class TrainerLoop:
             n_prem = await self._instance_cap.after_step(
                 stats.compute_s, waited, remote[-1] if remote else None) or 0
         self._step = spec.step
+        self._commit_round(spec, assembler)  # with the step: a retried one never commits
         elapsed = self._clock() - started
 
         if self._publisher is not None:
@@ -317,7 +377,9 @@ class TrainerLoop:
             micro_batch_wait_s=waited, loss=stats.loss, grad_norm=stats.grad_norm,
             train_compute_s=stats.compute_s, n_prem=n_prem,
             t_seed_s=self._instance_cap.window.schedule.t_seed if self._instance_cap else 0.0,
-            published_version=self._version if self._publisher is not None else 0)
+            published_version=self._version if self._publisher is not None else 0,
+            round=spec.round, prompts_launched=len(spec.items),
+            prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded)
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
         # Looked up per call: a resume replaces the dataset, and with it the task's state.
@@ -422,9 +484,12 @@ class TrainerLoop:
     async def save_checkpoint(self) -> None:
         self.status.current.phase = "checkpoint"
         started = self._clock()
+        extra: dict[str, Any] = {"task": self._data.task.checkpoint_state()}
+        if self._tail is not None:
+            extra["tail_batching"] = self._tail.state_dict()
         state = checkpoint.TrainerState(step=self._step, weight_version=self._version,
                                         data_position=dataclasses.asdict(self._data.state()),
-                                        extra={"task": self._data.task.checkpoint_state()})
+                                        extra=extra)
         path = await self._run(checkpoint.save_checkpoint, self._cfg.checkpoint_dir, state,
                                self._ranks.save, self._cfg.keep_checkpoints)
         metrics.CHECKPOINT_SECONDS.observe(self._clock() - started)
@@ -442,6 +507,7 @@ class TrainerLoop:
         metrics.TOKENS_PER_SECOND.set(summary.tokens_per_second)
         metrics.MICRO_BATCHES.inc(summary.micro_batches)
         metrics.MIGRATIONS.inc(summary.migrations)
+        metrics.TOKENS_DISCARDED.inc(summary.tokens_discarded)
         self.status.summaries.append(summary)
         del self.status.summaries[:-self._cfg.keep_step_summaries]
         self._curves.step(summary, {"reward/failures": self.status.current.reward_failures})
@@ -450,6 +516,10 @@ class TrainerLoop:
                  summary.weight_version, summary.mean_reward, summary.tokens, summary.step_time_s,
                  summary.tokens_per_second, summary.micro_batches, summary.micro_batch_wait_s,
                  summary.migrations, self.status.current.reward_failures)
+        if summary.round:
+            log.info("step %d was a %s round: %d prompts launched, %d deferred, %d tokens "
+                     "discarded", summary.step, summary.round, summary.prompts_launched,
+                     summary.prompts_deferred, summary.tokens_discarded)
 
     def _sync_status(self) -> None:
         self.status.steps_done = self._step

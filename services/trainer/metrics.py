@@ -17,6 +17,12 @@ MICRO_BATCHES = Counter("rlh_trainer_micro_batches_total", "Micro-batches run")
 MICRO_BATCH_WAIT = Histogram("rlh_trainer_micro_batch_wait_seconds",
                              "Trainer idle, waiting for the next rewarded group",
                              buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+ROUNDS = Counter("rlh_trainer_rounds_total", "Tail batching rounds applied", ["kind"])  # short|long
+PROMPTS_DEFERRED = Counter("rlh_trainer_prompts_deferred_total",
+                           "Prompts a short round deferred to a long round (tail batching)")
+TOKENS_DISCARDED = Counter("rlh_trainer_tokens_discarded_total",
+                           "Finished completion tokens that did not train (tail batching: beyond "
+                           "R0, or of a deferred prompt)")
 REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that failed or timed out")
 MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")
 PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one version to the agent",

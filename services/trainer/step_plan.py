@@ -18,6 +18,11 @@ class OnPolicyViolation(RuntimeError):
     Training on it would break the on-policy invariant, so the step is refused."""
 
 
+class StreamIncomplete(RuntimeError):
+    """The step's stream ended before every request resolved (or, in a short round, before the
+    round's groups were decided): retried whole."""
+
+
 class RolloutFailed(RuntimeError):
     """The manager gave up on a request (e.g. no worker held the step's version in time).
     Every prompt trains, so the step cannot finish without it: it is retried whole."""
@@ -34,16 +39,37 @@ def sample_seed(data_seed: int, step: int, group: int, sample: int) -> int:
 
 
 @dataclass(frozen=True)
+class Acceptance:
+    """A short round's rule (tail batching): train the first ``prompts`` groups whose first
+    ``responses`` responses finish; the manager cancels the rest."""
+
+    prompts: int
+    responses: int
+
+
+@dataclass(frozen=True)
 class StepSpec:
     step: int
     weight_version: int
     items: tuple[TaskItem, ...]
     prompts: tuple[tuple[int, ...], ...]  # token ids, one per item
-    samples_per_prompt: int
+    samples_per_prompt: int  # responses launched per prompt
+    accept: Acceptance | None = None  # a short round of tail batching; None: all trains
+    round: str = ""  # tail batching: "short" | "long"; "" without it
 
     @property
     def samples(self) -> int:
+        """Requests the step launches."""
         return len(self.items) * self.samples_per_prompt
+
+    @property
+    def train_groups(self) -> int:
+        return self.accept.prompts if self.accept else len(self.items)
+
+    @property
+    def group_size(self) -> int:
+        """Responses that train per group."""
+        return self.accept.responses if self.accept else self.samples_per_prompt
 
 
 def submit_request(spec: StepSpec, *, max_new_tokens: int, temperature: float, top_p: float,
@@ -60,15 +86,19 @@ def submit_request(spec: StepSpec, *, max_new_tokens: int, temperature: float, t
                     temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
                     stop_token_ids=list(stop_token_ids),
                     seed=sample_seed(data_seed, spec.step, g, r))))
+    acceptance = (mpb.Acceptance(prompts=spec.accept.prompts, responses=spec.accept.responses)
+                  if spec.accept else None)
     return mpb.SubmitStepRequest(step_id=f"step-{spec.step}", weight_version=spec.weight_version,
-                                 requests=requests,
+                                 requests=requests, acceptance=acceptance,
                                  no_worker_deadline_s=no_worker_deadline_s)
 
 
 @dataclass
 class _Group:
-    completions: dict[int, mpb.Completion] = field(default_factory=dict)
+    completions: dict[int, mpb.Completion] = field(default_factory=dict)  # by sample index
+    training: list[int] = field(default_factory=list)  # samples that train, as they finished
     rewards: dict[int, float] = field(default_factory=dict)
+    accepted: bool | None = None  # a short round's verdict; a plain step trains every group
 
 
 @dataclass(frozen=True)
@@ -82,14 +112,23 @@ class GroupAssembler:
     """Collects one step's completions and rewards into complete GRPO groups.
 
     Checks the on-policy invariant on every delta and completion it sees, and that each sample
-    arrives once. A group is ready when all R0 of its samples are rewarded."""
+    arrives once. A group is ready when it trains (a plain step's every group; a short round's
+    accepted ones, by the manager's verdict) and its training samples are rewarded: all of them,
+    or in a short round its first R0 to finish. A short round's other completions — cancelled,
+    beyond R0, or of a deferred group — never train; their tokens count as discarded."""
 
     def __init__(self, spec: StepSpec) -> None:
         self._spec = spec
-        self._groups = [_Group() for _ in spec.items]
-        self.completions = 0
+        plain = spec.accept is None
+        self._groups = [_Group(accepted=True if plain else None) for _ in spec.items]
+        self.completions = 0  # finished ones
+        self.cancelled = 0
         self.tokens_generated = 0
+        self.tokens_discarded = 0
         self.migrations = 0
+        # Groups that train, in the order of their verdicts (a plain step: all, from the start).
+        self.accepted: list[int] = list(range(len(spec.items))) if plain else []
+        self.deferred: list[int] = []
 
     def parse(self, rid: str) -> tuple[int, int]:
         prefix = f"s{self._spec.step}-g"
@@ -106,10 +145,17 @@ class GroupAssembler:
                 f"{delta.weight_version}, the step runs on {self._spec.weight_version}")
         self.tokens_generated += len(delta.token_ids)
 
-    def completion(self, completion: mpb.Completion) -> tuple[int, int]:
-        """Record a completion; returns its (group, sample). Raises on a failed, foreign,
-        duplicate or off-policy completion."""
+    def completion(self, completion: mpb.Completion) -> tuple[int, int] | None:
+        """Record a completion; returns its (group, sample) when it is to be rewarded, None when
+        it will not train. Raises on a failed, foreign, duplicate or off-policy completion."""
         group, sample = self.parse(completion.request_id)
+        g = self._groups[group]
+        if sample in g.completions:
+            raise ValueError(f"request {completion.request_id} completed twice")
+        if completion.cancelled and self._spec.accept is not None:
+            g.completions[sample] = completion
+            self.cancelled += 1
+            return None
         if completion.failed:
             raise RolloutFailed(f"request {completion.request_id} failed: "
                                 f"{completion.finish_reason}")
@@ -120,23 +166,57 @@ class GroupAssembler:
         if len(completion.logprobs) != len(completion.token_ids):
             raise ValueError(f"request {completion.request_id}: {len(completion.logprobs)} "
                              f"logprobs for {len(completion.token_ids)} tokens")
-        slot = self._groups[group].completions
-        if sample in slot:
-            raise ValueError(f"request {completion.request_id} completed twice")
-        slot[sample] = completion
+        g.completions[sample] = completion
         self.completions += 1
         self.migrations += completion.migrations
+        if g.accepted is False or len(g.training) >= self._spec.group_size:
+            self.tokens_discarded += len(completion.token_ids)  # beyond R0, or deferred
+            return None
+        g.training.append(sample)
         return group, sample
 
-    def reward(self, group: int, sample: int, reward: float) -> ReadyGroup | None:
-        """Record a sample's reward; returns the group once all its samples are rewarded."""
+    def verdict(self, group_id: str, accepted: bool) -> ReadyGroup | None:
+        """A short round's verdict on a group; returns the group if it is ready now."""
+        group, _ = self.parse(f"{group_id}-r0")
         g = self._groups[group]
-        g.rewards[sample] = reward
-        if len(g.rewards) < self._spec.samples_per_prompt:
+        if self._spec.accept is None or g.accepted is not None:
+            raise ValueError(f"group {group_id} was already given a verdict, or the step has no "
+                             "acceptance rule")
+        g.accepted = accepted
+        if not accepted:
+            self.deferred.append(group)
+            self.tokens_discarded += sum(len(g.completions[s].token_ids) for s in g.training)
             return None
-        order = range(self._spec.samples_per_prompt)
+        if len(self.accepted) >= self._spec.train_groups:
+            raise ValueError(f"group {group_id} accepted beyond the round's "
+                             f"{self._spec.train_groups}")
+        self.accepted.append(group)
+        return self._ready(group)
+
+    def reward(self, group: int, sample: int, reward: float) -> ReadyGroup | None:
+        """Record a sample's reward; returns the group once it trains and is rewarded."""
+        self._groups[group].rewards[sample] = reward
+        return self._ready(group)
+
+    def _ready(self, group: int) -> ReadyGroup | None:
+        g = self._groups[group]
+        if not g.accepted or len(g.rewards) < self._spec.group_size:
+            return None
+        order = sorted(g.training)  # sample order: with eta = 1 exactly the plain step's groups
         return ReadyGroup(group, tuple(g.completions[i] for i in order),
                           tuple(g.rewards[i] for i in order))
+
+    def check_complete(self) -> None:
+        """At the end of the stream: every request resolved, every group given its verdict."""
+        resolved = self.completions + self.cancelled
+        if resolved != self._spec.samples:
+            raise StreamIncomplete(f"the step stream ended after {resolved} of "
+                                   f"{self._spec.samples} completions")
+        undecided = sum(g.accepted is None for g in self._groups)
+        if undecided or len(self.accepted) != self._spec.train_groups:
+            raise StreamIncomplete(f"the step stream ended with {len(self.accepted)} of "
+                                   f"{self._spec.train_groups} groups accepted and {undecided} "
+                                   "without a verdict")
 
 
 def resume_version(checkpoint_version: int, announced_version: int | None) -> tuple[int, bool]:

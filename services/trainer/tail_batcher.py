@@ -19,7 +19,8 @@ position as they were. ``state_dict`` goes into the trainer's checkpoint.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -37,16 +38,20 @@ class Round:
 
 
 class TailBatcher:
-    def __init__(self, prompts: int, responses: int, dataset_size: int, *, eta_prompts: float = 1.25,
-                 eta_responses: float = 1.25) -> None:
+    def __init__(self, prompts: int, responses: int, dataset_size: int | None, *,
+                 eta_prompts: float = 1.25, eta_responses: float = 1.25) -> None:
+        """``dataset_size``: prompts in the data; None: unbounded (no flush: a run that stops
+        leaves its deferred prompts in the checkpoint for the next)."""
         checks = {"prompts": prompts >= 1, "responses": responses >= 1,
-                  "dataset_size": dataset_size >= 1, "eta_prompts": eta_prompts >= 1,
+                  "dataset_size": dataset_size is None or dataset_size >= 1,
+                  "eta_prompts": eta_prompts >= 1,
                   "eta_responses": eta_responses >= 1}
         bad = [key for key, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"tail batching setting {bad[0]} is out of range (counts >= 1, "
                              "eta >= 1)")
-        self.p0, self.r0, self.size = prompts, responses, dataset_size
+        self.p0, self.r0 = prompts, responses
+        self.size = dataset_size if dataset_size is not None else sys.maxsize
         self.p = math.ceil(eta_prompts * prompts)
         self.r = math.ceil(eta_responses * responses)
         self.position = 0  # the next fresh prompt
@@ -95,14 +100,3 @@ class TailBatcher:
                              f"{self.size} prompts")
         self.position, self.deferred = position, list(deferred)
 
-
-def first_responses(completions: Sequence[tuple[str, int]], accepted: Collection[str],
-                    responses: int) -> dict[str, list[int]]:
-    """Which responses a short round trains: for each accepted group, its first ``responses``
-    finished completions in delivery order. ``completions``: (group id, index) in the order
-    they were delivered (finished ones only)."""
-    out: dict[str, list[int]] = {gid: [] for gid in accepted}
-    for gid, index in completions:
-        if gid in out and len(out[gid]) < responses:
-            out[gid].append(index)
-    return out

@@ -126,6 +126,12 @@ class TaskDataset:
     def state(self) -> DatasetState:
         return DatasetState(seed=self._seed, position=self._position, task=self.task.name)
 
+    def seek(self, position: int) -> None:
+        """Go on from ``position`` (tail batching hands out prompts itself)."""
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        self._position = position
+
     def next_batch(self, count: int) -> list[TaskItem]:
         items = [self.task.item(self._position + i) for i in range(count)]
         self._position += count

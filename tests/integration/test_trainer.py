@@ -244,3 +244,41 @@ def test_bad_config_is_refused_with_the_key_named():
          "--prompts-per-step", "4"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "micro_batch_groups (9) exceeds prompts_per_step (4)" in result.stderr
+
+
+async def test_tail_batching_trains_every_prompt_once_across_a_sigkill(stack, tmp_path):
+    """RollPacker's rounds on real processes: short rounds of 6 prompts accept 4 and defer 2, a
+    long round runs the deferred 4, the queue survives a SIGKILL through the checkpoint, and at
+    the end of the data every prompt has trained once and no worker holds a request."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1", "--backend", "torch",
+             "--tail-batching", "--eta-prompts", "1.5", "--eta-responses", "1.5",
+             "--prompts-per-step", "4", "--samples-per-prompt", "2", "--data-prompts", "16"]
+    # 16 prompts: two short rounds defer 2 each, the long round runs those 4, the last 4 fresh
+    # prompts make a short round that accepts all of them.
+    schedule = [("short", 6, 2), ("short", 6, 2), ("long", 4, 0), ("short", 4, 0)]
+    manager = await start_job(stack, 2, "--step-delay-s", "0.03")  # SIGKILL lands mid-run
+    trainer, metrics_port = await start_trainer(stack, "trainer", *flags)
+    st = await wait_trainer(trainer, lambda s: s.steps_done >= 2)
+    assert metric(scrape(metrics_port), 'rlh_trainer_rounds_total{kind="short"}') >= 2
+    trainer.process.kill()
+    first = [(s.round, s.prompts_launched, s.prompts_deferred) for s in st.steps]
+    assert len(first) >= 2 and first == schedule[:len(first)]
+    state = torch.load(checkpoint.list_checkpoints(ckpt)[-1] / "state.pt",
+                       weights_only=False)["state"]
+    tail = state["extra"]["tail_batching"]
+    assert state["data_position"]["position"] == tail["position"]
+    trained_before = tail["position"] - len(tail["deferred"])
+
+    again, _ = await start_trainer(stack, "trainer-again", *flags)
+    st = await wait_trainer(again, lambda s: s.state == "done")
+    assert st.resumed_from_step == state["step"]
+    resumed = [(s.round, s.prompts_launched, s.prompts_deferred) for s in st.steps]
+    assert resumed == schedule[state["step"]:]
+    trained_after = sum(launched - deferred for _, launched, deferred in resumed)
+    assert trained_before + trained_after == 16  # every prompt once: none lost, none twice
+    final = torch.load(checkpoint.list_checkpoints(ckpt)[-1] / "state.pt",
+                       weights_only=False)["state"]["extra"]["tail_batching"]
+    assert final == {"position": 16, "deferred": []}
+    status = await manager_status(manager.endpoint)
+    assert status.in_flight == 0 and all(w.assigned == 0 for w in status.workers)

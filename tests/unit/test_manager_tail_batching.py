@@ -5,31 +5,12 @@ rest are deferred — over random finish orders (hypothesis)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from rlharvest.services.rollout_manager.tail_batching import AcceptanceError, TailBatchingStep
-
-
-@dataclass
-class Progress:
-    """A step as the policy sees it, driven by the test."""
-
-    request_ids: tuple[str, ...]
-    outstanding: set[str] = field(default_factory=set)
-    succeeded: dict[str, int] = field(default_factory=dict)
-    delivered: int = 0
-    step_id: str = "s"
-    weight_version: int = 0
-    started_at: float = 0.0
-
-    def deliver(self, rid: str, ok: bool) -> None:
-        self.outstanding.discard(rid)
-        self.delivered += 1
-        if ok:
-            self.succeeded[rid] = self.delivered
+from tests.builders import PolicyProgress as Progress
 
 
 def round_of(prompts: int, responses: int) -> dict[str, str]:

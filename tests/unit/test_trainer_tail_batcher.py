@@ -9,7 +9,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rlharvest.services.trainer.tail_batcher import TailBatcher, first_responses
+from rlharvest.services.trainer.tail_batcher import TailBatcher
 
 
 def run_to_the_end(batcher: TailBatcher, rng: random.Random, restart_at: int = -1):
@@ -91,7 +91,3 @@ def test_bad_settings_commits_and_checkpoints_are_refused():
     with pytest.raises(ValueError, match="does not fit"):
         batcher.load_state_dict({"position": 3, "deferred": [5]})
 
-
-def test_a_short_round_trains_each_accepted_groups_first_r0_finishes():
-    delivered = [("a", 2), ("b", 0), ("a", 0), ("c", 1), ("a", 1), ("b", 2)]
-    assert first_responses(delivered, {"a", "b"}, 2) == {"a": [2, 0], "b": [0, 2]}
