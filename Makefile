@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(PYTHON) -m rlharvest.services.demo
+	$(PYTHON) -m rlharvest.services.demo $(ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q -ra

@@ -12,6 +12,7 @@ and a PNG plot of reward and throughput.
 
     python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
                                       [--coexecutor/--no-coexecutor] [--serving-rps 1]
+                                      [--tail-batching 1.25]
 
 The demo fails (exit 1) if the reward did not rise: the mean of the last few steps must beat the
 mean of the first few by ``--min-rise``.
@@ -149,9 +150,16 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
         "--trainer-id", "trainer-0", "--port", str(port), "--steps", str(args["steps"]),
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
-        "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto", *common])
+        "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto",
+        *_tail_flags(args["tail_batching"]), *common])
     return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags,
                serving)
+
+
+def _tail_flags(eta: float) -> list[str]:
+    """RollPacker's tail batching at ``eta`` for prompts and responses (0: off)."""
+    return ["--tail-batching", "--eta-prompts", str(eta), "--eta-responses", str(eta)] \
+        if eta else []
 
 
 def _start_coexecutor(stack: LocalStack, args: dict, common: list[str]) -> DemoServing:
@@ -309,6 +317,9 @@ def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
                "T_seed"]
     if serving is not None:
         columns += ["serving SLO", "harvested"]
+    tail = any(s.round for s in status.steps)
+    if tail:
+        columns += ["round", "deferred", "discarded"]
     for column in [*columns, "events"]:
         table.add_column(column, justify="right" if column != "events" else "left")
     for s in status.steps:
@@ -320,6 +331,9 @@ def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
             row += ["-" if served is None or served.attainment is None
                     else f"{served.attainment:.0%} of {served.requests}",
                     "-" if served is None else str(served.harvested_tokens)]
+        if tail:
+            row += [f"{s.round} {s.prompts_launched}", str(s.prompts_deferred),
+                    str(s.tokens_discarded)]
         table.add_row(*row, "; ".join(events.get(s.step, [])))
     return table
 
@@ -361,6 +375,9 @@ def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: P
                "step_time_s": s.step_time_s, "tokens_per_second": s.tokens_per_second,
                "migrations": s.migrations, "n_prem": s.n_prem, "t_seed_s": s.t_seed_s,
                "events": events.get(s.step, [])}
+        if s.round:
+            row.update(round=s.round, prompts_launched=s.prompts_launched,
+                       prompts_deferred=s.prompts_deferred, tokens_discarded=s.tokens_discarded)
         if serving is not None and (served := serving.get(s.step)) is not None:
             row.update(serving_requests=served.requests, serving_attained=served.attained,
                        harvested_tokens=served.harvested_tokens)
@@ -389,6 +406,9 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                               "borrowed by the job for rollouts (ROSE)"),
          serving_rps: float = typer.Option(3.0, min=0.01, help="the co-executor's mean serving "
                                            "requests per second"),
+         tail_batching: float = typer.Option(0.0, min=0.0, help="RollPacker's tail batching "
+                                             "with eta_P = eta_R = this (e.g. 1.25; 0 = off): "
+                                             "the table shows short and long rounds"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
          min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
@@ -397,6 +417,9 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                                            "(the spec: 5 minutes on 2 cores)")
          ) -> None:
     """Run the demo and print a table per step; the plot goes to OUT/demo.png."""
+    if 0 < tail_batching < 1:
+        raise typer.BadParameter(f"--tail-batching {tail_batching:g}: eta launches at least "
+                                 "what trains, so give 1 or more (or 0 for off)")
     schedule = PreemptionSchedule(parse_steps(preempt_at), replace_after)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-demo-"))
     console.print(f"[bold]rlharvest demo[/]: {steps} steps of {prompts}x{samples} samples, "
@@ -407,7 +430,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                      samples=samples, lr=lr, backend=backend, max_running=max_running,
                                      step_delay_s=step_delay_s,
                                      spot_step_delay_s=spot_step_delay_s,
-                                     coexecutor=coexecutor, serving_rps=serving_rps))
+                                     coexecutor=coexecutor, serving_rps=serving_rps,
+                                     tail_batching=tail_batching))
     try:
         status = asyncio.run(drive(run, schedule, steps, timeout))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which

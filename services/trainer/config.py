@@ -12,6 +12,26 @@ from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 
+# What a per-kind reward timeout can name: the built-in rewards and the built-in tasks.
+REWARD_KINDS = ("math", "exact", "code", "addition")
+
+
+def parse_timeouts(text: str) -> dict[str, float]:
+    """``'math=5,code=30'`` -> {"math": 5.0, "code": 30.0}; a clear error for anything else."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, value = part.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or kind.strip() not in REWARD_KINDS or not seconds > 0:
+            raise ValueError(f"reward_timeouts entry {part!r}: give kind=seconds with a kind of "
+                             f"{', '.join(REWARD_KINDS)} and seconds > 0")
+        out[kind.strip()] = seconds
+    return out
+
+
 def _default_trainer_id() -> str:
     return f"trainer-{socket.gethostname()}-{os.getpid()}"
 
@@ -79,7 +99,12 @@ class TrainerConfig(ServiceConfig):
     beta: float = Field(0.0, ge=0, description="KL coefficient against the initial policy")
     aggregation: Literal["token", "sequence"] = "token"
     reward_concurrency: int = Field(8, ge=1, description="rewards computed at once")
-    reward_timeout_s: float = Field(10.0, gt=0)
+    reward_timeout_s: float = Field(10.0, gt=0, description="seconds one reward may take")
+    # RollPacker §5: math verifiers answer in milliseconds, code sandboxes take seconds; one
+    # timeout either waits too long on a hung math checker or cuts correct programs short.
+    reward_timeouts: str = Field("", description="per reward kind, e.g. 'math=5,code=30' "
+                                                 "(kinds: " + ", ".join(REWARD_KINDS) + "); "
+                                                 "others use reward_timeout_s")
     # RollPacker's adaptive sandbox timeout for --task code, T = min(max(T_min, lambda*T_anchor),
     # T_max). The paper's 2 s / 30 s are for real programs; a one-line expression runs in
     # milliseconds, so 1 s / 5 s, which still covers interpreter start-up on a loaded CPU.
@@ -142,13 +167,23 @@ class TrainerConfig(ServiceConfig):
                              "set the reward; give one")
         return self
 
+    def reward_timeout_of(self, kind: str) -> float:
+        """The timeout of rewards of ``kind`` (a built-in reward or task name)."""
+        return parse_timeouts(self.reward_timeouts).get(kind, self.reward_timeout_s)
+
+    @model_validator(mode="after")
+    def _reward_timeouts_parse(self) -> TrainerConfig:
+        parse_timeouts(self.reward_timeouts)
+        return self
+
     @model_validator(mode="after")
     def _sandbox_timeouts_fit(self) -> TrainerConfig:
         if self.sandbox_t_min_s > self.sandbox_t_max_s:
             raise ValueError(f"sandbox_t_min_s ({self.sandbox_t_min_s}) exceeds sandbox_t_max_s "
                              f"({self.sandbox_t_max_s})")
-        if self.task == "code" and self.reward_timeout_s <= self.sandbox_t_max_s:
+        code_timeout = self.reward_timeout_of("code")
+        if self.task == "code" and code_timeout <= self.sandbox_t_max_s:
             # The pool would abandon a run the sandbox is still allowed to finish.
-            raise ValueError(f"reward_timeout_s ({self.reward_timeout_s}) must exceed "
+            raise ValueError(f"the code reward's timeout ({code_timeout}) must exceed "
                              f"sandbox_t_max_s ({self.sandbox_t_max_s}) for the code task")
         return self

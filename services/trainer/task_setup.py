@@ -16,7 +16,12 @@ from rlharvest.services.trainer.code_task import CodeTask, CodeTaskConfig
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.datasets import FieldMap, FileTask, Row, load_rows
 from rlharvest.services.trainer.rewards.adaptive_timeout import TimeoutPolicy
-from rlharvest.services.trainer.rewards.builtin import resolve_reward, reward_for
+from rlharvest.services.trainer.rewards.builtin import (
+    BUILTIN_REWARDS,
+    builtin_for_source,
+    resolve_reward,
+    reward_for,
+)
 from rlharvest.services.trainer.rewards.pool import RewardFn
 from rlharvest.services.trainer.tasks import AdditionTask, Task, TaskItem
 
@@ -28,10 +33,19 @@ class TaskSetup:
     # data_source -> its built-in reward, when a dataset's rows pick their own (no --reward).
     by_source: dict[str, RewardFn] = field(default_factory=dict)
     longest_prompt: int = 0  # tokens of the dataset's longest prompt (0: a built-in task)
+    # The kind of every sample's reward (a built-in reward or task name; "" for a user's
+    # function); empty with by_source: each row's data_source says.
+    kind: str = ""
 
     def reward_of(self, item: TaskItem) -> RewardFn | None:
         """This item's reward when it is not the pool's default."""
         return self.by_source.get(item.data_source) if self.by_source else None
+
+    def kind_of(self, item: TaskItem) -> str:
+        """Which per-kind reward timeout applies to this item (``--reward-timeouts``)."""
+        if self.by_source:
+            return builtin_for_source(item.data_source) or ""
+        return self.kind
 
 
 def builtin_task_factory(cfg: TrainerConfig) -> Callable[[int], Task]:
@@ -49,8 +63,9 @@ def build_task_setup(cfg: TrainerConfig, tokenizer: ModelTokenizer,
     """``context_tokens``: the model's context; a prompt and its completion must fit in it."""
     spec = cfg.reward or cfg.reward_fn
     fixed = resolve_reward(spec) if spec else None
+    fixed_kind = spec if spec in BUILTIN_REWARDS else ""
     if not cfg.data:
-        return TaskSetup(builtin_task_factory(cfg), fixed)
+        return TaskSetup(builtin_task_factory(cfg), fixed, kind=fixed_kind if spec else cfg.task)
     fields = FieldMap.parse(cfg.data_fields) if cfg.data_fields else FieldMap()
     rows = load_rows(cfg.data, fields)
     limit = cfg.max_prompt_tokens or context_tokens - cfg.max_new_tokens
@@ -72,7 +87,7 @@ def build_task_setup(cfg: TrainerConfig, tokenizer: ModelTokenizer,
 
     factory(cfg.data_seed).check_prompt_lengths(prompt_tokens, limit)
     if fixed is not None:
-        return TaskSetup(factory, fixed, longest_prompt=max(lengths))
+        return TaskSetup(factory, fixed, longest_prompt=max(lengths), kind=fixed_kind)
     by_source: dict[str, RewardFn] = {}
     for row in rows:
         if row.data_source not in by_source:

@@ -1,5 +1,6 @@
 """`make run` in miniature: the demo's CLI starts the whole local stack, trains a few steps with
-a serving co-executor under traffic that the job borrows for rollouts, and leaves its step table
+a serving co-executor under traffic that the job borrows for rollouts and tail batching's short
+and long rounds, and leaves its step table
 and plot; a run that is too short to show learning is judged with the
 rise check turned permissive (tests/unit/test_trainer_demo.py covers the check itself)."""
 
@@ -19,7 +20,7 @@ def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "rlharvest.services.demo", "--steps", "3", "--workers", "2",
          "--prompts", "2", "--samples", "4", "--preempt-at", "", "--backend", "torch",
-         "--min-rise", "-1", "--timeout", "90", "--out", str(out),
+         "--min-rise", "-1", "--timeout", "90", "--out", str(out), "--tail-batching", "1.5",
          "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -37,3 +38,7 @@ def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     assert all(0 <= s["serving_attained"] <= s["serving_requests"] for s in steps)
     assert sum(s["harvested_tokens"] for s in steps) > 0, steps
     assert "rollout tokens harvested on it" in result.stdout
+    # Tail batching (eta 1.5 of 2 prompts): short rounds of 3 defer 1 each; two deferred make
+    # the third step a long round of them.
+    assert [(s["round"], s["prompts_launched"], s["prompts_deferred"]) for s in steps] == \
+        [("short", 3, 1), ("short", 3, 1), ("long", 2, 0)], steps

@@ -71,3 +71,21 @@ def test_the_demo_exits_non_zero_with_the_reason_when_reward_did_not_rise(
 def test_the_demo_gives_up_after_the_specs_five_minutes_by_default() -> None:
     timeout = next(p for p in typer.main.get_command(demo.app).params if p.name == "timeout")
     assert timeout.default == 300
+
+
+def test_the_step_table_shows_tail_batching_rounds_only_when_they_ran() -> None:
+    plain = tpb.TrainerStatus(steps=[tpb.StepSummary(step=1)])
+    tail = tpb.TrainerStatus(steps=[
+        tpb.StepSummary(step=1, round="short", prompts_launched=10, prompts_deferred=2,
+                        tokens_discarded=77),
+        tpb.StepSummary(step=2, round="long", prompts_launched=8)])
+    assert "round" not in [c.header for c in demo.step_table(plain, {}).columns]
+    table = demo.step_table(tail, {})
+    cells = {c.header: list(c.cells) for c in table.columns}
+    assert cells["round"] == ["short 10", "long 8"]
+    assert cells["deferred"] == ["2", "0"] and cells["discarded"] == ["77", "0"]
+
+
+def test_an_eta_below_one_is_refused(tmp_path) -> None:
+    result = CliRunner().invoke(demo.app, ["--tail-batching", "0.5", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "give 1 or more" in result.output

@@ -261,3 +261,42 @@ def test_dataset_resumes_exactly_where_it_stopped() -> None:
     resumed = TaskDataset.from_state(DatasetState(**first.state().__dict__))
     assert seen + resumed.next_batch(7) == expected
     assert all(int(i.answer) == sum(map(int, i.prompt[:-1].split("+"))) for i in expected)
+
+
+async def test_a_request_carries_its_kinds_timeout_over_the_pools() -> None:
+    async def slow(prompt: str, completion: str, reference: str) -> float:
+        await asyncio.sleep(0.5)
+        return 1.0
+
+    pool = RewardPool(slow, max_concurrency=2, timeout_s=0.1)
+    short, long = await pool.score_all([RewardRequest("math", "", ""),
+                                        RewardRequest("code", "", "", timeout_s=5.0)])
+    assert not short.ok and "timed out after 0.1s" in short.error
+    assert long.ok and long.reward == 1.0
+
+
+def test_reward_timeouts_apply_per_kind_and_bad_entries_are_refused(tmp_path) -> None:
+    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.services.trainer.config import TrainerConfig
+    from rlharvest.services.trainer.task_setup import build_task_setup
+    from rlharvest.services.trainer.tasks import TaskItem
+
+    data = tmp_path / "mixed.jsonl"
+    data.write_text('{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}, '
+                    '"data_source": "gsm8k"}\n'
+                    '{"prompt": "print 2", "reward_model": {"ground_truth": "2"}, '
+                    '"data_source": "apps"}\n')
+    cfg = TrainerConfig.model_validate(dict(data=str(data), reward_timeouts="math=2, code=30",
+                                            reward_timeout_s=7))
+    setup = build_task_setup(cfg, load_tokenizer("tiny"), context_tokens=1024)
+    timeouts = [cfg.reward_timeout_of(setup.kind_of(TaskItem(0, "p", "a", data_source=source)))
+                for source in ("gsm8k", "apps", "unknown")]
+    assert timeouts == [2.0, 30.0, 7.0]
+    builtin = TrainerConfig.model_validate(dict(reward_timeouts="addition=3"))
+    assert builtin.reward_timeout_of(build_task_setup(builtin, load_tokenizer("tiny"),
+                                                      1024).kind_of(TaskItem(0, "p", "a"))) == 3
+    for bad in ("math", "poetry=3", "math=-1", "code=x"):
+        with pytest.raises(ValueError, match="give kind=seconds"):
+            TrainerConfig.model_validate(dict(reward_timeouts=bad))
+    with pytest.raises(ValueError, match="code reward's timeout"):
+        TrainerConfig.model_validate(dict(task="code", reward_timeouts="code=2"))

@@ -43,6 +43,7 @@ class RewardRequest:
     # This sample's reward when it is not the pool's own: a dataset mixing sources picks one per
     # row from its data_source (rewards/builtin.py).
     reward_fn: RewardFn | None = None
+    timeout_s: float | None = None  # this sample's kind's timeout; None: the pool's
 
 
 @dataclass(frozen=True)
@@ -109,14 +110,15 @@ class RewardPool:
         async with self._slots:
             start = self._clock()
             try:
-                reward = await asyncio.wait_for(self._call(request), self._timeout_s)
+                timeout = request.timeout_s or self._timeout_s
+                reward = await asyncio.wait_for(self._call(request), timeout)
                 if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
                         or not math.isfinite(reward):
                     raise TypeError(f"returned {reward!r}; a reward must be a finite number")
             except asyncio.TimeoutError:
                 if not inspect.iscoroutinefunction(request.reward_fn or self._fn):
                     self.abandoned_calls += 1
-                return self._failure(request, start, f"timed out after {self._timeout_s:g}s")
+                return self._failure(request, start, f"timed out after {timeout:g}s")
             except RewardFailure as exc:
                 return self._failure(request, start, str(exc))
             except Exception as exc:  # noqa: BLE001 - any user-code failure is this sample's
