@@ -57,6 +57,7 @@ class EngineLoad:
     kv_used_tokens: int
     kv_capacity_tokens: int
     weight_version: int
+    preemptions: int = 0  # requests preempted for KV memory and recomputed, since start
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

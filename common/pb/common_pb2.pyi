@@ -55,17 +55,19 @@ class TokenDelta(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("pending", "executing", "kv_used_tokens", "kv_capacity_tokens", "weight_version", "tokens_per_second")
+    __slots__ = ("pending", "executing", "kv_used_tokens", "kv_capacity_tokens", "weight_version", "tokens_per_second", "preemptions")
     PENDING_FIELD_NUMBER: _ClassVar[int]
     EXECUTING_FIELD_NUMBER: _ClassVar[int]
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     pending: int
     executing: int
     kv_used_tokens: int
     kv_capacity_tokens: int
     weight_version: int
     tokens_per_second: float
-    def __init__(self, pending: _Optional[int] = ..., executing: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, pending: _Optional[int] = ..., executing: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., weight_version: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...

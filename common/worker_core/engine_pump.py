@@ -108,11 +108,14 @@ class EnginePump(Generic[R]):
         metrics.PENDING.set(load.pending)
         metrics.EXECUTING.set(load.executing)
         metrics.KV_USED.set(load.kv_used_tokens)
+        # The engine reports a total; the counter takes what is new since the last snapshot.
+        metrics.PREEMPTIONS.inc(max(0, load.preemptions - self.last_load.preemptions))
         self.last_load = common_pb2.Load(pending=load.pending, executing=load.executing,
                                          kv_used_tokens=load.kv_used_tokens,
                                          kv_capacity_tokens=load.kv_capacity_tokens,
                                          weight_version=load.weight_version,
-                                         tokens_per_second=self._tokens_per_second())
+                                         tokens_per_second=self._tokens_per_second(),
+                                         preemptions=load.preemptions)
         return self.last_load
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ STEP_SECONDS = Histogram("rlh_worker_step_seconds", "Wall time of one engine ste
 PENDING = Gauge("rlh_worker_pending_requests", "Requests waiting for a batch slot")
 EXECUTING = Gauge("rlh_worker_executing_requests", "Requests in the running batch")
 KV_USED = Gauge("rlh_worker_kv_used_tokens", "KV cache tokens in use")
+PREEMPTIONS = Counter("rlh_worker_preemptions_total",
+                      "Requests preempted for KV memory and recomputed (RollPacker §4.2)")
 WEIGHT_VERSION = Gauge("rlh_worker_weight_version", "Loaded weight version")
 SESSIONS = Gauge("rlh_worker_sessions", "Open manager sessions")
 DRAINING = Gauge("rlh_worker_draining", "1 while the worker drains before exit")

@@ -40,6 +40,10 @@ class WorkerConfig(ServiceConfig):
                           "each): memory held only for tokens a request can use; 0 = one "
                           "max_len row per running request")
     page_tokens: int = Field(16, ge=1, description="tokens per KV page (with kv_pages)")
+    kv_budget_tokens: int = Field(0, ge=0, description="KV tokens the executing requests may hold "
+                                  "(RollPacker §4.2 memory pressure): past it the newest request "
+                                  "is preempted and recomputed later, and the load reports the "
+                                  "count; >= max_len, not with kv_pages; 0 = no budget")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "

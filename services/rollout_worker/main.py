@@ -30,7 +30,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
                          max_len=cfg.max_len, weight_version=cfg.weight_version,
                          prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
-                         page_tokens=cfg.page_tokens)
+                         page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens)
     if cfg.weights:
         engine.load_safetensors(cfg.weights, cfg.weight_version)
     return engine

@@ -21,6 +21,14 @@ counts it as executing) but is not decoded and emits nothing until its last chun
 samples its first token and it joins the decode batch. ``prefill_chunk`` = 0 prefills every admitted
 prompt whole in its first step.
 
+KV budget (RollPacker §4.2, ``kv_budget_tokens`` > 0): the executing requests may hold at most that
+many KV tokens, as if the GPU memory left for KV were that small. Like vLLM's preemption by
+recomputation, before a decode that would take the running requests past it the newest admitted
+request gives up its slot and waits at the head of the queue with prompt + every token it generated;
+it is prefilled again later through the same path a migrated request takes, and samples on from the
+same (seed, position), so its completion does not change. ``preemptions`` counts them (``load``
+reports it): the memory pressure signal the paper's parallelism planner reads.
+
 Resumed output equals uninterrupted output up to float numerics: the resumed prefill computes the
 same attention in one pass that decode computed token by token, and the two differ in the last
 bits, which can flip a near-tie between two tokens (``tests/unit/test_torch_engine.py`` measures
@@ -32,7 +40,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -84,6 +93,35 @@ class _Admitted:
     stop_ids: frozenset[int]
     generated: int  # tokens generated so far, including those before a resume
     prefilled: int = 0  # known tokens already in the KV cache (chunked prefill only)
+    emitted: list[int] = dataclasses.field(default_factory=list)  # tokens sampled since admission
+    seq: int = 0  # admission order (the KV budget preempts the newest first)
+
+
+def _admission(request: EngineRequest) -> _Admitted:
+    """A request as the engine queues it: a resumed one prefills prompt + generated tokens."""
+    return _Admitted(request=request,
+                     known_tokens=list(request.prompt_token_ids) + list(request.generated_token_ids),
+                     stop_ids=frozenset(request.sampling.stop_token_ids),
+                     generated=len(request.generated_token_ids))
+
+
+def check_kv_budget(kv_budget_tokens: int, max_len: int, paged: bool) -> None:
+    """Raises ValueError saying why ``kv_budget_tokens`` cannot be used with these options."""
+    if kv_budget_tokens < 0:
+        raise ValueError(f"kv_budget_tokens must be >= 0 (0 = no budget), got {kv_budget_tokens}")
+    if kv_budget_tokens and paged:
+        raise ValueError("kv_budget_tokens cannot be combined with paged KV (paged / kv_pages): "
+                         "paged KV reserves pages for prompt + max_tokens when a request starts, "
+                         "so a running request never outgrows memory and there is nothing to "
+                         "preempt; bound memory with kv_pages, or set kv_budget_tokens=0")
+    # Every request validate_request accepts (prompt + max_tokens <= max_len) must fit alone, as
+    # vLLM refuses a max_model_len its KV cache cannot hold: then add never has to refuse a
+    # request for the budget, admission always takes the first pending request into an idle
+    # engine, and preemption always leaves the oldest request running, so every request finishes.
+    if 0 < kv_budget_tokens < max_len:
+        raise ValueError(f"kv_budget_tokens ({kv_budget_tokens}) must be >= max_len ({max_len}) "
+                         "so a request of max_len tokens fits alone; raise the budget or lower "
+                         "max_len")
 
 
 def validate_request(request: EngineRequest, vocab_size: int, max_len: int) -> None:
@@ -177,7 +215,9 @@ class TorchEngine:
     docstring); 0 prefills whole prompts. ``paged`` puts the KV in pages (``PagedKV``; ``kv_pages`` > 0: a
     store of that many ``page_tokens``-token pages of its own) instead of a ``max_len`` row per
     slot: a request reserves pages for prompt + max_tokens when it starts and waits while they
-    are short.
+    are short. ``kv_budget_tokens`` > 0 caps the KV tokens executing requests hold, preempting the
+    newest to stay under it (module docstring); it excludes paged KV and must be >= ``max_len``
+    (``check_kv_budget`` says why).
 
     Slots: running requests hold KV slots [0, len(running)), which decode reads as one slice. The
     request mid-prefill, if any, holds the slot right after them, outside the decode slice, and
@@ -189,13 +229,15 @@ class TorchEngine:
                  max_len: int = 512, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", weight_version: int = 0,
                  prefill_token_budget: int = 8192, prefill_chunk: int = 0,
-                 paged: PagedKV | None = None, kv_pages: int = 0, page_tokens: int = 16) -> None:
+                 paged: PagedKV | None = None, kv_pages: int = 0, page_tokens: int = 16,
+                 kv_budget_tokens: int = 0) -> None:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
                              f"prompts), got {prefill_chunk}")
+        check_kv_budget(kv_budget_tokens, max_len, paged is not None or kv_pages > 0)
         # transformers wraps PreTrainedModel.to in a decorator that mypy reads as unbound
         self._model = build_model(model, seed, dtype).to(device)  # type: ignore[arg-type]
         self._model.requires_grad_(False)
@@ -228,6 +270,10 @@ class TorchEngine:
         self._slot_of: dict[str, int] = {}  # running and partial requests
         self._weight_targets = self._state_dict_targets()
         self._last_step_prefill_tokens = 0
+        self._kv_budget = kv_budget_tokens
+        self._budget_left = 0  # of the KV budget, while a step admits requests
+        self._admissions = 0
+        self.preemptions = 0  # requests preempted for the KV budget, since start
 
     # ---- Engine interface ------------------------------------------------------------------
 
@@ -253,11 +299,7 @@ class TorchEngine:
         if rid in self._pending or rid in self._slot_of:
             raise EngineInputError(f"request {rid} is already queued or running; use a new id "
                                    "or abort it first")
-        self._pending[rid] = _Admitted(
-            request=request,
-            known_tokens=list(request.prompt_token_ids) + list(request.generated_token_ids),
-            stop_ids=frozenset(request.sampling.stop_token_ids),
-            generated=len(request.generated_token_ids))
+        self._pending[rid] = _admission(request)
 
     def abort(self, request_id: str) -> RequestOutput:
         if request_id in self._pending:
@@ -276,6 +318,7 @@ class TorchEngine:
     def step(self) -> list[RequestOutput]:
         with torch.inference_mode():
             logits = []
+            self._preempt_over_budget()
             if self._running:
                 self._bind_growth()
                 logits.append(self._forward.decode(
@@ -293,10 +336,12 @@ class TorchEngine:
     def load(self) -> EngineLoad:
         """``executing`` counts a request mid-prefill: it holds a KV slot, as running ones do."""
         executing = len(self._running) + (self._partial is not None)
+        capacity = self._cache.capacity_tokens
+        if self._kv_budget:  # the budget stands for the memory KV may take
+            capacity = min(capacity, self._kv_budget)
         return EngineLoad(pending=len(self._pending), executing=executing,
-                          kv_used_tokens=self._cache.used_tokens,
-                          kv_capacity_tokens=self._cache.capacity_tokens,
-                          weight_version=self._weight_version)
+                          kv_used_tokens=self._cache.used_tokens, kv_capacity_tokens=capacity,
+                          weight_version=self._weight_version, preemptions=self.preemptions)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Copies ``tensors`` (a full state_dict or any subset of it, e.g. a sparse delta) into
@@ -336,6 +381,7 @@ class TorchEngine:
     def _admit(self) -> list[torch.Tensor]:
         """Moves pending requests (FIFO) into free slots and prefills them in padded groups
         under the token budget; returns each group's last-token logits, in slot order."""
+        self._open_budget()
         admitted: list[_Admitted] = []
         while self._pending and len(self._running) + len(admitted) < self._cache.max_slots \
                 and self._reserve_next():
@@ -349,11 +395,8 @@ class TorchEngine:
         for group in self._prefill_groups(admitted):
             first_slot = len(self._running)
             for entry in group:
-                slot = self._cache.acquire()
-                self._bind(slot, entry, len(entry.known_tokens))
+                self._occupy(entry)
                 self._running.append(entry)
-                self._slot_of[entry.request.request_id] = slot
-                self._slot_sampling.set(slot, entry)
             logits.append(self._prefill(group, first_slot))
         return logits
 
@@ -362,6 +405,7 @@ class TorchEngine:
         then pending requests (FIFO) that fit whole in what is left, then the first that does not
         fit, partly. Returns the last-token logits of the requests whose prefill completed, in
         slot order (each is running now)."""
+        self._open_budget()
         budget = self._prefill_chunk
         logits: list[torch.Tensor] = []
         if self._partial is not None:
@@ -382,11 +426,17 @@ class TorchEngine:
         return logits
 
     def _begin_partial(self, entry: _Admitted) -> None:
+        self._occupy(entry)
+        self._partial = entry
+
+    def _occupy(self, entry: _Admitted) -> None:
+        """Gives ``entry`` the next free slot, with its sampling state and admission order."""
         slot = self._cache.acquire()
         self._bind(slot, entry, len(entry.known_tokens))
-        self._partial = entry
         self._slot_of[entry.request.request_id] = slot
         self._slot_sampling.set(slot, entry)
+        self._admissions += 1
+        entry.seq = self._admissions
 
     def _prefill_partial(self, budget: int, logits: list[torch.Tensor]) -> int:
         """Prefills the partial request's next chunk (at most ``budget`` tokens); if that was its
@@ -436,6 +486,7 @@ class TorchEngine:
         outputs, finished = [], []
         for slot, (entry, token, logprob) in enumerate(zip(self._running, tokens, logprobs)):
             entry.generated += 1
+            entry.emitted.append(token)  # what a preemption must prefill again
             # A stop token is part of the completion (the trainer scores and trains on it).
             if token in entry.stop_ids:
                 reason = "stop"
@@ -468,14 +519,68 @@ class TorchEngine:
             last += 1
         self._cache.release(last)  # the last occupied slot now: nothing moves
 
+    # ---- KV budget (``kv_budget_tokens``): preemption by recomputation -------------------------
+
+    def _executing(self) -> list[_Admitted]:
+        return self._running + ([self._partial] if self._partial is not None else [])
+
+    def _held_after_decode(self, entry: _Admitted, grow: int) -> int:
+        """KV tokens ``entry`` holds once it has decoded once more; ``grow`` = 1 counts the token
+        this step is sampling (admission runs before it is emitted). A request mid-prefill counts
+        whole (its known tokens + the token its first decode writes): it was admitted for all."""
+        if entry is self._partial:
+            return len(entry.known_tokens) + 1
+        return len(entry.known_tokens) + len(entry.emitted) + grow
+
+    def _open_budget(self) -> None:
+        """Before a step admits: reserves the next decode of every executing request, so a
+        request admitted now is not preempted by the very next step."""
+        if self._kv_budget:
+            self._budget_left = self._kv_budget - sum(
+                self._held_after_decode(entry, grow=1) for entry in self._executing())
+
+    def _take_budget(self, entry: _Admitted) -> bool:
+        need = len(entry.known_tokens) + 1  # its prefill, then the token its first decode writes
+        if need > self._budget_left:
+            return False  # FIFO: it waits at the head, later requests wait behind it
+        self._budget_left -= need
+        return True
+
+    def _preempt_over_budget(self) -> None:
+        """Before a decode: while it would take the executing requests past the budget, the
+        newest admitted one is preempted. The oldest always fits (``check_kv_budget``)."""
+        if not self._kv_budget:
+            return
+        held = sum(self._held_after_decode(entry, grow=0) for entry in self._executing())
+        while held > self._kv_budget:
+            victim = max(self._executing(), key=lambda entry: entry.seq)
+            held -= self._held_after_decode(victim, grow=0)
+            self._preempt(victim)
+
+    def _preempt(self, entry: _Admitted) -> None:
+        """Frees ``entry``'s slot and queues it first, as a resume of everything it generated,
+        so prefill recomputes its KV and sampling continues at the same (seed, position)."""
+        rid = entry.request.request_id
+        if entry is self._partial:
+            self._drop_partial()
+        else:
+            self._release(self._slot_of[rid])
+        generated = list(entry.request.generated_token_ids) + entry.emitted
+        self._pending[rid] = _admission(replace(entry.request, generated_token_ids=generated))
+        self._pending.move_to_end(rid, last=False)
+        self.preemptions += 1
+
     # ---- paged KV (``paged``): which pages a slot's KV lives in --------------------------------
 
     def _reserve_next(self) -> bool:
         """Whether the first pending request may start: with paged KV, its pages for the whole
-        request (prompt + what it may still generate) are reserved now, or it waits."""
+        request (prompt + what it may still generate) are reserved now, or it waits; with a KV
+        budget, what it holds after its first decode is taken from the budget, or it waits."""
+        entry = next(iter(self._pending.values()))
+        if self._kv_budget:
+            return self._take_budget(entry)
         if self._paged is None:
             return True
-        entry = next(iter(self._pending.values()))
         left = entry.request.sampling.max_tokens - entry.generated
         return self._paged.pages.reserve(entry.request.request_id, len(entry.known_tokens) + left)
 
