@@ -77,6 +77,16 @@ class TrainerConfig(ServiceConfig):
                                                    "queue there); 0 = unbounded")
     # RollPacker's tail batching (§3): short rounds of ceil(eta_P*P0) x ceil(eta_R*R0) that train
     # the first P0 prompts to finish R0 responses, long rounds of the deferred ones.
+    pipeline: Literal["stream", "sync"] = Field(
+        "stream", description="stream: rewards as completions arrive, micro-batches as groups "
+        "are rewarded; sync: the veRL-like baseline (rewards after the rollout, training after "
+        "the rewards)")
+    # Benchmark harness (bench_harness.py): never set in production.
+    bench_length_median: float = Field(0.0, ge=0, description="benchmark harness: responses "
+                                       "run a modelled long-tailed length around this median "
+                                       "(no stop tokens); 0 = off")
+    bench_reward_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each reward "
+                                        "also takes this long (a verifier's latency)")
     tail_batching: bool = Field(False, description="RollPacker's tail batching: speculative "
                                                    "short rounds, deferred prompts in long ones")
     eta_prompts: float = Field(1.25, ge=1, description="eta_P: prompts launched per prompt "

@@ -40,6 +40,7 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
+from rlharvest.services.trainer.bench_harness import LengthModel
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
@@ -141,6 +142,8 @@ class TrainerLoop:
                                  cfg.data_prompts or None, eta_prompts=cfg.eta_prompts,
                                  eta_responses=cfg.eta_responses) if cfg.tail_batching else None
         self._round: Round | None = None  # the round the step in progress runs
+        self._lengths = LengthModel(cfg.bench_length_median, cfg.max_new_tokens, cfg.data_seed) \
+            if cfg.bench_length_median else None
         self._rewards = RewardPool(self._setup.reward_fn or self._task_reward,
                                    max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
@@ -286,12 +289,15 @@ class TrainerLoop:
                                  temperature=cfg.temperature, top_p=cfg.top_p,
                                  stop_token_ids=list(self._tok.stop_ids),
                                  data_seed=cfg.data_seed,
-                                 no_worker_deadline_s=cfg.no_worker_deadline_s)
+                                 no_worker_deadline_s=cfg.no_worker_deadline_s,
+                                 lengths=self._lengths)
         assembler = GroupAssembler(spec)
+        sync = cfg.pipeline == "sync"  # the veRL-like baseline: one stage after the other
+        held: list[tuple[int, int, mpb.Completion]] = []  # sync: rewarded after the rollout
         ready: asyncio.Queue[ReadyGroup] = asyncio.Queue()
+        micro_batch = min(cfg.micro_batch_groups, spec.train_groups)
         train = StreamingStep(self._backend, num_groups=spec.train_groups,
-                              group_size=spec.group_size,
-                              micro_batch_groups=min(cfg.micro_batch_groups, spec.train_groups),
+                              group_size=spec.group_size, micro_batch_groups=micro_batch,
                               loss=self._loss,
                               pad_id=self._tok.pad_id, ref_model=self._ref_model,
                               ranks=self._ranks, clock=self._clock)
@@ -304,16 +310,20 @@ class TrainerLoop:
                 completion.request_id, item.prompt, text, item.answer,
                 reward_fn=self._setup.reward_of(item),
                 timeout_s=cfg.reward_timeout_of(self._setup.kind_of(item))))
+            if cfg.bench_reward_delay_s:
+                await asyncio.sleep(cfg.bench_reward_delay_s)  # benchmark harness
             if not outcome.ok:
                 self._record_reward_failure(spec.step, outcome)
             if group == 0 and sample == 0:  # one sample per step, to read what the policy writes
                 log.info("sample of step %d: reward %.3f for completion %s (reference %s)",
                          spec.step, outcome.reward, json.dumps(text), json.dumps(item.answer))
             done = assembler.reward(group, sample, outcome.reward)
+            phases["rewards"] = self._clock() - started
             if done is not None:
                 ready.put_nowait(done)
 
         remote: list[mpb.RemoteTimings] = []  # the manager's half of Algorithm 1's inputs
+        phases = {"rollout": 0.0, "rewards": 0.0}  # seconds from the step's start
         rewarding: dict[int, list[asyncio.Task]] = {}  # by group: a deferred one's are cancelled
 
         async def rollout(tasks: TaskGroup) -> None:
@@ -323,7 +333,11 @@ class TrainerLoop:
                 for delta in event.deltas:
                     assembler.delta(delta)
                 for completion in event.completions:
-                    if (place := assembler.completion(completion)) is not None:
+                    if (place := assembler.completion(completion)) is None:
+                        continue
+                    if sync:
+                        held.append((*place, completion))
+                    else:
                         rewarding.setdefault(place[0], []).append(
                             tasks.create_task(reward(*place, completion)))
                 for verdict in event.verdicts:  # after the completions that decided them
@@ -336,6 +350,10 @@ class TrainerLoop:
                 progress.completions = assembler.completions
                 progress.tokens_generated = assembler.tokens_generated
             assembler.check_complete()
+            phases["rollout"] = self._clock() - started
+            for group, sample, completion in held:  # sync: the reward stage starts now
+                if group not in assembler.deferred:
+                    tasks.create_task(reward(group, sample, completion))
 
         waited = 0.0
         try:
@@ -344,6 +362,8 @@ class TrainerLoop:
                 while train.groups_received < spec.train_groups:  # train on groups as they come
                     idle_since = self._clock()
                     groups = [await ready.get()]
+                    if sync:  # train after every group is rewarded, m_b groups at a time
+                        groups += [await ready.get() for _ in range(spec.train_groups - 1)]
                     wait = self._clock() - idle_since
                     waited += wait
                     metrics.MICRO_BATCH_WAIT.observe(wait)
@@ -351,7 +371,10 @@ class TrainerLoop:
                     # core trains them together (RLBoost §4.1) instead of m_b at a time.
                     while not ready.empty():
                         groups.append(ready.get_nowait())
-                    await self._run(train.add_groups, [self._rewarded(spec, g) for g in groups])
+                    cut = micro_batch if sync else len(groups)
+                    for first in range(0, len(groups), cut):
+                        await self._run(train.add_groups, [self._rewarded(spec, g)
+                                                           for g in groups[first:first + cut]])
                     progress.groups_trained = train.groups_received
         except BaseExceptionGroup as failed:
             # Rollout and rewards fail for one reason at a time; surface it, not the group.
@@ -380,7 +403,8 @@ class TrainerLoop:
             t_seed_s=self._instance_cap.window.schedule.t_seed if self._instance_cap else 0.0,
             published_version=self._version if self._publisher is not None else 0,
             round=spec.round, prompts_launched=len(spec.items),
-            prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded)
+            prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded,
+            rollout_s=phases["rollout"], rewards_s=phases["rewards"])
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
         # Looked up per call: a resume replaces the dataset, and with it the task's state.

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
+from rlharvest.services.trainer.bench_harness import LengthModel
 from rlharvest.services.trainer.tasks import TaskItem
 
 
@@ -74,17 +75,21 @@ class StepSpec:
 
 def submit_request(spec: StepSpec, *, max_new_tokens: int, temperature: float, top_p: float,
                    stop_token_ids: Sequence[int], data_seed: int,
-                   no_worker_deadline_s: float) -> mpb.SubmitStepRequest:
-    """The SubmitStep of a step: R0 samples of each of the P0 prompts, one GRPO group each."""
+                   no_worker_deadline_s: float,
+                   lengths: LengthModel | None = None) -> mpb.SubmitStepRequest:
+    """The SubmitStep of a step: R0 samples of each of the P0 prompts, one GRPO group each.
+    ``lengths`` (benchmarks only): each request runs exactly its modelled length."""
     requests = []
     for g, prompt in enumerate(spec.prompts):
         for r in range(spec.samples_per_prompt):
+            max_tokens = lengths.tokens(spec.items[g].index, spec.step, r) if lengths else \
+                max_new_tokens
             requests.append(mpb.RolloutRequest(
                 request_id=request_id(spec.step, g, r), group_id=f"s{spec.step}-g{g}",
                 prompt_token_ids=prompt,
                 sampling=common_pb2.SamplingParams(
-                    temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                    stop_token_ids=list(stop_token_ids),
+                    temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                    stop_token_ids=[] if lengths else list(stop_token_ids),
                     seed=sample_seed(data_seed, spec.step, g, r))))
     acceptance = (mpb.Acceptance(prompts=spec.accept.prompts, responses=spec.accept.responses)
                   if spec.accept else None)

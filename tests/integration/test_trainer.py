@@ -246,7 +246,8 @@ def test_bad_config_is_refused_with_the_key_named():
     assert "micro_batch_groups (9) exceeds prompts_per_step (4)" in result.stderr
 
 
-async def test_tail_batching_trains_every_prompt_once_across_a_sigkill(stack, tmp_path):
+async def test_tail_batching_trains_every_prompt_once_across_a_sigkill(stack, etcd_client,
+                                                                     tmp_path):
     """RollPacker's rounds on real processes: short rounds of 6 prompts accept 4 and defer 2, a
     long round runs the deferred 4, the queue survives a SIGKILL through the checkpoint, and at
     the end of the data every prompt has trained once and no worker holds a request."""
@@ -282,3 +283,24 @@ async def test_tail_batching_trains_every_prompt_once_across_a_sigkill(stack, tm
     assert final == {"position": 16, "deferred": []}
     status = await manager_status(manager.endpoint)
     assert status.in_flight == 0 and all(w.assigned == 0 for w in status.workers)
+
+
+async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_a_time(
+        stack, etcd_client):
+    """The veRL-like pipeline the benchmarks compare against (--pipeline sync): rewards start
+    after the last completion, training after the last reward, in ceil(P0 / m_b) micro-batches;
+    with the length model every response runs its modelled length."""
+    await start_job(stack, 2)
+    trainer, _ = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--pipeline", "sync", "--steps", "2",
+        "--prompts-per-step", "5", "--samples-per-prompt", "2", "--micro-batch-groups", "2",
+        "--bench-length-median", "3", "--max-new-tokens", "12", "--bench-reward-delay-s", "0.05")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.micro_batches for s in st.steps] == [3, 3]  # 2 + 2 + 1 groups, never merged
+    # Nothing trained while rewards were pending: the trainer waited at least one reward delay.
+    assert all(s.micro_batch_wait_s >= 0.05 for s in st.steps)
+    from rlharvest.services.trainer.bench_harness import LengthModel
+    model = LengthModel(3, 12, 0)
+    expected = [sum(model.tokens(i, step, r) for i in items for r in range(2))
+                for step, items in ((1, range(5)), (2, range(5, 10)))]
+    assert [s.tokens for s in st.steps] == expected

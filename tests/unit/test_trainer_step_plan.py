@@ -91,3 +91,31 @@ def test_preemption_schedule_kills_only_a_worker_that_holds_requests_then_replac
     assert s.decide(4, spot_assigned=4) == [Kill(4)]
     assert s.decide(6, spot_assigned=0) == [Replace(6)]
     assert s.decide(9, spot_assigned=9) == []
+
+
+def test_the_benchmark_length_model_is_long_tailed_capped_and_keeps_a_prompts_difficulty():
+    from rlharvest.services.trainer.bench_harness import LengthModel
+
+    model = LengthModel(median=20, cap=400, seed=1)
+    lengths = [model.tokens(p, 1, r) for p in range(64) for r in range(4)]
+    ratio = max(lengths) / sorted(lengths)[len(lengths) // 2]
+    assert 8 < ratio < 40 and all(2 <= n <= 400 for n in lengths)  # RollPacker §2: ~20x
+    hard = max(range(64), key=lambda p: model.tokens(p, 1, 0))
+    # A hard prompt stays hard in its later attempt (a long round) whatever the noise.
+    assert sum(model.tokens(hard, 9, r) for r in range(8)) > \
+        sum(model.tokens(p, 9, r) for p in range(64) for r in range(8)) / 64
+    assert LengthModel(median=50, cap=10).tokens(0, 1, 0) <= 10
+
+
+def test_with_a_length_model_each_request_runs_its_modelled_length_without_stop_tokens():
+    from rlharvest.services.trainer.bench_harness import LengthModel
+
+    s = step_spec()
+    model = LengthModel(median=6, cap=30, seed=2)
+    request = submit_request(s, max_new_tokens=30, temperature=1.0, top_p=1.0,
+                             stop_token_ids=[2], data_seed=0, no_worker_deadline_s=9,
+                             lengths=model)
+    for r in request.requests:
+        group, sample = GroupAssembler(s).parse(r.request_id)
+        assert r.sampling.max_tokens == model.tokens(s.items[group].index, s.step, sample)
+        assert not r.sampling.stop_token_ids

@@ -1,0 +1,32 @@
+"""Benchmark harness of the trainer: response lengths from a model instead of from the policy.
+
+A tiny policy on a CPU stops when it samples EOS, which neither has the long tail RL workloads
+have (RollPacker §2: max/median response length ~20x) nor stays put while it learns. With
+``--bench-length-median`` each request runs exactly a modelled number of tokens (no stop
+tokens): a per-prompt difficulty that persists across the prompt's attempts (log-normal around
+the median) times per-response noise (log-normal), capped at ``max_new_tokens`` — the model of
+``bench/tail_batching.py``. Only benchmarks set it; the tokens trained are real.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    median: float
+    cap: int
+    seed: int = 0
+    prompt_sigma: float = 0.9  # spread of prompt difficulty: max/median near 20x at 64 prompts
+    response_sigma: float = 0.5
+
+    def tokens(self, prompt_index: int, step: int, sample: int) -> int:
+        """Length of one response: the prompt's difficulty x this response's noise."""
+        difficulty = random.Random(f"{self.seed}-p{prompt_index}").lognormvariate(
+            math.log(self.median), self.prompt_sigma)
+        noise = random.Random(f"{self.seed}-p{prompt_index}-s{step}-r{sample}").lognormvariate(
+            0.0, self.response_sigma)
+        return max(2, min(self.cap, round(difficulty * noise)))
