@@ -6,13 +6,18 @@ have (RollPacker §2: max/median response length ~20x) nor stays put while it le
 tokens): a per-prompt difficulty that persists across the prompt's attempts (log-normal around
 the median) times per-response noise (log-normal), capped at ``max_new_tokens`` — the model of
 ``bench/tail_batching.py``. Only benchmarks set it; the tokens trained are real.
+``--bench-reward-delay-s`` makes each reward take that much longer (``delayed``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import random
 from dataclasses import dataclass
+
+from rlharvest.services.trainer.rewards.pool import RewardFn
 
 
 @dataclass(frozen=True)
@@ -30,3 +35,16 @@ class LengthModel:
         noise = random.Random(f"{self.seed}-p{prompt_index}-s{step}-r{sample}").lognormvariate(
             0.0, self.response_sigma)
         return max(2, min(self.cap, round(difficulty * noise)))
+
+
+def delayed(fn: RewardFn, delay_s: float) -> RewardFn:
+    """``fn`` that first waits ``delay_s`` (a verifier's latency), inside the reward pool's slot
+    like real verification work, so the pool's concurrency bounds it."""
+
+    async def slow(prompt: str, completion: str, reference: str) -> float:
+        await asyncio.sleep(delay_s)
+        if inspect.iscoroutinefunction(fn):
+            return await fn(prompt, completion, reference)
+        return await asyncio.to_thread(fn, prompt, completion, reference)  # type: ignore[arg-type]
+
+    return slow

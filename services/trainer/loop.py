@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -40,13 +40,18 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
-from rlharvest.services.trainer.bench_harness import LengthModel
+from rlharvest.services.trainer.bench_harness import LengthModel, delayed
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.trainer.instance_cap import InstanceCap
-from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
+from rlharvest.services.trainer.rewards.pool import (
+    RewardFn,
+    RewardOutcome,
+    RewardPool,
+    RewardRequest,
+)
 from rlharvest.services.trainer.shard_publish import ShardTarget
 from rlharvest.services.trainer.step_plan import (
     Acceptance,
@@ -144,7 +149,7 @@ class TrainerLoop:
         self._round: Round | None = None  # the round the step in progress runs
         self._lengths = LengthModel(cfg.bench_length_median, cfg.max_new_tokens, cfg.data_seed) \
             if cfg.bench_length_median else None
-        self._rewards = RewardPool(self._setup.reward_fn or self._task_reward,
+        self._rewards = RewardPool(self._harness(self._setup.reward_fn or self._task_reward),
                                    max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
@@ -308,10 +313,8 @@ class TrainerLoop:
             text = self._tok.decode(completion.token_ids)
             outcome = await self._rewards.score(RewardRequest(
                 completion.request_id, item.prompt, text, item.answer,
-                reward_fn=self._setup.reward_of(item),
+                reward_fn=self._harness(self._setup.reward_of(item)),
                 timeout_s=cfg.reward_timeout_of(self._setup.kind_of(item))))
-            if cfg.bench_reward_delay_s:
-                await asyncio.sleep(cfg.bench_reward_delay_s)  # benchmark harness
             if not outcome.ok:
                 self._record_reward_failure(spec.step, outcome)
             if group == 0 and sample == 0:  # one sample per step, to read what the policy writes
@@ -405,6 +408,16 @@ class TrainerLoop:
             round=spec.round, prompts_launched=len(spec.items),
             prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded,
             rollout_s=phases["rollout"], rewards_s=phases["rewards"])
+
+    @overload
+    def _harness(self, fn: RewardFn) -> RewardFn: ...
+    @overload
+    def _harness(self, fn: None) -> None: ...
+
+    def _harness(self, fn: RewardFn | None) -> RewardFn | None:
+        """A reward as the benchmark harness slows it (``--bench-reward-delay-s``)."""
+        delay = self._cfg.bench_reward_delay_s
+        return delayed(fn, delay) if fn is not None and delay else fn
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
         # Looked up per call: a resume replaces the dataset, and with it the task's state.
