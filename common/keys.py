@@ -6,6 +6,9 @@
 /rlharvest/v1/weights/<job>/announced            latest weight version announced for a job
 /rlharvest/v1/weights/<job>/holders/<agent_id>   which agents hold which versions (transfer agents)
 /rlharvest/v1/pairing/<worker_id>                the transfer agent a rollout worker pulls from
+/rlharvest/v1/jobs/<job>/instance_cap            the job's remote-instance cap N_prem {"n_prem"}
+/rlharvest/v1/jobs/<job>/tp_plan                 the job's advisory TP plan (RollPacker §4.2),
+                                                 written by its manager with --tp-planner
 /rlharvest/v1/lending/<coexec_id>                the job a serving co-executor is lent to (ROSE
                                                  §5): {"job", "manager"}, on the manager's lease
 /rlharvest/v1/placement/...                      placement scheduler state (nodes, groups, permits)
@@ -79,6 +82,14 @@ def instance_cap_key(job: str) -> str:
     cap. Its controller writes it; the job's manager holds workers beyond it as standby, and an
     autoscaler reads it to start no more spot instances than will be used."""
     return f"{ROOT}/jobs/{_segment(job, 'job')}/instance_cap"
+
+
+def tp_plan_key(job: str) -> str:
+    """The job's TP plan (RollPacker §4.2 "Adaptive TP Selection"): the TP size of the next short
+    and long round and the planner state behind it (``rollout_manager/tp_accounting.py``,
+    ``plan_record``). Its manager writes it after each step when run with ``--tp-planner`` and
+    reads it back at start; advisory: an operator, an autoscaler or a vLLM deployment applies it."""
+    return f"{ROOT}/jobs/{_segment(job, 'job')}/tp_plan"
 
 
 def pairing_key(worker_id: str) -> str:

@@ -16,11 +16,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlharvest.common import registry, rpc
+from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.hf_checkpoint import build_checkpoint_command
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.services.spot_replay import SpotReplay, load_trace
 from rlharvest.services.train_command import train
 from rlharvest.services.trainer.gsm8k import make_dataset
@@ -174,7 +175,8 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
     if managers:
         table = Table(title="rollout managers")
         for column in ("manager", "job", "workers", "in flight", "waiting", "tokens",
-                       "migrations", "tokens regenerated", "completions", "failures"):
+                       "migrations", "tokens regenerated", "completions", "failures",
+                       "TP plan"):
             table.add_column(column)
         for row in managers:
             table.add_row(*row)
@@ -207,20 +209,36 @@ async def _collect_managers(endpoint: str, timeout: float) -> list[tuple[str, ..
     client = await registry.connect(endpoint)
     try:
         members = await registry.list_members(client, "rollout_manager")
+        plans = {job: await _tp_plan(client, job)
+                 for job in {str(info.get("job", "")) for info in members.values()}}
     finally:
         await client.close()
     rows = []
     for key, info in sorted(members.items()):
         st = await _manager_status(info["endpoint"], timeout)
         name = key.rsplit("/", 1)[-1]
+        plan = plans.get(str(info.get("job", "")), "")
         if st is None:
-            rows.append((name, info.get("job", ""), "unreachable", *[""] * 7))
+            rows.append((name, info.get("job", ""), "unreachable", *[""] * 7, plan))
             continue
         healthy = sum(w.state == "healthy" for w in st.workers)
         rows.append((name, info.get("job", ""), f"{healthy}/{len(st.workers)}", str(st.in_flight),
                      str(st.waiting), str(st.tokens_generated), str(st.migrations),
-                     str(st.tokens_regenerated), str(st.completions), str(st.failures)))
+                     str(st.tokens_regenerated), str(st.completions), str(st.failures), plan))
     return rows
+
+
+async def _tp_plan(client, job: str) -> str:
+    """The job's advisory TP plan (a manager with --tp-planner writes it), as "short 1 / long
+    2"; "" when there is none."""
+    if not job or "/" in job:
+        return ""
+    found = await client.get(keys.tp_plan_key(job).encode())
+    try:
+        record = parse_plan_record(None if found is None else found.value)
+    except ValueError:
+        return "malformed"
+    return "" if record is None else f"short {record.plan.short_tp} / long {record.plan.long_tp}"
 
 
 async def _manager_status(endpoint: str, timeout: float):

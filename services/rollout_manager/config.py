@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from rlharvest.services.rollout_manager.tp_planner import TpPlanner
 
 
 class ManagerConfig(ServiceConfig):
@@ -45,9 +46,26 @@ class ManagerConfig(ServiceConfig):
                                "rollout model are borrowed")
     lending_interval_s: float = Field(1.0, gt=0, description="how often claims are checked "
                                       "besides on every etcd change")
+    tp_planner: bool = Field(
+        False, description="RollPacker's TP planner (advisory): after each step, double the TP "
+                           "size of its round kind on a >1.05x rise in the workers' KV "
+                           "preemptions, halve it after 4 steps without; the plan is written to "
+                           "etcd (jobs/<job>/tp_plan) for an operator, autoscaler or vLLM "
+                           "deployment: this manager's workers keep their TP size. Steps with an "
+                           "acceptance rule are short rounds, all other steps long rounds")
+    gpus_per_node: int = Field(8, ge=1, description="TP planner: GPUs per rollout node, the "
+                               "largest TP size (a power of two: a TP group stays in one node)")
+    initial_tp: int = Field(1, ge=1, description="TP planner: the TP size it starts from (a "
+                            "power of two <= gpus_per_node; the offline profile's best); a plan "
+                            "stored in etcd by a previous manager of the job takes precedence")
     client_queue: int = Field(64, ge=1, description="events buffered per client stream; a slower "
                                                      "client slows delivery beyond this")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _tp_planner_fits(self) -> ManagerConfig:
+        TpPlanner(self.gpus_per_node, self.initial_tp)  # its own checks: powers of two, bounds
+        return self

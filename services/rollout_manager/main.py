@@ -14,6 +14,8 @@ from rlharvest.services.rollout_manager.control_loop import ControlConfig, Rollo
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.lender import Lender
 from rlharvest.services.rollout_manager.service import ManagerService
+from rlharvest.services.rollout_manager.tp_planner import TpPlanner
+from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
 from rlharvest.services.rollout_manager.tracker import StepLimits
 
 log = logging.getLogger("rlharvest.rollout_manager")
@@ -38,9 +40,14 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
 
 async def build(host: Host[ManagerConfig]) -> Parts:
     cfg = host.config
+    publisher = None
+    if cfg.tp_planner:  # advisory: the plan goes to etcd, the workers keep their TP size
+        publisher = TpPublisher(host.etcd, TpPlanner(cfg.gpus_per_node, cfg.initial_tp),
+                                job=cfg.job, manager_id=cfg.manager_id)
+        await publisher.load()  # before the first step: a restarted manager resumes
     service = ManagerService(build_control(cfg), host.etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
-                             tick_interval_s=cfg.rebalance_interval_s)
+                             tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher)
     log.info("manager %s for job %s", cfg.manager_id, cfg.job)
     loops = [Loop("watch workers", service.watch_workers),
              Loop("watch co-executors", service.watch_coexecutors),
@@ -51,6 +58,8 @@ async def build(host: Host[ManagerConfig]) -> Parts:
                         job=cfg.job, manager_id=cfg.manager_id, limit=cfg.max_serving_workers,
                         model=cfg.rollout_model, interval_s=cfg.lending_interval_s)
         loops.append(Loop("borrow co-executors", lender.run, on_crash="restart"))
+    if publisher is not None:
+        loops.append(Loop("publish TP plan", publisher.run, on_crash="restart"))
     return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job},
                  servicers=[Servicer(service, rollout_manager_pb2_grpc
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],

@@ -37,3 +37,9 @@ SERVING_CLAIMS = Counter("rlh_manager_serving_claims_total", "Lending claims by 
 TOKENS_DISCARDED = Counter("rlh_manager_tokens_discarded_total", "Tokens of requests a step's "
                            "policy cancelled (tail batching: deferred or surplus responses; "
                            "regenerated on-policy later, never trained)")
+TP_PLAN = Gauge("rlh_manager_tp_plan", "RollPacker's TP plan (--tp-planner, advisory): the TP "
+                "size of the next round of each kind (short: tail batching's short rounds; long: "
+                "every other step)", ["kind"])
+PREEMPTIONS = Counter("rlh_manager_preemptions_total", "KV preemptions the job's workers reported "
+                      "(increases of their Load.preemptions totals; a worker's first total is its "
+                      "baseline)")

@@ -29,7 +29,10 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
+from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
+from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
+from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
 from rlharvest.services.rollout_manager.tracker import DeltaLike, NewRequest, RequestState
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
 
@@ -45,7 +48,8 @@ def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
-                 client_queue: int, tick_interval_s: float):
+                 client_queue: int, tick_interval_s: float,
+                 tp_publisher: TpPublisher | None = None):
         self._control = control
         self._etcd = etcd
         self._job = job
@@ -61,6 +65,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) over the last 5 s
         self._rate_tokens = 0
         self._last_remote: mpb.RemoteTimings | None = None
+        # RollPacker's TP planner (--tp-planner): preemptions per step, finished lengths per step.
+        self._preemptions = PreemptionTally()
+        self._tp = tp_publisher
+        self._step_lengths: dict[int, list[int]] = {}  # step key -> finished response lengths
         self.accepting = True
 
     def stop_accepting(self) -> None:
@@ -173,6 +181,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             await self._on_step(worker_id, event.step)
         elif which == "load":
             self._control.worker_load(worker_id, event.load.pending, event.load.executing)
+            self._count_preemptions(worker_id, event.load.preemptions)
         elif which == "error":
             error = event.error
             self._execute(self._control.command_refused(worker_id, error.request_id, error.code,
@@ -190,6 +199,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         report = control.step_outputs(worker_id, step.deltas)
         load = step.load
         control.worker_load(worker_id, load.pending, load.executing)
+        self._count_preemptions(worker_id, load.preemptions)  # before this event's completions
         control.engine_step(worker_id, step.stats)
         tokens = report.accepted_tokens
         metrics.TOKENS.inc(tokens)
@@ -275,6 +285,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         """The completion is in its client's stream: delivered, as far as the core is told."""
         metrics.COMPLETIONS.labels(outcome).inc()
         stream = self._streams.pop(request_id)
+        lengths = self._step_lengths.get(stream.step.key)
+        if lengths is not None and outcome == "finished":
+            lengths.append(len(self._control.tracker.get(request_id).token_ids))
         step = self._control.deliver(request_id, succeeded=outcome == "finished")
         policy = stream.step.policy
         if isinstance(policy, TailBatchingStep):  # before the step's end, if this was its last
@@ -288,7 +301,30 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             remote = mpb.RemoteTimings(**dataclasses.asdict(step.remote))
             self._last_remote = remote
             metrics.observe_remote(step.remote)
+        self._plan_tp(step)
         stream.end(remote)
+
+    # ---- RollPacker's TP planner (advisory; tp_publisher.py) -----------------------------------
+
+    def _count_preemptions(self, worker_id: str, total: int) -> None:
+        new = self._preemptions.report(worker_id, max(total, 0))
+        if new:
+            metrics.PREEMPTIONS.inc(new)
+
+    def _plan_tp(self, step: Step) -> None:
+        """The step finished: its preemptions (the increase of the workers' totals while it ran)
+        and its finished response lengths go to the planner; the plan is written in the
+        background. Steps with an acceptance rule are short rounds, all others long ones."""
+        preemptions = self._preemptions.close(step.key)
+        lengths = self._step_lengths.pop(step.key, None)
+        if self._tp is None or preemptions is None or lengths is None:
+            return
+        try:
+            self._tp.step_ended(step.step_id, round_kind(isinstance(step.policy,
+                                                                    TailBatchingStep)),
+                                preemptions, lengths)
+        except Exception:  # advisory: the planner must never break a step's stream
+            log.exception("TP planner: step %s not observed", step.step_id)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -332,6 +368,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             metrics.STEPS.labels("refused").inc()
             await errors.abort(context, exc)
         metrics.STEPS.labels("accepted").inc()
+        if self._tp is not None and profiled:  # a step of the RL loop, not a single Generate
+            self._preemptions.open(step.key)
+            self._step_lengths[step.key] = []
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream
@@ -349,6 +388,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def _abandon(self, stream: ClientStream) -> None:
         """The client went away (or its step ended): the core drops what it still had."""
         self._execute(self._control.abandon_step(stream.step))
+        self._preemptions.drop(stream.step.key)  # a step that finished has closed it already
+        self._step_lengths.pop(stream.step.key, None)
         for rid in stream.step.request_ids:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]

@@ -5,6 +5,7 @@ short round (a step with an acceptance rule ends at P0 accepted prompts and canc
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import urllib.request
@@ -315,3 +316,61 @@ async def test_a_rule_the_step_cannot_meet_is_refused_with_invalid_argument(clus
                 pass
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "fewer than the 3 it must accept" in refused.value.details()
+
+
+# ---- RollPacker's TP planner (--tp-planner): advisory, published in etcd ------------------------
+
+async def test_the_tp_planner_publishes_a_plan_from_the_workers_preemptions(stack, etcd_client):
+    """A worker whose KV budget holds one request preempts; the manager counts the increase of
+    its reported total per step, feeds the planner (steps without an acceptance rule are long
+    rounds) and writes the plan to etcd: a rise of over 1.05x doubles the long rounds' TP. A
+    restarted manager resumes the planner from the record."""
+    from rlharvest.services.cli import _tp_plan
+
+    worker = launch_worker(stack, "w0", "--max-len", "64", "--kv-budget-tokens", "64",
+                           "--max-running", "8")
+    manager = start_manager(stack, "--tp-planner", "--theta", "8")
+    wait_serving(worker, 120)
+    await wait_workers(manager.endpoint, 1)
+    key = keys.tp_plan_key("default").encode()
+
+    async def plan_after(steps: int) -> dict:
+        deadline = time.monotonic() + 10  # written in the background, after the step's end
+        while True:
+            found = await etcd_client.get(key)
+            if found is not None and json.loads(found.value)["steps"] >= steps:
+                return json.loads(found.value)
+            assert time.monotonic() < deadline, found
+            await asyncio.sleep(0.05)
+
+    def worker_preemptions() -> float:
+        return scrape(worker.metrics_port).get("rlh_worker_preemptions_total", 0.0)
+
+    done = await run_step(manager.endpoint, step_request(2, 30, prefix="a"))  # 2 x 34 > 64
+    assert not any(c.failed for c in done.values())
+    p1 = worker_preemptions()
+    first = await plan_after(1)
+    assert p1 > 0 and first["last_step"]["preemptions"] == p1, (p1, first)
+    assert (first["short_tp"], first["long_tp"]) == (1, 1)  # the first step sets the baseline
+    assert first["last_step"]["kind"] == "long" and first["last_step"]["responses"] == 2
+
+    done = await run_step(manager.endpoint, step_request(8, 48, prefix="b"))
+    assert not any(c.failed for c in done.values())
+    p2 = worker_preemptions() - p1
+    assert p2 > 1.05 * p1, (p1, p2)  # the setup's claim: more requests, more pressure
+    second = await plan_after(2)
+    assert second["last_step"]["preemptions"] == p2
+    assert (second["short_tp"], second["long_tp"]) == (1, 2), second
+    samples = scrape(manager.metrics_port)
+    assert samples["rlh_manager_preemptions_total"] == p1 + p2
+    assert samples['rlh_manager_tp_plan{kind="long"}'] == 2
+    assert samples['rlh_manager_tp_plan{kind="short"}'] == 1
+    assert await _tp_plan(etcd_client, "default") == "short 1 / long 2"  # `rlharvest status`
+
+    manager.process.kill()  # a new manager resumes the planner from the record
+    manager = start_manager(stack, "--tp-planner", "--manager-id", "manager-1")
+    await wait_workers(manager.endpoint, 1)
+    assert scrape(manager.metrics_port)['rlh_manager_tp_plan{kind="long"}'] == 2
+    await run_step(manager.endpoint, step_request(1, 8, prefix="c"))  # no pressure
+    third = await plan_after(3)
+    assert third["last_step"]["preemptions"] == 0 and third["long_tp"] == 2, third
