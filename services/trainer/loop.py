@@ -64,7 +64,12 @@ from rlharvest.services.trainer.step_plan import (
     resume_version,
     submit_request,
 )
-from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep
+from rlharvest.services.trainer.stream_trainer import (
+    Completion,
+    RewardedGroup,
+    StepStats,
+    StreamingStep,
+)
 from rlharvest.services.trainer.tail_batcher import Round, TailBatcher
 from rlharvest.services.trainer.task_setup import build_task_setup
 from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset, TaskItem
@@ -384,17 +389,14 @@ class TrainerLoop:
             raise next((e for e in failed.exceptions
                         if not isinstance(e, asyncio.CancelledError)), failed) from None
         progress.phase = "optimizer"
-        stats = await self._run(train.finish)  # the one optimizer step of this RL step
+        stats = await self._apply(spec, train, assembler)
         n_prem = 0
         if self._instance_cap is not None:
             n_prem = await self._instance_cap.after_step(
                 stats.compute_s, waited, remote[-1] if remote else None) or 0
-        self._step = spec.step
-        self._commit_round(spec, assembler)  # with the step: a retried one never commits
         elapsed = self._clock() - started
 
         if self._publisher is not None:
-            self._version += 1
             await self._start_publish(self._version)
         return tpb.StepSummary(
             step=spec.step, weight_version=spec.weight_version, mean_reward=stats.mean_reward,
@@ -418,6 +420,28 @@ class TrainerLoop:
         """A reward as the benchmark harness slows it (``--bench-reward-delay-s``)."""
         delay = self._cfg.bench_reward_delay_s
         return delayed(fn, delay) if fn is not None and delay else fn
+
+    async def _apply(self, spec: StepSpec, train: StreamingStep,
+                     assembler: GroupAssembler) -> StepStats:
+        """The one optimizer step of this RL step, and with it the step count, the round and
+        the version the weights now carry. Once the optimizer runs it finishes even if the step
+        is cancelled (SIGTERM), and the bookkeeping with it: a goodbye checkpoint then holds the
+        updated weights with their step, queue and version, never the old ones."""
+
+        async def apply() -> StepStats:
+            stats = await self._run(train.finish)
+            self._step = spec.step
+            self._commit_round(spec, assembler)  # with the step: a retried one never commits
+            if self._publisher is not None:
+                self._version += 1
+            return stats
+
+        task = asyncio.ensure_future(apply())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            raise
 
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
         # Looked up per call: a resume replaces the dataset, and with it the task's state.

@@ -127,7 +127,7 @@ class GroupAssembler:
         plain = spec.accept is None
         self._groups = [_Group(accepted=True if plain else None) for _ in spec.items]
         self.completions = 0  # finished ones
-        self.cancelled = 0
+        self.cancelled = 0  # a short round's cancelled and failed requests
         self.tokens_generated = 0
         self.tokens_discarded = 0
         self.migrations = 0
@@ -157,7 +157,9 @@ class GroupAssembler:
         g = self._groups[group]
         if sample in g.completions:
             raise ValueError(f"request {completion.request_id} completed twice")
-        if completion.cancelled and self._spec.accept is not None:
+        if (completion.cancelled or completion.failed) and self._spec.accept is not None:
+            # A short round: cancelled by the rule, or failed — which, by the manager's rule,
+            # does not count towards its group (too few accepted groups: check_complete).
             g.completions[sample] = completion
             self.cancelled += 1
             return None
