@@ -226,7 +226,9 @@ class TrainerLoop:
         count = self._cfg.prompts_per_step
         if self._cfg.data_prompts:
             count = min(count, self._cfg.data_prompts - self._data.state().position)
-        return self._spec(tuple(self._data.next_batch(count)), self._cfg.samples_per_prompt)
+        # Peeked, not taken: the data position moves with the step (_commit_data), so a step
+        # cancelled before its optimizer step leaves its prompts to the resumed run.
+        return self._spec(tuple(self._data.peek(count)), self._cfg.samples_per_prompt)
 
     def _round_spec(self, round_: Round) -> StepSpec:
         """A tail batching round as a step: a short round carries its acceptance rule."""
@@ -242,10 +244,12 @@ class TrainerLoop:
                                       for it in items),
                         samples_per_prompt=responses, accept=accept, round=round_kind)
 
-    def _commit_round(self, spec: StepSpec, assembler: GroupAssembler) -> None:
-        """After the optimizer step, with the step count: the round's prompts are spent."""
-        if self._tail is None or self._round is None:
+    def _commit_data(self, spec: StepSpec, assembler: GroupAssembler) -> None:
+        """After the optimizer step, with the step count: the step's prompts are spent."""
+        if self._tail is None:
+            self._data.seek(self._data.state().position + len(spec.items))
             return
+        assert self._round is not None, "a tail batching step runs a planned round"
         self._tail.commit(self._round, [spec.items[g].index for g in assembler.accepted])
         self._round = None
         self._data.seek(self._tail.position)
@@ -431,7 +435,7 @@ class TrainerLoop:
         async def apply() -> StepStats:
             stats = await self._run(train.finish)
             self._step = spec.step
-            self._commit_round(spec, assembler)  # with the step: a retried one never commits
+            self._commit_data(spec, assembler)  # with the step: a retried one never commits
             if self._publisher is not None:
                 self._version += 1
             return stats

@@ -132,6 +132,11 @@ class TaskDataset:
             raise ValueError(f"position must be >= 0, got {position}")
         self._position = position
 
+    def peek(self, count: int) -> list[TaskItem]:
+        """The next ``count`` items, the position left where it is (``seek`` past them once
+        they trained)."""
+        return [self.task.item(self._position + i) for i in range(count)]
+
     def next_batch(self, count: int) -> list[TaskItem]:
         items = [self.task.item(self._position + i) for i in range(count)]
         self._position += count
