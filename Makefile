@@ -10,6 +10,8 @@ SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
+	@# Prometheus for `rlharvest up --prometheus` (and its test): the Debian package.
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus; }
 	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
