@@ -9,6 +9,9 @@
 /rlharvest/v1/jobs/<job>/instance_cap            the job's remote-instance cap N_prem {"n_prem"}
 /rlharvest/v1/jobs/<job>/tp_plan                 the job's advisory TP plan (RollPacker §4.2),
                                                  written by its manager with --tp-planner
+/rlharvest/v1/jobs/<job>/stream_scale            the job's last stream-trainer scale-down
+                                                 (RollPacker §4.4): workers lent to training
+                                                 and when they are back (--stream-scaling)
 /rlharvest/v1/lending/<coexec_id>                the job a serving co-executor is lent to (ROSE
                                                  §5): {"job", "manager"}, on the manager's lease
 /rlharvest/v1/placement/...                      placement scheduler state (nodes, groups, permits)
@@ -90,6 +93,15 @@ def tp_plan_key(job: str) -> str:
     ``plan_record``). Its manager writes it after each step when run with ``--tp-planner`` and
     reads it back at start; advisory: an operator, an autoscaler or a vLLM deployment applies it."""
     return f"{ROOT}/jobs/{_segment(job, 'job')}/tp_plan"
+
+
+def stream_scale_key(job: str) -> str:
+    """The job's last stream-trainer scale-down (RollPacker §4.4, Algorithm 1 lines 13-21): which
+    rollout workers its manager lent to training for the rest of which step, the projection
+    behind it, and "returned" once the step ended (``rollout_manager/stream_accounting.py``,
+    ``scale_record``). Its manager writes it when run with ``--stream-scaling``; advisory: a
+    trainer or an autoscaler may run training on the lent workers' GPUs until then."""
+    return f"{ROOT}/jobs/{_segment(job, 'job')}/stream_scale"
 
 
 def pairing_key(worker_id: str) -> str:

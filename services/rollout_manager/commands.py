@@ -13,8 +13,9 @@ from typing import Literal, Union
 
 # Why a request left a worker. "pending" and "executing" are Algorithm 2's two migration cases;
 # "refused": the worker turned the request down in a way another worker may not (failure.py).
+# "scale_down": its worker was lent to training (stream-trainer scaling, stream_scaler.py).
 MigrationCause = Literal["pending", "executing", "drain", "version", "lost", "protocol",
-                         "refused"]
+                         "refused", "scale_down"]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,20 @@ class ManagerConfig(ServiceConfig):
     initial_tp: int = Field(1, ge=1, description="TP planner: the TP size it starts from (a "
                             "power of two <= gpus_per_node; the offline profile's best); a plan "
                             "stored in etcd by a previous manager of the job takes precedence")
+    stream_scaling: bool = Field(
+        False, description="RollPacker's stream-trainer scaling: at 20-50% of a SubmitStep's "
+                           "requests done, if the remaining requests' projected peak KV fits the "
+                           "kept half of the workers, lend the least-loaded half to training for "
+                           "the rest of the step (their requests move with their tokens) and "
+                           "write it to etcd (jobs/<job>/stream_scale); they return when the "
+                           "step ends. The handoff to a trainer is advisory")
+    stream_scaling_quantile: float = Field(
+        0.9, gt=0, le=1, description="stream scaling: each remaining request's final length is "
+                                     "this quantile of the previous step's lengths beyond its "
+                                     "current one")
+    stream_scaling_headroom: float = Field(
+        0.1, ge=0, lt=1, description="stream scaling: share of the kept workers' KV capacity the "
+                                     "projected peak must leave free")
     client_queue: int = Field(64, ge=1, description="events buffered per client stream; a slower "
                                                      "client slows delivery beyond this")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)

@@ -217,10 +217,30 @@ class RolloutControl:
             return
         self.steps.sample(self.pool.get(worker_id).kind, sample[0], sample[1], context)
 
-    def worker_load(self, worker_id: str, pending: int, executing: int) -> None:
-        """The worker's own queue and batch as it last reported them (read for kv_memory)."""
+    def worker_load(self, worker_id: str, pending: int, executing: int,
+                    kv_capacity_tokens: int | None = None) -> None:
+        """The worker's own queue and batch as it last reported them (read for kv_memory), and
+        its KV capacity (read by stream-trainer scaling); None keeps the capacity known."""
         self.pool.report_load(worker_id, pending, executing,
-                              self.tracker.assigned_count(worker_id))
+                              self.tracker.assigned_count(worker_id), kv_capacity_tokens)
+
+    def lend_to_training(self, worker_ids: Sequence[str]) -> list[Command]:
+        """Stream-trainer scaling (RollPacker §4.4): the healthy ones of ``worker_ids`` take no
+        new work from now on and hand their requests over, tokens kept, to the eligible workers
+        through SELECTINSTANCE; a request no one has room for waits in the manager (aborted on
+        the lent worker, tokens kept) rather than decoding on: the lent worker is to hold
+        nothing. Workers in another state are left as they are."""
+        # All lent before any moves: a request must not move onto another worker being lent.
+        lent = [w for w in worker_ids if w in self.pool and self.pool.lend_to_training(w)]
+        out: list[Command] = []
+        for worker_id in lent:
+            out += self._evacuate(worker_id, "scale_down", keep_without_room=False)
+        return out
+
+    def return_from_training(self, worker_ids: Sequence[str]) -> list[str]:
+        """The lending step ended: the ones still lent are healthy again (and take work from
+        the next tick on). Returns those."""
+        return [w for w in worker_ids if self.pool.return_from_training(w)]
 
     def command_refused(self, worker_id: str, request_id: str, code: int,
                         message: str) -> list[Command]:
@@ -243,6 +263,8 @@ class RolloutControl:
         for w in list(self.pool.all()):
             if w.state is WorkerState.DRAINING and self._busy(w.worker_id):
                 out += self._evacuate(w.worker_id, "drain", keep_without_room=True)
+            elif w.state is WorkerState.TRAINING and self._busy(w.worker_id):
+                out += self._evacuate(w.worker_id, "scale_down", keep_without_room=False)
         for step in self.steps.live():  # before dispatch: nothing is sent only to be cut
             out += self._apply(self._cut(step))
         waiting = self._waiting_by_version()

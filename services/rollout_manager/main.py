@@ -14,6 +14,7 @@ from rlharvest.services.rollout_manager.control_loop import ControlConfig, Rollo
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.lender import Lender
 from rlharvest.services.rollout_manager.service import ManagerService
+from rlharvest.services.rollout_manager.stream_scaler import ScalePublisher, StreamScaler
 from rlharvest.services.rollout_manager.tp_planner import TpPlanner
 from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
 from rlharvest.services.rollout_manager.tracker import StepLimits
@@ -45,9 +46,17 @@ async def build(host: Host[ManagerConfig]) -> Parts:
         publisher = TpPublisher(host.etcd, TpPlanner(cfg.gpus_per_node, cfg.initial_tp),
                                 job=cfg.job, manager_id=cfg.manager_id)
         await publisher.load()  # before the first step: a restarted manager resumes
-    service = ManagerService(build_control(cfg), host.etcd, job=cfg.job,
+    control = build_control(cfg)
+    scaler = scale_publisher = None
+    if cfg.stream_scaling:  # the decision and the lending are real; the handoff is advisory
+        scale_publisher = ScalePublisher(host.etcd, job=cfg.job)
+        scaler = StreamScaler(control, scale_publisher, job=cfg.job, manager_id=cfg.manager_id,
+                              quantile=cfg.stream_scaling_quantile,
+                              headroom=cfg.stream_scaling_headroom)
+    service = ManagerService(control, host.etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
-                             tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher)
+                             tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher,
+                             stream_scaler=scaler)
     log.info("manager %s for job %s", cfg.manager_id, cfg.job)
     loops = [Loop("watch workers", service.watch_workers),
              Loop("watch co-executors", service.watch_coexecutors),
@@ -60,6 +69,8 @@ async def build(host: Host[ManagerConfig]) -> Parts:
         loops.append(Loop("borrow co-executors", lender.run, on_crash="restart"))
     if publisher is not None:
         loops.append(Loop("publish TP plan", publisher.run, on_crash="restart"))
+    if scale_publisher is not None:
+        loops.append(Loop("publish stream scaling", scale_publisher.run, on_crash="restart"))
     return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job},
                  servicers=[Servicer(service, rollout_manager_pb2_grpc
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],

@@ -43,3 +43,8 @@ TP_PLAN = Gauge("rlh_manager_tp_plan", "RollPacker's TP plan (--tp-planner, advi
 PREEMPTIONS = Counter("rlh_manager_preemptions_total", "KV preemptions the job's workers reported "
                       "(increases of their Load.preemptions totals; a worker's first total is its "
                       "baseline)")
+STREAM_SCALE_DOWNS = Counter("rlh_manager_stream_scale_downs_total", "Stream-trainer scale-downs "
+                             "(--stream-scaling): steps whose least-loaded half of the rollout "
+                             "workers was lent to training at a 20-50% milestone")
+WORKERS_LENT = Gauge("rlh_manager_workers_lent_to_training", "Rollout workers lent to training by "
+                     "stream-trainer scaling now: they hold no request until their step ends")

@@ -30,6 +30,7 @@ from rlharvest.services.rollout_manager.commands import (
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.stream_scaler import StreamScaler
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
 from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
@@ -49,7 +50,8 @@ def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  client_queue: int, tick_interval_s: float,
-                 tp_publisher: TpPublisher | None = None):
+                 tp_publisher: TpPublisher | None = None,
+                 stream_scaler: StreamScaler | None = None):
         self._control = control
         self._etcd = etcd
         self._job = job
@@ -69,6 +71,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._preemptions = PreemptionTally()
         self._tp = tp_publisher
         self._step_lengths: dict[int, list[int]] = {}  # step key -> finished response lengths
+        # RollPacker's stream-trainer scaling (--stream-scaling; stream_scaler.py).
+        self._scaler = stream_scaler
         self.accepting = True
 
     def stop_accepting(self) -> None:
@@ -118,6 +122,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            if self._scaler is not None:  # before the tick: it dispatches what lending released
+                self._execute(self._scale_due())
             self._execute(self._control.tick())
             self._update_rate()
 
@@ -180,7 +186,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if which == "step":
             await self._on_step(worker_id, event.step)
         elif which == "load":
-            self._control.worker_load(worker_id, event.load.pending, event.load.executing)
+            self._control.worker_load(worker_id, event.load.pending, event.load.executing,
+                                      event.load.kv_capacity_tokens)
             self._count_preemptions(worker_id, event.load.preemptions)
         elif which == "error":
             error = event.error
@@ -198,7 +205,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         control = self._control
         report = control.step_outputs(worker_id, step.deltas)
         load = step.load
-        control.worker_load(worker_id, load.pending, load.executing)
+        control.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens)
         self._count_preemptions(worker_id, load.preemptions)  # before this event's completions
         control.engine_step(worker_id, step.stats)
         tokens = report.accepted_tokens
@@ -294,6 +301,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             stream.put_verdicts([mpb.GroupVerdict(group_id=v.group_id, accepted=v.accepted)
                                  for v in policy.verdicts(stream.step)])
         if step is None:
+            if self._scaler is not None and self._scaler.progressed(stream.step):
+                self._wake.set()  # a milestone: the next tick observes it (_scale_due)
             return
         # The step ended (and froze P if it is a step of the RL loop).
         remote = None
@@ -301,7 +310,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             remote = mpb.RemoteTimings(**dataclasses.asdict(step.remote))
             self._last_remote = remote
             metrics.observe_remote(step.remote)
-        self._plan_tp(step)
+        lengths = self._step_lengths.pop(step.key, None)
+        self._plan_tp(step, lengths)
+        self._scale_step_ended(step, lengths)  # before the end: the workers are back by then
         stream.end(remote)
 
     # ---- RollPacker's TP planner (advisory; tp_publisher.py) -----------------------------------
@@ -311,12 +322,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if new:
             metrics.PREEMPTIONS.inc(new)
 
-    def _plan_tp(self, step: Step) -> None:
+    def _plan_tp(self, step: Step, lengths: list[int] | None) -> None:
         """The step finished: its preemptions (the increase of the workers' totals while it ran)
         and its finished response lengths go to the planner; the plan is written in the
         background. Steps with an acceptance rule are short rounds, all others long ones."""
         preemptions = self._preemptions.close(step.key)
-        lengths = self._step_lengths.pop(step.key, None)
         if self._tp is None or preemptions is None or lengths is None:
             return
         try:
@@ -325,6 +335,28 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                                 preemptions, lengths)
         except Exception:  # advisory: the planner must never break a step's stream
             log.exception("TP planner: step %s not observed", step.step_id)
+
+    # ---- RollPacker's stream-trainer scaling (stream_scaler.py) ------------------------------
+
+    def _scale_due(self) -> list[Command]:
+        """Observe the steps that reached a milestone; lend workers to training on a decision."""
+        assert self._scaler is not None
+        try:
+            return self._scaler.run_due()
+        except Exception:  # it must never stop the tick loop
+            log.exception("stream scaling: observation failed")
+            return []
+
+    def _scale_step_ended(self, step: Step, lengths: list[int] | None) -> None:
+        """``lengths``: the finished step's response lengths (the next step's history), None
+        when it was abandoned. Workers it lent are healthy again."""
+        if self._scaler is None:
+            return
+        try:
+            if self._scaler.step_ended(step, lengths):
+                self._wake.set()  # the returned workers take waiting work at the next tick
+        except Exception:
+            log.exception("stream scaling: step %s not closed", step.step_id)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -370,7 +402,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         metrics.STEPS.labels("accepted").inc()
         if self._tp is not None and profiled:  # a step of the RL loop, not a single Generate
             self._preemptions.open(step.key)
+        if (self._tp is not None or self._scaler is not None) and profiled:
             self._step_lengths[step.key] = []
+        if self._scaler is not None and profiled:
+            self._scaler.step_started(step)
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream
@@ -390,6 +425,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._execute(self._control.abandon_step(stream.step))
         self._preemptions.drop(stream.step.key)  # a step that finished has closed it already
         self._step_lengths.pop(stream.step.key, None)
+        self._scale_step_ended(stream.step, None)  # one that finished has returned them already
         for rid in stream.step.request_ids:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
@@ -421,15 +457,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         metrics.IN_FLIGHT.set(tracker.unfinished())
         metrics.WAITING.set(len(tracker.waiting()))
         metrics.TOKENS_REGENERATED.set(tracker.counters.tokens_regenerated)
-        states: dict[str, int] = {"healthy": 0, "draining": 0, "lost": 0}
+        states: dict[str, int] = {"healthy": 0, "draining": 0, "training": 0, "lost": 0}
         for view in self._control.pool.all():
-            states[view.state.value] += 1
+            states[view.state.value] = states.get(view.state.value, 0) + 1
             on_worker = tracker.on_worker(view.worker_id)
             metrics.ASSIGNED.labels(view.worker_id).set(len(on_worker))
             metrics.PENDING.labels(view.worker_id).set(
                 sum(1 for r in on_worker if r.state is RequestState.PENDING))
         for state, count in states.items():
             metrics.WORKERS.labels(state).set(count)
+        metrics.WORKERS_LENT.set(states["training"])
         self._update_rate()
 
     def _update_rate(self) -> None:

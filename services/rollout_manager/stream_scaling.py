@@ -225,6 +225,20 @@ class StreamScaling:
             return None  # past the window: the crossed milestones are spent unevaluated
         return self._evaluate(milestone, completed, workers, waiting)
 
+    def due(self, completed: int) -> bool:
+        """Whether ``observe`` at ``completed`` would evaluate a milestone: no decision yet, a
+        milestone not passed yet is reached, and it is not past 50%. A caller whose progress is
+        costly to gather (the manager walks the step's requests) observes only then: skipping
+        the other updates changes no decision, as crossed milestones are evaluated once, at
+        the highest, from the state at that update."""
+        return (self.decision is None and completed * 100 <= 50 * self.total
+                and self._next < len(MILESTONES_PERCENT)
+                and completed * 100 >= MILESTONES_PERCENT[self._next] * self.total)
+
+    def settled(self, completed: int) -> bool:
+        """Nothing is left to decide from ``completed`` on: decided, or past the window."""
+        return self.decision is not None or completed * 100 > 50 * self.total
+
     def _crossed(self, completed: int) -> int | None:
         """The highest milestone newly reached, marking it and those below it as passed."""
         reached = None

@@ -1,8 +1,8 @@
 """The manager's view of its rollout workers (RLBoost §5, "Rollout manager").
 
 Only what the policies need: which version a worker holds, how many requests it can execute at
-once and how it admits them, what it last reported executing and queueing, whether it is healthy,
-draining or lost, and when it last made progress. Which requests sit on a worker is the tracker's
+once and how it admits them, what it last reported executing and queueing (and its KV capacity),
+whether it is healthy, draining, lent to training or lost, and when it last made progress. Which requests sit on a worker is the tracker's
 business, not duplicated here.
 """
 
@@ -24,6 +24,10 @@ class WorkerState(str, Enum):
     HEALTHY = "healthy"
     DRAINING = "draining"  # SIGTERM or spot notice: takes no new work, its requests move away
     LOST = "lost"  # stream broke, lease vanished, stalled, or drain deadline passed
+    # Lent to training by RollPacker's stream-trainer scaling (--stream-scaling) until the step
+    # that lent it ends: takes no new work and holds none (its requests moved away with their
+    # tokens); alive and connected, no deadline. Back to healthy when that step ends.
+    TRAINING = "training"
 
 
 @dataclass
@@ -40,6 +44,7 @@ class WorkerView:
     reported_pending: int = 0
     reported_executing: int = 0
     assigned_at_report: int = 0
+    kv_capacity_tokens: int = 0  # Load.kv_capacity_tokens of its last report; 0: none yet
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""
@@ -103,10 +108,13 @@ class WorkerPool:
         Recomputed on each call, so a lost active worker's place goes to the next at once."""
         if self.instance_cap is None:
             return set()
-        capped = sorted((w for w in self._workers.values()
-                         if w.kind in CAPPED_KINDS and w.state is WorkerState.HEALTHY),
+        # A worker lent to training keeps its place under the cap: it comes back to rollout
+        # when its step ends, and lending it must not wake a standby worker meanwhile.
+        capped = sorted((w for w in self._workers.values() if w.kind in CAPPED_KINDS
+                         and w.state in (WorkerState.HEALTHY, WorkerState.TRAINING)),
                         key=lambda w: w.joined_at)
-        return {w.worker_id for w in capped[self.instance_cap:]}
+        return {w.worker_id for w in capped[self.instance_cap:]
+                if w.state is WorkerState.HEALTHY}
 
     def set_instance_cap(self, cap: int | None) -> None:
         """None lifts the cap. Requests already on a worker that now stands by stay there; it
@@ -118,21 +126,45 @@ class WorkerPool:
     def set_version(self, worker_id: str, weight_version: int) -> None:
         self.get(worker_id).weight_version = weight_version
 
-    def report_load(self, worker_id: str, pending: int, executing: int, assigned: int) -> None:
+    def report_load(self, worker_id: str, pending: int, executing: int, assigned: int,
+                    kv_capacity_tokens: int | None = None) -> None:
         """The worker's own counts as of its latest load report, and the manager's then."""
         view = self._workers.get(worker_id)
         if view is not None:
             view.reported_pending, view.reported_executing = pending, executing
             view.assigned_at_report = assigned
+            if kv_capacity_tokens is not None:
+                view.kv_capacity_tokens = max(kv_capacity_tokens, 0)
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()
 
     def mark_draining(self, worker_id: str, deadline: float) -> None:
+        """A drain notice (SIGTERM, spot notice) wins over a loan to training."""
         w = self.get(worker_id)
-        if w.state is WorkerState.HEALTHY:
+        if w.state in (WorkerState.HEALTHY, WorkerState.TRAINING):
             w.state = WorkerState.DRAINING
             w.drain_deadline = deadline
+
+    def lend_to_training(self, worker_id: str) -> bool:
+        """Healthy -> training; False (unchanged) for a worker in any other state."""
+        w = self.get(worker_id)
+        if w.state is not WorkerState.HEALTHY:
+            return False
+        w.state = WorkerState.TRAINING
+        return True
+
+    def return_from_training(self, worker_id: str) -> bool:
+        """Training -> healthy; False (unchanged) for an unknown worker or one that is not lent
+        any more (it was lost, drained, or came back as a new process meanwhile)."""
+        w = self._workers.get(worker_id)
+        if w is None or w.state is not WorkerState.TRAINING:
+            return False
+        w.state = WorkerState.HEALTHY
+        return True
+
+    def lent_to_training(self) -> list[str]:
+        return [w.worker_id for w in self._workers.values() if w.state is WorkerState.TRAINING]
 
     def mark_lost(self, worker_id: str, reason: str) -> bool:
         """Returns False when the worker was already lost (events can repeat: stream + lease)."""

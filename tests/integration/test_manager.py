@@ -374,3 +374,78 @@ async def test_the_tp_planner_publishes_a_plan_from_the_workers_preemptions(stac
     await run_step(manager.endpoint, step_request(1, 8, prefix="c"))  # no pressure
     third = await plan_after(3)
     assert third["last_step"]["preemptions"] == 0 and third["long_tp"] == 2, third
+
+
+# ---- RollPacker's stream-trainer scaling (--stream-scaling): workers lent to training ----------
+
+def long_tail_step(step_id: str, prefix: str, short: int = 4,
+                   long: int = 120) -> mpb.SubmitStepRequest:
+    """16 requests: 4 long ones first (they spread over the workers and start at once), then 12
+    of ``short`` tokens. Without a stop token each one runs to its max_tokens."""
+    return mpb.SubmitStepRequest(step_id=step_id, weight_version=0, requests=[
+        mpb.RolloutRequest(request_id=f"{prefix}{i}", group_id=f"g{i // 4}",
+                           prompt_token_ids=PROMPTS[i % len(PROMPTS)],
+                           sampling=common_pb2.SamplingParams(
+                               temperature=1.0, max_tokens=long if i < 4 else short,
+                               seed=2000 + i))
+        for i in range(16)])
+
+
+async def test_stream_scaling_lends_half_the_workers_to_training_for_the_rest_of_the_step(
+        stack, etcd_client):
+    """Two slot workers of 4 x 512 KV tokens each. The manager's first step predicts every
+    remaining request at the step's max_tokens (no history): at 20% (4 shorts done) the 12 left
+    need at most 12 x (prompt + 120) < 2048 tokens, the kept worker's KV (headroom 0), so the
+    less loaded worker is lent to training: its requests move with their tokens, it holds
+    nothing until the step ends, and the next step runs on it again."""
+    workers = [launch_worker(stack, f"w{i}", "--max-running", "4", "--step-delay-s", "0.03")
+               for i in range(2)]
+    manager = start_manager(stack, "--stream-scaling", "--stream-scaling-headroom", "0")
+    for worker in workers:
+        wait_serving(worker, 120)
+    await wait_workers(manager.endpoint, 2)
+    key = keys.stream_scale_key("default").encode()
+    seen_lent: set[str] = set()
+    assigned: dict[str, int] = {}
+
+    async def watch(completions, streamed) -> None:
+        for w in (await status(manager.endpoint)).workers:
+            if w.state == "training":
+                seen_lent.add(w.worker_id)
+                assert w.assigned == 0, w  # lent: holds nothing, takes nothing
+            assigned[w.worker_id] = max(assigned.get(w.worker_id, 0), w.assigned)
+
+    request = long_tail_step("one", "a")
+    done = await run_step(manager.endpoint, request, watch)
+    assert len(done) == 16  # each exactly once (run_step), with every token
+    for r in request.requests:
+        c = done[r.request_id]
+        assert not c.failed and len(c.token_ids) == r.sampling.max_tokens, c
+    assert len(seen_lent) == 1, seen_lent  # floor(2 / 2)
+    [lent] = seen_lent
+    deadline = time.monotonic() + 10  # written in the background
+    while True:
+        found = await etcd_client.get(key)
+        record = None if found is None else json.loads(found.value)
+        if record is not None and record["state"] == "returned":
+            break
+        assert time.monotonic() < deadline, record
+        await asyncio.sleep(0.05)
+    assert record["step_id"] == "one" and record["drained"] == [lent], record
+    assert record["kept"] == [w for w in ("w0", "w1") if w != lent], record
+    assert 20 <= record["milestone_percent"] <= 50 and record["usable_tokens"] == 2048, record
+    assert record["projected_peak_tokens"] <= record["usable_tokens"], record
+    st = await status(manager.endpoint)
+    assert st.tokens_regenerated == 0 and st.in_flight == 0
+    assert all(w.state == "healthy" and w.assigned == 0 for w in st.workers), st.workers
+    samples = scrape(manager.metrics_port)
+    assert samples["rlh_manager_stream_scale_downs_total"] == 1
+    assert samples['rlh_manager_migrations_total{cause="scale_down"}'] >= 1  # it held some
+    assert samples["rlh_manager_workers_lent_to_training"] == 0
+    assert samples.get('rlh_manager_migrations_total{cause="lost"}', 0) == 0
+
+    assigned.clear()
+    done = await run_step(manager.endpoint, long_tail_step("two", "b"), watch)
+    assert len(done) == 16 and not any(c.failed for c in done.values())
+    assert assigned[lent] > 0, assigned  # back in service for the next step
+    assert (await status(manager.endpoint)).tokens_regenerated == 0
