@@ -20,6 +20,8 @@ from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.hf_checkpoint import build_checkpoint_command
+from rlharvest.services import status_view
+from rlharvest.services.prometheus_stack import LocalPrometheus
 from rlharvest.services.launcher import LocalStack
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.services.spot_replay import SpotReplay, load_trace
@@ -57,6 +59,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        trace_seconds: float = typer.Option(600.0, min=1.0, help="the trace, compressed to "
                                            "this many seconds of replay"),
        trace_seed: int = typer.Option(0, help="seed of a synthesized segment"),
+       prometheus: bool = typer.Option(False, help="also start Prometheus scraping every member "
+                                       "(targets follow etcd; the Debian package's binary)"),
+       prometheus_port: int = typer.Option(9090, min=1, max=65535),
        ready_timeout: float = typer.Option(120.0, help="seconds to wait for every member")) -> None:
     """Start etcd and the services as local processes; Ctrl-C stops them all cleanly."""
     replay_trace = None
@@ -68,7 +73,11 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         spot = 0  # the trace decides the spot workers
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
     endpoint = stack.start_etcd()
+    scraper: LocalPrometheus | None = None
     try:
+        if prometheus:
+            scraper = LocalPrometheus(endpoint, stack.log_dir / "prometheus",
+                                      port=prometheus_port).start()
         for i in range(agents):
             stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
         for i in range(workers + spot):
@@ -103,6 +112,8 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
             console.print(f"  co-executor coexec-{i}: OpenAI API at "
                           f"http://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
         console.print(f"  rlharvest status --etcd {endpoint}")
+        if scraper is not None:
+            console.print(f"  Prometheus at {scraper.url} (job 'rlharvest', every member)")
         if replay_trace is None:
             _wait_for_signal()
             return
@@ -116,6 +127,8 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                                                  report=console.print)))
     finally:
         console.print("stopping...")
+        if scraper is not None:
+            scraper.stop()
         stack.stop()
         console.print("stopped")
 
@@ -157,8 +170,25 @@ def _wait_for_signal() -> None:
 
 @app.command()
 def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
-           timeout: float = typer.Option(2.0, help="seconds to wait for each member's answer")) -> None:
-    """List registered members, their weight versions and load."""
+           timeout: float = typer.Option(2.0, help="seconds to wait for each member's answer"),
+           watch: bool = typer.Option(False, "--watch", help="a live view, refreshed every "
+                                      "--interval until Ctrl-C: members, weight versions, worker "
+                                      "load, the trainer's step in progress and recent steps"),
+           interval: float = typer.Option(1.0, min=0.05, help="seconds between refreshes "
+                                          "(with --watch)"),
+           max_refreshes: int = typer.Option(0, min=0, help="with --watch: stop after this many "
+                                             "refreshes (0: until Ctrl-C); exits 1 when etcd "
+                                             "did not answer the last one"),
+           last_steps: int = typer.Option(5, min=1, help="with --watch: finished steps shown "
+                                          "per trainer")) -> None:
+    """List registered members, their weight versions and load (--watch: live)."""
+    if watch:
+        last = asyncio.run(status_view.watch(etcd, console, interval=interval, timeout=timeout,
+                                             last_steps=last_steps,
+                                             max_refreshes=max_refreshes))
+        if last is not None and last.etcd_error:
+            raise typer.Exit(1)
+        return
     try:
         rows = asyncio.run(_collect(etcd, timeout))
     except ConnectionError as exc:
