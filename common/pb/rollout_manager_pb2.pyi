@@ -20,18 +20,20 @@ class RolloutRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class SubmitStepRequest(_message.Message):
-    __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s", "acceptance")
+    __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s", "acceptance", "seed_window_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NO_WORKER_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEED_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     weight_version: int
     requests: _containers.RepeatedCompositeFieldContainer[RolloutRequest]
     no_worker_deadline_s: float
     acceptance: Acceptance
-    def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ..., acceptance: _Optional[_Union[Acceptance, _Mapping]] = ...) -> None: ...
+    seed_window_s: float
+    def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ..., acceptance: _Optional[_Union[Acceptance, _Mapping]] = ..., seed_window_s: _Optional[float] = ...) -> None: ...
 
 class Acceptance(_message.Message):
     __slots__ = ("prompts", "responses")

@@ -15,7 +15,7 @@ from typing import Literal, Union
 # "refused": the worker turned the request down in a way another worker may not (failure.py).
 # "scale_down": its worker was lent to training (stream-trainer scaling, stream_scaler.py).
 MigrationCause = Literal["pending", "executing", "drain", "version", "lost", "protocol",
-                         "refused", "scale_down"]
+                         "refused", "scale_down", "seed_window"]
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,8 @@ class RolloutControl:
         self.pool.report_load(worker_id, pending, executing,
                               self.tracker.assigned_count(worker_id), kv_capacity_tokens)
 
-    def lend_to_training(self, worker_ids: Sequence[str]) -> list[Command]:
+    def lend_to_training(self, worker_ids: Sequence[str],
+                         cause: MigrationCause = "scale_down") -> list[Command]:
         """Stream-trainer scaling (RollPacker §4.4): the healthy ones of ``worker_ids`` take no
         new work from now on and hand their requests over, tokens kept, to the eligible workers
         through SELECTINSTANCE; a request no one has room for waits in the manager (aborted on
@@ -234,7 +235,7 @@ class RolloutControl:
         lent = [w for w in worker_ids if w in self.pool and self.pool.lend_to_training(w)]
         out: list[Command] = []
         for worker_id in lent:
-            out += self._evacuate(worker_id, "scale_down", keep_without_room=False)
+            out += self._evacuate(worker_id, cause, keep_without_room=False)
         return out
 
     def return_from_training(self, worker_ids: Sequence[str]) -> list[str]:

@@ -48,3 +48,7 @@ STREAM_SCALE_DOWNS = Counter("rlh_manager_stream_scale_downs_total", "Stream-tra
                              "workers was lent to training at a 20-50% milestone")
 WORKERS_LENT = Gauge("rlh_manager_workers_lent_to_training", "Rollout workers lent to training by "
                      "stream-trainer scaling now: they hold no request until their step ends")
+SEED_WINDOWS = Counter("rlh_manager_seed_windows_total", "Steps whose seed workers (the trainer's "
+                       "engine) rolled out in a seeding window (RLBoost §4.1)")
+SEED_HANDOFFS = Counter("rlh_manager_seed_handoffs_total", "Requests handed from seed workers to "
+                        "remote workers, tokens kept, when a seeding window closed")

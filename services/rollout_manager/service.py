@@ -30,6 +30,7 @@ from rlharvest.services.rollout_manager.commands import (
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.seed_window import SeedWindows
 from rlharvest.services.rollout_manager.stream_scaler import StreamScaler
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
@@ -73,6 +74,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._step_lengths: dict[int, list[int]] = {}  # step key -> finished response lengths
         # RollPacker's stream-trainer scaling (--stream-scaling; stream_scaler.py).
         self._scaler = stream_scaler
+        # RLBoost's seeding window: the seed workers' part of each step (seed_window.py).
+        self._seeds = SeedWindows(control, self._execute, self._wake.set)
         self.accepting = True
 
     def stop_accepting(self) -> None:
@@ -313,6 +316,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         lengths = self._step_lengths.pop(step.key, None)
         self._plan_tp(step, lengths)
         self._scale_step_ended(step, lengths)  # before the end: the workers are back by then
+        self._seeds.step_ended(step.key)
         stream.end(remote)
 
     # ---- RollPacker's TP planner (advisory; tp_publisher.py) -----------------------------------
@@ -366,7 +370,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         async for event in self._stream_step(request.step_id, list(request.requests),
                                              request.weight_version,
                                              request.no_worker_deadline_s, True, context,
-                                             acceptance):
+                                             acceptance, request.seed_window_s):
             yield event
 
     async def Generate(self, request: mpb.GenerateRequest,
@@ -380,8 +384,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def _stream_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
                            deadline_s: float, profiled: bool,
                            context: grpc.aio.ServicerContext,
-                           acceptance: mpb.Acceptance | None = None
-                           ) -> AsyncIterator[mpb.StepEvent]:
+                           acceptance: mpb.Acceptance | None = None,
+                           seed_window_s: float = 0.0) -> AsyncIterator[mpb.StepEvent]:
         if not self.accepting:
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
@@ -406,6 +410,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._step_lengths[step.key] = []
         if self._scaler is not None and profiled:
             self._scaler.step_started(step)
+        if profiled:
+            self._seeds.step_started(step.key, seed_window_s)
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream
@@ -426,6 +432,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._preemptions.drop(stream.step.key)  # a step that finished has closed it already
         self._step_lengths.pop(stream.step.key, None)
         self._scale_step_ended(stream.step, None)  # one that finished has returned them already
+        self._seeds.step_ended(stream.step.key)
         for rid in stream.step.request_ids:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]

@@ -35,7 +35,9 @@ from rlharvest.services.rollout_manager.stream_scaling import (
 
 # Worker kinds that are never lent to training: serving co-executors borrowed from the serving
 # fleet (ROSE §5); they serve on after the job gives them back, not train.
-NOT_LENDABLE_KINDS = frozenset({"serving"})
+# Seed workers (the trainer's own engine, RLBoost §4.1) are lent by their seeding window
+# (seed_window.py), never by this policy.
+NOT_LENDABLE_KINDS = frozenset({"serving", "seed"})
 
 
 class RequestLike(Protocol):

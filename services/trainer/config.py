@@ -87,6 +87,16 @@ class TrainerConfig(ServiceConfig):
                                        "(no stop tokens); 0 = off")
     bench_reward_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each reward "
                                         "also takes this long (a verifier's latency)")
+    # RLBoost's seeding window (§4.1, seed_role.py): the trainer's own engine rolls out during
+    # [0, T_seed] of each step, then hands its partial responses to the remote workers.
+    seed_role: bool = Field(False, description="roll out on the trainer's own engine during the "
+                            "seeding window T_seed of each step (RLBoost Algorithm 1; needs "
+                            "--instance-cap auto, one rank, publishing)")
+    seed_window_init_s: float = Field(0.0, ge=0, description="T_seed of the first step")
+    seed_eta: float = Field(1.0, gt=0, description="eta: Algorithm 1's adaptation rate")
+    seed_max_running: int = Field(16, ge=1, description="requests the seed engine runs at once")
+    seed_max_len: int = Field(512, ge=8, description="prompt + completion tokens per request on "
+                                                     "the seed engine")
     tail_batching: bool = Field(False, description="RollPacker's tail batching: speculative "
                                                    "short rounds, deferred prompts in long ones")
     eta_prompts: float = Field(1.25, ge=1, description="eta_P: prompts launched per prompt "
@@ -180,6 +190,13 @@ class TrainerConfig(ServiceConfig):
     def reward_timeout_of(self, kind: str) -> float:
         """The timeout of rewards of ``kind`` (a built-in reward or task name)."""
         return parse_timeouts(self.reward_timeouts).get(kind, self.reward_timeout_s)
+
+    @model_validator(mode="after")
+    def _seed_role_fits(self) -> TrainerConfig:
+        if self.seed_role and (self.instance_cap != "auto" or not self.publish):
+            raise ValueError("--seed-role needs --instance-cap auto (Algorithm 1 sets T_seed) "
+                             "and publishing (the seed engine holds the step's version)")
+        return self
 
     @model_validator(mode="after")
     def _reward_timeouts_parse(self) -> TrainerConfig:

@@ -6,9 +6,10 @@ t_train_wait: training idle, waiting for groups) and the manager's (the step's l
 (``keys.instance_cap_key``): the manager then holds spot workers beyond it as standby, and an
 autoscaler reads it to start no more spot instances than the step will use.
 
-The seeding window is held at 0 here (``t_seed_cap`` 0): the trainer has no seed role yet (issue
-14), so line 10 reduces to N_prem = t_remote * n_prem_mean / t_train, the remote instances
-that finish a step's rollout work within the time the trainer computes. The cap is advisory:
+Without the trainer's seed role the seeding window is held at 0 (``t_seed_cap`` 0), and line 10
+reduces to N_prem = t_remote * n_prem_mean / t_train, the remote instances that finish a step's
+rollout work within the time the trainer computes. With it (``--seed-role``), T_seed adapts
+(line 9) and the next step's window is ``window.schedule.t_seed``. The cap is advisory:
 an etcd error is logged and the next step writes again.
 """
 
@@ -32,10 +33,22 @@ def step_timings(t_train: float, t_train_wait: float, remote: mpb.RemoteTimings)
 
 
 class InstanceCap:
-    def __init__(self, etcd, job: str) -> None:
+    def __init__(self, etcd, job: str, *, seeding: bool = False, t_init: float = 0.0,
+                 eta: float = 1.0) -> None:
+        """``seeding``: the trainer has its seed role (``seed_role.py``): T_seed adapts from
+        ``t_init``, capped by the longest rollout measured (``rollout_measured``); without
+        it T_seed stays 0."""
         self._etcd = etcd
         self._key = keys.instance_cap_key(job)
-        self.window = SeedingWindow(n_resv=1, eta=1.0, t_init=0.0, t_seed_cap=0.0)
+        self.window = SeedingWindow(n_resv=1, eta=eta, t_init=t_init if seeding else 0.0,
+                                    t_seed_cap=None if seeding else 0.0)
+        self._seeding = seeding
+
+    def rollout_measured(self, seconds: float) -> None:
+        """A step's whole rollout took ``seconds``: a window that long covers all of it (the
+        co-located fallback), so T_seed never needs to exceed the longest one seen."""
+        if self._seeding and seconds > (self.window.t_seed_cap or 0.0):
+            self.window.measured_full_rollout(seconds)
 
     async def after_step(self, t_train: float, t_train_wait: float,
                          remote: mpb.RemoteTimings | None) -> int | None:

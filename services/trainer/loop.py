@@ -20,6 +20,7 @@ the pure parts live in ``step_plan.py`` and ``stream_trainer.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,6 +53,7 @@ from rlharvest.services.trainer.rewards.pool import (
     RewardPool,
     RewardRequest,
 )
+from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.shard_publish import ShardTarget
 from rlharvest.services.trainer.step_plan import (
     Acceptance,
@@ -131,7 +133,8 @@ class RunStatus:
 
 class TrainerLoop:
     def __init__(self, cfg: TrainerConfig, etcd: Any, *,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 seed: SeedRole | None = None) -> None:
         self._cfg = cfg
         self._etcd = etcd
         self._clock = clock
@@ -141,7 +144,13 @@ class TrainerLoop:
         self._model = self._backend.model
         # With N launched ranks this is rank 0: micro-batches and the update spread over them.
         self._ranks = join(self._backend, self._ref_model)
-        self._instance_cap = InstanceCap(etcd, cfg.job) if cfg.instance_cap == "auto" else None
+        if seed is not None and isinstance(self._ranks, LeaderRanks):
+            raise ValueError("--seed-role runs on one rank (its engine holds the whole model); "
+                             "launch the trainer without torchrun")
+        self._seed = seed  # RLBoost's seed role: the trainer's own engine (seed_role.py)
+        self._instance_cap = InstanceCap(
+            etcd, cfg.job, seeding=seed is not None, t_init=cfg.seed_window_init_s,
+            eta=cfg.seed_eta) if cfg.instance_cap == "auto" else None
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
         self._setup = build_task_setup(cfg, self._tok, max_positions(self._model))
@@ -193,6 +202,8 @@ class TrainerLoop:
                          self._version)
                 if publish and self._publisher is not None:
                     await self._start_publish(self._version)
+                if self._seed is not None and self._seed.weight_version != self._version:
+                    await self._seed.load(self._ranks.weights(), self._version)
         self._sync_status()
 
     async def run(self) -> None:
@@ -299,12 +310,15 @@ class TrainerLoop:
                                                   samples=spec.samples, phase="waiting_version")
         await self._await_publish()  # the step's version must be out before workers can hold it
         manager = self._manager or await rollout_client.find_manager(self._etcd, cfg.job)
+        window_s = self._seed_window_s()
+        if window_s and self._seed is not None:
+            await self._seed.wait_connected()
         request = submit_request(spec, max_new_tokens=cfg.max_new_tokens,
                                  temperature=cfg.temperature, top_p=cfg.top_p,
                                  stop_token_ids=list(self._tok.stop_ids),
                                  data_seed=cfg.data_seed,
                                  no_worker_deadline_s=cfg.no_worker_deadline_s,
-                                 lengths=self._lengths)
+                                 lengths=self._lengths, seed_window_s=window_s)
         assembler = GroupAssembler(spec)
         sync = cfg.pipeline == "sync"  # the veRL-like baseline: one stage after the other
         held: list[tuple[int, int, mpb.Completion]] = []  # sync: rewarded after the rollout
@@ -363,14 +377,21 @@ class TrainerLoop:
                 progress.tokens_generated = assembler.tokens_generated
             assembler.check_complete()
             phases["rollout"] = self._clock() - started
+            rollout_done.set()
             for group, sample, completion in held:  # sync: the reward stage starts now
                 if group not in assembler.deferred:
                     tasks.create_task(reward(group, sample, completion))
 
         waited = 0.0
+        rollout_done = asyncio.Event()
         try:
             async with TaskGroup() as tasks:
                 tasks.create_task(rollout(tasks))
+                if window_s:  # the trainer's engine rolls out: training waits for the window
+                    progress.phase = "seeding"
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(rollout_done.wait(), window_s)
+                    progress.phase = "rollout"
                 while train.groups_received < spec.train_groups:  # train on groups as they come
                     idle_since = self._clock()
                     groups = [await ready.get()]
@@ -396,6 +417,7 @@ class TrainerLoop:
         stats = await self._apply(spec, train, assembler)
         n_prem = 0
         if self._instance_cap is not None:
+            self._instance_cap.rollout_measured(phases["rollout"])
             n_prem = await self._instance_cap.after_step(
                 stats.compute_s, waited, remote[-1] if remote else None) or 0
         elapsed = self._clock() - started
@@ -424,6 +446,12 @@ class TrainerLoop:
         """A reward as the benchmark harness slows it (``--bench-reward-delay-s``)."""
         delay = self._cfg.bench_reward_delay_s
         return delayed(fn, delay) if fn is not None and delay else fn
+
+    def _seed_window_s(self) -> float:
+        """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role."""
+        if self._seed is None or self._instance_cap is None:
+            return 0.0
+        return self._instance_cap.window.schedule.t_seed
 
     async def _apply(self, spec: StepSpec, train: StreamingStep,
                      assembler: GroupAssembler) -> StepStats:
@@ -475,6 +503,8 @@ class TrainerLoop:
             return
         assert self._publisher is not None
         tensors = self._ranks.weights()  # every rank joins under ZeRO-3; between steps
+        if self._seed is not None:  # the trainer's own engine: in memory, before the next step
+            await self._seed.load(tensors, version)
         publisher = self._publisher
 
         async def publish() -> float:

@@ -16,6 +16,7 @@ from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSp
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer import ranks
 from rlharvest.services.trainer.loop import TrainerLoop, build_trainee, torch_threads
+from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.service import TrainerService
 
 log = logging.getLogger("rlharvest.trainer")
@@ -26,7 +27,8 @@ _MEMBER_REFRESH_S = 0.5
 async def build(host: Host[TrainerConfig]) -> Parts:
     cfg = host.config
     torch_threads(cfg.torch_threads)
-    loop = TrainerLoop(cfg, host.etcd)
+    seed = SeedRole(cfg, host.etcd, host.endpoint) if cfg.seed_role else None
+    loop = TrainerLoop(cfg, host.etcd, seed=seed)
     service = TrainerService(loop.status, trainer_id=cfg.trainer_id, job=cfg.job,
                              target_steps=cfg.steps)
 
@@ -64,10 +66,11 @@ async def build(host: Host[TrainerConfig]) -> Parts:
     return Parts(member_id=cfg.trainer_id,
                  member_info={"job": cfg.job, "step": 0, "weight_version": 0, "state": "starting"},
                  servicers=[Servicer(service, trainer_pb2_grpc.add_TrainerServicer_to_server,
-                                     SERVICE_NAME)],
+                                     SERVICE_NAME), *([seed.servicer] if seed else [])],
                  health=service.health,
-                 loops=[Loop("training", train), Loop("advertise", advertise, on_crash="restart")],
-                 close=[loop.close])
+                 loops=[Loop("training", train), Loop("advertise", advertise, on_crash="restart"),
+                        *([Loop("seed worker", seed.run)] if seed else [])],
+                 close=[loop.close, *([seed.close] if seed else [])])
 
 
 def follow(cfg: TrainerConfig) -> int:

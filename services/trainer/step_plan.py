@@ -76,7 +76,8 @@ class StepSpec:
 def submit_request(spec: StepSpec, *, max_new_tokens: int, temperature: float, top_p: float,
                    stop_token_ids: Sequence[int], data_seed: int,
                    no_worker_deadline_s: float,
-                   lengths: LengthModel | None = None) -> mpb.SubmitStepRequest:
+                   lengths: LengthModel | None = None,
+                   seed_window_s: float = 0.0) -> mpb.SubmitStepRequest:
     """The SubmitStep of a step: R0 samples of each of the P0 prompts, one GRPO group each.
     ``lengths`` (benchmarks only): each request runs exactly its modelled length."""
     requests = []
@@ -95,6 +96,7 @@ def submit_request(spec: StepSpec, *, max_new_tokens: int, temperature: float, t
                   if spec.accept else None)
     return mpb.SubmitStepRequest(step_id=f"step-{spec.step}", weight_version=spec.weight_version,
                                  requests=requests, acceptance=acceptance,
+                                 seed_window_s=seed_window_s,
                                  no_worker_deadline_s=no_worker_deadline_s)
 
 

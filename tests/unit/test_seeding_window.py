@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.seeding_window import Schedule, SeedingWindow, StepTimings
 
 
@@ -116,3 +118,23 @@ def test_the_window_and_the_cap_stay_in_bounds_whatever_is_measured(steps):
             assert 1 <= got.n_prem <= max(1, n_next)
         else:
             assert got == before
+
+
+def test_the_trainers_window_is_capped_by_the_longest_rollout_it_measured():
+    cap = InstanceCap(etcd=None, job="j", seeding=True, t_init=5.0, eta=1.0)
+    assert cap.window.schedule.t_seed == 5.0  # no rollout measured yet: no cap
+    cap.rollout_measured(2.0)
+    assert cap.window.schedule.t_seed == 2.0  # a window as long as the rollout: co-located
+    cap.rollout_measured(1.0)  # a shorter step does not lower the cap
+    assert cap.window.t_seed_cap == 2.0
+    off = InstanceCap(etcd=None, job="j", t_init=5.0)
+    off.rollout_measured(9.0)
+    assert off.window.schedule.t_seed == 0.0  # without the seed role T_seed stays 0
+
+
+def test_the_seed_role_needs_the_controller_and_publishing():
+    with pytest.raises(ValueError, match="--seed-role needs --instance-cap auto"):
+        TrainerConfig.model_validate(dict(seed_role=True))
+    with pytest.raises(ValueError, match="publishing"):
+        TrainerConfig.model_validate(dict(seed_role=True, instance_cap="auto", publish=False))
+    assert TrainerConfig.model_validate(dict(seed_role=True, instance_cap="auto")).seed_role

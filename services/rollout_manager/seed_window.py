@@ -1,0 +1,85 @@
+"""RLBoost's seeding window, the manager's side (§4.1): the training cluster rolls out during
+[0, T_seed] of a step, then hands its partial responses ("seeds") to the remote instances.
+
+The trainer's own engine joins the job as a worker of kind ``seed`` (``trainer/seed_role.py``)
+and each ``SubmitStep`` carries the step's window (``seed_window_s``, Algorithm 1's T_seed).
+While the window is open the seed workers take requests like any healthy worker; when it
+closes they are lent to training for the rest of the step — the manager's one way of taking a
+worker out of a step (``RolloutControl.lend_to_training``): its requests move to the remote
+workers with every token generated so far (they only prefill there, migration cause
+``seed_window``), and it takes no new work. When the step ends they are healthy again for the
+next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
+
+The timer is the event loop's; the decisions are the control loop's: this class only keeps
+which seed workers each step holds and when to hand them over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlharvest.services.rollout_manager import metrics
+from rlharvest.services.rollout_manager.commands import Command
+from rlharvest.services.rollout_manager.control_loop import RolloutControl
+from rlharvest.services.rollout_manager.worker_pool import WorkerState
+
+log = logging.getLogger(__name__)
+
+SEED_KIND = "seed"
+
+
+@dataclass
+class _Window:
+    seeds: list[str]
+    timer: asyncio.TimerHandle | None = None
+    closed: bool = False
+
+
+class SeedWindows:
+    def __init__(self, control: RolloutControl, execute: Callable[[list[Command]], None],
+                 wake: Callable[[], None]) -> None:
+        self._control = control
+        self._execute = execute
+        self._wake = wake
+        self._steps: dict[object, _Window] = {}
+
+    def step_started(self, key: object, window_s: float) -> None:
+        """A step of the RL loop began; its seed workers roll out for ``window_s`` seconds."""
+        seeds = [w.worker_id for w in self._control.pool.all()
+                 if w.kind == SEED_KIND and w.state is WorkerState.HEALTHY]
+        log.debug("step starts with a %.2fs seeding window; seed workers %s", window_s, seeds)
+        if not seeds:
+            return
+        window = self._steps[key] = _Window(seeds)
+        if window_s <= 0:
+            self._close(key)  # before the step's first dispatch: they take none of it
+            return
+        metrics.SEED_WINDOWS.inc()
+        log.info("seeding window of %.2fs opens for %s", window_s, ", ".join(seeds))
+        window.timer = asyncio.get_running_loop().call_later(window_s, self._close, key)
+
+    def _close(self, key: object) -> None:
+        window = self._steps.get(key)
+        if window is None or window.closed:
+            return
+        window.closed = True
+        commands = self._control.lend_to_training(window.seeds, cause="seed_window")
+        moved = len(commands)  # each moves or releases one request, its tokens kept
+        metrics.SEED_HANDOFFS.inc(moved)
+        log.info("seeding window closed: %d requests move from %s to remote workers with "
+                 "their tokens", moved, ", ".join(window.seeds))
+        self._execute(commands)
+        self._wake()
+
+    def step_ended(self, key: object) -> None:
+        """The step finished or was abandoned: its seed workers are ready for the next one."""
+        window = self._steps.pop(key, None)
+        if window is None:
+            return
+        if window.timer is not None:
+            window.timer.cancel()
+        if self._control.return_from_training(window.seeds):
+            self._wake()

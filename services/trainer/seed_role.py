@@ -1,0 +1,97 @@
+"""RLBoost's seeding window, the trainer's side (§4.1): the training cluster's own engine.
+
+With ``--seed-role`` the trainer process also serves the ``RolloutWorker`` contract on its gRPC
+port: an in-process torch engine (the worker core's ``WorkerService``, as every worker) joins
+the job as a worker of kind ``seed``. It holds the trainer's current weights — handed over in
+memory after each optimizer step, no transfer agent — so during the step's window [0, T_seed]
+the manager dispatches to it like any worker; when the window closes the manager moves its
+requests, with every token, to the remote workers (``rollout_manager/seed_window.py``) and the
+trainer trains. T_seed is Algorithm 1's (``seeding_window.py``, through ``instance_cap.py``).
+
+One rank only: the weights are the whole model, which a sharded publish never assembles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from rlharvest.common import registry
+from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
+from rlharvest.common.service_host import Servicer
+from rlharvest.services.rollout_worker.service import WorkerService
+from rlharvest.services.trainer.config import TrainerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
+
+
+class SeedRole:
+    def __init__(self, cfg: TrainerConfig, etcd, endpoint: str) -> None:
+        from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+        self.worker_id = f"{cfg.trainer_id}-seed"
+        self._etcd, self._cfg = etcd, cfg
+        self._engine = TorchEngine(model=cfg.model, seed=cfg.model_seed,
+                                   max_running=cfg.seed_max_running, max_len=cfg.seed_max_len)
+        self.service = WorkerService(
+            self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
+            kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,
+            max_len=cfg.seed_max_len)
+        self._endpoint = endpoint
+        self._membership: registry.Membership | None = None
+
+    @property
+    def servicer(self) -> Servicer:
+        return Servicer(self.service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
+                        _SERVICE_NAME)
+
+    @property
+    def weight_version(self) -> int:
+        return self._engine.weight_version
+
+    async def run(self) -> None:
+        """Registered as a rollout worker of the job while the engine runs (a background loop
+        of the trainer's host, so after its gRPC server serves)."""
+        engine = self._engine
+        self._membership = await registry.register(self._etcd, "rollout_worker", self.worker_id, {
+            "job": self._cfg.job, "endpoint": self._endpoint, "model": self._cfg.model,
+            "kind": "seed", "capacity": self._cfg.seed_max_running,
+            "max_len": self._cfg.seed_max_len, "weight_version": engine.weight_version,
+            "draining": False, "admission": engine.batch_admission,
+            "vocab_size": engine.vocab_size}, ttl=self._cfg.lease_ttl)
+        log.info("seed worker %s joined job %s at %s (version %d)", self.worker_id,
+                 self._cfg.job, self._endpoint, engine.weight_version)
+        try:
+            await self.service.run_engine()
+        finally:
+            membership, self._membership = self._membership, None
+            await asyncio.shield(membership.close())
+
+    async def wait_connected(self, timeout_s: float = 30.0) -> bool:
+        """Until a manager holds a session with the seed worker (a window the manager cannot
+        dispatch into is idle), at most ``timeout_s``; False when none came."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.service.hub.session_count == 0:
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("no rollout manager connected to seed worker %s within %.0fs; "
+                            "the step starts without it", self.worker_id, timeout_s)
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    async def load(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """The trainer's weights after an optimizer step, in memory; the member record follows
+        so the manager dispatches the next version's requests here."""
+        await self.service.load_weights_tensors(tensors, version)
+        if self._membership is not None:
+            await self._membership.update(weight_version=version)
+
+    def close(self) -> None:
+        self.service.close()
