@@ -12,7 +12,7 @@ and a PNG plot of reward and throughput.
 
     python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
                                       [--coexecutor/--no-coexecutor] [--serving-rps 1]
-                                      [--tail-batching 1.25]
+                                      [--tail-batching 1.25] [--seed-role]
 
 The demo fails (exit 1) if the reward did not rise: the mean of the last few steps must beat the
 mean of the first few by ``--min-rise``.
@@ -151,7 +151,8 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
         "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto",
-        *_tail_flags(args["tail_batching"]), *common])
+        *_tail_flags(args["tail_batching"]),
+        *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *common])
     return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags,
                serving)
 
@@ -409,6 +410,9 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          tail_batching: float = typer.Option(0.0, min=0.0, help="RollPacker's tail batching "
                                              "with eta_P = eta_R = this (e.g. 1.25; 0 = off): "
                                              "the table shows short and long rounds"),
+         seed_role: bool = typer.Option(False, help="RLBoost's seed role: the trainer's own "
+                                        "engine rolls out in each step's window T_seed, then "
+                                        "hands its requests to the workers (the T_seed column)"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
          min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
@@ -431,7 +435,7 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                      step_delay_s=step_delay_s,
                                      spot_step_delay_s=spot_step_delay_s,
                                      coexecutor=coexecutor, serving_rps=serving_rps,
-                                     tail_batching=tail_batching))
+                                     tail_batching=tail_batching, seed_role=seed_role))
     try:
         status = asyncio.run(drive(run, schedule, steps, timeout))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which

@@ -9,6 +9,8 @@ worker out of a step (``RolloutControl.lend_to_training``): its requests move to
 workers with every token generated so far (they only prefill there, migration cause
 ``seed_window``), and it takes no new work. When the step ends they are healthy again for the
 next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
+With no healthy remote worker when the window closes the seed workers finish the step (the
+co-located fallback), so no request waits for a worker that is not there.
 
 The timer is the event loop's; the decisions are the control loop's: this class only keeps
 which seed workers each step holds and when to hand them over.
@@ -66,6 +68,13 @@ class SeedWindows:
         if window is None or window.closed:
             return
         window.closed = True
+        if not any(w.kind != SEED_KIND and w.state is WorkerState.HEALTHY
+                   for w in self._control.pool.all()):
+            # No remote worker to hand the seeds to: the training cluster finishes the step
+            # itself (the co-located fallback) rather than leave its requests waiting.
+            log.info("seeding window closed with no remote worker: %s finish the step",
+                     ", ".join(window.seeds))
+            return
         commands = self._control.lend_to_training(window.seeds, cause="seed_window")
         moved = len(commands)  # each moves or releases one request, its tokens kept
         metrics.SEED_HANDOFFS.inc(moved)

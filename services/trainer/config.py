@@ -85,6 +85,9 @@ class TrainerConfig(ServiceConfig):
     bench_length_median: float = Field(0.0, ge=0, description="benchmark harness: responses "
                                        "run a modelled long-tailed length around this median "
                                        "(no stop tokens); 0 = off")
+    bench_seed_step_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each "
+                                           "engine step of the seed role's engine also takes "
+                                           "this long (as a rollout worker's --step-delay-s)")
     bench_reward_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each reward "
                                         "also takes this long (a verifier's latency)")
     # RLBoost's seeding window (§4.1, seed_role.py): the trainer's own engine rolls out during

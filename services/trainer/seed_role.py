@@ -43,7 +43,7 @@ class SeedRole:
         self.service = WorkerService(
             self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
             kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,
-            max_len=cfg.seed_max_len)
+            max_len=cfg.seed_max_len, step_delay_s=cfg.bench_seed_step_delay_s)
         self._endpoint = endpoint
         self._membership: registry.Membership | None = None
 

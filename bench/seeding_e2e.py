@@ -1,0 +1,149 @@
+"""RLBoost's seeding window end to end on real processes: the trainer's seed role vs none.
+
+The whole local stack (etcd, transfer agent, rollout manager, remote spot workers, trainer; all
+processes) trains the same steps under three configurations, interleaved and repeated:
+
+- full: the trainer's seed role with Algorithm 1 (``--seed-role``; its engine rolls out during
+  [0, T_seed], then hands its requests with their tokens to the remote workers; T_seed adapts)
+  and ``--remote`` spot workers;
+- no seeding: the same remote workers, the trainer only trains (T_seed = 0);
+- co-located only: the seed role and no remote worker (the veRL analogue: the training
+  cluster rolls out everything itself).
+
+Responses run the trainer's benchmark length model (long-tailed, ``bench_harness.py``); every
+engine step — the remote workers' and the seed engine's alike — costs ``--step-delay-s`` more
+(GPU-like: one engine is one GPU's worth of rollout, whoever owns it).
+Reported: tokens trained per second of step time (the first step excluded as warm-up), the
+ratio full / configuration (median [spread]), the mean T_seed and the requests handed over.
+
+    python bench/seeding_e2e.py [--quick] [--repeats 3] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlharvest.common import rpc
+from rlharvest.common.local_etcd import free_port
+from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
+from rlharvest.services.launcher import LocalStack
+
+COMMON = ["--lease-ttl", "2", "--json-logs"]
+SEED = ["--seed-role", "--seed-window-init-s", "0.5", "--seed-max-running", "16"]
+CONFIGS = {"full": (SEED, True), "no seeding": ([], True), "co-located only": (SEED, False)}
+
+
+@dataclass
+class Outcome:
+    rate: float  # tokens trained / s of step time
+    t_seed: float  # mean window of the measured steps
+    handed: float  # requests handed from the seed worker to remote workers
+
+
+async def _wait_done(endpoint: str, timeout: float) -> tpb.TrainerStatus:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with rpc.channel(endpoint) as chan:
+                st = await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
+                    tpb.TrainerStatusRequest(), timeout=5)
+        except Exception:  # noqa: BLE001 - still starting
+            await asyncio.sleep(0.5)
+            continue
+        if st.state == "failed":
+            raise RuntimeError(st.error)
+        if st.state == "done":
+            return st
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"not done in {timeout:.0f}s")
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def run_case(flags: list[str], remote: bool, args, log_dir: Path) -> Outcome:
+    stack = LocalStack(log_dir)
+    stack.start_etcd()
+    try:
+        stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *COMMON])
+        manager_metrics = free_port()
+        stack.start("rollout_manager", "manager", ["--port", str(free_port()), "--metrics-port",
+                                                   str(manager_metrics), *COMMON])
+        for i in range(args.remote if remote else 0):
+            stack.start("rollout_worker", f"spot-{i}", [
+                "--worker-id", f"spot-{i}", "--kind", "spot", "--torch-threads", "1",
+                "--job", "default", "--agent-pull", "--max-running", str(args.remote_max_running),
+                "--step-delay-s", str(args.step_delay_s), *COMMON])
+        port = free_port()
+        stack.start("trainer", "trainer", [
+            "--port", str(port), "--backend", "torch", "--torch-threads", "1",
+            "--steps", str(args.steps), "--prompts-per-step", "8", "--samples-per-prompt", "4",
+            "--max-new-tokens", str(args.max_tokens), "--bench-length-median",
+            str(args.length_median), "--instance-cap", "auto", "--no-exit-when-done",
+            "--bench-seed-step-delay-s", str(args.step_delay_s),
+            *flags, *COMMON])
+        st = asyncio.run(_wait_done(f"127.0.0.1:{port}", args.timeout))
+        handed = _metric(manager_metrics, "rlh_manager_seed_handoffs_total")
+    finally:
+        stack.stop()
+    measured = [s for s in st.steps if s.step > 1]
+    # t_seed_s is the next step's window: the window of step k is the summary of step k-1.
+    windows = [s.t_seed_s for s in st.steps if s.step < len(st.steps)][1:]
+    return Outcome(sum(s.tokens for s in measured) / sum(s.step_time_s for s in measured),
+                   statistics.mean(windows) if windows else 0.0, handed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="3 steps, one repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--remote", type=int, default=2, help="remote spot workers")
+    parser.add_argument("--remote-max-running", type=int, default=8,
+                        help="requests a remote worker runs at once (the seed engine: 16)")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--length-median", type=float, default=24)
+    parser.add_argument("--step-delay-s", type=float, default=0.02)
+    parser.add_argument("--timeout", type=float, default=600)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 3, 1
+    log_root = Path(tempfile.mkdtemp(prefix="rlharvest-seeding-e2e-"))
+    results: dict[str, list[Outcome]] = {name: [] for name in CONFIGS}
+    for repeat in range(args.repeats):  # interleaved
+        for name, (flags, remote) in CONFIGS.items():
+            outcome = run_case(flags, remote, args, log_root / f"{name}-{repeat}".replace(" ", "-"))
+            results[name].append(outcome)
+            print(f"repeat {repeat + 1} {name}: {outcome.rate:.0f} tokens/s, mean T_seed "
+                  f"{outcome.t_seed:.2f}s, {outcome.handed:.0f} requests handed over",
+                  flush=True)
+    print(f"\n{args.steps} steps of 8x4 (first excluded), {args.remote} remote spot workers x "
+          f"{args.remote_max_running} slots "
+          f"(every engine +{args.step_delay_s:g}s per step), length median {args.length_median:g} "
+          f"(cap {args.max_tokens}), {args.repeats} repeats\n")
+    print("| configuration | tokens trained/s (median) | full / it | mean T_seed s | handed over |")
+    print("| --- | --- | --- | --- | --- |")
+    full = results["full"]
+    for name, outcomes in results.items():
+        ratios = [f.rate / o.rate for f, o in zip(full, outcomes)]
+        print(f"| {name} | {statistics.median(o.rate for o in outcomes):.0f} | "
+              f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] | "
+              f"{statistics.mean(o.t_seed for o in outcomes):.2f} | "
+              f"{statistics.mean(o.handed for o in outcomes):.0f} |")
+    print(f"\nlogs in {log_root}")
+
+
+if __name__ == "__main__":
+    main()
