@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ from rlharvest.services.demo_serving import DemoServing, StepServing
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 
 app = typer.Typer(add_completion=False, help=__doc__)
-console = Console()
+# Piped (CI logs, `| tee`), rich would squeeze the step table into 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 _POLL_S = 0.05
 _RISE_WINDOW = 3  # steps averaged at each end: one step's reward is too noisy to compare
 _TIME_LIMIT_S = 300.0  # issue 5: a handful of steps within 5 minutes on 2 cores
