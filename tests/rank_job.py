@@ -53,6 +53,10 @@ def main() -> None:
         lr=args.lr, optimizer="sgd", grad_clip=0.0, zero_stage=args.zero_stage,
         zero3_persistence_threshold=0))  # a tiny model, really partitioned at ZeRO-3
     group = ranks.control_group()
+    if args.kill_follower_after and torch.distributed.get_rank() == 0:
+        # torchrun SIGTERMs the survivors as soon as it sees rank 1 die; rank 0 must live long
+        # enough to find the broken collective and report it (it exits right after).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if torch.distributed.get_rank() > 0:
         local = ranks.LocalRanks(backend, ref_model)
         if args.kill_follower_after:

@@ -60,9 +60,10 @@ def test_without_a_previous_step_every_request_is_predicted_at_max_tokens():
 
 
 def test_candidates_are_the_jobs_own_workers_with_a_known_kv_capacity():
+    # Serving co-executors are the serving fleet's; seed workers are lent by their own window.
     workers = [view_of("w0"), view_of("co", kind="serving"), view_of("new", kv=0),
                view_of("spot", kind="spot", kv=64), view_of("seed", kind="seed", kv=32)]
-    assert candidates(workers) == {"w0": 1000, "spot": 64, "seed": 32}
+    assert candidates(workers) == {"w0": 1000, "spot": 64}
 
 
 def test_the_view_puts_each_remaining_request_on_its_candidate_or_waiting_once():
