@@ -306,36 +306,13 @@ async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_
     assert [s.tokens for s in st.steps] == expected
 
 
-async def test_the_seed_role_rolls_out_in_the_window_then_hands_its_requests_over(
+async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker_loses_none(
         stack, etcd_client):
     """RLBoost §4.1 on real processes: the trainer's own engine joins as a seed worker, rolls
     out during the seeding window, and when the window closes its requests move to the remote
-    (spot) worker with every token — none regenerated — and every step trains on-policy."""
-    # The spot worker runs 4 requests at a time, slowly: work waits in the manager, so the seed
-    # engine is mid-flight when its window closes.
-    manager = await start_job(stack, 1, "--step-delay-s", "0.03", "--max-running", "4",
-                              spot=True)
-    trainer, _ = await start_trainer(
-        stack, "trainer", "--backend", "torch", "--steps", "3", "--seed-role",
-        "--instance-cap", "auto", "--seed-window-init-s", "0.1", "--seed-max-running", "8",
-        "--max-new-tokens", "64", "--bench-length-median", "40")
-    st = await wait_trainer(trainer, lambda s: s.state == "done")
-    status = await manager_status(manager.endpoint)
-    seed = next(w for w in status.workers if w.worker_id == "trainer-0-seed")
-    assert seed.kind == "seed" and seed.state == "healthy"  # back after its last window
-    assert seed.weight_version == st.weight_version  # it holds the trainer's weights, in memory
-    assert status.tokens_regenerated == 0
-    text = scrape(manager.metrics_port)
-    handed = metric(text, "rlh_manager_seed_handoffs_total")
-    assert handed > 0 and metric(text, "rlh_manager_seed_windows_total") >= 1
-    assert metric(text, 'rlh_manager_migrations_total{cause="seed_window"}') > 0
-    assert sum(s.migrations for s in st.steps) >= handed  # each handed-over request moved
-    assert all(s.t_seed_s >= 0 for s in st.steps) and st.steps[0].weight_version == 0
-
-
-async def test_seeding_with_a_spot_worker_sigkilled_mid_step_loses_no_token(stack, etcd_client):
-    """The seed role's handed-over requests and the spot workers' own survive a SIGKILL: the
-    manager migrates what the dead worker held, tokens kept, and every step trains."""
+    (spot) workers with every token — none regenerated, even with a spot worker SIGKILLed
+    mid-step — and every step trains on-policy. The spot workers run 4 requests at a time,
+    slowly, so work waits in the manager and the seed engine is mid-flight at the close."""
     flags = ("--step-delay-s", "0.03", "--max-running", "4")
     manager = await start_job(stack, 2, *flags, spot=True)
     trainer, _ = await start_trainer(
@@ -348,4 +325,10 @@ async def test_seeding_with_a_spot_worker_sigkilled_mid_step_loses_no_token(stac
     assert len(st.steps) == 3
     status = await manager_status(manager.endpoint)
     assert status.tokens_regenerated == 0
-    assert metric(scrape(manager.metrics_port), "rlh_manager_seed_handoffs_total") > 0
+    seed = next(w for w in status.workers if w.worker_id == "trainer-0-seed")
+    assert seed.kind == "seed" and seed.state == "healthy"  # back after its last window
+    assert seed.weight_version == st.weight_version  # it holds the trainer's weights, in memory
+    text = scrape(manager.metrics_port)
+    handed = metric(text, "rlh_manager_seed_handoffs_total")
+    assert handed > 0 and metric(text, "rlh_manager_seed_windows_total") >= 1
+    assert metric(text, 'rlh_manager_migrations_total{cause="seed_window"}') > 0
