@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import typer
 
-from rlharvest.common.tiny_model import PRESETS
+from rlharvest.common.model_presets import PRESETS
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 SIZES: dict[str, dict] = PRESETS  # the same shapes as the built-in presets
@@ -168,6 +167,7 @@ def build_checkpoint(out_dir: str | Path, *, family: str = "qwen3", size: str = 
                      vocab_size: int = 512, corpus: Iterable[str] | None = None, seed: int = 0,
                      max_position_embeddings: int = 1024, overwrite: bool = False) -> Path:
     """Write a loadable HF checkpoint of ``family`` and ``size`` into ``out_dir``; returns it."""
+    import torch  # here: `rlharvest --help` and every other command start without it
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     specials = _check_family(family)

@@ -11,15 +11,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
+from rlharvest.common.model_presets import PRESETS
 from rlharvest.common.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
-# name -> Qwen3Config overrides. "tiny" learns the built-in tasks on 2 CPU cores in minutes.
-PRESETS: dict[str, dict] = {
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32),
-}
+
+
 
 
 def tiny_config(preset: str = "tiny", max_position_embeddings: int = 1024) -> Qwen3Config:

@@ -23,12 +23,9 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.services.demo import PreemptionSchedule, Run, drive, step_table, write_report
 from rlharvest.services.launcher import LocalStack
-from rlharvest.services.rollout_worker.decoder_forward import check_servable
 from rlharvest.services.trainer.config import TrainerConfig
-from rlharvest.services.trainer.task_setup import build_task_setup
 
 console = Console()
 
@@ -61,6 +58,11 @@ def model_config(model: str) -> Any:
 
 def preflight(cfg: TrainerConfig) -> Checked:
     """Everything the trainer or a worker would refuse, refused now; ValueError says what."""
+    # Here, not at the top: they load torch, and every `rlharvest` command imports this module.
+    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.services.rollout_worker.decoder_forward import check_servable
+    from rlharvest.services.trainer.task_setup import build_task_setup
+
     config = model_config(cfg.model)
     context = int(config.max_position_embeddings)
     check_servable(config, context)
