@@ -58,17 +58,14 @@ class Outcome:
     discarded: int
 
 
-async def _status(endpoint: str) -> tpb.TrainerStatus:
-    async with rpc.channel(endpoint) as chan:
-        return await trainer_pb2_grpc.TrainerStub(chan).GetStatus(tpb.TrainerStatusRequest(),
-                                                                  timeout=5)
-
-
-async def _wait_done(endpoint: str, timeout: float) -> tpb.TrainerStatus:
+async def wait_trainer_done(endpoint: str, timeout: float) -> tpb.TrainerStatus:
+    """The trainer's status once it is done (its steps trained); raises if it failed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            st = await _status(endpoint)
+            async with rpc.channel(endpoint) as chan:
+                st = await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
+                    tpb.TrainerStatusRequest(), timeout=5)
         except Exception:  # noqa: BLE001 - still starting
             await asyncio.sleep(0.5)
             continue
@@ -101,7 +98,7 @@ def run_case(name: str, flags: list[str], args, log_dir: Path) -> Outcome:
             "--bench-length-median", str(args.length_median),
             "--bench-reward-delay-s", str(args.reward_delay_s), "--reward-concurrency", str(args.reward_concurrency),
             "--no-exit-when-done", *flags, *COMMON])
-        st = asyncio.run(_wait_done(f"127.0.0.1:{port}", args.timeout))
+        st = asyncio.run(wait_trainer_done(f"127.0.0.1:{port}", args.timeout))
     finally:
         stack.stop()
     steps = list(st.steps)

@@ -25,15 +25,17 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlharvest.common import rpc
-from rlharvest.common.local_etcd import free_port
-from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
-from rlharvest.services.launcher import LocalStack
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.e2e_tail_batching import wait_trainer_done  # noqa: E402
+from rlharvest.common.local_etcd import free_port  # noqa: E402
+from rlharvest.services.launcher import LocalStack  # noqa: E402
+from tests.integration.test_manager import scrape  # noqa: E402
 
 COMMON = ["--lease-ttl", "2", "--json-logs"]
 SEED = ["--seed-role", "--seed-window-init-s", "0.5", "--seed-max-running", "16"]
@@ -45,32 +47,6 @@ class Outcome:
     rate: float  # tokens trained / s of step time
     t_seed: float  # mean window of the measured steps
     handed: float  # requests handed from the seed worker to remote workers
-
-
-async def _wait_done(endpoint: str, timeout: float) -> tpb.TrainerStatus:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            async with rpc.channel(endpoint) as chan:
-                st = await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
-                    tpb.TrainerStatusRequest(), timeout=5)
-        except Exception:  # noqa: BLE001 - still starting
-            await asyncio.sleep(0.5)
-            continue
-        if st.state == "failed":
-            raise RuntimeError(st.error)
-        if st.state == "done":
-            return st
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"not done in {timeout:.0f}s")
-
-
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def run_case(flags: list[str], remote: bool, args, log_dir: Path) -> Outcome:
@@ -94,8 +70,8 @@ def run_case(flags: list[str], remote: bool, args, log_dir: Path) -> Outcome:
             str(args.length_median), "--instance-cap", "auto", "--no-exit-when-done",
             "--bench-seed-step-delay-s", str(args.step_delay_s),
             *flags, *COMMON])
-        st = asyncio.run(_wait_done(f"127.0.0.1:{port}", args.timeout))
-        handed = _metric(manager_metrics, "rlh_manager_seed_handoffs_total")
+        st = asyncio.run(wait_trainer_done(f"127.0.0.1:{port}", args.timeout))
+        handed = scrape(manager_metrics).get("rlh_manager_seed_handoffs_total", 0.0)
     finally:
         stack.stop()
     measured = [s for s in st.steps if s.step > 1]

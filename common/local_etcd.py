@@ -36,6 +36,18 @@ class PortTakenError(OSError):
     """etcd could not bind a port picked as free (another process took it first)."""
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM a local server process, SIGKILL it after ``timeout``; returns once it is gone."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class LocalEtcd:
     def __init__(self, binary: str = "etcd", log_path: Path | None = None):
         path = shutil.which(binary)
@@ -112,13 +124,8 @@ class LocalEtcd:
         return Path(self._data_dir) / "etcd.log"
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
         if self._data_dir:
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._data_dir = None

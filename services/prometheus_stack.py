@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rlharvest.common import registry
+from rlharvest.common.local_etcd import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +158,5 @@ class LocalPrometheus:
     def stop(self) -> None:
         if self._stop is not None:
             self._stop.set()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.process is not None:
+            stop_process(self.process)

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from rlharvest.common.records import json_object
 from rlharvest.services.rollout_manager.stream_scaling import (
     RemainingRequest,
     ScaleDown,
@@ -152,11 +153,7 @@ def parse_scale_record(raw: bytes | None) -> dict[str, object] | None:
     """A stored record as a dict, or None when absent; ValueError when it is not one."""
     if raw is None:
         return None
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"the stream scaling record is not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("state") not in ("lent", "returned") \
-            or not isinstance(data.get("drained"), list):
+    data = json_object(raw, "stream scaling record")
+    if data.get("state") not in ("lent", "returned") or not isinstance(data.get("drained"), list):
         raise ValueError(f"not a stream scaling record: {raw[:200]!r}")
     return data

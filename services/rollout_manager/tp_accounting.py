@@ -29,6 +29,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from rlharvest.common.records import json_object
 from rlharvest.services.rollout_manager.tp_planner import (
     TpDecision,
     TpPlan,
@@ -134,12 +135,7 @@ def parse_plan_record(raw: bytes | None) -> PlanRecord | None:
     """A stored record, or None when absent; ValueError when it is not a plan record."""
     if raw is None:
         return None
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise ValueError(f"the TP plan record is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"the TP plan record is not a JSON object: {raw[:200]!r}")
+    data = json_object(raw, "TP plan record")
     plan = TpPlan.from_json(data)
     steps, state = data.get("steps", 0), data.get("state")
     return PlanRecord(plan, steps if isinstance(steps, int) and steps >= 0 else 0,

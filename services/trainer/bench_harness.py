@@ -12,12 +12,17 @@ the median) times per-response noise (log-normal), capped at ``max_new_tokens`` 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rlharvest.services.trainer.rewards.pool import RewardFn
+
+if TYPE_CHECKING:  # the harness stays as light as the step plan that imports it
+    from rlharvest.services.trainer.task_setup import TaskSetup
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,9 @@ class LengthModel:
 
 def delayed(fn: RewardFn, delay_s: float) -> RewardFn:
     """``fn`` that first waits ``delay_s`` (a verifier's latency), inside the reward pool's slot
-    like real verification work, so the pool's concurrency bounds it."""
+    like real verification work, so the pool's concurrency bounds it; ``fn`` itself at 0."""
+    if not delay_s:
+        return fn
 
     async def slow(prompt: str, completion: str, reference: str) -> float:
         await asyncio.sleep(delay_s)
@@ -48,3 +55,12 @@ def delayed(fn: RewardFn, delay_s: float) -> RewardFn:
         return await asyncio.to_thread(fn, prompt, completion, reference)  # type: ignore[arg-type]
 
     return slow
+
+
+def delay_rewards(setup: TaskSetup, delay_s: float) -> TaskSetup:
+    """``setup`` with each of its rewards ``delayed``; unchanged at 0."""
+    if not delay_s:
+        return setup
+    return dataclasses.replace(
+        setup, reward_fn=setup.reward_fn and delayed(setup.reward_fn, delay_s),
+        by_source={source: delayed(fn, delay_s) for source, fn in setup.by_source.items()})

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, overload
+from typing import Any
 
 import torch
 
@@ -41,18 +41,13 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import checkpoint, metrics, rollout_client
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
-from rlharvest.services.trainer.bench_harness import LengthModel, delayed
+from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards, delayed
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.trainer.instance_cap import InstanceCap
-from rlharvest.services.trainer.rewards.pool import (
-    RewardFn,
-    RewardOutcome,
-    RewardPool,
-    RewardRequest,
-)
+from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.shard_publish import ShardTarget
 from rlharvest.services.trainer.step_plan import (
@@ -153,7 +148,9 @@ class TrainerLoop:
             eta=cfg.seed_eta) if cfg.instance_cap == "auto" else None
         self._loss = LossConfig(eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta=cfg.beta,
                                 aggregation=cfg.aggregation)
-        self._setup = build_task_setup(cfg, self._tok, max_positions(self._model))
+        # The benchmark harness's reward delay (--bench-reward-delay-s) wraps every reward once.
+        self._setup = delay_rewards(build_task_setup(cfg, self._tok, max_positions(self._model)),
+                                    cfg.bench_reward_delay_s)
         self._task_factory = self._setup.factory
         self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
         # RollPacker's tail batching decides each step's prompts (tail_batcher.py).
@@ -163,7 +160,8 @@ class TrainerLoop:
         self._round: Round | None = None  # the round the step in progress runs
         self._lengths = LengthModel(cfg.bench_length_median, cfg.max_new_tokens, cfg.data_seed) \
             if cfg.bench_length_median else None
-        self._rewards = RewardPool(self._harness(self._setup.reward_fn or self._task_reward),
+        self._rewards = RewardPool(delayed(self._setup.reward_fn or self._task_reward,
+                                           cfg.bench_reward_delay_s),
                                    max_concurrency=cfg.reward_concurrency,
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
@@ -336,7 +334,7 @@ class TrainerLoop:
             text = self._tok.decode(completion.token_ids)
             outcome = await self._rewards.score(RewardRequest(
                 completion.request_id, item.prompt, text, item.answer,
-                reward_fn=self._harness(self._setup.reward_of(item)),
+                reward_fn=self._setup.reward_of(item),
                 timeout_s=cfg.reward_timeout_of(self._setup.kind_of(item))))
             if not outcome.ok:
                 self._record_reward_failure(spec.step, outcome)
@@ -370,8 +368,7 @@ class TrainerLoop:
                     if (done := assembler.verdict(verdict.group_id, verdict.accepted)) is not None:
                         ready.put_nowait(done)
                     if not verdict.accepted:
-                        for task in rewarding.pop(assembler.parse(f"{verdict.group_id}-r0")[0],
-                                                  []):
+                        for task in rewarding.pop(assembler.group_of(verdict.group_id), []):
                             task.cancel()  # its tokens are discarded; so is its reward
                 progress.completions = assembler.completions
                 progress.tokens_generated = assembler.tokens_generated
@@ -436,16 +433,6 @@ class TrainerLoop:
             round=spec.round, prompts_launched=len(spec.items),
             prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded,
             rollout_s=phases["rollout"], rewards_s=phases["rewards"])
-
-    @overload
-    def _harness(self, fn: RewardFn) -> RewardFn: ...
-    @overload
-    def _harness(self, fn: None) -> None: ...
-
-    def _harness(self, fn: RewardFn | None) -> RewardFn | None:
-        """A reward as the benchmark harness slows it (``--bench-reward-delay-s``)."""
-        delay = self._cfg.bench_reward_delay_s
-        return delayed(fn, delay) if fn is not None and delay else fn
 
     def _seed_window_s(self) -> float:
         """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role."""

@@ -145,6 +145,10 @@ class GroupAssembler:
             raise ValueError(f"request id {rid!r} is not one of step {self._spec.step}'s")
         return int(group), int(sample)
 
+    def group_of(self, group_id: str) -> int:
+        """The index of one of the step's group ids (``s<step>-g<index>``)."""
+        return self.parse(f"{group_id}-r0")[0]
+
     def delta(self, delta: common_pb2.TokenDelta) -> None:
         if delta.weight_version != self._spec.weight_version:
             raise OnPolicyViolation(
@@ -186,7 +190,7 @@ class GroupAssembler:
 
     def verdict(self, group_id: str, accepted: bool) -> ReadyGroup | None:
         """A short round's verdict on a group; returns the group if it is ready now."""
-        group, _ = self.parse(f"{group_id}-r0")
+        group = self.group_of(group_id)
         g = self._groups[group]
         if self._spec.accept is None or g.accepted is not None:
             raise ValueError(f"group {group_id} was already given a verdict, or the step has no "

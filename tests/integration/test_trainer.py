@@ -20,6 +20,7 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.trainer import checkpoint
+from rlharvest.services.trainer.bench_harness import LengthModel
 from rlharvest.services.trainer.step_plan import resume_version
 
 from .worker_client import WorkerHandle, wait_serving
@@ -290,16 +291,20 @@ async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_
     """The veRL-like pipeline the benchmarks compare against (--pipeline sync): rewards start
     after the last completion, training after the last reward, in ceil(P0 / m_b) micro-batches;
     with the length model every response runs its modelled length."""
-    await start_job(stack, 2)
+    await start_job(stack, 2, "--step-delay-s", "0.03")  # a rollout long enough to overlap
     trainer, _ = await start_trainer(
         stack, "trainer", "--backend", "torch", "--pipeline", "sync", "--steps", "2",
         "--prompts-per-step", "5", "--samples-per-prompt", "2", "--micro-batch-groups", "2",
-        "--bench-length-median", "3", "--max-new-tokens", "12", "--bench-reward-delay-s", "0.05")
+        "--bench-length-median", "3", "--max-new-tokens", "12", "--bench-reward-delay-s", "0.05",
+        "--reward-concurrency", "1")
     st = await wait_trainer(trainer, lambda s: s.state == "done")
     assert [s.micro_batches for s in st.steps] == [3, 3]  # 2 + 2 + 1 groups, never merged
-    # Nothing trained while rewards were pending: the trainer waited at least one reward delay.
-    assert all(s.micro_batch_wait_s >= 0.05 for s in st.steps)
-    from rlharvest.services.trainer.bench_harness import LengthModel
+    # Every one of the 10 rewards ran after the rollout, one at a time: a reward started while
+    # completions still streamed (the stream pipeline) would end the rewards sooner.
+    assert all(s.rewards_s - s.rollout_s >= 10 * 0.05 - 0.01 for s in st.steps), \
+        [(s.rollout_s, s.rewards_s) for s in st.steps]
+    # Nothing trained while rewards were pending: the trainer waited for them all.
+    assert all(s.micro_batch_wait_s >= s.rewards_s - s.rollout_s for s in st.steps)
     model = LengthModel(3, 12, 0)
     expected = [sum(model.tokens(i, step, r) for i in items for r in range(2))
                 for step, items in ((1, range(5)), (2, range(5, 10)))]

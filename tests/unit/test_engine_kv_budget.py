@@ -13,17 +13,17 @@ from prometheus_client import REGISTRY
 from rlharvest.common.engine_types import EngineLoad, EngineRequest
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
-from .test_torch_engine import MAX_LEN, collect, drain, engine, prompt, sampled
+from .test_torch_engine import (  # one_torch_thread: the module fixture, autouse here too
+    MAX_LEN,
+    collect,
+    drain,
+    engine,
+    one_torch_thread,  # noqa: F401
+    prompt,
+    sampled,
+)
 
 BUDGET = MAX_LEN  # the smallest budget allowed: about three of the requests below at once
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def crowd(count: int = 8, seed: int = 900) -> list[EngineRequest]:
