@@ -39,8 +39,10 @@ async def test_prometheus_scrapes_every_member_and_reads_the_trainers_reward_bac
         assert reward[0]["metric"]["service"] == "trainer"
         steps = await eventually(lambda: prometheus.query("rlh_trainer_step"), bool)
         assert float(steps[0]["value"][1]) == 3
-        services = {r["metric"]["service"] for r in prometheus.query("up == 1")}
-        assert {"trainer", "rollout_manager", "rollout_worker", "transfer_agent"} <= services
+        # Each target's first scrape lands somewhere in its interval: wait for all of them.
+        every = {"trainer", "rollout_manager", "rollout_worker", "transfer_agent"}
+        await eventually(lambda: prometheus.query("up == 1"),
+                         lambda up: every <= {r["metric"]["service"] for r in up})
         start_worker(stack, "late", False)  # a member that joins is discovered through etcd
         await eventually(lambda: prometheus.query('up{member="late"} == 1'), bool)
     finally:
