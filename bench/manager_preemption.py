@@ -33,6 +33,7 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: 
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
 from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.services.rollout_manager import status_client  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "manager_preemption.md"
@@ -51,17 +52,14 @@ def step_request(prefix: str, lengths: list[int], seed: int = 7) -> mpb.SubmitSt
 
 
 async def manager_status(endpoint: str) -> mpb.ManagerStatus:
-    async with rpc.channel(endpoint) as chan:
-        return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
-            mpb.GetStatusRequest(), timeout=10)
+    status = await status_client.manager_status(endpoint, timeout=10)
+    if status is None:
+        raise RuntimeError(f"the manager at {endpoint} did not answer GetStatus")
+    return status
 
 
 async def wait_healthy(endpoint: str, count: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(w.state == "healthy" for w in (await manager_status(endpoint)).workers) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"manager {endpoint} did not see {count} healthy workers")
-        await asyncio.sleep(0.2)
+    await status_client.wait_workers(endpoint, count, timeout=timeout)
 
 
 async def run_step(endpoint: str, request: mpb.SubmitStepRequest, kill_at: int | None,

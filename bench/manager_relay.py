@@ -35,6 +35,7 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: 
 from rlharvest.common.pb import rollout_manager_pb2_grpc, rollout_worker_pb2 as wpb  # noqa: E402
 from rlharvest.common.pb import rollout_worker_pb2_grpc  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.services.rollout_manager.status_client import wait_workers  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, wait_serving  # noqa: E402
 
 HARNESS = Path(__file__).resolve().parent / "manager_relay_worker.py"
@@ -79,22 +80,6 @@ def step(prefix: str, requests: int, tokens: int, version: int) -> mpb.SubmitSte
         mpb.RolloutRequest(request_id=f"{prefix}{i}", group_id="g", prompt_token_ids=[1, 2, 3],
                            sampling=common_pb2.SamplingParams(max_tokens=tokens))
         for i in range(requests)])
-
-
-async def wait_workers(endpoint: str, count: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    async with rpc.channel(endpoint) as chan:
-        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
-        while True:
-            try:
-                st = await stub.GetStatus(mpb.GetStatusRequest(), timeout=2)
-                if sum(w.state == "healthy" for w in st.workers) >= count:
-                    return
-            except Exception:  # not up yet  # noqa: BLE001
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the manager at {endpoint} did not see {count} workers")
-            await asyncio.sleep(0.2)
 
 
 async def relay_throughput(endpoint: str, request: mpb.SubmitStepRequest, pid: int) -> dict:
@@ -175,7 +160,7 @@ def main() -> None:
         manager, endpoint = start_manager(stack, profile_to)
         procs += [p for p, _ in full + paced] + [manager]
         wait_serving(WorkerHandle(_Alive(manager), endpoint, 0), 60)
-        asyncio.run(wait_workers(endpoint, args.workers + 2))
+        asyncio.run(wait_workers(endpoint, args.workers + 2, timeout=240))
         asyncio.run(relay_throughput(endpoint, step("warm", requests, 64, FULL_RATE), manager.pid))
         runs = [asyncio.run(relay_throughput(endpoint, step(f"t{k}-", requests, args.tokens,
                                                             FULL_RATE), manager.pid))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -30,6 +30,20 @@ class ServiceConfig(BaseSettings):
     """Base of every service's config. Subclasses add fields; the loading rules live here."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # Mutual TLS for the service's gRPC server and every channel it opens (common/tls.py):
+    # all three PEM files, or none (plaintext).
+    tls_cert: str = Field("", description="PEM certificate of this service (mutual TLS)")
+    tls_key: str = Field("", description="PEM private key of tls_cert")
+    tls_ca: str = Field("", description="PEM CA: peers must present a certificate it signed")
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> "ServiceConfig":
+        given = {k: bool(getattr(self, k)) for k in ("tls_cert", "tls_key", "tls_ca")}
+        if any(given.values()) and not all(given.values()):
+            missing = ", ".join(k for k, v in given.items() if not v)
+            raise ValueError(f"mutual TLS needs tls_cert, tls_key and tls_ca; {missing} not set")
+        return self
 
     # Set by load_config for the duration of one load; pydantic-settings reads it in the hook below.
     _config_file: ClassVar[Path | None] = None

@@ -11,6 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rlharvest.common import tls
+from rlharvest.common.decode_guard import DecodeGuard
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # weight chunks are tens of MB; bigger is refused
 
 _KEEPALIVE = [
@@ -57,8 +60,12 @@ def bind_server(host: str = "127.0.0.1", port: int = 0,
     """A server bound to host:port (0 picks a free port), not started yet: its port is known
     before its servicers are built. Returns it and the bound port."""
     server = grpc.aio.server(
+        interceptors=[DecodeGuard()],  # an unparsable request: INVALID_ARGUMENT, not UNKNOWN
         options=_size_options(max_message_bytes) + _KEEPALIVE + _SERVER_PING_POLICY)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = tls.server_credentials()  # mutual TLS when the process configured it
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else \
+        server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     return server, bound
@@ -107,6 +114,9 @@ def channel(target: str, service_names: list[str] | None = None,
     options: list[tuple[str, int | str]] = [*_size_options(max_message_bytes), *_KEEPALIVE]
     if service_names:
         options.append(("grpc.service_config", _retry_service_config(service_names)))
+    credentials = tls.channel_credentials()
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 
 

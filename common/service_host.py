@@ -32,7 +32,7 @@ import aetcd
 import grpc
 from aiohttp import web
 
-from rlharvest.common import registry, rpc
+from rlharvest.common import registry, rpc, tls
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.observability import HealthCheck, setup_logging, start_http
 from rlharvest.common.retry import Backoff
@@ -57,6 +57,9 @@ class HostedConfig(Protocol):
     shutdown_grace: float
     log_level: str
     json_logs: bool
+    tls_cert: str
+    tls_key: str
+    tls_ca: str
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ class Host(Generic[C]):
     # ---- startup -------------------------------------------------------------------------------
 
     async def _start(self, cfg: HostedConfig) -> None:
+        tls.configure(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # every server and channel after
         self._etcd = await registry.connect(cfg.etcd)
         self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
         advertise = cfg.advertise_host or cfg.host

@@ -17,12 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from rlharvest.common import keys, registry, rpc
-from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.hf_checkpoint import build_checkpoint_command
 from rlharvest.services import status_view
 from rlharvest.services.prometheus_stack import LocalPrometheus
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_manager.status_client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.services.spot_replay import SpotReplay, load_trace
 from rlharvest.services.train_command import train
@@ -245,7 +245,7 @@ async def _collect_managers(endpoint: str, timeout: float) -> list[tuple[str, ..
         await client.close()
     rows = []
     for key, info in sorted(members.items()):
-        st = await _manager_status(info["endpoint"], timeout)
+        st = await manager_status(info["endpoint"], timeout)
         name = key.rsplit("/", 1)[-1]
         plan = plans.get(str(info.get("job", "")), "")
         if st is None:
@@ -269,15 +269,6 @@ async def _tp_plan(client, job: str) -> str:
     except ValueError:
         return "malformed"
     return "" if record is None else f"short {record.plan.short_tp} / long {record.plan.long_tp}"
-
-
-async def _manager_status(endpoint: str, timeout: float):
-    async with rpc.channel(endpoint) as chan:
-        try:
-            return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
-                rollout_manager_pb2.GetStatusRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return None
 
 
 async def _worker_load(endpoint: str, timeout: float):

@@ -10,6 +10,11 @@ PREFILL_TOKENS = Counter("rlh_worker_prefill_tokens_total", "Prompt + resumed to
 ENGINE_STEPS = Counter("rlh_worker_engine_steps_total", "Engine steps run")
 STEP_SECONDS = Histogram("rlh_worker_step_seconds", "Wall time of one engine step",
                          buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+ABORT_WAIT_STEPS = Histogram(
+    "rlh_worker_abort_wait_steps", "Engine steps completed between an abort's arrival and the "
+    "request leaving the engine: at most 1, the step running when it arrived (a migration or a "
+    "seeding window's close stops a request's token generation within one engine step)",
+    buckets=(0, 1, 2, 3, 5))
 PENDING = Gauge("rlh_worker_pending_requests", "Requests waiting for a batch slot")
 EXECUTING = Gauge("rlh_worker_executing_requests", "Requests in the running batch")
 KV_USED = Gauge("rlh_worker_kv_used_tokens", "KV cache tokens in use")

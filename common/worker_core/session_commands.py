@@ -42,6 +42,7 @@ class StepLoop(Protocol):
     """What the commands need from the loop that steps the engine (``EnginePump`` has it)."""
 
     last_load: common_pb2.Load  # as of the last step boundary
+    steps: int  # engine steps completed so far
 
     def between_steps(self, mutation: Callable[[], Awaitable[object]]) -> None: ...
 
@@ -94,7 +95,7 @@ class SessionCommands:
                 self._hub.refuse(session, rid, NotFound(
                     f"no request {rid!r} of this session on this worker"))
                 continue
-            self._loop.between_steps(partial(self._abort_held, rid))
+            self._loop.between_steps(partial(self._abort_held, rid, self._loop.steps))
 
     def end_all(self) -> int:
         """End every request held, between steps, each confirmed by its final abort delta (a
@@ -153,9 +154,11 @@ class SessionCommands:
             return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)))
         metrics.REQUESTS_ADDED.labels(str(bool(request.generated_token_ids)).lower()).inc()
 
-    async def _abort_held(self, rid: str) -> None:
+    async def _abort_held(self, rid: str, arrived_at_step: int | None = None) -> None:
         if self._hub.holder(rid) is not None:  # else it finished meanwhile: its final delta went
             self._end(rid)
+            if arrived_at_step is not None:  # a manager's abort (a migration), not a drain's
+                metrics.ABORT_WAIT_STEPS.observe(self._loop.steps - arrived_at_step)
 
     def _end(self, rid: str) -> None:
         try:

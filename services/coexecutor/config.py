@@ -43,6 +43,8 @@ class CoexecutorConfig(ServiceConfig):
                                    "read besides on every change")
     agent_pull: bool = Field(False, description="pull the job's weights from a transfer agent "
                              "when it announces a version")
+    weights_dir: str = Field("", description="LoadWeights reads only safetensors files named "
+                             "relative to this directory; empty: LoadWeights is refused")
     max_running: int = Field(16, ge=1, le=4096, description="rollout requests executing at once")
     serving_max_running: int = Field(16, ge=1, le=4096, description="serving requests executing "
                                      "at once")

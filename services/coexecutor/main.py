@@ -121,7 +121,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
                             max_pending=cfg.max_pending, on_version_change=on_version_change,
-                            admission=admission)
+                            admission=admission, weights_dir=cfg.weights_dir)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
                                    pump=service.pump,
                                    slo=(cfg.ttft_slo_ms / 1000, cfg.tpot_slo_ms / 1000))

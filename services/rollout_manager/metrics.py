@@ -50,5 +50,7 @@ WORKERS_LENT = Gauge("rlh_manager_workers_lent_to_training", "Rollout workers le
                      "stream-trainer scaling now: they hold no request until their step ends")
 SEED_WINDOWS = Counter("rlh_manager_seed_windows_total", "Steps whose seed workers (the trainer's "
                        "engine) rolled out in a seeding window (RLBoost §4.1)")
+SEED_RECALLS = Counter("rlh_manager_seed_recalls_total", "Closed seeding windows whose seed "
+                       "workers took their step back: the last remote worker was lost")
 SEED_HANDOFFS = Counter("rlh_manager_seed_handoffs_total", "Requests handed from seed workers to "
                         "remote workers, tokens kept, when a seeding window closed")

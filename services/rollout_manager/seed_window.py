@@ -10,7 +10,8 @@ workers with every token generated so far (they only prefill there, migration ca
 ``seed_window``), and it takes no new work. When the step ends they are healthy again for the
 next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
 With no healthy remote worker when the window closes the seed workers finish the step (the
-co-located fallback), so no request waits for a worker that is not there.
+co-located fallback), so no request waits for a worker that is not there; the same when the
+last remote worker is lost after the close (``worker_lost``).
 
 The timer is the event loop's; the decisions are the control loop's: this class only keeps
 which seed workers each step holds and when to hand them over.
@@ -68,8 +69,7 @@ class SeedWindows:
         if window is None or window.closed:
             return
         window.closed = True
-        if not any(w.kind != SEED_KIND and w.state is WorkerState.HEALTHY
-                   for w in self._control.pool.all()):
+        if not self._remote_available():
             # No remote worker to hand the seeds to: the training cluster finishes the step
             # itself (the co-located fallback) rather than leave its requests waiting.
             log.info("seeding window closed with no remote worker: %s finish the step",
@@ -82,6 +82,24 @@ class SeedWindows:
                  "their tokens", moved, ", ".join(window.seeds))
         self._execute(commands)
         self._wake()
+
+    def worker_lost(self) -> None:
+        """A worker was lost. With no healthy remote worker left, the seed workers lent away
+        by a closed window take their step back (the co-located fallback again): the requests
+        they handed over would otherwise wait for a remote worker that may never come."""
+        if self._remote_available():
+            return
+        for window in self._steps.values():
+            back = self._control.return_from_training(window.seeds) if window.closed else []
+            if back:
+                metrics.SEED_RECALLS.inc()
+                log.warning("no remote worker left after the seeding window closed: %s finish "
+                            "the step", ", ".join(back))
+                self._wake()
+
+    def _remote_available(self) -> bool:
+        return any(w.kind != SEED_KIND and w.state is WorkerState.HEALTHY
+                   for w in self._control.pool.all())
 
     def step_ended(self, key: object) -> None:
         """The step finished or was abandoned: its seed workers are ready for the next one."""

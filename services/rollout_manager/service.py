@@ -176,6 +176,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             log.warning("worker %s lost (%s): %d requests go elsewhere, tokens kept", worker_id,
                         reason, len(commands))
         self._execute(commands)
+        self._seeds.worker_lost()
         link = self._links.pop(worker_id, None)
         if link is not None:
             asyncio.get_running_loop().create_task(link.close())

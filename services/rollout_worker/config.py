@@ -28,6 +28,9 @@ class WorkerConfig(ServiceConfig):
     model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
     model_seed: int = 0
     weights: str = Field("", description="optional safetensors file loaded at start")
+    weights_dir: str = Field("", description="LoadWeights reads only safetensors files named "
+                             "relative to this directory (absolute paths, '..' and symlinks "
+                             "out are refused); empty: LoadWeights is refused")
     weight_version: int = Field(0, ge=0, description="version of the initial weights")
     max_running: int = Field(64, ge=1, le=4096, description="concurrently executing requests")
     max_len: int = Field(512, ge=8, le=131072, description="prompt + completion tokens per request")

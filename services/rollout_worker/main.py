@@ -47,7 +47,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     service = WorkerService(engine, cfg.worker_id, endpoint=host.endpoint, model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
                             session_queue=cfg.session_queue, max_pending=cfg.max_pending,
-                            on_version_change=on_version_change, step_delay_s=cfg.step_delay_s)
+                            on_version_change=on_version_change, step_delay_s=cfg.step_delay_s,
+                            weights_dir=cfg.weights_dir)
     loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker
     if cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
         from rlharvest.services.rollout_worker.puller import Puller

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rlharvest.common import errors
+from rlharvest.common.confined_path import confined_path
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.common.worker_core import metrics
@@ -30,14 +31,16 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     """``capacity`` requests run at once and ``max_pending`` more may wait; ``session_queue`` step
     messages are buffered per session; ``on_version_change`` hears every weight swap;
     ``step_delay_s`` (benchmarks only) emulates slower hardware; ``admission`` replaces the
-    rollout worker's own policy (the co-executor adds its memory budget)."""
+    rollout worker's own policy (the co-executor adds its memory budget); ``LoadWeights`` reads
+    only files under ``weights_dir`` (none: it is refused)."""
 
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,
                  on_version_change: Callable[[int], None] | None = None,
                  step_delay_s: float = 0.0, max_pending: int = 4096,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, weights_dir: str = ""):
         self._engine = engine
+        self._weights_dir = weights_dir
         self._info: dict[str, Any] = dict(worker_id=worker_id, endpoint=endpoint, model=model,
                                           kind=kind, capacity=capacity, max_len=max_len)
         self.hub = SessionHub(session_queue)
@@ -68,12 +71,17 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                              load=self.pump.last_load, draining=self.hub.draining)
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
-        if not request.path or not Path(request.path).is_file():
-            await errors.abort(context, errors.NotFound(f"no weights file at {request.path!r}"))
+        try:  # only files under weights_dir: an RPC must not read the host's files
+            path = confined_path(self._weights_dir, request.path, "weights file")
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+        if not path.is_file():
+            await errors.abort(context, errors.NotFound(
+                f"no weights file {request.path!r} in the worker's weights directory"))
         if request.version < 0:
             await errors.abort(context, errors.InvalidArgument("version must be >= 0"))
         try:
-            count = await self.load_weights_file(Path(request.path), request.version)
+            count = await self.load_weights_file(path, request.version)
         except EngineInputError as exc:
             await errors.abort(context, errors.InvalidArgument(str(exc)))
         except Exception as exc:  # e.g. not a safetensors file: the worker keeps its weights

@@ -187,6 +187,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             records = await self.hold(header.job, header.version, tensors, "publish",
                                       {e.name: e.checksum for e in manifest.entries})
         except errors.ServiceError as exc:
+            await _drain(request_iterator)
             await self._refuse(context, "Publish", exc)
         metrics.PUBLISHES.labels("ok").inc()
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
@@ -511,3 +512,28 @@ def _is_dp_shard(header: pb.PublishHeader) -> bool:
 
 def _shard_label(header: pb.PublishHeader) -> str:
     return "DP" if _is_dp_shard(header) else "TP"
+
+
+# A refused publish is read to its end (within these bounds) before the refusal goes out.
+_DRAIN_LIMIT_BYTES = 64 << 20
+_DRAIN_TIMEOUT_S = 5.0
+
+
+async def _drain(request_iterator: AsyncIterator[pb.PublishChunk]) -> None:
+    """Read and drop what is left of a refused publish stream. grpc's asyncio client, still
+    writing when a client-streaming RPC's status arrives, reports INTERNAL "Internal error from
+    Core" instead of that status (grpc/grpc#36066; CI saw it on a two-message publish), so the
+    publisher would lose the reason. Reading the rest lets the status through; the bounds keep
+    a refused multi-gigabyte publish from being read in full (its client may then see INTERNAL;
+    it retries or gives up either way)."""
+    async def read_rest() -> None:
+        seen = 0
+        async for message in request_iterator:
+            seen += message.ByteSize()
+            if seen > _DRAIN_LIMIT_BYTES:
+                return
+
+    try:
+        await asyncio.wait_for(read_rest(), _DRAIN_TIMEOUT_S)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        return  # the stream broke or takes too long: refuse as it is

@@ -17,8 +17,9 @@ from rlharvest.common import keys, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.services.rollout_manager.status_client import manager_status, wait_workers
 
-from .worker_client import WorkerHandle, launch_worker, wait_serving
+from .worker_client import WorkerHandle, garbage_status, launch_worker, wait_serving
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
@@ -83,15 +84,9 @@ def scrape(metrics_port: int) -> dict[str, float]:
 
 
 async def status(endpoint: str) -> mpb.ManagerStatus:
-    async with rpc.channel(endpoint) as chan:
-        return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(mpb.GetStatusRequest())
-
-
-async def wait_workers(endpoint: str, count: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while sum(w.state == "healthy" for w in (await status(endpoint)).workers) < count:
-        assert time.monotonic() < deadline, "workers did not join the manager"
-        await asyncio.sleep(0.2)
+    st = await manager_status(endpoint)
+    assert st is not None, f"the manager at {endpoint} did not answer GetStatus"
+    return st
 
 
 @pytest.fixture
@@ -207,6 +202,11 @@ async def test_bad_steps_get_precise_statuses(cluster):
             await run_step(manager.endpoint, request)
         assert err.value.code() == code, err.value.details()
         assert text in err.value.details()
+    # Bytes that are no protobuf: INVALID_ARGUMENT from the real servicer, not grpc's UNKNOWN.
+    assert await garbage_status(manager.endpoint, "/rlharvest.v1.RolloutManager/SubmitStep",
+                                server_streaming=True) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await garbage_status(manager.endpoint, "/rlharvest.v1.RolloutManager/GetStatus") == \
+        grpc.StatusCode.INVALID_ARGUMENT
     done = await run_step(manager.endpoint, step_request(3, 8))  # still serving
     assert len(done) == 3
 

@@ -17,12 +17,13 @@ import torch
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.local_etcd import free_port
-from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.trainer import checkpoint
 from rlharvest.services.trainer.bench_harness import LengthModel
+from rlharvest.services.rollout_manager.status_client import wait_workers
 from rlharvest.services.trainer.step_plan import resume_version
 
+from .test_manager import status as manager_status
 from .worker_client import WorkerHandle, wait_serving
 
 pytestmark = pytest.mark.integration
@@ -43,21 +44,8 @@ async def start_job(stack, workers: int, *worker_flags: str, spot: bool = False,
         is_spot = spot and i == workers - 1
         flags = spot_flags if is_spot and spot_flags is not None else worker_flags
         start_worker(stack, f"w{i}", is_spot, *flags)
-    deadline = time.monotonic() + 120
-    while len([w for w in (await manager_status(manager.endpoint)).workers
-               if w.state == "healthy"]) < workers:
-        assert time.monotonic() < deadline, "workers did not join the manager"
-        await asyncio.sleep(0.3)
+    await wait_workers(manager.endpoint, workers, timeout=120)
     return manager
-
-
-async def manager_status(endpoint: str) -> mpb.ManagerStatus:
-    async with rpc.channel(endpoint) as chan:
-        try:
-            return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
-                mpb.GetStatusRequest(), timeout=5)
-        except grpc.aio.AioRpcError:
-            return mpb.ManagerStatus()  # still starting
 
 
 def start_worker(stack, name: str, spot: bool, *flags: str):
@@ -184,11 +172,7 @@ async def test_the_trainer_writes_n_prem_from_each_steps_timings_and_the_manager
     to etcd, and the manager holds spot workers beyond it as standby."""
     manager = await start_job(stack, 2, spot=True)  # w0 dedicated, w1 spot
     start_worker(stack, "w2", True)
-    deadline = time.monotonic() + 120
-    while len([w for w in (await manager_status(manager.endpoint)).workers
-               if w.state == "healthy"]) < 3:
-        assert time.monotonic() < deadline, "the second spot worker did not join"
-        await asyncio.sleep(0.3)
+    await wait_workers(manager.endpoint, 3, timeout=120)
     trainer, _ = await start_trainer(stack, "trainer", "--instance-cap", "auto", "--steps", "3")
     await wait_trainer(trainer, lambda s: s.state == "done")
     cap = json.loads((await etcd_client.get(keys.instance_cap_key("default").encode())).value)
@@ -337,3 +321,10 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     handed = metric(text, "rlh_manager_seed_handoffs_total")
     assert handed > 0 and metric(text, "rlh_manager_seed_windows_total") >= 1
     assert metric(text, 'rlh_manager_migrations_total{cause="seed_window"}') > 0
+    # No seed token more than one engine step after a close: the seed engine (in the trainer's
+    # process, so on its metrics) ended every handed-over request within one engine step of
+    # the manager's abort, which the close sends at once.
+    seed_text = scrape(trainer.metrics_port)
+    aborts = metric(seed_text, "rlh_worker_abort_wait_steps_count")
+    assert aborts >= 1
+    assert metric(seed_text, 'rlh_worker_abort_wait_steps_bucket{le="1.0"}') == aborts

@@ -23,7 +23,7 @@ from rlharvest.common.tokenizer import CharTokenizer
 
 from tests.worker_sessions import abort, add
 
-from .worker_client import WorkerSession, start_worker
+from .worker_client import WorkerSession, garbage_status, start_worker
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
@@ -195,17 +195,41 @@ async def test_registration_and_lease_expiry_after_sigkill(stack, etcd_client):
         await asyncio.sleep(0.1)
 
 
+async def test_a_session_command_that_is_no_protobuf_gets_invalid_argument(worker, session):
+    assert await garbage_status(worker.endpoint, "/rlharvest.v1.RolloutWorker/Session",
+                                client_streaming=True, server_streaming=True) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    await session.send(add("after-garbage", PROMPT, max_tokens=4))  # the worker still serves
+    assert (await session.finish(["after-garbage"])).completions["after-garbage"].tokens
+
+
+async def test_a_worker_without_a_weights_dir_reads_no_file_an_rpc_names(session, tmp_path):
+    (tmp_path / "w.safetensors").write_bytes(b"x")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(tmp_path / "w.safetensors"),
+                                                              version=1))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "weights_dir" in err.value.details()
+
+
 async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_client, tmp_path):
-    handle = start_worker(stack, "loader")
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    handle = start_worker(stack, "loader", "--weights-dir", str(weights))
     session = WorkerSession(handle.endpoint)
     try:
         await session.send(add("before", PROMPT, max_tokens=16, temperature=0))
         before = (await session.finish(["before"])).completions["before"]
         model = build_model("tiny", seed=1)  # other weights: greedy output must change
-        path = tmp_path / "v5.safetensors"
         save_file({k: v.contiguous() for k, v in model.state_dict().items()
-                   if k != "lm_head.weight"}, str(path))
-        reply = await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(path), version=5))
+                   if k != "lm_head.weight"}, str(weights / "v5.safetensors"))
+        # Only a name inside --weights-dir is read: outside it is refused before any read.
+        for outside in (str(weights / "v5.safetensors"), "../v5.safetensors"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await session.stub.LoadWeights(pb.LoadWeightsRequest(path=outside, version=5))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, outside
+        reply = await session.stub.LoadWeights(pb.LoadWeightsRequest(path="v5.safetensors",
+                                                                      version=5))
         assert reply.weight_version == 5 and reply.tensors_loaded > 0
         await session.send(add("stale", PROMPT, max_tokens=4, version=0),
                            add("after", PROMPT, max_tokens=16, temperature=0, version=5))
@@ -221,18 +245,18 @@ async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_clie
             assert time.monotonic() < deadline, "the loaded version never reached etcd"
             await asyncio.sleep(0.1)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(tmp_path / "no"), version=6))
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path="no", version=6))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        bad = tmp_path / "bad.safetensors"
-        save_file({"model.nonexistent.weight": torch.zeros(2)}, str(bad))
+        save_file({"model.nonexistent.weight": torch.zeros(2)}, str(weights / "bad.safetensors"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(bad), version=7))
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path="bad.safetensors",
+                                                                  version=7))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "nonexistent" in err.value.details()
-        garbage = tmp_path / "garbage.safetensors"
-        garbage.write_bytes(b"not a safetensors file")
+        (weights / "garbage.safetensors").write_bytes(b"not a safetensors file")
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await session.stub.LoadWeights(pb.LoadWeightsRequest(path=str(garbage), version=8))
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path="garbage.safetensors",
+                                                                  version=8))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (await session.stub.GetInfo(pb.GetInfoRequest())).weight_version == 5
     finally:

@@ -1,0 +1,115 @@
+"""A request that is not a valid protobuf gets INVALID_ARGUMENT, on every RPC of every service.
+
+grpcio answers a request its deserializer cannot parse with UNKNOWN ("Unexpected DecodeError"),
+which a client cannot tell from a server bug. This server interceptor, installed by
+``rpc.bind_server`` for every service, wraps each method's deserializer so a message that does
+not parse becomes a marker instead of an exception, and wraps the method so the marker is
+answered with INVALID_ARGUMENT naming the message type — for a unary request before the
+servicer runs, for a request stream at the message that does not parse (the servicer sees the
+abort as the end of its stream). Valid messages pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class _Undecodable:
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except (DecodeError, ValueError, TypeError) as exc:  # ValueError: e.g. bad UTF-8
+            return _Undecodable(str(exc))
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request is not a valid protobuf message: {bad.error}")
+
+
+async def _checked(requests: AsyncIterator[Any],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async for message in requests:
+        if isinstance(message, _Undecodable):
+            await _refuse(context, message)
+        yield message
+
+
+def _unary_request(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A method taking one request: refuse the marker, else call through (a coroutine, or an
+    async generator for a response stream)."""
+    if inspect.isasyncgenfunction(fn):
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await _refuse(context, request)
+            async for response in fn(request, context):
+                yield response
+        return stream
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse(context, request)
+        return await fn(request, context)
+    return call
+
+
+def _stream_request(fn: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(fn):
+        async def stream(requests: AsyncIterator[Any],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in fn(_checked(requests, context), context):
+                yield response
+        return stream
+
+    async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return await fn(_checked(requests, context), context)
+    return call
+
+
+def guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The same method, answering an unparsable request with INVALID_ARGUMENT."""
+    if handler.request_deserializer is None:
+        return handler
+    parse, out = _safe(handler.request_deserializer), handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_unary_request(handler.unary_unary), parse, out)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_unary_request(handler.unary_stream), parse,
+                                                    out)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_stream_request(handler.stream_unary), parse,
+                                                    out)
+    return grpc.stream_stream_rpc_method_handler(_stream_request(handler.stream_stream), parse,
+                                                 out)
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Wraps each method once: its guarded handler is kept for the server's life."""
+
+    def __init__(self) -> None:
+        self._guarded: dict[grpc.RpcMethodHandler, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # no such method: grpc answers UNIMPLEMENTED
+            return handler
+        guarded = self._guarded.get(handler)
+        if guarded is None:
+            guarded = self._guarded[handler] = guard(handler)
+        return guarded

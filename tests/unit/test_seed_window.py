@@ -1,0 +1,101 @@
+"""The manager's side of RLBoost's seeding window (``rollout_manager/seed_window.py``) on the real
+control core: the close hands the seed worker's requests over with their tokens (any the seed
+still sends for them is stale and dropped), and the co-located fallback — at the close with no
+remote worker, and when the last remote worker is lost after it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import REGISTRY
+
+from rlharvest.services.rollout_manager.commands import Command, Dispatch, Migrate, Release
+from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
+from rlharvest.services.rollout_manager.seed_window import SeedWindows
+from rlharvest.services.rollout_manager.tracker import TokenDelta
+from rlharvest.services.rollout_manager.worker_pool import WorkerState
+
+from ..builders import Clock, step
+
+WINDOW_S = 0.01
+
+
+class Harness:
+    """A seed worker holding a step's requests, a remote worker that joined after dispatch, and
+    the SeedWindows of the manager with the commands it executed."""
+
+    def __init__(self, remote: bool = True) -> None:
+        self.control = RolloutControl(ControlConfig(theta=1), Clock())
+        self.executed: list[Command] = []
+        self.wakes = 0
+        self.windows = SeedWindows(self.control, self.executed.extend, self._wake)
+        self.control.worker_joined("seed", 0, capacity=4, kind="seed")
+        self.step = self.control.add_step("s", step(4, max_tokens=32), 0)
+        self.windows.step_started(self.step.key, WINDOW_S)
+        dispatched = self.control.tick()
+        assert {c.worker_id for c in dispatched if isinstance(c, Dispatch)} == {"seed"}
+        if remote:
+            self.control.worker_joined("w", 0, capacity=4, kind="spot")
+
+    def _wake(self) -> None:
+        self.wakes += 1
+
+    def emit(self, worker: str, rid: str, count: int) -> None:
+        """``worker`` generated ``count`` tokens of ``rid``: what the service does per step."""
+        req = self.control.tracker.get(rid)
+        self.control.step_outputs(worker, [TokenDelta(rid, len(req.token_ids), (5,) * count,
+                                                      (0.0,) * count, 0)])
+
+
+async def test_the_close_hands_every_seed_request_over_with_its_tokens_and_lends_the_seed():
+    h = Harness()
+    h.emit("seed", "r0", 3)
+    await asyncio.sleep(WINDOW_S * 5)
+    moved = [c for c in h.executed if isinstance(c, (Migrate, Release))]
+    assert sorted(c.request_id for c in moved) == ["r0", "r1", "r2", "r3"]
+    assert all(c.cause == "seed_window" for c in moved)
+    assert h.control.pool.get("seed").state is WorkerState.TRAINING
+    assert len(h.control.tracker.get("r0").token_ids) == 3  # resumes from its last token
+    assert h.control.tracker.get("r0").worker_id in (None, "w")
+
+
+async def test_what_the_seed_sends_after_the_close_is_dropped_and_the_step_end_returns_it():
+    h = Harness()
+    h.emit("seed", "r0", 2)
+    await asyncio.sleep(WINDOW_S * 5)
+    report = h.control.step_outputs("seed", [TokenDelta("r0", 2, (7,), (0.0,), 0)])
+    assert [d.reason for d in report.dropped] == ["stale"]  # r0 resumes from its 2 tokens
+    assert len(h.control.tracker.get("r0").token_ids) == 2
+    h.windows.step_ended(h.step.key)
+    assert h.control.pool.get("seed").state is WorkerState.HEALTHY
+
+
+async def test_with_no_remote_worker_at_the_close_the_seed_finishes_the_step():
+    h = Harness(remote=False)
+    await asyncio.sleep(WINDOW_S * 5)
+    assert h.executed == []
+    assert h.control.pool.get("seed").state is WorkerState.HEALTHY
+
+
+async def test_losing_the_last_remote_worker_after_the_close_gives_the_seed_its_step_back():
+    h = Harness()
+    await asyncio.sleep(WINDOW_S * 5)
+    assert h.control.pool.get("seed").state is WorkerState.TRAINING
+    h.control.worker_lost("w", "stream broke")
+    wakes = h.wakes
+    recalls = REGISTRY.get_sample_value("rlh_manager_seed_recalls_total") or 0.0
+    h.windows.worker_lost()
+    assert h.control.pool.get("seed").state is WorkerState.HEALTHY
+    assert h.wakes == wakes + 1
+    assert REGISTRY.get_sample_value("rlh_manager_seed_recalls_total") == recalls + 1
+    back = h.control.tick()  # the waiting requests go back to it, tokens kept
+    assert {c.worker_id for c in back if isinstance(c, Dispatch)} == {"seed"}
+
+
+async def test_losing_a_remote_worker_while_another_is_healthy_keeps_the_seed_lent():
+    h = Harness()
+    h.control.worker_joined("w2", 0, capacity=4, kind="spot")
+    await asyncio.sleep(WINDOW_S * 5)
+    h.control.worker_lost("w", "stream broke")
+    h.windows.worker_lost()
+    assert h.control.pool.get("seed").state is WorkerState.TRAINING
