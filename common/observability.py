@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
+from rlharvest.common import tls
+
 
 class _JsonFormatter(logging.Formatter):
     def __init__(self, service: str):
@@ -77,7 +79,8 @@ async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.App
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    await web.SockSite(runner, sock).start()
+    # HTTPS with a client certificate required when the process runs mutual TLS.
+    await web.SockSite(runner, sock, ssl_context=tls.server_ssl_context()).start()
     return runner, sock.getsockname()[1]
 
 

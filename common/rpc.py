@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlharvest.common import tls
-from rlharvest.common.decode_guard import DecodeGuard
+from rlharvest.common.server_guard import ServerGuard
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # weight chunks are tens of MB; bigger is refused
 
@@ -60,7 +60,8 @@ def bind_server(host: str = "127.0.0.1", port: int = 0,
     """A server bound to host:port (0 picks a free port), not started yet: its port is known
     before its servicers are built. Returns it and the bound port."""
     server = grpc.aio.server(
-        interceptors=[DecodeGuard()],  # an unparsable request: INVALID_ARGUMENT, not UNKNOWN
+        # An unparsable request: INVALID_ARGUMENT, not UNKNOWN; under TLS, roles per method.
+        interceptors=[ServerGuard()],
         options=_size_options(max_message_bytes) + _KEEPALIVE + _SERVER_PING_POLICY)
     credentials = tls.server_credentials()  # mutual TLS when the process configured it
     address = f"{host}:{port}"

@@ -4,8 +4,9 @@ One configuration per process (``tls_cert``, ``tls_key``, ``tls_ca``: PEM files,
 service's config, so flags and ``RLH_`` env like any other key). ``configure`` loads them once at
 start; from then on ``rpc.bind_server`` serves TLS and requires a client certificate signed by
 the CA, and ``rpc.channel`` dials with this process's certificate and trusts only the CA — so a
-service's clients (a manager's worker sessions, a worker's agent pulls) need no change. Without
-it, nothing changes. A peer without a certificate from the CA fails the handshake (UNAVAILABLE).
+service's clients (a manager's worker sessions, a worker's agent pulls) need no change; the
+HTTP endpoints (``/metrics``, ``/healthz``, the agent's data path) serve HTTPS with the same
+rule. Without it, nothing changes. A peer without a certificate from the CA fails the handshake (UNAVAILABLE).
 
 ``issue_certificates`` makes a throwaway CA and per-service certificates (the ``cryptography``
 library) for local stacks and tests; production brings its own PKI.
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
 
+from rlharvest.common.authorization import role_uri
 from rlharvest.common.config import ConfigError
 
 
@@ -28,6 +32,7 @@ class TlsMaterial:
     cert: bytes
     key: bytes
     ca: bytes
+    paths: tuple[str, str, str]  # cert, key, CA files (the ssl module loads from files)
 
 
 _active: TlsMaterial | None = None
@@ -51,7 +56,8 @@ def configure(cert: str, key: str, ca: str) -> TlsMaterial | None:
             loaded[name] = Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from None
-    _active = TlsMaterial(loaded["tls_cert"], loaded["tls_key"], loaded["tls_ca"])
+    _active = TlsMaterial(loaded["tls_cert"], loaded["tls_key"], loaded["tls_ca"],
+                          (cert, key, ca))
     return _active
 
 
@@ -73,53 +79,106 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
                                         certificate_chain=_active.cert)
 
 
+def server_ssl_context() -> ssl.SSLContext | None:
+    """For the HTTP endpoints (metrics, health, the agent's data path): the same certificate,
+    and a client certificate of the CA required."""
+    if _active is None:
+        return None
+    cert, key, ca = _active.paths
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+    context.load_cert_chain(cert, key)
+    context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_ssl_context() -> ssl.SSLContext | None:
+    if _active is None:
+        return None
+    cert, key, ca = _active.paths
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+def http_scheme() -> str:
+    return "http" if _active is None else "https"
+
+
 # ---- a throwaway CA -----------------------------------------------------------------------------
 
-def issue_certificates(directory: Path, names: list[str],
-                       hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
-                       days: int = 30) -> dict[str, tuple[Path, Path]]:
-    """A new CA (``ca.pem``) under ``directory`` and, per name, a certificate and key
-    (``<name>.pem``, ``<name>.key``) it signs, valid as server and client for ``hosts``. Returns
-    name -> (cert, key)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+class LocalCA:
+    """A new certificate authority under ``directory`` (``ca.pem``; its key stays in memory)
+    that issues certificates valid as server and client for ``hosts``, each naming its holder's
+    role (``authorization.py``). For local stacks and tests; production brings its own PKI."""
 
-    directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rlharvest local CA")])
-    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .sign(ca_key, hashes.SHA256()))
-    (directory / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    sans: list[x509.GeneralName] = []
-    for host in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            sans.append(x509.DNSName(host))
-    issued = {}
-    for name in names:
+    def __init__(self, directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+                 days: int = 30) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self._hosts, self._days = directory, hosts, days
+        self._now = datetime.datetime.now(datetime.timezone.utc)
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rlharvest local CA")])
+        cert = (x509.CertificateBuilder().subject_name(self._name).issuer_name(self._name)
+                .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(self._now)
+                .not_valid_after(self._now + datetime.timedelta(days=days))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .sign(self._key, hashes.SHA256()))
+        self.ca_path = directory / "ca.pem"
+        self.ca_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    def issue(self, name: str, role: str) -> tuple[Path, Path]:
+        """``<name>.pem`` and ``<name>.key`` under the CA's directory, for a holder of
+        ``role``."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        sans: list[x509.GeneralName] = []
+        for host in self._hosts:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                sans.append(x509.DNSName(host))
+        sans.append(x509.UniformResourceIdentifier(role_uri(role)))
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_name).public_key(key.public_key())
+                .issuer_name(self._name).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+                .not_valid_before(self._now)
+                .not_valid_after(self._now + datetime.timedelta(days=self._days))
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
-                .sign(ca_key, hashes.SHA256()))
-        cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
+                .sign(self._key, hashes.SHA256()))
+        cert_path, key_path = self.directory / f"{name}.pem", self.directory / f"{name}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
                                                serialization.PrivateFormat.PKCS8,
                                                serialization.NoEncryption()))
         key_path.chmod(0o600)
-        issued[name] = (cert_path, key_path)
-    return issued
+        return cert_path, key_path
+
+    def flags(self, name: str, role: str) -> list[str]:
+        """The flags that give a service ``name`` its certificate (issued now) and the CA."""
+        cert, key = self.issue(name, role)
+        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca_path)]
+
+
+def issue_certificates(directory: Path, names: list[str],
+                       hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
+                       days: int = 30,
+                       roles: Mapping[str, str] | None = None) -> dict[str, tuple[Path, Path]]:
+    """A new CA (``ca.pem``) under ``directory`` and, per name, a certificate and key it signs
+    naming its holder's role (``roles[name]``, else the name itself). Returns name -> (cert,
+    key)."""
+    ca = LocalCA(directory, hosts, days)
+    return {name: ca.issue(name, (roles or {}).get(name, name)) for name in names}

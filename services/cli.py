@@ -16,9 +16,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlharvest.common import keys, registry, rpc
+from rlharvest.common import keys, registry, rpc, tls
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.hf_checkpoint import build_checkpoint_command
+from rlharvest.common.config import ConfigError
+from rlharvest.common.tls import LocalCA
 from rlharvest.services import status_view
 from rlharvest.services.prometheus_stack import LocalPrometheus
 from rlharvest.services.launcher import LocalStack
@@ -62,6 +64,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        prometheus: bool = typer.Option(False, help="also start Prometheus scraping every member "
                                        "(targets follow etcd; the Debian package's binary)"),
        prometheus_port: int = typer.Option(9090, min=1, max=65535),
+       tls: bool = typer.Option(False, help="mutual TLS between every service: a throwaway "
+                                "CA and a certificate per service (its role) under "
+                                "LOG_DIR/pki"),
        ready_timeout: float = typer.Option(120.0, help="seconds to wait for every member")) -> None:
     """Start etcd and the services as local processes; Ctrl-C stops them all cleanly."""
     replay_trace = None
@@ -71,7 +76,12 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--spot-trace") from None
         spot = 0  # the trace decides the spot workers
+    if tls and prometheus:
+        raise typer.BadParameter("with --tls the metrics endpoints want a client certificate, "
+                                 "which the local Prometheus is not given yet; drop one of them")
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
+    if tls:
+        stack.ca = LocalCA(stack.log_dir / "pki")
     endpoint = stack.start_etcd()
     scraper: LocalPrometheus | None = None
     try:
@@ -111,7 +121,11 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         for i in range(coexecutors):
             console.print(f"  co-executor coexec-{i}: OpenAI API at "
                           f"http://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
-        console.print(f"  rlharvest status --etcd {endpoint}")
+        operator = [] if stack.ca is None else stack.ca.flags("operator", "operator")
+        if stack.ca is not None:
+            console.print(f"  mutual TLS: CA {stack.ca.ca_path}; a client needs a certificate "
+                          "it signed (etcd and the co-executor's OpenAI API stay plaintext)")
+        console.print(f"  rlharvest status --etcd {endpoint} {' '.join(operator)}".rstrip())
         if scraper is not None:
             console.print(f"  Prometheus at {scraper.url} (job 'rlharvest', every member)")
         if replay_trace is None:
@@ -180,8 +194,16 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
                                              "refreshes (0: until Ctrl-C); exits 1 when etcd "
                                              "did not answer the last one"),
            last_steps: int = typer.Option(5, min=1, help="with --watch: finished steps shown "
-                                          "per trainer")) -> None:
+                                          "per trainer"),
+           tls_cert: str = typer.Option("", help="a stack with mutual TLS: this client's "
+                                        "certificate (e.g. LOG_DIR/pki/... of `up --tls`)"),
+           tls_key: str = typer.Option("", help="its private key"),
+           tls_ca: str = typer.Option("", help="the stack's CA")) -> None:
     """List registered members, their weight versions and load (--watch: live)."""
+    try:
+        tls.configure(tls_cert, tls_key, tls_ca)  # every status call dials with it
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if watch:
         last = asyncio.run(status_view.watch(etcd, console, interval=interval, timeout=timeout,
                                              last_steps=last_steps,

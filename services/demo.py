@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -42,7 +42,6 @@ from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.demo_serving import DemoServing, StepServing
 from rlharvest.services.launcher import LocalStack, ServiceProcess
-from rlharvest.services.rollout_manager.status_client import wait_workers
 
 app = typer.Typer(add_completion=False, help=__doc__)
 # Piped (CI logs, `| tee`), rich would squeeze the step table into 80 columns.
@@ -116,10 +115,6 @@ class Run:
     serving: DemoServing | None = None  # the co-executor's traffic and per-step report
     events: dict[int, list[str]] = field(default_factory=dict)
     spot_generation: int = 0
-    # The trainer starts once these rollout members are healthy in the manager: a first step
-    # before the co-executor joined would run without it (a short run then harvests nothing).
-    start_trainer: Callable[[], object] | None = None
-    awaited: list[str] = field(default_factory=list)
 
     def note(self, step: int, text: str) -> None:
         self.events.setdefault(step, []).append(text)
@@ -153,18 +148,18 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
     spot_flags = ["--kind", "spot", *worker_flags(args["spot_step_delay_s"])]
     spot = stack.start("rollout_worker", "spot-0", ["--worker-id", "spot-0", *spot_flags])
     port = free_port()
-    trainer_flags = [
+    # Every rollout member, the co-executor included, before the first step: a short run whose
+    # steps all ended before the co-executor joined would harvest nothing on it.
+    members = args["workers"] + int(args["coexecutor"]) + int(args["seed_role"])
+    stack.start("trainer", "trainer", [
         "--trainer-id", "trainer-0", "--port", str(port), "--steps", str(args["steps"]),
         "--prompts-per-step", str(args["prompts"]), "--samples-per-prompt", str(args["samples"]),
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
         "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto",
-        *_tail_flags(args["tail_batching"]),
-        *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *common]
-    awaited = [f"worker-{i}" for i in range(args["workers"] - 1)] + ["spot-0"] + \
-        (["coexec-0"] if args["coexecutor"] else [])
+        "--min-workers", str(members), *_tail_flags(args["tail_batching"]),
+        *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *common])
     return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags,
-               serving, start_trainer=lambda: stack.start("trainer", "trainer", trainer_flags),
-               awaited=awaited)
+               serving)
 
 
 def _tail_flags(eta: float) -> list[str]:
@@ -209,7 +204,6 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
         manager = rollout_manager_pb2_grpc.RolloutManagerStub(manager_chan)
         with progress:
             starting = progress.add_task("starting the stack", total=1, info="")
-            await _start_trainer_when_ready(run, deadline)
             while True:
                 _check_alive(run)
                 if time.monotonic() > deadline:
@@ -246,19 +240,6 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                         traffic.cancel()
                     return st
                 await asyncio.sleep(_POLL_S)
-
-
-async def _start_trainer_when_ready(run: Run, deadline: float) -> None:
-    if run.start_trainer is None:
-        return
-    try:
-        await wait_workers(run.manager_endpoint, names=run.awaited,
-                           timeout=max(deadline - time.monotonic(), 1.0))
-    except TimeoutError as exc:
-        _check_alive(run)  # a member that died says so; else the manager never saw it
-        raise TimeoutError(f"{exc}; logs in {run.stack.log_dir}") from None
-    run.start_trainer()
-    run.start_trainer = None
 
 
 async def _close_serving(run: Run, step: int) -> str:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import rlharvest
+from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.local_etcd import LocalEtcd
+from rlharvest.common.tls import LocalCA
 
 # The checkout (or install) this launcher runs from: its children import the same code.
 _IMPORT_ROOT = str(Path(rlharvest.__file__).resolve().parent.parent)
@@ -93,6 +95,8 @@ class LocalStack:
     log_dir: Path
     etcd: LocalEtcd | None = None
     processes: list[ServiceProcess] = field(default_factory=list)
+    # Mutual TLS: every service started gets a certificate of this CA for its role.
+    ca: LocalCA | None = None
 
     def start_etcd(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -111,8 +115,9 @@ class LocalStack:
         launcher = [] if ranks == 1 else [
             "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             f"--max-restarts={restarts}", "--monitor-interval=0.5"]
+        tls_flags = [] if self.ca is None else self.ca.flags(name, SERVICE_ROLES[service])
         cmd = [sys.executable, *launcher, "-m", MODULES[service], "--etcd", self.etcd.endpoint,
-               *(flags or [])]
+               *tls_flags, *(flags or [])]
         child_env = child_environment(env)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,

@@ -47,6 +47,12 @@ class TrainerConfig(ServiceConfig):
     lease_ttl: int = Field(5, ge=1, le=300)
     manager: str = Field("", description="rollout manager host:port; empty = the job's manager "
                                          "registered in etcd")
+    min_workers: int = Field(0, ge=0, description="before the first step, wait until the job's "
+                             "manager has this many healthy workers (seed and serving ones "
+                             "included), so a fleet still starting is not left out of the first "
+                             "steps; 0 = start at once")
+    min_workers_timeout_s: float = Field(600.0, gt=0, description="give up waiting for "
+                                         "min_workers after this long")
     # The model: the same preset + seed (or checkpoint directory) the job's workers serve, so
     # version 0 is the same weights on both sides.
     model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
@@ -135,6 +141,10 @@ class TrainerConfig(ServiceConfig):
     sandbox_t_max_s: float = Field(5.0, gt=0)
     sandbox_slack: float = Field(1.5, ge=1.0, description="lambda: headroom over the slowest "
                                                           "correct run")
+    allow_unisolated_sandbox: bool = Field(False, description="where Linux namespaces are "
+                                           "unavailable, run code rewards with resource limits "
+                                           "only (no network or filesystem isolation) instead "
+                                           "of refusing them")
     publish: bool = Field(True, description="publish each new version to the node's transfer "
                                             "agent; off, every step runs on version 0 (only the "
                                             "first is on-policy)")

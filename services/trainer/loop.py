@@ -68,6 +68,8 @@ from rlharvest.services.trainer.stream_trainer import (
     StreamingStep,
 )
 from rlharvest.services.trainer.tail_batcher import Round, TailBatcher
+from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.trainer.rewards.sandbox import configure_isolation
 from rlharvest.services.trainer.task_setup import build_task_setup
 from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset, TaskItem
 
@@ -151,6 +153,8 @@ class TrainerLoop:
         # The benchmark harness's reward delay (--bench-reward-delay-s) wraps every reward once.
         self._setup = delay_rewards(build_task_setup(cfg, self._tok, max_positions(self._model)),
                                     cfg.bench_reward_delay_s)
+        if self._setup.runs_code:  # refuses (SandboxUnavailable) when it cannot isolate
+            log.info("code sandbox: %s", configure_isolation(cfg.allow_unisolated_sandbox))
         self._task_factory = self._setup.factory
         self._data = TaskDataset(seed=cfg.data_seed, task_factory=self._task_factory)
         # RollPacker's tail batching decides each step's prompts (tail_batcher.py).
@@ -209,6 +213,8 @@ class TrainerLoop:
         progress is abandoned, nothing of it applied."""
         self.status.state = "training"
         try:
+            if self._cfg.min_workers and not self._step:
+                await self._await_workers()
             while (not self._cfg.steps or self._step < self._cfg.steps) and not self._data_done:
                 await self._step_with_retries(self._next_spec())
             await self._await_publish()
@@ -219,6 +225,17 @@ class TrainerLoop:
         except Exception as exc:
             self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
+
+    async def _await_workers(self) -> None:
+        """``--min-workers``: the job's manager sees that many healthy workers."""
+        cfg = self._cfg
+        self.status.current.phase = "waiting_workers"
+        manager = self._manager or await rollout_client.find_manager(self._etcd, cfg.job)
+        log.info("waiting for %d healthy workers at the manager %s before the first step",
+                 cfg.min_workers, manager)
+        joined = await wait_workers(manager, cfg.min_workers, timeout=cfg.min_workers_timeout_s)
+        log.info("%d workers healthy: %s", len(joined.workers), ", ".join(
+            w.worker_id for w in joined.workers if w.state == "healthy"))
 
     @property
     def _data_done(self) -> bool:

@@ -41,6 +41,12 @@ class TaskSetup:
         """This item's reward when it is not the pool's default."""
         return self.by_source.get(item.data_source) if self.by_source else None
 
+    @property
+    def runs_code(self) -> bool:
+        """Whether some reward runs candidate programs in the sandbox."""
+        kinds = {self.kind, *(builtin_for_source(s) for s in self.by_source)}
+        return "code" in kinds
+
     def kind_of(self, item: TaskItem) -> str:
         """Which per-kind reward timeout applies to this item (``--reward-timeouts``)."""
         if self.by_source:

@@ -27,7 +27,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from rlharvest.common import errors
+from rlharvest.common import errors, tls
 from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
@@ -145,7 +145,7 @@ class RangeFetcher:
     def __init__(self, data_endpoint: str, request: pb.PullRequest, plan_id: int,
                  buffers: Mapping[int, bytearray], streams: int,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
-        self._url = f"http://{data_endpoint}/v1/buckets/"
+        self._url = f"{tls.http_scheme()}://{data_endpoint}/v1/buckets/"
         self._headers = {"X-RLH-Pull": base64.urlsafe_b64encode(request.SerializeToString())
                          .decode(), "X-RLH-Plan": str(plan_id)}
         self._buffers = buffers
@@ -155,7 +155,8 @@ class RangeFetcher:
 
     async def __aenter__(self) -> RangeFetcher:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._streams),
+            connector=aiohttp.TCPConnector(limit=self._streams,
+                                           ssl=tls.client_ssl_context() or True),
             read_bufsize=4 << 20, auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10,
                                           sock_read=self._read_timeout_s))

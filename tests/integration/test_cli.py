@@ -89,14 +89,15 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
             up.kill()
 
 
-def test_up_replays_a_spot_trace_under_the_jobs_instance_cap(tmp_path):
+def test_up_replays_a_spot_trace_under_the_jobs_instance_cap_with_mutual_tls(tmp_path):
     """App. C's replayer on real processes: the trace's instances start, the cap in etcd stops
-    the latest one, a preemption SIGKILLs its instance and an available one starts at once."""
+    the latest one, a preemption SIGKILLs its instance and an available one starts at once.
+    With --tls every instance serves with a certificate of the stack's CA."""
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,event,instance\n0,add,spot-a\n0,add,spot-b\n2,add,spot-c\n"
                      "3,remove,spot-a\n5,remove,spot-c\n")
     up = subprocess.Popen([*CLI, "up", "--workers", "0", "--agents", "0", "--no-manager",
-                           "--spot-trace", str(trace), "--trace-seconds", "20",
+                           "--spot-trace", str(trace), "--trace-seconds", "20", "--tls",
                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
@@ -113,6 +114,10 @@ def test_up_replays_a_spot_trace_under_the_jobs_instance_cap(tmp_path):
         assert not any("start spot-c" in line for line in seen), seen
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+        pki = tmp_path / "logs" / "pki"
+        assert (pki / "ca.pem").is_file() and (pki / "spot-b.pem").is_file()
+        started = (tmp_path / "logs" / "spot-b.log").read_text()
+        assert "serving on" in started, started[-2000:]  # it served with its certificate
     finally:
         if up.poll() is None:
             up.kill()

@@ -1,37 +1,39 @@
-"""Mutual TLS (``common/tls.py``) on real processes: a manager and a worker started with a CA's
-certificates talk to each other over TLS and run a step; a client with a certificate from the
-same CA gets in, and one without a certificate, with only the CA, or with a certificate from
-another CA is refused at the handshake."""
+"""Mutual TLS (``common/tls.py``) and roles (``common/authorization.py``) on real processes: a
+whole job — agent, manager, worker, trainer — started with a CA's certificates trains over TLS
+(the trainer submits and publishes, the manager runs the worker's session, the worker pulls
+over the agent's HTTPS data path); a peer of another role may read the status but not submit a
+step (PERMISSION_DENIED naming the role); one without a certificate, with only the CA, or with
+a certificate from another CA is refused at the handshake, and so are the metrics."""
 
 from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 
 from rlharvest.common import tls
-from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
-from rlharvest.services.rollout_manager.status_client import wait_workers
 
-from .test_manager import run_step, step_request
-from .worker_client import launch_worker
+from .test_manager import step_request
+from .test_trainer import start_job, start_trainer, wait_trainer, worker_versions
 
 pytestmark = pytest.mark.integration
 
 
-def tls_flags(certs: dict, name: str, ca) -> list[str]:
-    cert, key = certs[name]
-    return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca)]
-
-
 @pytest.fixture
-def as_client(tmp_path):
-    """The test process's own channels (rpc.channel) dial with a client certificate; plaintext
-    again afterwards, for the tests that follow."""
-    certs = tls.issue_certificates(tmp_path / "pki", ["manager", "worker", "client"])
-    cert, key = certs["client"]
-    tls.configure(str(cert), str(key), str(tmp_path / "pki" / "ca.pem"))
-    yield certs, tmp_path / "pki" / "ca.pem"
+def ca(stack, tmp_path):
+    """The stack's services get certificates of this CA for their roles (as `rlharvest up
+    --tls` does); the test process's own channels (rpc.channel) dial as a trainer, and are
+    plaintext again afterwards, for the tests that follow."""
+    stack.ca = tls.LocalCA(tmp_path / "pki")
+    cert, key = stack.ca.issue("test-trainer", "trainer")
+    tls.configure(str(cert), str(key), str(stack.ca.ca_path))
+    yield stack.ca
     tls.configure("", "", "")
 
 
@@ -45,21 +47,32 @@ async def refused(endpoint: str, credentials: grpc.ChannelCredentials | None) ->
     return err.value.code()
 
 
-async def test_with_mutual_tls_only_peers_holding_a_certificate_of_the_ca_get_in(
-        stack, as_client, tmp_path):
-    certs, ca = as_client
-    launch_worker(stack, "tls-worker", "--max-running", "4", *tls_flags(certs, "worker", ca))
-    port = free_port()
-    stack.start("rollout_manager", "manager", ["--port", str(port), "--metrics-port",
-                                               str(free_port()), "--lease-ttl", "2",
-                                               *tls_flags(certs, "manager", ca)])
-    endpoint = f"127.0.0.1:{port}"
-    # The manager dialled the worker's session over TLS with its own certificate...
-    await wait_workers(endpoint, names=["tls-worker"], timeout=120)
-    done = await run_step(endpoint, step_request(4, 8))  # ...and a step runs through both
-    assert len(done) == 4 and all(not c.failed and c.token_ids for c in done.values())
+async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_role_get_in(
+        stack, ca, etcd_client, tmp_path):
+    manager = await start_job(stack, 1)
+    trainer, _ = await start_trainer(stack, "trainer", "--steps", "2", "--backend", "torch")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2] and st.weight_version == 2
+    deadline = time.monotonic() + 60  # the worker pulled each version over HTTPS
+    while (await worker_versions(etcd_client)).get("w0") != 2:
+        assert time.monotonic() < deadline, await worker_versions(etcd_client)
+        await asyncio.sleep(0.2)
 
-    ca_pem = ca.read_bytes()
+    endpoint = manager.endpoint
+    ca_pem = ca.ca_path.read_bytes()
+    worker_cert, worker_key = ca.issue("test-worker", "worker")
+    as_worker = grpc.ssl_channel_credentials(root_certificates=ca_pem,
+                                             private_key=worker_key.read_bytes(),
+                                             certificate_chain=worker_cert.read_bytes())
+    async with grpc.aio.secure_channel(endpoint, as_worker) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        assert (await stub.GetStatus(mpb.GetStatusRequest(), timeout=5)).workers  # open to all
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.SubmitStep(step_request(1, 4, prefix="w"), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "role 'trainer'" in err.value.details() and "'worker'" in err.value.details()
+
     rogue = tls.issue_certificates(tmp_path / "rogue", ["client"])["client"]
     for credentials in (
             None,  # plaintext
@@ -68,3 +81,11 @@ async def test_with_mutual_tls_only_peers_holding_a_certificate_of_the_ca_get_in
                                          private_key=rogue[1].read_bytes(),
                                          certificate_chain=rogue[0].read_bytes())):
         assert await refused(endpoint, credentials) == grpc.StatusCode.UNAVAILABLE
+
+    # The metrics endpoint: HTTPS, a client certificate of the CA required.
+    url = f"https://127.0.0.1:{manager.metrics_port}/metrics"
+    with urllib.request.urlopen(url, context=tls.client_ssl_context(), timeout=5) as reply:
+        assert b"rlh_manager_tokens_total" in reply.read()
+    without_cert = ssl.create_default_context(cafile=str(ca.ca_path))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(url, context=without_cert, timeout=5).read()

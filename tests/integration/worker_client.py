@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlharvest.common import rpc
+from rlharvest.common import rpc, tls
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.launcher import LocalStack, ServiceProcess
@@ -50,7 +50,9 @@ def start_workers(stack: LocalStack, names: list[str], *extra: str,
 
 def wait_serving(handle: WorkerHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(handle.endpoint) as chan:
+    credentials = tls.channel_credentials()  # a test running the stack with mutual TLS
+    with (grpc.insecure_channel(handle.endpoint) if credentials is None else
+          grpc.secure_channel(handle.endpoint, credentials)) as chan:
         stub = health_pb2_grpc.HealthStub(chan)
         while time.monotonic() < deadline:
             assert handle.process.alive(), "worker exited:\n" + handle.process.log_tail()

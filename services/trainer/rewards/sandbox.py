@@ -13,7 +13,11 @@ leaves the process group cannot hold a pipe open and hang the reader. The group 
 whenever the leader ends, before it is reaped, so nothing it started outlives the run; an alarm
 inside the child is the backstop if the trainer itself dies mid-run.
 
-This is resource isolation, not a security boundary: use a container or gVisor for hostile code.
+Around that, Linux namespaces (``isolation.py``) take the network away, show the candidate only
+its directory and the interpreter, and kill whatever it started with its PID namespace. The
+trainer checks at start that they work here (``configure_isolation``) and refuses the code task
+without them unless told to run with resource limits only. A container or gVisor around the
+trainer is still the stronger boundary for code you have reason to fear.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from rlharvest.services.trainer.rewards import isolation
 
 Status = Literal["passed", "wrong_answer", "runtime_error", "timeout", "cpu_limit", "memory_limit"]
 
@@ -47,6 +53,30 @@ with open(path) as f:
 sys.argv = [path]
 exec(compile(source, path, "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot isolate candidates here and running them unisolated was not allowed."""
+
+
+_isolated = True  # namespaces around every run; configure_isolation may turn them off
+
+
+def configure_isolation(allow_unisolated: bool) -> str:
+    """Check that candidates can be isolated here; returns how they will run. Without
+    isolation, raises SandboxUnavailable unless ``allow_unisolated`` (then: limits only)."""
+    global _isolated
+    why = isolation.available()
+    if why is None:
+        _isolated = True
+        return "isolated: no network, a private filesystem view, its own PID namespace"
+    if not allow_unisolated:
+        raise SandboxUnavailable(
+            f"the code sandbox cannot isolate candidate programs here ({why}); run the trainer "
+            "where Linux namespaces are allowed, or pass --allow-unisolated-sandbox to run "
+            "them with resource limits only")
+    _isolated = False
+    return f"NOT isolated, resource limits only ({why})"
 
 
 @dataclass(frozen=True)
@@ -93,7 +123,8 @@ def _classify(returncode: int, stdout: str, stderr: str, expected: str) -> tuple
 def run_case(code: str, case: StdioCase, limits: SandboxLimits,
              clock: Callable[[], float] = time.perf_counter) -> CaseResult:
     """Run ``code`` with ``case.stdin``; never raises for anything the candidate does."""
-    with tempfile.TemporaryDirectory(prefix="rlh-sandbox-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="rlh-sandbox-") as tmp:
+        workdir = os.path.realpath(tmp)  # the path the isolated candidate sees it under
         path, files = os.path.join(workdir, "candidate.py"), _stdio_paths(workdir)
         with open(path, "w") as f:
             f.write(code)
@@ -102,6 +133,8 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         argv = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, math.ceil(limits.cpu_s))),
                 str(limits.memory_bytes), str(limits.file_bytes), path,
                 str(math.ceil(limits.wall_s) + 2), str(limits.processes)]
+        if _isolated:
+            argv = isolation.isolated_argv(workdir, argv)
         start = clock()
         with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
                 open(files["stderr"], "wb") as stderr:
@@ -120,7 +153,8 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
     if len(out) > limits.output_bytes:
         return CaseResult(case.case_id, "runtime_error", elapsed,
                           f"printed more than {limits.output_bytes} bytes")
-    status, detail = _classify(proc.returncode, out, err, case.expected_stdout)
+    returncode = isolation.signal_of(proc.returncode) if _isolated else proc.returncode
+    status, detail = _classify(returncode, out, err, case.expected_stdout)
     return CaseResult(case.case_id, status, elapsed, detail)
 
 

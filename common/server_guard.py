@@ -1,12 +1,18 @@
-"""A request that is not a valid protobuf gets INVALID_ARGUMENT, on every RPC of every service.
+"""What every service's gRPC server checks before a servicer runs: that the request parses, and
+(with mutual TLS) that the caller's certificate holds the role the method needs.
 
-grpcio answers a request its deserializer cannot parse with UNKNOWN ("Unexpected DecodeError"),
+**Decoding.** A request that is not a valid protobuf gets INVALID_ARGUMENT, on every RPC of
+every service. grpcio answers a request its deserializer cannot parse with UNKNOWN ("Unexpected DecodeError"),
 which a client cannot tell from a server bug. This server interceptor, installed by
 ``rpc.bind_server`` for every service, wraps each method's deserializer so a message that does
 not parse becomes a marker instead of an exception, and wraps the method so the marker is
 answered with INVALID_ARGUMENT naming the message type — for a unary request before the
 servicer runs, for a request stream at the message that does not parse (the servicer sees the
 abort as the end of its stream). Valid messages pass through unchanged.
+
+**Authorization** (``authorization.py``). With TLS configured, a method that needs a role
+(SubmitStep, Publish, Session) first reads the peer's certificate from the call's auth context;
+a caller of another role gets PERMISSION_DENIED naming the role needed.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
+from rlharvest.common import authorization, tls
 
 
 class _Undecodable:
@@ -40,6 +48,23 @@ async def _refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
                         f"the request is not a valid protobuf message: {bad.error}")
 
 
+Precheck = Callable[[grpc.aio.ServicerContext], Awaitable[None]]
+
+
+async def _no_check(context: grpc.aio.ServicerContext) -> None:
+    return None
+
+
+def _role_check(method: str) -> Precheck:
+    async def authorize(context: grpc.aio.ServicerContext) -> None:
+        pem = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
+        roles = authorization.peer_roles(pem[0]) if pem[0] else []
+        refused = authorization.refusal(method, roles)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
+    return authorize
+
+
 async def _checked(requests: AsyncIterator[Any],
                    context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
     async for message in requests:
@@ -48,11 +73,12 @@ async def _checked(requests: AsyncIterator[Any],
         yield message
 
 
-def _unary_request(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A method taking one request: refuse the marker, else call through (a coroutine, or an
-    async generator for a response stream)."""
+def _unary_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., Any]:
+    """A method taking one request: check the caller, refuse the marker, else call through (a
+    coroutine, or an async generator for a response stream)."""
     if inspect.isasyncgenfunction(fn):
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(context)
             if isinstance(request, _Undecodable):
                 await _refuse(context, request)
             async for response in fn(request, context):
@@ -60,43 +86,50 @@ def _unary_request(fn: Callable[..., Any]) -> Callable[..., Any]:
         return stream
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context)
         if isinstance(request, _Undecodable):
             await _refuse(context, request)
         return await fn(request, context)
     return call
 
 
-def _stream_request(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _stream_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(fn):
         async def stream(requests: AsyncIterator[Any],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await check(context)
             async for response in fn(_checked(requests, context), context):
                 yield response
         return stream
 
     async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        await check(context)
         return await fn(_checked(requests, context), context)
     return call
 
 
-def guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """The same method, answering an unparsable request with INVALID_ARGUMENT."""
+def guard(handler: grpc.RpcMethodHandler, method: str = "") -> grpc.RpcMethodHandler:
+    """The same method, answering an unparsable request with INVALID_ARGUMENT and, under TLS,
+    a caller without the role ``method`` needs with PERMISSION_DENIED."""
     if handler.request_deserializer is None:
         return handler
+    check = _role_check(method) if tls.active() is not None and \
+        method in authorization.REQUIRED_ROLE else _no_check
     parse, out = _safe(handler.request_deserializer), handler.response_serializer
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_unary_request(handler.unary_unary), parse, out)
+        return grpc.unary_unary_rpc_method_handler(
+            _unary_request(handler.unary_unary, check), parse, out)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_unary_request(handler.unary_stream), parse,
-                                                    out)
+        return grpc.unary_stream_rpc_method_handler(
+            _unary_request(handler.unary_stream, check), parse, out)
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(_stream_request(handler.stream_unary), parse,
-                                                    out)
-    return grpc.stream_stream_rpc_method_handler(_stream_request(handler.stream_stream), parse,
-                                                 out)
+        return grpc.stream_unary_rpc_method_handler(
+            _stream_request(handler.stream_unary, check), parse, out)
+    return grpc.stream_stream_rpc_method_handler(
+        _stream_request(handler.stream_stream, check), parse, out)
 
 
-class DecodeGuard(grpc.aio.ServerInterceptor):
+class ServerGuard(grpc.aio.ServerInterceptor):
     """Wraps each method once: its guarded handler is kept for the server's life."""
 
     def __init__(self) -> None:
@@ -111,5 +144,5 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
             return handler
         guarded = self._guarded.get(handler)
         if guarded is None:
-            guarded = self._guarded[handler] = guard(handler)
+            guarded = self._guarded[handler] = guard(handler, handler_call_details.method)
         return guarded

@@ -1,0 +1,60 @@
+"""Who may call what, by the role in the caller's certificate (mutual TLS only).
+
+A certificate carries its holder's role as a URI subject alternative name
+``urn:rlharvest:role:<role>`` (``tls.issue_certificates`` writes it). Three calls change what the
+system learns or runs, and only one role may make them:
+
+- ``RolloutManager.SubmitStep`` — a trainer (it submits its job's steps);
+- ``TransferAgent.Publish`` — a trainer (it publishes its job's weights);
+- ``RolloutWorker.Session`` — a manager (it runs rollouts on workers and co-executors).
+
+Every other call is open to any peer the CA vouches for. A call from another role gets
+PERMISSION_DENIED naming the role it needs. Without TLS there are no identities and nothing is
+checked (plaintext is for a trusted network only). Pure: the policy takes the method and the
+peer's roles; ``peer_roles`` reads them from a certificate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+ROLE_URI_PREFIX = "urn:rlharvest:role:"
+
+REQUIRED_ROLE = {
+    "/rlharvest.v1.RolloutManager/SubmitStep": "trainer",
+    "/rlharvest.v1.TransferAgent/Publish": "trainer",
+    "/rlharvest.v1.RolloutWorker/Session": "manager",
+}
+
+
+# The role each service's certificate carries (``LocalStack`` issues them so).
+SERVICE_ROLES = {"rollout_worker": "worker", "rollout_manager": "manager",
+                 "transfer_agent": "agent", "trainer": "trainer", "coexecutor": "coexecutor",
+                 "placement_scheduler": "scheduler"}
+
+
+def role_uri(role: str) -> str:
+    return ROLE_URI_PREFIX + role
+
+
+def refusal(method: str, roles: Iterable[str]) -> str | None:
+    """Why a peer holding ``roles`` may not call ``method``, or None when it may."""
+    needed = REQUIRED_ROLE.get(method)
+    held = sorted(set(roles))
+    if needed is None or needed in held:
+        return None
+    return (f"{method} needs a certificate of role {needed!r}; the caller's has "
+            f"{', '.join(repr(r) for r in held) or 'no role'}")
+
+
+def peer_roles(pem_certificate: bytes) -> list[str]:
+    """The roles a PEM certificate names in its URI subject alternative names."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem_certificate)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [uri[len(ROLE_URI_PREFIX):] for uri in sans.get_values_for_type(
+        x509.UniformResourceIdentifier) if uri.startswith(ROLE_URI_PREFIX)]
