@@ -36,13 +36,20 @@ class ServiceConfig(BaseSettings):
     tls_cert: str = Field("", description="PEM certificate of this service (mutual TLS)")
     tls_key: str = Field("", description="PEM private key of tls_cert")
     tls_ca: str = Field("", description="PEM CA: peers must present a certificate it signed")
+    # etcd's own authentication (its auth enabled): both or neither; the password best from
+    # the environment (RLH_ETCD_PASSWORD).
+    etcd_username: str = Field("", description="etcd user (etcd auth enabled)")
+    etcd_password: str = Field("", description="etcd password of etcd_username "
+                               "(RLH_ETCD_PASSWORD keeps it off the command line)")
 
     @model_validator(mode="after")
-    def _tls_all_or_none(self) -> "ServiceConfig":
+    def _credentials_complete(self) -> "ServiceConfig":
         given = {k: bool(getattr(self, k)) for k in ("tls_cert", "tls_key", "tls_ca")}
         if any(given.values()) and not all(given.values()):
             missing = ", ".join(k for k, v in given.items() if not v)
             raise ValueError(f"mutual TLS needs tls_cert, tls_key and tls_ca; {missing} not set")
+        if bool(self.etcd_username) != bool(self.etcd_password):
+            raise ValueError("etcd authentication needs etcd_username and etcd_password both")
         return self
 
     # Set by load_config for the duration of one load; pydantic-settings reads it in the hook below.

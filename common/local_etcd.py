@@ -3,6 +3,7 @@ ports, a temporary data directory removed on stop."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -16,10 +17,55 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+_handed_out: set[int] = set()  # ports this process picked: never picked twice
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel picks for outgoing connections (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct free ports: every socket stays bound until all are picked, so the kernel cannot
-    hand the same port out twice. Another process may still take one before it is used; callers
-    that bind later retry on "address already in use"."""
+    """Distinct free ports for services to bind later. They come from below the kernel's
+    ephemeral range, so no outgoing connection can take one as its source port between the
+    pick and the bind (CI once lost a worker's metrics port so), and never twice in a process.
+    Another process binding explicitly may still take one; callers that bind later retry on
+    "address already in use". Without room below that range, the kernel picks."""
+    floor = _ephemeral_floor()
+    low, high = 10_000, floor - 1
+    if high - low < 1_000:
+        return _kernel_picked(count, host)
+    if len(_handed_out) > (high - low) // 2:
+        _handed_out.clear()  # a very long run: recycle (long-finished tests released them)
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    picked: list[int] = []
+    try:
+        while len(picked) < count:
+            port = rng.randint(low, high)
+            if port in _handed_out or port in picked:
+                continue
+            sock = socket.socket()
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+            picked.append(port)
+    finally:
+        for sock in socks:
+            sock.close()
+    _handed_out.update(picked)
+    return picked
+
+
+def _kernel_picked(count: int, host: str) -> list[int]:
+    """Distinct ports the kernel picks: every socket stays bound until all are picked."""
     socks = []
     try:
         for _ in range(count):

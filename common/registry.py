@@ -28,14 +28,30 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+# etcd authentication for every client this process opens (set once at start, like TLS).
+_credentials: tuple[str, str] | None = None
+
+
+def use_credentials(username: str, password: str) -> None:
+    """etcd user and password for every later ``connect`` of this process (both empty: none)."""
+    global _credentials
+    _credentials = (username, password) if username or password else None
+
+
 async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
-    """A connected client; fails with a clear error when etcd does not answer within timeout."""
+    """A connected client; fails with a clear error when etcd does not answer within timeout
+    (or refuses this process's credentials)."""
     host, port = parse_endpoint(endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=timeout)
+    username, password = _credentials or (None, None)
+    client = aetcd.Client(host=host, port=port, timeout=timeout, username=username,
+                          password=password)
     try:
         await asyncio.wait_for(client.status(), timeout)
     except Exception as exc:
         await client.close()
+        if username and isinstance(exc, aetcd.exceptions.InvalidArgumentError):
+            raise ConnectionError(f"etcd at {endpoint} refused user {username!r}: {exc}; check "
+                                  "etcd_username and etcd_password") from exc
         raise ConnectionError(f"etcd at {endpoint} did not answer: {exc!r}") from exc
     return client
 

@@ -60,6 +60,8 @@ class HostedConfig(Protocol):
     tls_cert: str
     tls_key: str
     tls_ca: str
+    etcd_username: str
+    etcd_password: str
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,7 @@ class Host(Generic[C]):
 
     async def _start(self, cfg: HostedConfig) -> None:
         tls.configure(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # every server and channel after
+        registry.use_credentials(cfg.etcd_username, cfg.etcd_password)  # every etcd client
         self._etcd = await registry.connect(cfg.etcd)
         self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
         advertise = cfg.advertise_host or cfg.host

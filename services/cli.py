@@ -198,12 +198,18 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
            tls_cert: str = typer.Option("", help="a stack with mutual TLS: this client's "
                                         "certificate (e.g. LOG_DIR/pki/... of `up --tls`)"),
            tls_key: str = typer.Option("", help="its private key"),
-           tls_ca: str = typer.Option("", help="the stack's CA")) -> None:
+           tls_ca: str = typer.Option("", help="the stack's CA"),
+           etcd_username: str = typer.Option("", envvar="RLH_ETCD_USERNAME",
+                                             help="etcd user, when etcd's auth is enabled"),
+           etcd_password: str = typer.Option("", envvar="RLH_ETCD_PASSWORD",
+                                             help="its password (best from the environment)")
+           ) -> None:
     """List registered members, their weight versions and load (--watch: live)."""
     try:
         tls.configure(tls_cert, tls_key, tls_ca)  # every status call dials with it
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
+    registry.use_credentials(etcd_username, etcd_password)
     if watch:
         last = asyncio.run(status_view.watch(etcd, console, interval=interval, timeout=timeout,
                                              last_steps=last_steps,

@@ -19,6 +19,8 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.rollout_manager.status_client import manager_status, wait_workers
 
+from tests.fuzz_messages import IMPRECISE, fuzz_service
+
 from .worker_client import WorkerHandle, garbage_status, launch_worker, wait_serving
 
 pytestmark = pytest.mark.integration
@@ -207,6 +209,11 @@ async def test_bad_steps_get_precise_statuses(cluster):
                                 server_streaming=True) == grpc.StatusCode.INVALID_ARGUMENT
     assert await garbage_status(manager.endpoint, "/rlharvest.v1.RolloutManager/GetStatus") == \
         grpc.StatusCode.INVALID_ARGUMENT
+    # Randomly filled requests (huge, negative, NaN values, long strings, long lists) to every
+    # method: each gets a precise status, none grpc's UNKNOWN or INTERNAL.
+    codes = await fuzz_service(manager.endpoint, mpb.DESCRIPTOR.services_by_name[
+        "RolloutManager"], rounds=15)
+    assert not {c for answered in codes.values() for c in answered} & IMPRECISE, codes
     done = await run_step(manager.endpoint, step_request(3, 8))  # still serving
     assert len(done) == 3
 

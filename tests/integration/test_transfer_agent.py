@@ -42,6 +42,7 @@ from rlharvest.services.transfer_agent.client import (
 )
 from rlharvest.services.transfer_agent.data_path import BucketAssembler
 
+from tests.fuzz_messages import IMPRECISE, fuzz_service
 from tests.worker_sessions import add
 
 from .worker_client import WorkerSession, garbage_status, start_worker
@@ -431,9 +432,13 @@ async def test_bad_inputs_get_precise_statuses_and_the_agent_keeps_serving(agent
             await stub.Publish(iter([pb.PublishChunk(chunk=pb.BucketChunk(bucket=0, data=b"x"))]))
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "starts with a header" in exc.value.details()
-    # A publish stream of bytes that are no protobuf: INVALID_ARGUMENT, not grpc's UNKNOWN.
+    # A publish stream of bytes that are no protobuf: INVALID_ARGUMENT, not grpc's UNKNOWN;
+    # randomly filled requests to every method: precise statuses too.
     assert await garbage_status(endpoint, "/rlharvest.v1.TransferAgent/Publish",
                                 client_streaming=True) == grpc.StatusCode.INVALID_ARGUMENT
+    codes = await fuzz_service(endpoint, pb.DESCRIPTOR.services_by_name["TransferAgent"],
+                               rounds=15)
+    assert not {c for answered in codes.values() for c in answered} & IMPRECISE, codes
 
     # The HTTP data path refuses the same way: HTTP status, the message, the gRPC code name.
     data = json.loads((await etcd.get(keys.member_key("transfer_agent", "agent-a").encode()))

@@ -23,6 +23,8 @@ from rlharvest.common.tokenizer import CharTokenizer
 
 from tests.worker_sessions import abort, add
 
+from tests.fuzz_messages import IMPRECISE, fuzz_service
+
 from .worker_client import WorkerSession, garbage_status, start_worker
 
 pytestmark = pytest.mark.integration
@@ -201,6 +203,15 @@ async def test_a_session_command_that_is_no_protobuf_gets_invalid_argument(worke
         grpc.StatusCode.INVALID_ARGUMENT
     await session.send(add("after-garbage", PROMPT, max_tokens=4))  # the worker still serves
     assert (await session.finish(["after-garbage"])).completions["after-garbage"].tokens
+
+
+async def test_randomly_filled_requests_get_precise_statuses_and_the_worker_serves_on(
+        worker, session):
+    codes = await fuzz_service(worker.endpoint, pb.DESCRIPTOR.services_by_name["RolloutWorker"],
+                               rounds=10, timeout_s=0.3)
+    assert not {c for answered in codes.values() for c in answered} & IMPRECISE, codes
+    await session.send(add("after-fuzz", PROMPT, max_tokens=4))
+    assert (await session.finish(["after-fuzz"])).completions["after-fuzz"].tokens
 
 
 async def test_a_worker_without_a_weights_dir_reads_no_file_an_rpc_names(session, tmp_path):
