@@ -1,17 +1,22 @@
 """Who may call what, by the role in the caller's certificate (mutual TLS only).
 
 A certificate carries its holder's role as a URI subject alternative name
-``urn:rlharvest:role:<role>`` (``tls.issue_certificates`` writes it). Three calls change what the
-system learns or runs, and only one role may make them:
+``urn:rlharvest:role:<role>`` (``tls.LocalCA`` writes it). The calls that change what the system
+learns, runs or schedules take only some roles:
 
-- ``RolloutManager.SubmitStep`` — a trainer (it submits its job's steps);
-- ``TransferAgent.Publish`` — a trainer (it publishes its job's weights);
-- ``RolloutWorker.Session`` — a manager (it runs rollouts on workers and co-executors).
+- ``RolloutManager.SubmitStep`` and ``TransferAgent.Publish`` — a trainer (its job's steps and
+  weights); ``RolloutManager.Generate`` — a trainer or an operator;
+- ``RolloutWorker.Session`` — a manager (it runs rollouts on workers and co-executors);
+  ``RolloutWorker.LoadWeights`` — a trainer or an operator;
+- the placement scheduler's ``SubmitJob``, ``CancelJob``, ``AcquirePermit``, ``ReleasePermit``
+  and ``ReportProgress`` — a trainer (a job) or an operator.
 
-Every other call is open to any peer the CA vouches for. A call from another role gets
-PERMISSION_DENIED naming the role it needs. Without TLS there are no identities and nothing is
-checked (plaintext is for a trusted network only). Pure: the policy takes the method and the
-peer's roles; ``peer_roles`` reads them from a certificate.
+The reads (status, info, placements, weight pulls, health, reflection) are open to any peer
+the CA vouches for: workers, co-executors and agents pull weights. A call from another role
+gets PERMISSION_DENIED naming the roles it needs. Without TLS there are no identities and
+nothing is checked (plaintext is for a trusted network only). Roles are per kind of service,
+not per job. Pure: the policy takes the method and the peer's roles; ``peer_roles`` reads them
+from a certificate.
 """
 
 from __future__ import annotations
@@ -20,10 +25,16 @@ from collections.abc import Iterable
 
 ROLE_URI_PREFIX = "urn:rlharvest:role:"
 
-REQUIRED_ROLE = {
-    "/rlharvest.v1.RolloutManager/SubmitStep": "trainer",
-    "/rlharvest.v1.TransferAgent/Publish": "trainer",
-    "/rlharvest.v1.RolloutWorker/Session": "manager",
+_JOB = ("trainer", "operator")
+_SCHEDULER = "/rlharvest.v1.PlacementScheduler/"
+REQUIRED_ROLE: dict[str, tuple[str, ...]] = {
+    "/rlharvest.v1.RolloutManager/SubmitStep": ("trainer",),
+    "/rlharvest.v1.RolloutManager/Generate": _JOB,
+    "/rlharvest.v1.TransferAgent/Publish": ("trainer",),
+    "/rlharvest.v1.RolloutWorker/Session": ("manager",),
+    "/rlharvest.v1.RolloutWorker/LoadWeights": _JOB,
+    **{_SCHEDULER + m: _JOB for m in ("SubmitJob", "CancelJob", "AcquirePermit",
+                                      "ReleasePermit", "ReportProgress")},
 }
 
 
@@ -41,10 +52,10 @@ def refusal(method: str, roles: Iterable[str]) -> str | None:
     """Why a peer holding ``roles`` may not call ``method``, or None when it may."""
     needed = REQUIRED_ROLE.get(method)
     held = sorted(set(roles))
-    if needed is None or needed in held:
+    if needed is None or set(needed) & set(held):
         return None
-    return (f"{method} needs a certificate of role {needed!r}; the caller's has "
-            f"{', '.join(repr(r) for r in held) or 'no role'}")
+    return (f"{method} needs a certificate of role {' or '.join(repr(r) for r in needed)}; "
+            f"the caller's has {', '.join(repr(r) for r in held) or 'no role'}")
 
 
 def peer_roles(pem_certificate: bytes) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -39,8 +39,9 @@ class ServiceConfig(BaseSettings):
     # etcd's own authentication (its auth enabled): both or neither; the password best from
     # the environment (RLH_ETCD_PASSWORD).
     etcd_username: str = Field("", description="etcd user (etcd auth enabled)")
-    etcd_password: str = Field("", description="etcd password of etcd_username "
-                               "(RLH_ETCD_PASSWORD keeps it off the command line)")
+    etcd_password: SecretStr = Field(SecretStr(""), description="etcd password of "
+                                     "etcd_username (RLH_ETCD_PASSWORD keeps it off the command "
+                                     "line; never logged nor exported)")
 
     @model_validator(mode="after")
     def _credentials_complete(self) -> "ServiceConfig":
@@ -48,7 +49,7 @@ class ServiceConfig(BaseSettings):
         if any(given.values()) and not all(given.values()):
             missing = ", ".join(k for k, v in given.items() if not v)
             raise ValueError(f"mutual TLS needs tls_cert, tls_key and tls_ca; {missing} not set")
-        if bool(self.etcd_username) != bool(self.etcd_password):
+        if bool(self.etcd_username) != bool(self.etcd_password.get_secret_value()):
             raise ValueError("etcd authentication needs etcd_username and etcd_password both")
         return self
 

@@ -29,8 +29,11 @@ def confined_path(root: str | Path, name: str, what: str = "file") -> Path:
                               "service's directory")
     if ".." in pure.parts:
         raise InvalidArgument(f"{name!r} climbs out of the service's directory with '..'")
-    base = Path(root).resolve()
-    target = (base / name).resolve()
+    try:
+        base = Path(root).resolve()
+        target = (base / name).resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte, a symlink loop
+        raise InvalidArgument(f"{name!r} is not a usable path: {exc}") from None
     if target != base and base not in target.parents:
         raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink)")
     return target

@@ -71,8 +71,20 @@ async def start_http(host: str, port: int, health: HealthCheck,
     return await serve_app(app, host, port)
 
 
+@web.middleware
+async def _client_certificate_required(request: web.Request, handler):
+    """Under mutual TLS every path but ``/healthz`` (a kubelet probe presents no certificate)
+    needs a client certificate, which the TLS handshake already checked against the CA."""
+    if request.path != "/healthz" and request.transport is not None and \
+            not request.transport.get_extra_info("peercert"):
+        raise web.HTTPForbidden(text="a client certificate of the stack's CA is required")
+    return await handler(request)
+
+
 async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start ``app`` on host:port; returns the runner (to clean up) and the bound port."""
+    if tls.active() is not None:
+        app.middlewares.append(_client_certificate_required)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     # Bind the socket ourselves so port 0 can pick a free port and we can report which.

@@ -7,8 +7,10 @@ which a client cannot tell from a server bug. This server interceptor, installed
 ``rpc.bind_server`` for every service, wraps each method's deserializer so a message that does
 not parse becomes a marker instead of an exception, and wraps the method so the marker is
 answered with INVALID_ARGUMENT naming the message type — for a unary request before the
-servicer runs, for a request stream at the message that does not parse (the servicer sees the
-abort as the end of its stream). Valid messages pass through unchanged.
+servicer runs; for a request stream when the servicer reads the message that does not parse:
+the status goes out at once and the servicer's read raises ``grpc.aio.AbortError``. Valid
+messages pass through unchanged; a wrapped response stream closes the servicer's own generator
+when it ends (``aclosing``), so its cleanup runs then, not at garbage collection.
 
 **Authorization** (``authorization.py``). With TLS configured, a method that needs a role
 (SubmitStep, Publish, Session) first reads the peer's certificate from the call's auth context;
@@ -17,6 +19,7 @@ a caller of another role gets PERMISSION_DENIED naming the role needed.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -81,8 +84,9 @@ def _unary_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., Any
             await check(context)
             if isinstance(request, _Undecodable):
                 await _refuse(context, request)
-            async for response in fn(request, context):
-                yield response
+            async with contextlib.aclosing(fn(request, context)) as responses:
+                async for response in responses:
+                    yield response
         return stream
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -98,8 +102,9 @@ def _stream_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., An
         async def stream(requests: AsyncIterator[Any],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await check(context)
-            async for response in fn(_checked(requests, context), context):
-                yield response
+            async with contextlib.aclosing(fn(_checked(requests, context), context)) as responses:
+                async for response in responses:
+                    yield response
         return stream
 
     async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
@@ -111,11 +116,13 @@ def _stream_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., An
 def guard(handler: grpc.RpcMethodHandler, method: str = "") -> grpc.RpcMethodHandler:
     """The same method, answering an unparsable request with INVALID_ARGUMENT and, under TLS,
     a caller without the role ``method`` needs with PERMISSION_DENIED."""
-    if handler.request_deserializer is None:
-        return handler
     check = _role_check(method) if tls.active() is not None and \
         method in authorization.REQUIRED_ROLE else _no_check
-    parse, out = _safe(handler.request_deserializer), handler.response_serializer
+    if handler.request_deserializer is None and check is _no_check:
+        return handler
+    parse = None if handler.request_deserializer is None else \
+        _safe(handler.request_deserializer)
+    out = handler.response_serializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             _unary_request(handler.unary_unary, check), parse, out)

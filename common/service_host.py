@@ -31,6 +31,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 import aetcd
 import grpc
 from aiohttp import web
+from pydantic import SecretStr
 
 from rlharvest.common import registry, rpc, tls
 from rlharvest.common.config import ServiceConfig
@@ -61,7 +62,7 @@ class HostedConfig(Protocol):
     tls_key: str
     tls_ca: str
     etcd_username: str
-    etcd_password: str
+    etcd_password: SecretStr
 
 
 @dataclass(frozen=True)
@@ -204,8 +205,7 @@ class Host(Generic[C]):
     # ---- startup -------------------------------------------------------------------------------
 
     async def _start(self, cfg: HostedConfig) -> None:
-        tls.configure(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)  # every server and channel after
-        registry.use_credentials(cfg.etcd_username, cfg.etcd_password)  # every etcd client
+        _process_wide(cfg)  # every server, channel and etcd client after this
         self._etcd = await registry.connect(cfg.etcd)
         self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
         advertise = cfg.advertise_host or cfg.host
@@ -330,7 +330,14 @@ def follow(spec: ServiceSpec[C], config: C) -> int:
                          f"of {world}")
     cfg = cast(HostedConfig, config)
     setup_logging(f"{spec.name}-rank{rank}", cfg.log_level, cfg.json_logs)
+    _process_wide(cfg)  # a rank publishes its shard itself: over TLS like rank 0
     return spec.follower(config)
+
+
+def _process_wide(cfg: HostedConfig) -> None:
+    """What every channel, server and etcd client of this process uses: TLS and credentials."""
+    tls.configure(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    registry.use_credentials(cfg.etcd_username, cfg.etcd_password.get_secret_value())
 
 
 async def serve(spec: ServiceSpec[C], config: C, signalled: asyncio.Event) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import ssl
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -80,14 +81,15 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
 
 
 def server_ssl_context() -> ssl.SSLContext | None:
-    """For the HTTP endpoints (metrics, health, the agent's data path): the same certificate,
-    and a client certificate of the CA required."""
+    """For the HTTP endpoints (metrics, health, the agent's data path): the same certificate.
+    A client certificate, when presented, must be the CA's; whether one is needed is per path
+    (``observability.serve_app``: all but ``/healthz``, which a kubelet probe reads without)."""
     if _active is None:
         return None
     cert, key, ca = _active.paths
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
     context.load_cert_chain(cert, key)
-    context.verify_mode = ssl.CERT_REQUIRED
+    context.verify_mode = ssl.CERT_OPTIONAL
     return context
 
 
@@ -128,6 +130,12 @@ class LocalCA:
                 .not_valid_before(self._now)
                 .not_valid_after(self._now + datetime.timedelta(days=days))
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .add_extension(x509.KeyUsage(
+                    digital_signature=False, content_commitment=False, key_encipherment=False,
+                    data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                    crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(
+                    self._key.public_key()), critical=False)
                 .sign(self._key, hashes.SHA256()))
         self.ca_path = directory / "ca.pem"
         self.ca_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -158,13 +166,22 @@ class LocalCA:
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
+                # What strict verifiers (Python 3.13's default VERIFY_X509_STRICT) require.
+                .add_extension(x509.KeyUsage(
+                    digital_signature=True, content_commitment=False, key_encipherment=False,
+                    data_encipherment=False, key_agreement=True, key_cert_sign=False,
+                    crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                    self._key.public_key()), critical=False)
                 .sign(self._key, hashes.SHA256()))
         cert_path, key_path = self.directory / f"{name}.pem", self.directory / f"{name}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                               serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-        key_path.chmod(0o600)
+        # Created 0600: the key is never readable by others, not even between write and chmod.
+        descriptor = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(key.private_bytes(serialization.Encoding.PEM,
+                                        serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()))
         return cert_path, key_path
 
     def flags(self, name: str, role: str) -> list[str]:

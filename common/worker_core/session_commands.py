@@ -140,6 +140,8 @@ class SessionCommands:
                         "command has neither add nor abort set"))
         except grpc.aio.AioRpcError:
             return  # the stream broke: serve()'s caller sees it too and closes the session
+        except grpc.aio.AbortError:
+            pass  # a command that was no protobuf: refused (server_guard); the session winds down
         self._hub.client_done(session)
 
     async def _start(self, request: EngineRequest) -> None:

@@ -11,7 +11,7 @@ workers with every token generated so far (they only prefill there, migration ca
 next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
 With no healthy remote worker when the window closes the seed workers finish the step (the
 co-located fallback), so no request waits for a worker that is not there; the same when the
-last remote worker is lost after the close (``worker_lost``).
+last remote worker is lost or drains after the close (``recheck``).
 
 The timer is the event loop's; the decisions are the control loop's: this class only keeps
 which seed workers each step holds and when to hand them over.
@@ -83,11 +83,12 @@ class SeedWindows:
         self._execute(commands)
         self._wake()
 
-    def worker_lost(self) -> None:
-        """A worker was lost. With no healthy remote worker left, the seed workers lent away
-        by a closed window take their step back (the co-located fallback again): the requests
-        they handed over would otherwise wait for a remote worker that may never come."""
-        if self._remote_available():
+    def recheck(self) -> None:
+        """After a worker was lost and after every tick (drains past their deadline and stalls
+        are found there): with no healthy remote worker left, the seed workers lent away by a
+        closed window take their step back (the co-located fallback again); the requests they
+        handed over would otherwise wait for a remote worker that may never come."""
+        if not any(w.closed for w in self._steps.values()) or self._remote_available():
             return
         for window in self._steps.values():
             back = self._control.return_from_training(window.seeds) if window.closed else []

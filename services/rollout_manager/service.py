@@ -128,6 +128,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             if self._scaler is not None:  # before the tick: it dispatches what lending released
                 self._execute(self._scale_due())
             self._execute(self._control.tick())
+            self._seeds.recheck()  # a remote worker the tick found gone or drained
             self._update_rate()
 
     # ---- membership ----------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             log.warning("worker %s lost (%s): %d requests go elsewhere, tokens kept", worker_id,
                         reason, len(commands))
         self._execute(commands)
-        self._seeds.worker_lost()
+        self._seeds.recheck()
         link = self._links.pop(worker_id, None)
         if link is not None:
             asyncio.get_running_loop().create_task(link.close())

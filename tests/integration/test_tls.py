@@ -3,7 +3,8 @@ whole job — agent, manager, worker, trainer — started with a CA's certificat
 (the trainer submits and publishes, the manager runs the worker's session, the worker pulls
 over the agent's HTTPS data path); a peer of another role may read the status but not submit a
 step (PERMISSION_DENIED naming the role); one without a certificate, with only the CA, or with
-a certificate from another CA is refused at the handshake, and so are the metrics."""
+a certificate from another CA is refused at the handshake; the metrics want a client
+certificate too, the health endpoint (a kubelet probe's) does not."""
 
 from __future__ import annotations
 
@@ -82,10 +83,17 @@ async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_ro
                                          certificate_chain=rogue[0].read_bytes())):
         assert await refused(endpoint, credentials) == grpc.StatusCode.UNAVAILABLE
 
-    # The metrics endpoint: HTTPS, a client certificate of the CA required.
-    url = f"https://127.0.0.1:{manager.metrics_port}/metrics"
-    with urllib.request.urlopen(url, context=tls.client_ssl_context(), timeout=5) as reply:
+    # The HTTP side is HTTPS: /metrics wants a client certificate of the CA; /healthz, which
+    # a kubelet probe reads, does not.
+    base = f"https://127.0.0.1:{manager.metrics_port}"
+    with urllib.request.urlopen(f"{base}/metrics", context=tls.client_ssl_context(),
+                                timeout=5) as reply:
         assert b"rlh_manager_tokens_total" in reply.read()
     without_cert = ssl.create_default_context(cafile=str(ca.ca_path))
-    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
-        urllib.request.urlopen(url, context=without_cert, timeout=5).read()
+    with pytest.raises(urllib.error.HTTPError) as refused_http:
+        urllib.request.urlopen(f"{base}/metrics", context=without_cert, timeout=5)
+    assert refused_http.value.code == 403
+    with urllib.request.urlopen(f"{base}/healthz", context=without_cert, timeout=5) as reply:
+        assert reply.status == 200
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext: no answer
+        urllib.request.urlopen(f"http://127.0.0.1:{manager.metrics_port}/healthz", timeout=5)

@@ -57,3 +57,8 @@ def test_a_root_that_is_itself_a_symlink_still_confines(root, tmp_path):
 def test_without_a_directory_nothing_is_read(root):
     with pytest.raises(FailedPrecondition, match="weights_dir"):
         confined_path("", "v1/model.safetensors")
+
+
+def test_a_name_the_filesystem_cannot_take_is_refused_not_raised(root):
+    with pytest.raises(InvalidArgument):
+        confined_path(root, "v1/model\x00.safetensors")

@@ -74,7 +74,7 @@ PER_POD_KEYS = {"advertise_host", "worker_id", "coexec_id", "scheduler_id", "age
 # What the downward API would put in a pod's environment.
 FIELD_REFS = {"metadata.name": "{name}-0", "status.podIP": "10.0.0.10",
               "status.hostIP": "192.0.2.10", "spec.nodeName": "node-a"}
-# RLH_ variables the tls overlay sets for TLS options the services do not have yet
+# RLH_ variables the tls overlay sets for the services' tls_cert / tls_key / tls_ca keys
 # (deploy/k8s/README.md, "TLS"); every other RLH_ variable must name a config key, since the
 # services ignore RLH_ variables that do not (a typo would be silently ignored).
 TLS_ENV = {"RLH_TLS_CERT": "tls.crt", "RLH_TLS_KEY": "tls.key", "RLH_TLS_CA": "ca.crt"}
@@ -502,7 +502,8 @@ def test_service_configs_load_and_probes_hit_the_service_ports(tree: str, tmp_pa
                 assert probe["httpGet"]["path"] == "/healthz", f"{where}: {probe_name}"
                 assert ports.get(probe["httpGet"]["port"]) == getattr(cfg, "metrics_port"), (
                     f"{where}: {probe_name} port {probe['httpGet']['port']}")
-        assert "grpc" in container["readinessProbe"], f"{where}: readiness is gRPC health"
+        if not getattr(cfg, "tls_cert"):  # with TLS the kubelet's plaintext gRPC probe cannot
+            assert "grpc" in container["readinessProbe"], f"{where}: readiness is gRPC health"
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/port") == str(getattr(cfg, "metrics_port"))
 
@@ -650,6 +651,15 @@ def test_tls_overlay_mounts_the_certificates_in_every_service():
         assert not set(TLS_ENV) & {v["name"] for v in container["env"]}
 
 
+def test_tls_overlay_probes_health_over_https_without_a_client_certificate():
+    for workload, container, _ in service_containers(rendered("tls")):
+        name = workload["metadata"]["name"]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            get = container[probe].get("httpGet")
+            assert get is not None and get["scheme"] == "HTTPS", f"{name}: {probe}"
+            assert get["path"] == "/healthz", f"{name}: {probe}"  # the one open path
+
+
 def test_spot_workers_only_run_on_spot_capacity():
     docs = rendered("base")
     spot = find(docs, "Deployment", "rollout-worker-spot")
@@ -665,6 +675,6 @@ def test_spot_workers_only_run_on_spot_capacity():
 
 def test_readme_documents_the_overlays():
     readme = (K8S / "README.md").read_text()
-    for needle in ("overlays/gpu", "overlays/tls", TLS_SECRET, *TLS_ENV, "no TLS option"):
+    for needle in ("overlays/gpu", "overlays/tls", TLS_SECRET, *TLS_ENV, "urn:rlharvest:role:"):
         assert needle in readme, needle
     assert re.search(r"kubectl apply -k", readme)

@@ -84,7 +84,7 @@ async def test_losing_the_last_remote_worker_after_the_close_gives_the_seed_its_
     h.control.worker_lost("w", "stream broke")
     wakes = h.wakes
     recalls = REGISTRY.get_sample_value("rlh_manager_seed_recalls_total") or 0.0
-    h.windows.worker_lost()
+    h.windows.recheck()
     assert h.control.pool.get("seed").state is WorkerState.HEALTHY
     assert h.wakes == wakes + 1
     assert REGISTRY.get_sample_value("rlh_manager_seed_recalls_total") == recalls + 1
@@ -92,10 +92,18 @@ async def test_losing_the_last_remote_worker_after_the_close_gives_the_seed_its_
     assert {c.worker_id for c in back if isinstance(c, Dispatch)} == {"seed"}
 
 
+async def test_a_draining_last_remote_worker_gives_the_seed_its_step_back_too():
+    h = Harness()
+    await asyncio.sleep(WINDOW_S * 5)
+    h.control.worker_draining("w", deadline=10.0)  # a spot notice: it takes no new work
+    h.windows.recheck()
+    assert h.control.pool.get("seed").state is WorkerState.HEALTHY
+
+
 async def test_losing_a_remote_worker_while_another_is_healthy_keeps_the_seed_lent():
     h = Harness()
     h.control.worker_joined("w2", 0, capacity=4, kind="spot")
     await asyncio.sleep(WINDOW_S * 5)
     h.control.worker_lost("w", "stream broke")
-    h.windows.worker_lost()
+    h.windows.recheck()
     assert h.control.pool.get("seed").state is WorkerState.TRAINING

@@ -163,6 +163,22 @@ def test_a_candidate_sees_only_its_directory_and_the_interpreter(tmp_path) -> No
     assert "'usr'" in seen and "'home'" not in seen and "'etc'" not in seen, seen
 
 
+def test_a_candidate_holds_no_capability_so_it_can_neither_chroot_out_nor_remount() -> None:
+    code = ("import os, subprocess\n"
+            "os.mkdir('up')\n"
+            "try:\n"
+            "    os.chroot('up')\n"  # the first move of the classic climb out of a chroot
+            "    print('chrooted')\n"
+            "except PermissionError:\n"
+            "    print('no-chroot')\n"
+            "r = subprocess.run(['mount', '-o', 'remount,bind,rw', '/usr'], capture_output=True)\n"
+            "print('no-mount' if r.returncode else 'mounted')\n"
+            "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
+    result = run_case(code, StdioCase("caps", "", "no-chroot\nno-mount\n0000000000000000"),
+                      SandboxLimits(wall_s=10, cpu_s=5))
+    assert result.status == "passed", result.detail
+
+
 def test_where_namespaces_are_refused_the_code_sandbox_needs_explicit_consent(monkeypatch):
     # A kernel that refuses namespaces cannot be had here: stand in for its answer.
     monkeypatch.setattr(isolation, "available", lambda: "unshare: Operation not permitted")

@@ -5,13 +5,15 @@ nothing left behind.
 is not needed): new network, mount, PID, IPC and UTS namespaces (plus a user namespace when
 not root). Inside, a small setup program builds a fresh root on a tmpfs holding only the
 interpreter's directories, read-only (``/usr`` and the Python prefix), the candidate's work
-directory (read-write), ``/proc`` and three device nodes, ``chroot``s into it and ``exec``s the
-launcher. So the candidate
+directory (read-write), ``/proc`` and three device nodes, ``pivot_root``s into it and detaches
+the old root, and runs the launcher with no capabilities (``setpriv``: empty bounding set, no
+new privileges). So the candidate
 
 - cannot open a socket to anywhere: its network namespace has no interface up, loopback
   included;
 - cannot read a file outside its directory and the interpreter: nothing else is mounted in its
-  root (the trainer's checkpoints, data and keys are not there);
+  root (the trainer's checkpoints, data and keys are not there), the host's root is unmounted,
+  and without capabilities it cannot mount, chroot or remount the interpreter writable;
 - leaves no process behind: it is PID 1's descendant in its own PID namespace, and every
   process of a PID namespace dies with its PID 1 (``--kill-child`` also kills that one when
   ``unshare`` itself is killed).
@@ -30,40 +32,56 @@ import sys
 import tempfile
 
 _SETUP = r"""
-import os, subprocess, sys, tempfile
+import os, subprocess, sys
 workdir, prefix, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-def mount(*args):
-    subprocess.run(["mount", *args], check=True, stdout=subprocess.DEVNULL)
-mount("--make-rprivate", "/")
-root = tempfile.mkdtemp(prefix="rlh-root-")
-mount("-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", root)
+os.environ["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"  # mount, pivot_root, umount
+def run(*args):
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+run("mount", "--make-rprivate", "/")
+root = os.path.join(workdir, ".root")  # inside the work directory: removed with it
+os.mkdir(root)
+run("mount", "-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", root)
 for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged-/usr links, as on the host
     if os.path.islink(top):
         os.symlink(os.readlink(top), root + top)
 for path in ("/usr", prefix):  # the interpreter, read-only
     os.makedirs(root + path, exist_ok=True)
-    mount("--rbind", path, root + path)
-    mount("-o", "remount,bind,ro", root + path)
+    run("mount", "--rbind", path, root + path)
+    run("mount", "-o", "remount,bind,ro", root + path)
 os.makedirs(root + workdir)
-mount("--bind", workdir, root + workdir)
+run("mount", "--bind", workdir, root + workdir)
 os.makedirs(root + "/proc")
-mount("-t", "proc", "proc", root + "/proc")
+run("mount", "-t", "proc", "proc", root + "/proc")
 os.makedirs(root + "/dev")
 for node in ("null", "zero", "urandom"):
     open(root + "/dev/" + node, "w").close()
-    mount("--bind", "/dev/" + node, root + "/dev/" + node)
+    run("mount", "--bind", "/dev/" + node, root + "/dev/" + node)
 os.makedirs(root + "/tmp", exist_ok=True)
-os.chroot(root)
+# pivot_root, then detach the old root: unlike a chroot, nothing of the host tree stays
+# reachable (a chroot can be climbed out of by whoever may chroot again).
+os.mkdir(root + "/.old")
+os.chdir(root)
+run("pivot_root", ".", ".old")
+os.chdir("/")
+run("umount", "-l", "/.old")
+os.rmdir("/.old")
 os.chdir(workdir)
-# PID 1 of the namespace waits for the launcher and reports a signal death as 128 + signal
+# PID 1 of the namespace waits for the candidate and reports a signal death as 128 + signal
 # (unshare's own relay of signals such as SIGXCPU is unreliable); when PID 1 exits, every
-# process left in the namespace is killed.
+# process left in the namespace is killed. The candidate runs with no capability at all (an
+# empty bounding set, no new privileges): it can neither mount, nor chroot, nor remount the
+# read-only interpreter writable.
 child = os.fork()
 if child == 0:
-    os.execv(argv[0], argv)
+    os.execv("/usr/bin/setpriv", ["setpriv", "--no-new-privs", "--bounding-set=-all",
+                                  "--inh-caps=-all", "--", *argv])
 code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 sys.exit(128 - code if code < 0 else code)
 """
+
+
+# The environment sandboxed runs (and the probe) start with.
+SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
 def _python_prefix() -> str:
@@ -79,19 +97,22 @@ def isolated_argv(workdir: str, argv: list[str]) -> list[str]:
     a death by signal N as exit status 128 + N (``signal_of``)."""
     unshare = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--ipc",
                "--uts", *([] if os.geteuid() == 0 else ["--map-root-user"])]
-    return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(), *argv]
+    # The real interpreter, not a virtualenv's link to it (the venv is not mounted inside).
+    inner = [os.path.realpath(argv[0]), *argv[1:]]
+    return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(), *inner]
 
 
 @functools.cache
 def available() -> str | None:
     """None when isolation works here, else why not (probed once: a no-op run)."""
-    if shutil.which("unshare") is None or shutil.which("mount") is None:
-        return "util-linux's unshare and mount are not installed"
+    if any(shutil.which(tool) is None for tool in ("unshare", "mount", "pivot_root", "umount")) \
+            or not os.access("/usr/bin/setpriv", os.X_OK):
+        return "util-linux's unshare, mount, pivot_root, umount and setpriv are not all installed"
     with tempfile.TemporaryDirectory(prefix="rlh-probe-") as workdir:
         try:
             done = subprocess.run(isolated_argv(os.path.realpath(workdir),
                                                 [sys.executable, "-I", "-c", "pass"]),
-                                  capture_output=True, text=True, timeout=30)
+                                  capture_output=True, text=True, timeout=30, env=SANDBOX_ENV)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"the namespace probe failed: {exc}"
     if done.returncode != 0:

@@ -140,7 +140,7 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
                 open(files["stderr"], "wb") as stderr:
             proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
                                     start_new_session=True,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+                                    env=isolation.SANDBOX_ENV)
         finished = _wait_unreaped(proc.pid, limits.wall_s)
         _kill_group(proc)  # the leader is not reaped yet: its group id cannot have been reused
         proc.wait()
