@@ -130,10 +130,7 @@ class LocalCA:
                 .not_valid_before(self._now)
                 .not_valid_after(self._now + datetime.timedelta(days=days))
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                .add_extension(x509.KeyUsage(
-                    digital_signature=False, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                    crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+                .add_extension(_key_usage(signs_certificates=True), critical=True)
                 .add_extension(x509.SubjectKeyIdentifier.from_public_key(
                     self._key.public_key()), critical=False)
                 .sign(self._key, hashes.SHA256()))
@@ -167,10 +164,7 @@ class LocalCA:
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
                 # What strict verifiers (Python 3.13's default VERIFY_X509_STRICT) require.
-                .add_extension(x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=True, key_cert_sign=False,
-                    crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+                .add_extension(_key_usage(signs_certificates=False), critical=True)
                 .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
                     self._key.public_key()), critical=False)
                 .sign(self._key, hashes.SHA256()))
@@ -188,6 +182,17 @@ class LocalCA:
         """The flags that give a service ``name`` its certificate (issued now) and the CA."""
         cert, key = self.issue(name, role)
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca_path)]
+
+
+def _key_usage(signs_certificates: bool):
+    """A CA key signs certificates; a service's key signs handshakes and agrees keys (EC)."""
+    from cryptography import x509
+
+    return x509.KeyUsage(
+        digital_signature=not signs_certificates, content_commitment=False,
+        key_encipherment=False, data_encipherment=False,
+        key_agreement=not signs_certificates, key_cert_sign=signs_certificates,
+        crl_sign=signs_certificates, encipher_only=False, decipher_only=False)
 
 
 def issue_certificates(directory: Path, names: list[str],
