@@ -15,6 +15,7 @@ library) for local stacks and tests; production brings its own PKI.
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 import ssl
@@ -67,36 +68,50 @@ def active() -> TlsMaterial | None:
 
 
 def server_credentials() -> grpc.ServerCredentials | None:
-    if _active is None:
-        return None
-    return grpc.ssl_server_credentials([(_active.key, _active.cert)],
-                                       root_certificates=_active.ca, require_client_auth=True)
+    return None if _active is None else _server_credentials(_active)
 
 
 def channel_credentials() -> grpc.ChannelCredentials | None:
-    if _active is None:
-        return None
-    return grpc.ssl_channel_credentials(root_certificates=_active.ca, private_key=_active.key,
-                                        certificate_chain=_active.cert)
+    """Built once per configuration: every ``rpc.channel`` of the process asks for them."""
+    return None if _active is None else _channel_credentials(_active)
 
 
 def server_ssl_context() -> ssl.SSLContext | None:
     """For the HTTP endpoints (metrics, health, the agent's data path): the same certificate.
     A client certificate, when presented, must be the CA's; whether one is needed is per path
     (``observability.serve_app``: all but ``/healthz``, which a kubelet probe reads without)."""
-    if _active is None:
-        return None
-    cert, key, ca = _active.paths
+    return None if _active is None else _server_ssl_context(_active)
+
+
+def client_ssl_context() -> ssl.SSLContext | None:
+    """Built once per configuration (it reads the files): every weight pull asks for it."""
+    return None if _active is None else _client_ssl_context(_active)
+
+
+@functools.cache
+def _server_credentials(tls: TlsMaterial) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(tls.key, tls.cert)], root_certificates=tls.ca,
+                                       require_client_auth=True)
+
+
+@functools.cache
+def _channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
+                                        certificate_chain=tls.cert)
+
+
+@functools.cache
+def _server_ssl_context(tls: TlsMaterial) -> ssl.SSLContext:
+    cert, key, ca = tls.paths
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
     context.load_cert_chain(cert, key)
     context.verify_mode = ssl.CERT_OPTIONAL
     return context
 
 
-def client_ssl_context() -> ssl.SSLContext | None:
-    if _active is None:
-        return None
-    cert, key, ca = _active.paths
+@functools.cache
+def _client_ssl_context(tls: TlsMaterial) -> ssl.SSLContext:
+    cert, key, ca = tls.paths
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
     context.load_cert_chain(cert, key)
     return context

@@ -10,7 +10,7 @@ import random
 
 import grpc
 from google.protobuf import descriptor as d
-from google.protobuf import message_factory
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
 T = d.FieldDescriptor
@@ -73,31 +73,58 @@ def random_message(descriptor: d.Descriptor, rng: random.Random) -> Message:
     return fill(message_factory.GetMessageClass(descriptor)(), rng)
 
 
+GARBAGE = b"\xff\xff\xff"  # a truncated varint tag: no message type parses it
+
+
+def method_named(path: str) -> d.MethodDescriptor:
+    """The descriptor of "/pkg.Service/Method" (its proto module imported)."""
+    service, _, method = path.strip("/").rpartition("/")
+    return descriptor_pool.Default().FindMethodByName(f"{service}.{method}")
+
+
+async def outcome(chan: grpc.aio.Channel, method: d.MethodDescriptor, request: bytes | Message,
+                  timeout_s: float = 10.0) -> tuple[grpc.StatusCode, str]:
+    """Call ``method`` with one request (raw bytes or a message), read every answer; the status
+    and its details."""
+    kind = ("stream" if method.client_streaming else "unary") + "_" + \
+        ("stream" if method.server_streaming else "unary")
+    call = getattr(chan, kind)(f"/{method.containing_service.full_name}/{method.name}",
+                               request_serializer=_wire)
+    try:
+        reply = call(iter([request]) if method.client_streaming else request, timeout=timeout_s)
+        if method.server_streaming:
+            async for _ in reply:
+                pass
+        else:
+            await reply
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def _wire(request: bytes | Message) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
+async def garbage_status(endpoint: str, path: str) -> grpc.StatusCode:
+    """What a real service answers to ``path`` ("/pkg.Service/Method") called with bytes that
+    are no protobuf message (every service: INVALID_ARGUMENT)."""
+    async with grpc.aio.insecure_channel(endpoint) as chan:
+        return (await outcome(chan, method_named(path), GARBAGE))[0]
+
+
 async def fuzz_service(endpoint: str, service: d.ServiceDescriptor, rounds: int, seed: int = 0,
-                       timeout_s: float = 1.0) -> dict[str, set[grpc.StatusCode]]:
-    """``rounds`` random requests to every method of ``service`` at ``endpoint``; the codes each
-    method answered. A stream still open at ``timeout_s`` (a worker session) ends with
-    DEADLINE_EXCEEDED, which is the client's own doing."""
+                       timeout_s: float = 1.0) -> None:
+    """``rounds`` random requests to every method of ``service`` at ``endpoint``; fails unless
+    every method answered and none with an imprecise status. A stream still open at
+    ``timeout_s`` (a worker session) ends with DEADLINE_EXCEEDED, the client's own doing."""
     rng = random.Random(seed)
     codes: dict[str, set[grpc.StatusCode]] = {}
     async with grpc.aio.insecure_channel(endpoint) as chan:
         for _ in range(rounds):
             for method in service.methods:
-                kind = ("stream" if method.client_streaming else "unary") + "_" + \
-                    ("stream" if method.server_streaming else "unary")
-                call = getattr(chan, kind)(f"/{service.full_name}/{method.name}",
-                                           request_serializer=Message.SerializeToString)
                 request = random_message(method.input_type, rng)
-                try:
-                    reply = call(iter([request]) if method.client_streaming else request,
-                                 timeout=timeout_s)
-                    if method.server_streaming:
-                        async for _ in reply:
-                            pass
-                    else:
-                        await reply
-                    code = grpc.StatusCode.OK
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code()
+                code, _ = await outcome(chan, method, request, timeout_s)
                 codes.setdefault(method.name, set()).add(code)
-    return codes
+    assert set(codes) == {m.name for m in service.methods}, codes
+    assert not {c for answered in codes.values() for c in answered} & IMPRECISE, codes

@@ -104,24 +104,3 @@ def listening(endpoint: str) -> bool:
             return True
     except OSError:
         return False
-
-
-async def garbage_status(endpoint: str, method: str, client_streaming: bool = False,
-                         server_streaming: bool = False) -> grpc.StatusCode:
-    """What a real service answers to ``method`` ("/pkg.Service/Method") called with bytes that
-    are no protobuf message (every service: INVALID_ARGUMENT)."""
-    garbage = b"\xff\xff\xff"
-    async with grpc.aio.insecure_channel(endpoint) as chan:
-        kind = ("stream" if client_streaming else "unary") + "_" + \
-            ("stream" if server_streaming else "unary")
-        call = getattr(chan, kind)(method)(iter([garbage]) if client_streaming else garbage,
-                                           timeout=10)
-        try:
-            if server_streaming:
-                async for _ in call:
-                    pass
-            else:
-                await call
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
