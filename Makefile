@@ -6,18 +6,21 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: install run test test-unit test-integration protos bench lint clean
+.PHONY: system-packages install run test test-unit test-integration protos bench lint clean
+
+# etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
+# checked on every run: a machine that lost one gets it back without touching the stamp.
+system-packages:
+	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus; }
 
 $(STAMP): pyproject.toml
-	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
-	@# Prometheus for `rlharvest up --prometheus` (and its test): the Debian package.
-	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus; }
 	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@touch $(STAMP)
 
-install: $(STAMP)
+install: system-packages $(STAMP)
 
 run: install
 	$(PYTHON) -m rlharvest.services.demo $(ARGS)

@@ -50,11 +50,18 @@ def duration(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-def config_text(targets_file: Path, scrape_interval_s: float) -> str:
-    """prometheus.yml: one scrape job over the targets file (JSON is valid YAML)."""
+# The alert rules the compose stack loads; a source checkout has them, an installed wheel may not.
+ALERT_RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "alerts.yml"
+
+
+def config_text(targets_file: Path, scrape_interval_s: float,
+                rule_files: tuple[Path, ...] = ()) -> str:
+    """prometheus.yml: one scrape job over the targets file (JSON is valid YAML), evaluating
+    ``rule_files``."""
     return json.dumps({
         "global": {"scrape_interval": duration(scrape_interval_s),
                    "evaluation_interval": duration(scrape_interval_s)},
+        "rule_files": [str(path) for path in rule_files],
         "scrape_configs": [{
             "job_name": "rlharvest",
             "file_sd_configs": [{"files": [str(targets_file)],
@@ -100,7 +107,8 @@ class LocalPrometheus:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_if_changed(self.targets_file, "[]")
         config = self.directory / "prometheus.yml"
-        config.write_text(config_text(self.targets_file, self.scrape_interval_s))
+        rules = (ALERT_RULES,) if ALERT_RULES.is_file() else ()
+        config.write_text(config_text(self.targets_file, self.scrape_interval_s, rules))
         self._stop = threading.Event()
         threading.Thread(target=self._sync_thread, name="prometheus targets", daemon=True).start()
         with open(self.directory / "prometheus.log", "ab") as out:

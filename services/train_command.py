@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from pydantic import ValidationError
@@ -39,31 +39,15 @@ class Checked:
     rewards: str  # e.g. "reward by data_source: gsm8k" or "reward math"
 
 
-def model_config(model: str) -> Any:
-    """The model's config (presets: the built-in one), without loading weights."""
-    from transformers import AutoConfig
-
-    from rlharvest.common.tiny_model import PRESETS, tiny_config
-
-    if model in PRESETS:
-        return tiny_config(model)
-    if not Path(model).is_dir():
-        raise ValueError(f"model {model!r} is neither a preset ({sorted(PRESETS)}) nor a local "
-                         "checkpoint directory; rlharvest never downloads one")
-    try:
-        return AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{model} is not a usable model directory (config.json): {exc}") from exc
-
-
 def preflight(cfg: TrainerConfig) -> Checked:
     """Everything the trainer or a worker would refuse, refused now; ValueError says what."""
     # Here, not at the top: they load torch, and every `rlharvest` command imports this module.
+    from rlharvest.common.decoder_weights import decoder_config
     from rlharvest.common.model_tokenizer import load_tokenizer
     from rlharvest.services.rollout_worker.decoder_forward import check_servable
     from rlharvest.services.trainer.task_setup import build_task_setup
 
-    config = model_config(cfg.model)
+    config = decoder_config(cfg.model)
     context = int(config.max_position_embeddings)
     check_servable(config, context)
     setup = build_task_setup(cfg, load_tokenizer(cfg.model), context)

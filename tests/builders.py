@@ -21,7 +21,21 @@ from rlharvest.services.trainer.step_plan import Acceptance, StepSpec
 from rlharvest.services.trainer.tasks import TaskDataset
 
 if TYPE_CHECKING:  # the stream trainer imports torch; the manager's tests need not
+    from rlharvest.common.decoder_weights import DecoderWeights
     from rlharvest.services.trainer.stream_trainer import RewardedGroup
+
+
+def decoder_of(model) -> DecoderWeights:
+    """The rollout engine's weight store holding a copy of a transformers module's weights."""
+    import torch
+
+    from rlharvest.common.decoder_weights import DecoderConfig, DecoderWeights
+
+    dtype = next(model.parameters()).dtype
+    weights = DecoderWeights(DecoderConfig.from_dict(model.config.to_dict()), dtype)
+    with torch.no_grad():
+        weights.load_state_dict(model.state_dict())
+    return weights
 
 
 class Clock:

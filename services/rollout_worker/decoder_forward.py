@@ -1,20 +1,20 @@
-"""A decoder forward pass (Qwen3, Qwen2, Llama) over a slot KV cache, reading the weights of the
-transformers module.
+"""A decoder forward pass (Qwen3, Qwen2, Llama) over a slot KV cache, reading the weights of a
+``DecoderWeights`` module (transformers' names and shapes, without its modeling code).
 
-The HF module is the weight store (``load_weights`` copies into its parameters, names as in its
+The module is the weight store (``load_weights`` copies into its parameters, names as in its
 state_dict); this file only computes. To keep the decode step to a few large ops, q/k/v and
 gate/up projections run as one fused matmul each. Instead of keeping fused *copies* (twice the
 memory, and a refresh after every weight load), the module's q/k/v and gate/up parameters are
 re-pointed at row slices of one fused tensor per layer, so an in-place copy into a parameter
-updates the fused weight too. The HF module keeps working unchanged on those views.
+updates the fused weight too.
 
 Math follows transformers' ``modeling_qwen3`` / ``modeling_qwen2`` / ``modeling_llama``: pre-norm
 blocks, rotate-half RoPE, GQA, SwiGLU MLP, final norm, lm_head (tied or not). The three families
 differ only in parts each layer either has or not, so they are read from the module rather than
 written per family: per-head RMSNorm on q and k (Qwen3), q/k/v biases (Qwen2; Llama and Qwen3 with
 ``attention_bias``), an o_proj bias (Llama ``attention_bias``), MLP biases (Llama ``mlp_bias``).
-RoPE frequencies come from the module's rotary embedding, which already applies static scaling
-(linear, llama3); scalings that depend on the sequence length are refused.
+RoPE frequencies come from ``decoder_weights.inv_freq`` (static scalings: linear, llama3);
+scalings that depend on the sequence length are refused.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
+from rlharvest.common.decoder_weights import (
+    SUPPORTED_MODEL_TYPES,
+    DecoderConfig,
+    DecoderWeights,
+    inv_freq,
+)
 from rlharvest.services.rollout_worker.kv_cache import KVCache
-
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
-# RoPE types whose frequencies are fixed at load time (the module's inv_freq holds them).
-_STATIC_ROPE = ("default", "linear", "llama3")
 
 
 @dataclass
@@ -70,11 +70,6 @@ def _fuse_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
     return _fuse(linears, "bias")
 
 
-def head_dim(cfg) -> int:
-    """Per-head width: explicit in Qwen3 configs, hidden / heads in older Qwen2 and Llama ones."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tensor:
     """R with x @ R == cat(-x2, x1) (HF's rotate_half). One small matmul instead of a slice,
     a negation and a cat; exact, since each output is one input times +-1 plus zeros."""
@@ -85,22 +80,18 @@ def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tens
     return rotate
 
 
-def check_servable(cfg, max_len: int) -> None:
+def check_servable(cfg: DecoderConfig, max_len: int) -> None:
     """ValueError naming what TorchEngine cannot serve in this model config (read before any
     weights load, so `rlharvest train` can refuse a model in a second)."""
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"TorchEngine runs the {', '.join(SUPPORTED_MODEL_TYPES)} families; "
                          f"got model_type {cfg.model_type!r}")
-    if getattr(cfg, "use_sliding_window", False):
+    if cfg.use_sliding_window:
         raise ValueError("sliding-window attention (use_sliding_window) is not supported by "
                          "TorchEngine")
     if cfg.hidden_act != "silu":
         raise ValueError(f"expected a SwiGLU (silu) MLP, got hidden_act {cfg.hidden_act!r}")
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in _STATIC_ROPE:  # dynamic, yarn, longrope: rescale with the length
-        raise ValueError(f"rope_type {rope_type!r} is not supported by TorchEngine (supported: "
-                         f"{', '.join(_STATIC_ROPE)})")
+    inv_freq(cfg)  # refuses the rope types that rescale with the length
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len {max_len} exceeds the model's context "
                          f"({cfg.max_position_embeddings} positions); lower max_len")
@@ -113,28 +104,27 @@ class DecoderForward:
     Call ``refresh()`` after changing the module's parameters in place (derived tensors).
     """
 
-    def __init__(self, model: PreTrainedModel, max_len: int) -> None:
+    def __init__(self, model: DecoderWeights, max_len: int) -> None:
         cfg = model.config
         check_servable(cfg, max_len)
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = head_dim(cfg)
+        self.head_dim = cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.num_layers = cfg.num_hidden_layers
         inner = model.model
-        self.scale = inner.layers[0].self_attn.scaling
+        self.scale = self.head_dim ** -0.5
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [self._layer_weights(layer) for layer in inner.layers]
         device = self.embed.device
-        rotary = inner.rotary_emb
         positions = torch.arange(max_len, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq(cfg).to(device)
         angles = torch.cat((freqs, freqs), dim=-1)
         dtype = self.embed.dtype
-        self.cos = (angles.cos() * rotary.attention_scaling).to(dtype)  # [max_len, head_dim]
-        self.sin = (angles.sin() * rotary.attention_scaling).to(dtype)
+        self.cos = angles.cos().to(dtype)  # [max_len, head_dim]; static ropes scale by 1
+        self.sin = angles.sin().to(dtype)
         self.key_positions = torch.arange(max_len, device=device)
         self.rotate_half = _rotate_half_matrix(self.head_dim, dtype, device)
         self.refresh()

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from rlharvest.common.tiny_model import build_model, model_config
+from rlharvest.common.decoder_weights import decoder_config, load_decoder
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.kv_pages import (
@@ -56,7 +56,7 @@ from rlharvest.services.rollout_worker.kv_pages import (
     PageStore,
     page_bytes,
 )
-from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, head_dim
+from rlharvest.services.rollout_worker.decoder_forward import DecoderForward
 from rlharvest.services.rollout_worker.sampling import (
     GREEDY_BELOW,
     SamplingBatch,
@@ -67,8 +67,8 @@ from rlharvest.services.rollout_worker.sampling import (
 
 def kv_page_bytes(model: str, page_tokens: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes a KV page of ``page_tokens`` tokens takes for ``model`` (a preset or checkpoint)."""
-    cfg = model_config(model)
-    return page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg),
+    cfg = decoder_config(model)
+    return page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                       page_tokens, dtype)
 
 
@@ -238,9 +238,7 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
                              f"prompts), got {prefill_chunk}")
         check_kv_budget(kv_budget_tokens, max_len, paged is not None or kv_pages > 0)
-        # transformers wraps PreTrainedModel.to in a decorator that mypy reads as unbound
-        self._model = build_model(model, seed, dtype).to(device)  # type: ignore[arg-type]
-        self._model.requires_grad_(False)
+        self._model = load_decoder(model, seed, dtype, device)
         cfg = self._model.config
         self._vocab_size = cfg.vocab_size
         self._max_len = max_len
@@ -250,17 +248,17 @@ class TorchEngine:
         self._forward = DecoderForward(self._model, max_len)
         if paged is None and kv_pages:  # paged KV in a store of its own
             paged = PagedKV(PageStore(kv_pages, page_bytes(
-                cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg), page_tokens,
+                cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page_tokens,
                 dtype), device), page_tokens, OwnPages(kv_pages, page_tokens))
         self._paged = paged
         self._cache: SlotKVCache | PagedKVCache
         if paged is None:
             self._cache = SlotKVCache(cfg.num_hidden_layers, max_running,
-                                      cfg.num_key_value_heads, max_len, head_dim(cfg), dtype,
+                                      cfg.num_key_value_heads, max_len, cfg.head_dim, dtype,
                                       device)
         else:
             view = paged.store.view(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                    head_dim(cfg), paged.page_tokens, dtype)
+                                    cfg.head_dim, paged.page_tokens, dtype)
             self._cache = PagedKVCache(view, max_running, max_len)
         self._slot_sampling = _SlotSampling(max_running, device)
         self._device = torch.device(device)

@@ -349,10 +349,15 @@ class TrainerLoop:
         async def reward(group: int, sample: int, completion) -> None:
             item = spec.items[group]
             text = self._tok.decode(completion.token_ids)
-            outcome = await self._rewards.score(RewardRequest(
-                completion.request_id, item.prompt, text, item.answer,
-                reward_fn=self._setup.reward_of(item),
-                timeout_s=cfg.reward_timeout_of(self._setup.kind_of(item))))
+            try:
+                outcome = await self._rewards.score(RewardRequest(
+                    completion.request_id, item.prompt, text, item.answer,
+                    reward_fn=self._setup.reward_of(item),
+                    timeout_s=cfg.reward_timeout_of(self._setup.kind_of(item))))
+            except asyncio.CancelledError:
+                metrics.REWARDS.labels("cancelled").inc()
+                raise
+            metrics.REWARDS.labels("scored" if outcome.ok else "failed").inc()
             if not outcome.ok:
                 self._record_reward_failure(spec.step, outcome)
             if group == 0 and sample == 0:  # one sample per step, to read what the policy writes

@@ -23,6 +23,10 @@ PROMPTS_DEFERRED = Counter("rlh_trainer_prompts_deferred_total",
 TOKENS_DISCARDED = Counter("rlh_trainer_tokens_discarded_total",
                            "Finished completion tokens that did not train (tail batching: beyond "
                            "R0, or of a deferred prompt)")
+# Every reward task the trainer started, by how it ended: scored, failed (raised or timed out;
+# also in rlh_trainer_reward_failures_total) or cancelled (a deferred group's, or a step's that
+# was cancelled itself).
+REWARDS = Counter("rlh_trainer_rewards_total", "Reward tasks by outcome", ["outcome"])
 REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that failed or timed out")
 MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")
 PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one version to the agent",

@@ -1,23 +1,40 @@
-"""`rlharvest up --prometheus` against a live stack: a real Prometheus (the Debian package)
-discovers every member through etcd and the trainer's reward series reads back through its
-HTTP API; a member that joins later is scraped too."""
+"""`rlharvest up --prometheus` as a user runs it: a real Prometheus (the Debian package)
+discovers every member through etcd, the trainer's reward series reads back through its HTTP API
+with the values the trainer reported for its steps, and a member that joins later is scraped
+too."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
 import time
+import urllib.parse
+import urllib.request
+from typing import Any
 
 import pytest
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.services.prometheus_stack import LocalPrometheus
+from rlharvest.services.launcher import MODULES
 
-from .test_trainer import start_job, start_trainer, start_worker, wait_trainer
+from .test_cli import CLI, ENV, _endpoints, _read_until
+from .test_trainer import trainer_status
 
 pytestmark = pytest.mark.integration
 
 
-async def eventually(query, check, timeout: float = 60):
+def api(url: str, path: str, **params: Any) -> list[dict[str, Any]]:
+    query = urllib.parse.urlencode(params)
+    with urllib.request.urlopen(f"{url}/api/v1/{path}?{query}", timeout=10) as reply:
+        body = json.loads(reply.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+async def eventually(query, check, timeout: float = 90):
     deadline = time.monotonic() + timeout
     while True:
         result = await asyncio.to_thread(query)
@@ -27,23 +44,48 @@ async def eventually(query, check, timeout: float = 60):
         await asyncio.sleep(0.5)
 
 
-async def test_prometheus_scrapes_every_member_and_reads_the_trainers_reward_back(
-        stack, etcd_client, tmp_path):
-    await start_job(stack, 1)
-    trainer, _ = await start_trainer(stack, "trainer", "--backend", "torch", "--steps", "3")
-    await wait_trainer(trainer, lambda s: s.state == "done")
-    prometheus = LocalPrometheus(stack.etcd.endpoint, tmp_path / "prometheus",
-                                 port=free_port(), scrape_interval_s=0.5).start()
+def reward_points(url: str, since: float) -> list[float]:
+    """The trainer's mean-reward series since ``since``, where at least one step is done (the
+    gauge reads 0 before the first step)."""
+    series = api(url, "query_range", query="rlh_trainer_mean_reward and rlh_trainer_step > 0",
+                 start=since, end=time.time(), step="0.5")
+    return [float(value) for s in series for _, value in s["values"]]
+
+
+async def test_up_with_prometheus_reads_the_trainers_reward_series_back_and_finds_late_members(
+        tmp_path):
+    since = time.time()
+    up = subprocess.Popen([*CLI, "up", "--workers", "1", "--agents", "1", "--trainer",
+                           "--prometheus", "--prometheus-port", str(free_port()),
+                           "--log-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=ENV)
+    late = None
     try:
-        reward = await eventually(lambda: prometheus.query("rlh_trainer_mean_reward"), bool)
-        assert reward[0]["metric"]["service"] == "trainer"
-        steps = await eventually(lambda: prometheus.query("rlh_trainer_step"), bool)
-        assert float(steps[0]["value"][1]) == 3
-        # Each target's first scrape lands somewhere in its interval: wait for all of them.
+        etcd = _read_until(up, r"etcd at (127\.0\.0\.1:\d+)", timeout=180).group(1)
+        url = _read_until(up, r"Prometheus at (http://\S+)", timeout=30).group(1)
+        members = await _endpoints(etcd)
+        [trainer] = [endpoint for key, endpoint in members.items() if "/trainer/" in key]
+
+        points = await eventually(lambda: reward_points(url, since), lambda p: len(p) >= 3)
+        steps = (await trainer_status(trainer)).steps
+        # Every scraped value is the mean reward the trainer reported for one of its steps.
+        assert set(points) <= {s.mean_reward for s in steps}, (points, steps)
         every = {"trainer", "rollout_manager", "rollout_worker", "transfer_agent"}
-        await eventually(lambda: prometheus.query("up == 1"),
+        await eventually(lambda: api(url, "query", query="up == 1"),
                          lambda up: every <= {r["metric"]["service"] for r in up})
-        start_worker(stack, "late", False)  # a member that joins is discovered through etcd
-        await eventually(lambda: prometheus.query('up{member="late"} == 1'), bool)
+
+        with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as reply:
+            groups = json.loads(reply.read())["data"]["groups"]
+        assert "RlharvestTokensRegenerated" in {r["name"] for g in groups for r in g["rules"]}
+
+        late = subprocess.Popen(  # a member that joins is discovered through etcd
+            [sys.executable, "-m", MODULES["rollout_worker"], "--etcd", etcd, "--worker-id",
+             "late", "--port", str(free_port()), "--metrics-port", str(free_port()),
+             "--torch-threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await eventually(lambda: api(url, "query", query='up{member="late"} == 1'), bool)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
     finally:
-        prometheus.stop()
+        for proc in (late, up):
+            if proc is not None and proc.poll() is None:
+                proc.kill()

@@ -270,6 +270,30 @@ async def test_tail_batching_trains_every_prompt_once_across_a_sigkill(stack, et
     assert status.in_flight == 0 and all(w.assigned == 0 for w in status.workers)
 
 
+async def test_a_deferred_groups_rewards_are_cancelled_and_only_trained_responses_score(
+        stack, etcd_client):
+    """A short round's deferred prompts never train, so a reward started for one of their
+    finished responses is cancelled at the verdict (a 1 s reward is still running then): exactly
+    the trained responses score. The length model fixes the finish order (data seed 7, median 4):
+    6 prompts x 3 responses, the 4th accepted group's 2nd response ends at token 7, deferred
+    prompt 5 has a 3-token response (the one reward cancelled), deferred prompt 2 none under 11."""
+    await start_job(stack, 2, "--step-delay-s", "0.05")
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--tail-batching", "--eta-prompts", "1.5",
+        "--eta-responses", "1.5", "--prompts-per-step", "4", "--samples-per-prompt", "2",
+        "--data-prompts", "6", "--data-seed", "7", "--bench-length-median", "4",
+        "--max-new-tokens", "24", "--bench-reward-delay-s", "1.0", "--reward-concurrency", "32")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    rounds = [(s.round, s.prompts_launched, s.prompts_deferred) for s in st.steps]
+    assert rounds == [("short", 6, 2), ("long", 2, 0)]
+    scraped = scrape(metrics_port)
+    rewards = {outcome: metric(scraped, f'rlh_trainer_rewards_total{{outcome="{outcome}"}}')
+               for outcome in ("scored", "failed", "cancelled")}
+    # 4 accepted groups x R0 + the long round's 2 deferred prompts x R0; a deferred reward that
+    # ran to its end would make it 13.
+    assert rewards == {"scored": 4 * 2 + 2 * 2, "failed": 0, "cancelled": 1}, rewards
+
+
 async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_a_time(
         stack, etcd_client):
     """The veRL-like pipeline the benchmarks compare against (--pipeline sync): rewards start

@@ -439,3 +439,27 @@ def test_promtool_accepts_the_config_the_rules_and_every_dashboard_expression(tm
     check = subprocess.run(["promtool", "check", "rules", str(rules_file)],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+# What the issue asks the overview to show, each as (a metric its panels must query, the label a
+# per-member series must be split by, or None).
+OVERVIEW_MUST_SHOW = {
+    "jobs": ("rlh_placement_jobs", None),
+    "steps": ("rlh_trainer_step", None),
+    "reward": ("rlh_trainer_mean_reward", None),
+    "tokens trained per second": ("rlh_trainer_tokens_trained_total", None),
+    "migrations": ("rlh_manager_migrations_total", None),
+    "tokens regenerated": ("rlh_manager_tokens_regenerated", None),
+    "weight versions per worker": ("rlh_worker_weight_version", "{{member}}"),
+    "serving SLO attainment": ("rlh_coexec_serving_slo_total", None),
+}
+
+
+@pytest.mark.parametrize("what", sorted(OVERVIEW_MUST_SHOW))
+def test_the_overview_shows_what_an_operator_asks_first(what: str):
+    metric, legend = OVERVIEW_MUST_SHOW[what]
+    targets = [t for panel in _panels(_load(DASHBOARD_DIR / "overview.json"))
+               for t in panel.get("targets", []) if metric in metric_names(t["expr"])]
+    assert targets, f"no overview panel queries {metric} ({what})"
+    if legend is not None:
+        assert any(t.get("legendFormat") == legend for t in targets), targets

@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from rlharvest.common.decoder_weights import DecoderConfig
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
-from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, head_dim
+from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, check_servable
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from tests.builders import decoder_of
 
 VOCAB = 320
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -64,8 +66,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def test_prefill_and_decode_equal_the_transformers_forward(name):
     model = sharp_model(name)
     cfg = model.config
-    forward = DecoderForward(model, max_len=64)
-    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, head_dim(cfg),
+    forward = DecoderForward(decoder_of(model), max_len=64)
+    cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, forward.head_dim,
                         torch.float32, "cpu")
     seqs = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
@@ -147,15 +149,13 @@ def drain_one(engine: TorchEngine, rid: str) -> list[int]:
                                                    "rope_theta": 10000.0}), "'dynamic'"),
 ])
 def test_unsupported_variants_are_refused_naming_what(config, message):
-    model = AutoModelForCausalLM.from_config(config(), dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
-        DecoderForward(model, max_len=64)
+        check_servable(DecoderConfig.from_dict(config().to_dict()), 64)
 
 
 def test_another_family_is_refused_with_the_supported_list():
     from transformers import GPT2Config
 
-    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2,
-                                                        vocab_size=64))
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     with pytest.raises(ValueError, match="qwen3, qwen2, llama families; got model_type 'gpt2'"):
-        DecoderForward(model, max_len=32)
+        DecoderConfig.from_dict(config.to_dict())

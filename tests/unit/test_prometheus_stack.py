@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from rlharvest.services.prometheus_stack import config_text, target_groups, write_if_changed
+from rlharvest.services.prometheus_stack import ALERT_RULES, config_text, target_groups, write_if_changed
 
 
 def test_every_member_with_a_metrics_address_becomes_one_labelled_target_group():
@@ -26,6 +26,13 @@ def test_the_config_scrapes_the_targets_file_at_the_given_interval(tmp_path):
     job = config["scrape_configs"][0]
     assert job["file_sd_configs"][0]["files"] == [str(tmp_path / "targets.json")]
     assert config["global"]["scrape_interval"] == "500ms"  # Prometheus takes no "0.5s"
+    assert config["rule_files"] == []
+
+
+def test_the_local_prometheus_evaluates_the_deployed_alert_rules(tmp_path):
+    assert ALERT_RULES.is_file()  # a source checkout: the same file the compose stack loads
+    config = json.loads(config_text(tmp_path / "targets.json", 1.0, (ALERT_RULES,)))
+    assert config["rule_files"] == [str(ALERT_RULES)]
 
 
 def test_the_targets_file_is_rewritten_only_when_it_changes(tmp_path):

@@ -19,6 +19,7 @@ from rlharvest.common.engine_types import EngineInputError, EngineRequest, Sampl
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from tests.builders import decoder_of
 
 MAX_LEN = 96
 SHARP_VERSION = 1
@@ -91,7 +92,7 @@ def test_forward_matches_hf_logits_in_prefill_and_decode(preset):
     model = build_model(preset, seed=4)
     model.load_state_dict(sharpened(model, 3.0))
     model.requires_grad_(False)
-    forward = DecoderForward(model, max_len=64)
+    forward = DecoderForward(decoder_of(model), max_len=64)
     cfg = model.config
     cache = SlotKVCache(cfg.num_hidden_layers, 3, cfg.num_key_value_heads, 64, cfg.head_dim,
                         torch.float32, "cpu")
@@ -503,7 +504,7 @@ def test_forward_prefill_from_an_offset_matches_hf_logits_and_decode_continues(p
     model = build_model(preset, seed=4)
     model.load_state_dict(sharpened(model, 3.0))
     model.requires_grad_(False)
-    forward = DecoderForward(model, max_len=64)
+    forward = DecoderForward(decoder_of(model), max_len=64)
     cfg = model.config
     cache = SlotKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 64, cfg.head_dim,
                         torch.float32, "cpu")

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from rlharvest.common.engine_types import EngineRequest
-from rlharvest.services.rollout_worker.decoder_forward import head_dim
 from rlharvest.services.rollout_worker.kv_pages import OwnPages, PageStore, page_bytes
 from rlharvest.services.rollout_worker.torch_engine import PagedKV, TorchEngine
 
@@ -29,7 +28,7 @@ def one_torch_thread():
 
 def page_size(model: TorchEngine) -> int:
     cfg = model._model.config
-    return page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg), PAGE_TOKENS,
+    return page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, PAGE_TOKENS,
                       torch.float32)
 
 
@@ -102,7 +101,7 @@ def test_two_models_share_one_page_store_without_touching_each_others_pages():
     tiny = engine(max_running=2)
     cfg = small._model.config
     size = max(page_size(tiny), page_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                           head_dim(cfg), PAGE_TOKENS, torch.float32))
+                                           cfg.head_dim, PAGE_TOKENS, torch.float32))
     store = PageStore(96, size)
     pool = OwnPages(96, PAGE_TOKENS)  # one allocator: a page is one model's at a time
     both = [TorchEngine("small", seed=1, max_running=2, max_len=MAX_LEN,
