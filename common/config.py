@@ -42,6 +42,9 @@ class ServiceConfig(BaseSettings):
     etcd_password: SecretStr = Field(SecretStr(""), description="etcd password of "
                                      "etcd_username (RLH_ETCD_PASSWORD keeps it off the command "
                                      "line; never logged nor exported)")
+    etcd_token_renew_s: float = Field(30.0, gt=0, description="etcd auth: how often a fresh "
+                                      "token is fetched (etcd forgets its tokens when it "
+                                      "restarts; calls fail until the next renewal)")
 
     @model_validator(mode="after")
     def _credentials_complete(self) -> "ServiceConfig":

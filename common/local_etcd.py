@@ -122,6 +122,18 @@ class LocalEtcd:
 
     def _start_once(self, timeout: float) -> "LocalEtcd":
         self._data_dir = tempfile.mkdtemp(prefix="rlh-etcd-")
+        return self._launch(timeout)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """Stop etcd and start it again on the same ports and data, as an operator's restart
+        does: the keys, leases and users stay; what etcd keeps only in memory (auth tokens,
+        watches) is gone."""
+        if self.process is None or self._data_dir is None:
+            raise RuntimeError("LocalEtcd.restart needs a started etcd")
+        stop_process(self.process)
+        self._launch(timeout)
+
+    def _launch(self, timeout: float) -> "LocalEtcd":
         client_url = f"http://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log = open(self._log_file(), "ab")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aetcd
+import aetcd.rpc
 from aetcd.utils import prefix_range_end
 
 from rlharvest.common import keys
@@ -30,12 +31,58 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 # etcd authentication for every client this process opens (set once at start, like TLS).
 _credentials: tuple[str, str] | None = None
+_token_renew_s = 30.0
 
 
-def use_credentials(username: str, password: str) -> None:
-    """etcd user and password for every later ``connect`` of this process (both empty: none)."""
-    global _credentials
+def use_credentials(username: str, password: str, token_renew_s: float = 30.0) -> None:
+    """etcd user and password for every later ``connect`` of this process (both empty: none),
+    and how often its clients fetch a fresh auth token (``AuthenticatingClient``)."""
+    global _credentials, _token_renew_s
     _credentials = (username, password) if username or password else None
+    _token_renew_s = token_renew_s
+
+
+class AuthenticatingClient(aetcd.Client):
+    """aetcd's client, fetching a fresh auth token every ``token_renew_s``.
+
+    aetcd authenticates once, at connect, and sends that token for ever; etcd forgets its tokens
+    when it restarts (and after their TTL), and from then on every call of a long-running
+    service would fail UNAUTHENTICATED. The token lives in one list that every call and the
+    watcher read (aetcd passes ``self.metadata`` to each stub call and hands the same object to
+    its watcher), so a renewal swaps it in place for all of them. Renewing on a timer rather
+    than on the first refusal keeps aetcd's code untouched; an etcd restart costs at most one
+    interval of refused calls, which the services' retries ride out like an outage."""
+
+    def __init__(self, *args: Any, token_renew_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._token_renew_s = token_renew_s
+        self._renewer: asyncio.Task | None = None
+
+    async def connect(self) -> None:
+        await super().connect()
+        if self.metadata is not None and not isinstance(self.metadata, list):
+            self.metadata = list(self.metadata)  # one mutable token for calls and watcher
+            self._watcher._metadata = self.metadata
+        if self._renewer is None and self.metadata is not None:
+            self._renewer = asyncio.create_task(self._renew(), name="etcd auth token")
+
+    async def _renew(self) -> None:
+        request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+        while True:
+            await asyncio.sleep(self._token_renew_s)
+            try:
+                reply = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+            except Exception as exc:  # etcd down: the next round tries again
+                log.debug("etcd auth token renewal failed: %r", exc)
+                continue
+            if isinstance(self.metadata, list):
+                self.metadata[:] = [("token", reply.token)]
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        await super().close()
 
 
 async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
@@ -43,8 +90,8 @@ async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
     (or refuses this process's credentials)."""
     host, port = parse_endpoint(endpoint)
     username, password = _credentials or (None, None)
-    client = aetcd.Client(host=host, port=port, timeout=timeout, username=username,
-                          password=password)
+    client = AuthenticatingClient(host=host, port=port, timeout=timeout, username=username,
+                                  password=password, token_renew_s=_token_renew_s)
     try:
         await asyncio.wait_for(client.status(), timeout)
     except Exception as exc:

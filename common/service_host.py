@@ -63,6 +63,7 @@ class HostedConfig(Protocol):
     tls_ca: str
     etcd_username: str
     etcd_password: SecretStr
+    etcd_token_renew_s: float
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,8 @@ def follow(spec: ServiceSpec[C], config: C) -> int:
 def _process_wide(cfg: HostedConfig) -> None:
     """What every channel, server and etcd client of this process uses: TLS and credentials."""
     tls.configure(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
-    registry.use_credentials(cfg.etcd_username, cfg.etcd_password.get_secret_value())
+    registry.use_credentials(cfg.etcd_username, cfg.etcd_password.get_secret_value(),
+                             cfg.etcd_token_renew_s)
 
 
 async def serve(spec: ServiceSpec[C], config: C, signalled: asyncio.Event) -> int:

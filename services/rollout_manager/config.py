@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
-from rlharvest.services.rollout_manager.tp_planner import TpPlanner
+from rlharvest.services.rollout_manager.tp_planner import ProfiledStart, TpPlanner
 
 
 class ManagerConfig(ServiceConfig):
@@ -58,13 +60,18 @@ class ManagerConfig(ServiceConfig):
     initial_tp: int = Field(1, ge=1, description="TP planner: the TP size it starts from (a "
                             "power of two <= gpus_per_node; the offline profile's best); a plan "
                             "stored in etcd by a previous manager of the job takes precedence")
+    tp_profile: str = Field("", description="TP planner: an offline profile (JSON: gpus, "
+                            "prompt_tokens, decode_s/kv_tokens/prefill_s_per_token per TP size, "
+                            "optionally the profiled workload's lengths). Its cost model vetoes "
+                            "moves it predicts slower, and its lengths' best TP size is the "
+                            "start unless --initial-tp is given")
     stream_scaling: bool = Field(
         False, description="RollPacker's stream-trainer scaling: at 20-50% of a SubmitStep's "
                            "requests done, if the remaining requests' projected peak KV fits the "
                            "kept half of the workers, lend the least-loaded half to training for "
                            "the rest of the step (their requests move with their tokens) and "
                            "write it to etcd (jobs/<job>/stream_scale); they return when the "
-                           "step ends. The handoff to a trainer is advisory")
+                           "step ends. A trainer with --borrow-lent-threads trains on their threads meanwhile")
     stream_scaling_quantile: float = Field(
         0.9, gt=0, le=1, description="stream scaling: each remaining request's final length is "
                                      "this quantile of the previous step's lengths beyond its "
@@ -81,5 +88,18 @@ class ManagerConfig(ServiceConfig):
 
     @model_validator(mode="after")
     def _tp_planner_fits(self) -> ManagerConfig:
-        TpPlanner(self.gpus_per_node, self.initial_tp)  # its own checks: powers of two, bounds
+        self.tp_planner_of()  # its own checks: powers of two, bounds, a readable profile
         return self
+
+    def tp_planner_of(self) -> TpPlanner:
+        """The planner this configuration asks for: from --initial-tp, or from the profile's
+        best TP size for its workload when --initial-tp is not given."""
+        if not self.tp_profile:
+            return TpPlanner(self.gpus_per_node, self.initial_tp)
+        try:
+            start = ProfiledStart.from_json(json.loads(Path(self.tp_profile).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"tp_profile {self.tp_profile}: {exc}") from exc
+        initial = self.initial_tp if "initial_tp" in self.model_fields_set else \
+            start.initial_tp(self.gpus_per_node) or self.initial_tp
+        return TpPlanner(self.gpus_per_node, initial, model=start.model)

@@ -15,7 +15,6 @@ from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.lender import Lender
 from rlharvest.services.rollout_manager.service import ManagerService
 from rlharvest.services.rollout_manager.stream_scaler import ScalePublisher, StreamScaler
-from rlharvest.services.rollout_manager.tp_planner import TpPlanner
 from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
 from rlharvest.services.rollout_manager.tracker import StepLimits
 
@@ -43,12 +42,12 @@ async def build(host: Host[ManagerConfig]) -> Parts:
     cfg = host.config
     publisher = None
     if cfg.tp_planner:  # advisory: the plan goes to etcd, the workers keep their TP size
-        publisher = TpPublisher(host.etcd, TpPlanner(cfg.gpus_per_node, cfg.initial_tp),
-                                job=cfg.job, manager_id=cfg.manager_id)
+        publisher = TpPublisher(host.etcd, cfg.tp_planner_of(), job=cfg.job,
+                                manager_id=cfg.manager_id)
         await publisher.load()  # before the first step: a restarted manager resumes
     control = build_control(cfg)
     scaler = scale_publisher = None
-    if cfg.stream_scaling:  # the decision and the lending are real; the handoff is advisory
+    if cfg.stream_scaling:  # a trainer with --borrow-lent-threads takes the lent capacity
         scale_publisher = ScalePublisher(host.etcd, job=cfg.job)
         scaler = StreamScaler(control, scale_publisher, job=cfg.job, manager_id=cfg.manager_id,
                               quantile=cfg.stream_scaling_quantile,

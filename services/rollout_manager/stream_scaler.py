@@ -20,9 +20,10 @@ Opt-in (``--stream-scaling``). Per ``SubmitStep`` (not a single ``Generate``), `
   record says "returned". A worker lent by one step takes no work of any other step either
   until then: it is one GPU, given to training.
 
-The capacity handoff is advisory: a trainer or an autoscaler reads the record to run training on
-the freed GPUs. rlharvest's trainer does not grow onto them (on a CPU system there is nothing
-to grow onto); the consolidation itself — the lent workers holding nothing — is real.
+The handoff goes through the record: rlharvest's trainer with ``--borrow-lent-threads`` runs its
+training thread on the lent workers' share of its machine for the rest of the step
+(``trainer/lent_capacity.py``); an autoscaler may read it too. Lent GPUs on other nodes would
+need a new data-parallel rank mid-step, which is not built.
 
 etcd writes run in the background (``ScalePublisher.run``): the step's stream never waits for
 them. A failed write (etcd down or slow) is logged and retried every ``retry_s`` with the newest

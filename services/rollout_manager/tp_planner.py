@@ -212,6 +212,54 @@ def best_tp(profile: TpProfile, histogram: Mapping[int, float], *, gpus: int,
     return CostModel(profile, gpus, prompt_tokens).best_tp(histogram, max_tp)
 
 
+@dataclass(frozen=True)
+class ProfiledStart:
+    """An offline profile as the manager reads it (``--tp-profile``): the cost model, and the
+    length histogram of the workload it was profiled on, whose best TP size is where the planner
+    starts (§4.1: the profile picks the initial TP without tail batching)."""
+
+    model: CostModel
+    lengths: Mapping[int, float] | None
+
+    def initial_tp(self, max_tp: int) -> int | None:
+        return None if self.lengths is None else self.model.best_tp(self.lengths, max_tp)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> ProfiledStart:
+        """The profile file's JSON: ``gpus``, ``prompt_tokens``, per TP size (keys are strings
+        in JSON) ``decode_s`` {batch: seconds}, ``kv_tokens`` and ``prefill_s_per_token``, and
+        optionally ``lengths`` {response length: count}. ValueError says what is wrong."""
+        known = {"gpus", "prompt_tokens", "decode_s", "kv_tokens", "prefill_s_per_token",
+                 "lengths"}
+        if unknown := set(data) - known:
+            raise ValueError(f"unknown TP profile keys {sorted(unknown)}; expected {sorted(known)}")
+        try:
+            profile = TpProfile(
+                decode_s={int(tp): {int(b): float(sec) for b, sec in curve.items()}
+                          for tp, curve in _mapping(data, "decode_s").items()},
+                kv_tokens={int(tp): int(n) for tp, n in _mapping(data, "kv_tokens").items()},
+                prefill_s_per_token={int(tp): float(sec) for tp, sec
+                                     in _mapping(data, "prefill_s_per_token").items()})
+            model = CostModel(profile, int(data["gpus"]),  # type: ignore[call-overload]
+                              int(data.get("prompt_tokens", 0)))  # type: ignore[call-overload]
+            lengths = None if data.get("lengths") is None else {
+                int(n): float(c) for n, c in _mapping(data, "lengths").items()}
+        except KeyError as exc:
+            raise ValueError(f"the TP profile lacks {exc}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"the TP profile is malformed: {exc}") from None
+        if lengths is not None:
+            _check_histogram(lengths)
+        return cls(model, lengths)
+
+
+def _mapping(data: Mapping[str, object], key: str) -> Mapping:
+    value = data[key]
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{key} must be an object, got {type(value).__name__}")
+    return value
+
+
 def _phases(histogram: Mapping[int, float], groups: int) -> list[tuple[int, float]]:
     """(length, requests still running per group) for each distinct length, ascending. The
     slowest group holds at least one of the requests still running."""

@@ -175,6 +175,11 @@ class TrainerConfig(ServiceConfig):
     exit_when_done: bool = Field(True, description="exit after the last step; off, keep serving "
                                                    "status until SIGTERM")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    borrow_lent_threads: int = Field(0, ge=0, description="RollPacker's stream scaling (a "
+                                     "manager with --stream-scaling): intra-op threads the "
+                                     "training thread adds per rollout worker lent to training, "
+                                     "for the rest of the step; for workers on this machine. "
+                                     "0 = off")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rlharvest.common import keys, registry
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
@@ -46,7 +48,9 @@ from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_worl
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.grpo import LossConfig
+from rlharvest.services.rollout_manager.stream_accounting import parse_scale_record
 from rlharvest.services.trainer.instance_cap import InstanceCap
+from rlharvest.services.trainer.lent_capacity import LentCapacity
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.shard_publish import ShardTarget
@@ -173,6 +177,12 @@ class TrainerLoop:
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes)
                            if cfg.publish else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
+        # RollPacker §4.4's handoff on this machine: lent workers' threads join training.
+        self._lent = LentCapacity(cfg.torch_threads or torch.get_num_threads(),
+                                  cfg.borrow_lent_threads, os.cpu_count() or 1) \
+            if cfg.borrow_lent_threads else None
+        self._lent_record: dict[str, object] | None = None
+        self._step_id: str | None = None  # the SubmitStep in progress
         self._manager = cfg.manager
         self._version = 0
         self._step = 0  # steps applied
@@ -319,6 +329,12 @@ class TrainerLoop:
     # ---- one step --------------------------------------------------------------------------
 
     async def train_step(self, spec: StepSpec) -> tpb.StepSummary:
+        try:
+            return await self._train_step(spec)
+        finally:
+            self._step_id = None  # a lent record of this step no longer lends anything
+
+    async def _train_step(self, spec: StepSpec) -> tpb.StepSummary:
         cfg = self._cfg
         started = self._clock()
         progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
@@ -334,6 +350,7 @@ class TrainerLoop:
                                  data_seed=cfg.data_seed,
                                  no_worker_deadline_s=cfg.no_worker_deadline_s,
                                  lengths=self._lengths, seed_window_s=window_s)
+        self._step_id = request.step_id
         assembler = GroupAssembler(spec)
         sync = cfg.pipeline == "sync"  # the veRL-like baseline: one stage after the other
         held: list[tuple[int, int, mpb.Completion]] = []  # sync: rewarded after the rollout
@@ -646,8 +663,30 @@ class TrainerLoop:
         return self._data.task
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """On the training thread: one at a time, in order, never blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        """On the training thread: one at a time, in order, never blocking the event loop; with
+        the lent workers' threads added while the manager lends them (``lent_capacity.py``)."""
+        threads = self._threads_now()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compute, _with_threads, threads, fn, *args)
+
+    def _threads_now(self) -> int | None:
+        if self._lent is None:
+            return None
+        threads = self._lent.threads(self._lent_record, self._cfg.job, self._step_id)
+        if threads > self._lent.base_threads:
+            metrics.LENT_THREAD_CALLS.inc()
+        return threads
+
+    async def watch_lent_workers(self) -> None:
+        """The job's stream-scale record (RollPacker §4.4), for ``--borrow-lent-threads``."""
+        key = keys.stream_scale_key(self._cfg.job)
+        async for event in registry.list_and_watch(self._etcd, key, prefix=False):
+            raw = event.values.get(key) if isinstance(event, registry.Listing) else event.value
+            try:
+                self._lent_record = parse_scale_record(raw)
+            except ValueError as exc:
+                log.warning("ignoring the stream-scale record: %s", exc)
+                self._lent_record = None
 
     def close(self) -> None:
         self._compute.shutdown(wait=True, cancel_futures=True)
@@ -670,6 +709,16 @@ def build_trainee(cfg: TrainerConfig) -> tuple[TrainBackend, torch.nn.Module | N
 def max_positions(model: torch.nn.Module) -> int:
     """The context length of a transformers model (its config says)."""
     return int(getattr(model, "config").max_position_embeddings)
+
+
+def _with_threads(threads: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn`` on the training thread with ``threads`` intra-op threads (None: unchanged). Set
+    here, in the thread that computes: torch's thread count is per calling thread."""
+    if threads is not None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        metrics.THREADS.set(threads)
+    return fn(*args)
 
 
 def torch_threads(count: int) -> None:

@@ -69,7 +69,9 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                                      SERVICE_NAME), *([seed.servicer] if seed else [])],
                  health=service.health,
                  loops=[Loop("training", train), Loop("advertise", advertise, on_crash="restart"),
-                        *([Loop("seed worker", seed.run)] if seed else [])],
+                        *([Loop("seed worker", seed.run)] if seed else []),
+                        *([Loop("lent workers", loop.watch_lent_workers, on_crash="restart")]
+                          if cfg.borrow_lent_threads else [])],
                  close=[loop.close, *([seed.close] if seed else [])])
 
 

@@ -1,6 +1,7 @@
 """etcd with authentication enabled (a real etcd of its own): a service given ``etcd_username``
-and ``etcd_password`` (RLH_ env) registers and serves; one with a wrong password stops at start
-saying etcd refused the user; a client without credentials may write nothing."""
+and ``etcd_password`` (RLH_ env) registers and serves, and goes on through an etcd restart (which
+drops every auth token) on renewed tokens; one with a wrong password stops at start saying etcd
+refused the user; a client without credentials may write nothing."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import aetcd.rpc
 import pytest
 
 from rlharvest.common import keys, registry
-from rlharvest.common.local_etcd import LocalEtcd
+from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_manager.status_client import wait_workers
 
 pytestmark = pytest.mark.integration
 PASSWORD = "s3cret-for-tests"
@@ -44,8 +46,11 @@ async def test_services_authenticate_to_etcd_and_a_wrong_password_stops_at_start
         authed_etcd, tmp_path):
     stack = LocalStack(tmp_path / "logs", etcd=authed_etcd)
     try:
-        good = stack.start("rollout_manager", "manager-ok", ["--manager-id", "manager-ok"],
-                           env={"RLH_ETCD_USERNAME": "root", "RLH_ETCD_PASSWORD": PASSWORD})
+        credentials = {"RLH_ETCD_USERNAME": "root", "RLH_ETCD_PASSWORD": PASSWORD,
+                       "RLH_ETCD_TOKEN_RENEW_S": "0.5"}
+        port = free_port()
+        good = stack.start("rollout_manager", "manager-ok",
+                           ["--manager-id", "manager-ok", "--port", str(port)], env=credentials)
         bad = stack.start("rollout_manager", "manager-bad", ["--manager-id", "manager-bad"],
                           env={"RLH_ETCD_USERNAME": "root", "RLH_ETCD_PASSWORD": "wrong"})
         registry.use_credentials("root", PASSWORD)
@@ -57,6 +62,13 @@ async def test_services_authenticate_to_etcd_and_a_wrong_password_stops_at_start
                 assert good.alive(), good.log_tail()
                 assert time.monotonic() < deadline, "the manager never registered"
                 await asyncio.sleep(0.2)
+            # etcd restarts and forgets every auth token; the manager's worker watch breaks and
+            # it lists again: it sees a worker that joins afterwards only with a renewed token.
+            await asyncio.to_thread(authed_etcd.restart)
+            stack.start("rollout_worker", "w0", ["--worker-id", "w0", "--torch-threads", "1"],
+                        env=credentials)
+            await wait_workers(f"127.0.0.1:{port}", names=["w0"], timeout=60)
+            assert good.alive(), good.log_tail()
         finally:
             await client.close()
         assert bad.process.wait(timeout=60) != 0

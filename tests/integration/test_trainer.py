@@ -31,7 +31,8 @@ COMMON = ["--lease-ttl", "2", "--json-logs"]
 
 
 async def start_job(stack, workers: int, *worker_flags: str, spot: bool = False,
-                    spot_flags: tuple[str, ...] | None = None) -> WorkerHandle:
+                    spot_flags: tuple[str, ...] | None = None,
+                    manager_flags: tuple[str, ...] = ()) -> WorkerHandle:
     """A transfer agent, the job's manager and its workers (the last one spot when asked, started
     with ``spot_flags`` instead of ``worker_flags`` when given), once the manager sees every
     worker."""
@@ -39,7 +40,7 @@ async def start_job(stack, workers: int, *worker_flags: str, spot: bool = False,
     port, metrics_port = free_port(), free_port()
     manager = WorkerHandle(stack.start("rollout_manager", "manager", [
         "--port", str(port), "--metrics-port", str(metrics_port), "--stall-timeout-s", "5",
-        *COMMON]), f"127.0.0.1:{port}", metrics_port)
+        *COMMON, *manager_flags]), f"127.0.0.1:{port}", metrics_port)
     for i in range(workers):
         is_spot = spot and i == workers - 1
         flags = spot_flags if is_spot and spot_flags is not None else worker_flags
@@ -292,6 +293,28 @@ async def test_a_deferred_groups_rewards_are_cancelled_and_only_trained_response
     # 4 accepted groups x R0 + the long round's 2 deferred prompts x R0; a deferred reward that
     # ran to its end would make it 13.
     assert rewards == {"scored": 4 * 2 + 2 * 2, "failed": 0, "cancelled": 1}, rewards
+
+
+async def test_workers_lent_to_training_add_their_threads_to_the_training_thread(
+        stack, etcd_client):
+    """RollPacker §4.4 end to end: the manager lends one of two workers to training at 20% of
+    the first step (its 12 remaining requests fit the other's 2048 KV tokens) and the trainer,
+    with --borrow-lent-threads 1, trains the groups that finish meanwhile on 2 threads instead
+    of 1; the record says "returned" after the step and no token was regenerated."""
+    manager = await start_job(stack, 2, "--max-running", "4", "--step-delay-s", "0.03",
+                              manager_flags=("--stream-scaling", "--stream-scaling-headroom",
+                                             "0"))
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "1", "--prompts-per-step", "4",
+        "--samples-per-prompt", "4", "--micro-batch-groups", "1", "--max-new-tokens", "100",
+        "--bench-length-median", "6", "--borrow-lent-threads", "1")
+    await wait_trainer(trainer, lambda s: s.state == "done")
+    record = json.loads((await etcd_client.get(keys.stream_scale_key("default").encode())).value)
+    assert record["step_id"] == "step-1" and len(record["drained"]) == 1, record
+    scraped = scrape(metrics_port)
+    assert metric(scraped, "rlh_trainer_lent_thread_calls_total") >= 1, scraped
+    st = await manager_status(manager.endpoint)
+    assert st.tokens_regenerated == 0 and st.in_flight == 0
 
 
 async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_a_time(

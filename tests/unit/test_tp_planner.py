@@ -414,3 +414,52 @@ def test_an_empty_histogram_keeps_the_last_one():
     planner.observe("short", 0, LIGHT)
     planner.observe("short", 5, {})
     assert planner.plan("short") == 1  # still judged on LIGHT: vetoed
+
+
+# --- the offline profile as the manager reads it (--tp-profile) ---------------------------------
+
+def _profile_file(tmp_path, lengths=None, **changes: object):
+    profile = _profile()
+    data: dict[str, object] = {
+        "gpus": 8, "prompt_tokens": 512, "decode_s": profile.decode_s,
+        "kv_tokens": profile.kv_tokens, "prefill_s_per_token": profile.prefill_s_per_token,
+        **({} if lengths is None else {"lengths": lengths}), **changes}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))  # JSON turns the int keys into strings
+    return str(path)
+
+
+def test_the_managers_planner_starts_at_the_profiles_best_tp_and_its_model_vetoes(tmp_path):
+    from rlharvest.services.rollout_manager.config import ManagerConfig
+
+    best = _model().best_tp(HEAVY, GPUS_PER_NODE)
+    assert best > 1  # the claim needs a workload whose best is not the default
+    cfg = ManagerConfig(tp_planner=True, tp_profile=_profile_file(tmp_path, HEAVY))
+    planner = cfg.tp_planner_of()
+    assert planner.plan("short") == planner.plan("long") == best
+    # The profile's model is in the live planner: a rise it predicts clearly slower is vetoed.
+    planner.observe("short", 0, LIGHT)
+    assert "vetoed" in planner.observe("short", 5, LIGHT).reason
+    # An explicit --initial-tp wins over the profile's start; a profile without lengths keeps 1.
+    explicit = ManagerConfig(tp_planner=True, initial_tp=1,
+                             tp_profile=_profile_file(tmp_path, HEAVY))
+    assert explicit.tp_planner_of().plan("long") == 1
+    assert ManagerConfig(tp_profile=_profile_file(tmp_path)).tp_planner_of().plan("long") == 1
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gpus": None}, "malformed"),
+    ({"kv_tokens": []}, "kv_tokens must be an object"),
+    ({"decode_s": {"3": {"1": 0.1}}}, "same, non-empty TP sizes"),
+    ({"speed": 1}, "unknown TP profile keys"),
+    ({"lengths": {"10": -1}}, "histogram"),
+])
+def test_a_bad_profile_is_refused_at_startup_naming_what(tmp_path, change, message):
+    from pydantic import ValidationError
+
+    from rlharvest.services.rollout_manager.config import ManagerConfig
+
+    with pytest.raises(ValidationError, match=message):
+        ManagerConfig(tp_profile=_profile_file(tmp_path, **change))
+    with pytest.raises(ValidationError, match="tp_profile .*nowhere"):
+        ManagerConfig(tp_profile=str(tmp_path / "nowhere.json"))

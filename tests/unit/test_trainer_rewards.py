@@ -62,6 +62,16 @@ def test_sandbox_passes_correct_code_and_catches_wrong_output() -> None:
     assert crash.status == "runtime_error"
 
 
+@pytest.mark.parametrize("code", [137, 152, 130])
+def test_a_candidate_exiting_with_128_plus_n_is_a_runtime_error_not_a_signal(code: int) -> None:
+    """Isolated runs report the candidate's exact status through a pipe: exit(137) is not a
+    SIGKILL (cpu_limit), exit(152) not a SIGXCPU."""
+    assert sandbox._isolated  # the default; this test is about the isolated path
+    result = run_case(f"raise SystemExit({code})", StdioCase("x", "", ""),
+                      SandboxLimits(wall_s=10, cpu_s=5))
+    assert result.status == "runtime_error", result
+
+
 def test_sandbox_enforces_the_wall_clock_limit() -> None:
     result = run_case("import time\ntime.sleep(60)", StdioCase("s", "", ""),
                       SandboxLimits(wall_s=0.5, cpu_s=5))

@@ -33,7 +33,7 @@ import tempfile
 
 _SETUP = r"""
 import os, subprocess, sys
-workdir, prefix, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+workdir, prefix, status_fd, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 os.environ["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"  # mount, pivot_root, umount
 def run(*args):
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -66,17 +66,22 @@ os.chdir("/")
 run("umount", "-l", "/.old")
 os.rmdir("/.old")
 os.chdir(workdir)
-# PID 1 of the namespace waits for the candidate and reports a signal death as 128 + signal
-# (unshare's own relay of signals such as SIGXCPU is unreliable); when PID 1 exits, every
-# process left in the namespace is killed. The candidate runs with no capability at all (an
-# empty bounding set, no new privileges): it can neither mount, nor chroot, nor remount the
-# read-only interpreter writable.
+# PID 1 of the namespace waits for the candidate and writes its exit status (negative: the
+# signal that killed it) to the status pipe, which the candidate never holds: an exit code is
+# not enough, since a candidate may exit with 128 + N itself (unshare's own relay of signals
+# such as SIGXCPU is unreliable too). When PID 1 exits, every process left in the namespace is
+# killed. The candidate runs with no capability at all (an empty bounding set, no new
+# privileges): it can neither mount, nor chroot, nor remount the read-only interpreter writable.
 child = os.fork()
 if child == 0:
+    if status_fd >= 0:
+        os.close(status_fd)
     os.execv("/usr/bin/setpriv", ["setpriv", "--no-new-privs", "--bounding-set=-all",
                                   "--inh-caps=-all", "--", *argv])
 code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-sys.exit(128 - code if code < 0 else code)
+if status_fd >= 0:
+    os.write(status_fd, str(code).encode())
+sys.exit(1 if code < 0 else code)
 """
 
 
@@ -91,15 +96,17 @@ def _python_prefix() -> str:
     return prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
 
 
-def isolated_argv(workdir: str, argv: list[str]) -> list[str]:
+def isolated_argv(workdir: str, argv: list[str], status_fd: int = -1) -> list[str]:
     """``argv`` (an absolute interpreter path first) run isolated with ``workdir`` its only
-    writable, and only visible non-interpreter, directory. Its exit status comes back as is,
-    a death by signal N as exit status 128 + N (``signal_of``)."""
+    writable, and only visible non-interpreter, directory. Its exact exit status (negative: a
+    death by that signal) is written to ``status_fd`` (a pipe's write end the caller passes
+    through, ``reported_status``); the process's own exit code is 1 for a death by signal."""
     unshare = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--ipc",
                "--uts", *([] if os.geteuid() == 0 else ["--map-root-user"])]
     # The real interpreter, not a virtualenv's link to it (the venv is not mounted inside).
     inner = [os.path.realpath(argv[0]), *argv[1:]]
-    return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(), *inner]
+    return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(),
+            str(status_fd), *inner]
 
 
 @functools.cache
@@ -120,6 +127,9 @@ def available() -> str | None:
     return None
 
 
-def signal_of(returncode: int) -> int:
-    """The returncode an isolated run would have had unisolated: 128 + N is a death by N."""
-    return -(returncode - 128) if 128 < returncode < 160 else returncode
+def reported_status(read_fd: int, returncode: int) -> int:
+    """The candidate's exit status as the namespace's PID 1 wrote it to the status pipe (every
+    writer is gone once the run ended, so this never blocks); ``returncode`` when it wrote none
+    (the isolation's setup failed, or the run was killed first)."""
+    written = os.read(read_fd, 32)
+    return int(written) if written.strip().lstrip(b"-").isdigit() else returncode

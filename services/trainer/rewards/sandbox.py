@@ -133,18 +133,28 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         argv = [sys.executable, "-I", "-c", _LAUNCHER, str(max(1, math.ceil(limits.cpu_s))),
                 str(limits.memory_bytes), str(limits.file_bytes), path,
                 str(math.ceil(limits.wall_s) + 2), str(limits.processes)]
+        status_read, status_write = os.pipe() if _isolated else (-1, -1)
         if _isolated:
-            argv = isolation.isolated_argv(workdir, argv)
+            argv = isolation.isolated_argv(workdir, argv, status_write)
         start = clock()
-        with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
-                open(files["stderr"], "wb") as stderr:
-            proc = subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
-                                    start_new_session=True,
-                                    env=isolation.SANDBOX_ENV)
+        try:
+            with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
+                    open(files["stderr"], "wb") as stderr:
+                proc = subprocess.Popen(
+                    argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
+                    start_new_session=True, env=isolation.SANDBOX_ENV,
+                    pass_fds=(status_write,) if _isolated else ())
+        finally:
+            if _isolated:
+                os.close(status_write)  # ours; the namespace's PID 1 holds its own
         finished = _wait_unreaped(proc.pid, limits.wall_s)
         _kill_group(proc)  # the leader is not reaped yet: its group id cannot have been reused
         proc.wait()
         elapsed = clock() - start
+        returncode = proc.returncode
+        if _isolated:
+            returncode = isolation.reported_status(status_read, returncode)
+            os.close(status_read)
         if not finished:
             return CaseResult(case.case_id, "timeout", elapsed,
                               f"exceeded the {limits.wall_s:.3g}s wall-clock limit")
@@ -153,7 +163,6 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
     if len(out) > limits.output_bytes:
         return CaseResult(case.case_id, "runtime_error", elapsed,
                           f"printed more than {limits.output_bytes} bytes")
-    returncode = isolation.signal_of(proc.returncode) if _isolated else proc.returncode
     status, detail = _classify(returncode, out, err, case.expected_stdout)
     return CaseResult(case.case_id, status, elapsed, detail)
 
