@@ -134,6 +134,7 @@ class LocalEtcd:
         self._launch(timeout)
 
     def _launch(self, timeout: float) -> "LocalEtcd":
+        assert self._data_dir is not None  # set by _start_once, kept by restart
         client_url = f"http://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log = open(self._log_file(), "ab")

@@ -60,10 +60,11 @@ class AuthenticatingClient(aetcd.Client):
 
     async def connect(self) -> None:
         await super().connect()
-        if self.metadata is not None and not isinstance(self.metadata, list):
-            self.metadata = list(self.metadata)  # one mutable token for calls and watcher
-            self._watcher._metadata = self.metadata
-        if self._renewer is None and self.metadata is not None:
+        metadata: Any = getattr(self, "metadata")  # aetcd leaves it untyped: None or pairs
+        if metadata is not None and not isinstance(metadata, list):
+            self.metadata = metadata = list(metadata)  # one mutable token for calls, watcher
+            self._watcher._metadata = metadata
+        if self._renewer is None and metadata is not None:
             self._renewer = asyncio.create_task(self._renew(), name="etcd auth token")
 
     async def _renew(self) -> None:
