@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import secrets
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -39,6 +40,9 @@ from rlharvest.common.observability import HealthCheck, setup_logging, start_htt
 from rlharvest.common.retry import Backoff
 
 log = logging.getLogger(__name__)
+# This process in the member record: a restart under the same id and address is another
+# incarnation (a client that lost its stream tells a dead peer's successor from the peer).
+INCARNATION = secrets.token_hex(8)
 C = TypeVar("C", bound=ServiceConfig)
 
 # A loop that ran this long before it crashed starts its restart backoff over.
@@ -218,7 +222,7 @@ class Host(Generic[C]):
         self._http, metrics_port = await start_http(cfg.host, cfg.metrics_port, parts.health,
                                                     on_scrape=parts.on_scrape)
         info = {**parts.member_info, "endpoint": self.endpoint,
-                "metrics": f"{advertise}:{metrics_port}"}
+                "metrics": f"{advertise}:{metrics_port}", "incarnation": INCARNATION}
         self.membership = await registry.register(self.etcd, self.spec.name, parts.member_id,
                                                   info, ttl=cfg.lease_ttl)
         for loop in parts.loops:

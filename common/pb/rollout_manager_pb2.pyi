@@ -8,16 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "group_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "group_id", "prompt_token_ids", "sampling", "resume_token_ids", "resume_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    resume_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SubmitStepRequest(_message.Message):
     __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s", "acceptance", "seed_window_s")

@@ -392,7 +392,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
-                          sampling_from_proto(r.sampling), version, deadline_s or None)
+                          sampling_from_proto(r.sampling), version, deadline_s or None,
+                          tuple(r.resume_token_ids), tuple(r.resume_logprobs))
                for r in requests]
         try:
             # etcd is read only for a version no worker holds yet.

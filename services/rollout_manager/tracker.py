@@ -57,6 +57,10 @@ class NewRequest:
     sampling: SamplingParams
     weight_version: int
     no_worker_timeout_s: float | None = None  # the client's own deadline; None: the manager's
+    # A resume payload (a step resubmitted after its manager died): tokens already generated on
+    # this version and their logprobs; generation continues after them.
+    resume_token_ids: tuple[int, ...] = ()
+    resume_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,9 @@ class RequestTracker:
             self._requests[new.request_id] = TrackedRequest(
                 new.request_id, new.group_id, tuple(new.prompt_token_ids), new.sampling,
                 new.weight_version, created_at=now,
-                no_worker_timeout_s=new.no_worker_timeout_s)
+                no_worker_timeout_s=new.no_worker_timeout_s,
+                token_ids=list(new.resume_token_ids), logprobs=list(new.resume_logprobs),
+                high_water=len(new.resume_token_ids))
             self._waiting_new[new.request_id] = None
         return [r.request_id for r in requests]
 
@@ -239,9 +245,26 @@ class RequestTracker:
                                 f"in [1, {lim.max_new_tokens}]")
             if r.weight_version < 0:
                 raise StepError(f"{where} has weight_version {r.weight_version}; versions are >= 0")
+            self._validate_resume(r, where)
             if r.no_worker_timeout_s is not None and r.no_worker_timeout_s < 0:
                 raise StepError(f"{where} has no_worker_deadline_s {r.no_worker_timeout_s}, which "
                                 "is negative; 0 means the manager's no_worker_timeout_s")
+
+    def _validate_resume(self, r: NewRequest, where: str) -> None:
+        resumed = r.resume_token_ids
+        if len(r.resume_logprobs) != len(resumed):
+            raise StepError(f"{where} resumes {len(resumed)} tokens with "
+                            f"{len(r.resume_logprobs)} logprobs; send one logprob per token")
+        if len(resumed) >= r.sampling.max_tokens:
+            raise StepError(f"{where} resumes {len(resumed)} tokens of max_tokens="
+                            f"{r.sampling.max_tokens}: it is finished, do not resubmit it")
+        if resumed and resumed[-1] in r.sampling.stop_token_ids:
+            raise StepError(f"{where} resumes after stop token {resumed[-1]}: it is finished, "
+                            "do not resubmit it")
+        bad = [t for t in resumed if not 0 <= t < self._vocab_limit]
+        if bad:
+            raise StepError(f"{where} resumes token id {bad[0]} outside the vocabulary "
+                            f"[0, {self._vocab_limit}) of the job's model")
 
     # ---- queries ------------------------------------------------------------------------------
 

@@ -175,6 +175,11 @@ class TrainerConfig(ServiceConfig):
     exit_when_done: bool = Field(True, description="exit after the last step; off, keep serving "
                                                    "status until SIGTERM")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    resume_wait_s: float = Field(60.0, ge=0, description="when the step's manager dies: "
+                                 "seconds to wait for its successor (another incarnation in "
+                                 "etcd), which gets the unfinished requests with the tokens "
+                                 "already streamed; then the step is retried whole. Short "
+                                 "rounds of tail batching are always retried whole")
     borrow_lent_threads: int = Field(0, ge=0, description="RollPacker's stream scaling (a "
                                      "manager with --stream-scaling): intra-op threads the "
                                      "training thread adds per rollout worker lent to training, "

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from rlharvest.common import keys, registry
+from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
@@ -340,7 +340,10 @@ class TrainerLoop:
         progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
                                                   samples=spec.samples, phase="waiting_version")
         await self._await_publish()  # the step's version must be out before workers can hold it
-        manager = self._manager or await rollout_client.find_manager(self._etcd, cfg.job)
+        # Discovered through etcd: its incarnation tells its successor from it (_successor).
+        member: dict = {} if self._manager else \
+            await rollout_client.find_manager_member(self._etcd, cfg.job)
+        manager = self._manager or member["endpoint"]
         window_s = self._seed_window_s()
         if window_s and self._seed is not None:
             await self._seed.wait_connected()
@@ -389,28 +392,52 @@ class TrainerLoop:
         phases = {"rollout": 0.0, "rewards": 0.0}  # seconds from the step's start
         rewarding: dict[int, list[asyncio.Task]] = {}  # by group: a deferred one's are cancelled
 
+        def complete(completion: mpb.Completion, tasks: TaskGroup) -> None:
+            if (place := assembler.completion(completion)) is None:
+                return
+            if sync:
+                held.append((*place, completion))
+            else:
+                rewarding.setdefault(place[0], []).append(
+                    tasks.create_task(reward(*place, completion)))
+
+        def take(event: mpb.StepEvent, tasks: TaskGroup) -> None:
+            if event.HasField("remote"):
+                remote.append(event.remote)
+            for delta in event.deltas:
+                assembler.delta(delta)
+            for completion in event.completions:
+                complete(completion, tasks)
+            for verdict in event.verdicts:  # after the completions that decided them
+                if (done := assembler.verdict(verdict.group_id, verdict.accepted)) is not None:
+                    ready.put_nowait(done)
+                if not verdict.accepted:
+                    for task in rewarding.pop(assembler.group_of(verdict.group_id), []):
+                        task.cancel()  # its tokens are discarded; so is its reward
+            progress.completions = assembler.completions
+            progress.tokens_generated = assembler.tokens_generated
+
         async def rollout(tasks: TaskGroup) -> None:
-            async for event in rollout_client.stream_step(manager, request, cfg.max_message_bytes):
-                if event.HasField("remote"):
-                    remote.append(event.remote)
-                for delta in event.deltas:
-                    assembler.delta(delta)
-                for completion in event.completions:
-                    if (place := assembler.completion(completion)) is None:
-                        continue
-                    if sync:
-                        held.append((*place, completion))
-                    else:
-                        rewarding.setdefault(place[0], []).append(
-                            tasks.create_task(reward(*place, completion)))
-                for verdict in event.verdicts:  # after the completions that decided them
-                    if (done := assembler.verdict(verdict.group_id, verdict.accepted)) is not None:
-                        ready.put_nowait(done)
-                    if not verdict.accepted:
-                        for task in rewarding.pop(assembler.group_of(verdict.group_id), []):
-                            task.cancel()  # its tokens are discarded; so is its reward
-                progress.completions = assembler.completions
-                progress.tokens_generated = assembler.tokens_generated
+            submit, endpoint = request, manager
+            incarnation: str | None = member.get("incarnation")
+            while submit.requests:
+                try:
+                    async for event in rollout_client.stream_step(endpoint, submit,
+                                                                  cfg.max_message_bytes):
+                        take(event, tasks)
+                    break
+                except rollout_client.RolloutStreamError as exc:
+                    successor = await self._successor(endpoint, incarnation, spec, exc)
+                    submit, finished = assembler.resume(request)
+                    for completion in finished:
+                        complete(completion, tasks)
+                    metrics.STEP_RESUMES.inc()
+                    log.warning("step %d: the manager at %s is gone (%s); resuming %d requests "
+                                "with %d tokens already generated at %s", spec.step, endpoint,
+                                exc, len(submit.requests),
+                                sum(len(r.resume_token_ids) for r in submit.requests),
+                                successor["endpoint"])
+                    endpoint, incarnation = successor["endpoint"], successor.get("incarnation")
             assembler.check_complete()
             phases["rollout"] = self._clock() - started
             rollout_done.set()
@@ -661,6 +688,25 @@ class TrainerLoop:
     def task(self) -> Task:
         """The built-in task in use; a resume replaces it (with its restored state)."""
         return self._data.task
+
+    async def _successor(self, endpoint: str, incarnation: str | None, spec: StepSpec,
+                         broke: Exception) -> dict:
+        """The member record of the manager that succeeds a dead one, to resume the step at.
+        Re-raises ``broke`` (the step is then retried whole, as before resumes existed) when the
+        manager was given by --manager, the step is a short round (its acceptance state died
+        with the manager), the manager still answers (the stream broke, not the manager), or
+        no successor registers within --resume-wait-s."""
+        if incarnation is None or spec.accept is not None:
+            raise broke
+        deadline = self._clock() + self._cfg.resume_wait_s
+        while self._clock() < deadline:
+            with contextlib.suppress(TimeoutError):
+                return await rollout_client.find_manager_member(
+                    self._etcd, self._cfg.job, timeout=0.5, unlike=incarnation)
+            with contextlib.suppress(TimeoutError):
+                await rpc.wait_healthy(endpoint, timeout=0.5)
+                raise broke  # it answers: the same manager lives, the step is retried whole
+        raise broke
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """On the training thread: one at a time, in order, never blocking the event loop; with

@@ -33,6 +33,8 @@ PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one versi
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 CHECKPOINT_SECONDS = Histogram("rlh_trainer_checkpoint_seconds", "Writing one checkpoint",
                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+STEP_RESUMES = Counter("rlh_trainer_step_resumes_total",
+                       "Steps resumed at a dead manager's successor with their tokens")
 THREADS = Gauge("rlh_trainer_threads", "Intra-op threads of the training thread's last call "
                 "(--borrow-lent-threads: more while rollout workers are lent to training)")
 LENT_THREAD_CALLS = Counter("rlh_trainer_lent_thread_calls_total",

@@ -23,13 +23,20 @@ class RolloutStreamError(RuntimeError):
 
 async def find_manager(etcd, job: str, timeout: float = 60.0) -> str:
     """Endpoint of the rollout manager registered for ``job``; waits for one to appear."""
+    return (await find_manager_member(etcd, job, timeout))["endpoint"]
+
+
+async def find_manager_member(etcd, job: str, timeout: float = 60.0,
+                              unlike: str | None = None) -> dict:
+    """The member record of ``job``'s rollout manager (endpoint, incarnation); waits for one to
+    appear, and with ``unlike`` for one of another incarnation (a dead manager's successor)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         members = await registry.list_members(etcd, "rollout_manager")
         for info in sorted(members.values(), key=lambda i: i.get("endpoint", "")):
-            if info.get("job") == job:
-                return info["endpoint"]
+            if info.get("job") == job and (unlike is None or info.get("incarnation") != unlike):
+                return info
         if loop.time() >= deadline:
             raise TimeoutError(f"no rollout manager for job {job!r} registered in etcd within "
                                f"{timeout:g}s; start one (rlharvest-rollout-manager --job {job}) "

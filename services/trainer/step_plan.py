@@ -115,6 +115,28 @@ class ReadyGroup:
     rewards: tuple[float, ...]
 
 
+@dataclass
+class _Partial:
+    """One request's tokens as streamed. A delta that leaves a gap breaks the record (the
+    request then resumes from its prompt); one that overlaps rewrites from its position (the same
+    seeded tokens)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" | "length" once its final delta came
+    broken: bool = False
+
+    def add(self, delta: common_pb2.TokenDelta) -> None:
+        if delta.position > len(self.token_ids):
+            self.broken = True
+            return
+        del self.token_ids[delta.position:], self.logprobs[delta.position:]
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finished and delta.finish_reason in ("stop", "length") and not self.broken:
+            self.finish_reason = delta.finish_reason
+
+
 class GroupAssembler:
     """Collects one step's completions and rewards into complete GRPO groups.
 
@@ -136,6 +158,7 @@ class GroupAssembler:
         # Groups that train, in the order of their verdicts (a plain step: all, from the start).
         self.accepted: list[int] = list(range(len(spec.items))) if plain else []
         self.deferred: list[int] = []
+        self._partial: dict[str, _Partial] = {}  # tokens streamed per request: resume payloads
 
     def parse(self, rid: str) -> tuple[int, int]:
         prefix = f"s{self._spec.step}-g"
@@ -155,6 +178,37 @@ class GroupAssembler:
                 f"request {delta.request_id}: tokens {delta.position}.. came from weight version "
                 f"{delta.weight_version}, the step runs on {self._spec.weight_version}")
         self.tokens_generated += len(delta.token_ids)
+        self._partial.setdefault(delta.request_id, _Partial()).add(delta)
+
+    def resume(self, request: mpb.SubmitStepRequest
+               ) -> tuple[mpb.SubmitStepRequest, list[mpb.Completion]]:
+        """The step's manager died: ``request`` again with only the requests that have no
+        completion yet, each carrying the tokens already streamed (a resume payload: the next
+        manager continues after the last token), and completions for those whose final delta
+        came but whose completion did not."""
+        pending, finished = [], []
+        for original in request.requests:
+            group, sample = self.parse(original.request_id)
+            if sample in self._groups[group].completions:
+                continue
+            part = self._partial.get(original.request_id)
+            if part is not None and part.finish_reason:
+                finished.append(mpb.Completion(
+                    request_id=original.request_id, token_ids=part.token_ids,
+                    logprobs=part.logprobs, weight_version=self._spec.weight_version,
+                    finish_reason=part.finish_reason))
+                continue
+            resumed = mpb.RolloutRequest()
+            resumed.CopyFrom(original)
+            if part is not None and not part.broken:
+                resumed.resume_token_ids.extend(part.token_ids)
+                resumed.resume_logprobs.extend(part.logprobs)
+            pending.append(resumed)
+        again = mpb.SubmitStepRequest()
+        again.CopyFrom(request)
+        del again.requests[:]
+        again.requests.extend(pending)
+        return again, finished
 
     def completion(self, completion: mpb.Completion) -> tuple[int, int] | None:
         """Record a completion; returns its (group, sample) when it is to be rewarded, None when

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +36,14 @@ def tracker(limits: StepLimits | None = None) -> RequestTracker:
                                                max_new_tokens=64, vocab_size=128), Clock())
 
 
+def resumed(rid: str, tokens: tuple[int, ...], logprobs: tuple[float, ...] | None = None,
+            **kw) -> NewRequest:
+    base = req(rid, **kw)
+    return dataclasses.replace(base, resume_token_ids=tokens,
+                               resume_logprobs=logprobs if logprobs is not None
+                               else tuple(-0.5 for _ in tokens))
+
+
 # ---- step validation --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("step, fragment", [
@@ -48,6 +58,10 @@ def tracker(limits: StepLimits | None = None) -> RequestTracker:
     ([req("a", version=-1)], "weight_version -1"),
     ([req("a", no_worker_timeout_s=-1.0)], "no_worker_deadline_s -1.0, which is negative"),
     ([req(str(i)) for i in range(9)], "9 requests"),
+    ([resumed("a", (7, 8), (-0.5,))], "resumes 2 tokens with 1 logprobs"),
+    ([resumed("a", (7, 8), max_tokens=2)], "resumes 2 tokens of max_tokens=2: it is finished"),
+    ([resumed("a", (7, 2), stop=(2,))], "resumes after stop token 2: it is finished"),
+    ([resumed("a", (7, 500))], "resumes token id 500 outside the vocabulary"),
 ])
 def test_a_bad_step_is_refused_with_a_precise_reason_and_nothing_is_tracked(step, fragment):
     t = tracker()
@@ -297,3 +311,19 @@ def test_a_workers_mean_context_is_that_of_its_requests_whatever_happened(ops):
             on = t.on_worker(w)
             expected = sum(x.context_length for x in on) / len(on) if on else None
             assert t.mean_context(w) == expected
+
+
+def test_a_resumed_request_continues_after_its_tokens_and_completes_with_them():
+    """A step resubmitted after its manager died: the worker prefills prompt + resumed tokens,
+    deltas continue at their end, and the completion carries all of them; none counts as
+    regenerated."""
+    t = tracker()
+    t.add_step([resumed("a", (7, 8, 9))])
+    payload = t.resume_payload("a")
+    assert payload.generated_token_ids == (7, 8, 9) and payload.remaining_tokens == 13
+    t.assign("a", "w1")
+    report = t.apply_outputs("w1", [delta("a", 3, [10, 11], finished=True, reason="stop")])
+    assert report.accepted_tokens == 2
+    tracked = t.get("a")
+    assert tracked.token_ids == [7, 8, 9, 10, 11] and tracked.done
+    assert t.counters.tokens_regenerated == 0

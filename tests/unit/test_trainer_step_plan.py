@@ -119,3 +119,40 @@ def test_with_a_length_model_each_request_runs_its_modelled_length_without_stop_
         group, sample = GroupAssembler(s).parse(r.request_id)
         assert r.sampling.max_tokens == model.tokens(s.items[group].index, s.step, sample)
         assert not r.sampling.stop_token_ids
+
+
+def _delta(rid: str, position: int, tokens: list[int], finished: str = "") -> common_pb2.TokenDelta:
+    return common_pb2.TokenDelta(request_id=rid, position=position, token_ids=tokens,
+                                 logprobs=[-0.25] * len(tokens), weight_version=3,
+                                 finished=bool(finished), finish_reason=finished)
+
+
+def test_a_resumed_step_carries_each_unfinished_requests_streamed_tokens():
+    """The manager died mid-step: completed requests are not sent again, one whose final delta
+    came completes from its deltas, the others resume after their last streamed token (a gap
+    in the deltas resumes from the prompt), with the same sampling."""
+    s = step_spec()
+    request = submit_request(s, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                             stop_token_ids=[2], data_seed=0, no_worker_deadline_s=0)
+    a = GroupAssembler(s)
+    a.delta(_delta("s5-g0-r0", 0, [10, 2], finished="stop"))
+    a.completion(completion("s5-g0-r0"))
+    a.delta(_delta("s5-g0-r1", 0, [11, 12]))
+    a.delta(_delta("s5-g0-r1", 2, [13]))
+    a.delta(_delta("s5-g1-r0", 0, [20]))
+    a.delta(_delta("s5-g1-r0", 1, [21, 2], finished="stop"))  # final delta, no completion
+    a.delta(_delta("s5-g1-r1", 0, [30]))
+    a.delta(_delta("s5-g1-r1", 3, [33]))  # a gap: these tokens cannot be trusted
+    again, finished = a.resume(request)
+    assert [r.request_id for r in again.requests] == ["s5-g0-r1", "s5-g1-r1"]
+    resumed = {r.request_id: r for r in again.requests}
+    assert list(resumed["s5-g0-r1"].resume_token_ids) == [11, 12, 13]
+    assert list(resumed["s5-g0-r1"].resume_logprobs) == [-0.25] * 3
+    assert list(resumed["s5-g1-r1"].resume_token_ids) == []
+    original = {r.request_id: r for r in request.requests}
+    assert resumed["s5-g0-r1"].sampling == original["s5-g0-r1"].sampling
+    assert again.step_id == request.step_id and again.weight_version == 3
+    [done] = finished
+    assert (done.request_id, list(done.token_ids), done.finish_reason) == \
+        ("s5-g1-r0", [20, 21, 2], "stop")
+    assert a.completion(done) == (1, 0)  # it trains like any completion
