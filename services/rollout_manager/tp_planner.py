@@ -229,6 +229,8 @@ class ProfiledStart:
         """The profile file's JSON: ``gpus``, ``prompt_tokens``, per TP size (keys are strings
         in JSON) ``decode_s`` {batch: seconds}, ``kv_tokens`` and ``prefill_s_per_token``, and
         optionally ``lengths`` {response length: count}. ValueError says what is wrong."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a TP profile is a JSON object, got {type(data).__name__}")
         known = {"gpus", "prompt_tokens", "decode_s", "kv_tokens", "prefill_s_per_token",
                  "lengths"}
         if unknown := set(data) - known:

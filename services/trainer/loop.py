@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import grpc
 import json
 import logging
 import os
@@ -426,11 +427,24 @@ class TrainerLoop:
                                                                   cfg.max_message_bytes):
                         take(event, tasks)
                     break
+                except grpc.aio.AioRpcError as exc:
+                    if submit is request:
+                        raise
+                    # The successor refused the resume payload: start the step over.
+                    raise rollout_client.RolloutStreamError(
+                        f"the successor refused step {spec.step}'s resume: {exc.details()}"
+                    ) from exc
                 except rollout_client.RolloutStreamError as exc:
-                    successor = await self._successor(endpoint, incarnation, spec, exc)
                     submit, finished = assembler.resume(request)
                     for completion in finished:
                         complete(completion, tasks)
+                    if not submit.requests:
+                        break  # every request's end had streamed: nothing to resume
+                    successor = await self._successor(endpoint, incarnation, spec, exc)
+                    # The seeding window is over, and a resumed step borrows no lent workers
+                    # (a dead manager's "lent" record would match the step id for ever).
+                    submit.seed_window_s = 0.0
+                    self._step_id = None
                     metrics.STEP_RESUMES.inc()
                     log.warning("step %d: the manager at %s is gone (%s); resuming %d requests "
                                 "with %d tokens already generated at %s", spec.step, endpoint,
@@ -700,9 +714,14 @@ class TrainerLoop:
             raise broke
         deadline = self._clock() + self._cfg.resume_wait_s
         while self._clock() < deadline:
-            with contextlib.suppress(TimeoutError):
+            try:
                 return await rollout_client.find_manager_member(
                     self._etcd, self._cfg.job, timeout=0.5, unlike=incarnation)
+            except TimeoutError:
+                pass
+            except Exception as exc:  # etcd down or refusing a stale token: ask again
+                log.warning("looking for the successor of the manager at %s: %r", endpoint, exc)
+                await asyncio.sleep(0.5)
             with contextlib.suppress(TimeoutError):
                 await rpc.wait_healthy(endpoint, timeout=0.5)
                 raise broke  # it answers: the same manager lives, the step is retried whole

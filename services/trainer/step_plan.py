@@ -136,6 +136,17 @@ class _Partial:
         if delta.finished and delta.finish_reason in ("stop", "length") and not self.broken:
             self.finish_reason = delta.finish_reason
 
+    def ended(self, sampling: common_pb2.SamplingParams) -> str:
+        """Why these tokens are a whole completion ("" when not): the final delta said so, or
+        the manager's own rule — max_tokens reached, or a stop token last."""
+        if self.finish_reason:
+            return self.finish_reason
+        if len(self.token_ids) >= sampling.max_tokens:
+            return "length"
+        if self.token_ids and self.token_ids[-1] in sampling.stop_token_ids:
+            return "stop"
+        return ""
+
 
 class GroupAssembler:
     """Collects one step's completions and rewards into complete GRPO groups.
@@ -192,11 +203,12 @@ class GroupAssembler:
             if sample in self._groups[group].completions:
                 continue
             part = self._partial.get(original.request_id)
-            if part is not None and part.finish_reason:
+            reason = None if part is None or part.broken else part.ended(original.sampling)
+            if part is not None and reason:
                 finished.append(mpb.Completion(
                     request_id=original.request_id, token_ids=part.token_ids,
                     logprobs=part.logprobs, weight_version=self._spec.weight_version,
-                    finish_reason=part.finish_reason))
+                    finish_reason=reason))
                 continue
             resumed = mpb.RolloutRequest()
             resumed.CopyFrom(original)

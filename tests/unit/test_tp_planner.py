@@ -461,5 +461,8 @@ def test_a_bad_profile_is_refused_at_startup_naming_what(tmp_path, change, messa
 
     with pytest.raises(ValidationError, match=message):
         ManagerConfig(tp_profile=_profile_file(tmp_path, **change))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValidationError, match="a TP profile is a JSON object, got list"):
+        ManagerConfig(tp_profile=str(tmp_path / "list.json"))
     with pytest.raises(ValidationError, match="tp_profile .*nowhere"):
         ManagerConfig(tp_profile=str(tmp_path / "nowhere.json"))

@@ -156,3 +156,18 @@ def test_a_resumed_step_carries_each_unfinished_requests_streamed_tokens():
     assert (done.request_id, list(done.token_ids), done.finish_reason) == \
         ("s5-g1-r0", [20, 21, 2], "stop")
     assert a.completion(done) == (1, 0)  # it trains like any completion
+
+
+def test_a_request_the_manager_would_have_finished_completes_instead_of_resuming():
+    """No final delta came, but its tokens already end it by the manager's own rule (a stop
+    token last, or max_tokens reached): resubmitting it would be refused, so it completes."""
+    s = step_spec(prompts=1)
+    request = submit_request(s, max_new_tokens=3, temperature=1.0, top_p=1.0,
+                             stop_token_ids=[2], data_seed=0, no_worker_deadline_s=0)
+    a = GroupAssembler(s)
+    a.delta(_delta("s5-g0-r0", 0, [10, 2]))  # a stop token last
+    a.delta(_delta("s5-g0-r1", 0, [11, 12, 13]))  # max_tokens
+    again, finished = a.resume(request)
+    assert list(again.requests) == []
+    assert {(c.request_id, c.finish_reason) for c in finished} == \
+        {("s5-g0-r0", "stop"), ("s5-g0-r1", "length")}

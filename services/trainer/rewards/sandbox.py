@@ -144,6 +144,10 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
                     argv, stdin=stdin, stdout=stdout, stderr=stderr, cwd=workdir,
                     start_new_session=True, env=isolation.SANDBOX_ENV,
                     pass_fds=(status_write,) if _isolated else ())
+        except BaseException:
+            if _isolated:
+                os.close(status_read)
+            raise
         finally:
             if _isolated:
                 os.close(status_write)  # ours; the namespace's PID 1 holds its own
