@@ -87,7 +87,7 @@ class DecoderConfig:
             hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
             num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            head_dim=int(d.get("head_dim") or _default_head_dim(d, model_type, heads)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(d.get("max_position_embeddings",
                                               2048 if model_type == "llama" else 32768)),
@@ -99,6 +99,14 @@ class DecoderConfig:
             rope=rope, pad_token_id=d.get("pad_token_id"),
             initializer_range=float(d.get("initializer_range", 0.02)),
         )
+
+
+def _default_head_dim(d: Mapping[str, Any], model_type: str, heads: int) -> int:
+    """transformers' default when config.json omits head_dim: Qwen3Config's 128; Qwen2 and
+    Llama derive it from the hidden size."""
+    if model_type == "qwen3" and "head_dim" not in d:
+        return 128
+    return int(d["hidden_size"]) // heads
 
 
 def preset_config_dict(preset: str) -> dict[str, Any]:

@@ -125,3 +125,14 @@ def test_a_rollout_engine_never_imports_transformers_modeling_code():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("model_type, expected", [("qwen3", 128), ("qwen2", 64), ("llama", 64)])
+def test_a_config_without_head_dim_takes_the_familys_default(model_type, expected):
+    from transformers import AutoConfig
+
+    raw = {"model_type": model_type, "vocab_size": 32, "hidden_size": 256,
+           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
+    theirs = AutoConfig.for_model(**raw)
+    assert (getattr(theirs, "head_dim", None) or 256 // 4) == expected  # transformers' reading
+    assert DecoderConfig.from_dict(raw).head_dim == expected
