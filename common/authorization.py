@@ -21,6 +21,8 @@ from a certificate.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable
 
 ROLE_URI_PREFIX = "urn:rlharvest:role:"
@@ -60,12 +62,18 @@ def refusal(method: str, roles: Iterable[str]) -> str | None:
 
 def peer_roles(pem_certificate: bytes) -> list[str]:
     """The roles a PEM certificate names in its URI subject alternative names."""
+    return list(_roles_of(pem_certificate))
+
+
+@functools.lru_cache(maxsize=256)
+def _roles_of(pem_certificate: bytes) -> tuple[str, ...]:
+    """Parsed once per certificate: every guarded call would otherwise parse its peer's PEM."""
     from cryptography import x509
 
     cert = x509.load_pem_x509_certificate(pem_certificate)
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        return []
-    return [uri[len(ROLE_URI_PREFIX):] for uri in sans.get_values_for_type(
-        x509.UniformResourceIdentifier) if uri.startswith(ROLE_URI_PREFIX)]
+        return ()
+    return tuple(uri[len(ROLE_URI_PREFIX):] for uri in sans.get_values_for_type(
+        x509.UniformResourceIdentifier) if uri.startswith(ROLE_URI_PREFIX))

@@ -300,21 +300,21 @@ def load_decoder(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     net = DecoderWeights(cfg, dtype, device)
     state = preset_state(model, seed, dtype) if model in PRESETS else \
         _checkpoint_tensors(Path(model))
-    targets = net.state_dict(keep_vars=True)
-    missing = [name for name in targets if name not in state
-               and not (name == "lm_head.weight" and cfg.tie_word_embeddings)]
-    unexpected = [name for name in state if name not in targets
+    names = net.state_dict(keep_vars=True)
+    # Tied: the head is the embedding's tensor, and the embedding's values win (as in
+    # transformers), so the head is neither required nor copied.
+    targets = {name: tensor for name, tensor in names.items()
+               if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+    missing = [name for name in targets if name not in state]
+    unexpected = [name for name in state if name not in names
                   and not name.endswith(_IGNORED_SUFFIXES)]
     if missing or unexpected:
         raise ValueError(f"{model}: the weights do not fit a {cfg.model_type} of this config: "
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, target in targets.items():
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue  # one tensor with the embedding, which wins (as in transformers)
-            if name in state:
-                if state[name].shape != target.shape:
-                    raise ValueError(f"{model}: {name} has shape {tuple(state[name].shape)}, "
-                                     f"the config says {tuple(target.shape)}")
-                target.copy_(state[name])
+            if state[name].shape != target.shape:
+                raise ValueError(f"{model}: {name} has shape {tuple(state[name].shape)}, "
+                                 f"the config says {tuple(target.shape)}")
+            target.copy_(state[name])
     return net

@@ -8,6 +8,7 @@ torch-typed parts. Like vLLM's ``sampling_params.py``: one definition every side
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from rlharvest.common.pb import common_pb2
@@ -70,3 +71,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p,
                                      top_k=params.top_k, max_tokens=params.max_tokens,
                                      stop_token_ids=params.stop_token_ids, seed=params.seed)
+
+
+def natural_end(token_ids: Sequence[int], max_tokens: int, stop_token_ids: Collection[int]) -> str:
+    """Why these generated tokens are a whole completion by themselves ("" when they are not):
+    a stop token last, else max_tokens reached. The manager's rule, which a client resuming a
+    request applies too."""
+    if token_ids and token_ids[-1] in stop_token_ids:
+        return "stop"
+    if len(token_ids) >= max_tokens:
+        return "length"
+    return ""

@@ -3,6 +3,7 @@ ports, a temporary data directory removed on stop."""
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 import socket
@@ -18,8 +19,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _handed_out: set[int] = set()  # ports this process picked: never picked twice
+_rng = random.Random()
 
 
+@functools.cache
 def _ephemeral_floor() -> int:
     """The lowest port the kernel picks for outgoing connections (Linux: 32768 by default)."""
     try:
@@ -41,27 +44,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
         return _kernel_picked(count, host)
     if len(_handed_out) > (high - low) // 2:
         _handed_out.clear()  # a very long run: recycle (long-finished tests released them)
-    rng = random.Random()
-    socks: list[socket.socket] = []
     picked: list[int] = []
-    try:
-        while len(picked) < count:
-            port = rng.randint(low, high)
-            if port in _handed_out or port in picked:
-                continue
-            sock = socket.socket()
-            try:
-                sock.bind((host, port))
-            except OSError:
-                sock.close()
-                continue
-            socks.append(sock)
+    while len(picked) < count:
+        port = _rng.randint(low, high)
+        if port not in _handed_out and port not in picked and _bindable(host, port):
             picked.append(port)
-    finally:
-        for sock in socks:
-            sock.close()
     _handed_out.update(picked)
     return picked
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _kernel_picked(count: int, host: str) -> list[int]:

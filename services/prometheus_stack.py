@@ -70,6 +70,17 @@ def config_text(targets_file: Path, scrape_interval_s: float,
     }, indent=1)
 
 
+def api(url: str, path: str, **params: Any) -> dict[str, Any]:
+    """The ``data`` of a Prometheus HTTP API call (``query``, ``query_range``, ``rules``...) at
+    the server ``url``; RuntimeError when it does not succeed."""
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    with urllib.request.urlopen(f"{url}/api/v1/{path}{query}", timeout=10) as reply:
+        body = json.loads(reply.read())
+    if body.get("status") != "success":
+        raise RuntimeError(f"prometheus {path} {params} failed: {body}")
+    return dict(body["data"])
+
+
 def write_if_changed(path: Path, text: str) -> bool:
     """Atomic (rename) so Prometheus never reads half a file."""
     if path.exists() and path.read_text() == text:
@@ -156,12 +167,7 @@ class LocalPrometheus:
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """An instant query through the HTTP API: the result vector."""
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            body = json.loads(reply.read())
-        if body.get("status") != "success":
-            raise RuntimeError(f"prometheus query {promql!r} failed: {body}")
-        return list(body["data"]["result"])
+        return list(api(self.url, "query", query=promql)["result"])
 
     def stop(self) -> None:
         if self._stop is not None:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
@@ -86,20 +86,27 @@ class ManagerConfig(ServiceConfig):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
 
+    # The profile, read and checked once by the validator (a planner changes as it observes,
+    # so each tp_planner_of() builds a fresh one from it).
+    _profiled: ProfiledStart | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _tp_planner_fits(self) -> ManagerConfig:
-        self.tp_planner_of()  # its own checks: powers of two, bounds, a readable profile
+        if self.tp_profile:
+            try:
+                self._profiled = ProfiledStart.from_json(
+                    json.loads(Path(self.tp_profile).read_text()))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"tp_profile {self.tp_profile}: {exc}") from exc
+        self.tp_planner_of()  # its own checks: powers of two, bounds, the profile's sizes
         return self
 
     def tp_planner_of(self) -> TpPlanner:
         """The planner this configuration asks for: from --initial-tp, or from the profile's
         best TP size for its workload when --initial-tp is not given."""
-        if not self.tp_profile:
+        start = self._profiled
+        if start is None:
             return TpPlanner(self.gpus_per_node, self.initial_tp)
-        try:
-            start = ProfiledStart.from_json(json.loads(Path(self.tp_profile).read_text()))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"tp_profile {self.tp_profile}: {exc}") from exc
         initial = self.initial_tp if "initial_tp" in self.model_fields_set else \
             start.initial_tp(self.gpus_per_node) or self.initial_tp
         return TpPlanner(self.gpus_per_node, initial, model=start.model)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
-from rlharvest.common.engine_types import EngineRequest, SamplingParams
+from rlharvest.common.engine_types import EngineRequest, SamplingParams, natural_end
 from rlharvest.common.errors import InvalidArgument
 
 
@@ -255,12 +255,13 @@ class RequestTracker:
         if len(r.resume_logprobs) != len(resumed):
             raise StepError(f"{where} resumes {len(resumed)} tokens with "
                             f"{len(r.resume_logprobs)} logprobs; send one logprob per token")
-        if len(resumed) >= r.sampling.max_tokens:
-            raise StepError(f"{where} resumes {len(resumed)} tokens of max_tokens="
-                            f"{r.sampling.max_tokens}: it is finished, do not resubmit it")
-        if resumed and resumed[-1] in r.sampling.stop_token_ids:
+        ended = natural_end(resumed, r.sampling.max_tokens, r.sampling.stop_token_ids)
+        if ended == "stop":
             raise StepError(f"{where} resumes after stop token {resumed[-1]}: it is finished, "
                             "do not resubmit it")
+        if ended == "length":
+            raise StepError(f"{where} resumes {len(resumed)} tokens of max_tokens="
+                            f"{r.sampling.max_tokens}: it is finished, do not resubmit it")
         bad = [t for t in resumed if not 0 <= t < self._vocab_limit]
         if bad:
             raise StepError(f"{where} resumes token id {bad[0]} outside the vocabulary "
@@ -480,11 +481,8 @@ class RequestTracker:
     def _finish_reason(self, req: TrackedRequest, delta: DeltaLike) -> str:
         # The manager decides completion itself as well: a worker lost right after producing the
         # last token must not cause a resume with nothing left to generate.
-        if req.token_ids and req.token_ids[-1] in req.sampling.stop_token_ids:
-            return "stop"
-        if len(req.token_ids) >= req.sampling.max_tokens:
-            return "length"
-        return (delta.finish_reason or "stop") if delta.finished else ""
+        ended = natural_end(req.token_ids, req.sampling.max_tokens, req.sampling.stop_token_ids)
+        return ended or ((delta.finish_reason or "stop") if delta.finished else "")
 
     def _finish(self, req: TrackedRequest, reason: str) -> None:
         self._detach(req)

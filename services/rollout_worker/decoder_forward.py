@@ -24,12 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlharvest.common.decoder_weights import (
-    SUPPORTED_MODEL_TYPES,
-    DecoderConfig,
-    DecoderWeights,
-    inv_freq,
-)
+from rlharvest.common.decoder_weights import DecoderConfig, DecoderWeights, inv_freq
 from rlharvest.services.rollout_worker.kv_cache import KVCache
 
 
@@ -50,7 +45,7 @@ class _LayerWeights:
     down_bias: torch.Tensor | None
 
 
-def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor:
+def _fuse(linears: list[torch.nn.Module], attr: str) -> torch.Tensor:
     """Concatenates the linears' ``attr`` (weight or bias) and re-points each at its slice."""
     fused = torch.cat([getattr(lin, attr).detach() for lin in linears], dim=0).contiguous()
     start = 0
@@ -61,7 +56,7 @@ def _fuse(linears: list[torch.nn.Linear], attr: str) -> torch.Tensor:
     return fused
 
 
-def _fuse_bias(linears: list[torch.nn.Linear]) -> torch.Tensor | None:
+def _fuse_bias(linears: list[torch.nn.Module]) -> torch.Tensor | None:
     present = [lin.bias is not None for lin in linears]
     if not any(present):
         return None
@@ -83,9 +78,7 @@ def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device) -> torch.Tens
 def check_servable(cfg: DecoderConfig, max_len: int) -> None:
     """ValueError naming what TorchEngine cannot serve in this model config (read before any
     weights load, so `rlharvest train` can refuse a model in a second)."""
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"TorchEngine runs the {', '.join(SUPPORTED_MODEL_TYPES)} families; "
-                         f"got model_type {cfg.model_type!r}")
+    # The family itself was checked when the config was read (DecoderConfig.from_dict).
     if cfg.use_sliding_window:
         raise ValueError("sliding-window attention (use_sliding_window) is not supported by "
                          "TorchEngine")

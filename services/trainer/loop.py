@@ -715,8 +715,8 @@ class TrainerLoop:
         deadline = self._clock() + self._cfg.resume_wait_s
         while self._clock() < deadline:
             try:
-                return await rollout_client.find_manager_member(
-                    self._etcd, self._cfg.job, timeout=0.5, unlike=incarnation)
+                return await rollout_client.find_manager_member(  # one look, no wait
+                    self._etcd, self._cfg.job, timeout=0, unlike=incarnation)
             except TimeoutError:
                 pass
             except Exception as exc:  # etcd down or refusing a stale token: ask again
@@ -730,17 +730,21 @@ class TrainerLoop:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """On the training thread: one at a time, in order, never blocking the event loop; with
         the lent workers' threads added while the manager lends them (``lent_capacity.py``)."""
-        threads = self._threads_now()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._compute, _with_threads, threads, fn, *args)
+        if self._lent is not None:
+            fn = partial(self._with_threads, self._lent, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    def _threads_now(self) -> int | None:
-        if self._lent is None:
-            return None
-        threads = self._lent.threads(self._lent_record, self._cfg.job, self._step_id)
-        if threads > self._lent.base_threads:
+    def _with_threads(self, lent: LentCapacity, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn`` with the threads lent workers add now: decided and set here, on the training
+        thread when the call runs (torch's thread count is per calling thread, and a call
+        queued while workers were lent may run after they came back)."""
+        threads = lent.threads(self._lent_record, self._cfg.job, self._step_id)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        metrics.THREADS.set(threads)
+        if threads > lent.base_threads:
             metrics.LENT_THREAD_CALLS.inc()
-        return threads
+        return fn(*args)
 
     async def watch_lent_workers(self) -> None:
         """The job's stream-scale record (RollPacker §4.4), for ``--borrow-lent-threads``."""
@@ -774,16 +778,6 @@ def build_trainee(cfg: TrainerConfig) -> tuple[TrainBackend, torch.nn.Module | N
 def max_positions(model: torch.nn.Module) -> int:
     """The context length of a transformers model (its config says)."""
     return int(getattr(model, "config").max_position_embeddings)
-
-
-def _with_threads(threads: int | None, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn`` on the training thread with ``threads`` intra-op threads (None: unchanged). Set
-    here, in the thread that computes: torch's thread count is per calling thread."""
-    if threads is not None:
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
-        metrics.THREADS.set(threads)
-    return fn(*args)
 
 
 def torch_threads(count: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlharvest.common.engine_types import natural_end
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
 from rlharvest.services.trainer.bench_harness import LengthModel
 from rlharvest.services.trainer.tasks import TaskItem
@@ -133,19 +134,14 @@ class _Partial:
         del self.token_ids[delta.position:], self.logprobs[delta.position:]
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
-        if delta.finished and delta.finish_reason in ("stop", "length") and not self.broken:
+        if delta.finished and delta.finish_reason in ("stop", "length"):
             self.finish_reason = delta.finish_reason
 
     def ended(self, sampling: common_pb2.SamplingParams) -> str:
         """Why these tokens are a whole completion ("" when not): the final delta said so, or
-        the manager's own rule — max_tokens reached, or a stop token last."""
-        if self.finish_reason:
-            return self.finish_reason
-        if len(self.token_ids) >= sampling.max_tokens:
-            return "length"
-        if self.token_ids and self.token_ids[-1] in sampling.stop_token_ids:
-            return "stop"
-        return ""
+        the manager's own rule (``natural_end``)."""
+        return self.finish_reason or natural_end(self.token_ids, sampling.max_tokens,
+                                                 sampling.stop_token_ids)
 
 
 class GroupAssembler:
@@ -229,6 +225,7 @@ class GroupAssembler:
         g = self._groups[group]
         if sample in g.completions:
             raise ValueError(f"request {completion.request_id} completed twice")
+        self._partial.pop(completion.request_id, None)  # a completion carries its own tokens
         if (completion.cancelled or completion.failed) and self._spec.accept is not None:
             # A short round: cancelled by the rule, or failed — which, by the manager's rule,
             # does not count towards its group (too few accepted groups: check_complete).

@@ -6,32 +6,21 @@ too."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
-from typing import Any
 
 import pytest
 
 from rlharvest.common.local_etcd import free_port
 from rlharvest.services.launcher import MODULES
+from rlharvest.services.prometheus_stack import api
 
 from .test_cli import CLI, ENV, _endpoints, _read_until
 from .test_trainer import trainer_status
 
 pytestmark = pytest.mark.integration
-
-
-def api(url: str, path: str, **params: Any) -> list[dict[str, Any]]:
-    query = urllib.parse.urlencode(params)
-    with urllib.request.urlopen(f"{url}/api/v1/{path}?{query}", timeout=10) as reply:
-        body = json.loads(reply.read())
-    assert body["status"] == "success", body
-    return body["data"]["result"]
 
 
 async def eventually(query, check, timeout: float = 90):
@@ -48,7 +37,7 @@ def reward_points(url: str, since: float) -> list[float]:
     """The trainer's mean-reward series since ``since``, where at least one step is done (the
     gauge reads 0 before the first step)."""
     series = api(url, "query_range", query="rlh_trainer_mean_reward and rlh_trainer_step > 0",
-                 start=since, end=time.time(), step="0.5")
+                 start=since, end=time.time(), step="0.5")["result"]
     return [float(value) for s in series for _, value in s["values"]]
 
 
@@ -71,18 +60,18 @@ async def test_up_with_prometheus_reads_the_trainers_reward_series_back_and_find
         # Every scraped value is the mean reward the trainer reported for one of its steps.
         assert set(points) <= {s.mean_reward for s in steps}, (points, steps)
         every = {"trainer", "rollout_manager", "rollout_worker", "transfer_agent"}
-        await eventually(lambda: api(url, "query", query="up == 1"),
+        await eventually(lambda: api(url, "query", query="up == 1")["result"],
                          lambda up: every <= {r["metric"]["service"] for r in up})
 
-        with urllib.request.urlopen(f"{url}/api/v1/rules", timeout=10) as reply:
-            groups = json.loads(reply.read())["data"]["groups"]
+        groups = api(url, "rules")["groups"]
         assert "RlharvestTokensRegenerated" in {r["name"] for g in groups for r in g["rules"]}
 
         late = subprocess.Popen(  # a member that joins is discovered through etcd
             [sys.executable, "-m", MODULES["rollout_worker"], "--etcd", etcd, "--worker-id",
              "late", "--port", str(free_port()), "--metrics-port", str(free_port()),
              "--torch-threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await eventually(lambda: api(url, "query", query='up{member="late"} == 1'), bool)
+        await eventually(lambda: api(url, "query", query='up{member="late"} == 1')["result"],
+                         bool)
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
     finally:

@@ -461,6 +461,13 @@ def test_a_bad_profile_is_refused_at_startup_naming_what(tmp_path, change, messa
 
     with pytest.raises(ValidationError, match=message):
         ManagerConfig(tp_profile=_profile_file(tmp_path, **change))
+
+
+def test_a_profile_file_that_is_no_object_or_missing_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from rlharvest.services.rollout_manager.config import ManagerConfig
+
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValidationError, match="a TP profile is a JSON object, got list"):
         ManagerConfig(tp_profile=str(tmp_path / "list.json"))

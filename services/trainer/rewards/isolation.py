@@ -44,7 +44,9 @@ run("mount", "-t", "tmpfs", "-o", "size=8m,mode=755", "tmpfs", root)
 for top in ("/bin", "/lib", "/lib64", "/sbin"):  # merged-/usr links, as on the host
     if os.path.islink(top):
         os.symlink(os.readlink(top), root + top)
-for path in ("/usr", prefix):  # the interpreter, read-only
+# The interpreter, read-only: /usr, and its prefix unless that is /usr itself (a prefix below
+# /usr is mounted again so that it is read-only even when it is a mount of its own).
+for path in ["/usr"] + ([] if prefix == "/usr" else [prefix]):
     os.makedirs(root + path, exist_ok=True)
     run("mount", "--rbind", path, root + path)
     run("mount", "-o", "remount,bind,ro", root + path)
@@ -89,6 +91,7 @@ sys.exit(1 if code < 0 else code)
 SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 
+@functools.cache
 def _python_prefix() -> str:
     """The directory holding the interpreter and its standard library."""
     executable = os.path.realpath(sys.executable)
