@@ -62,6 +62,10 @@ async def test_services_authenticate_to_etcd_and_a_wrong_password_stops_at_start
                 assert good.alive(), good.log_tail()
                 assert time.monotonic() < deadline, "the manager never registered"
                 await asyncio.sleep(0.2)
+            # The wrong password must meet a running etcd: wait for it to stop before the restart,
+            # or its refusal races the restart and reads as "etcd did not answer".
+            assert await asyncio.to_thread(bad.process.wait, 60) != 0
+            assert "refused user 'root'" in bad.log_path.read_text()
             # etcd restarts and forgets every auth token; the manager's worker watch breaks and
             # it lists again: it sees a worker that joins afterwards only with a renewed token.
             await asyncio.to_thread(authed_etcd.restart)
@@ -71,8 +75,6 @@ async def test_services_authenticate_to_etcd_and_a_wrong_password_stops_at_start
             assert good.alive(), good.log_tail()
         finally:
             await client.close()
-        assert bad.process.wait(timeout=60) != 0
-        assert "refused user 'root'" in bad.log_path.read_text()
         registry.use_credentials("", "")
         anonymous = await registry.connect(authed_etcd.endpoint)
         try:
