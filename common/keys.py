@@ -122,13 +122,22 @@ def placement_state_prefix() -> str:
 
 
 def placement_state_key(record: str) -> str:
-    """``record`` is "meta", "groups/<group_id>" or "jobs/<job_id>"."""
+    """``record`` is "meta", "groups/<group_id>", "jobs/<job_id>" or "nodes/<node_id>"."""
     kind, _, name = record.partition("/")
     if kind == "meta" and not name:
         return placement_state_prefix() + "meta"
-    if kind not in ("groups", "jobs"):
-        raise ValueError(f"placement record {record!r} must be meta, groups/<id> or jobs/<id>")
+    if kind not in ("groups", "jobs", "nodes"):
+        raise ValueError(f"placement record {record!r} must be meta, groups/<id>, jobs/<id> "
+                         "or nodes/<id>")
     return f"{placement_state_prefix()}{kind}/{_segment(name, kind[:-1] + ' id')}"
+
+
+def placement_node_key(node_id: str) -> str:
+    """What a node placed in a co-execution group runs: {"pool", "group", "turn", "holder"}
+    (``turn``: the job whose phase the node runs now or next; ``holder``: the job holding its
+    permit, or null). Written by the scheduler with its state, in the same transaction; a
+    rollout worker started with ``--placement-node`` serves the ``turn`` job (WEAVE §5.1)."""
+    return placement_state_key(f"nodes/{node_id}")
 
 
 def placement_alive_prefix() -> str:

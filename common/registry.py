@@ -120,6 +120,7 @@ class Membership:
         self.key = key
         self.lease = lease
         self.info = dict(info)
+        self._writing = asyncio.Lock()
         self._keepalive = asyncio.create_task(self._renew(), name=f"keepalive {key}")
 
     async def _renew(self) -> None:
@@ -134,8 +135,13 @@ class Membership:
                 log.warning("lease refresh for %s failed: %r", self.key, exc)
 
     async def update(self, **changes: Any) -> None:
+        """Change fields of the record. Concurrent updates write one at a time, each the whole
+        record as it is then: two puts in flight at once may land in either order, and an older
+        record landing last would undo a newer change."""
         self.info.update(changes)
-        await self._client.put(self.key.encode(), json.dumps(self.info).encode(), lease=self.lease)
+        async with self._writing:
+            await self._client.put(self.key.encode(), json.dumps(self.info).encode(),
+                                   lease=self.lease)
 
     async def close(self) -> None:
         """Leave at once (revoking the lease deletes the key) instead of waiting for the TTL."""

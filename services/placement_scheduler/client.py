@@ -283,23 +283,33 @@ class PlacementJob:
     @asynccontextmanager
     async def permit(self, phase: Pool) -> AsyncIterator[PhaseRun]:
         """Hold the permit for the job's next phase, which must be ``phase``."""
+        run = await self.acquire(phase)
+        yield run
+        await self.release(run)
+
+    async def acquire(self, phase: Pool) -> PhaseRun:
+        """Block until the scheduler grants the job's next phase, which must be ``phase``
+        (asking again before ``release`` returns the same permit)."""
         want, iteration = self.next_phase
         if Pool(phase) is not want:
             raise RuntimeError(f"job {self.spec.job_id!r} must run {want.value} #{iteration} "
                                f"next, not {Pool(phase).value}")
-        job_id = self.spec.job_id
         try:
-            granted = await self.client.acquire(job_id, want, iteration, self._wait_s)
+            granted = await self.client.acquire(self.spec.job_id, want, iteration, self._wait_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:
                 self.left_reason = exc.details()
                 raise JobLeftError(exc.details()) from None
             raise
-        yield PhaseRun(self, want, iteration, list(granted.node_ids),
-                       list(granted.pending_node_ids))
-        reply = await self.client.release(job_id, want, iteration, self._wait_s)
-        self.next_phase = (Pool.TRAIN, iteration) if want is Pool.ROLLOUT else \
-            (Pool.ROLLOUT, iteration + 1)
+        return PhaseRun(self, want, iteration, list(granted.node_ids),
+                        list(granted.pending_node_ids))
+
+    async def release(self, run: PhaseRun) -> None:
+        """The phase ended: its nodes pass to the next job whose turn it is."""
+        reply = await self.client.release(self.spec.job_id, run.phase, run.iteration,
+                                          self._wait_s)
+        self.next_phase = (Pool.TRAIN, run.iteration) if run.phase is Pool.ROLLOUT else \
+            (Pool.ROLLOUT, run.iteration + 1)
         if reply.evicted:
             self.left_reason = reply.message
             log.warning("%s", reply.message)

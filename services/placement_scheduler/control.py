@@ -402,14 +402,18 @@ class PlacementControl:
     # --- persistence ---------------------------------------------------------------------------
     def records(self) -> dict[str, dict[str, Any]]:
         """The whole state as etcd records, keyed relative to the placement prefix. One record
-        per group (its members, nodes and permit queues) and per job, so a change rewrites only
-        the records it touched."""
+        per group (its members, nodes and permit queues), per job and per placed node (derived
+        from the queues, for the node's workers), so a change rewrites only the records it
+        touched."""
         data = self.scheduler.to_dict()
         out: dict[str, dict[str, Any]] = {"meta": {"serial": data["serial"],
                                                    "stats": asdict(self.stats)}}
         for row in data["groups"]:
-            out[f"groups/{row['group_id']}"] = {"group": row,
-                                                "queues": self.queues[row["group_id"]].to_dict()}
+            queues = self.queues[row["group_id"]]
+            out[f"groups/{row['group_id']}"] = {"group": row, "queues": queues.to_dict()}
+            # Derived, not restored: what the placed workers of each node follow.
+            for node_id, view in queues.nodes().items():
+                out[f"nodes/{node_id}"] = {**view, "group": row["group_id"]}
         for job_id, record in self.jobs.items():
             out[f"jobs/{job_id}"] = asdict(record)
         return out

@@ -157,6 +157,13 @@ class PhaseQueues:
         nxt = self._next[self._known(job_id)]
         return nxt.phase, nxt.iteration, nxt.status
 
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Per node of the group: its pool, whose turn it is and who holds it now."""
+        pools = {n: pool.value for nodes in self._nodes.values()
+                 for pool, ids in nodes.items() for n in ids}
+        return {n: {"pool": pool, "turn": self.turn(n), "holder": self._holder.get(n)}
+                for n, pool in sorted(pools.items())}
+
     def turn(self, node_id: str) -> str | None:
         """The job whose phase the node runs next (or runs now)."""
         cycle = self._cycle.get(node_id)

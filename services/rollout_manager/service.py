@@ -93,10 +93,15 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         await self._watch("coexecutor", job=self._job)
 
     async def _watch(self, service: str, job: str | None = None) -> None:
+        """``job``: join only members lent to this job. A rollout worker placed on a node of
+        the placement scheduler (``placement_node`` in its record) joins only while its record
+        names this job: the job whose turn its node is (WEAVE, placement_follower.py)."""
         async for event in registry.watch_members(self._etcd, service):
-            if job is not None and event.kind != "leave" and event.info.get("job") != job:
-                if event.member_id in self._links:  # lent to another job now
-                    self._lose(event.member_id, f"lent to job {event.info.get('job')!r}")
+            wanted = job if job is not None or "placement_node" not in event.info else self._job
+            if wanted is not None and event.kind != "leave" and event.info.get("job") != wanted:
+                if event.member_id in self._links:  # lent to (or its node's turn is) another job
+                    self._lose(event.member_id,
+                               f"serves job {event.info.get('job') or 'none'!r} now")
                 continue
             if event.kind == "leave":
                 self._lose(event.member_id, "etcd lease expired or worker deregistered")

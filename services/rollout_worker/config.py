@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
@@ -63,7 +63,21 @@ class WorkerConfig(ServiceConfig):
                      "weight versions this worker pulls")
     agent_pull: bool = Field(False, description="pull weights from a transfer agent when the job "
                                                 "announces a version (needs job)")
+    placement_node: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="WEAVE: the "
+                                "placement scheduler's rollout node this worker runs on; it "
+                                "serves whichever job's turn the node is (not --job)")
+    placement_resident_jobs: int = Field(2, ge=1, description="with --placement-node: jobs "
+                                         "whose weights stay in host memory besides the one "
+                                         "served, so switching back is a warm load")
     tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _placed_or_one_job(self) -> WorkerConfig:
+        if self.placement_node and self.job:
+            raise ValueError(f"--placement-node {self.placement_node} and --job {self.job} both "
+                             "name the job: a placed worker serves the job whose turn its node "
+                             "is; drop --job")
+        return self

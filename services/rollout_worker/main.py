@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rlharvest.common.cli import service_app
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.services.rollout_worker.config import WorkerConfig
+from rlharvest.services.rollout_worker.placement_follower import NodeFollower
 from rlharvest.services.rollout_worker.preemption_notice import wait_for_notice
 from rlharvest.services.rollout_worker.service import WorkerService
+
+if TYPE_CHECKING:
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 log = logging.getLogger("rlharvest.rollout_worker")
 
@@ -36,6 +42,21 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     return engine
 
 
+def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: WorkerService,
+                    puller: Callable[[str], Any]) -> NodeFollower:
+    cfg = host.config
+
+    async def register(job: str) -> None:
+        assert host.membership is not None  # loops start after the worker registered
+        await host.membership.update(job=job, weight_version=engine.weight_version)
+
+    return NodeFollower(host.etcd, cfg.placement_node, snapshot=engine.weights,
+                        version=lambda: engine.weight_version,
+                        load=service.load_weights_tensors, register=register,
+                        make_puller=puller if cfg.agent_pull else None,
+                        resident_jobs=cfg.placement_resident_jobs)
+
+
 async def build(host: Host[WorkerConfig]) -> Parts:
     cfg = host.config
     engine = build_engine(cfg)
@@ -50,12 +71,19 @@ async def build(host: Host[WorkerConfig]) -> Parts:
                             on_version_change=on_version_change, step_delay_s=cfg.step_delay_s,
                             weights_dir=cfg.weights_dir)
     loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker
-    if cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
+    def puller(job: str):
         from rlharvest.services.rollout_worker.puller import Puller
 
-        loops.append(Loop("weight puller", Puller(
-            host.etcd, service, cfg.worker_id, cfg.job, tp_rank=cfg.tp_rank, tp_size=cfg.tp_size,
-            lease_ttl=cfg.lease_ttl).run, on_crash="restart"))
+        return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
+                      tp_size=cfg.tp_size, lease_ttl=cfg.lease_ttl)
+
+    if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it
+        from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+        assert isinstance(engine, TorchEngine)  # what build_engine builds
+        loops.append(Loop("placement node", placed_follower(host, engine, service, puller).run))
+    elif cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
+        loops.append(Loop("weight puller", puller(cfg.job).run, on_crash="restart"))
     if cfg.preemption_notice_url:
         async def spot_notice() -> None:
             notice = await wait_for_notice(cfg.preemption_notice_url, cfg.preemption_poll_s)
@@ -79,7 +107,9 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     return Parts(member_id=cfg.worker_id, member_info={
         "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
         "weight_version": engine.weight_version, "draining": False,
-        "admission": engine.batch_admission, "vocab_size": engine.vocab_size},
+        "admission": engine.batch_admission, "vocab_size": engine.vocab_size,
+        # A placed worker joins only the manager of the job its record names (none at first).
+        **({"placement_node": cfg.placement_node, "job": ""} if cfg.placement_node else {})},
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
         health=service.health, loops=loops, drain=drain, close=[close])

@@ -99,11 +99,12 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
         return await self.commands.swap_weights(partial(load_file, str(path)), version, str(path))
 
-    async def load_weights_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> int:
-        """Load an in-memory tensor dict (a pull from a transfer agent) between engine steps;
-        returns the number of tensors loaded. Raises EngineInputError, loading nothing, when a
-        name, shape or value does not fit the model."""
-        return await self.commands.swap_weights(lambda: tensors, version, "a transfer agent")
+    async def load_weights_tensors(self, tensors: Mapping[str, torch.Tensor], version: int,
+                                   source: str = "a transfer agent") -> int:
+        """Load an in-memory tensor dict (a pull from a transfer agent, a job's resident
+        weights) between engine steps; returns the number of tensors loaded. Raises
+        EngineInputError, loading nothing, when a name, shape or value does not fit the model."""
+        return await self.commands.swap_weights(lambda: tensors, version, source)
 
     @property
     def draining(self) -> bool:

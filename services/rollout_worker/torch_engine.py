@@ -364,6 +364,13 @@ class TorchEngine:
         self._forward.refresh()
         self._weight_version = version
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights in host memory, by state_dict name (what ``load_weights``
+        takes back): a placed worker keeps each job's this way (placement_follower.py)."""
+        with torch.no_grad():
+            return {name: t.detach().to("cpu", copy=True)
+                    for name, t in self._weight_targets.items()}
+
     def load_safetensors(self, path: str | Path, version: int) -> None:
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -185,10 +185,36 @@ class TrainerConfig(ServiceConfig):
                                      "training thread adds per rollout worker lent to training, "
                                      "for the rest of the step; for workers on this machine. "
                                      "0 = off")
+    placement_scheduler: bool = Field(False, description="WEAVE: submit the job to the "
+                                      "placement scheduler for the run and run every rollout "
+                                      "and training phase under its permits")
+    placement_endpoint: str = Field("", description="the scheduler's host:port; empty = its "
+                                    "elected leader, found in etcd")
+    placement_t_roll_s: float = Field(0.0, ge=0, description="the job's worst-case rollout "
+                                      "phase in seconds (Algorithm 1's T_roll)")
+    placement_t_train_s: float = Field(0.0, ge=0, description="the job's worst-case training "
+                                       "phase in seconds (T_train)")
+    placement_slo: float = Field(1.5, ge=1, description="the slowdown of an iteration against "
+                                 "running solo the job accepts")
+    placement_rollout_nodes: int = Field(1, ge=1, description="rollout nodes the job needs")
+    placement_train_nodes: int = Field(1, ge=1, description="training nodes the job needs")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _placement_fits(self) -> TrainerConfig:
+        if not self.placement_scheduler:
+            return self
+        if not self.placement_t_roll_s or not self.placement_t_train_s:
+            raise ValueError("--placement-scheduler needs the job's phase durations: give "
+                             "--placement-t-roll-s and --placement-t-train-s (worst case, s)")
+        if self.seed_role:
+            raise ValueError("--placement-scheduler and --seed-role exclude each other: the "
+                             "seed role rolls out on the training node, which the scheduler "
+                             "hands to other jobs' training phases")
+        return self
 
     @model_validator(mode="after")
     def _micro_batch_fits(self) -> TrainerConfig:

@@ -52,6 +52,7 @@ from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.rollout_manager.stream_accounting import parse_scale_record
 from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.lent_capacity import LentCapacity
+from rlharvest.services.trainer.placed_phases import PlacedPhases
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.shard_publish import ShardTarget
@@ -184,6 +185,8 @@ class TrainerLoop:
             if cfg.borrow_lent_threads else None
         self._lent_record: dict[str, object] | None = None
         self._step_id: str | None = None  # the SubmitStep in progress
+        # --placement-scheduler: the job's phases run under WEAVE's permits (main.py sets it).
+        self.placed: PlacedPhases | None = None
         self._manager = cfg.manager
         self._version = 0
         self._step = 0  # steps applied
@@ -341,10 +344,16 @@ class TrainerLoop:
         progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
                                                   samples=spec.samples, phase="waiting_version")
         await self._await_publish()  # the step's version must be out before workers can hold it
+        if self.placed is not None:
+            progress.phase = "waiting_permit"
+            await self.placed.rollout()
         # Discovered through etcd: its incarnation tells its successor from it (_successor).
         member: dict = {} if self._manager else \
             await rollout_client.find_manager_member(self._etcd, cfg.job)
         manager = self._manager or member["endpoint"]
+        if self.placed is not None:  # the permit's node switches its worker to this job now
+            await wait_workers(manager, 1, timeout=cfg.no_worker_deadline_s, poll_s=0.05)
+            progress.phase = "rollout"
         window_s = self._seed_window_s()
         if window_s and self._seed is not None:
             await self._seed.wait_connected()
@@ -481,6 +490,9 @@ class TrainerLoop:
                     # core trains them together (RLBoost §4.1) instead of m_b at a time.
                     while not ready.empty():
                         groups.append(ready.get_nowait())
+                    if self.placed is not None:  # WEAVE: one phase at a time (placed_phases)
+                        await rollout_done.wait()
+                        await self.placed.train()
                     cut = micro_batch if sync else len(groups)
                     for first in range(0, len(groups), cut):
                         await self._run(train.add_groups, [self._rewarded(spec, g)
@@ -501,6 +513,8 @@ class TrainerLoop:
 
         if self._publisher is not None:
             await self._start_publish(self._version)
+        if self.placed is not None:
+            await self.placed.done()
         return tpb.StepSummary(
             step=spec.step, weight_version=spec.weight_version, mean_reward=stats.mean_reward,
             step_time_s=elapsed, tokens=stats.num_tokens,

@@ -13,9 +13,11 @@ import signal
 from rlharvest.common.cli import service_app
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
+from rlharvest.services.placement_scheduler.client import JobSpec, PlacementJob
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer import ranks
 from rlharvest.services.trainer.loop import TrainerLoop, build_trainee, torch_threads
+from rlharvest.services.trainer.placed_phases import PlacedPhases
 from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.service import TrainerService
 
@@ -42,7 +44,19 @@ async def build(host: Host[TrainerConfig]) -> Parts:
         last checkpoint are saved, so a restart loses none."""
         try:
             await loop.restore()
-            await loop.run()
+            if cfg.placement_scheduler:
+                async with PlacementJob(placement_spec(cfg), cfg.etcd, lease_ttl=cfg.lease_ttl,
+                                        start_iteration=loop.steps_done,
+                                        endpoint=cfg.placement_endpoint or None) as job:
+                    placed = job.placement
+                    assert placed is not None  # entering the context submitted the job
+                    log.info("job %s placed by the scheduler: group %s, rollout nodes %s, "
+                             "training nodes %s", cfg.job, placed.group_id,
+                             list(placed.rollout_node_ids), list(placed.train_node_ids))
+                    loop.placed = PlacedPhases(job)
+                    await loop.run()
+            else:
+                await loop.run()
         except asyncio.CancelledError:
             await save_unsaved_steps()
             raise
@@ -73,6 +87,12 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                         *([Loop("lent workers", loop.watch_lent_workers, on_crash="restart")]
                           if cfg.borrow_lent_threads else [])],
                  close=[loop.close, *([seed.close] if seed else [])])
+
+
+def placement_spec(cfg: TrainerConfig) -> JobSpec:
+    return JobSpec(cfg.job, t_roll_s=cfg.placement_t_roll_s, t_train_s=cfg.placement_t_train_s,
+                   slo=cfg.placement_slo, rollout_nodes=cfg.placement_rollout_nodes,
+                   train_nodes=cfg.placement_train_nodes)
 
 
 def follow(cfg: TrainerConfig) -> int:

@@ -46,3 +46,9 @@ RANK_COMMAND_SECONDS = Histogram(
     ["command"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 RANK_FAILURES = Counter("rlh_trainer_rank_failures_total",
                         "Commands that failed on a rank or whose collective broke (a rank died)")
+PERMIT_WAIT_SECONDS = Histogram("rlh_trainer_permit_wait_seconds", "Waiting for the placement "
+                                "scheduler's permit for a phase (--placement-scheduler)",
+                                ["phase"], buckets=(0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+PERMIT_HELD_SECONDS = Histogram("rlh_trainer_permit_held_seconds", "A phase run under a "
+                                "permit, from grant to release (--placement-scheduler)",
+                                ["phase"], buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800))

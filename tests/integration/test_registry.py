@@ -174,3 +174,15 @@ async def _until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.05)
+
+
+async def test_concurrent_member_updates_leave_the_newest_record_in_etcd(etcd_client):
+    member = await registry.register(etcd_client, "rollout_worker", "w-racy", {"job": ""}, ttl=5)
+    try:
+        for _ in range(5):  # unordered puts in flight at once land in either order
+            await asyncio.gather(*(member.update(job=f"job-{i}", n=i) for i in range(20)))
+            stored = await registry.list_members(etcd_client, "rollout_worker")
+            assert stored[keys.member_key("rollout_worker", "w-racy")] == member.info
+            assert member.info["n"] == 19
+    finally:
+        await member.close()

@@ -184,3 +184,31 @@ def test_unset_fields_take_defaults_but_an_explicit_zero_is_kept_for_validation(
     no_turns = pb.PlacementJobSpec(job_id="q", profile=pb.PlacementJobProfile(
         **{k: v for k, v in dataclasses.asdict(single_turn).items() if k != "turns"}))
     assert "turns" not in submitted_spec(no_turns)["profile"]  # JobProfile's default: 1 turn
+
+
+def test_node_records_name_whose_turn_each_placed_node_is_and_its_holder() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=1, train=1)
+    ctl.submit(spec("A", slo=4.0))
+    ctl.submit(spec("B", slo=4.0))  # one group: both jobs share r1 and t1
+    group = ctl.jobs["A"].group_id
+
+    def nodes() -> dict:
+        return {k: v for k, v in ctl.records().items() if k.startswith("nodes/")}
+
+    assert nodes() == {"nodes/r1": {"pool": "rollout", "group": group, "turn": "A",
+                                    "holder": None},
+                       "nodes/t1": {"pool": "train", "group": group, "turn": "A",
+                                    "holder": None}}
+    assert ctl.acquire("A", Pool.ROLLOUT, 0) is not None
+    assert nodes()["nodes/r1"]["holder"] == "A"
+    ctl.release("A", Pool.ROLLOUT, 0)  # r1's turn passes to B: B's workers load its weights now
+    assert nodes()["nodes/r1"] == {"pool": "rollout", "group": group, "turn": "B",
+                                   "holder": None}
+    assert nodes()["nodes/t1"]["turn"] == "A"
+    restored = control(clock, rollout=1, train=1)  # derived records are read back as derived
+    restored.restore(json.loads(json.dumps(ctl.records())))
+    assert restored.records() == ctl.records()
+    ctl.cancel("A")
+    ctl.cancel("B")
+    assert nodes() == {}  # a node no group holds has no record: its workers serve no job

@@ -1,0 +1,113 @@
+"""Two RL jobs under the placement scheduler, all real processes (WEAVE §5.1): each trainer
+submits its job and runs every rollout and training phase under the scheduler's permits; one
+rollout worker placed on the one rollout node serves whichever job's turn the node is, keeping
+the other job's weights resident; a SIGKILLed trainer's job leaves the group and the other job
+goes on to finish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from rlharvest.common import keys
+from rlharvest.common.local_etcd import free_port
+
+from .test_trainer import metric, scrape, wait_trainer
+from .worker_client import WorkerHandle, wait_serving
+
+pytestmark = pytest.mark.integration
+COMMON = ["--lease-ttl", "2", "--json-logs"]
+# Worst-case phase estimates far above these phases' real times: no drift eviction.
+PLACED = ["--placement-scheduler", "--placement-t-roll-s", "30", "--placement-t-train-s", "30",
+          "--placement-slo", "3"]
+PERMIT = re.compile(r"placement: (rollout|train) #(\d+) of job (\S+) (granted|released)")
+
+
+def start_trainer(stack, job: str, steps: int, *flags: str) -> WorkerHandle:
+    port, metrics_port = free_port(), free_port()
+    return WorkerHandle(stack.start("trainer", f"trainer-{job}", [
+        "--trainer-id", f"trainer-{job}", "--job", job, "--port", str(port),
+        "--metrics-port", str(metrics_port), "--torch-threads", "1", "--no-publish",
+        "--steps", str(steps), "--prompts-per-step", "2", "--samples-per-prompt", "2",
+        "--micro-batch-groups", "1", *PLACED, *COMMON, *flags]), f"127.0.0.1:{port}",
+        metrics_port)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]  # not DeepSpeed's
+
+
+def phases(trainer_logs: list[str], scheduler_log: str) -> list[tuple[str, str, int, float, float]]:
+    """(job, phase, iteration, granted ts, released ts) from the trainers' JSON logs; a phase
+    still held when its trainer died ends when the scheduler took the job out of its group."""
+    left = {found.group(1): record["ts"] for record in json_lines(scheduler_log)
+            if (found := re.match(r"job (\S+) failed \(client lease expired\)", record["msg"]))}
+    opened: dict[tuple[str, str, int], float] = {}
+    closed = []
+    for record in (r for text in trainer_logs for r in json_lines(text)):
+        if (found := PERMIT.search(record.get("msg", ""))) is None:
+            continue
+        phase, iteration, job, what = found.groups()
+        key = (job, phase, int(iteration))
+        if what == "granted":
+            opened[key] = record["ts"]
+        else:
+            closed.append((*key, opened.pop(key), record["ts"]))
+    return closed + [(*key, start, left[key[0]]) for key, start in opened.items()]
+
+
+async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_leaves(
+        stack, etcd_client):
+    scheduler = stack.start("placement_scheduler", "scheduler", [
+        "--scheduler-id", "scheduler", "--rollout-nodes", "1", "--train-nodes", "1", *COMMON])
+    managers = {}
+    for job in ("job-a", "job-b"):
+        port = free_port()
+        managers[job] = stack.start("rollout_manager", f"manager-{job}", [
+            "--manager-id", f"manager-{job}", "--job", job, "--port", str(port), *COMMON])
+    worker_metrics = free_port()
+    worker = stack.start("rollout_worker", "w0", [
+        "--worker-id", "w0", "--placement-node", "rollout-1", "--torch-threads", "1",
+        "--max-running", "8", "--step-delay-s", "0.05", "--metrics-port", str(worker_metrics),
+        *COMMON])
+    # B first, then A joins its group: from then on the two take turns on each node.
+    b = start_trainer(stack, "job-b", 1000)
+    await asyncio.to_thread(wait_serving, b, 120)
+    await wait_trainer(b, lambda s: s.steps_done >= 1)
+    a = start_trainer(stack, "job-a", 6, "--no-exit-when-done")
+    await asyncio.to_thread(wait_serving, a, 120)
+    await wait_trainer(a, lambda s: s.steps_done >= 1)
+    b.process.process.send_signal(signal.SIGKILL)  # A goes on alone once B's lease expires
+    assert (await wait_trainer(a, lambda s: s.state == "done")).steps_done == 6
+
+    runs = phases([a.process.log_path.read_text(), b.process.log_path.read_text()],
+                  scheduler.log_path.read_text())
+    ran = {(job, phase, i) for job, phase, i, _, _ in runs}
+    assert {("job-a", p, i) for p in ("rollout", "train") for i in range(6)} <= ran, runs
+    assert ("job-b", "train", 0) in ran, runs
+    first_a = min(start for job, _, _, start, _ in runs if job == "job-a")
+    assert any(job == "job-b" and start > first_a for job, _, _, start, _ in runs), \
+        f"B never ran a phase after A joined: {runs}"
+    for phase in ("rollout", "train"):  # one node per pool: never two jobs on it at once
+        held = sorted((start, end, job) for job, p, _, start, end in runs if p == phase)
+        for (_, end, job), (start, _, other) in zip(held, held[1:]):
+            assert end <= start or job == other, f"{phase} overlaps: {held}"
+
+    # The worker followed the node's turn: it switched between the jobs, and back to a job it
+    # had served was a warm load of that job's resident weights.
+    text = scrape(worker_metrics)
+    assert metric(text, 'rlh_worker_job_switches_total{load="cold"}') == 2, text
+    assert metric(text, 'rlh_worker_job_switches_total{load="warm"}') >= 1
+    assert worker.alive() and all(m.alive() for m in managers.values())
+    # The killed trainer's lease expired: its job left the group, and A's did when it finished.
+    deadline = time.monotonic() + 30
+    while await etcd_client.get(keys.placement_state_key("jobs/job-b").encode()) is not None:
+        assert time.monotonic() < deadline, "job-b never left the group"
+        await asyncio.sleep(0.2)
+    assert await etcd_client.get(keys.placement_state_key("jobs/job-a").encode()) is None
+    assert await etcd_client.get(keys.placement_node_key("rollout-1").encode()) is None

@@ -1,0 +1,143 @@
+"""WEAVE in the data plane, the parts without I/O: a placed worker's job switches (what it
+registers, in which order, which weights it loads and keeps) and the trainer's phase gate (which
+permits a step, a retried step and a failed training phase take)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from rlharvest.services.placement_scheduler.client import PhaseRun
+from rlharvest.services.placement_scheduler.model import Pool
+from rlharvest.services.rollout_worker.placement_follower import NodeFollower, turn_of
+from rlharvest.services.trainer.placed_phases import PlacedPhases
+from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.rollout_worker.config import WorkerConfig
+
+
+class Worker:
+    """The engine and member record a follower drives, as a log of what happened."""
+
+    def __init__(self) -> None:
+        self.weights = {"w": torch.zeros(2)}
+        self.version = 0
+        self.log: list[tuple] = []
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.weights.items()}
+
+    async def load(self, weights, version: int, source: str) -> None:
+        self.weights = {k: v.clone() for k, v in weights.items()}
+        self.version = version
+        self.log.append(("load", float(self.weights["w"][0]), version))
+
+    async def register(self, job: str) -> None:
+        self.log.append(("register", job))
+
+    def follower(self, resident: int = 2) -> NodeFollower:
+        follower = NodeFollower(None, "rollout-1", snapshot=self.snapshot,
+                                version=lambda: self.version, load=self.load,
+                                register=self.register, resident_jobs=resident)
+        follower._start = (self.snapshot(), self.version)  # what run() reads first
+        return follower
+
+
+async def test_a_switch_leaves_the_old_job_first_and_a_job_served_before_loads_warm() -> None:
+    worker = Worker()
+    follower = worker.follower()
+    await follower.switch("A")
+    worker.weights["w"].fill_(1.0)  # A trains: its puller loads A's version 3
+    worker.version = 3
+    await follower.switch("B")
+    assert worker.log == [("load", 0.0, 0), ("register", "A"),
+                          ("register", ""), ("load", 0.0, 0), ("register", "B")]
+    worker.log.clear()
+    await follower.switch("A")  # A's version 3 comes back from host memory, not a pull
+    assert worker.log == [("register", ""), ("load", 1.0, 3), ("register", "A")]
+    await follower.switch("")  # the node left every group: registered for no job
+    assert worker.log[-1] == ("register", "")
+    assert follower.job == ""
+
+
+async def test_resident_weights_keep_only_the_most_recently_served_jobs() -> None:
+    worker = Worker()
+    follower = worker.follower(resident=1)
+    for job, value in (("A", 1.0), ("B", 2.0), ("C", 3.0)):
+        await follower.switch(job)
+        worker.weights["w"].fill_(value)
+    worker.log.clear()
+    await follower.switch("B")  # kept when C came (one job besides the one served)
+    assert ("load", 2.0, 0) in worker.log
+    worker.log.clear()
+    await follower.switch("A")  # dropped when B was kept: a cold start from the start weights
+    assert ("load", 0.0, 0) in worker.log
+
+
+@pytest.mark.parametrize("raw, job", [(None, ""), (b'{"turn": "job-a", "holder": null}', "job-a"),
+                                      (b'{"turn": null}', ""), (b"not json", ""), (b"[1]", "")])
+def test_a_node_record_names_the_job_to_serve_or_none(raw, job) -> None:
+    assert turn_of(raw) == job
+
+
+@dataclass
+class Job:
+    """PlacementJob's permit protocol, recorded."""
+
+    next_phase: tuple[Pool, int] = (Pool.ROLLOUT, 0)
+    calls: list[tuple[str, str, int]] = field(default_factory=list)
+
+    @property
+    def spec(self):
+        return type("Spec", (), {"job_id": "job-a"})
+
+    async def acquire(self, phase: Pool) -> PhaseRun:
+        assert phase is self.next_phase[0], f"asked for {phase} before {self.next_phase}"
+        self.calls.append(("acquire", phase.value, self.next_phase[1]))
+        return PhaseRun(self, phase, self.next_phase[1], ["n1"])  # type: ignore[arg-type]
+
+    async def release(self, run: PhaseRun) -> None:
+        self.calls.append(("release", run.phase.value, run.iteration))
+        self.next_phase = (Pool.TRAIN, run.iteration) if run.phase is Pool.ROLLOUT else \
+            (Pool.ROLLOUT, run.iteration + 1)
+
+
+async def test_a_step_holds_the_rollout_then_the_training_permit_one_at_a_time() -> None:
+    job = Job()
+    phases = PlacedPhases(job)  # type: ignore[arg-type]
+    await phases.rollout()
+    await phases.train()
+    await phases.done()
+    assert job.calls == [("acquire", "rollout", 0), ("release", "rollout", 0),
+                         ("acquire", "train", 0), ("release", "train", 0)]
+
+
+async def test_a_retried_rollout_keeps_its_permit_and_a_failed_training_ends_the_iteration() -> None:
+    job = Job()
+    phases = PlacedPhases(job)  # type: ignore[arg-type]
+    await phases.rollout()
+    await phases.rollout()  # the step failed mid-rollout and is retried: same permit
+    assert job.calls == [("acquire", "rollout", 0)]
+    await phases.train()
+    await phases.rollout()  # failed while training: iteration 0 ends, the retry is iteration 1
+    assert job.calls[-3:] == [("acquire", "train", 0), ("release", "train", 0),
+                              ("acquire", "rollout", 1)]
+
+
+async def test_a_step_failed_between_its_phases_runs_an_empty_training_phase() -> None:
+    job = Job(next_phase=(Pool.TRAIN, 4))  # the rollout permit went back, training never began
+    phases = PlacedPhases(job)  # type: ignore[arg-type]
+    await phases.rollout()
+    assert job.calls == [("acquire", "train", 4), ("release", "train", 4),
+                         ("acquire", "rollout", 5)]
+
+
+def test_placement_flags_are_refused_without_durations_or_with_the_seed_role() -> None:
+    with pytest.raises(ValueError, match="placement-t-roll-s"):
+        TrainerConfig(placement_scheduler=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        TrainerConfig(placement_scheduler=True, placement_t_roll_s=1, placement_t_train_s=1,
+                      seed_role=True, instance_cap="auto")
+    with pytest.raises(ValueError, match="drop --job"):
+        WorkerConfig(placement_node="rollout-1", job="job-a")
