@@ -2,7 +2,8 @@
 submits its job and runs every rollout and training phase under the scheduler's permits; one
 rollout worker placed on the one rollout node serves whichever job's turn the node is, keeping
 the other job's weights resident; a SIGKILLed trainer's job leaves the group and the other job
-goes on to finish."""
+goes on to finish, through a SIGKILL of the scheduler's leader (its standby takes over) with no
+phase run twice."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from rlharvest.common import keys
 from rlharvest.common.local_etcd import free_port
 
-from .test_trainer import metric, scrape, wait_trainer
+from .test_trainer import metric, scrape, trainer_status, wait_trainer
 from .worker_client import WorkerHandle, wait_serving
 
 pytestmark = pytest.mark.integration
@@ -25,6 +26,7 @@ COMMON = ["--lease-ttl", "2", "--json-logs"]
 # Worst-case phase estimates far above these phases' real times: no drift eviction.
 PLACED = ["--placement-scheduler", "--placement-t-roll-s", "30", "--placement-t-train-s", "30",
           "--placement-slo", "3"]
+STEPS = 12  # job A's
 PERMIT = re.compile(r"placement: (rollout|train) #(\d+) of job (\S+) (granted|released)")
 
 
@@ -55,6 +57,7 @@ def phases(trainer_logs: list[str], scheduler_log: str) -> list[tuple[str, str, 
         phase, iteration, job, what = found.groups()
         key = (job, phase, int(iteration))
         if what == "granted":
+            assert key not in opened and key not in {c[:3] for c in closed}, f"{key} ran twice"
             opened[key] = record["ts"]
         else:
             closed.append((*key, opened.pop(key), record["ts"]))
@@ -63,8 +66,9 @@ def phases(trainer_logs: list[str], scheduler_log: str) -> list[tuple[str, str, 
 
 async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_leaves(
         stack, etcd_client):
-    scheduler = stack.start("placement_scheduler", "scheduler", [
-        "--scheduler-id", "scheduler", "--rollout-nodes", "1", "--train-nodes", "1", *COMMON])
+    schedulers = [stack.start("placement_scheduler", name, [
+        "--scheduler-id", name, "--rollout-nodes", "1", "--train-nodes", "1", *COMMON])
+        for name in ("leader", "standby")]
     managers = {}
     for job in ("job-a", "job-b"):
         port = free_port()
@@ -79,16 +83,24 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
     b = start_trainer(stack, "job-b", 1000)
     await asyncio.to_thread(wait_serving, b, 120)
     await wait_trainer(b, lambda s: s.steps_done >= 1)
-    a = start_trainer(stack, "job-a", 6, "--no-exit-when-done")
+    a = start_trainer(stack, "job-a", STEPS, "--no-exit-when-done")
     await asyncio.to_thread(wait_serving, a, 120)
     await wait_trainer(a, lambda s: s.steps_done >= 1)
     b.process.process.send_signal(signal.SIGKILL)  # A goes on alone once B's lease expires
-    assert (await wait_trainer(a, lambda s: s.state == "done")).steps_done == 6
+    deadline = time.monotonic() + 30
+    while await etcd_client.get(keys.placement_state_key("jobs/job-b").encode()) is not None:
+        assert time.monotonic() < deadline, "job-b never left the group"
+        await asyncio.sleep(0.05)
+    leader = next(s for s in schedulers if "leads on" in s.log_path.read_text())
+    leader.process.send_signal(signal.SIGKILL)  # the standby leads from etcd's state
+    assert (await trainer_status(a.endpoint)).steps_done < STEPS, "A finished before the kill"
+    assert (await wait_trainer(a, lambda s: s.state == "done")).steps_done == STEPS
+    assert "leads on" in next(s for s in schedulers if s is not leader).log_path.read_text()
 
     runs = phases([a.process.log_path.read_text(), b.process.log_path.read_text()],
-                  scheduler.log_path.read_text())
+                  "".join(s.log_path.read_text() for s in schedulers))
     ran = {(job, phase, i) for job, phase, i, _, _ in runs}
-    assert {("job-a", p, i) for p in ("rollout", "train") for i in range(6)} <= ran, runs
+    assert {("job-a", p, i) for p in ("rollout", "train") for i in range(STEPS)} <= ran, runs
     assert ("job-b", "train", 0) in ran, runs
     first_a = min(start for job, _, _, start, _ in runs if job == "job-a")
     assert any(job == "job-b" and start > first_a for job, _, _, start, _ in runs), \
@@ -104,10 +116,6 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
     assert metric(text, 'rlh_worker_job_switches_total{load="cold"}') == 2, text
     assert metric(text, 'rlh_worker_job_switches_total{load="warm"}') >= 1
     assert worker.alive() and all(m.alive() for m in managers.values())
-    # The killed trainer's lease expired: its job left the group, and A's did when it finished.
-    deadline = time.monotonic() + 30
-    while await etcd_client.get(keys.placement_state_key("jobs/job-b").encode()) is not None:
-        assert time.monotonic() < deadline, "job-b never left the group"
-        await asyncio.sleep(0.2)
+    # A's job left the group when it finished; no group holds the node now.
     assert await etcd_client.get(keys.placement_state_key("jobs/job-a").encode()) is None
     assert await etcd_client.get(keys.placement_node_key("rollout-1").encode()) is None
