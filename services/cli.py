@@ -53,6 +53,10 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        log_dir: Optional[Path] = typer.Option(None, help="where service logs go (default: a temp dir)"),
        placement_scheduler: bool = typer.Option(False, help="also start a placement scheduler "
                                                 "(4 rollout + 2 training nodes; see its --help)"),
+       jobs: int = typer.Option(1, min=1, help="RL jobs; more than one needs "
+                                "--placement-scheduler: the jobs then share the rollout workers "
+                                "(one per rollout node) and one training node by WEAVE's "
+                                "permits, each with its own manager (and trainer)"),
        trainer: bool = typer.Option(False, help="also start a trainer for the job 'default' "
                                                "(needs the manager and an agent)"),
        spot_trace: str = typer.Option("", help="replay spot availability instead of --spot: "
@@ -76,6 +80,12 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--spot-trace") from None
         spot = 0  # the trace decides the spot workers
+    if jobs > 1 and not placement_scheduler:
+        raise typer.BadParameter("several jobs share the workers only under the placement "
+                                 "scheduler; add --placement-scheduler", param_hint="--jobs")
+    if jobs > 1 and (spot or spot_trace or coexecutors):
+        raise typer.BadParameter("--jobs runs dedicated workers placed on rollout nodes; drop "
+                                 "--spot, --spot-trace and --coexecutors", param_hint="--jobs")
     if tls and prometheus:
         raise typer.BadParameter("with --tls the metrics endpoints want a client certificate, "
                                  "which the local Prometheus is not given yet; drop one of them")
@@ -90,6 +100,17 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                                       port=prometheus_port).start()
         for i in range(agents):
             stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
+        if jobs > 1:
+            expected = agents + _start_placed_jobs(stack, jobs, workers, model, agents, trainer)
+            asyncio.run(_wait_members(endpoint, expected, ready_timeout, stack))
+            console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {jobs} jobs "
+                          f"sharing {workers} placed rollout workers and 1 training node by "
+                          f"the placement scheduler's permits, logs in {stack.log_dir}")
+            console.print(f"  rlharvest status --etcd {endpoint}")
+            if scraper is not None:
+                console.print(f"  Prometheus at {scraper.url} (job 'rlharvest', every member)")
+            _wait_for_signal()
+            return
         for i in range(workers + spot):
             kind = "dedicated" if i < workers else "spot"
             stack.start("rollout_worker", f"worker-{i}",
@@ -145,6 +166,34 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
             scraper.stop()
         stack.stop()
         console.print("stopped")
+
+
+def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, agents: int,
+                       trainer: bool) -> int:
+    """WEAVE on the local stack: a scheduler with a rollout node per worker and one training
+    node, the workers placed on the rollout nodes, a manager (and a trainer) per job. Returns
+    how many members that is."""
+    if workers < 1:
+        raise typer.BadParameter("--jobs needs at least one rollout worker", param_hint="--workers")
+    stack.start("placement_scheduler", "placement-scheduler", [
+        "--scheduler-id", "scheduler-0", "--rollout-nodes", str(workers), "--train-nodes", "1"])
+    for i in range(1, workers + 1):
+        stack.start("rollout_worker", f"worker-{i}", [
+            "--worker-id", f"worker-{i}", "--model", model, "--placement-node", f"rollout-{i}",
+            *(["--agent-pull"] if agents else [])])
+    for j in range(1, jobs + 1):
+        job = f"job-{j}"
+        stack.start("rollout_manager", f"manager-{job}", ["--manager-id", f"manager-{job}",
+                                                          "--job", job])
+        if trainer:
+            # Worst-case phase estimates for the tiny preset on a CPU, and an SLO loose enough
+            # for every job to share the one group.
+            stack.start("trainer", f"trainer-{job}", [
+                "--trainer-id", f"trainer-{job}", "--job", job, "--model", model,
+                "--no-exit-when-done", *([] if agents else ["--no-publish"]),
+                "--placement-scheduler", "--placement-t-roll-s", "30",
+                "--placement-t-train-s", "30", "--placement-slo", str(jobs + 1)])
+    return 1 + workers + jobs * (2 if trainer else 1)
 
 
 async def _wait_members(endpoint: str, expected: int, timeout: float, stack: LocalStack) -> None:

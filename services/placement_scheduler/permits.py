@@ -78,6 +78,24 @@ class PhaseQueues:
             self._turn.setdefault(node_id, 0)
             self._holder.setdefault(node_id, None)
         self._next[job_id] = _NextPhase(Pool.ROLLOUT, iteration)
+        self._start_on_idle_nodes(job_id, rollout_node_ids)
+
+    def _start_on_idle_nodes(self, job_id: str, node_ids: Sequence[str]) -> None:
+        """A new job's first phase (its rollout) takes the turn on its nodes when all of them
+        idle, waiting for jobs that are busy on the other pool; otherwise it waits at the end
+        of the order. The paper adds a job at the end of the round robin without saying where
+        its first turn falls; taking it here sets the pipeline's phase offset right: a job
+        joining while its partner trains rolls out alongside that training, instead of queueing
+        behind the partner's next rollout, which would make the two run one after the other
+        for ever (every node turn-locked half a cycle out of step). All or none, so no two jobs
+        each hold the turn of a node the other needs."""
+        def idle(node_id: str) -> bool:
+            turn = self.turn(node_id)
+            return self._holder[node_id] is None and turn is not None and turn != job_id \
+                and self._next[turn].phase is not Pool.ROLLOUT
+        if node_ids and all(idle(n) for n in node_ids):
+            for node_id in node_ids:
+                self._turn[node_id] = self._cycle[node_id].index(job_id)
 
     def remove_job(self, job_id: str) -> list[Permit]:
         """Drop a job (failure or leave): its turns pass to the next members and its nodes are

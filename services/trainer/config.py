@@ -94,6 +94,9 @@ class TrainerConfig(ServiceConfig):
     bench_seed_step_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each "
                                            "engine step of the seed role's engine also takes "
                                            "this long (as a rollout worker's --step-delay-s)")
+    bench_train_delay_s: float = Field(0.0, ge=0, description="benchmark harness: sleep this "
+                                       "long in each step's training phase after the "
+                                       "optimizer step (a slower training node)")
     bench_reward_delay_s: float = Field(0.0, ge=0, description="benchmark harness: each reward "
                                         "also takes this long (a verifier's latency)")
     # RLBoost's seeding window (§4.1, seed_role.py): the trainer's own engine rolls out during

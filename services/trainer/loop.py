@@ -352,7 +352,7 @@ class TrainerLoop:
             await rollout_client.find_manager_member(self._etcd, cfg.job)
         manager = self._manager or member["endpoint"]
         if self.placed is not None:  # the permit's node switches its worker to this job now
-            await wait_workers(manager, 1, timeout=cfg.no_worker_deadline_s, poll_s=0.05)
+            await wait_workers(manager, 1, timeout=cfg.no_worker_deadline_s, poll_s=0.01)
             progress.phase = "rollout"
         window_s = self._seed_window_s()
         if window_s and self._seed is not None:
@@ -543,6 +543,8 @@ class TrainerLoop:
 
         async def apply() -> StepStats:
             stats = await self._run(train.finish)
+            if self._cfg.bench_train_delay_s:  # the harness's slower training node
+                await asyncio.sleep(self._cfg.bench_train_delay_s)
             self._step = spec.step
             self._commit_data(spec, assembler)  # with the step: a retried one never commits
             if self._publisher is not None:

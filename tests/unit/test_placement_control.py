@@ -212,3 +212,32 @@ def test_node_records_name_whose_turn_each_placed_node_is_and_its_holder() -> No
     ctl.cancel("A")
     ctl.cancel("B")
     assert nodes() == {}  # a node no group holds has no record: its workers serve no job
+
+
+def test_a_job_joining_while_its_partner_trains_rolls_out_alongside_that_training() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=1, train=1)
+    ctl.submit(spec("A", slo=4.0))
+    run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 10.0)
+    assert ctl.acquire("A", Pool.TRAIN, 0) is not None  # A trains when B arrives
+    ctl.submit(spec("B", slo=4.0))
+    # r1 idles waiting for A, who is busy on t1: B's rollout takes it now. Queued behind A's
+    # next rollout instead, the two would run one phase after the other for ever.
+    assert ctl.acquire("B", Pool.ROLLOUT, 0) is not None
+    ctl.release("A", Pool.TRAIN, 0)
+    assert ctl.acquire("A", Pool.ROLLOUT, 1) is None  # B rolls out: A's turn comes next
+    ctl.release("B", Pool.ROLLOUT, 0)
+    assert ctl.acquire("A", Pool.ROLLOUT, 1) is not None  # the pipeline: A rolls out ...
+    assert ctl.acquire("B", Pool.TRAIN, 0) is not None  # ... while B trains
+
+
+def test_a_job_joining_while_its_partner_rolls_out_queues_behind_that_rollout() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=1, train=1)
+    ctl.submit(spec("A", slo=4.0))
+    assert ctl.acquire("A", Pool.ROLLOUT, 0) is not None
+    ctl.submit(spec("B", slo=4.0))
+    assert ctl.acquire("B", Pool.ROLLOUT, 0) is None
+    ctl.release("A", Pool.ROLLOUT, 0)
+    assert ctl.acquire("A", Pool.TRAIN, 0) is not None  # t1 stays A's: B has not rolled out
+    assert ctl.acquire("B", Pool.ROLLOUT, 0) is not None
