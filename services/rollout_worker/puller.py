@@ -90,9 +90,11 @@ class Puller:
             watcher.cancel()
             if self._keepalive_task is not None:
                 self._keepalive_task.cancel()
-            if self._lease is not None:
+            lease, self._lease, self._keepalive_task = self._lease, None, None
+            self.paired = None  # run again (a placed worker back on this job): pair afresh
+            if lease is not None:
                 try:
-                    await self._lease.revoke()  # the pairing record goes with it
+                    await lease.revoke()  # the pairing record goes with it
                 except Exception as exc:
                     log.warning("could not drop pairing record: %r", exc)
 

@@ -141,3 +141,18 @@ def test_placement_flags_are_refused_without_durations_or_with_the_seed_role() -
                       seed_role=True, instance_cap="auto")
     with pytest.raises(ValueError, match="drop --job"):
         WorkerConfig(placement_node="rollout-1", job="job-a")
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--jobs", "2"], "add --placement-scheduler"),
+    (["--jobs", "2", "--placement-scheduler", "--spot", "1"], "drop --spot"),
+    (["--jobs", "2", "--placement-scheduler", "--workers", "0"], "at least one rollout worker"),
+])
+def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from rlharvest.services.cli import app
+
+    result = CliRunner().invoke(app, ["up", *flags, "--log-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert words in " ".join(result.output.split())
