@@ -114,6 +114,8 @@ class InterGroupScheduler:
             if not self._capacity_for(new_nodes, 0):
                 break
             for group in open_groups:
+                if not self._has_slack(group, scaling=new_nodes > 0):
+                    continue
                 decision = self._first_feasible(group, job, new_nodes)
                 if decision is not None:
                     return decision
@@ -126,10 +128,19 @@ class InterGroupScheduler:
         return Decision(job, Strategy.ISOLATED, None, 0, (), job.rollout_nodes, job.train_nodes,
                         cost, {job.job_id: job.t_solo})
 
+    @staticmethod
+    def _has_slack(group: Group, scaling: bool) -> bool:
+        """Algorithm 1 line 4, per strategy. Direct packing needs slack on the group's
+        bottleneck (T_load < T_cycle). Rollout scaling brings rollout nodes of its own, so only
+        a saturated training pool rules it out; a rollout node the group already filled does not
+        (the SLO replay of line 10 decides the rest). Pruning every saturated group, as line 4
+        reads, sent such arrivals to a new group at the price of its training nodes."""
+        if scaling:
+            return not group.jobs or group.train_load_s < group.t_cycle
+        return not group.saturated
+
     def _may_take(self, group: Group, job: Job) -> bool:
         """Group-level filters that hold for every placement in the group."""
-        if group.saturated:  # Algorithm 1 line 4
-            return False
         if len(group.train_nodes) < job.train_nodes:  # training pools are not scaled (§4.2 fn 2)
             return False
         if not fits_in_memory(group.train_mem_gb, job.train_mem_gb, group.min_train_mem_gb):
@@ -242,15 +253,22 @@ class InterGroupScheduler:
 
     def observe_drift(self, job_id: str, t_roll: float, t_train: float) -> bool:
         """Record a job's drifted profile (§5.3). True means the job must be stopped and
-        resubmitted: its group became overloaded (T_load > T_cycle) or a member's SLO no longer
-        holds. The other members are never moved."""
+        resubmitted: the drift made its group overloaded (T_load <= T_cycle before, > after) or
+        broke a member's SLO that held before. A group admitted with T_load > T_cycle (rollout
+        scaling onto a full node, within every SLO) is not evicted for drift that changes
+        neither. The other members are never moved."""
         group = self.group_of(job_id)
+        overloaded = group.t_load > group.t_cycle + _EPS
+        broken = set(self._violations(group))
         old = group.jobs[job_id]
         group.update_job(Job(**{**old.to_dict(), "t_roll": t_roll, "t_train": t_train}))
-        if group.t_load > group.t_cycle + _EPS:
+        if not overloaded and group.t_load > group.t_cycle + _EPS:
             return True
+        return bool(set(self._violations(group)) - broken)
+
+    def _violations(self, group: Group) -> list[str]:
         periods = co_execution_periods(self._members_of(group), self.iterations)
-        return bool(slo_violations(periods, group.jobs))
+        return slo_violations(periods, group.jobs)
 
     def _new_group(self, train_nodes: int) -> Group:
         self._serial["group"] += 1

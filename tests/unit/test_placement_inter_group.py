@@ -234,3 +234,24 @@ def test_memory_residency_accepts_an_exact_fit(scheduler, pool, extra_gb, strate
     scheduler.submit(Job("A", 100, 100, 2.0, 1, 1, **{**mem, f"{pool}_mem_gb": 500.0}))
     arrival = Job("B", 100, 100, 2.0, 1, 1, **{**mem, f"{pool}_mem_gb": 500.0 + extra_gb})
     assert scheduler.submit(arrival).strategy is strategy
+
+
+def test_a_group_saturated_on_a_rollout_node_still_takes_rollout_scaling(scheduler) -> None:
+    scheduler.submit(job("A", 10, 2))
+    scheduler.submit(job("B", 10, 2))  # packed on A's rollout node: its load 20 > T_cycle 12
+    group = scheduler.groups["group-1"]
+    assert group.saturated and group.train_load_s < group.t_cycle
+    # Packing C on the full node breaks SLOs; a rollout node of its own does not, and costs one
+    # rollout node instead of a new group's rollout and training nodes.
+    decision = scheduler.submit(job("C", 10, 2, slo=3.0))
+    assert decision.strategy is Strategy.ROLLOUT_SCALING and decision.group_id == "group-1"
+    assert decision.marginal_cost_per_hour == pytest.approx(8 * 1.85)
+
+
+def test_drift_in_a_group_admitted_overloaded_evicts_only_when_an_slo_breaks(scheduler) -> None:
+    scheduler.submit(job("A", 10, 2))
+    scheduler.submit(job("B", 10, 2))  # admitted with T_load 20 > T_cycle 12, within SLOs
+    group = scheduler.groups["group-1"]
+    assert group.t_load > group.t_cycle
+    assert scheduler.observe_drift("A", 10.5, 2) is False  # still overloaded, every SLO holds
+    assert scheduler.observe_drift("B", 30, 2) is True  # A's iteration now breaks its SLO
