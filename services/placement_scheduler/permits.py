@@ -81,21 +81,26 @@ class PhaseQueues:
         self._start_on_idle_nodes(job_id, rollout_node_ids)
 
     def _start_on_idle_nodes(self, job_id: str, node_ids: Sequence[str]) -> None:
-        """A new job's first phase (its rollout) takes the turn on its nodes when all of them
-        idle, waiting for jobs that are busy on the other pool; otherwise it waits at the end
-        of the order. The paper adds a job at the end of the round robin without saying where
-        its first turn falls; taking it here sets the pipeline's phase offset right: a job
-        joining while its partner trains rolls out alongside that training, instead of queueing
-        behind the partner's next rollout, which would make the two run one after the other
-        for ever (every node turn-locked half a cycle out of step). All or none, so no two jobs
-        each hold the turn of a node the other needs."""
+        """A new job's first phase (its rollout) goes first on its nodes when all of them idle,
+        waiting for jobs that are busy on the other pool: on each, the job moves from the end of
+        the order to just before the job whose turn it is, and takes the turn. Otherwise it
+        waits at the end of the order. The paper adds a job at the end of the round robin
+        without saying where its first turn falls; this sets the pipeline's phase offset right:
+        a job joining while its partner trains rolls out alongside that training, instead of
+        queueing behind the partner's next rollout, which would make the two run one phase
+        after the other for ever. Moving it in front of the turn (not jumping the turn to the
+        end) skips nobody, so the other jobs' turns keep their order on every node; all or
+        none, so no two jobs each hold the turn of a node the other needs."""
         def idle(node_id: str) -> bool:
             turn = self.turn(node_id)
             return self._holder[node_id] is None and turn is not None and turn != job_id \
                 and self._next[turn].phase is not Pool.ROLLOUT
-        if node_ids and all(idle(n) for n in node_ids):
-            for node_id in node_ids:
-                self._turn[node_id] = self._cycle[node_id].index(job_id)
+        if not node_ids or not all(idle(n) for n in node_ids):
+            return
+        for node_id in node_ids:
+            cycle = self._cycle[node_id]
+            cycle.remove(job_id)
+            cycle.insert(self._turn[node_id], job_id)  # the turn index now names the new job
 
     def remove_job(self, job_id: str) -> list[Permit]:
         """Drop a job (failure or leave): its turns pass to the next members and its nodes are

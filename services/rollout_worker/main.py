@@ -50,8 +50,8 @@ def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: Wo
         assert host.membership is not None  # loops start after the worker registered
         await host.membership.update(job=job, weight_version=engine.weight_version)
 
-    return NodeFollower(host.etcd, cfg.placement_node, snapshot=engine.weights,
-                        version=lambda: engine.weight_version,
+    return NodeFollower(host.etcd, cfg.placement_node, read=service.read_between_steps,
+                        weights=engine.weights, version=lambda: engine.weight_version,
                         load=service.load_weights_tensors, register=register,
                         make_puller=puller if cfg.agent_pull else None,
                         resident_jobs=cfg.placement_resident_jobs)

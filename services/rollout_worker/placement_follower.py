@@ -47,7 +47,13 @@ Weights = Mapping[str, torch.Tensor]
 class JobPuller(Protocol):
     """One job's weight puller (``puller.Puller``): runs until cancelled."""
 
+    held: dict[str, torch.Tensor]  # the job's weights as last pulled (a resident copy)
+    held_version: int | None
+    pulling: bool  # a pull under way: stopped now, ``held`` may be half-updated
+
     async def run(self) -> None: ...
+
+    def forget(self) -> None: ...
 
 
 def turn_of(raw: bytes | None) -> str:
@@ -63,15 +69,18 @@ def turn_of(raw: bytes | None) -> str:
 
 
 class NodeFollower:
-    def __init__(self, etcd: Any, node_id: str, *, snapshot: Callable[[], Weights],
-                 version: Callable[[], int],
+    def __init__(self, etcd: Any, node_id: str, *,
+                 read: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 weights: Callable[[], Weights], version: Callable[[], int],
                  load: Callable[[Weights, int, str], Awaitable[Any]],
                  register: Callable[[str], Awaitable[None]],
                  make_puller: Callable[[str], JobPuller] | None = None,
                  resident_jobs: int = 2) -> None:
+        """``read(fn)`` runs ``fn`` between engine steps (after any weight swap queued before);
+        ``weights()``/``version()`` read the engine there; ``load`` swaps weights in."""
         self._etcd, self.node_id = etcd, node_id
-        self._snapshot, self._version, self._load = snapshot, version, load
-        self._register, self._make_puller = register, make_puller
+        self._read, self._weights, self._version = read, weights, version
+        self._load, self._register, self._make_puller = load, register, make_puller
         self._capacity = resident_jobs
         self.job = ""
         self._start: tuple[Weights, int] | None = None  # what a job never served before gets
@@ -80,7 +89,7 @@ class NodeFollower:
         self._pulling: asyncio.Task | None = None
 
     async def run(self) -> None:
-        self._start = (await asyncio.to_thread(self._snapshot), self._version())
+        self._start = await self._read(lambda: (self._weights(), self._version()))
         key = keys.placement_node_key(self.node_id)
         try:
             async for event in registry.list_and_watch(self._etcd, key, prefix=False):
@@ -90,7 +99,7 @@ class NodeFollower:
                 if job != self.job:
                     await self.switch(job)
         finally:
-            self._stop_pulling()
+            await self._stop_pulling()
 
     async def switch(self, job: str) -> None:
         started = time.perf_counter()
@@ -99,8 +108,8 @@ class NodeFollower:
         resident = self._resident.pop(job, None) if job else None
         if old:
             await self._register("")  # first out: the old job's manager lets go of it
-            self._stop_pulling()
-            self._keep(old, await asyncio.to_thread(self._snapshot), self._version())
+            await self._stop_pulling()
+            self._keep(old, await self._resident_copy(old))
         self.job = job
         if not job:
             log.info("node %s serves no job now (was %s)", self.node_id, old or "none")
@@ -114,7 +123,8 @@ class NodeFollower:
         if self._make_puller is not None:
             puller = self._pullers.get(job) or self._pullers.setdefault(job,
                                                                          self._make_puller(job))
-            self._pulling = asyncio.create_task(puller.run(), name=f"weight puller {job}")
+            self._pulling = asyncio.create_task(self._supervise(job, puller),
+                                                name=f"weight puller {job}")
         await self._register(job)
         seconds = time.perf_counter() - started
         SWITCHES.labels("warm" if warm else "cold").inc()
@@ -122,8 +132,17 @@ class NodeFollower:
         log.info("node %s: serving job %s (was %s) at weight version %d, %s load, %.3f s",
                  self.node_id, job, old or "none", version, "warm" if warm else "cold", seconds)
 
-    def _keep(self, job: str, weights: Weights, version: int) -> None:
-        self._resident[job] = (weights, version)
+    async def _resident_copy(self, job: str) -> tuple[Weights, int]:
+        """The leaving job's weights: its puller's held tensors when they are what the engine
+        holds (no second copy in host memory), else a copy taken between engine steps."""
+        version = await self._read(self._version)
+        puller = self._pullers.get(job)
+        if puller is not None and puller.held and puller.held_version == version:
+            return puller.held, version
+        return await self._read(lambda: (self._weights(), self._version()))
+
+    def _keep(self, job: str, copy: tuple[Weights, int]) -> None:
+        self._resident[job] = copy
         self._resident.move_to_end(job)
         while len(self._resident) > self._capacity:
             dropped, _ = self._resident.popitem(last=False)
@@ -132,7 +151,24 @@ class NodeFollower:
                      dropped, self._capacity)
         RESIDENT.set(len(self._resident))
 
-    def _stop_pulling(self) -> None:
-        if self._pulling is not None:
-            self._pulling.cancel()
-            self._pulling = None
+    @staticmethod
+    async def _supervise(job: str, puller: JobPuller) -> None:
+        """The job's puller for as long as the job is served; restarted if it crashes."""
+        while True:
+            try:
+                await puller.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the weight puller of job %s crashed; restarting it", job)
+                await asyncio.sleep(1.0)
+
+    async def _stop_pulling(self) -> None:
+        task, self._pulling = self._pulling, None
+        if task is None:
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # its pairing lease goes now
+        for puller in self._pullers.values():
+            if puller.pulling:  # stopped mid-pull: its held tensors may be half a delta
+                puller.forget()

@@ -61,6 +61,7 @@ class Puller:
         self.streams = streams
         self.held: dict[str, torch.Tensor] = {}  # the tensors of held_version, as pulled
         self.held_version: int | None = None
+        self.pulling = False  # a pull (and its load) under way
         self.paired: str | None = None  # agent id
         self._refused: set[int] = set()  # versions the engine refused: wait for the next one
         self._wake = asyncio.Event()
@@ -105,7 +106,15 @@ class Puller:
         if version is None or version in self._refused or \
                 (self.held_version is not None and version <= self.held_version):
             return True
-        return await self._pull(version)
+        self.pulling = True  # cleared only by a pull that ran to its end (see forget)
+        pulled = await self._pull(version)
+        self.pulling = False
+        return pulled
+
+    def forget(self) -> None:
+        """Drop the held tensors: a pull stopped half-way may have applied part of a delta in
+        place, so the next pull is dense."""
+        self.held, self.held_version, self.pulling = {}, None, False
 
     async def _pair(self, agents: dict[str, dict]) -> str | None:
         """Keep the paired agent while it lives; otherwise take the least-paired live one and

@@ -4,10 +4,11 @@ send: the session protocol, the step loop and the policy live in their own modul
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -25,6 +26,8 @@ from rlharvest.services.rollout_worker.admission import RolloutAdmission
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
@@ -105,6 +108,24 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         weights) between engine steps; returns the number of tensors loaded. Raises
         EngineInputError, loading nothing, when a name, shape or value does not fit the model."""
         return await self.commands.swap_weights(lambda: tensors, version, source)
+
+    async def read_between_steps(self, read: Callable[[], T]) -> T:
+        """``read`` in the engine's thread between two steps, after every weight swap queued
+        before it: a consistent view (a placed worker's copy of a job's weights and version)."""
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        async def take() -> None:
+            try:
+                value = await self.pump.in_engine_thread(read)
+            except Exception as exc:  # handed to the awaiting caller
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            if not done.done():
+                done.set_result(value)
+
+        self.pump.between_steps(take)
+        return await done
 
     @property
     def draining(self) -> bool:

@@ -352,7 +352,11 @@ class TrainerLoop:
             await rollout_client.find_manager_member(self._etcd, cfg.job)
         manager = self._manager or member["endpoint"]
         if self.placed is not None:  # the permit's node switches its worker to this job now
-            await wait_workers(manager, 1, timeout=cfg.no_worker_deadline_s, poll_s=0.01)
+            try:
+                await wait_workers(manager, 1, timeout=cfg.no_worker_deadline_s, poll_s=0.01)
+            except TimeoutError as exc:  # retried under the rollout permit it holds
+                raise RolloutFailed(f"no worker joined the job's manager under its rollout "
+                                    f"permit: {exc}") from exc
             progress.phase = "rollout"
         window_s = self._seed_window_s()
         if window_s and self._seed is not None:
@@ -464,6 +468,8 @@ class TrainerLoop:
             assembler.check_complete()
             phases["rollout"] = self._clock() - started
             rollout_done.set()
+            if self.placed is not None:  # the rollout nodes go to the next job's rollout now
+                await self.placed.end_rollout()
             for group, sample, completion in held:  # sync: the reward stage starts now
                 if group not in assembler.deferred:
                     tasks.create_task(reward(group, sample, completion))

@@ -7,8 +7,9 @@ grants each node to the jobs of its group in round-robin order, so another job's
 this job's bubble: its rollout while this one trains, and the other way round.
 
 What a phase boundary means here, where the paper leaves it to the framework:
-- Training waits for the rollout to end (the streaming pipeline still scores rewards while
-  tokens stream): holding both permits at once would make the nodes' turns wait on each other.
+- The rollout permit goes back as the last token streams (rewards may still be scoring); the
+  training permit is taken before the first micro-batch. Training waits for the rollout to
+  end: holding both permits at once would make the nodes' turns wait on each other.
 - A step that fails during its rollout keeps the rollout permit and retries under it; one that
   fails after its rollout ends that iteration (its training phase runs empty) and is retried as
   the next: the scheduler's iterations count phases run, not steps applied.
@@ -16,6 +17,7 @@ What a phase boundary means here, where the paper leaves it to the framework:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -27,36 +29,64 @@ log = logging.getLogger(__name__)
 
 
 class PlacedPhases:
-    """The permits of one job's phases; the trainer calls ``rollout``, ``train``, ``done``."""
+    """The permits of one job's phases; the trainer calls ``rollout``, ``end_rollout``,
+    ``train``, ``done`` (concurrent calls take turns)."""
 
     def __init__(self, job: PlacementJob) -> None:
         self._job = job
         self._held: PhaseRun | None = None
         self._granted_at = 0.0
+        self._lock = asyncio.Lock()
+
+    @property
+    def _holding(self) -> PhaseRun | None:
+        """The permit held: released only once the job's next phase moved past it (a release
+        cancelled mid-call may still have gone through; then nothing is held)."""
+        run = self._held
+        if run is None or self._job.next_phase != (run.phase, run.iteration):
+            return None
+        return run
 
     async def rollout(self) -> None:
         """Before the step's rollout: hold the rollout permit (kept by a retried rollout)."""
-        if self._held is not None and self._held.phase is Pool.ROLLOUT:
-            return
-        await self.done()  # a step retried from its training phase: that iteration ends here
-        if self._job.next_phase[0] is Pool.TRAIN:  # failed between the two phases
-            await self._acquire(Pool.TRAIN)
-            await self.done()
-        await self._acquire(Pool.ROLLOUT)
+        async with self._lock:
+            if (run := self._holding) is not None and run.phase is Pool.ROLLOUT:
+                return
+            await self._release()  # a step retried from its training phase: that iteration ends
+            if self._job.next_phase[0] is Pool.TRAIN:  # failed between the two phases
+                await self._acquire(Pool.TRAIN)
+                await self._release()
+            await self._acquire(Pool.ROLLOUT)
+
+    async def end_rollout(self) -> None:
+        """The step's last token streamed: the rollout nodes pass to the next job now, while
+        rewards are still being scored."""
+        async with self._lock:
+            if (run := self._holding) is not None and run.phase is Pool.ROLLOUT:
+                await self._release()
 
     async def train(self) -> None:
-        """Once the step's rollout has ended: trade the rollout permit for the training one."""
-        if self._held is not None and self._held.phase is Pool.TRAIN:
-            return
-        await self.done()
-        await self._acquire(Pool.TRAIN)
+        """Once the step's rollout has ended: hold the training permit."""
+        async with self._lock:
+            if (run := self._holding) is not None and run.phase is Pool.TRAIN:
+                return
+            await self._release()
+            await self._acquire(Pool.TRAIN)
 
     async def done(self) -> None:
         """Release the permit held, if any: the nodes pass to the next job whose turn it is."""
-        run, self._held = self._held, None
+        async with self._lock:
+            await self._release()
+
+    async def _release(self) -> None:
+        run = self._holding
         if run is None:
+            self._held = None  # nothing held, or a release cancelled mid-call went through
             return
-        await self._job.release(run)
+        # Shielded: once asked, the release completes (and moves next_phase) even if the step
+        # is cancelled meanwhile; _holding then reads it as released.
+        await asyncio.shield(self._job.release(run))
+        self._held = None
         held = time.monotonic() - self._granted_at
         metrics.PERMIT_HELD_SECONDS.labels(run.phase.value).observe(held)
         log.info("placement: %s #%d of job %s released after %.3f s", run.phase.value,

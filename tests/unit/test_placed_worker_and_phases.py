@@ -4,6 +4,7 @@ permits a step, a retried step and a failed training phase take)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,9 +25,13 @@ class Worker:
         self.weights = {"w": torch.zeros(2)}
         self.version = 0
         self.log: list[tuple] = []
+        self.pullers: dict[str, Puller] = {}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.weights.items()}
+
+    async def read(self, fn):
+        return fn()
 
     async def load(self, weights, version: int, source: str) -> None:
         self.weights = {k: v.clone() for k, v in weights.items()}
@@ -37,9 +42,10 @@ class Worker:
         self.log.append(("register", job))
 
     def follower(self, resident: int = 2) -> NodeFollower:
-        follower = NodeFollower(None, "rollout-1", snapshot=self.snapshot,
+        follower = NodeFollower(None, "rollout-1", read=self.read, weights=self.snapshot,
                                 version=lambda: self.version, load=self.load,
-                                register=self.register, resident_jobs=resident)
+                                register=self.register, resident_jobs=resident,
+                                make_puller=self.pullers.get if self.pullers else None)
         follower._start = (self.snapshot(), self.version)  # what run() reads first
         return follower
 
@@ -73,6 +79,63 @@ async def test_resident_weights_keep_only_the_most_recently_served_jobs() -> Non
     worker.log.clear()
     await follower.switch("A")  # dropped when B was kept: a cold start from the start weights
     assert ("load", 0.0, 0) in worker.log
+
+
+class Puller:
+    """A job's puller: ``crash`` times it raises, then it pulls (holds ``held``) and waits."""
+
+    def __init__(self, worker: Worker, value: float, crash: int = 0, hang: bool = False) -> None:
+        self.worker, self.value, self.crash, self.hang = worker, value, crash, hang
+        self.held: dict[str, torch.Tensor] = {}
+        self.held_version: int | None = None
+        self.pulling = False
+        self.runs = 0
+
+    async def run(self) -> None:
+        self.runs += 1
+        if self.crash:
+            self.crash -= 1
+            raise RuntimeError("agent went away")
+        self.pulling = True
+        self.held["w"] = torch.full((2,), -1.0)  # a delta applied in place, half-way
+        await asyncio.sleep(0)
+        if self.hang:
+            await asyncio.Event().wait()  # the pull never lands before the switch
+        self.held, self.held_version = {"w": torch.full((2,), self.value)}, 7
+        await self.worker.load(self.held, 7, "pull")
+        self.pulling = False
+        await asyncio.Event().wait()  # waits for the next announcement until cancelled
+
+    def forget(self) -> None:
+        self.held, self.held_version, self.pulling = {}, None, False
+
+
+async def test_a_crashed_puller_restarts_and_its_held_weights_are_the_resident_copy() -> None:
+    worker = Worker()
+    worker.pullers["A"] = Puller(worker, 5.0, crash=1)
+    follower = worker.follower()
+    await follower.switch("A")
+    for _ in range(200):  # the supervisor restarts it after a second
+        if worker.pullers["A"].held_version == 7:
+            break
+        await asyncio.sleep(0.01)
+    assert worker.pullers["A"].runs == 2 and worker.version == 7
+    await follower.switch("")  # A's copy is the puller's own tensors, not a second one
+    assert follower._resident["A"][0] is worker.pullers["A"].held
+    await follower.switch("A")
+    assert worker.log[-2:] == [("load", 5.0, 7), ("register", "A")]
+    await follower._stop_pulling()
+
+
+async def test_a_puller_stopped_mid_pull_forgets_what_it_held() -> None:
+    worker = Worker()
+    worker.pullers["A"] = Puller(worker, 5.0, hang=True)
+    follower = worker.follower()
+    await follower.switch("A")
+    await asyncio.sleep(0.01)
+    assert worker.pullers["A"].pulling  # stopped before its pull landed
+    await follower.switch("B")
+    assert worker.pullers["A"].held == {} and worker.pullers["A"].held_version is None
 
 
 @pytest.mark.parametrize("raw, job", [(None, ""), (b'{"turn": "job-a", "holder": null}', "job-a"),
@@ -156,3 +219,22 @@ def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None
     result = CliRunner().invoke(app, ["up", *flags, "--log-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert words in " ".join(result.output.split())
+
+
+async def test_a_cancelled_release_still_goes_through_and_is_not_asked_twice() -> None:
+    job = Job()
+
+    async def slow_release(run: PhaseRun) -> None:
+        await asyncio.sleep(0.05)
+        await Job.release(job, run)
+
+    job.release = slow_release  # type: ignore[method-assign]
+    phases = PlacedPhases(job)  # type: ignore[arg-type]
+    await phases.rollout()
+    ending = asyncio.ensure_future(phases.end_rollout())
+    await asyncio.sleep(0.01)
+    ending.cancel()  # the step is cancelled while the rollout permit goes back
+    await asyncio.sleep(0.1)
+    await phases.train()
+    assert job.calls == [("acquire", "rollout", 0), ("release", "rollout", 0),
+                         ("acquire", "train", 0)]

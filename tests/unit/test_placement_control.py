@@ -241,3 +241,27 @@ def test_a_job_joining_while_its_partner_rolls_out_queues_behind_that_rollout() 
     ctl.release("A", Pool.ROLLOUT, 0)
     assert ctl.acquire("A", Pool.TRAIN, 0) is not None  # t1 stays A's: B has not rolled out
     assert ctl.acquire("B", Pool.ROLLOUT, 0) is not None
+
+
+def test_a_one_node_arrival_going_first_skips_no_turn_of_two_node_jobs() -> None:
+    from rlharvest.services.placement_scheduler.permits import PhaseQueues
+
+    q = PhaseQueues()
+    q.add_job("A", ["r1", "r3"], ["t1"])
+    q.add_job("B", ["r1", "r3"], ["t1"])
+    assert q.acquire("A", Pool.ROLLOUT, 0.0) is not None
+    q.release("A", Pool.ROLLOUT, 1.0)
+    assert q.acquire("A", Pool.TRAIN, 1.0) is not None
+    assert q.acquire("B", Pool.ROLLOUT, 1.0) is not None
+    q.release("B", Pool.ROLLOUT, 2.0)
+    q.release("A", Pool.TRAIN, 2.0)
+    assert q.acquire("B", Pool.TRAIN, 2.0) is not None
+    assert q.acquire("A", Pool.ROLLOUT, 2.0) is not None
+    q.release("A", Pool.ROLLOUT, 3.0)  # r1 and r3 wait for B, who trains
+    q.add_job("C", ["r1"], ["t1"])  # r1 idles: C rolls out now, in front of B's turn
+    assert q.acquire("C", Pool.ROLLOUT, 3.0) is not None
+    q.release("C", Pool.ROLLOUT, 4.0)
+    q.release("B", Pool.TRAIN, 4.0)
+    assert q.acquire("B", Pool.ROLLOUT, 4.0) is not None  # r1's turn came back to B, not A
+    restored = PhaseQueues.from_dict(q.to_dict())
+    assert restored.nodes() == q.nodes()
