@@ -27,10 +27,12 @@ ROLL, TRAIN = workloads.pools(5, H20, H800)
 
 
 def plain_algorithm1(scheduler: InterGroupScheduler, job: Job) -> float:
-    """Algorithm 1 as written: every unsaturated group, every placement simulated; returns Δ*."""
+    """Algorithm 1 as written: every group with slack for the strategy (line 4: a saturated
+    group takes no direct packing; rollout scaling only needs an unsaturated training pool, as
+    in inter_group.py), every placement simulated; returns Δ*."""
     best = job.rollout_nodes * ROLL.node_cost_per_hour + job.train_nodes * TRAIN.node_cost_per_hour
     for group in scheduler.groups.values():
-        if group.saturated or len(group.train_nodes) < job.train_nodes:
+        if group.train_load_s >= group.t_cycle or len(group.train_nodes) < job.train_nodes:
             continue
         if group.train_mem_gb + job.train_mem_gb > group.min_train_mem_gb:
             continue
@@ -40,7 +42,8 @@ def plain_algorithm1(scheduler: InterGroupScheduler, job: Job) -> float:
         # Same candidates as GENERATEPLACEMENTS in inter_group.py: load windows for direct
         # packing, least-loaded existing nodes plus m new ones for rollout scaling.
         candidates = [(tuple(room[i:i + job.rollout_nodes]), 0)
-                      for i in range(len(room) - job.rollout_nodes + 1)]
+                      for i in range(len(room) - job.rollout_nodes + 1)] \
+            if not group.saturated else []
         candidates += [(tuple(room[:job.rollout_nodes - m]), m)
                        for m in range(1, job.rollout_nodes + 1)
                        if len(room) >= job.rollout_nodes - m]
