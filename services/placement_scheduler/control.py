@@ -104,6 +104,9 @@ class JobRecord:
     slo_missed: int = 0
     tail_freed: list[str] = field(default_factory=list)  # nodes its running rollout gave away
     tail_at: float = 0.0
+    # When its running phase got the last node another job's migrated tail held (0: granted
+    # whole): its phase time is measured from there, not from the grant.
+    whole_at: float = 0.0
 
 
 @dataclass
@@ -226,7 +229,7 @@ class PlacementControl:
         Returns the nodes released back to the pools."""
         record = self._record(job_id)
         queues = self.queues[record.group_id]
-        queues.remove_job(job_id)
+        self._now_whole(queues.remove_job(job_id))
         released = self.scheduler.leave(job_id)
         if record.group_id not in self.scheduler.groups:
             del self.queues[record.group_id]
@@ -294,7 +297,7 @@ class PlacementControl:
                                   "still held by a migrated tail; release again once they are "
                                   "handed over")
         now = self.clock()
-        queues.release(job_id, phase, now)
+        self._now_whole(queues.release(job_id, phase, now), now)
         if record.tail_freed:
             self.stats.bubble_node_seconds += max(now - record.tail_at, 0.0) * \
                 len(record.tail_freed)
@@ -302,7 +305,15 @@ class PlacementControl:
         job = self.scheduler.groups[record.group_id].jobs[job_id]
         if phase is Pool.TRAIN:
             self._iteration_done(record, job, now)
-        return self._check_drift(job, phase, now - permit.granted_at)
+        # Waiting for nodes a migrated tail still held is not phase time (no false drift).
+        started, record.whole_at = max(permit.granted_at, record.whole_at), 0.0
+        return self._check_drift(job, phase, now - started)
+
+    def _now_whole(self, grown: Iterable[Permit], now: float | None = None) -> None:
+        """Permits that just got the last node a migrated tail held are whole from now."""
+        for permit in grown:
+            if not permit.pending_node_ids and permit.job_id in self.jobs:
+                self.jobs[permit.job_id].whole_at = self.clock() if now is None else now
 
     def _iteration_done(self, record: JobRecord, job: Job, now: float) -> None:
         if record.last_iteration_end is not None:

@@ -265,3 +265,21 @@ def test_a_one_node_arrival_going_first_skips_no_turn_of_two_node_jobs() -> None
     assert q.acquire("B", Pool.ROLLOUT, 4.0) is not None  # r1's turn came back to B, not A
     restored = PhaseQueues.from_dict(q.to_dict())
     assert restored.nodes() == q.nodes()
+
+
+def test_waiting_for_a_migrated_tails_nodes_is_not_counted_as_phase_time() -> None:
+    clock = Clock(START)
+    ctl = control(clock)
+    ctl.submit(spec("A", nodes=2))
+    ctl.submit(spec("B", nodes=2))  # t_roll 10 s; drift past 12.5 s is measured
+    assert ctl.acquire("A", Pool.ROLLOUT, 0) is not None
+    clock.advance(5)
+    ctl.progress("A", 0, total=10, finished=9, unfinished_by_node={"r1": 1, "r2": 0})
+    assert ctl.acquire("B", Pool.ROLLOUT, 0).pending_node_ids == ("r1",)
+    clock.advance(8)  # A's tail holds r1 for 8 s more
+    ctl.release("A", Pool.ROLLOUT, 0)
+    assert ctl.acquire("B", Pool.ROLLOUT, 0).pending_node_ids == ()
+    clock.advance(9)  # B's rollout on both nodes: 9 s, within its estimate
+    outcome = ctl.release("B", Pool.ROLLOUT, 0)
+    assert outcome.released and not outcome.evicted and not outcome.message, outcome
+    assert ctl.scheduler.group_of("B").jobs["B"].t_roll == 10.0  # no drift was recorded
