@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlharvest.services.placement_scheduler.model import Job, PlacementError, Pool, PoolSpec
@@ -49,6 +49,17 @@ class SimJob:
     job: Job
     arrival_s: float
     iterations: float  # solo-equivalent work: the job finishes after this many iterations
+    # Share of its worst-case phase durations the job actually takes: the scheduler plans with
+    # every response at the token limit (t_roll, t_train); real responses end sooner.
+    actual: float = 1.0
+
+    @property
+    def running_job(self) -> Job:
+        """The job as it actually runs (what the simulator's clock follows)."""
+        if self.actual == 1.0:
+            return self.job
+        return replace(self.job, t_roll=self.job.t_roll * self.actual,
+                       t_train=self.job.t_train * self.actual)
 
 
 def sample_job(rng: random.Random, job_id: str, workload: str,
@@ -66,15 +77,20 @@ def sample_job(rng: random.Random, job_id: str, workload: str,
 
 def poisson_jobs(n_jobs: int, workload: str, seed: int, mean_interarrival_s: float = 1800.0,
                  mean_duration_s: float = 14.4 * 3600,
-                 slo_range: tuple[float, float] = (1.0, 2.0)) -> list[SimJob]:
-    """Poisson arrivals with exponential solo durations (Philly: mean 14.4 h, §6.5)."""
+                 slo_range: tuple[float, float] = (1.0, 2.0),
+                 actual_range: tuple[float, float] | None = None) -> list[SimJob]:
+    """Poisson arrivals with exponential solo durations (Philly: mean 14.4 h, §6.5).
+    ``actual_range``: each job runs at a share ~ U(lo, hi) of its worst-case durations
+    (drawn from its own stream, so the jobs and arrivals stay those of the same seed)."""
     rng = random.Random(seed)
+    shares = random.Random(seed + 1_000_003)
     now, jobs = 0.0, []
     for i in range(n_jobs):
         now += rng.expovariate(1.0 / mean_interarrival_s)
         job = sample_job(rng, f"job-{i}", workload, slo_range)
         duration = min(rng.expovariate(1.0 / mean_duration_s), 10 * mean_duration_s)
-        jobs.append(SimJob(job, now, max(duration / job.t_solo, 1.0)))
+        actual = shares.uniform(*actual_range) if actual_range else 1.0
+        jobs.append(SimJob(job, now, max(duration / job.t_solo, 1.0), actual))
     return jobs
 
 

@@ -110,3 +110,25 @@ def test_table6_profiles_shape_the_workloads() -> None:
     assert all(1 <= j.slo <= 2 for j in rollout_heavy)
     with pytest.raises(PlacementError, match="unknown workload"):
         workloads.static_jobs(1, "nope", 0)
+
+
+def test_jobs_run_at_their_actual_durations_while_placement_plans_the_worst_case() -> None:
+    planned = Job("A", 100.0, 100.0, 2.0, 1, 1, 10.0, 10.0)
+    fast = cluster.simulate([workloads.SimJob(planned, 0.0, 10.0, actual=0.5)], weave)
+    assert fast.total_cost == pytest.approx(
+        cluster.simulate([workloads.SimJob(planned, 0.0, 10.0)], weave).total_cost / 2)
+    assert fast.mean_slowdown == pytest.approx(1.0) and fast.slo_attainment == 1.0
+    # Packed on the worst case, B (running at half of it) shares nodes with A (at all of it):
+    # its iteration follows A's phases, twice its own actual solo time and past its SLO of
+    # 1.5x, though the plan (both at the worst case) met every SLO.
+    a = workloads.SimJob(Job("A", 100.0, 100.0, 2.0, 1, 1, 10.0, 10.0), 0.0, 50.0)
+    b = workloads.SimJob(Job("B", 100.0, 100.0, 1.5, 1, 1, 10.0, 10.0), 1.0, 50.0, actual=0.5)
+    mixed = cluster.simulate([a, b], weave)
+    assert mixed.strategies["direct_packing"] == 1 and mixed.slo_attainment == 0.5
+
+
+def test_actual_shares_are_drawn_apart_from_the_jobs_of_the_seed() -> None:
+    worst = workloads.poisson_jobs(20, "mixed", seed=3)
+    real = workloads.poisson_jobs(20, "mixed", seed=3, actual_range=(0.4, 0.9))
+    assert [s.job for s in real] == [s.job for s in worst]
+    assert all(0.4 <= s.actual <= 0.9 for s in real) and all(s.actual == 1.0 for s in worst)
