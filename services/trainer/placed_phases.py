@@ -83,14 +83,15 @@ class PlacedPhases:
         if run is None:
             self._held = None  # nothing held, or a release cancelled mid-call went through
             return
+        held = time.monotonic() - self._granted_at
+        metrics.PERMIT_HELD_SECONDS.labels(run.phase.value).observe(held)
+        # Logged before the call: no other job can be granted these nodes before this line.
+        log.info("placement: %s #%d of job %s ends after %.3f s; releasing", run.phase.value,
+                 run.iteration, self._job.spec.job_id, held)
         # Shielded: once asked, the release completes (and moves next_phase) even if the step
         # is cancelled meanwhile; _holding then reads it as released.
         await asyncio.shield(self._job.release(run))
         self._held = None
-        held = time.monotonic() - self._granted_at
-        metrics.PERMIT_HELD_SECONDS.labels(run.phase.value).observe(held)
-        log.info("placement: %s #%d of job %s released after %.3f s", run.phase.value,
-                 run.iteration, self._job.spec.job_id, held)
 
     async def _acquire(self, phase: Pool) -> None:
         asked = time.monotonic()

@@ -188,7 +188,11 @@ async def test_a_coexecutor_taken_back_mid_step_returns_its_rollout_with_every_t
     for i in range(8):  # resumed from the tokens they had: as if nothing happened
         assert list(done[f"m{i}"].token_ids) == list(reference[f"ref{i}"].token_ids), i
     assert (await status(manager.endpoint)).tokens_regenerated == 0
-    assert gauge(coexec, 'rlh_coexec_rollout_aborts_total{cause="deactivated"}') >= 1
+    # Its requests left it mid-step: ended by the co-executor as it was deactivated, or moved
+    # by the manager that saw the claim go first (both watch the claim; either may act first).
+    moved = sum(v for k, v in scrape(manager.metrics_port).items()
+                if k.startswith("rlh_manager_migrations_total{"))
+    assert gauge(coexec, 'rlh_coexec_rollout_aborts_total{cause="deactivated"}') + moved >= 1
     # Lent to default, to other, to default again; returned by default and by other.
     assert gauge(coexec, 'rlh_coexec_lending_changes_total{change="lent"}') == 3
     assert gauge(coexec, 'rlh_coexec_lending_changes_total{change="returned"}') == 2

@@ -26,8 +26,8 @@ COMMON = ["--lease-ttl", "2", "--json-logs"]
 # Worst-case phase estimates far above these phases' real times: no drift eviction.
 PLACED = ["--placement-scheduler", "--placement-t-roll-s", "30", "--placement-t-train-s", "30",
           "--placement-slo", "3"]
-STEPS = 12  # job A's
-PERMIT = re.compile(r"placement: (rollout|train) #(\d+) of job (\S+) (granted|released)")
+STEPS = 8  # job A's
+PERMIT = re.compile(r"placement: (rollout|train) #(\d+) of job (\S+) (granted|ends)")
 
 
 def start_trainer(stack, job: str, steps: int, *flags: str) -> WorkerHandle:
@@ -80,12 +80,12 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
         "--worker-id", "w0", "--placement-node", "rollout-1", "--torch-threads", "1",
         "--max-running", "8", "--step-delay-s", "0.05", "--metrics-port", str(worker_metrics),
         *COMMON])
-    # B first, then A joins its group: from then on the two take turns on each node.
+    # Both jobs join one group (one rollout node, one training node) and take turns on each.
     b = start_trainer(stack, "job-b", 1000)
-    await asyncio.to_thread(wait_serving, b, 120)
-    await wait_trainer(b, lambda s: s.steps_done >= 1)
     a = start_trainer(stack, "job-a", STEPS, "--no-exit-when-done")
+    await asyncio.to_thread(wait_serving, b, 120)
     await asyncio.to_thread(wait_serving, a, 120)
+    await wait_trainer(b, lambda s: s.steps_done >= 1)
     await wait_trainer(a, lambda s: s.steps_done >= 1)
     # B's trainer and the scheduler's leader die together: A waits for the standby, which
     # takes B out of the group once B's lease expires (at its restore or after).
