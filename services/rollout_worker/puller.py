@@ -63,6 +63,7 @@ class Puller:
         self.held_version: int | None = None
         self.pulling = False  # a pull (and its load) under way
         self.paired: str | None = None  # agent id
+        self._last_agent: str | None = None  # paired before, in an earlier run()
         self._refused: set[int] = set()  # versions the engine refused: wait for the next one
         self._wake = asyncio.Event()
         self._lease: aetcd.Lease | None = None  # of the pairing record, made at the first pairing
@@ -137,9 +138,10 @@ class Puller:
             lease=self._lease)
         if self.paired is not None:
             log.warning("paired agent %s is gone; paired with %s", self.paired, choice)
-        else:
-            log.info("paired with transfer agent %s", choice)
-        self.paired = choice
+        else:  # a placed worker pairs again each time its job's turn comes back: said once
+            log.log(logging.DEBUG if choice == self._last_agent else logging.INFO,
+                    "paired with transfer agent %s", choice)
+        self.paired = self._last_agent = choice
         return choice
 
     async def _keepalive(self, lease: aetcd.Lease) -> None:
