@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from rlharvest.common.local_etcd import free_port
 from rlharvest.services.launcher import LocalStack
 
@@ -64,8 +66,8 @@ def scrape_busy(port: int, step_delay_s: float) -> float:
     """Seconds the worker's engine spent on steps (their compute plus the emulated delay)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+    values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples if not sample.labels}
     return values.get("rlh_worker_step_seconds_sum", 0.0) + \
         values.get("rlh_worker_engine_steps_total", 0.0) * step_delay_s
 

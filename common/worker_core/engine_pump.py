@@ -97,6 +97,24 @@ class EnginePump(Generic[R]):
         self._mutations.append(mutation)
         self._wakeup.set()
 
+    async def run_between_steps(self, work: Callable[[], Awaitable[T]]) -> T:
+        """``between_steps(work)`` and its result (or exception). If the caller goes away the
+        work still runs: it was queued."""
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        async def run() -> None:
+            try:
+                value = await work()
+            except Exception as exc:  # handed to the awaiting caller
+                if not done.done():
+                    done.set_exception(exc)
+                return
+            if not done.done():
+                done.set_result(value)
+
+        self.between_steps(run)
+        return await done
+
     async def in_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking engine call in the engine's thread (only from a mutation)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

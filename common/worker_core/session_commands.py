@@ -46,6 +46,8 @@ class StepLoop(Protocol):
 
     def between_steps(self, mutation: Callable[[], Awaitable[object]]) -> None: ...
 
+    def run_between_steps(self, work: Callable[[], Awaitable[T]]) -> Awaitable[T]: ...
+
     def in_engine_thread(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
 
     def snapshot_load(self) -> common_pb2.Load: ...
@@ -109,21 +111,9 @@ class SessionCommands:
                            source: str) -> int:
         """Between steps: ``read`` the tensors and load them in the engine thread, then end the
         requests the admission policy says a swap ends. Returns the number of tensors loaded;
-        raises what ``read`` or the engine raised (the engine then keeps its weights)."""
-        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-        async def apply() -> None:
-            try:
-                count = await self._swap(read, version, source)
-            except Exception as exc:  # handed to the awaiting caller
-                if not done.done():
-                    done.set_exception(exc)
-                return
-            if not done.done():  # the caller may have gone away; the swap happened all the same
-                done.set_result(count)
-
-        self._loop.between_steps(apply)
-        return await done
+        raises what ``read`` or the engine raised (the engine then keeps its weights). A
+        caller that goes away leaves the swap to happen all the same."""
+        return await self._loop.run_between_steps(lambda: self._swap(read, version, source))
 
     # ---- between steps -------------------------------------------------------------------------
 

@@ -229,7 +229,7 @@ class PlacementControl:
         Returns the nodes released back to the pools."""
         record = self._record(job_id)
         queues = self.queues[record.group_id]
-        self._now_whole(queues.remove_job(job_id))
+        self._now_whole(queues.remove_job(job_id), self.clock())
         released = self.scheduler.leave(job_id)
         if record.group_id not in self.scheduler.groups:
             del self.queues[record.group_id]
@@ -309,11 +309,11 @@ class PlacementControl:
         started, record.whole_at = max(permit.granted_at, record.whole_at), 0.0
         return self._check_drift(job, phase, now - started)
 
-    def _now_whole(self, grown: Iterable[Permit], now: float | None = None) -> None:
-        """Permits that just got the last node a migrated tail held are whole from now."""
+    def _now_whole(self, grown: Iterable[Permit], now: float) -> None:
+        """Permits that just got the last node a migrated tail held are whole from ``now``."""
         for permit in grown:
             if not permit.pending_node_ids and permit.job_id in self.jobs:
-                self.jobs[permit.job_id].whole_at = self.clock() if now is None else now
+                self.jobs[permit.job_id].whole_at = now
 
     def _iteration_done(self, record: JobRecord, job: Job, now: float) -> None:
         if record.last_iteration_end is not None:

@@ -121,9 +121,9 @@ class NodeFollower:
         await self._load(weights, version, f"job {job}'s resident weights" if warm
                          else "the weights this worker started with")
         if self._make_puller is not None:
-            puller = self._pullers.get(job) or self._pullers.setdefault(job,
-                                                                         self._make_puller(job))
-            self._pulling = asyncio.create_task(self._supervise(job, puller),
+            if job not in self._pullers:
+                self._pullers[job] = self._make_puller(job)
+            self._pulling = asyncio.create_task(self._supervise(job, self._pullers[job]),
                                                 name=f"weight puller {job}")
         await self._register(job)
         seconds = time.perf_counter() - started

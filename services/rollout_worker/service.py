@@ -4,7 +4,6 @@ send: the session protocol, the step loop and the policy live in their own modul
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -112,20 +111,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     async def read_between_steps(self, read: Callable[[], T]) -> T:
         """``read`` in the engine's thread between two steps, after every weight swap queued
         before it: a consistent view (a placed worker's copy of a job's weights and version)."""
-        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-
-        async def take() -> None:
-            try:
-                value = await self.pump.in_engine_thread(read)
-            except Exception as exc:  # handed to the awaiting caller
-                if not done.done():
-                    done.set_exception(exc)
-                return
-            if not done.done():
-                done.set_result(value)
-
-        self.pump.between_steps(take)
-        return await done
+        return await self.pump.run_between_steps(lambda: self.pump.in_engine_thread(read))
 
     @property
     def draining(self) -> bool:
