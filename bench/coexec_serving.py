@@ -18,6 +18,12 @@ serving P99 TTFT/TPOT, SLO attainment, and rollout tokens/s as a share of the de
 worker's. Needs a few minutes; ``--quick`` runs one short round.
 
     python bench/coexec_serving.py [--quick] [--rounds 3] [--seconds 20] [--rps 2] [--kv-memory pool|slots] [--chunk 512]
+
+On a GPU, the paper's setting: Qwen3-8B-shaped random-init models in bfloat16 on one device and
+the paper's SLOs (TTFT 500 ms, TPOT 150 ms) given instead of calibrated:
+
+    python bench/coexec_serving.py --device cuda --dtype bfloat16 --serving-model qwen3-8b \
+        --rollout-model qwen3-8b --ttft-slo-ms 500 --tpot-slo-ms 150
 """
 
 from __future__ import annotations
@@ -60,23 +66,23 @@ def wait_http(url: str, proc: ServiceProcess, timeout: float = 120) -> None:
 
 
 def start_rollout_side(stack: LocalStack, config: str, name: str, slo: tuple[float, float],
-                       model: str, kv_memory: str = "pool",
-                       chunk: int = 512) -> tuple[ServiceProcess, int, str]:
+                       args: argparse.Namespace) -> tuple[ServiceProcess, int, str]:
     """The co-executor (or, for ``dedicated``, a rollout worker); its metrics port and URL."""
     port, metrics, http = free_port(), free_port(), free_port()
     common = ["--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
               "--torch-threads", "1", "--max-running", "8", "--drain-timeout", "1",
-              "--json-logs"]
+              "--device", args.device, "--dtype", args.dtype, "--json-logs"]
     if config == "dedicated":
-        proc = stack.start("rollout_worker", name, ["--worker-id", name, "--model", model,
-                                                    *common])
+        proc = stack.start("rollout_worker", name, ["--worker-id", name, "--model",
+                                                    args.rollout_model, *common])
     else:
         policy = ["--policy", "static_partition"] if config == "static" else []
-        policy += ["--kv-memory", kv_memory, "--rollout-prefill-chunk", str(chunk)]
+        policy += ["--kv-memory", args.kv_memory, "--rollout-prefill-chunk", str(args.chunk)]
         proc = stack.start("coexecutor", name, [
-            "--coexec-id", name, "--http-port", str(http), "--serving-model", "small",
-            "--model", model,
-            "--served-model-name", MODEL, "--total-pages", "256", "--page-tokens", "16",
+            "--coexec-id", name, "--http-port", str(http), "--serving-model",
+            args.serving_model, "--model", args.rollout_model,
+            "--served-model-name", MODEL, "--total-pages", str(args.total_pages),
+            "--page-tokens", "16",
             "--ttft-slo-ms", f"{1000 * slo[0]:.3f}", "--tpot-slo-ms", f"{1000 * slo[1]:.3f}",
             *policy, *common])
     wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
@@ -107,8 +113,7 @@ async def wait_worker(manager: str, name: str, timeout: float = 60) -> None:
 
 async def one_run(stack: LocalStack, manager: str, config: str, name: str,
                   args: argparse.Namespace, slo: tuple[float, float]) -> dict:
-    proc, metrics, url = start_rollout_side(stack, config, name, slo, args.rollout_model,
-                                            args.kv_memory, args.chunk)
+    proc, metrics, url = start_rollout_side(stack, config, name, slo, args)
     try:
         await wait_worker(manager, name)
         start = time.perf_counter()
@@ -128,6 +133,17 @@ async def one_run(stack: LocalStack, manager: str, config: str, name: str,
         proc.terminate()
 
 
+async def calibrate(stack: LocalStack, manager: str,
+                    args: argparse.Namespace) -> tuple[float, float]:
+    """The SLOs every co-executor then enforces: 1.6x serving alone's P99 (the paper's ratio).
+    Twice as long as a measured run: a P99 over a few dozen requests is noisy."""
+    run = await one_run(stack, manager, "serving alone", "calibrate",
+                        argparse.Namespace(**{**vars(args), "seconds": 2 * args.seconds}),
+                        (10.0, 10.0))
+    ttft99, tpot99 = tails(run["results"])
+    return 1.6 * ttft99, 1.6 * tpot99
+
+
 def tails(results: list) -> tuple[float, float]:
     ok = [r for r in results if r.ok]
     return (loadgen.quantile([r.ttft_s for r in ok], 0.99),
@@ -145,14 +161,9 @@ async def bench(args: argparse.Namespace) -> None:
     endpoint = f"127.0.0.1:{manager_port}"
     runs: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     try:
-        # Calibration: the SLOs every co-executor then enforces (1.6x serving alone's P99).
-        # Twice as long as a measured run: a P99 over a few dozen requests is noisy.
-        calibration = await one_run(stack, endpoint, "serving alone", "calibrate",
-                                    argparse.Namespace(**{**vars(args),
-                                                          "seconds": 2 * args.seconds}),
-                                    (10.0, 10.0))
-        ttft99, tpot99 = tails(calibration["results"])
-        slo = (1.6 * ttft99, 1.6 * tpot99)
+        slo = (args.ttft_slo_ms / 1000, args.tpot_slo_ms / 1000)
+        if not all(slo):
+            slo = await calibrate(stack, endpoint, args)
         for r in range(args.rounds):
             for i, config in enumerate(CONFIGS[r % 4:] + CONFIGS[:r % 4]):
                 runs[config].append(await one_run(stack, endpoint, config, f"c{r}-{i}", args,
@@ -162,8 +173,10 @@ async def bench(args: argparse.Namespace) -> None:
         stack.stop()
     ttft_slo, tpot_slo = slo
     dedicated = statistics.median(run["rollout_tps"] for run in runs["dedicated"])
-    print(f"{args.seconds:.0f} s per run, {args.rounds} round(s), {args.rps} req/s; SLOs = 1.6x "
-          f"serving-alone P99: TTFT {1000 * ttft_slo:.0f} ms, TPOT {1000 * tpot_slo:.1f} ms; "
+    source = "given" if args.ttft_slo_ms and args.tpot_slo_ms else "1.6x serving-alone P99"
+    print(f"{args.seconds:.0f} s per run, {args.rounds} round(s), {args.rps} req/s, serving "
+          f"{args.serving_model}, rollout {args.rollout_model}, {args.device} {args.dtype}; "
+          f"SLOs ({source}): TTFT {1000 * ttft_slo:.0f} ms, TPOT {1000 * tpot_slo:.1f} ms; "
           f"dedicated worker: {dedicated:.0f} rollout tokens/s")
     print(f"{'config':16s} {'P99 TTFT':>10s} {'P99 TPOT':>10s} {'attained':>9s} "
           f"{'harvest':>18s}")
@@ -188,9 +201,16 @@ def main() -> None:
                         help="the co-executor's KV: one paged pool (default) or slot caches")
     parser.add_argument("--chunk", type=int, default=512,
                         help="the co-executor's rollout prefill chunk (tokens)")
-    parser.add_argument("--rollout-model", default="small", choices=["tiny", "small"],
-                        help="the job's model (serving's is small: the paper pairs models of "
-                             "one size)")
+    parser.add_argument("--rollout-model", default="small",
+                        help="the job's model (a preset; the paper pairs models of one size)")
+    parser.add_argument("--serving-model", default="small", help="the serving model (a preset)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both sides)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--total-pages", type=int, default=256,
+                        help="the co-executor's KV pool (16-token pages)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=0.0,
+                        help="with --tpot-slo-ms: fixed SLOs instead of the calibration run")
+    parser.add_argument("--tpot-slo-ms", type=float, default=0.0)
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.seconds = 1, 8.0

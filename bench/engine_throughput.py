@@ -10,6 +10,8 @@ One torch thread unless ``--threads`` says otherwise.
 
     python bench/engine_throughput.py            # presets + HF dirs, batch 1/16/64, 128 tokens
     python bench/engine_throughput.py --quick    # tiny preset + tiny HF dirs, 32 new tokens
+    python bench/engine_throughput.py --device cuda --dtype bfloat16 --presets qwen3-0.6b \
+        --checkpoints --batches 16 64 256 --new-tokens 64 --rounds 3   # on a GPU
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def hf_generate_seconds(model, batch_prompts: torch.Tensor, new_tokens: int) -> 
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(batch_prompts, attention_mask=mask, generation_config=config)
+    if out.is_cuda:  # the engine's steps end in a host copy; generate's tensor may still be queued
+        torch.cuda.synchronize(out.device)
     elapsed = time.perf_counter() - start
     assert out.shape[1] == batch_prompts.shape[1] + new_tokens, "generate stopped early"
     return elapsed
@@ -80,15 +84,18 @@ def ratio_rounds(rounds: int, generate, engine) -> tuple[list[float], list[float
     return hf_times, ours_times
 
 
-def bench_model(label: str, model_ref: str, batches: list[int], prompt_len: int, new_tokens: int,
-                rounds: int) -> list[tuple]:
-    """TorchEngine vs HF generate on one model: a preset name or a checkpoint directory."""
-    model = build_model(model_ref, seed=0)
+def bench_model(label: str, model_ref: str, args: argparse.Namespace) -> list[tuple]:
+    """TorchEngine vs HF generate on one model: a preset name or a checkpoint directory, both
+    on ``args.device`` in ``args.dtype``."""
+    batches, prompt_len, new_tokens, rounds = (args.batches, args.prompt_len, args.new_tokens,
+                                               args.rounds)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(model_ref, seed=0).to(args.device, dtype)
     engine = TorchEngine(model_ref, seed=0, max_running=max(batches),
-                         max_len=prompt_len + new_tokens)
+                         max_len=prompt_len + new_tokens, device=args.device, dtype=dtype)
     rows = []
     for batch in batches:
-        batch_prompts = prompts(batch, prompt_len, model.config.vocab_size)
+        batch_prompts = prompts(batch, prompt_len, model.config.vocab_size).to(args.device)
         tokens = batch * new_tokens
         hf_times, ours_times = ratio_rounds(
             rounds, lambda: hf_generate_seconds(model, batch_prompts, new_tokens),
@@ -118,7 +125,8 @@ def write_results(rows: list[tuple], args: argparse.Namespace, command: str) -> 
         "",
         f"`{command}` — prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, sampling "
         f"on (T={TEMPERATURE}, top-k {TOP_K}, top-p {TOP_P}), no stop; torch threads: "
-        f"{torch.get_num_threads()}; {args.rounds} interleaved rounds after a warm-up.",
+        f"{torch.get_num_threads()}; {args.device} {args.dtype}; {args.rounds} interleaved "
+        "rounds after a warm-up.",
         "",
         "| model | batch | HF generate tok/s | TorchEngine tok/s | ratio (median) | spread |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -142,6 +150,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both sides)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     # One thread by default: on a shared 2-core machine, OpenMP threads spin-waiting for a busy
     # core swamp these small ops and turn both sides' timings into noise.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
@@ -155,8 +165,7 @@ def main() -> None:
         models = [(p, p) for p in args.presets]
         models += checkpoint_models(args.checkpoints, args.checkpoint_size, Path(root))
         for label, ref in models:
-            rows += bench_model(label, ref, args.batches, args.prompt_len, args.new_tokens,
-                                args.rounds)
+            rows += bench_model(label, ref, args)
     write_results(rows, args, "python bench/engine_throughput.py " + " ".join(sys.argv[1:]))
 
 

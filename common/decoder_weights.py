@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,29 +250,47 @@ class DecoderWeights(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
-def preset_state(preset: str, seed: int, dtype: torch.dtype = torch.float32
-                 ) -> dict[str, torch.Tensor]:
+def preset_state(preset: str, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A preset's seeded initial weights, by state_dict name: transformers' init distribution
     (linear and embedding weights N(0, initializer_range), biases 0, norms 1, the padding
-    token's embedding 0) from one generator, in state_dict order. Tied names share a tensor."""
+    token's embedding 0) from one generator, in state_dict order. Tied names share a tensor.
+
+    The generator is ``device``'s: the values are a function of (preset, seed, device type).
+    Why not always the CPU's: the 8B preset's 8 billion draws take a CPU generator over a minute
+    per process, a GPU's a fraction of a second. So version 0 agrees between a trainer and a
+    worker on the same device type (the tests' CPU pairs); a GPU worker beside a CPU trainer
+    must start from a checkpoint or the trainer's first published version."""
+    return dict(_preset_values(preset, seed, dtype, device))
+
+
+def _preset_values(preset: str, seed: int, dtype: torch.dtype, device: str | torch.device
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``preset_state``'s (name, tensor) pairs one at a time, so a loader can copy each and let
+    it go (an 8B model's state beside its module would double the memory it needs)."""
     cfg = decoder_config(preset)
     shapes = DecoderWeights(cfg, torch.float32, "meta").state_dict()
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
+    gen = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    embedding: torch.Tensor | None = None
     for name, like in shapes.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            out[name] = out["model.embed_tokens.weight"]
+            assert embedding is not None  # state_dict order: the embedding comes first
+            yield name, embedding
             continue
         if name.endswith("norm.weight"):
-            value = torch.ones(like.shape)
+            value = torch.ones(like.shape, device=device)
         elif name.endswith(".bias"):
-            value = torch.zeros(like.shape)
+            value = torch.zeros(like.shape, device=device)
         else:
-            value = torch.normal(0.0, cfg.initializer_range, like.shape, generator=gen)
-        if name == "model.embed_tokens.weight" and cfg.pad_token_id is not None:
-            value[cfg.pad_token_id] = 0
-        out[name] = value.to(dtype)
-    return out
+            value = torch.normal(0.0, cfg.initializer_range, like.shape, generator=gen,
+                                 device=device)
+        if name == "model.embed_tokens.weight":
+            if cfg.pad_token_id is not None:
+                value[cfg.pad_token_id] = 0
+            embedding = value.to(dtype)
+            yield name, embedding
+            continue
+        yield name, value.to(dtype)
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -298,8 +316,13 @@ def load_decoder(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     """A preset's seeded weights or a local checkpoint's, in ``dtype`` on ``device``."""
     cfg = decoder_config(model)
     net = DecoderWeights(cfg, dtype, device)
-    state = preset_state(model, seed, dtype) if model in PRESETS else \
-        _checkpoint_tensors(Path(model))
+    if model in PRESETS:  # the right names and shapes by construction
+        live = net.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in _preset_values(model, seed, dtype, device):
+                live[name].copy_(value)
+        return net
+    state = _checkpoint_tensors(Path(model))
     names = net.state_dict(keep_vars=True)
     # Tied: the head is the embedding's tensor, and the embedding's values win (as in
     # transformers), so the head is neither required nor copied.

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlharvest.common.config import ServiceConfig
+from rlharvest.common.engine_device import EngineDeviceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -16,7 +16,7 @@ def _default_id() -> str:
     return f"coexec-{socket.gethostname()}-{os.getpid()}"
 
 
-class CoexecutorConfig(ServiceConfig):
+class CoexecutorConfig(EngineDeviceConfig):
     coexec_id: str = Field(default_factory=_default_id, pattern=r"^[A-Za-z0-9_.-]+$")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, lt=65536, description="gRPC port (the rollout Session "

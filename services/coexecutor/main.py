@@ -54,6 +54,7 @@ def build_dual(cfg: CoexecutorConfig,
                deliver: Callable[[list[RequestOutput]], None]) -> DualEngine:
     import torch
 
+    from rlharvest.common import engine_device
     from rlharvest.services.coexecutor.pool_pages import PoolPages
     from rlharvest.services.coexecutor.profiling import measure
     from rlharvest.services.rollout_worker.kv_pages import PageStore
@@ -61,18 +62,22 @@ def build_dual(cfg: CoexecutorConfig,
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
+    device, dtype = engine_device.resolve(cfg.device, cfg.dtype)
     pool = PagePool(cfg.total_pages, lease_s=cfg.lease_s)
     views = {owner: PoolPages(pool, cfg.page_tokens, owner) for owner in Owner}
     paged: dict[Owner, PagedKV | None] = {owner: None for owner in Owner}
     if cfg.kv_memory == "pool":  # one store; each model sees its pages in its own layout
-        size = max(kv_page_bytes(name, cfg.page_tokens) for name in (cfg.model, cfg.serving_model))
-        store = PageStore(cfg.total_pages, size)
+        size = max(kv_page_bytes(name, cfg.page_tokens, dtype)
+                   for name in (cfg.model, cfg.serving_model))
+        store = PageStore(cfg.total_pages, size, device)
         paged = {owner: PagedKV(store, cfg.page_tokens, view) for owner, view in views.items()}
+    # Both models on one device in one dtype: ROSE's temporal sharing of one GPU.
     rollout = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
                           max_len=cfg.max_len, prefill_chunk=cfg.rollout_prefill_chunk,
-                          paged=paged[Owner.ROLLOUT])
+                          paged=paged[Owner.ROLLOUT], device=device, dtype=dtype)
     serving = TorchEngine(model=cfg.serving_model, seed=0, max_running=cfg.serving_max_running,
-                          max_len=cfg.max_len, paged=paged[Owner.SERVING])
+                          max_len=cfg.max_len, paged=paged[Owner.SERVING], device=device,
+                          dtype=dtype)
     if cfg.profile:
         profiles = json.loads(Path(cfg.profile).read_text())
         serving_profile = LatencyProfile.from_dict(profiles["serving"])

@@ -89,16 +89,24 @@ def main(out: Path = typer.Option(..., help="the JSON file to write"),
          model: str = typer.Option("tiny", help="the RL job's model (rollout side)"),
          max_len: int = typer.Option(512, min=8),
          torch_threads: int = typer.Option(0, min=0, help="0 keeps torch's default"),
+         device: str = typer.Option("cpu", help="cpu, cuda or cuda:N (as the co-executor's)"),
+         dtype: str = typer.Option("float32", help="float32, bfloat16 or float16"),
          repeats: int = typer.Option(3, min=1)) -> None:
     import torch
 
+    from rlharvest.common import engine_device
     from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
     if torch_threads:
         torch.set_num_threads(torch_threads)
+    try:
+        where, torch_dtype = engine_device.resolve(device, dtype)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     profiles = {}
     for role, name in (("serving", serving_model), ("rollout", model)):
-        engine = TorchEngine(model=name, max_running=16, max_len=max_len)
+        engine = TorchEngine(model=name, max_running=16, max_len=max_len, device=where,
+                             dtype=torch_dtype)
         profiles[role] = measure(engine, max_len, repeats=repeats).to_dict()
         decode = profiles[role]["decode"]
         typer.echo(f"{role} ({name}): prefill {profiles[role]['prefill']['mono']} "

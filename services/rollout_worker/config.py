@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlharvest.common.config import ServiceConfig
+from rlharvest.common.engine_device import EngineDeviceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -16,7 +16,7 @@ def _default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class WorkerConfig(ServiceConfig):
+class WorkerConfig(EngineDeviceConfig):
     worker_id: str = Field(default_factory=_default_worker_id, pattern=r"^[A-Za-z0-9_.-]+$")
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, lt=65536, description="gRPC port; 0 picks a free one")

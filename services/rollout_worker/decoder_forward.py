@@ -112,6 +112,11 @@ class DecoderForward:
         self.lm_head = model.lm_head.weight
         self.layers = [self._layer_weights(layer) for layer in inner.layers]
         device = self.embed.device
+        if device.type == "cuda":
+            # cuDNN's SDPA builds a graph for every new shape, and decode's key length grows
+            # every step: measured on an H200 (tools/gpu_profile.py), 2 ms of host time per call,
+            # 65% of an 8B decode step. The flash / memory-efficient kernels have no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         positions = torch.arange(max_len, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq(cfg).to(device)
         angles = torch.cat((freqs, freqs), dim=-1)

@@ -29,12 +29,15 @@ KINDS = {"dedicated": common_pb2.WORKER_KIND_DEDICATED, "spot": common_pb2.WORKE
 def build_engine(cfg: WorkerConfig) -> Engine:
     import torch
 
+    from rlharvest.common import engine_device
     from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
+    device, dtype = engine_device.resolve(cfg.device, cfg.dtype)
     engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
                          max_len=cfg.max_len, weight_version=cfg.weight_version,
+                         device=device, dtype=dtype,
                          prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
                          page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens)
     if cfg.weights:

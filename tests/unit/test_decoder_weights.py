@@ -136,3 +136,31 @@ def test_a_config_without_head_dim_takes_the_familys_default(model_type, expecte
     theirs = AutoConfig.for_model(**raw)
     assert (getattr(theirs, "head_dim", None) or 256 // 4) == expected  # transformers' reading
     assert DecoderConfig.from_dict(raw).head_dim == expected
+
+
+# The released models' parameter counts (their model cards: Qwen3-0.6B 0.6B with tied
+# embeddings, Qwen3-8B 8.2B), counted on the meta device: nothing is allocated.
+@pytest.mark.parametrize("preset,params", [("qwen3-0.6b", 596_049_920),
+                                           ("qwen3-8b", 8_190_735_360)])
+def test_the_qwen3_shaped_presets_have_the_released_models_shapes(preset, params):
+    from transformers import Qwen3Config
+
+    from rlharvest.common.decoder_weights import preset_config_dict
+
+    ours = DecoderWeights(decoder_config(preset), device="meta")
+    assert sum(p.numel() for p in ours.parameters()) == params
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(Qwen3Config(**preset_config_dict(preset)))
+    assert {k: v.shape for k, v in ours.state_dict().items()} == \
+        {k: v.shape for k, v in reference.state_dict().items()}
+    cfg = decoder_config(preset)
+    assert (cfg.vocab_size, cfg.num_key_value_heads, cfg.head_dim) == (151936, 8, 128)
+
+
+def test_a_preset_loads_one_tensor_at_a_time_with_the_values_preset_state_gives():
+    # load_decoder copies each generated tensor and drops it (an 8B state beside its module
+    # would double the memory), yet the values are preset_state's, tied head included.
+    weights = load_decoder("small", seed=2, dtype=torch.bfloat16)
+    state = preset_state("small", 2, torch.bfloat16)
+    assert all(torch.equal(state[k], v) for k, v in weights.state_dict().items())
+    assert weights.lm_head.weight is weights.model.embed_tokens.weight
