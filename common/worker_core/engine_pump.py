@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from rlharvest.common.engine_types import RequestOutput
+from rlharvest.common.engine_types import EngineLoad, RequestOutput
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core import metrics
 from rlharvest.common.worker_core.engine import Engine
@@ -70,6 +70,7 @@ class EnginePump(Generic[R]):
         self._token_counts: deque[tuple[float, int]] = deque()
         self.steps = 0  # engine steps run so far
         self.last_load = common_pb2.Load()  # as of the last step boundary; readable any time
+        self._last_prefix = EngineLoad(0, 0, 0, 0, 0)  # prefix-cache totals at the last snapshot
         self.snapshot_load()  # the engine is idle at construction
 
     async def run(self) -> None:
@@ -128,6 +129,7 @@ class EnginePump(Generic[R]):
         metrics.KV_USED.set(load.kv_used_tokens)
         # The engine reports a total; the counter takes what is new since the last snapshot.
         metrics.PREEMPTIONS.inc(max(0, load.preemptions - self.last_load.preemptions))
+        self._count_prefix_cache(load)
         self.last_load = common_pb2.Load(pending=load.pending, executing=load.executing,
                                          kv_used_tokens=load.kv_used_tokens,
                                          kv_capacity_tokens=load.kv_capacity_tokens,
@@ -135,6 +137,16 @@ class EnginePump(Generic[R]):
                                          tokens_per_second=self._tokens_per_second(),
                                          preemptions=load.preemptions)
         return self.last_load
+
+    def _count_prefix_cache(self, load: EngineLoad) -> None:
+        """The engine reports totals; the counters take what is new since the last snapshot."""
+        last = self._last_prefix
+        metrics.PREFIX_LOOKUPS.inc(max(0, load.prefix_lookups - last.prefix_lookups))
+        metrics.PREFIX_HITS.inc(max(0, load.prefix_hits - last.prefix_hits))
+        metrics.PREFIX_CACHED_TOKENS.inc(max(0, load.prefix_cached_tokens
+                                             - last.prefix_cached_tokens))
+        metrics.PREFIX_PAGES.set(load.prefix_cache_pages)
+        self._last_prefix = load
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

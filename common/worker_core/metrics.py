@@ -20,6 +20,13 @@ EXECUTING = Gauge("rlh_worker_executing_requests", "Requests in the running batc
 KV_USED = Gauge("rlh_worker_kv_used_tokens", "KV cache tokens in use")
 PREEMPTIONS = Counter("rlh_worker_preemptions_total",
                       "Requests preempted for KV memory and recomputed (RollPacker §4.2)")
+PREFIX_LOOKUPS = Counter("rlh_worker_prefix_cache_lookups_total",
+                         "Requests admitted with the prefix cache on")
+PREFIX_HITS = Counter("rlh_worker_prefix_cache_hits_total",
+                      "Requests that started after a cached prefix")
+PREFIX_CACHED_TOKENS = Counter("rlh_worker_prefix_cache_saved_tokens_total",
+                               "Prefill tokens skipped: read from cached KV pages")
+PREFIX_PAGES = Gauge("rlh_worker_prefix_cache_pages", "KV pages the prefix cache holds")
 WEIGHT_VERSION = Gauge("rlh_worker_weight_version", "Loaded weight version")
 SESSIONS = Gauge("rlh_worker_sessions", "Open manager sessions")
 DRAINING = Gauge("rlh_worker_draining", "1 while the worker drains before exit")

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from rlharvest.common.engine_device import EngineDeviceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from rlharvest.services.rollout_worker.prefix_cache import check_prefix_cache
 
 
 def _default_worker_id() -> str:
@@ -43,6 +44,12 @@ class WorkerConfig(EngineDeviceConfig):
                           "each): memory held only for tokens a request can use; 0 = one "
                           "max_len row per running request")
     page_tokens: int = Field(16, ge=1, description="tokens per KV page (with kv_pages)")
+    prefix_cache: bool = Field(False, description="keep finished requests' full KV pages and "
+                               "start a request after its longest cached prefix (a multi-turn "
+                               "trajectory's next turn, a resume); needs kv_pages, no "
+                               "prefill_chunk; a weight load empties it")
+    prefix_cache_lease_s: float = Field(60.0, gt=0, description="cached pages unused this long "
+                                        "are evicted first when pages run short")
     kv_budget_tokens: int = Field(0, ge=0, description="KV tokens the executing requests may hold "
                                   "(RollPacker §4.2 memory pressure): past it the newest request "
                                   "is preempted and recomputed later, and the load reports the "
@@ -73,6 +80,11 @@ class WorkerConfig(EngineDeviceConfig):
     tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _prefix_cache_usable(self) -> WorkerConfig:
+        check_prefix_cache(self.prefix_cache, self.kv_pages, self.prefill_chunk)
+        return self
 
     @model_validator(mode="after")
     def _placed_or_one_job(self) -> WorkerConfig:

@@ -15,7 +15,7 @@ compact) moves its block table, not its KV.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -198,11 +198,13 @@ class OwnPages:
     def free_pages(self) -> int:
         return len(self._free)
 
-    def reserve(self, request_id: str, tokens: int) -> bool:
-        need = math.ceil(tokens / self.page_tokens)
+    def reserve(self, request_id: str, tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """``prefix``: pages the request reads without owning (a prefix cache's hit), its first
+        ones in token order; only the rest are taken from the free pages."""
+        need = math.ceil(tokens / self.page_tokens) - len(prefix)
         if need > len(self._free):
             return False
-        self._held[request_id] = [self._free.pop() for _ in range(need)]
+        self._held[request_id] = [*prefix, *(self._free.pop() for _ in range(need))]
         return True
 
     def table(self, request_id: str, tokens: int) -> Sequence[int]:
@@ -212,5 +214,16 @@ class OwnPages:
                                f"{math.ceil(tokens / self.page_tokens)}")
         return pages
 
-    def release(self, request_id: str) -> None:
-        self._free.extend(reversed(self._held.pop(request_id, [])))
+    def held(self, request_id: str) -> list[int]:
+        """The request's pages, in token order."""
+        return self._held.get(request_id, [])
+
+    def release(self, request_id: str, keep: Collection[int] = ()) -> None:
+        """Frees the request's pages except ``keep`` (its prefix and what a prefix cache
+        adopted)."""
+        pages = self._held.pop(request_id, [])
+        self._free.extend(page for page in reversed(pages) if page not in keep)
+
+    def give(self, pages: Sequence[int]) -> None:
+        """Pages back from a prefix cache (evicted or flushed)."""
+        self._free.extend(pages)

@@ -39,7 +39,9 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                          max_len=cfg.max_len, weight_version=cfg.weight_version,
                          device=device, dtype=dtype,
                          prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
-                         page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens)
+                         page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens,
+                         prefix_cache=cfg.prefix_cache,
+                         prefix_lease_s=cfg.prefix_cache_lease_s)
     if cfg.weights:
         engine.load_safetensors(cfg.weights, cfg.weight_version)
     return engine

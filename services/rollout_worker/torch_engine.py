@@ -57,6 +57,7 @@ from rlharvest.services.rollout_worker.kv_pages import (
     page_bytes,
 )
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward
+from rlharvest.services.rollout_worker.prefix_cache import PrefixCache, check_prefix_cache
 from rlharvest.services.rollout_worker.sampling import (
     GREEDY_BELOW,
     SamplingBatch,
@@ -95,6 +96,8 @@ class _Admitted:
     prefilled: int = 0  # known tokens already in the KV cache (chunked prefill only)
     emitted: list[int] = dataclasses.field(default_factory=list)  # tokens sampled since admission
     seq: int = 0  # admission order (the KV budget preempts the newest first)
+    prefix_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hit read
+    version: int = -1  # the weights it was admitted under (its KV's version)
 
 
 def _admission(request: EngineRequest) -> _Admitted:
@@ -122,6 +125,25 @@ def check_kv_budget(kv_budget_tokens: int, max_len: int, paged: bool) -> None:
         raise ValueError(f"kv_budget_tokens ({kv_budget_tokens}) must be >= max_len ({max_len}) "
                          "so a request of max_len tokens fits alone; raise the budget or lower "
                          "max_len")
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache totals since start (``EngineLoad`` carries them to the metrics)."""
+
+    lookups: int = 0  # requests admitted with the cache on
+    hits: int = 0  # of which started after a cached prefix
+    cached_tokens: int = 0  # prefill tokens the hits skipped
+
+    def count(self, cached_tokens: int) -> None:
+        self.lookups += 1
+        self.hits += cached_tokens > 0
+        self.cached_tokens += cached_tokens
+
+    def as_load(self, cache: PrefixCache | None) -> dict[str, int]:
+        return {"prefix_lookups": self.lookups, "prefix_hits": self.hits,
+                "prefix_cached_tokens": self.cached_tokens,
+                "prefix_cache_pages": cache.pages if cache is not None else 0}
 
 
 def validate_request(request: EngineRequest, vocab_size: int, max_len: int) -> None:
@@ -230,7 +252,8 @@ class TorchEngine:
                  device: torch.device | str = "cpu", weight_version: int = 0,
                  prefill_token_budget: int = 8192, prefill_chunk: int = 0,
                  paged: PagedKV | None = None, kv_pages: int = 0, page_tokens: int = 16,
-                 kv_budget_tokens: int = 0) -> None:
+                 kv_budget_tokens: int = 0, prefix_cache: bool = False,
+                 prefix_lease_s: float = 60.0) -> None:
         if max_running < 1 or max_len < 2:
             raise ValueError(f"need max_running >= 1 and max_len >= 2, got max_running="
                              f"{max_running}, max_len={max_len}")
@@ -238,6 +261,7 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
                              f"prompts), got {prefill_chunk}")
         check_kv_budget(kv_budget_tokens, max_len, paged is not None or kv_pages > 0)
+        check_prefix_cache(prefix_cache, kv_pages, prefill_chunk, shared_pool=paged is not None)
         self._model = load_decoder(model, seed, dtype, device)
         cfg = self._model.config
         self._vocab_size = cfg.vocab_size
@@ -246,11 +270,15 @@ class TorchEngine:
         self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
         self._forward = DecoderForward(self._model, max_len)
+        self._own: OwnPages | None = None
         if paged is None and kv_pages:  # paged KV in a store of its own
+            self._own = OwnPages(kv_pages, page_tokens)
             paged = PagedKV(PageStore(kv_pages, page_bytes(
                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, page_tokens,
-                dtype), device), page_tokens, OwnPages(kv_pages, page_tokens))
+                dtype), device), page_tokens, self._own)
         self._paged = paged
+        self._prefix = PrefixCache(page_tokens, prefix_lease_s) if prefix_cache else None
+        self.prefix_stats = PrefixStats()
         self._cache: SlotKVCache | PagedKVCache
         if paged is None:
             self._cache = SlotKVCache(cfg.num_hidden_layers, max_running,
@@ -339,7 +367,8 @@ class TorchEngine:
             capacity = min(capacity, self._kv_budget)
         return EngineLoad(pending=len(self._pending), executing=executing,
                           kv_used_tokens=self._cache.used_tokens, kv_capacity_tokens=capacity,
-                          weight_version=self._weight_version, preemptions=self.preemptions)
+                          weight_version=self._weight_version, preemptions=self.preemptions,
+                          **self.prefix_stats.as_load(self._prefix))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Copies ``tensors`` (a full state_dict or any subset of it, e.g. a sparse delta) into
@@ -363,6 +392,8 @@ class TorchEngine:
                 self._weight_targets[name].copy_(value)
         self._forward.refresh()
         self._weight_version = version
+        if self._prefix is not None and self._own is not None:  # old versions' KV is useless
+            self._own.give(self._prefix.flush())
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the weights in host memory, by state_dict name (what ``load_weights``
@@ -391,7 +422,8 @@ class TorchEngine:
         while self._pending and len(self._running) + len(admitted) < self._cache.max_slots \
                 and self._reserve_next():
             admitted.append(self._pending.popitem(last=False)[1])
-        self._last_step_prefill_tokens = sum(len(entry.known_tokens) for entry in admitted)
+        self._last_step_prefill_tokens = sum(len(entry.known_tokens) - entry.prefilled
+                                             for entry in admitted)
         return self._prefill_whole(admitted)
 
     def _prefill_whole(self, admitted: list[_Admitted]) -> list[torch.Tensor]:
@@ -442,6 +474,7 @@ class TorchEngine:
         self._slot_sampling.set(slot, entry)
         self._admissions += 1
         entry.seq = self._admissions
+        entry.version = self._weight_version
 
     def _prefill_partial(self, budget: int, logits: list[torch.Tensor]) -> int:
         """Prefills the partial request's next chunk (at most ``budget`` tokens); if that was its
@@ -462,17 +495,20 @@ class TorchEngine:
     def _drop_partial(self) -> None:
         assert self._partial is not None
         del self._slot_of[self._partial.request.request_id]
-        self._give_back(self._partial.request.request_id)
+        self._give_back(self._partial, self._partial.prefilled)
         self._cache.release(len(self._running))  # the last occupied slot: nothing moves
         self._partial = None
 
     def _prefill_groups(self, admitted: list[_Admitted]) -> list[list[_Admitted]]:
+        """Padded groups under the token budget; a prefix-cache hit is a group of its own (it
+        prefills from the end of its cached prefix, attending to the cached pages)."""
         groups: list[list[_Admitted]] = []
         longest = 0
         for entry in admitted:
             length = len(entry.known_tokens)
             padded = (len(groups[-1]) + 1) * max(longest, length) if groups else 0
-            if groups and padded <= self._prefill_token_budget:
+            if groups and padded <= self._prefill_token_budget and not entry.prefilled \
+                    and not groups[-1][0].prefilled:
                 groups[-1].append(entry)
                 longest = max(longest, length)
             else:  # a request longer than the budget still gets a group of its own
@@ -481,6 +517,10 @@ class TorchEngine:
         return groups
 
     def _prefill(self, group: list[_Admitted], first_slot: int) -> torch.Tensor:
+        if group[0].prefilled:  # a prefix-cache hit (``_prefill_groups``: alone in its group)
+            entry = group[0]
+            rest = torch.tensor(entry.known_tokens[entry.prefilled:], device=self._device)
+            return self._forward.prefill_from(rest, self._cache, first_slot, entry.prefilled)
         lengths = [len(entry.known_tokens) for entry in group]
         padded = torch.zeros(len(group), max(lengths), dtype=torch.int64)
         for row, entry in enumerate(group):
@@ -511,7 +551,7 @@ class TorchEngine:
         """Frees running ``slot``, keeping the running requests in slots [0, len(running)) and
         the partial one right after them (see the class docstring)."""
         del self._slot_of[self._running[slot].request.request_id]
-        self._give_back(self._running[slot].request.request_id)
+        self._give_back(self._running[slot], self._cache.host_lengths[slot])
         last = len(self._running) - 1
         if slot != last:  # the last running request fills the hole
             self._move_slot(last, slot)
@@ -587,7 +627,28 @@ class TorchEngine:
         if self._paged is None:
             return True
         left = entry.request.sampling.max_tokens - entry.generated
-        return self._paged.pages.reserve(entry.request.request_id, len(entry.known_tokens) + left)
+        tokens = len(entry.known_tokens) + left
+        if self._prefix is not None:
+            return self._reserve_with_prefix(entry, tokens)
+        return self._paged.pages.reserve(entry.request.request_id, tokens)
+
+    def _reserve_with_prefix(self, entry: _Admitted, tokens: int) -> bool:
+        """Reserves ``tokens`` tokens' pages, reading the longest cached prefix instead of
+        owning it; when free pages are short, the cache gives back what it may evict."""
+        prefix, own = self._prefix, self._own
+        assert prefix is not None and own is not None
+        keys, pages = prefix.match(entry.known_tokens, self._weight_version)
+        prefix.acquire(keys)  # before eviction can take them
+        short = math.ceil(tokens / own.page_tokens) - len(pages) - own.free_pages
+        if short > 0:
+            own.give(prefix.evict(short))
+        if not own.reserve(entry.request.request_id, tokens, prefix=pages):
+            own.give(prefix.release(keys))
+            return False
+        entry.prefix_keys = keys
+        entry.prefilled = len(pages) * own.page_tokens
+        self.prefix_stats.count(entry.prefilled)
+        return True
 
     def _bind(self, slot: int, entry: _Admitted, tokens: int) -> None:
         if self._paged is not None:
@@ -605,9 +666,20 @@ class TorchEngine:
             if need > cache.bound[slot] * cache.page_tokens:
                 self._bind(slot, entry, need)
 
-    def _give_back(self, request_id: str) -> None:
-        if self._paged is not None:
-            self._paged.pages.release(request_id)
+    def _give_back(self, entry: _Admitted, kv_tokens: int) -> None:
+        """Frees ``entry``'s pages; with a prefix cache, first offers the full pages of its
+        ``kv_tokens`` tokens that hold KV (prompt, then every generated token but the last)."""
+        rid = entry.request.request_id
+        if self._prefix is not None and self._own is not None:
+            pages = self._own.held(rid)
+            keep = set(pages[:len(entry.prefix_keys)])  # the cache's already
+            if entry.version == self._weight_version:  # KV of older weights is no prefix
+                tokens = (entry.known_tokens + entry.emitted)[:kv_tokens]
+                keep |= self._prefix.insert(tokens, pages, entry.version)
+            self._own.give(self._prefix.release(entry.prefix_keys))
+            self._own.release(rid, keep)
+        elif self._paged is not None:
+            self._paged.pages.release(rid)
 
     def _move_slot(self, src: int, dst: int) -> None:
         self._cache.move(src, dst)

@@ -413,3 +413,31 @@ async def test_a_drain_nobody_answers_ends_at_the_drain_timeout(stack):
         assert "drain timed out" in handle.process.log_tail()
     finally:
         await session.close()
+
+
+async def test_a_worker_with_a_prefix_cache_prefills_only_what_a_next_turn_adds(module_stack):
+    from tests.integration.test_manager import scrape
+
+    handle = start_worker(module_stack, "prefix-worker", "--max-running", "4", "--kv-pages",
+                          "64", "--page-tokens", "4", "--prefix-cache")
+    session = WorkerSession(handle.endpoint)
+    try:
+        first = TOK.encode("The answer is 12+7=")
+        await session.send(add("turn0", first, max_tokens=10, seed=3))
+        got = await session.finish(["turn0"])
+        history = first + got.completions["turn0"].tokens + TOK.encode("\nWrong. Again:")
+        steps_before = len(got.steps)
+        await session.send(add("turn1", history, max_tokens=6, seed=4))
+        got = await session.finish(["turn1"])
+        prefilled = sum(step.stats.prefill_tokens for step in got.steps[steps_before:])
+        # Turn 0's prompt + completion minus its last token hold KV; their full pages are read.
+        cached = (len(first) + 10 - 1) // 4 * 4
+        assert prefilled == len(history) - cached
+        metrics = scrape(handle.metrics_port)
+        assert metrics["rlh_worker_prefix_cache_hits_total"] == 1
+        assert metrics["rlh_worker_prefix_cache_lookups_total"] == 2
+        assert metrics["rlh_worker_prefix_cache_saved_tokens_total"] == cached
+        assert metrics["rlh_worker_prefix_cache_pages"] > 0
+    finally:
+        await session.close()
+        handle.process.terminate()
