@@ -8,20 +8,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "group_id", "prompt_token_ids", "sampling", "resume_token_ids", "resume_logprobs")
+    __slots__ = ("request_id", "group_id", "prompt_token_ids", "sampling", "resume_token_ids", "resume_logprobs", "trajectory_id", "turn", "last_turn")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    LAST_TURN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     group_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resume_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    trajectory_id: str
+    turn: int
+    last_turn: bool
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., resume_logprobs: _Optional[_Iterable[float]] = ..., trajectory_id: _Optional[str] = ..., turn: _Optional[int] = ..., last_turn: _Optional[bool] = ...) -> None: ...
 
 class SubmitStepRequest(_message.Message):
     __slots__ = ("step_id", "weight_version", "requests", "no_worker_deadline_s", "acceptance", "seed_window_s")

@@ -113,14 +113,23 @@ class RoundRobinSelect:
         return ordered[(self._turn - 1) % len(ordered)].worker_id
 
 
+RouteFn = Callable[[str, Sequence[InstanceLoad], int], "str | None"]
+
+
 def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
-                     theta: int, select: SelectFn = select_instance) -> list[Dispatch]:
-    """SELECTINSTANCE for each waiting request in order, until one has to be held."""
+                     theta: int, select: SelectFn = select_instance,
+                     route: RouteFn | None = None) -> list[Dispatch]:
+    """SELECTINSTANCE for each waiting request in order, until one has to be held.
+    ``route(request_id, instances, theta)``, when given, decides per request instead (a
+    trajectory's turn goes where its history is: turn_routing.py)."""
     by_id = {i.worker_id: i for i in instances}
     out: list[Dispatch] = []
     for request_id in request_ids:
-        target = select(list(by_id.values()), theta)
+        loads = list(by_id.values())
+        target = route(request_id, loads, theta) if route else select(loads, theta)
         if target is None:
+            if route:  # this request's rule holds it; another's may place it
+                continue
             break  # every instance has Θ pending: the rest wait for a completion (line 12)
         load = by_id[target]
         by_id[target] = replace(load, queued=load.queued + (request_id,))

@@ -30,6 +30,13 @@ class ManagerConfig(ServiceConfig):
         False, description="baseline only: a lost worker's requests restart from the prompt "
                            "(the client sees their deltas start again at position 0) instead of "
                            "resuming from their last token")
+    turn_routing: Literal["turnwise+affinity", "turnwise", "pinned"] = Field(
+        "turnwise+affinity", description="agentic trajectories (ROSE §4.3): a turn goes to the "
+        "worker holding its history's KV while it is under its concurrency cap "
+        "(turnwise+affinity), is placed like any request (turnwise), or stays on its first "
+        "turn's worker (pinned)")
+    trajectory_ttl_s: float = Field(120.0, gt=0, description="a trajectory's affinity entry "
+                                    "is dropped after this long without a turn")
     rebalance_interval_s: float = Field(0.05, gt=0, description="period of CONTINUOUSLB")
     max_moves_per_round: int = Field(64, ge=1, description="migrations per CONTINUOUSLB round")
     stall_timeout_s: float = Field(30.0, gt=0, description="no token this long while busy = lost")

@@ -40,6 +40,7 @@ from rlharvest.services.rollout_manager.remote_timing import RemoteTiming
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
 from rlharvest.services.rollout_manager.step_book import StepBook, admit_version
+from rlharvest.services.rollout_manager.turn_routing import TurnRouter
 from rlharvest.services.rollout_manager.tracker import (
     ApplyReport,
     DeltaLike,
@@ -72,8 +73,10 @@ class ControlConfig:
 
 class RolloutControl:
     def __init__(self, config: ControlConfig, clock: Callable[[], float],
-                 select: SelectFn = select_instance) -> None:
+                 select: SelectFn = select_instance, router: TurnRouter | None = None) -> None:
         self.config = config
+        # Trajectories' turns (ROSE §4.3). Not ``router or ...``: an empty router is falsy.
+        self.router = router if router is not None else TurnRouter(clock=clock)
         self.tracker = RequestTracker(config.limits, clock)
         self.pool = WorkerPool(clock)
         self.failure = FailurePolicy(config.failure, clock)
@@ -82,6 +85,7 @@ class RolloutControl:
         self._clock = clock
         self._select = select
         self._outbox: list[Command] = []  # decided outside tick (protocol errors), sent by tick
+        self._router_expired_at = clock()
 
     @property
     def profiles(self) -> dict[str, ThroughputProfile]:
@@ -119,6 +123,10 @@ class RolloutControl:
         meanwhile) is ignored."""
         if request_id not in self.tracker:
             return None
+        req = self.tracker.get(request_id)
+        if req.trajectory_id:  # the history's KV is where the turn finished
+            self.router.finished(req.trajectory_id, req.finished_on if succeeded else None,
+                                 req.last_turn)
         self.tracker.forget(request_id)
         step = self.steps.delivered(request_id, succeeded)
         if step is not None:
@@ -258,6 +266,9 @@ class RolloutControl:
 
     def tick(self) -> list[Command]:
         self._count_remote()  # joins, losses, drains and cap changes all pass through here
+        if len(self.router) and self._clock() - self._router_expired_at >= 1.0:
+            self.router.expire()  # abandoned trajectories' entries, at most once a second
+            self._router_expired_at = self._clock()
         out, self._outbox = self._outbox, []
         for loss in self.failure.detect_losses(self.pool.all(), self._busy):
             out += self.worker_lost(loss.worker_id, loss.reason)
@@ -270,8 +281,10 @@ class RolloutControl:
             out += self._apply(self._cut(step))
         waiting = self._waiting_by_version()
         for version, ids in waiting.items():
-            out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
-                                                self._select))
+            loads = self._loads(version)
+            ids = self.router.order(ids, self._trajectory_of, loads, self.config.theta)
+            out += self._apply(dispatch_waiting(ids, loads, self.config.theta, self._select,
+                                                self._route))
         if self.config.continuous_lb:
             for version in self._busy_versions():
                 out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
@@ -310,11 +323,25 @@ class RolloutControl:
                 keep_without_room, select=self._select))
         return out
 
+    def _trajectory_of(self, request_id: str) -> str:
+        return self.tracker.get(request_id).trajectory_id
+
+    def _route(self, request_id: str, instances: Sequence[InstanceLoad],
+               theta: int) -> str | None:
+        """A trajectory's turn goes where its history is (turn_routing.py); others by select."""
+        trajectory_id = self.tracker.get(request_id).trajectory_id
+        if not trajectory_id:
+            return self._select(instances, theta)
+        return self.router.select(trajectory_id, instances, theta, self._select)
+
     def _apply(self, commands: Sequence[Command]) -> list[Command]:
         for c in commands:
             if isinstance(c, Dispatch):
                 self._note_busy(c.worker_id)
                 self.tracker.assign(c.request_id, c.worker_id)
+                trajectory_id = self.tracker.get(c.request_id).trajectory_id
+                if trajectory_id:
+                    self.router.dispatched(trajectory_id, c.worker_id)
             elif isinstance(c, Migrate):
                 self._note_busy(c.dst)
                 self.tracker.move(c.request_id, c.dst)

@@ -9,6 +9,7 @@ from rlharvest.common.cli import service_app
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select_instance
+from rlharvest.services.rollout_manager.turn_routing import TurnRouter, TurnRouting
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
@@ -35,7 +36,8 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
         limits=StepLimits(max_requests=cfg.max_step_requests, max_prompt_tokens=cfg.max_prompt_tokens,
                           max_new_tokens=cfg.max_new_tokens, vocab_size=cfg.vocab_size),
     ), clock=time.monotonic,
-        select=RoundRobinSelect() if cfg.balancer == "round_robin" else select_instance)
+        select=RoundRobinSelect() if cfg.balancer == "round_robin" else select_instance,
+        router=TurnRouter(TurnRouting(cfg.turn_routing), cfg.trajectory_ttl_s, time.monotonic))
 
 
 async def build(host: Host[ManagerConfig]) -> Parts:

@@ -12,6 +12,10 @@ INSTANCE_CAP = Gauge("rlh_manager_instance_cap", "N_prem: spot workers that may 
                      "(-1: no cap); the rest stand by")
 MIGRATIONS = Counter("rlh_manager_migrations_total", "Requests moved between workers", ["cause"])
 TOKENS = Counter("rlh_manager_tokens_total", "Tokens accepted from workers")
+TURNS_ROUTED = Gauge("rlh_manager_turns_routed", "Trajectory turns routed since start, by "
+                     "outcome: affinity (to the worker holding the history), moved (that worker "
+                     "was full or gone), first (no history anywhere yet)", ["outcome"])
+TRAJECTORIES = Gauge("rlh_manager_trajectories", "Trajectories with a live affinity entry")
 TOKENS_REGENERATED = Gauge("rlh_manager_tokens_regenerated", "Tokens generated twice (must stay 0)")
 TOKENS_DROPPED = Counter("rlh_manager_tokens_dropped_total", "Deltas refused", ["reason"])
 TOKENS_PER_SECOND = Gauge("rlh_manager_tokens_per_second", "Token rate over the last seconds")

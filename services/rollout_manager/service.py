@@ -398,7 +398,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                                                            "the step to its successor"))
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
                           sampling_from_proto(r.sampling), version, deadline_s or None,
-                          tuple(r.resume_token_ids), tuple(r.resume_logprobs))
+                          tuple(r.resume_token_ids), tuple(r.resume_logprobs),
+                          r.trajectory_id, r.turn, r.last_turn)
                for r in requests]
         try:
             # etcd is read only for a version no worker holds yet.
@@ -472,6 +473,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         metrics.IN_FLIGHT.set(tracker.unfinished())
         metrics.WAITING.set(len(tracker.waiting()))
         metrics.TOKENS_REGENERATED.set(tracker.counters.tokens_regenerated)
+        router = self._control.router
+        for outcome, count in dataclasses.asdict(router.counts).items():
+            metrics.TURNS_ROUTED.labels(outcome).set(count)
+        metrics.TRAJECTORIES.set(len(router))
         states: dict[str, int] = {"healthy": 0, "draining": 0, "training": 0, "lost": 0}
         for view in self._control.pool.all():
             states[view.state.value] = states.get(view.state.value, 0) + 1

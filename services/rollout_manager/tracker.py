@@ -61,6 +61,11 @@ class NewRequest:
     # this version and their logprobs; generation continues after them.
     resume_token_ids: tuple[int, ...] = ()
     resume_logprobs: tuple[float, ...] = ()
+    # Agentic rollout: the trajectory this request is a turn of ("" for none), and whether it
+    # is the last turn (turn_routing.py routes turns by where their history's KV is).
+    trajectory_id: str = ""
+    turn: int = 0
+    last_turn: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,9 @@ class TrackedRequest:
     finished_at: float | None = None
     finish_reason: str = ""  # "length" | "stop" once finished; the failure reason once failed
     high_water: int = 0  # most tokens ever held; positions below it that come again are regenerated
+    trajectory_id: str = ""  # agentic rollout (NewRequest)
+    last_turn: bool = False
+    finished_on: str | None = None  # the worker that produced its last token
 
     @property
     def context_length(self) -> int:
@@ -212,7 +220,8 @@ class RequestTracker:
                 new.weight_version, created_at=now,
                 no_worker_timeout_s=new.no_worker_timeout_s,
                 token_ids=list(new.resume_token_ids), logprobs=list(new.resume_logprobs),
-                high_water=len(new.resume_token_ids))
+                high_water=len(new.resume_token_ids), trajectory_id=new.trajectory_id,
+                last_turn=new.last_turn)
             self._waiting_new[new.request_id] = None
         return [r.request_id for r in requests]
 
@@ -233,6 +242,10 @@ class RequestTracker:
             seen.add(r.request_id)
             if not r.prompt_token_ids:
                 raise StepError(f"{where} has an empty prompt")
+            if r.turn < 0 or len(r.trajectory_id) > 256:
+                raise StepError(f"{where} has turn {r.turn} of trajectory "
+                                f"{r.trajectory_id[:40]!r}: turns count from 0 and a "
+                                "trajectory id has at most 256 characters")
             if len(r.prompt_token_ids) > lim.max_prompt_tokens:
                 raise StepError(f"{where} has a prompt of {len(r.prompt_token_ids)} tokens, above "
                                 f"the limit of {lim.max_prompt_tokens}")
@@ -485,6 +498,7 @@ class RequestTracker:
         return ended or ((delta.finish_reason or "stop") if delta.finished else "")
 
     def _finish(self, req: TrackedRequest, reason: str) -> None:
+        req.finished_on = req.worker_id
         self._detach(req)
         req.state = RequestState.FINISHED
         req.finish_reason = reason

@@ -1,0 +1,181 @@
+"""Agentic rollout: turn-wise routing with KV-cache affinity vs pinned vs turnwise (ROSE §4.3,
+Table 3; issue 18), on real processes.
+
+etcd, rollout workers (``small``, one torch thread, paged KV with the prefix cache, 4 running
+each), and one rollout manager started per configuration (``--turn-routing``). Trajectories run
+concurrently, each turn by turn through the manager's ``Generate``. A turn's prompt is the last
+turn's prompt, its completion and a 150-token environment reply. The first prompt is 300 tokens,
+and a turn samples 8–48 tokens (drawn per trajectory and turn, the same in every configuration).
+So histories grow to about 800 tokens, and the workers' loads drift apart as trajectories do.
+Configurations, interleaved over rounds, fresh prompts each run:
+
+- ``pinned``: a trajectory stays on its first turn's worker;
+- ``turnwise``: each turn placed like any request (Algorithm 2's shortest queue);
+- ``turnwise+affinity``: to the worker holding the history while it is under its cap, else as
+  turnwise (the default).
+
+Reported per configuration: rollout seconds (medians), the speed-up of each over pinned (median
+[spread]), prefix-cache hits of the workers and prefill tokens they skipped, and how the manager
+routed the turns.
+
+    python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlharvest.common import rpc  # noqa: E402
+from rlharvest.common.local_etcd import free_port  # noqa: E402
+from rlharvest.common.pb import common_pb2  # noqa: E402
+from rlharvest.common.pb import rollout_manager_pb2 as mpb  # noqa: E402
+from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
+from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
+from tests.integration.test_manager import scrape  # noqa: E402
+
+from bench.coexec_serving import wait_http  # noqa: E402
+from bench.manager_preemption import wait_healthy  # noqa: E402
+
+MODES = ("pinned", "turnwise", "turnwise+affinity")
+PROMPT, REPLY = 300, 150
+HIT_METRICS = ("rlh_worker_prefix_cache_hits_total", "rlh_worker_prefix_cache_saved_tokens_total")
+
+
+async def trajectory(endpoint: str, tag: str, index: int, turns: int, seed: int,
+                     env_s: float = 0.0) -> int:
+    """One trajectory, turn by turn; returns the tokens it sampled."""
+    rng = random.Random(f"{seed}-{tag}-{index}")
+    lengths = random.Random(f"{seed}-{index}")  # the same in every configuration
+    history = [1] + [rng.randrange(3, 128) for _ in range(PROMPT - 1)]
+    sampled = 0
+    async with rpc.channel(endpoint) as chan:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
+        for turn in range(turns):
+            request = mpb.RolloutRequest(
+                request_id=f"{tag}-{index}-{turn}", group_id=f"{tag}-{index}",
+                prompt_token_ids=history, trajectory_id=f"{tag}-{index}", turn=turn,
+                last_turn=turn == turns - 1,
+                sampling=common_pb2.SamplingParams(temperature=1.0, seed=turn,
+                                                   max_tokens=lengths.randint(8, 48)))
+            tokens: list[int] = []
+            async for event in stub.Generate(mpb.GenerateRequest(request=request), timeout=600):
+                for c in event.completions:
+                    if c.failed:
+                        raise RuntimeError(f"{c.request_id} failed: {c.finish_reason}")
+                    tokens = list(c.token_ids)
+            sampled += len(tokens)
+            history = history + tokens + [rng.randrange(3, 128) for _ in range(REPLY)]
+            if env_s and turn < turns - 1:  # the environment acts (a tool call, a game step)
+                await asyncio.sleep(env_s * lengths.uniform(0.5, 1.5))
+    return sampled
+
+
+async def run_trajectories(endpoint: str, tag: str, count: int, turns: int,
+                           seed: int = 0, env_s: float = 0.0) -> float:
+    """All trajectories at once; the wall seconds until the last one's last turn."""
+    started = time.perf_counter()
+    await asyncio.gather(*(trajectory(endpoint, tag, i, turns, seed, env_s)
+                           for i in range(count)))
+    return time.perf_counter() - started
+
+
+def start_workers(stack: LocalStack, count: int) -> list[tuple[ServiceProcess, int]]:
+    workers = []
+    for i in range(count):
+        metrics = free_port()
+        proc = stack.start("rollout_worker", f"w{i}", [
+            "--worker-id", f"w{i}", "--port", str(free_port()), "--metrics-port", str(metrics),
+            "--lease-ttl", "2", "--torch-threads", "1", "--model", "small", "--max-running", "4",
+            "--max-len", "1024", "--kv-pages", "4096", "--page-tokens", "16", "--prefix-cache",
+            "--json-logs"])
+        workers.append((proc, metrics))
+    for proc, metrics in workers:
+        wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
+    return workers
+
+
+def start_manager(stack: LocalStack, mode: str, name: str) -> tuple[ServiceProcess, str, int]:
+    port, metrics = free_port(), free_port()
+    proc = stack.start("rollout_manager", name, [
+        "--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
+        "--turn-routing", mode, "--json-logs"])
+    wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
+    return proc, f"127.0.0.1:{port}", metrics
+
+
+def hits(workers: list[tuple[ServiceProcess, int]]) -> tuple[float, float]:
+    samples = [scrape(metrics) for _, metrics in workers]
+    return tuple(sum(s.get(name, 0.0) for s in samples) for name in HIT_METRICS)  # type: ignore
+
+
+async def one_run(stack: LocalStack, workers, mode: str, tag: str,
+                  args: argparse.Namespace) -> dict:
+    proc, endpoint, metrics = start_manager(stack, mode, f"m-{tag}")
+    try:
+        await wait_healthy(endpoint, len(workers))
+        before = hits(workers)
+        seconds = await run_trajectories(endpoint, tag, args.trajectories, args.turns,
+                                         env_s=args.env_ms / 1000)
+        after = hits(workers)
+        routed = {o: scrape(metrics).get(f'rlh_manager_turns_routed{{outcome="{o}"}}', 0.0)
+                  for o in ("affinity", "moved", "first")}
+    finally:
+        proc.terminate()
+    return {"seconds": seconds, "hits": after[0] - before[0], "saved": after[1] - before[1],
+            "routed": routed}
+
+
+async def bench(args: argparse.Namespace) -> None:
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-agentic-")))
+    stack.start_etcd()
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    try:
+        workers = start_workers(stack, args.workers)
+        for r in range(args.rounds):
+            for i, mode in enumerate(MODES[r % 3:] + MODES[:r % 3]):
+                runs[mode].append(await one_run(stack, workers, mode, f"r{r}m{i}", args))
+            print(f"  round {r} done", flush=True)
+    finally:
+        stack.stop()
+    turns = args.trajectories * args.turns
+    print(f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
+          f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
+          f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds")
+    pinned = [run["seconds"] for run in runs["pinned"]]
+    for mode in MODES:
+        secs = [run["seconds"] for run in runs[mode]]
+        ratios = sorted(p / s for p, s in zip(pinned, secs))
+        last = runs[mode][-1]
+        print(f"  {mode:18s} {statistics.median(secs):6.2f} s   vs pinned "
+              f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]   cache hits "
+              f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "
+              f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}   "
+              f"routed (last run) {last['routed']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 round, 6 trajectories, 3 turns")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--trajectories", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--env-ms", type=float, default=0.0,
+                        help="the environment's time between turns (mean; 0.5-1.5x of it)")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.trajectories, args.turns = 1, 6, 3
+    asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Turn-wise routing of agentic trajectories (ROSE §4.3): a turn goes back to the worker that
+holds its history while that worker is under its cap (the batching plateau, else its capacity),
+is placed like any request otherwise; pinned and turnwise behave as their names say; entries end
+with the last turn or their TTL; and the manager's core routes real turns this way."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rlharvest.services.rollout_manager.balancer import InstanceLoad, select_instance
+from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
+from rlharvest.services.rollout_manager.commands import Dispatch
+from rlharvest.services.rollout_manager.tracker import TokenDelta
+from rlharvest.services.rollout_manager.turn_routing import TurnRouter, TurnRouting
+from tests.builders import Clock, request
+
+A = InstanceLoad("a", capacity=4)
+B = InstanceLoad("b", capacity=4)
+
+
+def busy(instance: InstanceLoad, running: int, queued: int = 0) -> InstanceLoad:
+    return replace(instance, running=tuple(f"x{i}" for i in range(running)),
+                   queued=tuple(f"y{i}" for i in range(queued)))
+
+
+def router(mode: TurnRouting = TurnRouting.AFFINITY, ttl_s: float = 60) -> tuple[TurnRouter, Clock]:
+    clock = Clock()
+    return TurnRouter(mode, ttl_s, clock), clock
+
+
+def test_a_turn_returns_to_the_worker_of_its_last_turn_even_when_another_is_emptier():
+    r, _ = router()
+    assert r.select("t", [busy(A, 2), B], 2, select_instance) == "b"  # first turn: JSQ
+    r.finished("t", "a", last_turn=False)  # (it ran on a after all: a migration)
+    assert r.select("t", [busy(A, 2), B], 2, select_instance) == "a"
+    assert (r.counts.first, r.counts.affinity, r.counts.moved) == (1, 1, 0)
+
+
+def test_a_home_with_theta_turns_waiting_beyond_its_cap_sends_the_turn_elsewhere():
+    r, _ = router()
+    r.finished("t", "a", last_turn=False)
+    assert r.select("t", [busy(A, 4, queued=1), B], 2, select_instance) == "a"  # may wait
+    assert r.select("t", [busy(A, 4, queued=2), B], 2, select_instance) == "b"  # Θ waiting
+    # App. A: past the plateau B throughput stops rising, so B is the cap.
+    plateau = replace(busy(A, 4), plateau=2)
+    assert r.select("t", [plateau, B], 2, select_instance) == "b"
+    assert r.select("t", [B], 2, select_instance) == "b"  # home gone (lost, drained)
+    assert r.counts.moved == 3 and r.counts.affinity == 1
+
+
+def test_pinned_stays_on_its_worker_however_loaded_and_turnwise_ignores_history():
+    pinned, _ = router(TurnRouting.PINNED)
+    first = pinned.select("t", [A, B], 2, select_instance)
+    pinned.dispatched("t", first)
+    full = [busy(A, 4) if first == "a" else A, busy(B, 4) if first == "b" else B]
+    assert pinned.select("t", full, 2, select_instance) == first
+    turnwise, _ = router(TurnRouting.TURNWISE)
+    turnwise.finished("t", "a", last_turn=False)
+    assert turnwise.select("t", [busy(A, 2), B], 2, select_instance) == "b"
+    assert len(turnwise) == 0
+
+
+def test_the_last_turn_and_the_ttl_end_an_entry():
+    r, clock = router(ttl_s=10)
+    r.finished("t", "a", last_turn=False)
+    r.finished("u", "a", last_turn=False)
+    r.finished("t", "a", last_turn=True)
+    assert r.home("t") is None and r.home("u") == "a"
+    clock.advance(11)
+    assert r.home("u") is None
+    r.finished("v", "b", last_turn=False)
+    clock.advance(11)
+    assert r.expire() == 1 and len(r) == 0
+
+
+def test_the_manager_routes_a_trajectorys_next_turn_to_the_worker_that_served_the_last():
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2), clock)
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    control.worker_joined("b", 0, capacity=4, kind="gpu")
+
+    def turn(rid: str, n: int, last: bool = False):
+        return replace(request(rid), trajectory_id="traj", turn=n, last_turn=last)
+
+    control.add_step("t0", [turn("t0", 0)], 0)
+    home = next(c.worker_id for c in control.tick() if isinstance(c, Dispatch))
+    control.step_outputs(home, [TokenDelta("t0", 0, (5,), (0.0,), 0, True, "stop")])
+    control.deliver("t0")
+    # Other requests load the home worker more than the other one: JSQ alone would now pick
+    # the other worker.
+    control.add_step("other", [request(f"o{i}") for i in range(3)], 0)
+    for c in control.tick():
+        assert isinstance(c, Dispatch)
+    assert select_instance(control._loads(0), 2) != home
+    control.add_step("t1", [turn("t1", 1, last=True)], 0)
+    dispatched = [c for c in control.tick() if isinstance(c, Dispatch)]
+    assert dispatched == [Dispatch("t1", home)]
+    assert control.router.counts.affinity == 1
+    control.step_outputs(home, [TokenDelta("t1", 0, (5,), (0.0,), 0, True, "stop")])
+    control.deliver("t1")
+    assert len(control.router) == 0  # the last turn ended the entry
+
+
+def test_with_every_worker_full_a_turn_waits_and_room_at_home_goes_to_its_own_turns_first():
+    r, _ = router()
+    r.finished("t", "a", last_turn=False)
+    r.finished("u", "b", last_turn=False)
+    full = [busy(A, 4, queued=2), busy(B, 4, queued=2)]
+    assert r.select("t", full, 2, select_instance) is None  # no queueing behind a stranger
+    freed_b = [busy(A, 4, queued=2), busy(B, 4, queued=1)]
+    # u's history is on b: it goes first, although t waited longer.
+    assert r.order(["t", "u"], lambda rid: rid, freed_b, 2) == ["u", "t"]
+    assert r.select("u", freed_b, 2, select_instance) == "b"
+
+
+def test_the_simulated_cluster_keeps_histories_where_turns_run_and_beats_turnwise():
+    from rlharvest.sim.agentic import AgenticWorkload, ClusterModel, compare
+
+    cluster = ClusterModel(workers=4, slots=4)
+    # Under capacity no home is ever full: affinity keeps every history as pinning does.
+    under = compare(AgenticWorkload(trajectories=12, turn_range=(2, 5)), cluster)
+    assert under["turnwise+affinity"] == under["pinned"]
+    assert under["turnwise+affinity"].prefill_tokens < under["turnwise"].prefill_tokens
+    assert under["turnwise+affinity"].makespan_s < under["turnwise"].makespan_s
+    # Over capacity turns wait at home up to Θ and move only to a worker with a free slot: the
+    # histories stay found as under pinning, and the idle slots pinning leaves get used.
+    over = compare(AgenticWorkload(trajectories=24, turn_range=(2, 5)), cluster)
+    assert over["turnwise+affinity"].turns == over["turnwise"].turns == over["pinned"].turns
+    assert over["turnwise"].hit_rate < over["turnwise+affinity"].hit_rate
+    assert over["turnwise+affinity"].makespan_s < over["pinned"].makespan_s
+
+
+def test_the_managers_routing_flag_reaches_its_core():
+    from rlharvest.common.config import load_config
+    from rlharvest.services.rollout_manager.config import ManagerConfig
+    from rlharvest.services.rollout_manager.main import build_control
+
+    for mode in TurnRouting:
+        cfg = load_config(ManagerConfig, flags={"turn_routing": mode.value,
+                                                "trajectory_ttl_s": "30"})
+        control = build_control(cfg)
+        assert control.router.mode is mode and control.router.ttl_s == 30
