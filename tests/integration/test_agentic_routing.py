@@ -34,3 +34,64 @@ async def test_each_later_turn_returns_to_its_history_and_reads_it_from_the_cach
         manager.process.terminate()
         for w in workers:
             w.process.terminate()
+
+
+class Raises:
+    def reset(self, seed: int) -> str:
+        return "go"
+
+    def step(self, action: str):
+        raise KeyError("the environment's own bug")
+
+
+class Hangs(Raises):
+    def step(self, action: str):
+        import time
+
+        time.sleep(30)
+
+
+class Malformed(Raises):
+    def step(self, action: str):
+        return {"observation": "x"}
+
+
+async def test_frozen_lake_trajectories_play_through_the_manager_and_bad_envs_fail_alone(
+        module_stack):
+    import asyncio
+
+    from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
+    from rlharvest.services.trainer.environments.runner import PlayConfig, play, play_group
+
+    workers = start_workers(module_stack, ["ew0"], "--max-running", "8", "--kv-pages", "512",
+                            "--prefix-cache")
+    manager = start_manager(module_stack)
+    try:
+        await wait_workers(manager.endpoint, 1, timeout=60)
+        cfg = PlayConfig(max_turns=6, max_new_tokens=2, env_timeout_s=0.5)
+        group, *bad = await asyncio.gather(
+            play_group(manager.endpoint, FrozenLake, "g0", seed=1, size=4, cfg=cfg),
+            play(manager.endpoint, Raises(), "raises", 0, cfg),
+            play(manager.endpoint, Hangs(), "hangs", 0, cfg),
+            play(manager.endpoint, Malformed(), "malformed", 0, cfg))
+        for t in group:
+            assert not t.failed and 1 <= t.turns <= 6 and t.reward in (0.0, 1.0)
+            assert t.done or t.turns == 6
+            assert len(t.token_ids) == len(t.trained) == len(t.logprobs)
+            assert sum(t.trained) == sum(2 for _ in range(t.turns))  # 2 sampled per turn
+            assert all(lp <= 0 for lp, own in zip(t.logprobs, t.trained) if own)
+            assert all(lp == 0 for lp, own in zip(t.logprobs, t.trained) if not own)
+            # The environment's observations are the untrained stretches between turns.
+            observed = [tok for tok, own in zip(t.token_ids, t.trained) if not own]
+            assert len(observed) > 0 or t.turns == 1
+        assert "KeyError" in bad[0].failed and "turn 0" in bad[0].failed
+        assert "within 0.5 s" in bad[1].failed
+        assert "EnvStep" in bad[2].failed
+        # Each trajectory's later turns went back to the worker of its last one.
+        routed = scrape(manager.metrics_port)
+        assert routed['rlh_manager_turns_routed{outcome="affinity"}'] == \
+            sum(t.turns - 1 for t in group)
+    finally:
+        manager.process.terminate()
+        for w in workers:
+            w.process.terminate()

@@ -15,14 +15,15 @@ for real — running candidate code — belongs in ``sandbox``, whose subprocess
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Union, cast
+
+from rlharvest.common.daemon_thread import run_in_daemon_thread
+from rlharvest.common.plugin import load_object
 
 # (prompt, completion, reference) -> reward; may be sync or async.
 RewardFn = Callable[[str, str, str], Union[float, Awaitable[float]]]
@@ -57,39 +58,10 @@ class RewardOutcome:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """Import a reward function from ``"package.module:function"``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward function {spec!r} must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for reward function {spec!r}: "
-                         f"{exc}; is it installed / on PYTHONPATH?") from exc
-    fn = getattr(module, attr, None)
+    fn = load_object(spec, "reward function", "function")
     if not callable(fn):
-        raise ValueError(f"{module_name!r} has no callable {attr!r} (from {spec!r})")
+        raise ValueError(f"{spec!r} is not callable; a reward function is needed")
     return fn
-
-
-def _run_in_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run ``fn`` on a new daemon thread; the future resolves on the caller's loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():  # it may have been cancelled by the timeout meanwhile
-            setter(value)
-
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(settle, future.set_result, result)
-
-    threading.Thread(target=target, name="reward-fn", daemon=True).start()
-    return future
 
 
 class RewardPool:
@@ -135,7 +107,7 @@ class RewardPool:
         if inspect.iscoroutinefunction(fn):
             # The check does not narrow the union of sync and async functions for the checker.
             return cast(Awaitable[Any], fn(*args))
-        return _run_in_thread(lambda: fn(*args))
+        return run_in_daemon_thread(lambda: fn(*args), "reward-fn")
 
     def _failure(self, request: RewardRequest, start: float, error: str) -> RewardOutcome:
         return RewardOutcome(request.sample_id, self._failure_reward, False, error,

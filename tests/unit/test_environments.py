@@ -1,0 +1,111 @@
+"""The environment contract and the built-in FrozenLake: gymnasium's 4x4 rules (moves, edges,
+holes, the goal, the slippery 1/3 rule, the time limit), text actions, and the loader's refusals.
+``check_contract`` is the test any environment can run."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
+from rlharvest.services.trainer.environments.interface import (
+    EnvironmentError_,
+    EnvStep,
+    checked_step,
+    load_environment,
+)
+
+TOK = CharTokenizer()
+
+
+def check_contract(env_class: type, actions: str = "LDRU", seeds: range = range(3)) -> None:
+    """What the runner relies on: reset gives a string the built-in tokenizer encodes, step
+    gives a well-formed EnvStep, an episode ends, and one seed replays identically."""
+    for seed in seeds:
+        runs = []
+        for _ in range(2):
+            env = env_class()
+            transcript = [env.reset(seed)]
+            TOK.encode(transcript[0])
+            for turn in range(1000):
+                step = checked_step(env.step(actions[turn % len(actions)]))
+                TOK.encode(step.observation, add_bos=False)
+                transcript.append((step.observation, step.reward, step.done))
+                if step.done:
+                    break
+            else:
+                pytest.fail(f"{env_class.__name__}: no episode end within 1000 steps")
+            runs.append(transcript)
+        assert runs[0] == runs[1], "the same seed must replay the same episode"
+
+
+def test_frozen_lake_keeps_the_contract_slippery_or_not():
+    check_contract(FrozenLake)
+    check_contract(lambda: FrozenLake(slippery=True, max_steps=100))  # type: ignore[arg-type]
+
+
+def play(env: FrozenLake, moves: str) -> list[EnvStep]:
+    env.reset(0)
+    return [env.step(m) for m in moves]
+
+
+def test_the_shortest_safe_path_reaches_the_goal_for_reward_one():
+    steps = play(FrozenLake(), "RRDDDR")
+    assert [s.done for s in steps] == [False] * 5 + [True]
+    assert steps[-1].reward == 1.0 and sum(s.reward for s in steps[:-1]) == 0
+    assert "@" in steps[-1].observation.splitlines()[3]
+
+
+def test_a_hole_ends_the_episode_with_nothing_and_edges_hold_the_agent():
+    env = FrozenLake()
+    steps = play(env, "LUR")  # bumps into the corner twice, then right
+    assert (env.row, env.col) == (0, 1) and not steps[-1].done
+    hole = play(FrozenLake(), "DR")  # (1, 1) is a hole
+    assert hole[-1].done and hole[-1].reward == 0.0
+
+
+def test_text_actions_take_the_first_move_letter_and_nonsense_wastes_a_step():
+    env = FrozenLake()
+    env.reset(0)
+    assert "Not understood" in env.step("???").observation
+    assert (env.row, env.col) == (0, 0)
+    env.step("go right")  # 'g', 'o' are no moves; 'r' of "right" is
+    assert (env.row, env.col) == (0, 1)
+
+
+def test_the_time_limit_ends_an_episode_and_a_finished_one_refuses_steps():
+    env = FrozenLake(max_steps=3)
+    steps = play(env, "LLL")
+    assert [s.done for s in steps] == [False, False, True]
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("R")
+
+
+def test_slippery_moves_go_the_intended_way_a_third_of_the_time():
+    counts: collections.Counter[tuple[int, int]] = collections.Counter()
+    for seed in range(3000):
+        env = FrozenLake(slippery=True)
+        env.reset(seed)
+        env.step("D")  # from S: down (1,0), or left/right perpendicular: (0,0) edge, (0,1)
+        counts[(env.row, env.col)] += 1
+    for cell in ((1, 0), (0, 0), (0, 1)):
+        assert 850 < counts[cell] < 1150, counts
+
+
+def test_malformed_steps_and_bad_specs_are_refused_with_the_reason():
+    with pytest.raises(EnvironmentError_, match="EnvStep"):
+        checked_step({"observation": "x"})
+    with pytest.raises(EnvironmentError_, match="finite"):
+        checked_step(EnvStep("x", float("nan"), False))
+    with pytest.raises(EnvironmentError_, match="bool"):
+        checked_step(EnvStep("x", 0.0, "yes"))  # type: ignore[arg-type]
+    assert checked_step(("x", 1, True)) == EnvStep("x", 1.0, True)
+    assert load_environment("frozen_lake") is FrozenLake
+    assert load_environment("rlharvest.services.trainer.environments.frozen_lake:FrozenLake") \
+        is FrozenLake
+    with pytest.raises(ValueError, match="package.module:Class"):
+        load_environment("nonsense")
+    with pytest.raises(ValueError, match="not a class"):
+        load_environment("rlharvest.services.trainer.environments.frozen_lake:MAP")
