@@ -70,6 +70,15 @@ class TrainerConfig(ServiceConfig):
     reward_fn: str = Field("", description="'package.module:function' (prompt, completion, "
                                            "reference) -> float; the same as --reward with an "
                                            "import path (docs/rewards.md)")
+    env: str = Field("", description="agentic RL: an environment ('frozen_lake' or "
+                     "'package.module:Class', services/trainer/environments/interface.py) whose "
+                     "episodes are the prompts; each sample is a multi-turn trajectory, "
+                     "max_new_tokens per turn, observations masked out of the loss")
+    env_max_turns: int = Field(8, ge=1, description="turns per trajectory at most")
+    env_timeout_s: float = Field(5.0, gt=0, description="an environment call slower than this "
+                                 "fails its trajectory")
+    env_context: int = Field(512, ge=8, description="tokens a trajectory may reach (the "
+                             "workers' max_len)")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt accepted from --data; 0 = "
                                                         "the model's context minus max_new_tokens")
     data_seed: int = 0
@@ -217,6 +226,23 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("--placement-scheduler and --seed-role exclude each other: the "
                              "seed role rolls out on the training node, which the scheduler "
                              "hands to other jobs' training phases")
+        return self
+
+    @model_validator(mode="after")
+    def _env_fits(self) -> TrainerConfig:
+        if not self.env:
+            return self
+        clash = [flag for flag, on in (("--data", bool(self.data)),
+                                       ("--tail-batching", self.tail_batching),
+                                       ("--seed-role", self.seed_role),
+                                       ("--placement-scheduler", self.placement_scheduler))
+                 if on]
+        if clash:
+            raise ValueError(f"--env {self.env} plays its own episodes turn by turn; it does not "
+                             f"combine with {', '.join(clash)} yet")
+        from rlharvest.services.trainer.environments.interface import load_environment
+
+        load_environment(self.env)  # a bad name fails here, naming the key
         return self
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -48,6 +48,8 @@ from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards,
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
+from rlharvest.services.trainer.environments.interface import load_environment
+from rlharvest.services.trainer.environments.runner import PlayConfig, Trajectory, play_group
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.rollout_manager.stream_accounting import parse_scale_record
 from rlharvest.services.trainer.instance_cap import InstanceCap
@@ -65,6 +67,7 @@ from rlharvest.services.trainer.step_plan import (
     StepSpec,
     StreamIncomplete,
     resume_version,
+    sample_seed,
     submit_request,
 )
 from rlharvest.services.trainer.stream_trainer import (
@@ -168,6 +171,8 @@ class TrainerLoop:
                                  cfg.data_prompts or None, eta_prompts=cfg.eta_prompts,
                                  eta_responses=cfg.eta_responses) if cfg.tail_batching else None
         self._round: Round | None = None  # the round the step in progress runs
+        # Agentic RL (--env): the environment class whose episodes are the step's prompts.
+        self._env: type | None = load_environment(cfg.env) if cfg.env else None
         self._lengths = LengthModel(cfg.bench_length_median, cfg.max_new_tokens, cfg.data_seed) \
             if cfg.bench_length_median else None
         self._rewards = RewardPool(delayed(self._setup.reward_fn or self._task_reward,
@@ -358,6 +363,8 @@ class TrainerLoop:
                 raise RolloutFailed(f"no worker joined the job's manager under its rollout "
                                     f"permit: {exc}") from exc
             progress.phase = "rollout"
+        if self._env is not None:
+            return await self._agentic_step(spec, manager, progress, started)
         window_s = self._seed_window_s()
         if window_s and self._seed is not None:
             await self._seed.wait_connected()
@@ -508,6 +515,14 @@ class TrainerLoop:
             # Rollout and rewards fail for one reason at a time; surface it, not the group.
             raise next((e for e in failed.exceptions
                         if not isinstance(e, asyncio.CancelledError)), failed) from None
+        return await self._conclude(spec, train, assembler, progress, started, waited, phases,
+                                    remote)
+
+    async def _conclude(self, spec: StepSpec, train: StreamingStep, assembler: GroupAssembler,
+                        progress: Progress, started: float, waited: float,
+                        phases: dict[str, float], remote: list[mpb.RemoteTimings]
+                        ) -> tpb.StepSummary:
+        """The optimizer step, Algorithm 1's update, the publish and the step's summary."""
         progress.phase = "optimizer"
         stats = await self._apply(spec, train, assembler)
         n_prem = 0
@@ -533,6 +548,52 @@ class TrainerLoop:
             round=spec.round, prompts_launched=len(spec.items),
             prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded,
             rollout_s=phases["rollout"], rewards_s=phases["rewards"])
+
+    async def _agentic_step(self, spec: StepSpec, manager: str, progress: Progress,
+                            started: float) -> tpb.StepSummary:
+        """A step of multi-turn trajectories (``--env``): each prompt item is one episode (its
+        reset seed follows from the item's index, so a resumed run replays the same episodes),
+        played by a GRPO group of ``samples_per_prompt`` trajectories through the manager turn
+        by turn (environments/runner.py). A group trains as soon as it is played. The model's
+        tokens train; the environment's observations are context only (loss mask). A trajectory
+        the environment failed scores 0 and trains nothing; the step goes on."""
+        assert self._env is not None
+        cfg = self._cfg
+        play_cfg = PlayConfig(weight_version=spec.weight_version, max_turns=cfg.env_max_turns,
+                              max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                              top_p=cfg.top_p, context=cfg.env_context,
+                              env_timeout_s=cfg.env_timeout_s,
+                              no_worker_deadline_s=cfg.no_worker_deadline_s)
+        train = StreamingStep(self._backend, num_groups=spec.train_groups,
+                              group_size=spec.group_size,
+                              micro_batch_groups=min(cfg.micro_batch_groups, spec.train_groups),
+                              loss=self._loss, pad_id=self._tok.pad_id,
+                              ref_model=self._ref_model, ranks=self._ranks, clock=self._clock)
+        progress.phase = "rollout"
+        env_class = self._env
+
+        async def group(g: int) -> tuple[int, list[Trajectory]]:
+            seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
+            return g, await play_group(manager, env_class, f"s{spec.step}-g{g}", seed,
+                                       spec.group_size, play_cfg)
+
+        waited = 0.0
+        for played in asyncio.as_completed([group(g) for g in range(spec.train_groups)]):
+            idle_since = self._clock()
+            g, trajectories = await played
+            waited += self._clock() - idle_since
+            for t in trajectories:
+                metrics.TRAJECTORIES.labels("failed" if t.failed else "played").inc()
+                if t.failed:
+                    log.warning("step %d: trajectory %s failed: %s", spec.step, t.trajectory_id,
+                                t.failed)
+                progress.completions += 1
+                progress.tokens_generated += sum(t.trained)
+            await self._run(train.add_groups, [_trajectory_group(g, trajectories)])
+            progress.groups_trained = train.groups_received
+        phases = {"rollout": self._clock() - started, "rewards": 0.0}
+        return await self._conclude(spec, train, GroupAssembler(spec), progress, started,
+                                    waited, phases, [])
 
     def _seed_window_s(self) -> float:
         """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role."""
@@ -805,3 +866,12 @@ def max_positions(model: torch.nn.Module) -> int:
 def torch_threads(count: int) -> None:
     if count:
         torch.set_num_threads(count)
+
+
+def _trajectory_group(group: int, trajectories: Sequence[Trajectory]) -> RewardedGroup:
+    """A played GRPO group as the streaming step trains it: a failed trajectory scores 0 and
+    trains none of its tokens (it still counts in its group's baseline)."""
+    return RewardedGroup(group, [
+        Completion(t.prompt_ids, t.token_ids, t.logprobs,
+                   [own and not t.failed for own in t.trained]) for t in trajectories],
+        [0.0 if t.failed else t.reward for t in trajectories])

@@ -26,6 +26,8 @@ TOKENS_DISCARDED = Counter("rlh_trainer_tokens_discarded_total",
 # Every reward task the trainer started, by how it ended: scored, failed (raised or timed out;
 # also in rlh_trainer_reward_failures_total) or cancelled (a deferred group's, or a step's that
 # was cancelled itself).
+TRAJECTORIES = Counter("rlh_trainer_trajectories_total", "Agentic trajectories (--env) played, "
+                       "by outcome: played, or failed by the environment", ["outcome"])
 REWARDS = Counter("rlh_trainer_rewards_total", "Reward tasks by outcome", ["outcome"])
 REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that failed or timed out")
 MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")

@@ -65,6 +65,10 @@ class Sample:
     completion_ids: Sequence[int]
     rollout_logprobs: Sequence[float] | None
     advantage: float
+    # Per completion token: trained (True) or not (an agentic trajectory's environment
+    # observations, between its turns: context the model reads, never its own action). None:
+    # every token is trained.
+    loss_mask: Sequence[bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ def micro_batch_loss(module: torch.nn.Module, batch: MicroBatch,
             raise ValueError("loss.beta > 0 needs ref_model (a frozen copy of the initial policy)")
         with torch.no_grad():
             ref, _ = completion_logprobs(ref_model, prompts, outputs, batch.pad_id)
+    for i, s in enumerate(batch.samples):
+        if s.loss_mask is not None:
+            mask[i, :len(s.loss_mask)] *= torch.tensor(s.loss_mask, dtype=mask.dtype)
     advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
     token_loss = per_token_loss(logprobs, old, advantages, batch.loss, ref)
     return aggregate_loss(token_loss, mask, batch.loss.aggregation, batch.denominator)

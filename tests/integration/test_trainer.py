@@ -411,3 +411,25 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     aborts = metric(seed_text, "rlh_worker_abort_wait_steps_count")
     assert aborts >= 1
     assert metric(seed_text, 'rlh_worker_abort_wait_steps_bucket{le="1.0"}') == aborts
+
+
+async def test_grpo_steps_on_frozen_lake_trajectories_play_turn_by_turn_on_policy(stack):
+    """--env: each sample is a multi-turn FrozenLake trajectory played through the manager on
+    the step's version (the workers' prefix caches hold each history between its turns); the
+    steps apply and publish as text steps do."""
+    manager = await start_job(stack, 1, "--max-running", "16", "--kv-pages", "1024",
+                              "--prefix-cache")
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "2", "--env", "frozen_lake",
+        "--prompts-per-step", "2", "--samples-per-prompt", "4", "--max-new-tokens", "2",
+        "--env-max-turns", "4")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2]
+    for s in st.steps:
+        assert s.weight_version == s.step - 1 and s.published_version == s.step, s
+        assert s.tokens > 0
+    text = scrape(metrics_port)
+    assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 16
+    assert metric(text, 'rlh_trainer_trajectories_total{outcome="failed"}') == 0
+    routed = scrape(manager.metrics_port)
+    assert metric(routed, 'rlh_manager_turns_routed{outcome="affinity"}') > 0

@@ -105,3 +105,26 @@ def test_a_service_that_runs_as_one_process_refuses_a_rank_above_0():
          "127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "runs as one process, but was launched as rank 1 of 2" in done.stderr
+
+
+def test_a_loss_mask_trains_the_models_tokens_and_leaves_observations_out():
+    """An agentic trajectory: turns of the model with the environment's observations between.
+    Masked tokens add nothing to the loss and their logprobs do not matter; the trained tokens
+    give exactly the loss of a sample whose other tokens are ignored; all masked trains nothing."""
+    model = build_model("tiny", seed=1)
+    completion = [10, 11, 40, 41, 42, 12, 13]  # turn, observation (3 tokens), turn
+    trained = [True, True, False, False, False, True, True]
+    rollout = [-1.0, -1.2, 0.0, 0.0, 0.0, -0.8, -0.9]
+
+    def loss_of(mask, logprobs) -> torch.Tensor:
+        batch = MicroBatch((Sample([3, 4], completion, logprobs, 1.5, mask),), LossConfig(),
+                           PAD_ID, 4.0)
+        return micro_batch_loss(model, batch, None)
+
+    masked = loss_of(trained, rollout)
+    other_obs_logprobs = [lp if own else -7.0 for lp, own in zip(rollout, trained)]
+    assert torch.equal(masked, loss_of(trained, other_obs_logprobs))
+    assert not torch.equal(masked, loss_of(None, rollout))
+    model.zero_grad()
+    loss_of([False] * len(completion), rollout).backward()
+    assert all(float(g.abs().sum()) == 0 for g in grads(model))
