@@ -5,23 +5,20 @@ pressure instead of refusing work, and give every page back."""
 
 from __future__ import annotations
 
-import pytest
-import torch
 
 from rlharvest.common.engine_types import EngineRequest
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
-from .test_torch_engine import SHARP_VERSION, drain, engine, prompt, sampled
+from .test_torch_engine import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
+    SHARP_VERSION,
+    drain,
+    engine,
+    one_torch_thread,
+    prompt,
+    sampled,
+)
 
 PAGE_TOKENS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def cached_engine(pages: int = 256, **kwargs) -> TorchEngine:
