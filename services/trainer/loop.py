@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,7 +49,13 @@ from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_worl
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
 from rlharvest.services.trainer.environments.interface import load_environment
-from rlharvest.services.trainer.environments.runner import PlayConfig, Trajectory, play_group
+from rlharvest.services.trainer.environments.runner import (
+    PlayConfig,
+    Trajectory,
+    manager_generator,
+    play_group,
+    rewarded_group,
+)
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.rollout_manager.stream_accounting import parse_scale_record
 from rlharvest.services.trainer.instance_cap import InstanceCap
@@ -572,25 +578,27 @@ class TrainerLoop:
         progress.phase = "rollout"
         env_class = self._env
 
-        async def group(g: int) -> tuple[int, list[Trajectory]]:
-            seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
-            return g, await play_group(manager, env_class, f"s{spec.step}-g{g}", seed,
-                                       spec.group_size, play_cfg)
-
         waited = 0.0
-        for played in asyncio.as_completed([group(g) for g in range(spec.train_groups)]):
-            idle_since = self._clock()
-            g, trajectories = await played
-            waited += self._clock() - idle_since
-            for t in trajectories:
-                metrics.TRAJECTORIES.labels("failed" if t.failed else "played").inc()
-                if t.failed:
-                    log.warning("step %d: trajectory %s failed: %s", spec.step, t.trajectory_id,
-                                t.failed)
-                progress.completions += 1
-                progress.tokens_generated += sum(t.trained)
-            await self._run(train.add_groups, [_trajectory_group(g, trajectories)])
-            progress.groups_trained = train.groups_received
+        async with manager_generator(manager, play_cfg) as generate:
+
+            async def group(g: int) -> tuple[int, list[Trajectory]]:
+                seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
+                return g, await play_group(generate, env_class, f"s{spec.step}-g{g}", seed,
+                                           spec.group_size, play_cfg)
+
+            for played in asyncio.as_completed([group(g) for g in range(spec.train_groups)]):
+                idle_since = self._clock()
+                g, trajectories = await played
+                waited += self._clock() - idle_since
+                for t in trajectories:
+                    metrics.TRAJECTORIES.labels("failed" if t.failed else "played").inc()
+                    if t.failed:
+                        log.warning("step %d: trajectory %s failed: %s", spec.step,
+                                    t.trajectory_id, t.failed)
+                    progress.completions += 1
+                    progress.tokens_generated += sum(t.trained)
+                await self._run(train.add_groups, [rewarded_group(g, trajectories)])
+                progress.groups_trained = train.groups_received
         phases = {"rollout": self._clock() - started, "rewards": 0.0}
         return await self._conclude(spec, train, GroupAssembler(spec), progress, started,
                                     waited, phases, [])
@@ -867,11 +875,3 @@ def torch_threads(count: int) -> None:
     if count:
         torch.set_num_threads(count)
 
-
-def _trajectory_group(group: int, trajectories: Sequence[Trajectory]) -> RewardedGroup:
-    """A played GRPO group as the streaming step trains it: a failed trajectory scores 0 and
-    trains none of its tokens (it still counts in its group's baseline)."""
-    return RewardedGroup(group, [
-        Completion(t.prompt_ids, t.token_ids, t.logprobs,
-                   [own and not t.failed for own in t.trained]) for t in trajectories],
-        [0.0 if t.failed else t.reward for t in trajectories])

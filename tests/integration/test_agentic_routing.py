@@ -61,7 +61,12 @@ async def test_frozen_lake_trajectories_play_through_the_manager_and_bad_envs_fa
     import asyncio
 
     from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
-    from rlharvest.services.trainer.environments.runner import PlayConfig, play, play_group
+    from rlharvest.services.trainer.environments.runner import (
+        PlayConfig,
+        manager_generator,
+        play,
+        play_group,
+    )
 
     workers = start_workers(module_stack, ["ew0"], "--max-running", "8", "--kv-pages", "512",
                             "--prefix-cache")
@@ -69,11 +74,12 @@ async def test_frozen_lake_trajectories_play_through_the_manager_and_bad_envs_fa
     try:
         await wait_workers(manager.endpoint, 1, timeout=60)
         cfg = PlayConfig(max_turns=6, max_new_tokens=2, env_timeout_s=0.5)
-        group, *bad = await asyncio.gather(
-            play_group(manager.endpoint, FrozenLake, "g0", seed=1, size=4, cfg=cfg),
-            play(manager.endpoint, Raises(), "raises", 0, cfg),
-            play(manager.endpoint, Hangs(), "hangs", 0, cfg),
-            play(manager.endpoint, Malformed(), "malformed", 0, cfg))
+        async with manager_generator(manager.endpoint, cfg) as generate:
+            group, *bad = await asyncio.gather(
+                play_group(generate, FrozenLake, "g0", seed=1, size=4, cfg=cfg),
+                play(generate, Raises(), "raises", 0, cfg),
+                play(generate, Hangs(), "hangs", 0, cfg),
+                play(generate, Malformed(), "malformed", 0, cfg))
         for t in group:
             assert not t.failed and 1 <= t.turns <= 6 and t.reward in (0.0, 1.0)
             assert t.done or t.turns == 6

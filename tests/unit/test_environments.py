@@ -109,3 +109,26 @@ def test_malformed_steps_and_bad_specs_are_refused_with_the_reason():
         load_environment("nonsense")
     with pytest.raises(ValueError, match="not a class"):
         load_environment("rlharvest.services.trainer.environments.frozen_lake:MAP")
+
+
+def test_the_shaped_variant_adds_progress_to_gymnasiums_reward_and_nothing_else():
+    shaped = play(FrozenLake(shaped=True), "RRDDDR")
+    plain = play(FrozenLake(), "RRDDDR")
+    assert [s.done for s in shaped] == [s.done for s in plain]
+    assert [round(s.reward - p.reward, 6) for s, p in zip(shaped, plain)] == [0.1] * 6
+    away = play(FrozenLake(shaped=True), "RL")  # closer, then back
+    assert [round(s.reward, 6) for s in away] == [0.1, -0.1]
+    assert play(FrozenLake(shaped=True), "?")[0].reward == 0.0
+    assert load_environment("frozen_lake_shaped")().shaped
+
+
+def test_the_trainer_refuses_an_unknown_env_and_combinations_it_does_not_run_yet():
+    from rlharvest.common.config import ConfigError, load_config
+    from rlharvest.services.trainer.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match="package.module:Class"):
+        load_config(TrainerConfig, flags={"env": "chess"})
+    with pytest.raises(ConfigError, match="--tail-batching"):
+        load_config(TrainerConfig, flags={"env": "frozen_lake", "tail_batching": True})
+    cfg = load_config(TrainerConfig, flags={"env": "frozen_lake_shaped", "env_max_turns": "6"})
+    assert cfg.env_max_turns == 6 and cfg.env_timeout_s == 5.0

@@ -140,3 +140,22 @@ def test_the_managers_routing_flag_reaches_its_core():
                                                 "trajectory_ttl_s": "30"})
         control = build_control(cfg)
         assert control.router.mode is mode and control.router.ttl_s == 30
+
+
+def test_a_lost_workers_turn_resumes_elsewhere_with_its_tokens_and_its_home_moves_there():
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2), clock)
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    control.worker_joined("b", 0, capacity=4, kind="gpu")
+    turn = replace(request("t0", max_tokens=4), trajectory_id="traj", turn=0)
+    control.add_step("t0", [turn], 0)
+    first = next(c.worker_id for c in control.tick() if isinstance(c, Dispatch))
+    control.step_outputs(first, [TokenDelta("t0", 0, (5, 6), (0.0, 0.0), 0)])
+    control.worker_lost(first, "SIGKILL")
+    moved = [c for c in control.tick() if isinstance(c, Dispatch)]
+    other = "b" if first == "a" else "a"
+    assert moved == [Dispatch("t0", other)]
+    assert control.tracker.get("t0").token_ids == [5, 6]  # resumed, not regenerated
+    control.step_outputs(other, [TokenDelta("t0", 2, (7, 8), (0.0, 0.0), 0, True, "length")])
+    control.deliver("t0")
+    assert control.router.home("traj") == other  # the history's KV is where it finished

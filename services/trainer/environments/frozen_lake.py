@@ -18,8 +18,14 @@ the first of ``L D R U`` in the completion (case-insensitive), so a model that w
 first still acts. A completion with none of them is a wasted step: the agent stays put, and the
 observation says the move was not understood.
 
-Defaults for learning on a CPU: not slippery, and 8 steps, so the tiny model can find the 6-move
-path by GRPO in a few minutes. ``FrozenLake(slippery=True, max_steps=100)`` is gymnasium's game.
+Defaults: not slippery, and 8 steps (the shortest path takes 6).
+``FrozenLake(slippery=True, max_steps=100)`` is gymnasium's game.
+
+``shaped`` (the built-in ``frozen_lake_shaped``) adds a progress reward to gymnasium's: 0.1 for
+each step that brings the agent closer to G (Manhattan distance), -0.1 for each that takes it
+further. The dynamics, the goal's 1 and the episode ends stay gymnasium's. Why: from a random
+policy the goal is almost never reached, so every GRPO group scores 0 and nothing is learned.
+The success rate (episodes reaching G) stays the measure of learning.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ ORDER = "LDRU"  # gymnasium's action numbers 0..3
 
 
 class FrozenLake:
-    def __init__(self, slippery: bool = False, max_steps: int = 8) -> None:
+    def __init__(self, slippery: bool = False, max_steps: int = 8, shaped: bool = False) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         self.slippery = slippery
         self.max_steps = max_steps
+        self.shaped = shaped
         self._rng = random.Random(0)
         self.row = self.col = 0
         self.steps = 0
@@ -56,6 +63,7 @@ class FrozenLake:
         self.steps += 1
         move = next((ch for ch in action.upper() if ch in MOVES), None)
         note = ""
+        before = _distance(self.row, self.col)
         if move is None:
             note = "Not understood. "
         else:
@@ -67,6 +75,8 @@ class FrozenLake:
             self.col = min(3, max(0, self.col + d_col))
         tile = MAP[self.row][self.col]
         reward = 1.0 if tile == "G" else 0.0
+        if self.shaped:
+            reward += 0.1 * (before - _distance(self.row, self.col))
         self.done = tile in "GH" or self.steps >= self.max_steps
         return EnvStep(self._render(note), reward, self.done)
 
@@ -74,3 +84,15 @@ class FrozenLake:
         rows = ["".join("@" if (r, c) == (self.row, self.col) else MAP[r][c] for c in range(4))
                 for r in range(4)]
         return note + "\n".join(rows) + "\nMove L D R U:"
+
+
+def _distance(row: int, col: int) -> int:
+    """Manhattan distance to G (3, 3)."""
+    return 6 - row - col
+
+
+class ShapedFrozenLake(FrozenLake):
+    """``frozen_lake_shaped``: FrozenLake with the progress reward (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(shaped=True)

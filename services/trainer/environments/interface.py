@@ -66,9 +66,9 @@ def checked_step(value: object) -> EnvStep:
 
 def load_environment(spec: str) -> type:
     """The environment class named by ``package.module:Class`` or a built-in name."""
-    from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
+    from rlharvest.services.trainer.environments.frozen_lake import FrozenLake, ShapedFrozenLake
 
-    builtin = {"frozen_lake": FrozenLake}
+    builtin = {"frozen_lake": FrozenLake, "frozen_lake_shaped": ShapedFrozenLake}
     if spec in builtin:
         return builtin[spec]
     env = load_object(spec, "environment", "Class")
