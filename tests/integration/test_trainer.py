@@ -413,7 +413,8 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     assert metric(seed_text, 'rlh_worker_abort_wait_steps_bucket{le="1.0"}') == aborts
 
 
-async def test_grpo_steps_on_frozen_lake_trajectories_play_turn_by_turn_on_policy(stack):
+async def test_grpo_steps_on_frozen_lake_trajectories_play_turn_by_turn_on_policy(
+        stack, etcd_client):  # etcd_client: an empty keyspace (no version announced before)
     """--env: each sample is a multi-turn FrozenLake trajectory played through the manager on
     the step's version (the workers' prefix caches hold each history between its turns); the
     steps apply and publish as text steps do."""
