@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
 import sys
@@ -36,10 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common import rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.common.pb import common_pb2  # noqa: E402
-from rlharvest.common.pb import rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
 from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
+from rlharvest.services.trainer.environments.runner import PlayConfig, generate_turn  # noqa: E402
 from tests.integration.test_manager import scrape  # noqa: E402
 
 from bench.coexec_serving import wait_http  # noqa: E402
@@ -57,21 +57,13 @@ async def trajectory(endpoint: str, tag: str, index: int, turns: int, seed: int,
     lengths = random.Random(f"{seed}-{index}")  # the same in every configuration
     history = [1] + [rng.randrange(3, 128) for _ in range(PROMPT - 1)]
     sampled = 0
+    cfg = PlayConfig(max_turns=turns, context=1024)
     async with rpc.channel(endpoint) as chan:
         stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
         for turn in range(turns):
-            request = mpb.RolloutRequest(
-                request_id=f"{tag}-{index}-{turn}", group_id=f"{tag}-{index}",
-                prompt_token_ids=history, trajectory_id=f"{tag}-{index}", turn=turn,
-                last_turn=turn == turns - 1,
-                sampling=common_pb2.SamplingParams(temperature=1.0, seed=turn,
-                                                   max_tokens=lengths.randint(8, 48)))
-            tokens: list[int] = []
-            async for event in stub.Generate(mpb.GenerateRequest(request=request), timeout=600):
-                for c in event.completions:
-                    if c.failed:
-                        raise RuntimeError(f"{c.request_id} failed: {c.finish_reason}")
-                    tokens = list(c.token_ids)
+            tokens, _ = await generate_turn(
+                stub, f"{tag}-{index}", turn, history, turn,
+                dataclasses.replace(cfg, max_new_tokens=lengths.randint(8, 48)))
             sampled += len(tokens)
             history = history + tokens + [rng.randrange(3, 128) for _ in range(REPLY)]
             if env_s and turn < turns - 1:  # the environment acts (a tool call, a game step)

@@ -284,13 +284,12 @@ def _preset_values(preset: str, seed: int, dtype: torch.dtype, device: str | tor
         else:
             value = torch.normal(0.0, cfg.initializer_range, like.shape, generator=gen,
                                  device=device)
-        if name == "model.embed_tokens.weight":
-            if cfg.pad_token_id is not None:
-                value[cfg.pad_token_id] = 0
-            embedding = value.to(dtype)
-            yield name, embedding
-            continue
-        yield name, value.to(dtype)
+        if name == "model.embed_tokens.weight" and cfg.pad_token_id is not None:
+            value[cfg.pad_token_id] = 0
+        value = value.to(dtype)
+        if name == "model.embed_tokens.weight" and cfg.tie_word_embeddings:
+            embedding = value  # the head's too: kept until the head's turn, only when tied
+        yield name, value
 
 
 def _checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -145,20 +145,14 @@ def _loads(workers: list[_Worker], cluster: ClusterModel) -> list[InstanceLoad]:
 
 def _dispatch(waiting: list[_Turn], workers: list[_Worker], router: TurnRouter,
               cluster: ClusterModel) -> list[_Turn]:
+    """The manager's own turn placement (``TurnRouter.dispatch``); returns the turns held."""
     by_name = {w.name: w for w in workers}
-    held = []
     by_id = {str(id(turn)): turn for turn in waiting}
-    order = router.order(list(by_id), lambda key: str(by_id[key].trajectory),
-                         _loads(workers, cluster), cluster.theta)
-    for turn in (by_id[key] for key in order):
-        target = router.select(str(turn.trajectory), _loads(workers, cluster), cluster.theta,
-                               select_instance)
-        if target is None:
-            held.append(turn)
-            continue
-        router.dispatched(str(turn.trajectory), target)
-        by_name[target].queued.append(turn)
-    return held
+    placed = router.dispatch(list(by_id), lambda key: str(by_id[key].trajectory),
+                             _loads(workers, cluster), cluster.theta, select_instance)
+    for command in placed:
+        by_name[command.worker_id].queued.append(by_id.pop(command.request_id))
+    return list(by_id.values())
 
 
 def _step(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticResult

@@ -113,28 +113,23 @@ class RoundRobinSelect:
         return ordered[(self._turn - 1) % len(ordered)].worker_id
 
 
-RouteFn = Callable[[str, Sequence[InstanceLoad], int], "str | None"]
-
-
 def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
-                     theta: int, select: SelectFn = select_instance,
-                     route: RouteFn | None = None) -> list[Dispatch]:
-    """SELECTINSTANCE for each waiting request in order, until one has to be held.
-    ``route(request_id, instances, theta)``, when given, decides per request instead (a
-    trajectory's turn goes where its history is: turn_routing.py)."""
+                     theta: int, select: SelectFn = select_instance) -> list[Dispatch]:
+    """SELECTINSTANCE for each waiting request in order, until one has to be held."""
     by_id = {i.worker_id: i for i in instances}
     out: list[Dispatch] = []
     for request_id in request_ids:
-        loads = list(by_id.values())
-        target = route(request_id, loads, theta) if route else select(loads, theta)
+        target = select(list(by_id.values()), theta)
         if target is None:
-            if route:  # this request's rule holds it; another's may place it
-                continue
             break  # every instance has Θ pending: the rest wait for a completion (line 12)
-        load = by_id[target]
-        by_id[target] = replace(load, queued=load.queued + (request_id,))
+        by_id[target] = queue_on(by_id[target], request_id)
         out.append(Dispatch(request_id, target))
     return out
+
+
+def queue_on(load: InstanceLoad, request_id: str) -> InstanceLoad:
+    """``load`` once ``request_id`` is dispatched to it (the tail of its queue)."""
+    return replace(load, queued=load.queued + (request_id,))
 
 
 def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
@@ -204,4 +199,4 @@ def _apply_move(by_id: dict[str, InstanceLoad], move: Migrate) -> None:
     src, dst = by_id[move.src], by_id[move.dst]
     by_id[move.src] = replace(src, queued=tuple(r for r in src.queued if r != move.request_id),
                               running=tuple(r for r in src.running if r != move.request_id))
-    by_id[move.dst] = replace(dst, queued=dst.queued + (move.request_id,))
+    by_id[move.dst] = queue_on(dst, move.request_id)

@@ -281,10 +281,16 @@ class RolloutControl:
             out += self._apply(self._cut(step))
         waiting = self._waiting_by_version()
         for version, ids in waiting.items():
-            loads = self._loads(version)
-            ids = self.router.order(ids, self._trajectory_of, loads, self.config.theta)
-            out += self._apply(dispatch_waiting(ids, loads, self.config.theta, self._select,
-                                                self._route))
+            # Turns first, by where their history is (turn_routing.py); then everything else
+            # by Algorithm 2 on the loads those turns left.
+            turns = [r for r in ids if self._trajectory_of(r)]
+            if turns:
+                out += self._apply(self.router.dispatch(
+                    turns, self._trajectory_of, self._loads(version), self.config.theta,
+                    self._select))
+                ids = [r for r in ids if not self._trajectory_of(r)]
+            out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
+                                                self._select))
         if self.config.continuous_lb:
             for version in self._busy_versions():
                 out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
@@ -326,22 +332,11 @@ class RolloutControl:
     def _trajectory_of(self, request_id: str) -> str:
         return self.tracker.get(request_id).trajectory_id
 
-    def _route(self, request_id: str, instances: Sequence[InstanceLoad],
-               theta: int) -> str | None:
-        """A trajectory's turn goes where its history is (turn_routing.py); others by select."""
-        trajectory_id = self.tracker.get(request_id).trajectory_id
-        if not trajectory_id:
-            return self._select(instances, theta)
-        return self.router.select(trajectory_id, instances, theta, self._select)
-
     def _apply(self, commands: Sequence[Command]) -> list[Command]:
         for c in commands:
             if isinstance(c, Dispatch):
                 self._note_busy(c.worker_id)
                 self.tracker.assign(c.request_id, c.worker_id)
-                trajectory_id = self.tracker.get(c.request_id).trajectory_id
-                if trajectory_id:
-                    self.router.dispatched(trajectory_id, c.worker_id)
             elif isinstance(c, Migrate):
                 self._note_busy(c.dst)
                 self.tracker.move(c.request_id, c.dst)

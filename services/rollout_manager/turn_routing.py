@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn
+from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, queue_on
+from rlharvest.services.rollout_manager.commands import Dispatch
 
 
 class TurnRouting(str, Enum):
@@ -110,6 +111,22 @@ class TurnRouter:
             (first if home in room else rest).append(request_id)
         return first + rest
 
+    def dispatch(self, request_ids: Sequence[str], trajectory_of: Callable[[str], str],
+                 instances: Sequence[InstanceLoad], theta: int,
+                 fallback: SelectFn) -> list[Dispatch]:
+        """Places the waiting turns (``order``, then ``select`` each). Unlike Algorithm 2's
+        FIFO hold, a turn held here does not hold the turns behind it: their homes differ."""
+        by_id = {i.worker_id: i for i in instances}
+        out: list[Dispatch] = []
+        for request_id in self.order(request_ids, trajectory_of, instances, theta):
+            trajectory_id = trajectory_of(request_id)
+            target = self.select(trajectory_id, list(by_id.values()), theta, fallback)
+            if target is not None:
+                by_id[target] = queue_on(by_id[target], request_id)
+                self.dispatched(trajectory_id, target)
+                out.append(Dispatch(request_id, target))
+        return out
+
     def dispatched(self, trajectory_id: str, worker_id: str) -> None:
         """A turn was sent to ``worker_id``. Pinned: the first dispatch fixes the worker (and a
         lost worker's successor becomes the new one)."""
@@ -135,16 +152,18 @@ class TurnRouter:
         return len(old)
 
 
+def _cap(instance: InstanceLoad) -> int:
+    """The plateau B (App. A), or the capacity before a profile exists."""
+    return max(1, instance.plateau if instance.plateau is not None else instance.capacity)
+
+
 def _home_has_room(instance: InstanceLoad, theta: int) -> bool:
     """The history's worker takes the turn while fewer than Θ wait beyond its cap: waiting
     there for a slot costs less than prefilling the whole history elsewhere, and a turn queued
     on the worker starts at its next engine step, not at the manager's next tick."""
-    cap = instance.plateau if instance.plateau is not None else instance.capacity
-    return instance.assigned < max(1, cap) + theta
+    return instance.assigned < _cap(instance) + theta
 
 
 def _under_cap(instance: InstanceLoad, theta: int) -> bool:
-    """Room for one more turn: below the plateau B (capacity without a profile) and the
-    pending bound Θ."""
-    cap = instance.plateau if instance.plateau is not None else instance.capacity
-    return instance.assigned < max(1, cap) and instance.pending < theta
+    """Room for one more turn: below its cap and the pending bound Θ."""
+    return instance.assigned < _cap(instance) and instance.pending < theta

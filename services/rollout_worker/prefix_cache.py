@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -71,16 +72,19 @@ class PrefixCache:
 
     def keys(self, tokens: Sequence[int], version: int) -> list[bytes]:
         """The chain keys of ``tokens``' full pages, in order."""
-        keys: list[bytes] = []
+        return list(self._chain(tokens, version))
+
+    def _chain(self, tokens: Sequence[int], version: int) -> Iterator[bytes]:
+        """The keys one page at a time, so a lookup stops hashing at its first miss."""
         parent = b""
         size = self.page_tokens
+        salt = version.to_bytes(8, "little", signed=True)
         for start in range(0, len(tokens) - size + 1, size):
             digest = hashlib.blake2b(parent, digest_size=16)
-            digest.update(version.to_bytes(8, "little", signed=True))
-            digest.update(b"".join(t.to_bytes(4, "little") for t in tokens[start:start + size]))
+            digest.update(salt)
+            digest.update(array("I", tokens[start:start + size]).tobytes())
             parent = digest.digest()
-            keys.append(parent)
-        return keys
+            yield parent
 
     def match(self, tokens: Sequence[int], version: int) -> tuple[list[bytes], list[int]]:
         """The longest cached run of full pages at the start of ``tokens``, leaving at least one
@@ -88,7 +92,7 @@ class PrefixCache:
         pages' keys and ids. Acquire the keys before anything can evict them."""
         keys: list[bytes] = []
         pages: list[int] = []
-        for key in self.keys(tokens[:len(tokens) - 1], version):
+        for key in self._chain(tokens[:len(tokens) - 1], version):
             entry = self._entries.get(key)
             if entry is None:
                 break
@@ -127,7 +131,7 @@ class PrefixCache:
         now = self._clock()
         adopted: set[int] = set()
         parent: bytes | None = None
-        for key, page in zip(self.keys(tokens, version), pages):
+        for key, page in zip(self._chain(tokens, version), pages):
             entry = self._entries.get(key)
             if entry is None:
                 self._entries[key] = _Entry(page, parent, last_used=now)

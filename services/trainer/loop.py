@@ -386,11 +386,7 @@ class TrainerLoop:
         held: list[tuple[int, int, mpb.Completion]] = []  # sync: rewarded after the rollout
         ready: asyncio.Queue[ReadyGroup] = asyncio.Queue()
         micro_batch = min(cfg.micro_batch_groups, spec.train_groups)
-        train = StreamingStep(self._backend, num_groups=spec.train_groups,
-                              group_size=spec.group_size, micro_batch_groups=micro_batch,
-                              loss=self._loss,
-                              pad_id=self._tok.pad_id, ref_model=self._ref_model,
-                              ranks=self._ranks, clock=self._clock)
+        train = self._streaming_step(spec)
         progress.phase = "rollout"
 
         async def reward(group: int, sample: int, completion) -> None:
@@ -524,6 +520,15 @@ class TrainerLoop:
         return await self._conclude(spec, train, assembler, progress, started, waited, phases,
                                     remote)
 
+    def _streaming_step(self, spec: StepSpec) -> StreamingStep:
+        """The step's GRPO update, fed group by group (micro-batches of m_b ready groups)."""
+        return StreamingStep(self._backend, num_groups=spec.train_groups,
+                             group_size=spec.group_size,
+                             micro_batch_groups=min(self._cfg.micro_batch_groups,
+                                                    spec.train_groups),
+                             loss=self._loss, pad_id=self._tok.pad_id,
+                             ref_model=self._ref_model, ranks=self._ranks, clock=self._clock)
+
     async def _conclude(self, spec: StepSpec, train: StreamingStep, assembler: GroupAssembler,
                         progress: Progress, started: float, waited: float,
                         phases: dict[str, float], remote: list[mpb.RemoteTimings]
@@ -570,11 +575,7 @@ class TrainerLoop:
                               top_p=cfg.top_p, context=cfg.env_context,
                               env_timeout_s=cfg.env_timeout_s,
                               no_worker_deadline_s=cfg.no_worker_deadline_s)
-        train = StreamingStep(self._backend, num_groups=spec.train_groups,
-                              group_size=spec.group_size,
-                              micro_batch_groups=min(cfg.micro_batch_groups, spec.train_groups),
-                              loss=self._loss, pad_id=self._tok.pad_id,
-                              ref_model=self._ref_model, ranks=self._ranks, clock=self._clock)
+        train = self._streaming_step(spec)
         progress.phase = "rollout"
         env_class = self._env
 
@@ -874,4 +875,3 @@ def max_positions(model: torch.nn.Module) -> int:
 def torch_threads(count: int) -> None:
     if count:
         torch.set_num_threads(count)
-

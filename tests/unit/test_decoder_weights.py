@@ -157,9 +157,9 @@ def test_the_qwen3_shaped_presets_have_the_released_models_shapes(preset, params
     assert (cfg.vocab_size, cfg.num_key_value_heads, cfg.head_dim) == (151936, 8, 128)
 
 
-def test_a_preset_loads_one_tensor_at_a_time_with_the_values_preset_state_gives():
+def test_a_preset_loaded_tensor_by_tensor_has_preset_states_values_tied_head_included():
     # load_decoder copies each generated tensor and drops it (an 8B state beside its module
-    # would double the memory), yet the values are preset_state's, tied head included.
+    # would double the memory); the values must still be preset_state's.
     weights = load_decoder("small", seed=2, dtype=torch.bfloat16)
     state = preset_state("small", 2, torch.bfloat16)
     assert all(torch.equal(state[k], v) for k, v in weights.state_dict().items())

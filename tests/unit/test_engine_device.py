@@ -63,6 +63,9 @@ def test_a_bfloat16_engine_generates_what_its_float32_twin_does_on_a_tiny_model(
             tokens += [t for out in engine.step() for t in out.new_token_ids]
         return tokens
 
+    half = TorchEngine("tiny", dtype=torch.bfloat16, kv_pages=32)
+    assert half._model.model.embed_tokens.weight.dtype == torch.bfloat16  # the flag took
+    assert half._cache.pages.dtype == torch.bfloat16  # and the KV pages with it
     assert len(run(torch.bfloat16)) == 6
     # bfloat16 rounds the weights; the tiny model's greedy path is far from ties at the start.
     assert run(torch.bfloat16)[:2] == run(torch.float32)[:2]

@@ -159,3 +159,19 @@ def test_a_lost_workers_turn_resumes_elsewhere_with_its_tokens_and_its_home_move
     control.step_outputs(other, [TokenDelta("t0", 2, (7, 8), (0.0, 0.0), 0, True, "length")])
     control.deliver("t0")
     assert control.router.home("traj") == other  # the history's KV is where it finished
+
+
+def test_a_turn_waiting_for_room_does_not_hold_the_plain_requests_behind_it():
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2), clock)
+    control.worker_joined("a", 0, capacity=1, kind="gpu")
+    control.add_step("busy", [request("b0")], 0)
+    control.tick()  # b0 fills a's one slot
+    turn = replace(request("t1"), trajectory_id="traj", turn=1)
+    control.add_step("turn", [turn], 0)
+    control.add_step("plain", [request("p0")], 0)
+    dispatched = [c for c in control.tick() if isinstance(c, Dispatch)]
+    # The turn has no home and a is full: it waits for a slot. The plain request may queue
+    # (Algorithm 2 allows Θ pending), so it goes, although it came after the turn.
+    assert dispatched == [Dispatch("p0", "a")]
+    assert control.tracker.get("t1").worker_id is None

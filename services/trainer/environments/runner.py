@@ -78,7 +78,7 @@ async def manager_generator(endpoint: str, cfg: PlayConfig) -> AsyncIterator[Gen
 
         async def generate(trajectory_id: str, turn: int, history: list[int],
                            seed: int) -> tuple[list[int], list[float]]:
-            return await _generate(stub, trajectory_id, turn, history, seed, cfg)
+            return await generate_turn(stub, trajectory_id, turn, history, seed, cfg)
 
         yield generate
 
@@ -148,9 +148,11 @@ def _encode(tok: CharTokenizer, text: str, bos: bool) -> list[int]:
         raise EnvironmentError_(f"observation not encodable: {exc}") from None
 
 
-async def _generate(stub: rollout_manager_pb2_grpc.RolloutManagerStub, trajectory_id: str,
-                    turn: int, history: list[int], sampling_seed: int,
-                    cfg: PlayConfig) -> tuple[list[int], list[float]]:
+async def generate_turn(stub: rollout_manager_pb2_grpc.RolloutManagerStub, trajectory_id: str,
+                        turn: int, history: list[int], sampling_seed: int,
+                        cfg: PlayConfig) -> tuple[list[int], list[float]]:
+    """One turn through the manager's ``Generate``, tagged with its trajectory (turn routing);
+    its tokens and logprobs, or RuntimeError when the rollout failed it."""
     request = mpb.RolloutRequest(
         request_id=f"{trajectory_id}-{turn}", group_id=trajectory_id, prompt_token_ids=history,
         trajectory_id=trajectory_id, turn=turn, last_turn=turn == cfg.max_turns - 1,
