@@ -81,11 +81,13 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
         "--max-running", "8", "--step-delay-s", "0.05", "--metrics-port", str(worker_metrics),
         *COMMON])
     # Both jobs join one group (one rollout node, one training node) and take turns on each.
+    # A starts once B has stepped: started together, a B slow to join let A run all its steps
+    # alone before the kills (seen once in CI).
     b = start_trainer(stack, "job-b", 1000)
-    a = start_trainer(stack, "job-a", STEPS, "--no-exit-when-done")
     await asyncio.to_thread(wait_serving, b, 120)
-    await asyncio.to_thread(wait_serving, a, 120)
     await wait_trainer(b, lambda s: s.steps_done >= 1)
+    a = start_trainer(stack, "job-a", STEPS, "--no-exit-when-done")
+    await asyncio.to_thread(wait_serving, a, 120)
     await wait_trainer(a, lambda s: s.steps_done >= 1)
     # B's trainer and the scheduler's leader die together: A waits for the standby, which
     # takes B out of the group once B's lease expires (at its restore or after).
