@@ -117,6 +117,11 @@ def placement_prefix() -> str:
 PLACEMENT_ELECTION = "placement_scheduler"
 
 
+def manager_election(job: str) -> str:
+    """The election of ``job``'s rollout managers: the oldest candidate leads, the rest stand by."""
+    return f"rollout_manager.{_segment(job, 'job')}"
+
+
 def placement_state_prefix() -> str:
     return f"{placement_prefix()}state/"
 

@@ -1,5 +1,6 @@
 """Start a throw-away etcd for the local stack and the tests: binary on PATH, free loopback
-ports, a temporary data directory removed on stop."""
+ports, a temporary data directory removed on stop; with a ``tls.LocalCA``, clients speak
+mutual TLS to it (``https://`` endpoint, a certificate of the CA required)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import functools
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from rlharvest.common import tls
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -92,13 +96,28 @@ def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
         process.wait()
 
 
+def _server_identity(ca: tls.LocalCA) -> tls.TlsMaterial | None:
+    """etcd's certificate, issued by ``ca``; it also checks etcd's health as a client
+    certificate of the CA (the CA's certificates serve both ways)."""
+    cert, key = ca.issue("etcd", "etcd")
+    return tls.load(str(cert), str(key), str(ca.ca_path))
+
+
 class LocalEtcd:
-    def __init__(self, binary: str = "etcd", log_path: Path | None = None):
+    """``ca``: serve clients over TLS with a certificate ``ca`` issues (for 127.0.0.1 and
+    localhost) and require theirs to be the CA's too (etcd's ``--client-cert-auth``); the
+    endpoint is then ``https://127.0.0.1:PORT``, which ``registry.connect`` dials with the
+    process's certificate. Without it, plaintext on ``127.0.0.1:PORT``. Peers stay plaintext:
+    a single member has none."""
+
+    def __init__(self, binary: str = "etcd", log_path: Path | None = None,
+                 ca: tls.LocalCA | None = None):
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(
                 f"{binary!r} is not on PATH; install it (Debian: apt-get install etcd-server)")
         self.binary = path
+        self._tls = None if ca is None else _server_identity(ca)
         self._pick_ports()
         self._log_path = log_path
         self._data_dir: str | None = None
@@ -106,7 +125,9 @@ class LocalEtcd:
 
     def _pick_ports(self) -> None:
         self.client_port, self.peer_port = free_ports(2)
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.client_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self.client_port}"
+        # What services take as --etcd: plain host:port without TLS, as always.
+        self.endpoint = self.client_url if self._tls else f"127.0.0.1:{self.client_port}"
 
     def start(self, timeout: float = 20.0, attempts: int = 3) -> "LocalEtcd":
         for attempt in range(1, attempts + 1):
@@ -133,7 +154,7 @@ class LocalEtcd:
 
     def _launch(self, timeout: float) -> "LocalEtcd":
         assert self._data_dir is not None  # set by _start_once, kept by restart
-        client_url = f"http://127.0.0.1:{self.client_port}"
+        client_url = self.client_url
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         log = open(self._log_file(), "ab")
         self._log_offset = log.tell()  # a shared log file keeps earlier attempts' lines
@@ -141,11 +162,19 @@ class LocalEtcd:
             [self.binary, "--name", "rlh-local", "--data-dir", self._data_dir,
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"rlh-local={peer_url}", "--log-level", "warn"],
+             "--initial-cluster", f"rlh-local={peer_url}", "--log-level", "warn",
+             *self._tls_flags()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self._wait_healthy(client_url, timeout)
         return self
+
+    def _tls_flags(self) -> list[str]:
+        if self._tls is None:
+            return []
+        cert, key, ca = self._tls.paths
+        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                "--client-cert-auth"]
 
     def _wait_healthy(self, client_url: str, timeout: float) -> None:
         process = self.process
@@ -163,7 +192,8 @@ class LocalEtcd:
                 raise RuntimeError(f"etcd exited with code {process.returncode}: "
                                    f"{log_text.strip().splitlines()[-1:] }")
             try:
-                with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1,
+                                            context=self._health_context()) as resp:
                     if b'"true"' in resp.read():
                         return
             except OSError:
@@ -171,6 +201,9 @@ class LocalEtcd:
             time.sleep(0.1)
         self.stop()
         raise TimeoutError(f"etcd did not become healthy within {timeout}s")
+
+    def _health_context(self) -> ssl.SSLContext | None:
+        return None if self._tls is None else tls.client_ssl_context_for(self._tls)
 
     def _log_file(self) -> Path:
         if self._log_path is not None:

@@ -14,19 +14,53 @@ from dataclasses import dataclass
 from typing import Any
 
 import aetcd
+import aetcd.client
 import aetcd.rpc
+import aetcd.watcher
+import grpc
 from aetcd.utils import prefix_range_end
 
-from rlharvest.common import keys
+from rlharvest.common import keys, tls
+from rlharvest.common.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"etcd endpoint {endpoint!r} must look like host:port")
-    return host or "127.0.0.1", int(port)
+@dataclass(frozen=True)
+class Endpoint:
+    """Where etcd listens; ``tls``: it speaks TLS (the endpoint was given as ``https://``)."""
+
+    host: str
+    port: int
+    tls: bool = False
+
+
+_SCHEMES = {"": False, "http": False, "https": True}  # scheme -> dial TLS
+
+
+def parse_endpoint(endpoint: str) -> Endpoint:
+    """``host:port`` or ``http://host:port`` (plaintext), ``https://host:port`` (TLS): the
+    scheme etcd's own flags and ``etcdctl --endpoints`` use."""
+    scheme, sep, address = endpoint.partition("://")
+    if not sep:
+        scheme, address = "", endpoint
+    host, sep, port = address.rstrip("/").rpartition(":")
+    if scheme.lower() not in _SCHEMES or not sep or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r} must look like host:port, "
+                         "http://host:port or https://host:port")
+    return Endpoint(host or "127.0.0.1", int(port), _SCHEMES[scheme.lower()])
+
+
+def check_endpoint(endpoint: str) -> Endpoint:
+    """The parsed endpoint, once this process can dial it: an ``https://`` one needs the
+    process's TLS material (``tls.configure``). Raises ConfigError (a ValueError) naming the
+    keys to set, so a missing setting is not mistaken for a refused handshake."""
+    target = parse_endpoint(endpoint)
+    if target.tls and tls.active() is None:
+        raise ConfigError(f"etcd endpoint {endpoint} is https: set tls_ca (the CA that signed "
+                          "etcd's certificate), tls_cert and tls_key (this process's "
+                          "certificate, which etcd's --client-cert-auth checks)")
+    return target
 
 
 # etcd authentication for every client this process opens (set once at start, like TLS).
@@ -43,32 +77,70 @@ def use_credentials(username: str, password: str, token_renew_s: float = 30.0) -
 
 
 class AuthenticatingClient(aetcd.Client):
-    """aetcd's client, fetching a fresh auth token every ``token_renew_s``.
+    """aetcd's client, over TLS when given ``channel_credentials``, fetching a fresh auth
+    token every ``token_renew_s``.
 
-    aetcd authenticates once, at connect, and sends that token for ever; etcd forgets its tokens
-    when it restarts (and after their TTL), and from then on every call of a long-running
-    service would fail UNAUTHENTICATED. The token lives in one list that every call and the
-    watcher read (aetcd passes ``self.metadata`` to each stub call and hands the same object to
-    its watcher), so a renewal swaps it in place for all of them. Renewing on a timer rather
-    than on the first refusal keeps aetcd's code untouched; an etcd restart costs at most one
-    interval of refused calls, which the services' retries ride out like an outage."""
+    TLS: aetcd 1.0's ``connect`` hard-codes a plaintext channel (``_init_channel_attrs`` only
+    resets attributes), so this client owns ``connect``: the same steps — channel,
+    authentication, stubs, watcher — on a channel ``_open_channel`` makes, secure or not.
 
-    def __init__(self, *args: Any, token_renew_s: float = 30.0, **kwargs: Any) -> None:
+    Tokens: aetcd authenticates once, at connect, and sends that token for ever; etcd forgets
+    its tokens when it restarts (and after their TTL), and from then on every call of a
+    long-running service would fail UNAUTHENTICATED. The token lives in one list that every
+    call and the watcher read (``self.metadata`` goes to each stub call, and the same object to
+    the watcher), so a renewal swaps it in place for all of them. Renewing on a timer rather
+    than on the first refusal keeps aetcd's call code untouched; an etcd restart costs at most
+    one interval of refused calls, which the services' retries ride out like an outage."""
+
+    _is_connecting: bool  # aetcd's, untyped there
+
+    def __init__(self, *args: Any, token_renew_s: float = 30.0,
+                 channel_credentials: grpc.ChannelCredentials | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._token_renew_s = token_renew_s
+        self._channel_credentials = channel_credentials
         self._renewer: asyncio.Task | None = None
 
+    def _open_channel(self) -> grpc.aio.Channel:
+        target, options = f"{self._host}:{self._port}", list(self._options.items())
+        if self._channel_credentials is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, self._channel_credentials, options=options)
+
+    # aetcd's error mapping, as on its own connect: a refused user is InvalidArgumentError.
+    @aetcd.client._handle_errors
     async def connect(self) -> None:
-        await super().connect()
-        metadata: Any = getattr(self, "metadata")  # aetcd leaves it untyped: None or pairs
-        if metadata is not None and not isinstance(metadata, list):
-            self.metadata = metadata = list(metadata)  # one mutable token for calls, watcher
-            self._watcher._metadata = metadata
-        if self._renewer is None and metadata is not None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it, as aetcd does
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        self._is_connecting = True
+        try:
+            self.channel = self._open_channel()
+            if self._username is not None and self._password is not None:
+                self.auth_stub = aetcd.rpc.AuthStub(self.channel)
+                reply = await self.auth_stub.Authenticate(self._auth_request(),
+                                                          timeout=self._timeout)
+                self.metadata = [("token", reply.token)]  # one mutable token (class doc)
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+        if self._renewer is None and self.metadata is not None:
             self._renewer = asyncio.create_task(self._renew(), name="etcd auth token")
 
+    def _auth_request(self) -> aetcd.rpc.AuthenticateRequest:
+        return aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+
     async def _renew(self) -> None:
-        request = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+        request = self._auth_request()
         while True:
             await asyncio.sleep(self._token_renew_s)
             try:
@@ -87,12 +159,15 @@ class AuthenticatingClient(aetcd.Client):
 
 
 async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
-    """A connected client; fails with a clear error when etcd does not answer within timeout
-    (or refuses this process's credentials)."""
-    host, port = parse_endpoint(endpoint)
+    """A connected client, over TLS with this process's certificate for an ``https://``
+    endpoint (``check_endpoint``); fails with a clear error when etcd does not answer within
+    timeout, refuses the handshake, or refuses this process's credentials."""
+    target = check_endpoint(endpoint)
     username, password = _credentials or (None, None)
-    client = AuthenticatingClient(host=host, port=port, timeout=timeout, username=username,
-                                  password=password, token_renew_s=_token_renew_s)
+    client = AuthenticatingClient(
+        host=target.host, port=target.port, timeout=timeout, username=username,
+        password=password, token_renew_s=_token_renew_s,
+        channel_credentials=tls.channel_credentials() if target.tls else None)
     try:
         await asyncio.wait_for(client.status(), timeout)
     except Exception as exc:
@@ -100,7 +175,9 @@ async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
         if username and isinstance(exc, aetcd.exceptions.InvalidArgumentError):
             raise ConnectionError(f"etcd at {endpoint} refused user {username!r}: {exc}; check "
                                   "etcd_username and etcd_password") from exc
-        raise ConnectionError(f"etcd at {endpoint} did not answer: {exc!r}") from exc
+        hint = ("; over TLS, etcd's certificate must be signed by tls_ca and tls_cert by a CA "
+                "etcd trusts" if target.tls else "")
+        raise ConnectionError(f"etcd at {endpoint} did not answer: {exc!r}{hint}") from exc
     return client
 
 

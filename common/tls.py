@@ -4,7 +4,8 @@ One configuration per process (``tls_cert``, ``tls_key``, ``tls_ca``: PEM files,
 service's config, so flags and ``RLH_`` env like any other key). ``configure`` loads them once at
 start; from then on ``rpc.bind_server`` serves TLS and requires a client certificate signed by
 the CA, and ``rpc.channel`` dials with this process's certificate and trusts only the CA — so a
-service's clients (a manager's worker sessions, a worker's agent pulls) need no change; the
+service's clients (a manager's worker sessions, a worker's agent pulls) need no change, and
+``registry.connect`` dials an ``https://`` etcd endpoint the same way; the
 HTTP endpoints (``/metrics``, ``/healthz``, the agent's data path) serve HTTPS with the same
 rule. Without it, nothing changes. A peer without a certificate from the CA fails the handshake (UNAVAILABLE).
 
@@ -41,12 +42,19 @@ _active: TlsMaterial | None = None
 
 
 def configure(cert: str, key: str, ca: str) -> TlsMaterial | None:
-    """Load this process's certificate, key and CA (all three, or none: plaintext). Raises
-    ConfigError naming the missing key or the unreadable file."""
+    """Load this process's certificate, key and CA (all three, or none: plaintext) for every
+    later server, channel and etcd client. Raises ConfigError naming the missing key or the
+    unreadable file."""
     global _active
+    _active = load(cert, key, ca)
+    return _active
+
+
+def load(cert: str, key: str, ca: str) -> TlsMaterial | None:
+    """The one reader of PEM files: all three, or none (None). Raises ConfigError naming the
+    missing key or the unreadable file."""
     given = {"tls_cert": cert, "tls_key": key, "tls_ca": ca}
     if not any(given.values()):
-        _active = None
         return None
     missing = [k for k, v in given.items() if not v]
     if missing:
@@ -58,9 +66,7 @@ def configure(cert: str, key: str, ca: str) -> TlsMaterial | None:
             loaded[name] = Path(path).read_bytes()
         except OSError as exc:
             raise ConfigError(f"{name}: cannot read {path}: {exc.strerror}") from None
-    _active = TlsMaterial(loaded["tls_cert"], loaded["tls_key"], loaded["tls_ca"],
-                          (cert, key, ca))
-    return _active
+    return TlsMaterial(loaded["tls_cert"], loaded["tls_key"], loaded["tls_ca"], (cert, key, ca))
 
 
 def active() -> TlsMaterial | None:
@@ -85,7 +91,7 @@ def server_ssl_context() -> ssl.SSLContext | None:
 
 def client_ssl_context() -> ssl.SSLContext | None:
     """Built once per configuration (it reads the files): every weight pull asks for it."""
-    return None if _active is None else _client_ssl_context(_active)
+    return None if _active is None else client_ssl_context_for(_active)
 
 
 @functools.cache
@@ -110,7 +116,9 @@ def _server_ssl_context(tls: TlsMaterial) -> ssl.SSLContext:
 
 
 @functools.cache
-def _client_ssl_context(tls: TlsMaterial) -> ssl.SSLContext:
+def client_ssl_context_for(tls: TlsMaterial) -> ssl.SSLContext:
+    """An HTTPS client context for ``tls`` (not necessarily the process's identity: a local
+    etcd checks its own health with its certificate)."""
     cert, key, ca = tls.paths
     context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
     context.load_cert_chain(cert, key)
@@ -195,7 +203,10 @@ class LocalCA:
 
     def flags(self, name: str, role: str) -> list[str]:
         """The flags that give a service ``name`` its certificate (issued now) and the CA."""
-        cert, key = self.issue(name, role)
+        return self.flags_of(*self.issue(name, role))
+
+    def flags_of(self, cert: Path, key: Path) -> list[str]:
+        """The flags that give a process this certificate (issued before) and the CA."""
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca_path)]
 
 

@@ -48,6 +48,10 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        model: str = typer.Option("tiny", help="model preset or local checkpoint directory"),
        manager: bool = typer.Option(True, "--manager/--no-manager",
                                     help="start one rollout manager for the job 'default'"),
+       manager_standby: bool = typer.Option(
+           True, "--manager-standby/--no-manager-standby", help="a second rollout manager per "
+           "job standing by (etcd election): it takes over when the leader dies and the step "
+           "resumes there with every token"),
        agents: int = typer.Option(1, min=0, help="transfer agents; workers pull job 'default' "
                                                  "weights from them"),
        log_dir: Optional[Path] = typer.Option(None, help="where service logs go (default: a temp dir)"),
@@ -68,9 +72,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        prometheus: bool = typer.Option(False, help="also start Prometheus scraping every member "
                                        "(targets follow etcd; the Debian package's binary)"),
        prometheus_port: int = typer.Option(9090, min=1, max=65535),
-       tls: bool = typer.Option(False, help="mutual TLS between every service: a throwaway "
-                                "CA and a certificate per service (its role) under "
-                                "LOG_DIR/pki"),
+       tls: bool = typer.Option(False, help="mutual TLS between every service and with "
+                                "etcd: a throwaway CA and a certificate per service (its role) "
+                                "under LOG_DIR/pki"),
        ready_timeout: float = typer.Option(120.0, help="seconds to wait for every member")) -> None:
     """Start etcd and the services as local processes; Ctrl-C stops them all cleanly."""
     replay_trace = None
@@ -90,9 +94,11 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         raise typer.BadParameter("with --tls the metrics endpoints want a client certificate, "
                                  "which the local Prometheus is not given yet; drop one of them")
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
+    operator: list[str] = []  # the flags that give `rlharvest status` this process's identity
     if tls:
         stack.ca = LocalCA(stack.log_dir / "pki")
-    endpoint = stack.start_etcd()
+        operator = _operator_identity(stack.ca)
+    endpoint = stack.start_etcd()  # with the CA: https, a client certificate required
     scraper: LocalPrometheus | None = None
     try:
         if prometheus:
@@ -101,7 +107,8 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         for i in range(agents):
             stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
         if jobs > 1:
-            expected = agents + _start_placed_jobs(stack, jobs, workers, model, agents, trainer)
+            expected = agents + _start_placed_jobs(stack, jobs, workers, model, agents, trainer,
+                                                   manager_standby)
             asyncio.run(_wait_members(endpoint, expected, ready_timeout, stack))
             console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {jobs} jobs "
                           f"sharing {workers} placed rollout workers and 1 training node by "
@@ -121,10 +128,10 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                         ["--coexec-id", f"coexec-{i}", "--model", model, "--http-port",
                          str(coexec_http_port + i), *(["--agent-pull"] if agents else [])])
         if manager:
-            stack.start("rollout_manager", "manager-0", ["--manager-id", "manager-0",
-                                                         "--max-serving-workers",
-                                                         str(coexecutors)])
-        expected = workers + spot + coexecutors + int(manager) + agents
+            for m in range(2 if manager_standby else 1):  # the first leads
+                stack.start("rollout_manager", f"manager-{m}", [
+                    "--manager-id", f"manager-{m}", "--max-serving-workers", str(coexecutors)])
+        expected = workers + spot + coexecutors + int(manager) * (1 + manager_standby) + agents
         if placement_scheduler:
             stack.start("placement_scheduler", "placement-scheduler",
                         ["--scheduler-id", "scheduler-0"])
@@ -142,10 +149,10 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         for i in range(coexecutors):
             console.print(f"  co-executor coexec-{i}: OpenAI API at "
                           f"http://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
-        operator = [] if stack.ca is None else stack.ca.flags("operator", "operator")
         if stack.ca is not None:
-            console.print(f"  mutual TLS: CA {stack.ca.ca_path}; a client needs a certificate "
-                          "it signed (etcd and the co-executor's OpenAI API stay plaintext)")
+            console.print(f"  mutual TLS: CA {stack.ca.ca_path}; a client of etcd or of a "
+                          "service needs a certificate it signed (the co-executor's OpenAI API "
+                          "stays plaintext)")
         console.print(f"  rlharvest status --etcd {endpoint} {' '.join(operator)}".rstrip())
         if scraper is not None:
             console.print(f"  Prometheus at {scraper.url} (job 'rlharvest', every member)")
@@ -168,8 +175,26 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         console.print("stopped")
 
 
+def _operator_identity(ca: LocalCA) -> list[str]:
+    """An operator certificate for this process, which reads etcd (over TLS, like the
+    services) while the stack comes up and replays a trace; returns the flags that give
+    `rlharvest status` the same identity."""
+    cert, key = ca.issue("operator", "operator")
+    _configure_tls(str(cert), str(key), str(ca.ca_path))
+    return ca.flags_of(cert, key)
+
+
+def _configure_tls(cert: str, key: str, ca: str) -> None:
+    """This process's TLS material (every channel and etcd client after this), or a bad
+    parameter naming the missing key or unreadable file."""
+    try:
+        tls.configure(cert, key, ca)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, agents: int,
-                       trainer: bool) -> int:
+                       trainer: bool, standby: bool) -> int:
     """WEAVE on the local stack: a scheduler with a rollout node per worker and one training
     node, the workers placed on the rollout nodes, a manager (and a trainer) per job. Returns
     how many members that is."""
@@ -183,8 +208,9 @@ def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, a
             *(["--agent-pull"] if agents else [])])
     for j in range(1, jobs + 1):
         job = f"job-{j}"
-        stack.start("rollout_manager", f"manager-{job}", ["--manager-id", f"manager-{job}",
-                                                          "--job", job])
+        for m in ("", "-standby") if standby else ("",):
+            stack.start("rollout_manager", f"manager-{job}{m}",
+                        ["--manager-id", f"manager-{job}{m}", "--job", job])
         if trainer:
             # Worst-case phase estimates for the tiny preset on a CPU, and an SLO loose enough
             # for every job to share the one group.
@@ -193,7 +219,7 @@ def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, a
                 "--no-exit-when-done", *([] if agents else ["--no-publish"]),
                 "--placement-scheduler", "--placement-t-roll-s", "30",
                 "--placement-t-train-s", "30", "--placement-slo", str(jobs + 1)])
-    return 1 + workers + jobs * (2 if trainer else 1)
+    return 1 + workers + jobs * (1 + trainer + standby)
 
 
 async def _wait_members(endpoint: str, expected: int, timeout: float, stack: LocalStack) -> None:
@@ -232,7 +258,8 @@ def _wait_for_signal() -> None:
 
 
 @app.command()
-def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
+def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port "
+                                    "(https://host:port: over TLS with --tls-*)"),
            timeout: float = typer.Option(2.0, help="seconds to wait for each member's answer"),
            watch: bool = typer.Option(False, "--watch", help="a live view, refreshed every "
                                       "--interval until Ctrl-C: members, weight versions, worker "
@@ -254,10 +281,11 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port"),
                                              help="its password (best from the environment)")
            ) -> None:
     """List registered members, their weight versions and load (--watch: live)."""
+    _configure_tls(tls_cert, tls_key, tls_ca)  # every status call dials with it, etcd too
     try:
-        tls.configure(tls_cert, tls_key, tls_ca)  # every status call dials with it
-    except ConfigError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        registry.check_endpoint(etcd)  # an https etcd without --tls-*: say so, before dialing
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--etcd") from None
     registry.use_credentials(etcd_username, etcd_password)
     if watch:
         last = asyncio.run(status_view.watch(etcd, console, interval=interval, timeout=timeout,
@@ -301,7 +329,8 @@ async def _collect(endpoint: str, timeout: float) -> list[tuple[str, ...]]:
         service, member = key.rsplit("/", 2)[-2:]
         worker_like = service in ("rollout_worker", "coexecutor")  # the same Session contract
         load = await _worker_load(info["endpoint"], timeout) if worker_like else None
-        state = "draining" if info.get("draining") else "up"
+        # A manager or scheduler says whether it leads or stands by.
+        state = "draining" if info.get("draining") else str(info.get("role") or "up")
         if service == "coexecutor" and not info.get("draining"):
             state = f"lent to {info['job']}" if info.get("job") else "not lent"
         rows.append((service, member, info.get("endpoint", ""), info.get("kind", ""),

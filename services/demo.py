@@ -13,6 +13,11 @@ and a PNG plot of reward and throughput.
     python -m rlharvest.services.demo [--steps 20] [--workers 3] [--preempt-at 3,14]
                                       [--coexecutor/--no-coexecutor] [--serving-rps 1]
                                       [--tail-batching 1.25] [--seed-role]
+                                      [--kill-manager-at 5]
+
+With ``--kill-manager-at STEP`` a standby manager runs beside the job's; the leader is SIGKILLed
+mid-rollout in that step, the standby takes over and the step resumes there, and the demo
+reports the tokens generated twice (0: the workers hand the dead leader's requests over).
 
 The demo fails (exit 1) if the reward did not rise: the mean of the last few steps must beat the
 mean of the first few by ``--min-rise``.
@@ -21,10 +26,12 @@ mean of the first few by ``--min-rise``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -36,7 +43,7 @@ from rich.table import Table
 
 import grpc
 
-from rlharvest.common import rpc
+from rlharvest.common import registry, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
@@ -109,12 +116,16 @@ def parse_steps(text: str) -> tuple[int, ...]:
 class Run:
     stack: LocalStack
     trainer_endpoint: str
-    manager_endpoint: str
+    manager_endpoints: list[str]  # the leader's, then the standby's (--kill-manager-at)
     spot: ServiceProcess | None
     spot_flags: list[str]  # a replacement spot process starts with these
     serving: DemoServing | None = None  # the co-executor's traffic and per-step report
     events: dict[int, list[str]] = field(default_factory=dict)
     spot_generation: int = 0
+    managers: list[ServiceProcess] = field(default_factory=list)
+    kill_manager_at: int = 0  # 0: never
+    leader: int = 0  # index of the leading manager
+    killed_manager: ServiceProcess | None = None
 
     def note(self, step: int, text: str) -> None:
         self.events.setdefault(step, []).append(text)
@@ -125,11 +136,15 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
     stack.start_etcd()
     common = ["--lease-ttl", "2", "--json-logs"]
     stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *common])
-    manager_port = free_port()
-    stack.start("rollout_manager", "manager", ["--manager-id", "manager-0", "--port",
-                                               str(manager_port), "--stall-timeout-s", "5",
-                                               "--max-serving-workers",
-                                               str(int(args["coexecutor"])), *common])
+    managers, manager_endpoints = [], []
+    for i in range(2 if args["kill_manager_at"] else 1):  # the first leads, a second stands by
+        manager_port = free_port()
+        managers.append(stack.start("rollout_manager", f"manager-{i}", [
+            "--manager-id", f"manager-{i}", "--port", str(manager_port), "--stall-timeout-s",
+            "5", "--max-serving-workers", str(int(args["coexecutor"])), *common]))
+        manager_endpoints.append(f"127.0.0.1:{manager_port}")
+        if i == 0:
+            asyncio.run(rpc.wait_healthy(manager_endpoints[0], timeout=60))  # it leads
     serving = _start_coexecutor(stack, args, common) if args["coexecutor"] else None
     # A few slots per worker, so every step's requests spread over all workers in waves.
     def worker_flags(step_delay_s: float) -> list[str]:
@@ -158,8 +173,8 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
         "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto",
         "--min-workers", str(members), *_tail_flags(args["tail_batching"]),
         *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *common])
-    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", spot, spot_flags,
-               serving)
+    return Run(stack, f"127.0.0.1:{port}", manager_endpoints, spot, spot_flags, serving,
+               managers=managers, kill_manager_at=args["kill_manager_at"])
 
 
 def _tail_flags(eta: float) -> list[str]:
@@ -198,10 +213,14 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
     known_spots: set[str] = set()
     closed: set[int] = set()
     traffic: asyncio.Task | None = None
-    async with rpc.channel(run.trainer_endpoint) as chan, \
-            rpc.channel(run.manager_endpoint) as manager_chan:
-        stub = trainer_pb2_grpc.TrainerStub(chan)
-        manager = rollout_manager_pb2_grpc.RolloutManagerStub(manager_chan)
+    async with contextlib.AsyncExitStack() as channels:
+        stub = trainer_pb2_grpc.TrainerStub(
+            await channels.enter_async_context(rpc.channel(run.trainer_endpoint)))
+        managers = [rollout_manager_pb2_grpc.RolloutManagerStub(
+            await channels.enter_async_context(rpc.channel(endpoint)))
+            for endpoint in run.manager_endpoints]
+        killer = asyncio.create_task(kill_manager_in_step(run, stub, managers[0])) \
+            if run.kill_manager_at else None
         with progress:
             starting = progress.add_task("starting the stack", total=1, info="")
             while True:
@@ -234,10 +253,11 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                 if cur.step in bars and st.state == "training":
                     progress.update(bars[cur.step], completed=cur.completions,
                                     info=f"{cur.phase}, {cur.tokens_generated} tokens")
-                await _preempt(run, schedule, cur, manager, known_spots)
+                await _preempt(run, schedule, cur, managers[run.leader], known_spots)
                 if st.state in ("done", "failed"):
-                    if traffic is not None:
-                        traffic.cancel()
+                    for task in (traffic, killer):
+                        if task is not None:
+                            task.cancel()
                     return st
                 await asyncio.sleep(_POLL_S)
 
@@ -282,9 +302,75 @@ async def _preempt(run: Run, schedule: PreemptionSchedule, cur: tpb.StepProgress
                         f"{cur.step} ({cur.phase}, {cur.completions}/{cur.samples} completions)")
 
 
+async def kill_manager_in_step(run: Run, trainer, leader) -> None:
+    """``--kill-manager-at``: SIGKILL the leading manager while it holds requests of that step
+    (or of a later one). Polled apart from the status loop, every 10 ms: the tiny demo's steps
+    can roll out in a tenth of a second."""
+    while True:
+        st = await _status(trainer)
+        if st is not None and st.state == "training" and \
+                st.current.step >= run.kill_manager_at:
+            try:
+                held = (await leader.GetStatus(mpb.GetStatusRequest(), timeout=1)).in_flight
+            except grpc.aio.AioRpcError:
+                held = 0
+            if held:
+                cur = st.current
+                run.killed_manager = run.managers[run.leader]
+                run.killed_manager.kill()
+                run.leader = 1
+                run.note(cur.step, f"SIGKILL the leading manager ({held} requests in flight, "
+                                   f"{cur.tokens_generated} tokens streamed)")
+                console.log(f"[red]SIGKILL[/] the leading rollout manager in step {cur.step}: "
+                            f"{held} requests in flight, {cur.tokens_generated} tokens streamed; "
+                            "the standby takes over")
+                return
+        await asyncio.sleep(0.01)
+
+
+async def manager_death_report(run: Run) -> str:
+    """After ``--kill-manager-at``: what the standby and the workers made of the dead leader's
+    requests, and the tokens generated twice (the new leader's regenerated positions plus the
+    workers' kept tokens nobody adopted)."""
+    assert run.stack.etcd is not None  # started with the stack
+    etcd = await registry.connect(run.stack.etcd.endpoint)
+    try:
+        members = {**await registry.list_members(etcd, "rollout_worker"),
+                   **await registry.list_members(etcd, "coexecutor")}
+    finally:
+        await etcd.close()
+    adopted = adopted_tokens = dropped_tokens = 0.0
+    for info in members.values():
+        text = _scrape(info["metrics"])
+        adopted += _metric(text, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}')
+        adopted_tokens += _metric(text, "rlh_worker_kept_tokens_adopted_total")
+        dropped_tokens += _metric(text, "rlh_worker_kept_tokens_dropped_total")
+    async with rpc.channel(run.manager_endpoints[run.leader]) as chan:
+        status = await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
+            mpb.GetStatusRequest(), timeout=5)
+    twice = status.tokens_regenerated + int(dropped_tokens)
+    return (f"manager failover: the standby adopted {adopted:.0f} requests from the workers "
+            f"with {adopted_tokens:.0f} tokens they generated meanwhile; tokens generated "
+            f"twice: {twice}")
+
+
+def _scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def _metric(text: str, name: str) -> float:
+    """One sample of a Prometheus text page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def _check_alive(run: Run) -> None:
     for proc in run.stack.processes:
-        if not proc.alive() and proc is not run.spot and not proc.name.startswith("spot-"):
+        if not proc.alive() and proc is not run.spot and not proc.name.startswith("spot-") \
+                and proc is not run.killed_manager:
             raise RuntimeError(f"{proc.name} exited unexpectedly:\n{proc.log_tail(30)}")
 
 
@@ -418,6 +504,10 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          seed_role: bool = typer.Option(False, help="RLBoost's seed role: the trainer's own "
                                         "engine rolls out in each step's window T_seed, then "
                                         "hands its requests to the workers (the T_seed column)"),
+         kill_manager_at: int = typer.Option(0, min=0, help="SIGKILL the leading rollout "
+                                             "manager mid-rollout in this step (0: never); a "
+                                             "standby takes over, the step resumes there, and "
+                                             "the tokens generated twice are reported"),
          out: Path = typer.Option(Path("demo-out"), help="where the plot and step table go"),
          log_dir: Optional[Path] = typer.Option(None, help="service logs (default: a temp dir)"),
          min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
@@ -440,9 +530,13 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                      step_delay_s=step_delay_s,
                                      spot_step_delay_s=spot_step_delay_s,
                                      coexecutor=coexecutor, serving_rps=serving_rps,
-                                     tail_batching=tail_batching, seed_role=seed_role))
+                                     tail_batching=tail_batching, seed_role=seed_role,
+                                     kill_manager_at=kill_manager_at))
+    failover = ""
     try:
         status = asyncio.run(drive(run, schedule, steps, timeout))
+        if run.killed_manager is not None:
+            failover = asyncio.run(manager_death_report(run))
     except (TimeoutError, RuntimeError) as exc:  # over time, or a service died: say which
         console.print(f"[bold red]demo failed[/]: {exc}")
         raise typer.Exit(1) from None
@@ -461,6 +555,11 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
         console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
                       f"{sum(s.migrations for s in status.steps)} migrations; "
                       f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+    if failover:
+        console.print(failover)
+    elif kill_manager_at:
+        console.print(f"[yellow]the manager was not killed[/]: it held no request of step "
+                      f"{kill_manager_at} or later while the demo looked")
     if serving:
         requests = sum(x.requests for x in serving.values())
         attained = sum(x.attained for x in serving.values())

@@ -95,12 +95,13 @@ class LocalStack:
     log_dir: Path
     etcd: LocalEtcd | None = None
     processes: list[ServiceProcess] = field(default_factory=list)
-    # Mutual TLS: every service started gets a certificate of this CA for its role.
+    # Mutual TLS: every service started gets a certificate of this CA for its role, and an
+    # etcd started here serves them over TLS (an https:// endpoint) with one of its own.
     ca: LocalCA | None = None
 
     def start_etcd(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.etcd = LocalEtcd(log_path=self.log_dir / "etcd.log").start()
+        self.etcd = LocalEtcd(log_path=self.log_dir / "etcd.log", ca=self.ca).start()
         return self.etcd.endpoint
 
     def start(self, service: str, name: str, flags: list[str] | None = None,

@@ -77,17 +77,25 @@ class Draining(_message.Message):
     reason: str
     def __init__(self, deadline_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class KeptRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WorkerEvent(_message.Message):
-    __slots__ = ("step", "load", "error", "draining")
+    __slots__ = ("step", "load", "error", "draining", "kept")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     step: StepOutputs
     load: _common_pb2.Load
     error: CommandError
     draining: Draining
-    def __init__(self, step: _Optional[_Union[StepOutputs, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+    kept: KeptRequests
+    def __init__(self, step: _Optional[_Union[StepOutputs, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., kept: _Optional[_Union[KeptRequests, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()

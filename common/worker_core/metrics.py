@@ -30,3 +30,14 @@ PREFIX_PAGES = Gauge("rlh_worker_prefix_cache_pages", "KV pages the prefix cache
 WEIGHT_VERSION = Gauge("rlh_worker_weight_version", "Loaded weight version")
 SESSIONS = Gauge("rlh_worker_sessions", "Open manager sessions")
 DRAINING = Gauge("rlh_worker_draining", "1 while the worker drains before exit")
+KEPT = Gauge("rlh_worker_requests_kept", "Requests of broken sessions (a manager died) kept "
+             "running or finished for a successor manager to adopt")
+KEPT_OUTCOMES = Counter("rlh_worker_kept_request_outcomes_total", "Kept requests by how they ended: "
+                        "adopted by a successor, expired, refused by a manager, mismatched",
+                        ["outcome"])
+KEPT_TOKENS_ADOPTED = Counter("rlh_worker_kept_tokens_adopted_total", "Tokens a successor "
+                              "manager lacked and got from a kept request instead of "
+                              "generating them again")
+KEPT_TOKENS_DROPPED = Counter("rlh_worker_kept_tokens_dropped_total", "Tokens of unfinished "
+                              "kept requests dropped unadopted (expired, refused, mismatched): "
+                              "generated again elsewhere")

@@ -24,12 +24,17 @@ from rlharvest.common.engine_types import (
     RequestOutput,
     sampling_from_proto,
 )
-from rlharvest.common.errors import InvalidArgument, NotFound
+from rlharvest.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core import metrics
 from rlharvest.common.worker_core.admission import Admission, WorkerView
 from rlharvest.common.worker_core.engine import Engine
-from rlharvest.common.worker_core.session_hub import Session, SessionHub
+from rlharvest.common.worker_core.session_hub import (
+    Adoption,
+    Session,
+    SessionHub,
+    request_identity,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -54,20 +59,26 @@ class StepLoop(Protocol):
 
 
 class SessionCommands:
-    """``on_version_change`` is called with the new version after each weight swap."""
+    """``on_version_change`` is called with the new version after each weight swap.
+    ``keep_s``: a broken session's requests run on this long for a successor manager to adopt
+    (the hub must record tokens: ``SessionHub(keep_tokens=True)``); 0 takes them out at once."""
 
     def __init__(self, engine: Engine, hub: SessionHub, loop: StepLoop, admission: Admission, *,
-                 on_version_change: Callable[[int], None] | None = None) -> None:
+                 on_version_change: Callable[[int], None] | None = None,
+                 keep_s: float = 0.0) -> None:
         self._engine = engine
         self._hub = hub
         self._loop = loop
         self._admission = admission
         self._on_version_change = on_version_change
+        self._keep_s = keep_s
 
-    async def serve(self, commands: AsyncIterator[pb.WorkerCommand]
+    async def serve(self, commands: AsyncIterator[pb.WorkerCommand],
+                    cancelled: Callable[[], bool] = lambda: False
                     ) -> AsyncGenerator[pb.WorkerEvent, None]:
         """One Session stream: read ``commands``, yield the session's events until it ends.
-        Closing the iterator (the stream went away) takes the session's requests out."""
+        Closing the iterator (the stream went away) takes the session's requests out, or keeps
+        them for a successor. ``cancelled``: whether the RPC was cancelled (its client gone)."""
         session = self._hub.open(self._loop.last_load)
         reader = asyncio.create_task(self._read(commands, session))
         try:
@@ -75,10 +86,52 @@ class SessionCommands:
                 yield event
         finally:
             reader.cancel()
-            for rid in self._hub.close(session):
+            # A client that dies ends its command stream as a half-close does; but a session
+            # its manager ended gracefully holds nothing, and its RPC was not cancelled.
+            broken = bool(session.requests) or not session.client_done or cancelled()
+            self._orphaned(session, self._hub.close(session), broken)
+
+    def _orphaned(self, session: Session, request_ids: list[str], broken: bool) -> None:
+        """A session went away holding ``request_ids``: kept for a successor when keeping is
+        on (a manager's death), else taken out of the engine."""
+        kept: set[str] = set()
+        if self._keep_s > 0 and broken:
+            loop = asyncio.get_running_loop()
+            kept = set(self._hub.keep(session, request_ids, loop.time() + self._keep_s))
+            if kept:
+                log.info("session gone: keeping %d requests for %.0fs for a successor manager",
+                         len(kept), self._keep_s)
+                loop.call_later(self._keep_s, self._expire, kept)
+        for rid in request_ids:
+            if rid not in kept:
                 self._loop.between_steps(partial(self._abort_orphan, rid))
 
+    def _expire(self, request_ids: set[str]) -> None:
+        now = asyncio.get_running_loop().time()
+        for rid in self._hub.expired(request_ids, now):
+            self._drop_kept(rid, "expired", now)
+
+    def _drop_kept(self, rid: str, outcome: str, now: float | None = None) -> None:
+        if not self._hub.forget_finished_kept(rid, outcome, now):
+            self._loop.between_steps(partial(self._drop_running_kept, rid, outcome, now))
+
+    async def _drop_running_kept(self, rid: str, outcome: str, now: float | None) -> None:
+        if self._hub.release_kept(rid, outcome, now):
+            await self._abort_in_engine(rid)
+        else:  # it finished since (or was adopted: then this finds nothing)
+            self._hub.forget_finished_kept(rid, outcome, now)
+
     def add(self, session: Session, msg: pb.AddRequest) -> None:
+        identity = request_identity(msg) if self._hub.keeps_tokens else 0
+        adoption = self._hub.adopt(session, msg.request_id, msg.generated_token_ids,
+                                   msg.weight_version, identity)
+        if adoption is Adoption.ADOPTED:
+            return
+        if adoption is Adoption.MISMATCH:  # dropped; the manager's retry is an ordinary add
+            self._drop_kept(msg.request_id, "mismatched")
+            return self._hub.refuse(session, msg.request_id, FailedPrecondition(
+                f"request {msg.request_id!r} is kept here with tokens its add does not "
+                "continue; dropped it, send the add again"))
         request = EngineRequest(request_id=msg.request_id,
                                 prompt_token_ids=list(msg.prompt_token_ids),
                                 sampling=sampling_from_proto(msg.sampling),
@@ -88,11 +141,14 @@ class SessionCommands:
         if refusal is not None:
             return self._hub.refuse(session, request.request_id, refusal)
         self._hub.hold(session, request.request_id, len(request.generated_token_ids),
-                       msg.weight_version)
+                       msg.weight_version, identity)
         self._loop.between_steps(partial(self._start, request))
 
     def abort(self, session: Session, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
+            if self._hub.is_kept(rid):  # a manager that will not adopt it (it runs elsewhere)
+                self._drop_kept(rid, "refused")
+                continue
             if not self._hub.owns(session, rid):
                 self._hub.refuse(session, rid, NotFound(
                     f"no request {rid!r} of this session on this worker"))
@@ -137,7 +193,8 @@ class SessionCommands:
     async def _start(self, request: EngineRequest) -> None:
         rid = request.request_id
         held = self._hub.holder(rid)
-        if held is None or held.session.closed:  # aborted, swapped out or orphaned meanwhile
+        # Aborted, swapped out or orphaned meanwhile; a kept one runs on for a successor.
+        if held is None or (held.session.closed and not self._hub.is_kept(rid)):
             return
         try:
             self._engine.add(request)
@@ -163,9 +220,12 @@ class SessionCommands:
         if self._hub.holder(rid) is None:
             return
         self._hub.release(rid, "abort")
+        await self._abort_in_engine(rid)
+
+    async def _abort_in_engine(self, rid: str) -> None:
         try:
             self._engine.abort(rid)
-        except KeyError:  # its session went away before it started
+        except KeyError:  # it had not started, or finished meanwhile
             pass
 
     async def _swap(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,

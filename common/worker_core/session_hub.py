@@ -8,7 +8,11 @@ What a manager may rely on, whatever the engine or the admission policy:
 - a request's final delta decided between steps (an abort) goes out after the step outputs
   routed before it, so positions arrive in order;
 - a session whose client half-closed ends once its last request ended;
-- once draining, every session, open or opened later, gets the notice.
+- once draining, every session, open or opened later, gets the notice;
+- with ``keep_s``, the requests of a session that broke (its manager died) run on, kept for a
+  successor: a new session's add of one of them, carrying a prefix of its tokens, adopts it and
+  gets every token beyond that prefix at once (``adopt``), so a manager's death regenerates
+  nothing. Unadopted ones are dropped after ``keep_s``.
 
 The hub touches no engine: the pump hands it steps, and ``SessionCommands`` tells it which
 requests start and end.
@@ -19,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections import deque
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from rlharvest.common.engine_types import RequestOutput
 from rlharvest.common.errors import ServiceError
@@ -32,6 +38,9 @@ from rlharvest.common.worker_core.outbox import Outbox
 log = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.05
+# How long a finished request's tokens stay with its session for a successor: far longer than
+# a delta takes from the worker through the manager to the trainer.
+_FINISHED_LINGER_S = 5.0
 
 
 @dataclass(eq=False)
@@ -42,6 +51,9 @@ class Session:
     requests: set[str] = field(default_factory=set)
     client_done: bool = False  # the manager half-closed: end once its requests have
     closed: bool = False  # the stream is gone: nothing more is queued
+    # With keeping on: requests that finished here lately (when, id, record). Their last tokens
+    # may not have reached the client when the manager dies, so those are kept too.
+    finished: deque[tuple[float, str, Held]] = field(default_factory=deque)
 
     def offer(self, event: pb.WorkerEvent) -> None:
         """Heartbeats: dropped while the session is backed up (the next one supersedes)."""
@@ -61,6 +73,20 @@ class Held:
     session: Session
     next_position: int  # completion index of the next token this worker will produce
     weight_version: int  # the version it was admitted for
+    # With keeping on: every token (and logprob) this worker produced for it, from position
+    # ``base`` (its admission's resume point) on, so a successor can be handed what it lacks.
+    base: int = 0
+    tokens: list[int] | None = None
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""  # a kept request that finished while no session held it
+    kept_until: float = 0.0  # kept: dropped once the event loop's clock passes this
+    identity: int = 0  # of its prompt and sampling: an add adopts only the same request
+
+
+class Adoption(Enum):
+    ADOPTED = "adopted"  # the session holds it now and has been sent the tokens it lacked
+    ABSENT = "absent"  # not kept here: admit the add as usual
+    MISMATCH = "mismatch"  # kept, but the add's tokens do not continue it: dropped, refuse
 
 
 @dataclass
@@ -74,14 +100,20 @@ class RoutedStep:
 
 class SessionHub:
     """``StepSink`` of the engine pump. ``session_queue``: step messages buffered per session
-    before a slow reader slows the engine."""
+    before a slow reader slows the engine. ``keep_tokens``: record every request's tokens, so a
+    broken session's requests can be kept for a successor (``keep``/``adopt``)."""
 
-    def __init__(self, session_queue: int = 256) -> None:
+    def __init__(self, session_queue: int = 256, keep_tokens: bool = False) -> None:
         if session_queue < 1:
             raise ValueError(f"session_queue must be >= 1, got {session_queue}")
         self._session_queue = session_queue
+        self._keep_tokens = keep_tokens
         self._sessions: set[Session] = set()
         self._held: dict[str, Held] = {}
+        # Kept requests: running ones stay in _held under this closed session, finished ones
+        # move to _kept_done (they hold no engine capacity) until adopted or dropped.
+        self._orphanage = Session(Outbox(1), closed=True)
+        self._kept_done: dict[str, Held] = {}
         self._unsent: RoutedStep | None = None
         self._last_step = 0
         self._drain_notice: pb.Draining | None = None
@@ -93,6 +125,8 @@ class SessionHub:
         session = Session(Outbox(self._session_queue))
         self._sessions.add(session)
         metrics.SESSIONS.set(len(self._sessions))
+        if kept := self.kept_ids():  # before the hello: the manager knows them once greeted
+            session.push(pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(kept))))
         session.offer(pb.WorkerEvent(load=hello))
         if self._drain_notice is not None:
             session.push(pb.WorkerEvent(draining=self._drain_notice))
@@ -124,13 +158,116 @@ class SessionHub:
     def session_count(self) -> int:
         return len(self._sessions)
 
+    # ---- kept requests (a broken session's, for a successor manager) ---------------------------
+
+    def keep(self, session: Session, request_ids: Collection[str], until: float) -> list[str]:
+        """Keep these requests of a closed ``session`` running for a successor until ``until``
+        (the event loop's clock), and those that finished on it lately; returns those kept. The
+        caller drops them then (``expired``, ``release_kept``)."""
+        kept = []
+        for rid in request_ids:
+            held = self._held.get(rid)
+            if held is not None and held.tokens is not None:
+                held.session, held.kept_until = self._orphanage, until
+                kept.append(rid)
+        recent = time.monotonic() - _FINISHED_LINGER_S
+        for finished_at, rid, held in session.finished:
+            if finished_at >= recent and rid not in self._held and rid not in self._kept_done:
+                held.session, held.kept_until = self._orphanage, until
+                self._kept_done[rid] = held
+                kept.append(rid)
+        session.finished.clear()
+        metrics.KEPT.set(len(self.kept_ids()))
+        return kept
+
+    def kept_ids(self) -> list[str]:
+        running = [rid for rid, held in self._held.items() if held.session is self._orphanage]
+        return running + list(self._kept_done)
+
+    def is_kept(self, request_id: str) -> bool:
+        held = self._held.get(request_id)
+        return request_id in self._kept_done or (held is not None and
+                                                 held.session is self._orphanage)
+
+    def expired(self, request_ids: Collection[str], now: float) -> list[str]:
+        """Those of ``request_ids`` still kept past their time (one adopted and kept again
+        since runs to its own, later, time)."""
+        return [rid for rid in request_ids if self.is_kept(rid) and
+                (self._kept_done.get(rid) or self._held[rid]).kept_until <= now]
+
+    def forget_finished_kept(self, request_id: str, outcome: str,
+                             now: float | None = None) -> bool:
+        """Forget a kept request that finished (nothing of it is in the engine), expired past
+        ``now`` if given. False when it is not one: a running kept one leaves with the engine
+        (``release_kept``)."""
+        held = self._kept_done.get(request_id)
+        if held is None or (now is not None and held.kept_until > now):
+            return False
+        del self._kept_done[request_id]
+        metrics.KEPT_OUTCOMES.labels(outcome).inc()
+        metrics.KEPT.set(len(self.kept_ids()))
+        return True
+
+    def release_kept(self, request_id: str, outcome: str, now: float | None = None) -> bool:
+        """Between steps: release a running kept request (expired past ``now``, refused by a
+        manager, or not continued by an add); True when the caller must now abort it in the
+        engine, False when it was adopted (or finished) meanwhile. Done in one go with the
+        engine's abort: released earlier, a step's tokens of it would go to a new holder."""
+        held = self._held.get(request_id)
+        if held is None or held.session is not self._orphanage or \
+                (now is not None and held.kept_until > now):
+            return False
+        self.release(request_id, "abort")
+        metrics.KEPT_OUTCOMES.labels(outcome).inc()
+        metrics.KEPT_TOKENS_DROPPED.inc(len(held.tokens or ()))
+        metrics.KEPT.set(len(self.kept_ids()))
+        return True
+
+    def adopt(self, session: Session, request_id: str, generated: Sequence[int],
+              weight_version: int, identity: int) -> Adoption:
+        """An add of ``request_id`` with ``generated`` tokens on ``session``: if this worker
+        keeps it (same prompt and sampling: ``identity``) on the same version and ``generated``
+        is a prefix of what it produced, the session holds it from now on and gets the tokens
+        beyond ``generated`` at once."""
+        finished = self._kept_done.get(request_id)
+        held = finished or self._held.get(request_id)
+        if held is None or held.tokens is None or \
+                (finished is None and held.session is not self._orphanage):
+            return Adoption.ABSENT  # not kept (or held by a live session: admission refuses)
+        have, n = held.next_position, len(generated)
+        if held.weight_version != weight_version or held.identity != identity or \
+                not held.base <= n <= have or \
+                list(generated[held.base:]) != held.tokens[:n - held.base]:
+            return Adoption.MISMATCH
+        done = self._kept_done.pop(request_id, None) is not None  # finished while kept
+        delta = common_pb2.TokenDelta(
+            request_id=request_id, position=n, token_ids=held.tokens[n - held.base:],
+            logprobs=held.logprobs[n - held.base:], weight_version=weight_version,
+            finished=done, finish_reason=held.finish_reason)
+        metrics.KEPT_OUTCOMES.labels("adopted").inc()
+        metrics.KEPT_TOKENS_ADOPTED.inc(have - n)
+        if not done:
+            held.session = session
+            session.requests.add(request_id)
+        if have > n or done:
+            session.push(pb.WorkerEvent(step=pb.StepOutputs(step=self._last_step,
+                                                            deltas=[delta])))
+        metrics.KEPT.set(len(self.kept_ids()))
+        return Adoption.ADOPTED
+
     # ---- requests ------------------------------------------------------------------------------
 
     def hold(self, session: Session, request_id: str, next_position: int,
-             weight_version: int) -> None:
-        """``session`` owns ``request_id`` from now on (admitted; the engine may not have it yet)."""
-        self._held[request_id] = Held(session, next_position, weight_version)
+             weight_version: int, identity: int = 0) -> None:
+        """``session`` owns ``request_id`` from now on (admitted; the engine may not have it
+        yet). ``identity``: see ``request_identity``."""
+        self._held[request_id] = Held(session, next_position, weight_version, next_position,
+                                      [] if self._keep_tokens else None, identity=identity)
         session.requests.add(request_id)
+
+    @property
+    def keeps_tokens(self) -> bool:
+        return self._keep_tokens
 
     def holder(self, request_id: str) -> Held | None:
         return self._held.get(request_id)
@@ -184,14 +321,23 @@ class SessionHub:
         next step see the truth; encoding waits for ``send``."""
         routed = self._unsent = RoutedStep(step)
         self._last_step = step.number
-        items, held_requests = routed.items, self._held
+        items, held_requests, orphanage = routed.items, self._held, self._orphanage
         for out in step.outputs:
             held = held_requests.get(out.request_id)
             if held is None:  # ended between the step's launch and now
                 continue
-            items.append((held.session, out, held.next_position))
+            if held.tokens is not None:
+                held.tokens += out.new_token_ids
+                held.logprobs += out.new_logprobs
+            if held.session is not orphanage:
+                items.append((held.session, out, held.next_position))
             held.next_position += len(out.new_token_ids)
             if out.finished:
+                held.finish_reason = out.finish_reason
+                if held.session is orphanage:  # kept for a successor, off the engine's books
+                    self._kept_done[out.request_id] = held
+                elif held.tokens is not None:
+                    self._linger(held.session, out.request_id, held)
                 self.release(out.request_id, out.finish_reason)
         return routed
 
@@ -215,6 +361,14 @@ class SessionHub:
         for session in {*by_session, *(session for session, _ in routed.after)}:
             self._maybe_end(session)
 
+    @staticmethod
+    def _linger(session: Session, request_id: str, held: Held) -> None:
+        now = time.monotonic()
+        finished = session.finished
+        finished.append((now, request_id, held))
+        while finished[0][0] < now - _FINISHED_LINGER_S:
+            finished.popleft()
+
     def heartbeat(self, load: common_pb2.Load) -> None:
         event = pb.WorkerEvent(load=load)
         for session in self._sessions:
@@ -235,16 +389,25 @@ class SessionHub:
             session.push(pb.WorkerEvent(draining=self._drain_notice))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._held and loop.time() < deadline:
+        # Kept requests are no session's: a successor adopts them elsewhere, not from here.
+        while self._owned() and loop.time() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
-        left = len(self._held)
+        left = self._owned()
         if left:
             log.warning("drain timed out with %d requests still here", left)
         return left == 0
 
+    def _owned(self) -> int:
+        return sum(1 for held in self._held.values() if held.session is not self._orphanage)
+
     def _maybe_end(self, session: Session) -> None:
         if session.client_done and not session.requests and not session.closed:
             session.push(None)
+
+
+def request_identity(msg: pb.AddRequest) -> int:
+    """What must match for an add to adopt a kept request: its prompt and sampling."""
+    return hash((tuple(msg.prompt_token_ids), msg.sampling.SerializeToString(deterministic=True)))
 
 
 def _token_delta(out: RequestOutput, position: int, weight_version: int) -> common_pb2.TokenDelta:

@@ -77,6 +77,10 @@ class CoexecutorConfig(EngineDeviceConfig):
                          "measured at start")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps the default")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    keep_requests_s: float = Field(30.0, ge=0, description="a manager session that breaks (the "
+                                   "manager died) leaves its requests running this long for a "
+                                   "successor manager to adopt with every token; 0 takes them "
+                                   "out at once")
     session_queue: int = Field(256, ge=1)
     drain_timeout: float = Field(15.0, ge=0, description="seconds for rollout to migrate away")
     shutdown_grace: float = Field(5.0, ge=0)

@@ -125,6 +125,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
     service = WorkerService(dual, cfg.coexec_id, endpoint=host.endpoint, model=cfg.model,
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
+                            keep_s=cfg.keep_requests_s,
                             max_pending=cfg.max_pending, on_version_change=on_version_change,
                             admission=admission, weights_dir=cfg.weights_dir)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,

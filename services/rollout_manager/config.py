@@ -21,7 +21,12 @@ class ManagerConfig(ServiceConfig):
     advertise_host: str = Field("", description="host others dial; defaults to host")
     metrics_port: int = Field(0, ge=0, lt=65536)
     etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
-    lease_ttl: int = Field(5, ge=1, le=300)
+    lease_ttl: int = Field(5, ge=1, le=300, description="etcd lease of its record and its "
+                           "election key: a SIGKILLed leader's standby takes over within it")
+    greeting_timeout_s: float = Field(3.0, ge=0, description="a new leader waits this long at "
+                                      "most for every registered worker's session to say "
+                                      "which requests it kept from the dead leader, before "
+                                      "taking steps")
     theta: int = Field(4, ge=1, description="Θ of Algorithm 2: most pending requests per worker")
     balancer: Literal["algorithm2", "jsq", "round_robin"] = Field(
         "algorithm2", description="algorithm2: RLBoost's SELECTINSTANCE + CONTINUOUSLB; jsq and "

@@ -183,6 +183,25 @@ class RolloutControl:
                 self.tracker.restart_from_prompt(request_id)
         return released
 
+    def worker_keeps(self, worker_id: str, request_ids: Sequence[str]) -> list[Command]:
+        """A worker's new session says it still runs these requests of a session that broke.
+        Those this manager has waiting for the worker's version go back to it at the next
+        tick, bypassing Algorithm 2 (they hold its capacity already), and continue with every
+        token. Those placed elsewhere, finished or of another version meanwhile are dropped
+        there (Abort). Unknown ones are remembered: a successor manager learns them before
+        the trainer resubmits its step (the worker drops them itself if nobody does)."""
+        view = self.pool.get(worker_id)
+        view.kept = set()
+        out: list[Command] = []
+        for rid in request_ids:
+            req = self.tracker.get(rid) if rid in self.tracker else None
+            if req is None or (req.state is RequestState.WAITING and
+                               req.weight_version == view.weight_version):
+                view.kept.add(rid)
+            else:
+                out.append(Abort(rid, worker_id))
+        return out
+
     def worker_draining(self, worker_id: str, deadline: float) -> list[Command]:
         self.pool.mark_draining(worker_id, deadline)
         return self._evacuate(worker_id, "drain", keep_without_room=True)
@@ -281,8 +300,13 @@ class RolloutControl:
             out += self._apply(self._cut(step))
         waiting = self._waiting_by_version()
         for version, ids in waiting.items():
-            # Turns first, by where their history is (turn_routing.py); then everything else
-            # by Algorithm 2 on the loads those turns left.
+            # Requests a worker kept from a broken session go back to it first; then turns,
+            # by where their history is (turn_routing.py); then everything else by Algorithm 2
+            # on the loads those left.
+            if adopted := self._adopt(version, ids):
+                out += self._apply(adopted)
+                taken = {c.request_id for c in adopted}
+                ids = [r for r in ids if r not in taken]
             turns = [r for r in ids if self._trajectory_of(r)]
             if turns:
                 out += self._apply(self.router.dispatch(
@@ -297,6 +321,18 @@ class RolloutControl:
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _adopt(self, version: int, waiting: Sequence[str]) -> list[Dispatch]:
+        """Waiting requests an eligible worker keeps (``worker_keeps``): dispatched back."""
+        holders = {rid: w for w in self.pool.eligible(version) for rid in w.kept}
+        if not holders:
+            return []
+        out = []
+        for rid in waiting:
+            if (worker := holders.get(rid)) is not None:
+                worker.kept.discard(rid)
+                out.append(Dispatch(rid, worker.worker_id))
+        return out
 
     def _cut(self, step: Step) -> list[Fail]:
         """Fail the outstanding requests the step's policy no longer needs (step_policy.py)."""

@@ -1,10 +1,16 @@
-"""`rlharvest-rollout-manager`: track one RL job's rollout requests across rollout workers."""
+"""`rlharvest-rollout-manager`: track one RL job's rollout requests across rollout workers.
+Start two per job for a hot standby: they elect a leader in etcd; the standby takes over when
+the leader dies, and the trainer resumes its step there with every token (nothing generated
+twice: the workers keep the dead leader's requests running for it to adopt)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from functools import partial
 
+from rlharvest.common import keys, registry
 from rlharvest.common.cli import service_app
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
@@ -13,6 +19,7 @@ from rlharvest.services.rollout_manager.turn_routing import TurnRouter, TurnRout
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.lender import Lender
 from rlharvest.services.rollout_manager.service import ManagerService
 from rlharvest.services.rollout_manager.stream_scaler import ScalePublisher, StreamScaler
@@ -58,7 +65,6 @@ async def build(host: Host[ManagerConfig]) -> Parts:
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
                              tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher,
                              stream_scaler=scaler)
-    log.info("manager %s for job %s", cfg.manager_id, cfg.job)
     loops = [Loop("watch workers", service.watch_workers),
              Loop("watch co-executors", service.watch_coexecutors),
              Loop("watch instance cap", service.watch_instance_cap),
@@ -72,12 +78,45 @@ async def build(host: Host[ManagerConfig]) -> Parts:
         loops.append(Loop("publish TP plan", publisher.run, on_crash="restart"))
     if scale_publisher is not None:
         loops.append(Loop("publish stream scaling", scale_publisher.run, on_crash="restart"))
-    return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job},
+    service.leading = False  # until elected (lead)
+    return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job, "role": "standby"},
                  servicers=[Servicer(service, rollout_manager_pb2_grpc
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],
                  health=service.health, on_scrape=service.refresh_gauges,
-                 loops=loops,
+                 serving=False,  # a standby serves once it leads
+                 loops=[Loop("leadership", partial(lead, host, service, loops))],
                  stop_accepting=service.stop_accepting)
+
+
+async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[Loop]) -> None:
+    """Stand by until elected; then run the job's ``loops``, learn what the workers kept from
+    a dead leader, and only then serve and say so (the trainer looks for role "leader").
+    Resign when cancelled, so a standby takes over now, not after the lease TTL. A leader
+    whose key expires in a long etcd outage keeps leading the steps it streams; a standby
+    that took over meanwhile leads the steps submitted to it (each step has one manager)."""
+    cfg = host.config
+    election = registry.Election(host.etcd, keys.manager_election(cfg.job), host.endpoint,
+                                 ttl=cfg.lease_ttl)
+    try:
+        log.info("manager %s for job %s standing by for leadership", cfg.manager_id, cfg.job)
+        await election.campaign()
+        metrics.LEADER.set(1)
+        service.leading = True
+        for loop in loops:
+            host.start_loop(loop)
+        missing = await service.greet_workers(cfg.greeting_timeout_s)
+        if missing:
+            log.warning("leading without a greeting from %d workers (%s) after %.1fs: requests "
+                        "they kept may be generated again", len(missing), ", ".join(missing),
+                        cfg.greeting_timeout_s)
+        await host.set_serving(True)
+        assert host.membership is not None  # registered before loops start
+        await host.membership.update(role="leader")
+        log.info("manager %s leads job %s on %s", cfg.manager_id, cfg.job, host.endpoint)
+        await asyncio.Event().wait()  # lead until the service stops
+    finally:
+        metrics.LEADER.set(0)
+        await election.resign()
 
 
 SPEC = ServiceSpec("rollout_manager", ManagerConfig, build, __doc__)

@@ -58,3 +58,4 @@ SEED_RECALLS = Counter("rlh_manager_seed_recalls_total", "Closed seeding windows
                        "workers took their step back: the last remote worker was lost")
 SEED_HANDOFFS = Counter("rlh_manager_seed_handoffs_total", "Requests handed from seed workers to "
                         "remote workers, tokens kept, when a seeding window closed")
+LEADER = Gauge("rlh_manager_leader", "1 while this manager leads its job (0: a standby)")

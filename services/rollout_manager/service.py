@@ -77,6 +77,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         # RLBoost's seeding window: the seed workers' part of each step (seed_window.py).
         self._seeds = SeedWindows(control, self._execute, self._wake.set)
         self.accepting = True
+        self.leading = True  # False while a standby (main.py's election)
 
     def stop_accepting(self) -> None:
         """Shutting down: new steps are refused (UNAVAILABLE) from now on."""
@@ -97,8 +98,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         the placement scheduler (``placement_node`` in its record) joins only while its record
         names this job: the job whose turn its node is (WEAVE, placement_follower.py)."""
         async for event in registry.watch_members(self._etcd, service):
-            wanted = job if job is not None or "placement_node" not in event.info else self._job
-            if wanted is not None and event.kind != "leave" and event.info.get("job") != wanted:
+            if event.kind != "leave" and not self._serves_here(event.info, job):
                 if event.member_id in self._links:  # lent to (or its node's turn is) another job
                     self._lose(event.member_id,
                                f"serves job {event.info.get('job') or 'none'!r} now")
@@ -110,6 +110,28 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             else:
                 self._update(event.member_id, event.info)
             self._wake.set()
+
+    def _serves_here(self, info: dict, job: str | None) -> bool:
+        wanted = job if job is not None or "placement_node" not in info else self._job
+        return wanted is None or info.get("job") == wanted
+
+    async def greet_workers(self, timeout: float) -> list[str]:
+        """Leadership begins (the watch loops run): wait up to ``timeout`` until every worker
+        registered now has a session whose first event came, so the requests they keep for a
+        successor are known before a client's step is taken. Returns those not greeted."""
+        expected = set()
+        for service, job in (("rollout_worker", None), ("coexecutor", self._job)):
+            for key, info in (await registry.list_members(self._etcd, service)).items():
+                if self._serves_here(info, job) and not info.get("draining"):
+                    expected.add(keys.parse_member_key(key)[1])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            missing = sorted(w for w in expected
+                             if w not in self._links or not self._links[w].greeted)
+            if not missing or loop.time() >= deadline:
+                return missing
+            await asyncio.sleep(0.02)
 
     async def watch_instance_cap(self) -> None:
         """The job's N_prem in etcd (RLBoost Algorithm 1): workers beyond it stand by."""
@@ -203,6 +225,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             error = event.error
             self._execute(self._control.command_refused(worker_id, error.request_id, error.code,
                                                         error.message))
+            self._wake.set()
+        elif which == "kept":
+            self._execute(self._control.worker_keeps(worker_id, list(event.kept.request_ids)))
             self._wake.set()
         elif which == "draining":
             deadline = time.monotonic() + max(event.draining.deadline_unix - time.time(), 0)
@@ -396,6 +421,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if not self.accepting:
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
+        if not self.leading:
+            await errors.abort(context, errors.Unavailable(
+                "this manager stands by for the job's leader; submit the step to the manager "
+                "whose etcd record says role 'leader'"))
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
                           sampling_from_proto(r.sampling), version, deadline_s or None,
                           tuple(r.resume_token_ids), tuple(r.resume_logprobs),

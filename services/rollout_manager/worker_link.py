@@ -37,6 +37,7 @@ class WorkerLink:
         self._tasks = [asyncio.create_task(self._write(), name=f"write {worker_id}"),
                        asyncio.create_task(self._read(), name=f"read {worker_id}")]
         self.alive = True
+        self.greeted = False  # its first event came (the requests it keeps come first)
         self.last_load: pb.WorkerEvent | None = None
 
     def add(self, payload: ResumePayload) -> None:
@@ -63,6 +64,7 @@ class WorkerLink:
         reason = "stream ended"
         try:
             async for event in self._call:
+                self.greeted = True
                 await self._on_event(self.worker_id, event)
         except asyncio.CancelledError:
             raise

@@ -9,7 +9,7 @@ business, not duplicated here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, get_args
 
@@ -48,6 +48,10 @@ class WorkerView:
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""
+    # Requests it still runs from a session that broke (a dead manager's, or this manager's
+    # before a link break), which a waiting request of the same id goes back to: adopted there
+    # with every token it produced meanwhile (session_hub.py on the worker).
+    kept: set[str] = field(default_factory=set)
 
     def eligible_for(self, weight_version: int) -> bool:
         """May take requests of ``weight_version`` (on-policy: only the exact version)."""
@@ -173,6 +177,7 @@ class WorkerPool:
             return False
         w.state = WorkerState.LOST
         w.lost_reason = reason
+        w.kept.clear()
         return True
 
     def forget(self, worker_id: str) -> None:

@@ -56,6 +56,10 @@ class WorkerConfig(EngineDeviceConfig):
                                   "count; >= max_len, not with kv_pages; 0 = no budget")
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
+    keep_requests_s: float = Field(30.0, ge=0, description="a manager session that breaks (the "
+                                   "manager died) leaves its requests running this long for a "
+                                   "successor manager to adopt with every token; 0 takes them "
+                                   "out at once")
     session_queue: int = Field(256, ge=1, description="step messages buffered per session; a slow "
                                                        "reader beyond this slows the engine")
     step_delay_s: float = Field(0.0, ge=0, description="benchmark harness: emulate slower hardware "

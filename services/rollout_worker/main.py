@@ -73,6 +73,7 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     service = WorkerService(engine, cfg.worker_id, endpoint=host.endpoint, model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
                             session_queue=cfg.session_queue, max_pending=cfg.max_pending,
+                            keep_s=cfg.keep_requests_s,
                             on_version_change=on_version_change, step_delay_s=cfg.step_delay_s,
                             weights_dir=cfg.weights_dir)
     loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker

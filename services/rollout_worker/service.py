@@ -34,22 +34,24 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     messages are buffered per session; ``on_version_change`` hears every weight swap;
     ``step_delay_s`` (benchmarks only) emulates slower hardware; ``admission`` replaces the
     rollout worker's own policy (the co-executor adds its memory budget); ``LoadWeights`` reads
-    only files under ``weights_dir`` (none: it is refused)."""
+    only files under ``weights_dir`` (none: it is refused); ``keep_s``: a broken session's
+    requests run on this long for a successor manager to adopt (session_hub.py)."""
 
     def __init__(self, engine: Engine, worker_id: str, endpoint: str, model: str, kind: int,
                  capacity: int, max_len: int, session_queue: int = 256,
                  on_version_change: Callable[[int], None] | None = None,
                  step_delay_s: float = 0.0, max_pending: int = 4096,
-                 admission: Admission | None = None, weights_dir: str = ""):
+                 admission: Admission | None = None, weights_dir: str = "",
+                 keep_s: float = 0.0):
         self._engine = engine
         self._weights_dir = weights_dir
         self._info: dict[str, Any] = dict(worker_id=worker_id, endpoint=endpoint, model=model,
                                           kind=kind, capacity=capacity, max_len=max_len)
-        self.hub = SessionHub(session_queue)
+        self.hub = SessionHub(session_queue, keep_tokens=keep_s > 0)
         self.pump: EnginePump[RoutedStep] = EnginePump(engine, self.hub, step_delay_s=step_delay_s)
         self.commands = SessionCommands(engine, self.hub, self.pump,
                                         admission or RolloutAdmission(capacity, max_pending),
-                                        on_version_change=on_version_change)
+                                        on_version_change=on_version_change, keep_s=keep_s)
         metrics.WEIGHT_VERSION.set(engine.weight_version)
 
     async def run_engine(self) -> None:
@@ -60,7 +62,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     async def Session(self, request_iterator: AsyncIterator[pb.WorkerCommand],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerEvent]:
-        events = self.commands.serve(request_iterator)
+        events = self.commands.serve(request_iterator, context.cancelled)
         try:
             async for event in events:
                 yield event

@@ -558,7 +558,8 @@ class TrainerLoop:
             published_version=self._version if self._publisher is not None else 0,
             round=spec.round, prompts_launched=len(spec.items),
             prompts_deferred=len(assembler.deferred), tokens_discarded=assembler.tokens_discarded,
-            rollout_s=phases["rollout"], rewards_s=phases["rewards"])
+            rollout_s=phases["rollout"], rewards_s=phases["rewards"],
+            rollout_digest=assembler.digest())
 
     async def _agentic_step(self, spec: StepSpec, manager: str, progress: Progress,
                             started: float) -> tpb.StepSummary:

@@ -28,14 +28,16 @@ async def find_manager(etcd, job: str, timeout: float = 60.0) -> str:
 
 async def find_manager_member(etcd, job: str, timeout: float = 60.0,
                               unlike: str | None = None) -> dict:
-    """The member record of ``job``'s rollout manager (endpoint, incarnation); waits for one to
-    appear, and with ``unlike`` for one of another incarnation (a dead manager's successor)."""
+    """The member record of ``job``'s leading rollout manager (endpoint, incarnation; a standby
+    is passed over); waits for one to appear, and with ``unlike`` for one of another
+    incarnation (a dead manager's successor)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         members = await registry.list_members(etcd, "rollout_manager")
         for info in sorted(members.values(), key=lambda i: i.get("endpoint", "")):
-            if info.get("job") == job and (unlike is None or info.get("incarnation") != unlike):
+            if info.get("job") == job and info.get("role") != "standby" and \
+                    (unlike is None or info.get("incarnation") != unlike):
                 return info
         if loop.time() >= deadline:
             raise TimeoutError(f"no rollout manager for job {job!r} registered in etcd within "

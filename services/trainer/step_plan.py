@@ -6,6 +6,9 @@ Synchronous and I/O-free (docs/architecture.md, "pure core"); ``loop.py`` drives
 
 from __future__ import annotations
 
+import array
+import hashlib
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -281,6 +284,18 @@ class GroupAssembler:
         order = sorted(g.training)  # sample order: with eta = 1 exactly the plain step's groups
         return ReadyGroup(group, tuple(g.completions[i] for i in order),
                           tuple(g.rewards[i] for i in order))
+
+    def digest(self) -> str:
+        """SHA-256 of every completion's token ids, by group then sample ("" before any)."""
+        if not any(g.completions for g in self._groups):
+            return ""
+        sha = hashlib.sha256()
+        for index, g in enumerate(self._groups):
+            for sample in sorted(g.completions):
+                ids = g.completions[sample].token_ids
+                sha.update(f"{index}:{sample}:{len(ids)};".encode())
+                sha.update(array.array("i", ids).tobytes())
+        return sha.hexdigest()
 
     def check_complete(self) -> None:
         """At the end of the stream: every request resolved, every group given its verdict."""

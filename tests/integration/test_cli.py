@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from rlharvest.common import keys, registry
+from rlharvest.common import keys, registry, tls
 from rlharvest.common.local_etcd import free_port
 
 from .worker_client import listening
@@ -62,7 +62,7 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
         endpoints = asyncio.run(_endpoints(etcd))
         assert {k.rsplit("/", 2)[-2] for k in endpoints} == {
             "rollout_worker", "rollout_manager", "transfer_agent", "coexecutor"}
-        assert len(endpoints) == 5
+        assert len(endpoints) == 6  # the job's manager and its standby
         models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models",
                                                    timeout=10).read())
         assert [m["id"] for m in models["data"]] == ["small"]  # the co-executor serves
@@ -70,7 +70,8 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
         shown = subprocess.run([*CLI, "status", "--etcd", etcd], capture_output=True,
                                text=True, env=ENV, timeout=60)
         assert shown.returncode == 0, shown.stderr
-        for member in ("worker-0", "worker-1", "manager-0", "agent-0", "spot", "dedicated"):
+        for member in ("worker-0", "worker-1", "manager-0", "manager-1", "agent-0", "spot",
+                       "dedicated", "standby"):
             assert member in shown.stdout, shown.stdout
         deadline = time.monotonic() + 60  # the job's manager borrows the co-executor
         while "lent to default" not in shown.stdout:
@@ -92,7 +93,8 @@ def test_up_starts_the_stack_status_shows_it_and_ctrl_c_stops_everything(tmp_pat
 def test_up_replays_a_spot_trace_under_the_jobs_instance_cap_with_mutual_tls(tmp_path):
     """App. C's replayer on real processes: the trace's instances start, the cap in etcd stops
     the latest one, a preemption SIGKILLs its instance and an available one starts at once.
-    With --tls every instance serves with a certificate of the stack's CA."""
+    With --tls every instance serves with a certificate of the stack's CA, and etcd wants one
+    too (an https endpoint; this test writes the cap as `up`'s operator)."""
     trace = tmp_path / "trace.csv"
     trace.write_text("time_s,event,instance\n0,add,spot-a\n0,add,spot-b\n2,add,spot-c\n"
                      "3,remove,spot-a\n5,remove,spot-c\n")
@@ -100,8 +102,10 @@ def test_up_replays_a_spot_trace_under_the_jobs_instance_cap_with_mutual_tls(tmp
                            "--spot-trace", str(trace), "--trace-seconds", "20", "--tls",
                            "--log-dir", str(tmp_path / "logs")], stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=ENV)
+    pki = tmp_path / "logs" / "pki"
     try:
-        etcd = _read_until(up, r"etcd at (127\.0\.0\.1:\d+)", timeout=180).group(1)
+        etcd = _read_until(up, r"etcd at (https://127\.0\.0\.1:\d+)", timeout=180).group(1)
+        tls.configure(str(pki / "operator.pem"), str(pki / "operator.key"), str(pki / "ca.pem"))
         seen: list[str] = []
         _read_until(up, r"1 allocations, 2 preemptions", timeout=30, seen=seen)
         _read_until(up, r"start spot-a", timeout=30, seen=seen)
@@ -117,13 +121,13 @@ def test_up_replays_a_spot_trace_under_the_jobs_instance_cap_with_mutual_tls(tmp
         # Every instance got a certificate of the stack's CA for its role, and none failed to
         # start with it (whether one served before the trace stopped it is the CPU's timing;
         # test_tls.py runs a whole job over TLS).
-        pki = tmp_path / "logs" / "pki"
         assert (pki / "ca.pem").is_file()
         for name in ("spot-a", "spot-b"):
             assert (pki / f"{name}.pem").is_file() and (pki / f"{name}.key").is_file(), name
             log = (tmp_path / "logs" / f"{name}.log").read_text()
             assert "failed to start" not in log, log[-2000:]
     finally:
+        tls.configure("", "", "")
         if up.poll() is None:
             up.kill()
 

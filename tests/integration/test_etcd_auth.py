@@ -22,8 +22,8 @@ PASSWORD = "s3cret-for-tests"
 
 
 async def enable_auth(endpoint: str) -> None:
-    host, port = registry.parse_endpoint(endpoint)
-    client = aetcd.Client(host=host, port=port)
+    target = registry.parse_endpoint(endpoint)
+    client = aetcd.Client(host=target.host, port=target.port)
     await client.connect()
     try:
         auth = aetcd.rpc.AuthStub(client.channel)

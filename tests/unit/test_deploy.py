@@ -65,9 +65,11 @@ def test_compose_stack_is_one_job_whose_workers_follow_the_trainer():
         if name != "etcd" and not svc.get("profiles"):  # a profile is an alternative
             by_program.setdefault(svc["command"][0], []).append(_config_of(svc["command"]))
     [trainer] = by_program["rlharvest-trainer"]
-    [manager] = by_program["rlharvest-rollout-manager"]
+    managers = by_program["rlharvest-rollout-manager"]
     workers = by_program["rlharvest-rollout-worker"]
-    assert manager.job == trainer.job
+    # The job's manager and its hot standby: one job, two ids (the election's candidates).
+    assert [m.job for m in managers] == [trainer.job] * 2
+    assert len({m.manager_id for m in managers}) == 2
     assert len(workers) >= 3 and any(w.kind == "spot" for w in workers)
     for w in workers:
         assert w.agent_pull and w.job == trainer.job

@@ -63,6 +63,7 @@ COUNTERPARTS = {
     "rollout-worker-spot": ("base", "Deployment", "rollout-worker-spot"),
     "coexecutor-0": ("base", "Deployment", "coexecutor"),
     "rollout-manager": ("base", "Deployment", "rollout-manager"),
+    "rollout-manager-standby": ("base", "Deployment", "rollout-manager"),  # its 2nd replica
     "placement-scheduler": ("base", "Deployment", "placement-scheduler"),
     "transfer-agent-0": ("base", "DaemonSet", "transfer-agent"),
     "trainer": ("base", "StatefulSet", "trainer"),
@@ -70,7 +71,7 @@ COUNTERPARTS = {
 }
 # Settings each pod sets for itself (downward API), where compose names each container.
 PER_POD_KEYS = {"advertise_host", "worker_id", "coexec_id", "scheduler_id", "agent_id", "node",
-                "trainer_id"}
+                "trainer_id", "manager_id"}
 # What the downward API would put in a pod's environment.
 FIELD_REFS = {"metadata.name": "{name}-0", "status.podIP": "10.0.0.10",
               "status.hostIP": "192.0.2.10", "spec.nodeName": "node-a"}

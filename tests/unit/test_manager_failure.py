@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlharvest.services.rollout_manager.commands import Dispatch, Fail, Migrate, Release
+from rlharvest.services.rollout_manager.commands import Abort, Dispatch, Fail, Migrate, Release
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.policy_sim import (
@@ -345,3 +345,47 @@ def test_a_worker_joining_in_time_stops_the_deadline():
     assert placed(control.tick()) == {"r0": "w"}
     clock.now = 50.0
     assert not any(isinstance(c, Fail) for c in control.tick())
+
+
+# ---- requests a worker kept from a broken session (a dead manager's) -------------------------
+
+def test_a_request_a_worker_kept_goes_back_to_it_before_algorithm_2():
+    """A successor learns from a worker's new session which requests it still runs, before the
+    trainer resubmits them: they go back to that worker (it adopts them with every token)
+    though another is idle; the rest go by Algorithm 2 on the loads that left."""
+    control, _ = make(theta=2)
+    control.worker_joined("keeper", 1, capacity=2, kind="k")
+    control.worker_joined("idle", 1, capacity=4, kind="k")
+    assert control.worker_keeps("keeper", ["r0", "r1"]) == []  # unknown yet: remembered
+    add(control, 3)
+    commands = control.tick()
+    assert [c for c in commands if isinstance(c, Dispatch)] == [
+        Dispatch("r0", "keeper"), Dispatch("r1", "keeper"), Dispatch("r2", "idle")]
+    assert not [c for c in commands if isinstance(c, Migrate)]
+    assert control.pool.get("keeper").kept == set()
+
+
+def test_kept_requests_placed_elsewhere_finished_or_unknown_are_handled_apart():
+    """Kept ids the manager already placed on another worker are dropped on the keeper
+    (Abort); a waiting one goes back; a waiting one of another version is dropped too."""
+    control, _ = make()
+    control.worker_joined("a", 1, capacity=4, kind="k")
+    add(control, 2)
+    assert placed(control.tick()) == {"r0": "a", "r1": "a"}
+    control.worker_lost("a", "stream broke")  # both wait again, tokens kept
+    control.worker_joined("b", 1, capacity=4, kind="k")
+    assert placed(control.tick()) == {"r0": "b", "r1": "b"}
+    control.worker_joined("a2", 1, capacity=4, kind="k")
+    commands = control.worker_keeps("a2", ["r0", "gone"])
+    assert commands == [Abort("r0", "a2")]  # runs on b now
+    assert control.pool.get("a2").kept == {"gone"}
+
+
+def test_a_lost_keeper_forgets_what_it_kept():
+    control, _ = make()
+    control.worker_joined("keeper", 1, capacity=4, kind="k")
+    control.worker_joined("other", 1, capacity=4, kind="k")
+    control.worker_keeps("keeper", ["r0"])
+    control.worker_lost("keeper", "stream broke")
+    add(control, 1)
+    assert placed(control.tick()) == {"r0": "other"}

@@ -44,7 +44,7 @@ def _finished_run(monkeypatch, rewards: list[float]) -> None:
     """Stand in for the stack and the training it drives: the run ends with these rewards."""
     stack = SimpleNamespace(stop=lambda: None)
     monkeypatch.setattr(demo, "_start_stack", lambda log_dir, args: SimpleNamespace(
-        stack=stack, events={}, serving=None))
+        stack=stack, events={}, serving=None, killed_manager=None))
 
     async def drive(run, schedule, steps, timeout) -> tpb.TrainerStatus:
         return tpb.TrainerStatus(state="done", steps=[

@@ -22,6 +22,7 @@ from rlharvest.common.worker_core.admission import Admission, WorkerView
 from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.common.worker_core.session_commands import SessionCommands
 from rlharvest.common.worker_core.session_hub import RoutedStep, SessionHub
+from prometheus_client import REGISTRY
 from rlharvest.services.rollout_worker.admission import RolloutAdmission
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from tests.worker_sessions import InProcessSession, abort, add
@@ -52,17 +53,17 @@ class Core:
 
 @asynccontextmanager
 async def running_core(max_running: int = 4, max_pending: int = 4, session_queue: int = 256,
-                       heartbeat_s: float = 1.0,
-                       admission: Admission | None = None) -> AsyncIterator[Core]:
+                       heartbeat_s: float = 1.0, admission: Admission | None = None,
+                       keep_s: float = 0.0) -> AsyncIterator[Core]:
     """The rollout worker's composition (or the core with another ``admission``), its pump
     running for the block."""
     engine = TorchEngine("tiny", seed=0, max_running=max_running, max_len=128)
-    hub = SessionHub(session_queue)
+    hub = SessionHub(session_queue, keep_tokens=keep_s > 0)
     pump: EnginePump[RoutedStep] = EnginePump(engine, hub, heartbeat_s=heartbeat_s)
     versions: list[int] = []
     commands = SessionCommands(engine, hub, pump,
                                admission or RolloutAdmission(max_running, max_pending),
-                               on_version_change=versions.append)
+                               on_version_change=versions.append, keep_s=keep_s)
     task = asyncio.create_task(pump.run())
     try:
         yield Core(engine, hub, pump, commands, versions)
@@ -246,3 +247,103 @@ async def test_an_idle_pump_sends_load_heartbeats():
         session = core.session()
         got = await session.read_until(lambda c: len(c.loads) >= 3, timeout=5)
         assert all(load.executing == 0 for load in got.loads)
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def _wait_for(predicate, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_broken_sessions_requests_run_on_and_a_successor_adopts_every_token():
+    """The manager dies: its requests run on, and a successor's adds carrying the tokens it
+    had (a prefix) get the rest at once; the engine generated each token once, and the tokens
+    are those of an unbroken run."""
+    async with running_core(keep_s=30) as core:
+        first = core.session()
+        await first.send(add("long", PROMPT, max_tokens=40, seed=3),
+                         add("short", PROMPT * 2, max_tokens=6, seed=4))
+        got = await first.read_until(lambda c: len(c.completions.get("long", []).tokens) >= 4
+                                     if "long" in c.completions else False)
+        known = {rid: list(c.tokens) for rid, c in got.completions.items()}
+        generated_before = _sample("rlh_worker_tokens_generated_total")
+        adopted_before = _sample("rlh_worker_kept_request_outcomes_total", outcome="adopted")
+        await first.close()
+        await _wait_for(lambda: "short" in core.hub.kept_ids() and
+                        core.hub.holder("short") is None)  # it finished while kept
+        assert sorted(core.hub.kept_ids()) == ["long", "short"]
+        successor = core.session()
+        event = await successor.next_event()
+        assert event is not None and list(event.kept.request_ids) == ["long", "short"]
+        for rid, prompt, seed, max_tokens in (("long", PROMPT, 3, 40),
+                                              ("short", PROMPT * 2, 4, 6)):
+            successor.collected.expect_resume(rid, known.get(rid, []))
+            await successor.send(add(rid, prompt, max_tokens=max_tokens, seed=seed,
+                                     generated=known.get(rid, [])))
+        resumed = await successor.finish(["long", "short"])
+        assert not resumed.errors
+        assert _sample("rlh_worker_kept_request_outcomes_total", outcome="adopted") - adopted_before == 2
+        # Every token once: 40 + 6 in all, of which some were sampled before the break.
+        sampled_before = sum(len(t) for t in known.values())
+        assert _sample("rlh_worker_tokens_generated_total") - generated_before <= \
+            46 - sampled_before
+        await successor.send(add("long-again", PROMPT, max_tokens=40, seed=3),
+                             add("short-again", PROMPT * 2, max_tokens=6, seed=4))
+        fresh = await successor.finish(["long-again", "short-again"])
+        assert resumed.completions["long"].tokens == fresh.completions["long-again"].tokens
+        assert resumed.completions["short"].tokens == fresh.completions["short-again"].tokens
+        k = len(known["long"])  # the successor's logprobs start where its tokens did
+        assert resumed.completions["long"].logprobs == \
+            pytest.approx(fresh.completions["long-again"].logprobs[k:], abs=1e-5)
+        assert not core.hub.kept_ids() and not core.hub.held_ids()
+
+
+async def test_an_add_that_does_not_continue_a_kept_request_is_refused_and_drops_it():
+    async with running_core(keep_s=30) as core:
+        first = core.session()
+        await first.send(add("r", PROMPT, max_tokens=60))
+        got = await first.read_until(lambda c: "r" in c.completions)
+        await first.close()
+        successor = core.session()
+        wrong = [t + 1 for t in got.completions["r"].tokens]  # not what this worker produced
+        await successor.send(add("r", PROMPT, max_tokens=60, generated=wrong))
+        refused = await successor.read_until(lambda c: "r" in c.errors)
+        assert refused.errors["r"][0] == grpc.StatusCode.FAILED_PRECONDITION
+        await _wait_for(lambda: not core.hub.kept_ids() and not core.engine.has_work())
+        await successor.send(add("r", PROMPT, max_tokens=5))  # the retry is an ordinary add
+        retried = await successor.read_until(
+            lambda c: "r" in c.completions and bool(c.completions["r"].finish_reason))
+        assert retried.completions["r"].finish_reason == "length"
+        assert len(retried.completions["r"].tokens) == 5
+
+
+async def test_a_successor_that_aborts_a_kept_request_drops_it_silently():
+    async with running_core(keep_s=30) as core:
+        first = core.session()
+        await first.send(add("r", PROMPT, max_tokens=100))
+        await first.read_until(lambda c: "r" in c.completions)
+        await first.close()
+        successor = core.session()
+        assert (await successor.next_event()).kept.request_ids == ["r"]
+        await successor.send(abort("r"))  # it runs elsewhere now
+        await _wait_for(lambda: not core.engine.has_work() and not core.hub.kept_ids())
+        assert "r" not in successor.collected.errors and not core.hub.held_ids()
+
+
+async def test_kept_requests_nobody_adopts_leave_the_engine_after_the_keep_time():
+    async with running_core(keep_s=0.3) as core:
+        expired_before = _sample("rlh_worker_kept_request_outcomes_total", outcome="expired")
+        first = core.session()
+        await first.send(add("r", PROMPT, max_tokens=120))
+        await first.read_until(lambda c: "r" in c.completions)
+        await first.close()
+        assert core.hub.kept_ids() == ["r"] and core.engine.has_work()
+        await _wait_for(lambda: not core.engine.has_work() and not core.hub.kept_ids())
+        assert _sample("rlh_worker_kept_request_outcomes_total", outcome="expired") - expired_before == 1
+        assert not core.hub.held_ids()
