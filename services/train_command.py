@@ -77,7 +77,7 @@ def _start(log_dir: Path, cfg: TrainerConfig, checked: Checked, workers: int, ma
     port = free_port()
     stack.start("trainer", "trainer", ["--trainer-id", "trainer-0", "--port", str(port),
                                        "--no-exit-when-done", *trainer_flags, *common])
-    return Run(stack, f"127.0.0.1:{port}", f"127.0.0.1:{manager_port}", None, [])
+    return Run(stack, f"127.0.0.1:{port}", [f"127.0.0.1:{manager_port}"], None, [])
 
 
 def trainer_flags(cfg: TrainerConfig) -> list[str]:
