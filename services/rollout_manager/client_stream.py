@@ -31,6 +31,7 @@ class ClientStream:
         self._room = asyncio.Event()
         self._room.set()
         self._ended = False
+        self._detached = False  # its client went away; the step runs on (reattach.py)
 
     def _tail(self, tokens: int) -> mpb.StepEvent:
         if not self._events or self._events[-1][1][0] + tokens > _MAX_EVENT_TOKENS:
@@ -46,11 +47,24 @@ class ClientStream:
         """Forward accepted wire deltas (copied into the event in C, not one by one)."""
         while not self._room.is_set():
             await self._room.wait()
+        if not self._detached:
+            self._tail(tokens).deltas.extend(deltas)
+
+    def replay(self, deltas: list, tokens: int) -> None:
+        """A re-attached client's first deltas (the tokens so far): never waits."""
         self._tail(tokens).deltas.extend(deltas)
 
     def put_completion(self, completion: mpb.Completion) -> None:
         """Never waits and never drops: a completion may exceed the event bound by one."""
-        self._tail(len(completion.token_ids)).completions.append(completion)
+        if not self._detached:
+            self._tail(len(completion.token_ids)).completions.append(completion)
+
+    def detach(self) -> None:
+        """No client reads any more: output is dropped (the journal keeps the completions, the
+        tracker the tokens) and no producer waits."""
+        self._detached = True
+        self._events.clear()
+        self._room.set()
 
     def put_verdicts(self, verdicts: list[mpb.GroupVerdict]) -> None:
         if verdicts:
@@ -58,7 +72,7 @@ class ClientStream:
 
     def end(self, remote: mpb.RemoteTimings | None = None) -> None:
         """No more output; ``remote`` rides on the step's last event."""
-        if remote is not None:
+        if remote is not None and not self._detached:
             self._tail(0).remote.CopyFrom(remote)
         self._ended = True
         self._ready.set()

@@ -23,6 +23,11 @@ class ManagerConfig(ServiceConfig):
     etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
     lease_ttl: int = Field(5, ge=1, le=300, description="etcd lease of its record and its "
                            "election key: a SIGKILLed leader's standby takes over within it")
+    reattach_grace_s: float = Field(60.0, ge=0, description="a step whose trainer went away "
+                                    "runs on this long, its completions kept: the trainer, "
+                                    "restarted from its checkpoint, submits it again and gets "
+                                    "it whole (tail batching's short rounds excepted); 0 drops "
+                                    "it at once")
     greeting_timeout_s: float = Field(3.0, ge=0, description="a new leader waits this long at "
                                       "most for every registered worker's session to say "
                                       "which requests it kept from the dead leader, before "

@@ -64,7 +64,7 @@ async def build(host: Host[ManagerConfig]) -> Parts:
     service = ManagerService(control, host.etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
                              tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher,
-                             stream_scaler=scaler)
+                             stream_scaler=scaler, reattach_grace_s=cfg.reattach_grace_s)
     loops = [Loop("watch workers", service.watch_workers),
              Loop("watch co-executors", service.watch_coexecutors),
              Loop("watch instance cap", service.watch_instance_cap),

@@ -59,3 +59,7 @@ SEED_RECALLS = Counter("rlh_manager_seed_recalls_total", "Closed seeding windows
 SEED_HANDOFFS = Counter("rlh_manager_seed_handoffs_total", "Requests handed from seed workers to "
                         "remote workers, tokens kept, when a seeding window closed")
 LEADER = Gauge("rlh_manager_leader", "1 while this manager leads its job (0: a standby)")
+STEP_REATTACHES = Counter("rlh_manager_step_reattaches_total", "Steps a client submitted "
+                          "again after going away (a restarted trainer) and got back whole")
+STEPS_DETACHED = Gauge("rlh_manager_steps_detached", "Steps whose client went away, kept for "
+                       "it to re-attach (--reattach-grace-s)")

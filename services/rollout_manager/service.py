@@ -20,6 +20,7 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.client_stream import ClientStream
+from rlharvest.services.rollout_manager.reattach import Journals, fingerprint
 from rlharvest.services.rollout_manager.commands import (
     Abort,
     Command,
@@ -52,7 +53,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  client_queue: int, tick_interval_s: float,
                  tp_publisher: TpPublisher | None = None,
-                 stream_scaler: StreamScaler | None = None):
+                 stream_scaler: StreamScaler | None = None, reattach_grace_s: float = 0.0):
         self._control = control
         self._etcd = etcd
         self._job = job
@@ -78,6 +79,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._seeds = SeedWindows(control, self._execute, self._wake.set)
         self.accepting = True
         self.leading = True  # False while a standby (main.py's election)
+        # Trainer re-attach (reattach.py): steps whose client left run on this long.
+        self._journals = Journals(reattach_grace_s, time.monotonic) \
+            if reattach_grace_s > 0 else None
 
     def stop_accepting(self) -> None:
         """Shutting down: new steps are refused (UNAVAILABLE) from now on."""
@@ -266,8 +270,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for rid in report.finished:  # after its last delta, in the same or a later event
             stream = streams.get(rid)
             if stream is not None:  # not abandoned by its client meanwhile
-                stream.put_completion(self._completion(rid))
-                self._done(rid, "finished")
+                self._deliver(stream, self._completion(rid), "finished")
         if report.finished or report.aborted:
             self._wake.set()
 
@@ -307,8 +310,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def _notify_failed(self, request_id: str, cancelled: bool = False) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put_completion(self._completion(request_id, cancelled))
-            self._done(request_id, "cancelled" if cancelled else "failed")
+            self._deliver(stream, self._completion(request_id, cancelled),
+                          "cancelled" if cancelled else "failed")
+
+    def _deliver(self, stream: ClientStream, completion: mpb.Completion, outcome: str) -> None:
+        stream.put_completion(completion)
+        if self._journals is not None:
+            self._journals.record(stream.step.key, completion)
+        self._done(completion.request_id, outcome)
 
     def _completion(self, request_id: str, cancelled: bool = False) -> mpb.Completion:
         req = self._control.tracker.get(request_id)
@@ -349,6 +358,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._plan_tp(step, lengths)
         self._scale_step_ended(step, lengths)  # before the end: the workers are back by then
         self._seeds.step_ended(step.key)
+        if self._journals is not None:
+            self._journals.ended(step.key, remote)
         stream.end(remote)
 
     # ---- RollPacker's TP planner (advisory; tp_publisher.py) -----------------------------------
@@ -399,10 +410,13 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def SubmitStep(self, request: mpb.SubmitStepRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
         acceptance = request.acceptance if request.HasField("acceptance") else None
+        print_ = None  # journaled for a re-attach (reattach.py): steps without acceptance rule
+        if self._journals is not None and acceptance is None:
+            print_ = fingerprint(request.weight_version, request.requests)
         async for event in self._stream_step(request.step_id, list(request.requests),
                                              request.weight_version,
                                              request.no_worker_deadline_s, True, context,
-                                             acceptance, request.seed_window_s):
+                                             acceptance, request.seed_window_s, print_):
             yield event
 
     async def Generate(self, request: mpb.GenerateRequest,
@@ -417,7 +431,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                            deadline_s: float, profiled: bool,
                            context: grpc.aio.ServicerContext,
                            acceptance: mpb.Acceptance | None = None,
-                           seed_window_s: float = 0.0) -> AsyncIterator[mpb.StepEvent]:
+                           seed_window_s: float = 0.0, print_: bytes | None = None
+                           ) -> AsyncIterator[mpb.StepEvent]:
         if not self.accepting:
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
@@ -425,6 +440,24 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             await errors.abort(context, errors.Unavailable(
                 "this manager stands by for the job's leader; submit the step to the manager "
                 "whose etcd record says role 'leader'"))
+        stream = self._reattach(step_id, print_) if print_ is not None else None
+        if stream is None:
+            stream = await self._start_step(step_id, requests, version, deadline_s, profiled,
+                                            context, acceptance, seed_window_s)
+            if print_ is not None:
+                assert self._journals is not None  # print_ is only made with journals
+                self._journals.open(step_id, stream.step.key, print_, stream)
+        self._wake.set()
+        try:
+            while (event := await stream.take()) is not None:
+                yield event
+        finally:
+            self._abandon(stream)
+
+    async def _start_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
+                          deadline_s: float, profiled: bool, context: grpc.aio.ServicerContext,
+                          acceptance: mpb.Acceptance | None, seed_window_s: float
+                          ) -> ClientStream:
         new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
                           sampling_from_proto(r.sampling), version, deadline_s or None,
                           tuple(r.resume_token_ids), tuple(r.resume_logprobs),
@@ -453,19 +486,72 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream
-        self._wake.set()
-        try:
-            while (event := await stream.take()) is not None:
-                yield event
-        finally:
-            self._abandon(stream)
+        return stream
+
+    def _reattach(self, step_id: str, print_: bytes) -> ClientStream | None:
+        """A step submitted again by a client that went away (a trainer restarted from its
+        checkpoint, or retrying): a new stream for the same step that first replays every
+        completion delivered so far and the tokens of the other requests. None when there is
+        none to re-attach; a detached step of that id with other requests is abandoned."""
+        assert self._journals is not None
+        journal, stale = self._journals.claim(step_id, print_)
+        for old in stale:
+            if not old.ended:
+                self._abandon_now(old.stream)
+        if journal is None:
+            return None
+        old_stream: ClientStream = journal.stream
+        stream = ClientStream(old_stream.step, self._client_queue)
+        for completion in journal.completions:
+            stream.put_completion(completion)
+        tracker = self._control.tracker
+        for rid in old_stream.step.request_ids:
+            if self._streams.get(rid) is not old_stream:
+                continue  # delivered: in the journal
+            self._streams[rid] = stream
+            req = tracker.get(rid)
+            if req.token_ids:
+                stream.replay([common_pb2.TokenDelta(
+                    request_id=rid, position=0, token_ids=req.token_ids, logprobs=req.logprobs,
+                    weight_version=req.weight_version)], len(req.token_ids))
+        if journal.ended:
+            stream.end(journal.remote)
+        journal.stream = stream
+        metrics.STEP_REATTACHES.inc()
+        log.info("step %s re-attached: %d completions and the tokens of %d requests replayed",
+                 step_id, len(journal.completions),
+                 sum(self._streams.get(r) is stream for r in old_stream.step.request_ids))
+        return stream
 
     async def _announced(self) -> int | None:
         announced = await registry.get_versioned(self._etcd, self._announced_key)
         return None if announced is None else int(announced["version"])
 
     def _abandon(self, stream: ClientStream) -> None:
-        """The client went away (or its step ended): the core drops what it still had."""
+        """The client went away (or its step ended). A journaled step runs on, detached, for
+        the re-attach grace (its end's cleanup already ran if it ended); else the core drops
+        what it still had."""
+        journals = self._journals
+        journal = journals.get(stream.step.key) if journals is not None else None
+        if journals is None or journal is None or journal.stream is not stream or \
+                journals.detach(stream.step.key) is None:
+            self._abandon_now(stream)
+            return
+        if not journal.ended:
+            stream.detach()
+            log.info("step %s: its client went away; kept running for %.0fs for it to "
+                     "re-attach", journal.step_id, journals.grace_s)
+        asyncio.get_running_loop().call_later(journals.grace_s + 0.01, self._expire_journals)
+
+    def _expire_journals(self) -> None:
+        assert self._journals is not None
+        for journal in self._journals.expired():
+            if not journal.ended:
+                log.info("step %s: not re-attached within %.0fs; abandoned", journal.step_id,
+                         self._journals.grace_s)
+                self._abandon_now(journal.stream)
+
+    def _abandon_now(self, stream: ClientStream) -> None:
         self._execute(self._control.abandon_step(stream.step))
         self._preemptions.drop(stream.step.key)  # a step that finished has closed it already
         self._step_lengths.pop(stream.step.key, None)
@@ -506,6 +592,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for outcome, count in dataclasses.asdict(router.counts).items():
             metrics.TURNS_ROUTED.labels(outcome).set(count)
         metrics.TRAJECTORIES.set(len(router))
+        metrics.STEPS_DETACHED.set(self._journals.detached() if self._journals else 0)
         states: dict[str, int] = {"healthy": 0, "draining": 0, "training": 0, "lost": 0}
         for view in self._control.pool.all():
             states[view.state.value] = states.get(view.state.value, 0) + 1

@@ -318,6 +318,9 @@ async def test_workers_lent_to_training_add_their_threads_to_the_training_thread
 
 
 NO_MIGRATION = ("--balancer", "jsq")
+# A manager that never re-attaches a step: trainers that run the same steps one after the other
+# would otherwise get the first one's completions back (reattach.py).
+NO_REATTACH = ("--reattach-grace-s", "0")
 
 
 async def wait_manager_roles(etcd, roles: list[str], timeout: float = 60) -> None:
@@ -379,11 +382,12 @@ async def test_a_sigkilled_leaders_standby_resumes_the_step_with_the_uninterrupt
     the trainer resumes its step there: each step applies once, every completion equals that of
     an uninterrupted run with the same seeds (the same digest), and no token was sampled
     twice (JSQ, as above)."""
-    manager = await start_job(stack, 2, "--step-delay-s", "0.05", manager_flags=NO_MIGRATION)
+    manager = await start_job(stack, 2, "--step-delay-s", "0.05",
+                              manager_flags=(*NO_MIGRATION, *NO_REATTACH))
     standby_port, standby_metrics = free_port(), free_port()
     stack.start("rollout_manager", "standby", [
         "--manager-id", "manager-standby", "--port", str(standby_port), "--metrics-port",
-        str(standby_metrics), "--stall-timeout-s", "5", *NO_MIGRATION, *COMMON])
+        str(standby_metrics), "--stall-timeout-s", "5", *NO_MIGRATION, *NO_REATTACH, *COMMON])
     await wait_manager_roles(etcd_client, ["leader", "standby"])
     assert metric(scrape(standby_metrics), "rlh_manager_leader") == 0
     flags = ("--backend", "torch", "--steps", "2", "--prompts-per-step", "4",
@@ -405,6 +409,33 @@ async def test_a_sigkilled_leaders_standby_resumes_the_step_with_the_uninterrupt
     assert metric(scrape(standby_metrics), "rlh_manager_leader") == 1
     status = await manager_status(f"127.0.0.1:{standby_port}")
     assert status.tokens_regenerated == 0 and status.in_flight == 0
+
+
+async def test_a_sigkilled_trainer_restarted_from_its_checkpoint_re_attaches_to_its_step(
+        stack, etcd_client, tmp_path):
+    """The trainer is SIGKILLed mid-rollout of step 2; the manager keeps the step running and
+    its completions (--reattach-grace-s), and the trainer restarted from its step-1 checkpoint
+    submits step 2 again and gets it back whole: the step is re-attached, not generated again
+    (the workers sampled each token once, JSQ as above)."""
+    ckpt = tmp_path / "ckpt"
+    manager = await start_job(stack, 2, "--step-delay-s", "0.05", manager_flags=NO_MIGRATION)
+    flags = ("--backend", "torch", "--steps", "2", "--prompts-per-step", "4",
+             "--samples-per-prompt", "4", "--max-new-tokens", "96", "--bench-length-median",
+             "48", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    trainer, _ = await start_trainer(stack, "trainer", *flags)
+    st = await wait_trainer(trainer, lambda s: s.current.step == 2
+                            and s.current.tokens_generated >= 128, timeout=90)
+    trainer.process.kill()
+    step_1 = st.steps[0]
+    again, _ = await start_trainer(stack, "trainer-again", *flags)
+    st = await wait_trainer(again, lambda s: s.state == "done")
+    assert st.resumed_from_step == 1 and [s.step for s in st.steps] == [2]
+    assert st.steps[0].weight_version == step_1.weight_version + 1  # no version in between
+    assert metric(scrape(manager.metrics_port), "rlh_manager_step_reattaches_total") == 1
+    workers = await registry.list_members(etcd_client, "rollout_worker")
+    assert sampled_by_workers(workers) == step_1.tokens + st.steps[0].tokens
+    status = await manager_status(manager.endpoint)
+    assert status.in_flight == 0 and status.tokens_regenerated == 0
 
 
 async def test_the_sync_baseline_rewards_after_rollout_and_trains_m_b_groups_at_a_time(

@@ -1,0 +1,122 @@
+"""Trainer re-attach: a step whose client went away runs on for a grace period, so the client,
+restarted from its checkpoint and submitting the same step again, gets the whole step back — the
+completions delivered so far and the tokens of the rest — instead of generating it again.
+
+A ``Journal`` keeps what a step delivered. While its client streams, it only records; when the
+client goes away it is *detached* until the grace runs out. A submission with the same step id
+and the same requests (``fingerprint``) claims it back. A step that ended stays claimable for the
+grace too (a trainer that died while training on it). Pure: an injected clock, no I/O; the
+service (service.py) moves the messages. Not journaled: steps with an acceptance rule (tail
+batching's short rounds: their verdicts would need replaying), and a step with a failed
+completion is never re-attached (its client retries it whole, and would fail again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlharvest.common.pb import rollout_manager_pb2 as mpb
+
+
+def fingerprint(weight_version: int, requests: Sequence[mpb.RolloutRequest]) -> bytes:
+    """What a re-submission must repeat to claim a journal: the version and every request
+    (ids, prompts, sampling, resume tokens), in order."""
+    sha = hashlib.sha256(str(weight_version).encode())
+    for r in requests:
+        sha.update(r.SerializeToString(deterministic=True))
+    return sha.digest()
+
+
+@dataclass
+class Journal:
+    step_id: str
+    step_key: int
+    fingerprint: bytes
+    stream: Any  # the ClientStream its requests deliver into (the service's)
+    completions: list[mpb.Completion] = field(default_factory=list)
+    failed: bool = False  # a failed or cancelled completion was delivered
+    ended: bool = False
+    remote: mpb.RemoteTimings | None = None  # rides on the step's last event
+    detached_until: float | None = None  # None while a client streams it
+
+
+class Journals:
+    """The journals of one manager's steps, by step key; ``grace_s`` after their client left,
+    detached ones are dropped (``expired``). At most ``keep_ended`` ended ones are kept."""
+
+    def __init__(self, grace_s: float, clock: Callable[[], float], keep_ended: int = 2) -> None:
+        if grace_s <= 0:
+            raise ValueError(f"grace_s must be > 0, got {grace_s}")
+        self.grace_s = grace_s
+        self._clock = clock
+        self._keep_ended = keep_ended
+        self._by_key: dict[int, Journal] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def detached(self) -> int:
+        return sum(j.detached_until is not None for j in self._by_key.values())
+
+    def get(self, step_key: int) -> Journal | None:
+        return self._by_key.get(step_key)
+
+    def open(self, step_id: str, step_key: int, print_: bytes, stream: Any) -> Journal:
+        journal = self._by_key[step_key] = Journal(step_id, step_key, print_, stream)
+        return journal
+
+    def record(self, step_key: int, completion: mpb.Completion) -> None:
+        journal = self._by_key.get(step_key)
+        if journal is not None:
+            journal.completions.append(completion)
+            journal.failed |= completion.failed or completion.cancelled
+
+    def ended(self, step_key: int, remote: mpb.RemoteTimings | None) -> None:
+        journal = self._by_key.get(step_key)
+        if journal is None:
+            return
+        journal.ended, journal.remote = True, remote
+        ended = sorted((j for j in self._by_key.values() if j.ended and j is not journal),
+                       key=lambda j: j.step_key)
+        for old in ended[:max(len(ended) - self._keep_ended + 1, 0)]:
+            del self._by_key[old.step_key]
+
+    def detach(self, step_key: int) -> Journal | None:
+        """Its client went away: the journal, kept for ``grace_s``, or None when it cannot be
+        re-attached (none, or a failed completion: it is dropped then)."""
+        journal = self._by_key.get(step_key)
+        if journal is None:
+            return None
+        if journal.failed:
+            del self._by_key[step_key]
+            return None
+        journal.detached_until = self._clock() + self.grace_s
+        return journal
+
+    def claim(self, step_id: str, print_: bytes) -> tuple[Journal | None, list[Journal]]:
+        """A submission of ``step_id``: the detached journal it re-attaches to (same requests),
+        and the detached ones of that id it replaces (other requests: a new run's step with the
+        same id), which are dropped and whose unended steps the caller abandons."""
+        claimed, stale = None, []
+        for journal in list(self._by_key.values()):
+            if journal.step_id != step_id or journal.detached_until is None:
+                continue
+            if journal.fingerprint == print_ and claimed is None:
+                journal.detached_until = None
+                claimed = journal
+            else:
+                del self._by_key[journal.step_key]
+                stale.append(journal)
+        return claimed, stale
+
+    def expired(self) -> list[Journal]:
+        """Detached journals past their grace, dropped; the caller abandons unended steps."""
+        now = self._clock()
+        gone = [j for j in self._by_key.values()
+                if j.detached_until is not None and j.detached_until <= now]
+        for journal in gone:
+            del self._by_key[journal.step_key]
+        return gone
