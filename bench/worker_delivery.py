@@ -2,7 +2,9 @@
 
 Both sides run the same requests (same model, batch, seeds, lengths) on a TorchEngine with the
 same thread count; the gRPC side adds a real worker process, protobuf encoding and loopback
-transport. Prints tokens/s of each and the ratio (issue target: >= 0.9).
+transport. Prints tokens/s of each and the ratio (issue target: >= 0.9). A second worker with
+``--keep-requests-s 0`` runs interleaved too: what recording every request's tokens for a
+successor manager (the default) costs delivery.
 
     python bench/worker_delivery.py [--quick] [--batch 32] [--tokens 128]
 """
@@ -76,20 +78,29 @@ def main() -> None:
                               "--max-len", str(len(PROMPT) + args.tokens + 8),
                               "--model", args.model, "--torch-threads", str(args.threads),
                               "--log-level", "warning")
-        asyncio.run(over_grpc(worker.endpoint, args.batch, 8))  # warm-up
+        unkept = start_worker(stack, "bench-worker-unkept", "--max-running", str(args.batch),
+                              "--max-len", str(len(PROMPT) + args.tokens + 8),
+                              "--model", args.model, "--torch-threads", str(args.threads),
+                              "--log-level", "warning", "--keep-requests-s", "0")
+        for w in (worker, unkept):
+            asyncio.run(over_grpc(w.endpoint, args.batch, 8))  # warm-up
         in_process(args.model, args.batch, 8, args.threads)
-        local, remote = [], []
+        local, remote, plain = [], [], []
         for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
             local.append(in_process(args.model, args.batch, args.tokens, args.threads)[0])
             remote.append(asyncio.run(over_grpc(worker.endpoint, args.batch, args.tokens))[0])
+            plain.append(asyncio.run(over_grpc(unkept.endpoint, args.batch, args.tokens))[0])
     finally:
         stack.stop()
+    keeping = sorted(k / p for k, p in zip(remote, plain))
     best_local, best_remote = max(local), max(remote)
     print(f"model={args.model} batch={args.batch} tokens/request={args.tokens} "
           f"threads={args.threads} repeats={args.repeats}")
     print(f"in-process engine : {best_local:10.0f} tokens/s")
     print(f"gRPC Session      : {best_remote:10.0f} tokens/s")
     print(f"ratio gRPC / in-process = {best_remote / best_local:.3f}  (target >= 0.9)")
+    print(f"keeping tokens for a successor / not: median {keeping[len(keeping) // 2]:.3f} "
+          f"[{keeping[0]:.3f}-{keeping[-1]:.3f}] over {len(keeping)} interleaved runs")
 
 
 if __name__ == "__main__":

@@ -14,18 +14,25 @@ learns, runs or schedules take only some roles:
 The reads (status, info, placements, weight pulls, health, reflection) are open to any peer
 the CA vouches for: workers, co-executors and agents pull weights. A call from another role
 gets PERMISSION_DENIED naming the roles it needs. Without TLS there are no identities and
-nothing is checked (plaintext is for a trusted network only). Roles are per kind of service,
-not per job. Pure: the policy takes the method and the peer's roles; ``peer_roles`` reads them
-from a certificate.
+nothing is checked (plaintext is for a trusted network only).
+
+Steps and weights are also scoped to a job: a certificate names the jobs its holder acts for as
+``urn:rlharvest:job:<job>`` (``*``: every job), and a manager takes ``SubmitStep`` and
+``Generate`` only for its own job, an agent ``Publish`` only for the job the publish names, from
+a certificate naming that job (``job_refusal``); an operator acts for any job. The placement
+scheduler's calls stay scoped by role. Pure: the policy takes the method and the peer's
+identity; ``peer_identity`` reads it from a certificate.
 """
 
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 ROLE_URI_PREFIX = "urn:rlharvest:role:"
+JOB_URI_PREFIX = "urn:rlharvest:job:"
+ANY_JOB = "*"
 
 _JOB = ("trainer", "operator")
 _SCHEDULER = "/rlharvest.v1.PlacementScheduler/"
@@ -50,6 +57,18 @@ def role_uri(role: str) -> str:
     return ROLE_URI_PREFIX + role
 
 
+def job_uri(job: str) -> str:
+    return JOB_URI_PREFIX + job
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a peer's certificate says of its holder: its roles and the jobs it acts for."""
+
+    roles: tuple[str, ...] = ()
+    jobs: tuple[str, ...] = ()
+
+
 def refusal(method: str, roles: Iterable[str]) -> str | None:
     """Why a peer holding ``roles`` may not call ``method``, or None when it may."""
     needed = REQUIRED_ROLE.get(method)
@@ -60,13 +79,23 @@ def refusal(method: str, roles: Iterable[str]) -> str | None:
             f"the caller's has {', '.join(repr(r) for r in held) or 'no role'}")
 
 
+def job_refusal(job: str, identity: Identity) -> str | None:
+    """Why ``identity`` may not submit steps or publish weights of ``job``, or None when it
+    may: its certificate names the job (or every job), or it is an operator's."""
+    if "operator" in identity.roles or ANY_JOB in identity.jobs or job in identity.jobs:
+        return None
+    named = ", ".join(repr(j) for j in identity.jobs) or "no job"
+    return (f"job {job!r} needs a certificate naming it ({job_uri(job)}); the caller's "
+            f"names {named}")
+
+
 def peer_roles(pem_certificate: bytes) -> list[str]:
     """The roles a PEM certificate names in its URI subject alternative names."""
-    return list(_roles_of(pem_certificate))
+    return list(peer_identity(pem_certificate).roles)
 
 
 @functools.lru_cache(maxsize=256)
-def _roles_of(pem_certificate: bytes) -> tuple[str, ...]:
+def peer_identity(pem_certificate: bytes) -> Identity:
     """Parsed once per certificate: every guarded call would otherwise parse its peer's PEM."""
     from cryptography import x509
 
@@ -74,6 +103,8 @@ def _roles_of(pem_certificate: bytes) -> tuple[str, ...]:
     try:
         sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
-        return ()
-    return tuple(uri[len(ROLE_URI_PREFIX):] for uri in sans.get_values_for_type(
-        x509.UniformResourceIdentifier) if uri.startswith(ROLE_URI_PREFIX))
+        return Identity()
+    uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
+    return Identity(tuple(u[len(ROLE_URI_PREFIX):] for u in uris
+                          if u.startswith(ROLE_URI_PREFIX)),
+                    tuple(u[len(JOB_URI_PREFIX):] for u in uris if u.startswith(JOB_URI_PREFIX)))

@@ -22,6 +22,14 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Peers restart (a standby manager takes over, a worker or trainer comes back): a channel tries
+# again within a second, not after gRPC's default backoff, which grows to two minutes and made
+# a poller see a restarted peer only long after it was up.
+_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
 # The server side must accept the clients' keepalive pings, or it answers GOAWAY too_many_pings.
 _SERVER_PING_POLICY = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -112,7 +120,8 @@ def _retry_service_config(service_names: list[str]) -> str:
 
 def channel(target: str, service_names: list[str] | None = None,
             max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    options: list[tuple[str, int | str]] = [*_size_options(max_message_bytes), *_KEEPALIVE]
+    options: list[tuple[str, int | str]] = [*_size_options(max_message_bytes), *_KEEPALIVE,
+                                            *_RECONNECT]
     if service_names:
         options.append(("grpc.service_config", _retry_service_config(service_names)))
     credentials = tls.channel_credentials()

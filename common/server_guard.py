@@ -58,14 +58,30 @@ async def _no_check(context: grpc.aio.ServicerContext) -> None:
     return None
 
 
+def _peer_pem(context: grpc.aio.ServicerContext) -> bytes:
+    """The caller's certificate (PEM), b"" without TLS."""
+    return ((context.auth_context() or {}).get("x509_pem_cert") or [b""])[0]
+
+
 def _role_check(method: str) -> Precheck:
     async def authorize(context: grpc.aio.ServicerContext) -> None:
-        pem = (context.auth_context() or {}).get("x509_pem_cert") or [b""]
-        roles = authorization.peer_roles(pem[0]) if pem[0] else []
+        pem = _peer_pem(context)
+        roles = authorization.peer_roles(pem) if pem else []
         refused = authorization.refusal(method, roles)
         if refused is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
     return authorize
+
+
+async def require_job(context: grpc.aio.ServicerContext, job: str) -> None:
+    """Under mutual TLS, answer PERMISSION_DENIED unless the caller's certificate may act for
+    ``job`` (authorization.job_refusal); without TLS there is nobody to check."""
+    pem = _peer_pem(context)
+    if not pem:
+        return
+    refused = authorization.job_refusal(job, authorization.peer_identity(pem))
+    if refused is not None:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
 
 
 async def _checked(requests: AsyncIterator[Any],

@@ -21,12 +21,12 @@ import ipaddress
 import os
 import ssl
 from dataclasses import dataclass
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import grpc
 
-from rlharvest.common.authorization import role_uri
+from rlharvest.common.authorization import job_uri, role_uri
 from rlharvest.common.config import ConfigError
 
 
@@ -160,9 +160,9 @@ class LocalCA:
         self.ca_path = directory / "ca.pem"
         self.ca_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, role: str) -> tuple[Path, Path]:
+    def issue(self, name: str, role: str, jobs: Sequence[str] = ()) -> tuple[Path, Path]:
         """``<name>.pem`` and ``<name>.key`` under the CA's directory, for a holder of
-        ``role``."""
+        ``role`` acting for ``jobs`` (a trainer's: its job; ``*`` for every job)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.hazmat.primitives.asymmetric import ec
@@ -175,6 +175,7 @@ class LocalCA:
             except ValueError:
                 sans.append(x509.DNSName(host))
         sans.append(x509.UniformResourceIdentifier(role_uri(role)))
+        sans += [x509.UniformResourceIdentifier(job_uri(job)) for job in jobs]
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
@@ -201,9 +202,9 @@ class LocalCA:
                                         serialization.NoEncryption()))
         return cert_path, key_path
 
-    def flags(self, name: str, role: str) -> list[str]:
+    def flags(self, name: str, role: str, jobs: Sequence[str] = ()) -> list[str]:
         """The flags that give a service ``name`` its certificate (issued now) and the CA."""
-        return self.flags_of(*self.issue(name, role))
+        return self.flags_of(*self.issue(name, role, jobs))
 
     def flags_of(self, cert: Path, key: Path) -> list[str]:
         """The flags that give a process this certificate (issued before) and the CA."""

@@ -22,7 +22,7 @@ from rlharvest.common.hf_checkpoint import build_checkpoint_command
 from rlharvest.common.config import ConfigError
 from rlharvest.common.tls import LocalCA
 from rlharvest.services import status_view
-from rlharvest.services.prometheus_stack import LocalPrometheus
+from rlharvest.services.prometheus_stack import LocalPrometheus, TlsFiles
 from rlharvest.services.launcher import LocalStack
 from rlharvest.services.rollout_manager.status_client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
@@ -90,9 +90,6 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
     if jobs > 1 and (spot or spot_trace or coexecutors):
         raise typer.BadParameter("--jobs runs dedicated workers placed on rollout nodes; drop "
                                  "--spot, --spot-trace and --coexecutors", param_hint="--jobs")
-    if tls and prometheus:
-        raise typer.BadParameter("with --tls the metrics endpoints want a client certificate, "
-                                 "which the local Prometheus is not given yet; drop one of them")
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
     operator: list[str] = []  # the flags that give `rlharvest status` this process's identity
     if tls:
@@ -103,7 +100,8 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
     try:
         if prometheus:
             scraper = LocalPrometheus(endpoint, stack.log_dir / "prometheus",
-                                      port=prometheus_port).start()
+                                      port=prometheus_port, tls=_scraper_identity(stack.ca)
+                                      ).start()
         for i in range(agents):
             stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
         if jobs > 1:
@@ -182,6 +180,15 @@ def _operator_identity(ca: LocalCA) -> list[str]:
     cert, key = ca.issue("operator", "operator")
     _configure_tls(str(cert), str(key), str(ca.ca_path))
     return ca.flags_of(cert, key)
+
+
+def _scraper_identity(ca: LocalCA | None) -> TlsFiles | None:
+    """With --tls: a certificate of the stack's CA for Prometheus (the /metrics endpoints want
+    one; it needs no role)."""
+    if ca is None:
+        return None
+    cert, key = ca.issue("prometheus", "metrics")
+    return TlsFiles(cert, key, ca.ca_path)
 
 
 def _configure_tls(cert: str, key: str, ca: str) -> None:

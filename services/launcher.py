@@ -116,7 +116,8 @@ class LocalStack:
         launcher = [] if ranks == 1 else [
             "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             f"--max-restarts={restarts}", "--monitor-interval=0.5"]
-        tls_flags = [] if self.ca is None else self.ca.flags(name, SERVICE_ROLES[service])
+        tls_flags = [] if self.ca is None else self.ca.flags(
+            name, SERVICE_ROLES[service], _jobs_of(service, flags or []))
         cmd = [sys.executable, *launcher, "-m", MODULES[service], "--etcd", self.etcd.endpoint,
                *tls_flags, *(flags or [])]
         child_env = child_environment(env)
@@ -141,3 +142,17 @@ class LocalStack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+def _jobs_of(service: str, flags: list[str]) -> tuple[str, ...]:
+    """The jobs a service's certificate names: a trainer's own (``--job``, else the trainer
+    config's default, "default"), which it alone may submit steps and publish weights for;
+    none for the other services."""
+    if service != "trainer":
+        return ()
+    for i, flag in enumerate(flags):
+        if flag.startswith("--job="):
+            return (flag.split("=", 1)[1],)
+        if flag == "--job" and i + 1 < len(flags):
+            return (flags[i + 1],)
+    return ("default",)

@@ -32,6 +32,15 @@ log = logging.getLogger(__name__)
 SYNC_INTERVAL_S = 1.0
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The client certificate, its key and the CA Prometheus scrapes a TLS stack with."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
 def target_groups(members: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """etcd members (key -> info) as Prometheus ``file_sd`` target groups, one per member,
     labelled with its service and id; members without a metrics address are left out."""
@@ -55,18 +64,24 @@ ALERT_RULES = Path(__file__).resolve().parents[1] / "deploy" / "prometheus" / "a
 
 
 def config_text(targets_file: Path, scrape_interval_s: float,
-                rule_files: tuple[Path, ...] = ()) -> str:
+                rule_files: tuple[Path, ...] = (), tls: TlsFiles | None = None) -> str:
     """prometheus.yml: one scrape job over the targets file (JSON is valid YAML), evaluating
-    ``rule_files``."""
+    ``rule_files``; with ``tls``, over HTTPS with that client certificate (a mutual-TLS
+    stack's /metrics want one of its CA)."""
+    job: dict[str, Any] = {
+        "job_name": "rlharvest",
+        "file_sd_configs": [{"files": [str(targets_file)],
+                             "refresh_interval": duration(SYNC_INTERVAL_S)}],
+    }
+    if tls is not None:
+        job["scheme"] = "https"
+        job["tls_config"] = {"cert_file": str(tls.cert), "key_file": str(tls.key),
+                             "ca_file": str(tls.ca)}
     return json.dumps({
         "global": {"scrape_interval": duration(scrape_interval_s),
                    "evaluation_interval": duration(scrape_interval_s)},
         "rule_files": [str(path) for path in rule_files],
-        "scrape_configs": [{
-            "job_name": "rlharvest",
-            "file_sd_configs": [{"files": [str(targets_file)],
-                                 "refresh_interval": duration(SYNC_INTERVAL_S)}],
-        }],
+        "scrape_configs": [job],
     }, indent=1)
 
 
@@ -99,6 +114,7 @@ class LocalPrometheus:
     directory: Path
     port: int = 9090
     scrape_interval_s: float = 1.0
+    tls: TlsFiles | None = None  # scrape over HTTPS with this certificate
     process: subprocess.Popen | None = None
     _stop: threading.Event | None = None
 
@@ -119,7 +135,8 @@ class LocalPrometheus:
         write_if_changed(self.targets_file, "[]")
         config = self.directory / "prometheus.yml"
         rules = (ALERT_RULES,) if ALERT_RULES.is_file() else ()
-        config.write_text(config_text(self.targets_file, self.scrape_interval_s, rules))
+        config.write_text(config_text(self.targets_file, self.scrape_interval_s, rules,
+                                      self.tls))
         self._stop = threading.Event()
         threading.Thread(target=self._sync_thread, name="prometheus targets", daemon=True).start()
         with open(self.directory / "prometheus.log", "ab") as out:

@@ -3,7 +3,8 @@
 An add is decided at once (the admission policy; a refusal is a ``CommandError``), held in the
 hub (so a duplicate in the same batch of commands is caught) and started in the engine between
 steps. An abort ends the request between steps and confirms it with a final delta. A session
-that goes away has its requests taken out of the engine. A weight swap loads between steps and
+that goes away has its requests taken out of the engine, or, with ``keep_s``, kept running for a
+successor manager, whose add continuing one adopts it. A weight swap loads between steps and
 ends the requests the policy says a swap ends. All engine calls go through a ``StepLoop`` — the
 ``EnginePump``, or a service's own loop that keeps the same promise: mutations run between steps.
 """
@@ -73,12 +74,11 @@ class SessionCommands:
         self._on_version_change = on_version_change
         self._keep_s = keep_s
 
-    async def serve(self, commands: AsyncIterator[pb.WorkerCommand],
-                    cancelled: Callable[[], bool] = lambda: False
+    async def serve(self, commands: AsyncIterator[pb.WorkerCommand]
                     ) -> AsyncGenerator[pb.WorkerEvent, None]:
         """One Session stream: read ``commands``, yield the session's events until it ends.
         Closing the iterator (the stream went away) takes the session's requests out, or keeps
-        them for a successor. ``cancelled``: whether the RPC was cancelled (its client gone)."""
+        them for a successor."""
         session = self._hub.open(self._loop.last_load)
         reader = asyncio.create_task(self._read(commands, session))
         try:
@@ -86,16 +86,16 @@ class SessionCommands:
                 yield event
         finally:
             reader.cancel()
-            # A client that dies ends its command stream as a half-close does; but a session
-            # its manager ended gracefully holds nothing, and its RPC was not cancelled.
-            broken = bool(session.requests) or not session.client_done or cancelled()
-            self._orphaned(session, self._hub.close(session), broken)
+            self._orphaned(session, self._hub.close(session))
 
-    def _orphaned(self, session: Session, request_ids: list[str], broken: bool) -> None:
+    def _orphaned(self, session: Session, request_ids: list[str]) -> None:
         """A session went away holding ``request_ids``: kept for a successor when keeping is
-        on (a manager's death), else taken out of the engine."""
+        on, else taken out of the engine. Kept however it ended, with those that finished on it
+        lately: a manager that dies ends its command stream just as a half-close does (and a
+        manager never half-closes: it cancels a session it ends), and its last deltas may not
+        have reached its client. What nobody adopts is dropped after ``keep_s``."""
         kept: set[str] = set()
-        if self._keep_s > 0 and broken:
+        if self._keep_s > 0:
             loop = asyncio.get_running_loop()
             kept = set(self._hub.keep(session, request_ids, loop.time() + self._keep_s))
             if kept:
@@ -124,10 +124,14 @@ class SessionCommands:
     def add(self, session: Session, msg: pb.AddRequest) -> None:
         identity = request_identity(msg) if self._hub.keeps_tokens else 0
         adoption = self._hub.adopt(session, msg.request_id, msg.generated_token_ids,
-                                   msg.weight_version, identity)
+                                   msg.weight_version, identity, self._loop.last_load)
         if adoption is Adoption.ADOPTED:
+            log.debug("request %s adopted with %d tokens", msg.request_id,
+                      len(msg.generated_token_ids))
             return
         if adoption is Adoption.MISMATCH:  # dropped; the manager's retry is an ordinary add
+            log.warning("request %s kept here, but its add does not continue it: dropped",
+                        msg.request_id)
             self._drop_kept(msg.request_id, "mismatched")
             return self._hub.refuse(session, msg.request_id, FailedPrecondition(
                 f"request {msg.request_id!r} is kept here with tokens its add does not "

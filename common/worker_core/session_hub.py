@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class Held:
     # With keeping on: every token (and logprob) this worker produced for it, from position
     # ``base`` (its admission's resume point) on, so a successor can be handed what it lacks.
     base: int = 0
-    tokens: list[int] | None = None
-    logprobs: list[float] = field(default_factory=list)
+    tokens: array[int] | None = None  # compact: kept for every request while keeping is on
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
     finish_reason: str = ""  # a kept request that finished while no session held it
     kept_until: float = 0.0  # kept: dropped once the event loop's clock passes this
     identity: int = 0  # of its prompt and sampling: an add adopts only the same request
@@ -178,6 +179,10 @@ class SessionHub:
                 kept.append(rid)
         session.finished.clear()
         metrics.KEPT.set(len(self.kept_ids()))
+        if kept:  # a successor may have opened its session already (a handover on SIGTERM)
+            event = pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(kept)))
+            for other in self._sessions:
+                other.push(event)
         return kept
 
     def kept_ids(self) -> list[str]:
@@ -224,7 +229,7 @@ class SessionHub:
         return True
 
     def adopt(self, session: Session, request_id: str, generated: Sequence[int],
-              weight_version: int, identity: int) -> Adoption:
+              weight_version: int, identity: int, load: common_pb2.Load) -> Adoption:
         """An add of ``request_id`` with ``generated`` tokens on ``session``: if this worker
         keeps it (same prompt and sampling: ``identity``) on the same version and ``generated``
         is a prefix of what it produced, the session holds it from now on and gets the tokens
@@ -237,7 +242,7 @@ class SessionHub:
         have, n = held.next_position, len(generated)
         if held.weight_version != weight_version or held.identity != identity or \
                 not held.base <= n <= have or \
-                list(generated[held.base:]) != held.tokens[:n - held.base]:
+                array("i", generated[held.base:]) != held.tokens[:n - held.base]:
             return Adoption.MISMATCH
         done = self._kept_done.pop(request_id, None) is not None  # finished while kept
         delta = common_pb2.TokenDelta(
@@ -246,12 +251,14 @@ class SessionHub:
             finished=done, finish_reason=held.finish_reason)
         metrics.KEPT_OUTCOMES.labels("adopted").inc()
         metrics.KEPT_TOKENS_ADOPTED.inc(have - n)
-        if not done:
+        if done:  # in case this session breaks too before its client has the final delta
+            self._linger(session, request_id, held)
+        else:
             held.session = session
             session.requests.add(request_id)
-        if have > n or done:
+        if have > n or done:  # with the load, as every step message (the manager reads it)
             session.push(pb.WorkerEvent(step=pb.StepOutputs(step=self._last_step,
-                                                            deltas=[delta])))
+                                                            deltas=[delta], load=load)))
         metrics.KEPT.set(len(self.kept_ids()))
         return Adoption.ADOPTED
 
@@ -262,7 +269,8 @@ class SessionHub:
         """``session`` owns ``request_id`` from now on (admitted; the engine may not have it
         yet). ``identity``: see ``request_identity``."""
         self._held[request_id] = Held(session, next_position, weight_version, next_position,
-                                      [] if self._keep_tokens else None, identity=identity)
+                                      array("i") if self._keep_tokens else None,
+                                      identity=identity)
         session.requests.add(request_id)
 
     @property
@@ -289,6 +297,8 @@ class SessionHub:
         held = self._held.pop(request_id, None)
         if held is None:
             return
+        if held.session is self._orphanage:  # ended kept (a weight swap, a drain's end_all)
+            metrics.KEPT.set(len(self.kept_ids()))
         held.session.requests.discard(request_id)
         if finish_reason:
             metrics.REQUESTS_FINISHED.labels(finish_reason).inc()
@@ -327,8 +337,8 @@ class SessionHub:
             if held is None:  # ended between the step's launch and now
                 continue
             if held.tokens is not None:
-                held.tokens += out.new_token_ids
-                held.logprobs += out.new_logprobs
+                held.tokens.extend(out.new_token_ids)
+                held.logprobs.extend(out.new_logprobs)
             if held.session is not orphanage:
                 items.append((held.session, out, held.next_position))
             held.next_position += len(out.new_token_ids)

@@ -189,12 +189,14 @@ class RolloutControl:
         tick, bypassing Algorithm 2 (they hold its capacity already), and continue with every
         token. Those placed elsewhere, finished or of another version meanwhile are dropped
         there (Abort). Unknown ones are remembered: a successor manager learns them before
-        the trainer resubmits its step (the worker drops them itself if nobody does)."""
+        the trainer resubmits its step (the worker drops them itself if nobody does). A worker
+        names them on each new session and again whenever a session of it breaks: merged."""
         view = self.pool.get(worker_id)
-        view.kept = set()
         out: list[Command] = []
         for rid in request_ids:
             req = self.tracker.get(rid) if rid in self.tracker else None
+            if req is not None and req.worker_id == worker_id:
+                continue  # dispatched back already (a tick ran first): it was adopted
             if req is None or (req.state is RequestState.WAITING and
                                req.weight_version == view.weight_version):
                 view.kept.add(rid)
@@ -315,12 +317,27 @@ class RolloutControl:
                 ids = [r for r in ids if not self._trajectory_of(r)]
             out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
                                                 self._select))
+        if any(w.kept for w in self.pool.all()):
+            out += self._drop_stale_kept()
         if self.config.continuous_lb:
             for version in self._busy_versions():
                 out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _drop_stale_kept(self) -> list[Abort]:
+        """Kept copies of requests that run elsewhere or ended meanwhile (their keeper was not
+        eligible, or the request was placed first): dropped on the keeper."""
+        out = []
+        for w in self.pool.all():
+            for rid in [r for r in w.kept if r in self.tracker]:
+                req = self.tracker.get(rid)
+                if req.state is not RequestState.WAITING:
+                    w.kept.discard(rid)
+                    if req.worker_id != w.worker_id:
+                        out.append(Abort(rid, w.worker_id))
+        return out
 
     def _adopt(self, version: int, waiting: Sequence[str]) -> list[Dispatch]:
         """Waiting requests an eligible worker keeps (``worker_keeps``): dispatched back."""

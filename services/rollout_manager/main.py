@@ -90,7 +90,8 @@ async def build(host: Host[ManagerConfig]) -> Parts:
 
 async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[Loop]) -> None:
     """Stand by until elected; then run the job's ``loops``, learn what the workers kept from
-    a dead leader, and only then serve and say so (the trainer looks for role "leader").
+    a dead leader, and only then take steps, serve and say so (the trainer looks for role
+    "leader").
     Resign when cancelled, so a standby takes over now, not after the lease TTL. A leader
     whose key expires in a long etcd outage keeps leading the steps it streams; a standby
     that took over meanwhile leads the steps submitted to it (each step has one manager)."""
@@ -101,7 +102,6 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
         log.info("manager %s for job %s standing by for leadership", cfg.manager_id, cfg.job)
         await election.campaign()
         metrics.LEADER.set(1)
-        service.leading = True
         for loop in loops:
             host.start_loop(loop)
         missing = await service.greet_workers(cfg.greeting_timeout_s)
@@ -109,6 +109,7 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
             log.warning("leading without a greeting from %d workers (%s) after %.1fs: requests "
                         "they kept may be generated again", len(missing), ", ".join(missing),
                         cfg.greeting_timeout_s)
+        service.leading = True  # steps from now on: the kept requests are known
         await host.set_serving(True)
         assert host.membership is not None  # registered before loops start
         await host.membership.update(role="leader")

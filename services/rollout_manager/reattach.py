@@ -59,7 +59,8 @@ class Journals:
         return len(self._by_key)
 
     def detached(self) -> int:
-        return sum(j.detached_until is not None for j in self._by_key.values())
+        """Steps running on without a client (not the ended ones kept for a late claim)."""
+        return sum(j.detached_until is not None and not j.ended for j in self._by_key.values())
 
     def get(self, step_key: int) -> Journal | None:
         return self._by_key.get(step_key)
@@ -97,14 +98,15 @@ class Journals:
         return journal
 
     def claim(self, step_id: str, print_: bytes) -> tuple[Journal | None, list[Journal]]:
-        """A submission of ``step_id``: the detached journal it re-attaches to (same requests),
-        and the detached ones of that id it replaces (other requests: a new run's step with the
-        same id), which are dropped and whose unended steps the caller abandons."""
+        """A submission of ``step_id``: the detached journal it re-attaches to (same requests,
+        no failed completion), and the detached ones of that id it replaces (other requests: a
+        new run's step with the same id; or a completion failed while detached), which are
+        dropped and whose unended steps the caller abandons."""
         claimed, stale = None, []
         for journal in list(self._by_key.values()):
             if journal.step_id != step_id or journal.detached_until is None:
                 continue
-            if journal.fingerprint == print_ and claimed is None:
+            if journal.fingerprint == print_ and claimed is None and not journal.failed:
                 journal.detached_until = None
                 claimed = journal
             else:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rlharvest.common import errors, keys, registry
+from rlharvest.common import errors, keys, registry, server_guard
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
@@ -436,6 +436,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if not self.accepting:
             await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
                                                            "the step to its successor"))
+        await server_guard.require_job(context, self._job)  # under TLS: this job's trainer
         if not self.leading:
             await errors.abort(context, errors.Unavailable(
                 "this manager stands by for the job's leader; submit the step to the manager "
@@ -533,9 +534,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         what it still had."""
         journals = self._journals
         journal = journals.get(stream.step.key) if journals is not None else None
-        if journals is None or journal is None or journal.stream is not stream or \
-                journals.detach(stream.step.key) is None:
-            self._abandon_now(stream)
+        if journals is None or journal is None or journal.stream is not stream:
+            self._abandon_now(stream)  # not journaled, or a stream a re-attach replaced
+            return
+        if journals.detach(stream.step.key) is None:
+            self._abandon_now(stream)  # a completion failed: retried whole, never re-attached
             return
         if not journal.ended:
             stream.detach()
@@ -552,7 +555,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._abandon_now(journal.stream)
 
     def _abandon_now(self, stream: ClientStream) -> None:
-        self._execute(self._control.abandon_step(stream.step))
+        commands = self._control.abandon_step(stream.step)
+        if self.accepting:
+            self._execute(commands)
+        # Shutting down: the requests stay on the workers, which keep them for the successor
+        # (session_hub.py) instead of aborting them; the trainer resumes the step there.
         self._preemptions.drop(stream.step.key)  # a step that finished has closed it already
         self._step_lengths.pop(stream.step.key, None)
         self._scale_step_ended(stream.step, None)  # one that finished has returned them already

@@ -8,6 +8,7 @@ followed by a re-add of the same request on the same worker safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -55,6 +56,7 @@ class WorkerLink:
         try:
             while True:
                 await self._call.write(await self._outbox.get())
+                self._outbox.task_done()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader sees the same break and reports it
@@ -76,7 +78,13 @@ class WorkerLink:
         self.alive = False
         self._on_broken(self.worker_id, reason)
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 1.0) -> None:
+        """Close the session, after the commands queued (up to ``flush_s``): aborts of the
+        requests a manager lets go of must reach a worker that is still there, or it would
+        keep them running for a successor (common/worker_core/session_hub.py)."""
+        if self.alive and not self._outbox.empty():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._outbox.join(), flush_s)
         self.alive = False
         for task in self._tasks:
             task.cancel()

@@ -62,7 +62,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     async def Session(self, request_iterator: AsyncIterator[pb.WorkerCommand],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerEvent]:
-        events = self.commands.serve(request_iterator, context.cancelled)
+        events = self.commands.serve(request_iterator)
         try:
             async for event in events:
                 yield event

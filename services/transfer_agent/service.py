@@ -20,7 +20,7 @@ from typing import NoReturn, TypeVar
 import grpc
 import torch
 
-from rlharvest.common import errors
+from rlharvest.common import errors, server_guard
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent import flat_shards, metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
@@ -181,7 +181,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
         try:
-            header, manifest, admission, tensors = await self._receive_publish(request_iterator)
+            header, manifest, admission, tensors = await self._receive_publish(request_iterator,
+                                                                               context)
             if admission is not None:
                 return await self._publish_shard(header, manifest, admission, tensors)
             records = await self.hold(header.job, header.version, tensors, "publish",
@@ -193,7 +194,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                evicted_versions=[r.version for r in records])
 
-    async def _receive_publish(self, request_iterator: AsyncIterator[pb.PublishChunk]
+    async def _receive_publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
+                               context: grpc.aio.ServicerContext
                                ) -> tuple[pb.PublishHeader, VersionManifest, Admission | None,
                                           dict[str, torch.Tensor]]:
         """The header, manifest, staging admission (TP shards only) and decoded tensors of one
@@ -209,6 +211,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     if header is None:
                         raise errors.InvalidArgument("a publish stream starts with a header "
                                                      "(job, version, manifest)")
+                    await server_guard.require_job(context, header.job)  # its trainer only
                     manifest = self._check_publish(header)
                     if _is_shard(header):
                         admission = self._admit_shard(header, manifest)

@@ -4,7 +4,9 @@ whole job — agent, manager, worker, trainer — started with a CA's certificat
 over the agent's HTTPS data path); a peer of another role may read the status but not submit a
 step (PERMISSION_DENIED naming the role); one without a certificate, with only the CA, or with
 a certificate from another CA is refused at the handshake; the metrics want a client
-certificate too, the health endpoint (a kubelet probe's) does not."""
+certificate too, the health endpoint (a kubelet probe's) does not, and Prometheus scrapes with
+one. Another job's trainer may neither submit steps to this job's manager nor publish its
+weights."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ import urllib.request
 import grpc
 import pytest
 
-from rlharvest.common import tls
+import torch
+
+from rlharvest.common import registry, tls
+from rlharvest.common.local_etcd import free_port
+from rlharvest.services.prometheus_stack import LocalPrometheus, TlsFiles
+from rlharvest.services.transfer_agent import client as agent_client
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 
 from .test_manager import step_request
@@ -49,7 +56,7 @@ async def refused(endpoint: str, credentials: grpc.ChannelCredentials | None) ->
 
 
 async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_role_get_in(
-        stack, ca, etcd_client, tmp_path):
+        stack, ca, etcd_client, etcd_endpoint, tmp_path):
     manager = await start_job(stack, 1)
     trainer, _ = await start_trainer(stack, "trainer", "--steps", "2", "--backend", "torch")
     st = await wait_trainer(trainer, lambda s: s.state == "done")
@@ -74,6 +81,29 @@ async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_ro
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "role 'trainer'" in err.value.details() and "'worker'" in err.value.details()
 
+    # Another job's trainer: its role may submit steps and publish, but not for this job.
+    other_cert, other_key = ca.issue("other-trainer", "trainer", ["other"])
+    as_other = grpc.ssl_channel_credentials(root_certificates=ca_pem,
+                                            private_key=other_key.read_bytes(),
+                                            certificate_chain=other_cert.read_bytes())
+    async with grpc.aio.secure_channel(endpoint, as_other) as chan:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in rollout_manager_pb2_grpc.RolloutManagerStub(chan).SubmitStep(
+                    step_request(1, 4, prefix="o"), timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "urn:rlharvest:job:default" in err.value.details(), err.value.details()
+    tls.configure(str(other_cert), str(other_key), str(ca.ca_path))
+    agent = (await registry.list_members(etcd_client, "transfer_agent"))
+    agent_endpoint = next(iter(agent.values()))["endpoint"]
+    with pytest.raises(agent_client.PublishError) as publish_err:
+        await agent_client.publish(agent_endpoint, "default", 99,
+                                   {"w": torch.zeros(4)}, bucket_bytes=1 << 20)
+    assert publish_err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "urn:rlharvest:job:default" in str(publish_err.value)
+    tls.configure(*(str(p) for p in ca.issue("test-trainer-again", "trainer")),
+                  str(ca.ca_path))
+
     rogue = tls.issue_certificates(tmp_path / "rogue", ["client"])["client"]
     for credentials in (
             None,  # plaintext
@@ -97,3 +127,16 @@ async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_ro
         assert reply.status == 200
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext: no answer
         urllib.request.urlopen(f"http://127.0.0.1:{manager.metrics_port}/healthz", timeout=5)
+
+    # Prometheus scrapes the TLS stack with a certificate of the CA (rlharvest up --tls
+    # --prometheus does the same).
+    cert, key = ca.issue("prometheus", "metrics")
+    scraper = LocalPrometheus(etcd_endpoint, tmp_path / "prometheus", port=free_port(),
+                              tls=TlsFiles(cert, key, ca.ca_path)).start()
+    try:
+        deadline = time.monotonic() + 60
+        while not scraper.query('up{service="rollout_manager"} == 1'):
+            assert time.monotonic() < deadline, scraper.query("up")
+            await asyncio.sleep(0.5)
+    finally:
+        scraper.stop()

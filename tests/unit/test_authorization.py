@@ -57,3 +57,23 @@ def test_every_guarded_method_exists():
         for service in pb2.DESCRIPTOR.services_by_name.values():
             methods.update(f"/{service.full_name}/{m.name}" for m in service.methods)
     assert set(authorization.REQUIRED_ROLE) <= methods, set(authorization.REQUIRED_ROLE) - methods
+
+
+def test_steps_and_weights_of_a_job_take_a_certificate_naming_it_or_an_operators():
+    Identity = authorization.Identity
+    assert authorization.job_refusal("a", Identity(("trainer",), ("a",))) is None
+    assert authorization.job_refusal("a", Identity(("trainer",), ("b", "a"))) is None
+    assert authorization.job_refusal("a", Identity(("trainer",), ("*",))) is None
+    assert authorization.job_refusal("a", Identity(("operator",), ())) is None
+    refused = authorization.job_refusal("a", Identity(("trainer",), ("b",)))
+    assert refused is not None and "urn:rlharvest:job:a" in refused and "'b'" in refused
+    assert "names no job" in (authorization.job_refusal("a", Identity(("trainer",))) or "")
+
+
+def test_a_certificate_names_the_jobs_its_holder_acts_for(tmp_path):
+    ca = tls.LocalCA(tmp_path)
+    cert, _ = ca.issue("trainer-a", "trainer", ["a", "b"])
+    assert authorization.peer_identity(cert.read_bytes()) == authorization.Identity(
+        ("trainer",), ("a", "b"))
+    cert, _ = ca.issue("manager", "manager")
+    assert authorization.peer_identity(cert.read_bytes()).jobs == ()

@@ -389,3 +389,25 @@ def test_a_lost_keeper_forgets_what_it_kept():
     control.worker_lost("keeper", "stream broke")
     add(control, 1)
     assert placed(control.tick()) == {"r0": "other"}
+
+
+def test_a_kept_copy_on_a_worker_that_cannot_take_it_is_dropped_once_placed_elsewhere():
+    """The keeper drains (or holds another version): Algorithm 2 places the request elsewhere,
+    and the keeper is told to drop its copy instead of running it for nothing."""
+    control, clock = make()
+    control.worker_joined("keeper", 1, capacity=4, kind="k")
+    control.worker_joined("other", 1, capacity=4, kind="k")
+    control.worker_keeps("keeper", ["r0"])
+    control.worker_draining("keeper", clock() + 30)
+    add(control, 1)
+    commands = control.tick()
+    assert Dispatch("r0", "other") in commands and Abort("r0", "keeper") in commands
+    assert control.pool.get("keeper").kept == set()
+
+
+def test_a_kept_request_dispatched_back_before_the_keepers_news_is_not_aborted_there():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    assert placed(control.tick()) == {"r0": "w"}  # a tick before the kept event
+    assert control.worker_keeps("w", ["r0"]) == []  # the worker adopted it on that add

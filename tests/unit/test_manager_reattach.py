@@ -84,3 +84,12 @@ def test_ended_steps_stay_claimable_and_only_the_newest_are_kept():
 def test_the_grace_must_be_positive():
     with pytest.raises(ValueError, match="grace_s"):
         Journals(0.0, Clock())
+
+
+def test_a_completion_that_fails_while_detached_makes_the_step_not_re_attachable():
+    journals = Journals(10.0, Clock())
+    journals.open("step-1", 7, b"x", stream=None)
+    journals.detach(7)
+    journals.record(7, completion("r0", failed=True))  # a deadline ran out meanwhile
+    claimed, stale = journals.claim("step-1", b"x")
+    assert claimed is None and [j.step_key for j in stale] == [7]

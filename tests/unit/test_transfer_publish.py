@@ -29,6 +29,11 @@ class Aborted(Exception):
 
 
 class Context:
+    """The servicer context of a plaintext call: no peer certificate."""
+
+    def auth_context(self) -> dict:
+        return {}
+
     async def abort(self, code: grpc.StatusCode, message: str):
         raise Aborted(code, message)
 

@@ -347,3 +347,19 @@ async def test_kept_requests_nobody_adopts_leave_the_engine_after_the_keep_time(
         await _wait_for(lambda: not core.engine.has_work() and not core.hub.kept_ids())
         assert _sample("rlh_worker_kept_request_outcomes_total", outcome="expired") - expired_before == 1
         assert not core.hub.held_ids()
+
+
+async def test_a_successor_connected_before_the_break_hears_of_the_kept_requests():
+    """A handover on SIGTERM: the standby leads and opens its session first, the old leader's
+    session breaks after. The kept requests are named on every open session at the break."""
+    async with running_core(keep_s=30) as core:
+        successor = core.session()
+        assert (await successor.next_event()).WhichOneof("event") == "load"  # the hello
+        first = core.session()
+        await first.send(add("r", PROMPT, max_tokens=100))
+        await first.read_until(lambda c: "r" in c.completions)
+        await first.close()
+        event = await successor.next_event()
+        while event is not None and event.WhichOneof("event") == "load":  # heartbeats
+            event = await successor.next_event()
+        assert event is not None and list(event.kept.request_ids) == ["r"]
