@@ -129,7 +129,10 @@ class SessionCommands:
             log.debug("request %s adopted with %d tokens", msg.request_id,
                       len(msg.generated_token_ids))
             return
-        if adoption is Adoption.MISMATCH:  # dropped; the manager's retry is an ordinary add
+        if adoption is Adoption.MISMATCH and \
+                not self._hub.forget_finished_kept(msg.request_id, "mismatched"):
+            # Still running: it leaves the engine between steps, and the manager's retry is an
+            # ordinary add. (A finished one is forgotten at once: the add is a new request.)
             log.warning("request %s kept here, but its add does not continue it: dropped",
                         msg.request_id)
             self._drop_kept(msg.request_id, "mismatched")

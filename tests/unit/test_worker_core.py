@@ -363,3 +363,21 @@ async def test_a_successor_connected_before_the_break_hears_of_the_kept_requests
         while event is not None and event.WhichOneof("event") == "load":  # heartbeats
             event = await successor.next_event()
         assert event is not None and list(event.kept.request_ids) == ["r"]
+
+
+async def test_an_add_reusing_the_id_of_a_finished_kept_request_runs_as_a_new_request():
+    """A finished kept request holds nothing in the engine: an add of its id for another
+    version (or other tokens) is simply a new request, not a refusal."""
+    async with running_core(keep_s=30) as core:
+        first = core.session()
+        await first.send(add("probe", PROMPT, max_tokens=3))
+        await first.finish(["probe"])
+        await first.close()
+        assert core.hub.kept_ids() == ["probe"]  # finished lately on the broken session
+        successor = core.session()
+        await successor.send(add("probe", PROMPT, max_tokens=5, seed=9))
+        got = await successor.read_until(
+            lambda c: "probe" in c.errors or ("probe" in c.completions and
+                                             bool(c.completions["probe"].finish_reason)))
+        assert not got.errors and len(got.completions["probe"].tokens) == 5
+        assert not core.hub.kept_ids()
