@@ -44,10 +44,16 @@ def in_process(model: str, batch: int, tokens: int, threads: int) -> tuple[float
     return produced / (time.perf_counter() - start), produced
 
 
+_RUNS = iter(range(1 << 30))
+
+
 async def over_grpc(endpoint: str, batch: int, tokens: int) -> tuple[float, int]:
     session = WorkerSession(endpoint)
     try:
-        ids = [f"g{i}" for i in range(batch)]
+        # Ids of their own each run: a worker keeps a closed session's requests for a successor
+        # manager, and an add repeating one (same id, prompt and seed) gets its tokens back.
+        run = next(_RUNS)
+        ids = [f"g{run}-{i}" for i in range(batch)]
         start = time.perf_counter()
         await session.send(*(add(r, list(PROMPT), max_tokens=tokens, seed=i)
                              for i, r in enumerate(ids)))
