@@ -141,12 +141,14 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                                                  "--no-exit-when-done"])
             expected += 1
         asyncio.run(_wait_members(endpoint, expected, ready_timeout, stack))
+        managers = f", 1 rollout manager{' + standby' if manager_standby else ''}" \
+            if manager else ""
         console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {workers + spot} "
-                      f"rollout workers{', 1 rollout manager' if manager else ''}, "
-                      f"logs in {stack.log_dir}")
+                      f"rollout workers{managers}, logs in {stack.log_dir}")
+        scheme = "https" if stack.ca is not None else "http"
         for i in range(coexecutors):
             console.print(f"  co-executor coexec-{i}: OpenAI API at "
-                          f"http://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
+                          f"{scheme}://127.0.0.1:{coexec_http_port + i}/v1 (model 'small')")
         if stack.ca is not None:
             console.print(f"  mutual TLS: CA {stack.ca.ca_path}; a client of etcd or of a "
                           "service needs a certificate it signed (the co-executor's OpenAI API "

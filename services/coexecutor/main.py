@@ -37,7 +37,7 @@ from rlharvest.services.coexecutor.lending import LendingWatch
 from rlharvest.services.coexecutor.lent_rollout import LentRollout
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing
-from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
+from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app, serve_api
 from rlharvest.services.coexecutor.page_pool import Owner, PagePool
 from rlharvest.services.coexecutor.rollout_admission import CoexecRolloutAdmission
 from rlharvest.services.coexecutor.scheduler import CoexecScheduler
@@ -138,10 +138,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
     runner = web.AppRunner(make_app(backend, load_tokenizer(cfg.serving_model), api),
                            handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.http_port)
-    await site.start()
-    http_port = runner.addresses[0][1]
-    http_endpoint = f"http://{cfg.advertise_host or cfg.host}:{http_port}"
+    http_port, scheme = await serve_api(runner, cfg.host, cfg.http_port)
+    http_endpoint = f"{scheme}://{cfg.advertise_host or cfg.host}:{http_port}"
     log.info("co-executor %s serves %s at %s/v1 and %s", cfg.coexec_id, cfg.served_model_name,
              http_endpoint, f"job {cfg.job}'s rollouts" if cfg.job
              else "the rollouts of the job that borrows it")

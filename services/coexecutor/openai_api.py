@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rlharvest.common import tls
 from rlharvest.common.engine_types import SamplingParams
 from rlharvest.common.errors import InvalidArgument
 from rlharvest.common.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
@@ -64,6 +65,14 @@ class _Request:
     params: ServingParams
     stream: bool
     include_usage: bool
+
+
+async def serve_api(runner: web.AppRunner, host: str, port: int) -> tuple[int, str]:
+    """Serve ``runner``'s app on ``host:port`` (0: a free port): over HTTPS with the service's
+    certificate under mutual TLS, asking no client certificate, since serving clients are not
+    peers of the CA (authenticate them at your gateway). Returns the port and the scheme."""
+    await web.TCPSite(runner, host, port, ssl_context=tls.server_ssl_context()).start()
+    return runner.addresses[0][1], tls.http_scheme()
 
 
 def make_app(backend: EngineServingBackend, tokenizer: ModelTokenizer,

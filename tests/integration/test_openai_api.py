@@ -9,14 +9,17 @@ import asyncio
 import json
 import re
 
+import ssl
+
 import aiohttp
 import openai
 import pytest
 from aiohttp import web
 
+from rlharvest.common import tls
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.model_tokenizer import load_tokenizer
-from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app
+from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app, serve_api
 from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
@@ -31,9 +34,8 @@ async def serve(max_waiting: int = 8, step_delay_s: float = 0.0):
                                                               max_body_bytes=64 << 10))
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, backend, engine, f"http://127.0.0.1:{port}"
+    port, scheme = await serve_api(runner, "127.0.0.1", free_port())
+    return runner, backend, engine, f"{scheme}://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -190,3 +192,31 @@ async def test_serving_latency_and_outcomes_are_exported_as_metrics(server):
     assert value("rlh_coexec_serving_requests_total", outcome="ok") == before["ok"] + 1
     assert value("rlh_coexec_serving_requests_total", outcome="bad_request") == before["bad"] + 1
     assert value("rlh_coexec_serving_in_flight") == 0
+
+
+async def test_under_mutual_tls_the_api_is_https_and_asks_no_client_certificate(tmp_path):
+    """With the service's TLS settings the API is served over HTTPS with its certificate; a
+    serving client verifies it with the CA and needs no certificate of its own (it is no peer
+    of the CA); plaintext gets no answer."""
+    ca = tls.LocalCA(tmp_path / "pki")
+    cert, key = ca.issue("coexec-0", "coexecutor")
+    tls.configure(str(cert), str(key), str(ca.ca_path))
+    try:
+        runner, backend, _, url = await serve()
+    finally:
+        tls.configure("", "", "")  # the listener keeps its context; later tests are plaintext
+    try:
+        assert url.startswith("https://")
+        verify = ssl.create_default_context(cafile=str(ca.ca_path))
+        async with openai.DefaultAsyncHttpxClient(verify=verify) as http:
+            api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                     http_client=http)
+            done = await api.completions.create(model=MODEL, prompt="12+34=", max_tokens=4,
+                                                extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4
+        with pytest.raises(aiohttp.ClientError):
+            async with aiohttp.ClientSession() as session:
+                await session.get(url.replace("https://", "http://") + "/v1/models")
+    finally:
+        await runner.cleanup()
+        await backend.close()
