@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -94,6 +95,22 @@ async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.App
     # HTTPS with a client certificate required when the process runs mutual TLS.
     await web.SockSite(runner, sock, ssl_context=tls.server_ssl_context()).start()
     return runner, sock.getsockname()[1]
+
+
+def scrape(address: str, timeout: float = 5.0) -> str:
+    """A member's Prometheus text page (``host:port`` of its metrics), for the local tools."""
+    with urllib.request.urlopen(f"{tls.http_scheme()}://{address}/metrics", timeout=timeout,
+                                context=tls.client_ssl_context()) as reply:
+        return reply.read().decode()
+
+
+def sample(text: str, series: str) -> float:
+    """One series' value in a Prometheus text page (``name`` or ``name{labels}``); 0 when
+    absent (a counter nothing has incremented yet)."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[T]], use_uvloop: bool = True) -> T:

@@ -31,7 +31,6 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -43,7 +42,7 @@ from rich.table import Table
 
 import grpc
 
-from rlharvest.common import registry, rpc
+from rlharvest.common import observability, registry, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
@@ -339,10 +338,11 @@ async def manager_death_report(run: Run) -> str:
         await etcd.close()
     adopted = adopted_tokens = dropped_tokens = 0.0
     for info in members.values():
-        text = _scrape(info["metrics"])
-        adopted += _metric(text, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}')
-        adopted_tokens += _metric(text, "rlh_worker_kept_tokens_adopted_total")
-        dropped_tokens += _metric(text, "rlh_worker_kept_tokens_dropped_total")
+        text = observability.scrape(info["metrics"])
+        adopted += observability.sample(
+            text, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}')
+        adopted_tokens += observability.sample(text, "rlh_worker_kept_tokens_adopted_total")
+        dropped_tokens += observability.sample(text, "rlh_worker_kept_tokens_dropped_total")
     async with rpc.channel(run.manager_endpoints[run.leader]) as chan:
         status = await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
             mpb.GetStatusRequest(), timeout=5)
@@ -350,19 +350,6 @@ async def manager_death_report(run: Run) -> str:
     return (f"manager failover: the standby adopted {adopted:.0f} requests from the workers "
             f"with {adopted_tokens:.0f} tokens they generated meanwhile; tokens generated "
             f"twice: {twice}")
-
-
-def _scrape(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        return reply.read().decode()
-
-
-def _metric(text: str, name: str) -> float:
-    """One sample of a Prometheus text page (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _check_alive(run: Run) -> None:

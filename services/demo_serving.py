@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
 
+from rlharvest.common import observability
 from rlharvest.services.loadgen import RequestResult, fit_to_context, meets_slo, one_request
 from rlharvest.sim.serving_trace import synthetic
 
@@ -36,11 +36,8 @@ class StepServing:
 
 def rollout_tokens(metrics_port: int) -> int:
     """The co-executor's harvested rollout tokens so far (its Prometheus counter)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
-    for line in text.decode().splitlines():
-        if line.startswith(_HARVEST_METRIC + " "):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+    return int(observability.sample(observability.scrape(f"127.0.0.1:{metrics_port}"),
+                                    _HARVEST_METRIC))
 
 
 class DemoServing:

@@ -180,7 +180,7 @@ class SessionHub:
         session.finished.clear()
         metrics.KEPT.set(len(self.kept_ids()))
         if kept:  # a successor may have opened its session already (a handover on SIGTERM)
-            event = pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(kept)))
+            event = pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(self.kept_ids())))
             for other in self._sessions:
                 other.push(event)
         return kept

@@ -190,8 +190,10 @@ class RolloutControl:
         token. Those placed elsewhere, finished or of another version meanwhile are dropped
         there (Abort). Unknown ones are remembered: a successor manager learns them before
         the trainer resubmits its step (the worker drops them itself if nobody does). A worker
-        names them on each new session and again whenever a session of it breaks: merged."""
+        names them all on each new session and whenever a session of it breaks: the list
+        replaces the one before (so ids it dropped meanwhile are forgotten here too)."""
         view = self.pool.get(worker_id)
+        view.kept = set()
         out: list[Command] = []
         for rid in request_ids:
             req = self.tracker.get(rid) if rid in self.tracker else None

@@ -506,10 +506,12 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for completion in journal.completions:
             stream.put_completion(completion)
         tracker = self._control.tracker
+        running = 0
         for rid in old_stream.step.request_ids:
             if self._streams.get(rid) is not old_stream:
                 continue  # delivered: in the journal
             self._streams[rid] = stream
+            running += 1
             req = tracker.get(rid)
             if req.token_ids:
                 stream.replay([common_pb2.TokenDelta(
@@ -520,8 +522,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         journal.stream = stream
         metrics.STEP_REATTACHES.inc()
         log.info("step %s re-attached: %d completions and the tokens of %d requests replayed",
-                 step_id, len(journal.completions),
-                 sum(self._streams.get(r) is stream for r in old_stream.step.request_ids))
+                 step_id, len(journal.completions), running)
         return stream
 
     async def _announced(self) -> int | None:

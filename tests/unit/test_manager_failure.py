@@ -411,3 +411,16 @@ def test_a_kept_request_dispatched_back_before_the_keepers_news_is_not_aborted_t
     add(control, 1)
     assert placed(control.tick()) == {"r0": "w"}  # a tick before the kept event
     assert control.worker_keeps("w", ["r0"]) == []  # the worker adopted it on that add
+
+
+def test_a_workers_kept_list_replaces_the_one_before():
+    """Each list is whole: an id the worker dropped since is forgotten, not dispatched back."""
+    control, _ = make()
+    control.worker_joined("keeper", 1, capacity=4, kind="k")
+    control.worker_joined("other", 1, capacity=4, kind="k")
+    control.worker_keeps("keeper", ["r0", "r1"])
+    control.worker_keeps("keeper", ["r1"])  # r0 expired on the worker meanwhile
+    assert control.pool.get("keeper").kept == {"r1"}
+    add(control, 2)
+    where = placed(control.tick())
+    assert where["r1"] == "keeper"
