@@ -25,7 +25,9 @@ from pathlib import Path
 
 
 def run_once(tree: Path, script: str, args: list[str], metric: re.Pattern[str]) -> float:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree first; what PYTHONPATH already holds (a GPU node's extra packages) after it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)}
     out = subprocess.run([sys.executable, str(tree / "bench" / script), *args], cwd=tree,
                          env=env, capture_output=True, text=True, timeout=1800)
     found = metric.search(out.stdout)

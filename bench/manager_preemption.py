@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlharvest.common import rpc  # noqa: E402
+from rlharvest.common import delta_batch, rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
@@ -71,10 +71,11 @@ async def run_step(endpoint: str, request: mpb.SubmitStepRequest, kill_at: int |
         start = time.perf_counter()
         async for event in rollout_manager_pb2_grpc.RolloutManagerStub(chan).SubmitStep(
                 request, timeout=600):
-            for d in event.deltas:
-                end = d.position + len(d.token_ids)
-                if end > progress.get(d.request_id, 0):
-                    progress[d.request_id] = end
+            for row in delta_batch.decode(event.batch).iter():
+                rid = request.requests[row.request].request_id
+                end = row.position + len(row.token_ids)
+                if end > progress.get(rid, 0):
+                    progress[rid] = end
             for c in event.completions:
                 if c.failed:
                     raise RuntimeError(f"{c.request_id} failed: {c.finish_reason}")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlharvest.common import rpc  # noqa: E402
+from rlharvest.common import delta_batch, rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc, rollout_worker_pb2 as wpb  # noqa: E402
@@ -65,7 +65,10 @@ def start_harness(stack: LocalStack, worker_id: str, version: int, args,
 def start_manager(stack: LocalStack, profile_to: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     flags = ["--etcd", stack.etcd.endpoint, "--port", str(port), "--log-level", "warning",
-             "--max-new-tokens", "1000000", "--stall-timeout-s", "60"]
+             "--max-new-tokens", "1000000", "--stall-timeout-s", "60",
+             # Every request on a worker at once: full engine batches, the relay's case (Algorithm
+             # 2 would cap a synthetic worker, whose steps cost per row, at a few requests).
+             "--balancer", "jsq"]
     module = ["-m", "rlharvest.services.rollout_manager.main"]
     prefix = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
     log = open(stack.log_dir / "manager.log", "ab")
@@ -96,10 +99,12 @@ async def relay_throughput(endpoint: str, request: mpb.SubmitStepRequest, pid: i
     return {"tokens": tokens, "wall": wall, "cpu": cpu, "events": events}
 
 
-def latencies_of(event_deltas, now: float, into: list[float]) -> None:
-    for d in event_deltas:
-        if d.logprobs:
-            into.append(now - (TIME_BASE + d.logprobs[0]))
+def latencies_of(batch: common_pb2.DeltaBatch, now: float, into: list[float]) -> None:
+    """Each row's first logprob is its emission time (manager_relay_worker.py)."""
+    rows = delta_batch.decode(batch)
+    grew = rows.counts > 0
+    stamps = rows.logprobs[rows.starts()[grew]]
+    into.extend((now - (TIME_BASE + stamps.astype(float))).tolist())
 
 
 async def relay_latency(endpoint: str, request: mpb.SubmitStepRequest) -> list[float]:
@@ -107,7 +112,7 @@ async def relay_latency(endpoint: str, request: mpb.SubmitStepRequest) -> list[f
     async with rpc.channel(endpoint) as chan:
         async for event in rollout_manager_pb2_grpc.RolloutManagerStub(chan).SubmitStep(
                 request, timeout=600):
-            latencies_of(event.deltas, time.time(), out)
+            latencies_of(event.batch, time.time(), out)
     return out
 
 
@@ -116,16 +121,17 @@ async def direct_latency(worker: str, request: mpb.SubmitStepRequest) -> list[fl
     left = {r.request_id for r in request.requests}
     async with rpc.channel(worker) as chan:
         call = rollout_worker_pb2_grpc.RolloutWorkerStub(chan).Session()
-        for r in request.requests:
+        for handle, r in enumerate(request.requests):
             await call.write(wpb.WorkerCommand(add=wpb.AddRequest(
                 request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                sampling=r.sampling, weight_version=request.weight_version)))
+                sampling=r.sampling, weight_version=request.weight_version, handle=handle)))
         while left:
             event = await call.read()
             if event.WhichOneof("event") != "step":
                 continue
-            latencies_of(event.step.deltas, time.time(), out)
-            left -= {d.request_id for d in event.step.deltas if d.finished}
+            latencies_of(event.step.batch, time.time(), out)
+            rows = delta_batch.decode(event.step.batch)
+            left -= {request.requests[int(rows.requests[r])].request_id for r in rows.ends}
         call.cancel()
     return out
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlharvest.common import registry, rpc  # noqa: E402
+from rlharvest.common import delta_batch, registry, rpc  # noqa: E402
 from rlharvest.common.observability import run_service  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb  # noqa: E402
 from rlharvest.common.pb import rollout_worker_pb2_grpc  # noqa: E402
@@ -31,12 +31,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
 
 
 class _Request:
-    __slots__ = ("request_id", "position", "max_tokens")
+    __slots__ = ("request_id", "position", "max_tokens", "handle")
 
-    def __init__(self, request_id: str, position: int, max_tokens: int):
+    def __init__(self, request_id: str, position: int, max_tokens: int, handle: int):
         self.request_id = request_id
         self.position = position
         self.max_tokens = max_tokens
+        self.handle = handle
 
 
 class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
@@ -48,20 +49,27 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         running: dict[str, _Request] = {}
         queued: dict[str, _Request] = {}
         wake = asyncio.Event()
-        aborted: list[str] = []
+        aborted: list[int] = []  # handles
+
+        received = [0]
+        rows_sent = [0]
 
         async def read() -> None:
             async for command in commands:
+                received[0] += 1
                 if command.HasField("add"):
+                    last_add[0] = time.perf_counter()
                     add = command.add
                     queued[add.request_id] = _Request(add.request_id, len(add.generated_token_ids),
-                                                      add.sampling.max_tokens)
+                                                      add.sampling.max_tokens, add.handle)
                 else:
                     for rid in command.abort.request_ids:
-                        if running.pop(rid, None) or queued.pop(rid, None):
-                            aborted.append(rid)
+                        req = running.pop(rid, None) or queued.pop(rid, None)
+                        if req is not None:
+                            aborted.append(req.handle)
                 wake.set()
 
+        last_add = [0.0]
         reader = asyncio.create_task(read())
         args, version, step = self.args, self.args.weight_version, 0
         base, tokens = args.time_base, self.tokens
@@ -76,24 +84,30 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                     wake.clear()
                     await wake.wait()
                     continue
+                if time.perf_counter() - last_add[0] < args.admit_quiet_s:
+                    # Adds are still coming: a real engine's step takes milliseconds, in which
+                    # a manager's burst of adds all arrive; stepping at this harness's rate with
+                    # a part of them would measure the ramp, not the relay.
+                    await asyncio.sleep(args.admit_quiet_s)
+                    continue
                 step += 1
                 out = pb.StepOutputs(step=step)
-                deltas = out.deltas
+                rows = delta_batch.RowsBuilder(version)
                 stamp = [time.time() - base]
-                for rid in aborted:
-                    deltas.add(request_id=rid, finished=True, finish_reason="abort",
-                               weight_version=version)
+                for handle in aborted:
+                    rows.add(handle, 0, (), (), "abort")
                 aborted.clear()
                 finished = []
                 for req in running.values():
                     n = min(len(tokens), req.max_tokens - req.position)
                     done = req.position + n >= req.max_tokens
-                    deltas.add(request_id=req.request_id, position=req.position,
-                               token_ids=tokens[:n], logprobs=stamp * n, weight_version=version,
-                               finished=done, finish_reason="length" if done else "")
+                    rows.add(req.handle, req.position, tokens[:n], stamp * n,
+                             "length" if done else "")
                     req.position += n
                     if done:
                         finished.append(req.request_id)
+                rows_sent[0] += len(rows)
+                delta_batch.encode(rows.build(), out.batch)
                 now = time.perf_counter()
                 out.stats.batch_size = len(running)
                 out.stats.duration_s = now - stepped_at
@@ -108,10 +122,16 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                 yield pb.WorkerEvent(step=out)
                 if args.step_interval_s:
                     await asyncio.sleep(args.step_interval_s)
-                elif step % 8 == 0:
-                    await asyncio.sleep(0)  # let the reader take new commands
+                else:
+                    # Let the reader take every command already here, as a real worker admits
+                    # all pending adds between engine steps (one sleep(0) lets it take one).
+                    before = -1
+                    while before != received[0]:
+                        before = received[0]
+                        await asyncio.sleep(0)
         finally:
             reader.cancel()
+            print(f"session: {step} steps, {rows_sent[0]} rows", file=sys.stderr, flush=True)
 
     async def GetInfo(self, request, context):
         return pb.WorkerInfo(worker_id=self.args.worker_id, capacity=self.args.capacity,
@@ -145,6 +165,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=64)
     parser.add_argument("--tokens-per-delta", type=int, default=1)
     parser.add_argument("--step-interval-s", type=float, default=0.0)
+    parser.add_argument("--admit-quiet-s", type=float, default=0.002,
+                        help="step only once no add came for this long")
     parser.add_argument("--weight-version", type=int, default=0)
     parser.add_argument("--time-base", type=float, default=0.0)
     parser.add_argument("--no-register", dest="register", action="store_false")

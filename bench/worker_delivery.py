@@ -7,6 +7,7 @@ transport. Prints tokens/s of each and the ratio (issue target: >= 0.9). A secon
 successor manager (the default) costs delivery.
 
     python bench/worker_delivery.py [--quick] [--batch 32] [--tokens 128]
+           [--device cuda --dtype bfloat16 --model qwen3-0.6b]   # on a GPU node
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlharvest.common.engine_device import resolve  # noqa: E402
 from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
@@ -32,9 +34,12 @@ from tests.worker_sessions import add  # noqa: E402
 PROMPT = CharTokenizer().encode("Compute 12+34*2=")
 
 
-def in_process(model: str, batch: int, tokens: int, threads: int) -> tuple[float, int]:
+def in_process(model: str, batch: int, tokens: int, threads: int, device: str = "cpu",
+               dtype: str = "float32") -> tuple[float, int]:
     torch.set_num_threads(threads)
-    engine = TorchEngine(model=model, max_running=batch, max_len=len(PROMPT) + tokens + 8)
+    where, kind = resolve(device, dtype)
+    engine = TorchEngine(model=model, max_running=batch, max_len=len(PROMPT) + tokens + 8,
+                         device=where, dtype=kind)
     for i in range(batch):
         engine.add(EngineRequest(f"r{i}", list(PROMPT), SamplingParams(max_tokens=tokens, seed=i)))
     produced = 0
@@ -73,7 +78,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
+    engine_flags = ("--model", args.model, "--torch-threads", str(args.threads),
+                    "--device", args.device, "--dtype", args.dtype, "--log-level", "warning")
     if args.quick:
         args.tokens, args.repeats = 48, 1
 
@@ -81,30 +90,32 @@ def main() -> None:
     stack.start_etcd()
     try:
         worker = start_worker(stack, "bench-worker", "--max-running", str(args.batch),
-                              "--max-len", str(len(PROMPT) + args.tokens + 8),
-                              "--model", args.model, "--torch-threads", str(args.threads),
-                              "--log-level", "warning")
+                              "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags)
         unkept = start_worker(stack, "bench-worker-unkept", "--max-running", str(args.batch),
-                              "--max-len", str(len(PROMPT) + args.tokens + 8),
-                              "--model", args.model, "--torch-threads", str(args.threads),
-                              "--log-level", "warning", "--keep-requests-s", "0")
+                              "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags,
+                              "--keep-requests-s", "0")
         for w in (worker, unkept):
             asyncio.run(over_grpc(w.endpoint, args.batch, 8))  # warm-up
-        in_process(args.model, args.batch, 8, args.threads)
+        in_process(args.model, args.batch, 8, args.threads, args.device, args.dtype)
         local, remote, plain = [], [], []
         for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
-            local.append(in_process(args.model, args.batch, args.tokens, args.threads)[0])
+            local.append(in_process(args.model, args.batch, args.tokens, args.threads,
+                                    args.device, args.dtype)[0])
             remote.append(asyncio.run(over_grpc(worker.endpoint, args.batch, args.tokens))[0])
             plain.append(asyncio.run(over_grpc(unkept.endpoint, args.batch, args.tokens))[0])
     finally:
         stack.stop()
     keeping = sorted(k / p for k, p in zip(remote, plain))
+    ratios = sorted(r / loc for r, loc in zip(remote, local))
     best_local, best_remote = max(local), max(remote)
     print(f"model={args.model} batch={args.batch} tokens/request={args.tokens} "
-          f"threads={args.threads} repeats={args.repeats}")
+          f"threads={args.threads} repeats={args.repeats} device={args.device} "
+          f"dtype={args.dtype}")
     print(f"in-process engine : {best_local:10.0f} tokens/s")
     print(f"gRPC Session      : {best_remote:10.0f} tokens/s")
     print(f"ratio gRPC / in-process = {best_remote / best_local:.3f}  (target >= 0.9)")
+    print(f"ratio gRPC / in-process per round: median {ratios[len(ratios) // 2]:.3f} "
+          f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
     print(f"keeping tokens for a successor / not: median {keeping[len(keeping) // 2]:.3f} "
           f"[{keeping[0]:.3f}-{keeping[-1]:.3f}] over {len(keeping)} interleaved runs")
 

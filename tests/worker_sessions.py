@@ -11,8 +11,25 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from rlharvest.common import delta_batch
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core.session_commands import SessionCommands
+
+
+# Step outputs name requests by the handle their add gave (DeltaBatch.requests): one per id here.
+_HANDLES: dict[str, int] = {}
+_IDS: dict[int, str] = {}
+
+
+def handle_of(request_id: str) -> int:
+    if request_id not in _HANDLES:
+        _HANDLES[request_id] = len(_HANDLES) + 1
+        _IDS[_HANDLES[request_id]] = request_id
+    return _HANDLES[request_id]
+
+
+def id_of(handle: int) -> str:
+    return _IDS[handle]
 
 
 def add(request_id: str, prompt: list[int], max_tokens: int = 16, seed: int = 0,
@@ -20,9 +37,28 @@ def add(request_id: str, prompt: list[int], max_tokens: int = 16, seed: int = 0,
         **sampling) -> pb.WorkerCommand:
     return pb.WorkerCommand(add=pb.AddRequest(
         request_id=request_id, prompt_token_ids=prompt, generated_token_ids=generated or [],
-        weight_version=version,
+        weight_version=version, handle=handle_of(request_id),
         sampling=common_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                            seed=seed, **sampling)))
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One row of a step message, its request named by id."""
+
+    request_id: str
+    position: int
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    finished: bool
+    finish_reason: str
+
+
+def deltas_of(step: pb.StepOutputs) -> list[Delta]:
+    rows = delta_batch.decode(step.batch)
+    return [Delta(id_of(r.request), r.position, r.token_ids, r.logprobs, rows.weight_version,
+                  bool(r.end), r.end) for r in rows.iter()]
 
 
 def abort(*request_ids: str) -> pb.WorkerCommand:
@@ -74,18 +110,20 @@ class Collected:
     def _absorb_step(self, step: pb.StepOutputs) -> None:
         self.step_messages += 1
         self.steps.append(step)
-        self.max_deltas_per_message = max(self.max_deltas_per_message, len(step.deltas))
+        rows = delta_batch.decode(step.batch)
+        self.max_deltas_per_message = max(self.max_deltas_per_message, len(rows))
         self.loads.append(step.load)
-        for d in step.deltas:
-            comp = self.completions.setdefault(d.request_id, Completion())
-            assert d.position == len(comp.tokens), \
-                f"{d.request_id}: gap or duplicate at {d.position} (have {len(comp.tokens)})"
-            comp.tokens.extend(d.token_ids)
-            comp.logprobs.extend(d.logprobs)
-            comp.versions.add(d.weight_version)
+        for row in rows.iter():
+            rid = id_of(row.request)
+            comp = self.completions.setdefault(rid, Completion())
+            assert row.position == len(comp.tokens), \
+                f"{rid}: gap or duplicate at {row.position} (have {len(comp.tokens)})"
+            comp.tokens.extend(row.token_ids)
+            comp.logprobs.extend(row.logprobs)
+            comp.versions.add(rows.weight_version)
             comp.deltas += 1
-            if d.finished:
-                comp.finish_reason = d.finish_reason
+            if row.end:
+                comp.finish_reason = row.end
 
 
 def status_code(value: int) -> grpc.StatusCode:

@@ -2,8 +2,8 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -36,23 +36,31 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "position", "token_ids", "logprobs", "weight_version", "finished", "finish_reason")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
+class DeltaBatch(_message.Message):
+    __slots__ = ("requests", "positions", "counts", "token_ids", "logprobs", "weight_version", "ends")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    position: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    requests: bytes
+    positions: bytes
+    counts: bytes
+    token_ids: bytes
+    logprobs: bytes
     weight_version: int
-    finished: bool
-    finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    ends: _containers.RepeatedCompositeFieldContainer[RowEnd]
+    def __init__(self, requests: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., weight_version: _Optional[int] = ..., ends: _Optional[_Iterable[_Union[RowEnd, _Mapping]]] = ...) -> None: ...
+
+class RowEnd(_message.Message):
+    __slots__ = ("row", "reason")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    reason: str
+    def __init__(self, row: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("pending", "executing", "kv_used_tokens", "kv_capacity_tokens", "weight_version", "tokens_per_second", "preemptions")

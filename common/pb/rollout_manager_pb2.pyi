@@ -94,16 +94,16 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weight_version: _Optional[int] = ..., finish_reason: _Optional[str] = ..., failed: _Optional[bool] = ..., migrations: _Optional[int] = ..., cancelled: _Optional[bool] = ...) -> None: ...
 
 class StepEvent(_message.Message):
-    __slots__ = ("deltas", "completions", "remote", "verdicts")
-    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("batch", "completions", "remote", "verdicts")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
-    deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
+    batch: _common_pb2.DeltaBatch
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     remote: RemoteTimings
     verdicts: _containers.RepeatedCompositeFieldContainer[GroupVerdict]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[GroupVerdict, _Mapping]]] = ...) -> None: ...
+    def __init__(self, batch: _Optional[_Union[_common_pb2.DeltaBatch, _Mapping]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ..., verdicts: _Optional[_Iterable[_Union[GroupVerdict, _Mapping]]] = ...) -> None: ...
 
 class RemoteTimings(_message.Message):
     __slots__ = ("t_remote", "t_remote_wait", "n_prem_mean", "n_prem_next", "instances", "n_available_next")

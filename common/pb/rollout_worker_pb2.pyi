@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "sampling", "weight_version")
+    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "sampling", "weight_version", "handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     weight_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    handle: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., handle: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -48,16 +50,16 @@ class EngineStepStats(_message.Message):
     def __init__(self, batch_size: _Optional[int] = ..., duration_s: _Optional[float] = ..., decode_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("step", "deltas", "load", "stats")
+    __slots__ = ("step", "batch", "load", "stats")
     STEP_FIELD_NUMBER: _ClassVar[int]
-    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     step: int
-    deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenDelta]
+    batch: _common_pb2.DeltaBatch
     load: _common_pb2.Load
     stats: EngineStepStats
-    def __init__(self, step: _Optional[int] = ..., deltas: _Optional[_Iterable[_Union[_common_pb2.TokenDelta, _Mapping]]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., stats: _Optional[_Union[EngineStepStats, _Mapping]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.DeltaBatch, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., stats: _Optional[_Union[EngineStepStats, _Mapping]] = ...) -> None: ...
 
 class CommandError(_message.Message):
     __slots__ = ("request_id", "code", "message")

@@ -124,7 +124,8 @@ class SessionCommands:
     def add(self, session: Session, msg: pb.AddRequest) -> None:
         identity = request_identity(msg) if self._hub.keeps_tokens else 0
         adoption = self._hub.adopt(session, msg.request_id, msg.generated_token_ids,
-                                   msg.weight_version, identity, self._loop.last_load)
+                                   msg.weight_version, identity, self._loop.last_load,
+                                   msg.handle)
         if adoption is Adoption.ADOPTED:
             log.debug("request %s adopted with %d tokens", msg.request_id,
                       len(msg.generated_token_ids))
@@ -148,7 +149,7 @@ class SessionCommands:
         if refusal is not None:
             return self._hub.refuse(session, request.request_id, refusal)
         self._hub.hold(session, request.request_id, len(request.generated_token_ids),
-                       msg.weight_version, identity)
+                       msg.weight_version, identity, msg.handle)
         self._loop.between_steps(partial(self._start, request))
 
     def abort(self, session: Session, request_ids: Iterable[str]) -> None:

@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from rlharvest.common import delta_batch
+from rlharvest.common.delta_batch import RowsBuilder
 from rlharvest.common.engine_types import RequestOutput
 from rlharvest.common.errors import ServiceError
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
@@ -82,6 +84,7 @@ class Held:
     finish_reason: str = ""  # a kept request that finished while no session held it
     kept_until: float = 0.0  # kept: dropped once the event loop's clock passes this
     identity: int = 0  # of its prompt and sampling: an add adopts only the same request
+    handle: int = 0  # the session's name for it on step outputs (AddRequest.handle)
 
 
 class Adoption(Enum):
@@ -95,7 +98,7 @@ class RoutedStep:
     """One engine step's outputs, routed to sessions, waiting to be encoded and sent."""
 
     step: EngineStep
-    items: list[tuple[Session, RequestOutput, int]] = field(default_factory=list)
+    items: list[tuple[Session, int, RequestOutput, int]] = field(default_factory=list)
     after: list[tuple[Session, pb.WorkerEvent]] = field(default_factory=list)  # see end()
 
 
@@ -229,7 +232,8 @@ class SessionHub:
         return True
 
     def adopt(self, session: Session, request_id: str, generated: Sequence[int],
-              weight_version: int, identity: int, load: common_pb2.Load) -> Adoption:
+              weight_version: int, identity: int, load: common_pb2.Load,
+              handle: int = 0) -> Adoption:
         """An add of ``request_id`` with ``generated`` tokens on ``session``: if this worker
         keeps it (same prompt and sampling: ``identity``) on the same version and ``generated``
         is a prefix of what it produced, the session holds it from now on and gets the tokens
@@ -245,10 +249,10 @@ class SessionHub:
                 array("i", generated[held.base:]) != held.tokens[:n - held.base]:
             return Adoption.MISMATCH
         done = self._kept_done.pop(request_id, None) is not None  # finished while kept
-        delta = common_pb2.TokenDelta(
-            request_id=request_id, position=n, token_ids=held.tokens[n - held.base:],
-            logprobs=held.logprobs[n - held.base:], weight_version=weight_version,
-            finished=done, finish_reason=held.finish_reason)
+        held.handle = handle
+        rows = RowsBuilder(weight_version)
+        rows.add(handle, n, held.tokens[n - held.base:], held.logprobs[n - held.base:],
+                 held.finish_reason if done else "")
         metrics.KEPT_OUTCOMES.labels("adopted").inc()
         metrics.KEPT_TOKENS_ADOPTED.inc(have - n)
         if done:  # in case this session breaks too before its client has the final delta
@@ -257,20 +261,19 @@ class SessionHub:
             held.session = session
             session.requests.add(request_id)
         if have > n or done:  # with the load, as every step message (the manager reads it)
-            session.push(pb.WorkerEvent(step=pb.StepOutputs(step=self._last_step,
-                                                            deltas=[delta], load=load)))
+            session.push(_step_event(self._last_step, rows, load))
         metrics.KEPT.set(len(self.kept_ids()))
         return Adoption.ADOPTED
 
     # ---- requests ------------------------------------------------------------------------------
 
     def hold(self, session: Session, request_id: str, next_position: int,
-             weight_version: int, identity: int = 0) -> None:
+             weight_version: int, identity: int = 0, handle: int = 0) -> None:
         """``session`` owns ``request_id`` from now on (admitted; the engine may not have it
-        yet). ``identity``: see ``request_identity``."""
+        yet). ``identity``: see ``request_identity``; ``handle``: its name on step outputs."""
         self._held[request_id] = Held(session, next_position, weight_version, next_position,
                                       array("i") if self._keep_tokens else None,
-                                      identity=identity)
+                                      identity=identity, handle=handle)
         session.requests.add(request_id)
 
     @property
@@ -309,8 +312,10 @@ class SessionHub:
         held = self._held.get(final.request_id)
         if held is None:
             return
-        delta = _token_delta(final, held.next_position, weight_version)
-        event = pb.WorkerEvent(step=pb.StepOutputs(step=self._last_step, deltas=[delta], load=load))
+        rows = RowsBuilder(weight_version)
+        rows.add(held.handle, held.next_position, final.new_token_ids, final.new_logprobs,
+                 final.finish_reason if final.finished else "")
+        event = _step_event(self._last_step, rows, load)
         self.release(final.request_id, final.finish_reason)
         if self._unsent is not None:
             self._unsent.after.append((held.session, event))
@@ -340,7 +345,7 @@ class SessionHub:
                 held.tokens.extend(out.new_token_ids)
                 held.logprobs.extend(out.new_logprobs)
             if held.session is not orphanage:
-                items.append((held.session, out, held.next_position))
+                items.append((held.session, held.handle, out, held.next_position))
             held.next_position += len(out.new_token_ids)
             if out.finished:
                 held.finish_reason = out.finish_reason
@@ -356,14 +361,17 @@ class SessionHub:
         decided since it was routed."""
         step = routed.step
         version = step.weight_version
-        by_session: dict[Session, list[common_pb2.TokenDelta]] = {}
-        for session, out, position in routed.items:
-            by_session.setdefault(session, []).append(_token_delta(out, position, version))
-        for session, deltas in by_session.items():
+        by_session: dict[Session, RowsBuilder] = {}
+        for session, handle, out, position in routed.items:
+            rows = by_session.get(session)
+            if rows is None:
+                rows = by_session[session] = RowsBuilder(version)
+            rows.add(handle, position, out.new_token_ids, out.new_logprobs,
+                     out.finish_reason if out.finished else "")
+        for session, rows in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.
-                await session.outbox.put(pb.WorkerEvent(step=pb.StepOutputs(
-                    step=step.number, deltas=deltas, load=step.load, stats=step.stats)))
+                await session.outbox.put(_step_event(step.number, rows, step.load, step.stats))
         if self._unsent is routed:
             self._unsent = None
         for session, event in routed.after:
@@ -420,9 +428,9 @@ def request_identity(msg: pb.AddRequest) -> int:
     return hash((tuple(msg.prompt_token_ids), msg.sampling.SerializeToString(deterministic=True)))
 
 
-def _token_delta(out: RequestOutput, position: int, weight_version: int) -> common_pb2.TokenDelta:
-    """One request's output of a step (or its final abort output) on the wire."""
-    return common_pb2.TokenDelta(
-        request_id=out.request_id, position=position, token_ids=out.new_token_ids,
-        logprobs=out.new_logprobs, weight_version=weight_version, finished=out.finished,
-        finish_reason=out.finish_reason)
+def _step_event(number: int, rows: RowsBuilder, load: common_pb2.Load,
+                stats: pb.EngineStepStats | None = None) -> pb.WorkerEvent:
+    """One session's rows of a step (or an adoption's, or an abort's) with the load."""
+    event = pb.WorkerEvent(step=pb.StepOutputs(step=number, load=load, stats=stats))
+    delta_batch.encode(rows.build(), event.step.batch)
+    return event

@@ -5,13 +5,30 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass, field
 
+from rlharvest.common import delta_batch
+from rlharvest.common.delta_batch import Rows
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.rollout_manager.step import Step
 
 # One client event holds at most this many tokens (deltas + completions) so merged events stay far
 # below any message size limit; more waiting output starts another event.
 _MAX_EVENT_TOKENS = 1 << 16
+
+
+@dataclass
+class _Pending:
+    """An event not yet taken: its rows as batches (joined once, when taken) and the rest."""
+
+    event: mpb.StepEvent = field(default_factory=mpb.StepEvent)
+    rows: list[Rows] = field(default_factory=list)
+    tokens: int = 0
+
+    def finish(self) -> mpb.StepEvent:
+        if self.rows:
+            delta_batch.encode(delta_batch.concat(self.rows), self.event.batch)
+        return self.event
 
 
 class ClientStream:
@@ -25,7 +42,7 @@ class ClientStream:
 
     def __init__(self, step: Step, max_events: int) -> None:
         self.step = step  # the core's step whose events this stream carries
-        self._events: deque[tuple[mpb.StepEvent, list[int]]] = deque()  # event, [its tokens]
+        self._events: deque[_Pending] = deque()
         self._max_events = max_events
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
@@ -33,31 +50,32 @@ class ClientStream:
         self._ended = False
         self._detached = False  # its client went away; the step runs on (reattach.py)
 
-    def _tail(self, tokens: int) -> mpb.StepEvent:
-        if not self._events or self._events[-1][1][0] + tokens > _MAX_EVENT_TOKENS:
-            self._events.append((mpb.StepEvent(), [0]))
+    def _tail(self, tokens: int) -> _Pending:
+        # A completion after rows in the same event: the client reads rows first (trainer).
+        if not self._events or self._events[-1].tokens + tokens > _MAX_EVENT_TOKENS:
+            self._events.append(_Pending())
             if len(self._events) >= self._max_events:
                 self._room.clear()
-        event, size = self._events[-1]
-        size[0] += tokens
+        pending = self._events[-1]
+        pending.tokens += tokens
         self._ready.set()
-        return event
+        return pending
 
-    async def put_deltas(self, deltas: list, tokens: int) -> None:
-        """Forward accepted wire deltas (copied into the event in C, not one by one)."""
+    async def put_rows(self, rows: Rows) -> None:
+        """Forward accepted rows (requests named by their index in the step)."""
         while not self._room.is_set():
             await self._room.wait()
         if not self._detached:
-            self._tail(tokens).deltas.extend(deltas)
+            self._tail(len(rows.token_ids)).rows.append(rows)
 
-    def replay(self, deltas: list, tokens: int) -> None:
-        """A re-attached client's first deltas (the tokens so far): never waits."""
-        self._tail(tokens).deltas.extend(deltas)
+    def replay(self, rows: Rows) -> None:
+        """A re-attached client's first rows (the tokens so far): never waits."""
+        self._tail(len(rows.token_ids)).rows.append(rows)
 
     def put_completion(self, completion: mpb.Completion) -> None:
         """Never waits and never drops: a completion may exceed the event bound by one."""
         if not self._detached:
-            self._tail(len(completion.token_ids)).completions.append(completion)
+            self._tail(len(completion.token_ids)).event.completions.append(completion)
 
     def detach(self) -> None:
         """No client reads any more: output is dropped (the journal keeps the completions, the
@@ -68,12 +86,12 @@ class ClientStream:
 
     def put_verdicts(self, verdicts: list[mpb.GroupVerdict]) -> None:
         if verdicts:
-            self._tail(0).verdicts.extend(verdicts)
+            self._tail(0).event.verdicts.extend(verdicts)
 
     def end(self, remote: mpb.RemoteTimings | None = None) -> None:
         """No more output; ``remote`` rides on the step's last event."""
         if remote is not None and not self._detached:
-            self._tail(0).remote.CopyFrom(remote)
+            self._tail(0).event.remote.CopyFrom(remote)
         self._ended = True
         self._ready.set()
 
@@ -84,7 +102,7 @@ class ClientStream:
                 return None
             self._ready.clear()
             await self._ready.wait()
-        event, _ = self._events.popleft()
+        pending = self._events.popleft()
         if len(self._events) < self._max_events:
             self._room.set()
-        return event
+        return pending.finish()

@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from rlharvest.common.delta_batch import Rows
+
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
     SelectFn,
@@ -109,6 +113,7 @@ class RolloutControl:
                                 f"{r.weight_version}; a step runs on one version, {weight_version}")
         ids = self.tracker.add_step(requests)
         step = self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled)
+        self.tracker.label(ids, step.key)
         self.remote.step_opened(step.key)
         return step
 
@@ -222,12 +227,19 @@ class RolloutControl:
                 keep_without_room=False, select=self._select))
         return out
 
-    def step_outputs(self, worker_id: str, deltas: Sequence[DeltaLike]) -> ApplyReport:
-        report = self.tracker.apply_outputs(worker_id, deltas)
-        if report.accepted:
+    def step_outputs(self, worker_id: str, rows: Rows) -> ApplyReport:
+        """One batch of ``worker_id``'s step outputs (the hot path: array operations only)."""
+        return self._after_outputs(worker_id, self.tracker.apply_outputs(worker_id, rows))
+
+    def step_deltas(self, worker_id: str, deltas: Sequence[DeltaLike]) -> ApplyReport:
+        """``step_outputs`` for deltas as objects (tests, the policy simulator)."""
+        return self._after_outputs(worker_id, self.tracker.apply_deltas(worker_id, deltas))
+
+    def _after_outputs(self, worker_id: str, report: ApplyReport) -> ApplyReport:
+        if len(report.accepted):
             self.pool.note_progress(worker_id)
             if self.pool.get(worker_id).kind in CAPPED_KINDS:
-                self._remote_produced(worker_id, report.accepted)
+                self._remote_produced(worker_id, report)
         for dropped in report.dropped:
             if dropped.reason in ("position", "version"):
                 # The assignee and the manager disagree about this request: take it off that
@@ -407,10 +419,13 @@ class RolloutControl:
                    if w.kind in CAPPED_KINDS and w.state is WorkerState.HEALTHY}
         self.remote.active_changed(len(healthy - self.pool.standby()), len(healthy))
 
-    def _remote_produced(self, worker_id: str, accepted: Sequence[DeltaLike]) -> None:
-        for key in {step.key for d in accepted
-                    if (step := self.steps.step_of(d.request_id)) is not None}:
-            self.remote.produced(key, worker_id)
+    def _remote_produced(self, worker_id: str, report: ApplyReport) -> None:
+        tags = report.tags
+        if tags is None:
+            tags, _ = self.tracker.labels(report.accepted.requests)
+        for key in np.unique(tags).tolist():  # the rows' steps (label: a step's key)
+            if self.steps.live_step(key) is not None:
+                self.remote.produced(key, worker_id)
 
     def _note_busy(self, worker_id: str) -> None:
         # The stall clock of a worker that was idle starts when it gets work, not when it last

@@ -233,7 +233,7 @@ class StepSimulation:
         if not engine.alive or engine.busy_until != self.clock.now:
             return  # a preempted worker's last step never reports
         deltas, size = engine.finish(self.VERSION)
-        report = self.control.step_outputs(worker_id, deltas)
+        report = self.control.step_deltas(worker_id, deltas)
         self.control.engine_step(worker_id, StepStats(
             size, self.clock.now - self._step_started[worker_id],
             sum(len(d.token_ids) for d in deltas), engine.step_prefill_tokens))

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rlharvest.common import errors, keys, registry, server_guard
+import numpy as np
+
+from rlharvest.common import delta_batch, errors, keys, registry, server_guard
 from rlharvest.common.engine_types import sampling_from_proto
-from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
+from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.client_stream import ClientStream
@@ -36,17 +38,10 @@ from rlharvest.services.rollout_manager.stream_scaler import StreamScaler
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
 from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
-from rlharvest.services.rollout_manager.tracker import DeltaLike, NewRequest, RequestState
+from rlharvest.services.rollout_manager.tracker import ApplyReport, NewRequest, RequestState
 from rlharvest.services.rollout_manager.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
-
-
-def _unfinished(delta: DeltaLike) -> common_pb2.TokenDelta:
-    """The delta without its "finished": for a request its worker aborted, which goes on."""
-    return common_pb2.TokenDelta(request_id=delta.request_id, position=delta.position,
-                                 token_ids=delta.token_ids, logprobs=delta.logprobs,
-                                 weight_version=delta.weight_version)
 
 
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -65,6 +60,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._links: dict[str, WorkerLink] = {}
         self._endpoints: dict[str, dict] = {}
         self._streams: dict[str, ClientStream] = {}  # request id -> the stream that wants it
+        self._step_streams: dict[int, ClientStream] = {}  # step key -> the stream reading it
         self._wake = asyncio.Event()
         self._rate: deque[tuple[float, int]] = deque()  # (when, tokens) over the last 5 s
         self._rate_tokens = 0
@@ -239,10 +235,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._wake.set()
 
     async def _on_step(self, worker_id: str, step: wpb.StepOutputs) -> None:
-        # The hot path: the wire deltas go to the tracker and on to the client as they are; no
-        # Python object is built per delta (bench/manager_relay.py measures this loop).
+        # The hot path (bench/manager_relay.py): the batch's columns go to the tracker and on
+        # to the client as arrays; no Python object is built per row or per token.
         control = self._control
-        report = control.step_outputs(worker_id, step.deltas)
+        try:
+            rows = delta_batch.decode(step.batch)
+        except delta_batch.MalformedBatch as exc:
+            log.warning("worker %s sent a malformed batch, dropped: %s", worker_id, exc)
+            metrics.TOKENS_DROPPED.labels("malformed").inc(len(step.batch.token_ids) // 4)
+            rows = delta_batch.empty()
+        report = control.step_outputs(worker_id, rows)
         load = step.load
         control.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens)
         self._count_preemptions(worker_id, load.preemptions)  # before this event's completions
@@ -253,26 +255,36 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._rate_tokens += tokens
         for dropped in report.dropped:
             metrics.TOKENS_DROPPED.labels(dropped.reason).inc(dropped.tokens)
-        accepted = report.accepted
-        if report.aborted:  # the client must not read "finished" on a request that goes on
-            aborted = set(report.aborted)
-            accepted = [_unfinished(d) if d.request_id in aborted else d for d in accepted]
-        by_stream: dict[ClientStream, list] = {}
+        if len(report.accepted):
+            await self._forward(report)
         streams = self._streams
-        for delta in accepted:
-            stream = streams.get(delta.request_id)
-            if stream is not None:
-                by_stream.setdefault(stream, []).append(delta)
-        for stream, deltas in by_stream.items():
-            # A slow client holds this worker's stream here: backpressure.
-            await stream.put_deltas(deltas, tokens if len(by_stream) == 1 else
-                                    sum(len(d.token_ids) for d in deltas))
-        for rid in report.finished:  # after its last delta, in the same or a later event
+        for rid in report.finished:  # after its last row, in the same or a later event
             stream = streams.get(rid)
             if stream is not None:  # not abandoned by its client meanwhile
                 self._deliver(stream, self._completion(rid), "finished")
         if report.finished or report.aborted:
             self._wake.set()
+
+    async def _forward(self, report: ApplyReport) -> None:
+        """Accepted rows to the streams of their steps, renamed by their index in the step."""
+        accepted = report.accepted
+        if accepted.ends:  # the client must not read "ended" on a request the worker aborted
+            accepted = dataclasses.replace(accepted, ends={
+                r: why for r, why in accepted.ends.items() if why != "abort"})
+        keys, indices = report.tags, report.indices
+        if keys is None or indices is None:
+            keys, indices = self._control.tracker.labels(accepted.requests)
+        first = keys[0]
+        if (keys == first).all():  # the common case: one step on the worker
+            parts = [(int(first), accepted.with_requests(indices))]
+        else:
+            parts = [(int(key), accepted.take(np.flatnonzero(keys == key)).with_requests(
+                indices[keys == key])) for key in np.unique(keys)]
+        for key, rows in parts:
+            stream = self._step_streams.get(key)
+            if stream is not None:
+                # A slow client holds this worker's stream here: backpressure.
+                await stream.put_rows(rows)
 
     # ---- carrying out commands -----------------------------------------------------------------
 
@@ -354,6 +366,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             remote = mpb.RemoteTimings(**dataclasses.asdict(step.remote))
             self._last_remote = remote
             metrics.observe_remote(step.remote)
+        self._step_streams.pop(step.key, None)
         lengths = self._step_lengths.pop(step.key, None)
         self._plan_tp(step, lengths)
         self._scale_step_ended(step, lengths)  # before the end: the workers are back by then
@@ -487,6 +500,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream
+        self._step_streams[step.key] = stream
         return stream
 
     def _reattach(self, step_id: str, print_: bytes) -> ClientStream | None:
@@ -507,16 +521,18 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             stream.put_completion(completion)
         tracker = self._control.tracker
         running = 0
-        for rid in old_stream.step.request_ids:
+        replay = delta_batch.RowsBuilder(old_stream.step.weight_version)
+        for index, rid in enumerate(old_stream.step.request_ids):
             if self._streams.get(rid) is not old_stream:
                 continue  # delivered: in the journal
             self._streams[rid] = stream
             running += 1
             req = tracker.get(rid)
-            if req.token_ids:
-                stream.replay([common_pb2.TokenDelta(
-                    request_id=rid, position=0, token_ids=req.token_ids, logprobs=req.logprobs,
-                    weight_version=req.weight_version)], len(req.token_ids))
+            if req.generated:
+                replay.add(index, 0, req.token_ids, req.logprobs)
+        self._step_streams[old_stream.step.key] = stream
+        if len(replay):
+            stream.replay(replay.build())
         if journal.ended:
             stream.end(journal.remote)
         journal.stream = stream
@@ -568,6 +584,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for rid in stream.step.request_ids:
             if self._streams.get(rid) is stream:
                 del self._streams[rid]
+        if self._step_streams.get(stream.step.key) is stream:
+            del self._step_streams[stream.step.key]
 
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         counters = self._control.tracker.counters

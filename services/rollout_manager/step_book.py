@@ -71,6 +71,9 @@ class StepBook:
         """Steps in flight, oldest first."""
         return list(self._live.values())
 
+    def live_step(self, key: int) -> Step | None:
+        return self._live.get(key)
+
     def step_of(self, request_id: str) -> Step | None:
         return self._step_of.get(request_id)
 

@@ -20,8 +20,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
+import numpy as np
+
+from rlharvest.common import delta_batch
+from rlharvest.common.delta_batch import Rows
 from rlharvest.common.engine_types import EngineRequest, SamplingParams, natural_end
 from rlharvest.common.errors import InvalidArgument
+from rlharvest.services.rollout_manager.token_ledger import MASK, TokenLedger
 
 
 class StepError(InvalidArgument):
@@ -70,7 +75,8 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens for one request from one engine step (mirrors the wire ``TokenDelta``)."""
+    """New tokens for one request from one engine step, as one object: what tests and the
+    policy simulator write (``RequestTracker.apply_deltas`` turns them into a batch's rows)."""
 
     request_id: str
     position: int  # index in the completion of token_ids[0]
@@ -82,7 +88,7 @@ class TokenDelta:
 
 
 class DeltaLike(Protocol):
-    """What ``apply_outputs`` reads of a delta: ``TokenDelta`` or the wire ``TokenDelta``."""
+    """What ``apply_deltas`` reads of a delta."""
 
     @property
     def request_id(self) -> str: ...
@@ -113,6 +119,7 @@ class ResumePayload:
     generated_token_ids: tuple[int, ...]
     sampling: SamplingParams
     weight_version: int
+    handle: int = 0  # the name the worker's step outputs give it (AddRequest.handle)
 
     @property
     def remaining_tokens(self) -> int:
@@ -125,28 +132,55 @@ class ResumePayload:
 
 @dataclass
 class TrackedRequest:
+    """A request's state; its tokens live in the tracker's ledger (``handle``), appended a batch
+    at a time, and are read out as lists here only off the hot path."""
+
     request_id: str
     group_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     weight_version: int
     created_at: float
+    ledger: TokenLedger = field(repr=False, compare=False)
+    handle: int = 0
     no_worker_timeout_s: float | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     worker_id: str | None = None
     migrations: int = 0  # moves from one worker to another (or back to the manager)
     finished_at: float | None = None
     finish_reason: str = ""  # "length" | "stop" once finished; the failure reason once failed
-    high_water: int = 0  # most tokens ever held; positions below it that come again are regenerated
     trajectory_id: str = ""  # agentic rollout (NewRequest)
     last_turn: bool = False
     finished_on: str | None = None  # the worker that produced its last token
+    # Once forgotten its ledger slot goes to another request: its tokens are copied here first.
+    forgotten: tuple[list[int], list[float]] | None = field(default=None, repr=False)
+
+    @property
+    def slot(self) -> int:
+        return TokenLedger.slot(self.handle)
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self.forgotten is not None:
+            return list(self.forgotten[0])
+        return self.ledger.tokens(self.slot)
+
+    @property
+    def logprobs(self) -> list[float]:
+        if self.forgotten is not None:
+            return list(self.forgotten[1])
+        return self.ledger.logprobs(self.slot)
+
+    @property
+    def generated(self) -> int:
+        """len(token_ids), without reading them out."""
+        if self.forgotten is not None:
+            return len(self.forgotten[0])
+        return self.ledger.length(self.slot)
 
     @property
     def context_length(self) -> int:
-        return len(self.prompt_token_ids) + len(self.token_ids)
+        return len(self.prompt_token_ids) + self.generated
 
     @property
     def done(self) -> bool:
@@ -159,20 +193,23 @@ class DroppedDelta:
     worker_id: str
     reason: str  # "unknown" | "done" | "stale" | "version" | "position" | "malformed"
     tokens: int
+    row: int = -1  # in the batch
 
 
 @dataclass
 class ApplyReport:
     """Outcome of one batch of step outputs: what to forward, what finished, what was refused."""
 
-    accepted: list[DeltaLike] = field(default_factory=list)
+    accepted: Rows  # the rows appended (requests named by their handles)
+    tags: np.ndarray | None = None  # the accepted rows' labels (``label``): step keys
+    indices: np.ndarray | None = None  # and their index in their step
     finished: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # the assignee aborted it: back to waiting
     dropped: list[DroppedDelta] = field(default_factory=list)
 
     @property
     def accepted_tokens(self) -> int:
-        return sum(len(d.token_ids) for d in self.accepted)
+        return len(self.accepted.token_ids)
 
 
 @dataclass
@@ -201,6 +238,9 @@ class RequestTracker:
         # mean context (for P, on the relay's hot path) needs no walk over the requests.
         self._context: dict[str, int] = {}
         self.counters = TrackerCounters()
+        self.ledger = TokenLedger()
+        self._by_slot: dict[int, TrackedRequest] = {}
+        self._worker_index: dict[str, int] = {}  # the ledger names workers by number
 
     @property
     def _vocab_limit(self) -> int:
@@ -215,15 +255,27 @@ class RequestTracker:
         self._validate_step(requests)
         now = self._clock()
         for new in requests:
-            self._requests[new.request_id] = TrackedRequest(
+            handle = self.ledger.add(new.sampling.max_tokens, new.weight_version,
+                                     new.sampling.stop_token_ids, new.resume_token_ids,
+                                     new.resume_logprobs)
+            req = self._requests[new.request_id] = TrackedRequest(
                 new.request_id, new.group_id, tuple(new.prompt_token_ids), new.sampling,
-                new.weight_version, created_at=now,
-                no_worker_timeout_s=new.no_worker_timeout_s,
-                token_ids=list(new.resume_token_ids), logprobs=list(new.resume_logprobs),
-                high_water=len(new.resume_token_ids), trajectory_id=new.trajectory_id,
+                new.weight_version, created_at=now, ledger=self.ledger, handle=handle,
+                no_worker_timeout_s=new.no_worker_timeout_s, trajectory_id=new.trajectory_id,
                 last_turn=new.last_turn)
+            self._by_slot[req.slot] = req
             self._waiting_new[new.request_id] = None
         return [r.request_id for r in requests]
+
+    def label(self, request_ids: Sequence[str], tag: int) -> None:
+        """Name the requests' rows ``tag`` and their index in ``request_ids`` (the manager: a
+        step's key and each request's index in it, read by ``labels``)."""
+        slots = [self._requests[rid].slot for rid in request_ids]
+        self.ledger.label(slots, tag)
+
+    def labels(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tags and indices (``label``) of the requests of these handles."""
+        return self.ledger.labels(handles)
 
     def _validate_step(self, requests: Sequence[NewRequest]) -> None:
         lim = self._limits
@@ -323,7 +375,7 @@ class RequestTracker:
         if req.done:
             raise ValueError(f"request {request_id!r} is {req.state.value}; nothing to resume")
         return ResumePayload(req.request_id, req.prompt_token_ids, tuple(req.token_ids),
-                             req.sampling, req.weight_version)
+                             req.sampling, req.weight_version, req.handle)
 
     # ---- assignment ---------------------------------------------------------------------------
 
@@ -367,8 +419,7 @@ class RequestTracker:
         req = self.get(request_id)
         if req.state is not RequestState.WAITING:
             raise ValueError(f"request {request_id!r} is {req.state.value}; release it first")
-        req.token_ids.clear()
-        req.logprobs.clear()
+        self.ledger.truncate(req.slot)
 
     def fail(self, request_id: str, reason: str) -> None:
         req = self.get(request_id)
@@ -391,10 +442,15 @@ class RequestTracker:
             raise ValueError(f"request {request_id!r} is {req.state.value}; only finished or "
                              "failed requests can be forgotten")
         del self._requests[request_id]
+        del self._by_slot[req.slot]
+        req.forgotten = (req.token_ids, req.logprobs)
+        self.ledger.remove(req.handle)
 
     def _attach(self, req: TrackedRequest, worker_id: str) -> None:
         req.worker_id = worker_id
         req.state = RequestState.PENDING
+        number = self._worker_index.setdefault(worker_id, len(self._worker_index))
+        self.ledger.assign(req.slot, number)
         self._by_worker.setdefault(worker_id, {})[req.request_id] = None
         self._context[worker_id] = self._context.get(worker_id, 0) + req.context_length
 
@@ -408,6 +464,7 @@ class RequestTracker:
         # finished in it, so the sum may pass through a negative value within one batch.
         self._context[req.worker_id] -= req.context_length
         req.worker_id = None
+        self.ledger.unassign(req.slot)
 
     def _count_migration(self, req: TrackedRequest) -> None:
         req.migrations += 1
@@ -415,87 +472,89 @@ class RequestTracker:
 
     # ---- step outputs -------------------------------------------------------------------------
 
-    def apply_outputs(self, worker_id: str, deltas: Iterable[DeltaLike]) -> ApplyReport:
+    def apply_outputs(self, worker_id: str, rows: Rows) -> ApplyReport:
         """Append the tokens of one batch of step outputs from ``worker_id``.
 
-        A delta is dropped (and reported) when its request is unknown or done, when ``worker_id``
+        A row is dropped (and reported) when its request is unknown or done, when ``worker_id``
         is not the request's current assignee, when it was produced by another weight version,
-        when it does not start exactly where the completion ends, or when it is malformed.
-        ``deltas`` may be the wire messages themselves: accepted ones are reported as given, so
-        the service forwards them without building a copy per delta.
+        when it does not start exactly where the completion ends, or when it is malformed
+        (token_ledger.py checks the whole batch with array operations). The accepted rows are
+        reported as a batch, so the service forwards them without a Python object per row.
         """
-        # The manager's hot path (bench/manager_relay.py): one pass, locals only, no object per
-        # delta; reading a wire container from Python costs ~1 µs, so each is touched once.
-        report = ApplyReport()
-        requests = self._requests
-        vocab_size = self._vocab_limit
-        accepted = report.accepted
-        generated = regenerated = 0
-        for delta in deltas:
-            req = requests.get(delta.request_id)
-            tokens = delta.token_ids
-            n = len(tokens)
-            if req is None:
-                report.dropped.append(DroppedDelta(delta.request_id, worker_id, "unknown", n))
-                continue
-            held = req.token_ids
-            if req.state in _DONE:
-                reason = "done"
-            elif req.worker_id != worker_id:
-                reason = "stale"
-            elif delta.weight_version != req.weight_version:
-                reason = "version"
-            elif delta.position != len(held):
-                reason = "position"
-            elif len(held) + n > req.sampling.max_tokens or (not n and len(delta.logprobs)):
-                reason = "malformed"
-            else:
-                reason = ""
-            if not reason and n:
-                # Append first, then check the new tail as a plain list (C-speed min/max) and
-                # undo on a bad delta: iterating the wire container from Python costs far more.
-                start = len(held)
-                held += tokens
-                logprobs = req.logprobs
-                logprobs += delta.logprobs
-                tail = held[start:]
-                if len(logprobs) != len(held) or min(tail) < 0 or max(tail) >= vocab_size:
-                    del held[start:], logprobs[start:]
-                    reason = "malformed"
-            if reason:
-                report.dropped.append(DroppedDelta(delta.request_id, worker_id, reason, n))
-                if reason == "stale":
-                    self.counters.tokens_dropped_stale += n
-                continue
-            if n:
-                end = len(held)
-                if req.high_water > start:  # positions held before and discarded come again
-                    regenerated += min(req.high_water, end) - start
-                if end > req.high_water:
-                    req.high_water = end
-                generated += n
-                req.state = RequestState.EXECUTING
-                accepted.append(delta)
-            if delta.finished and delta.finish_reason == "abort":
-                # The worker gave the request up on its own; it keeps its tokens and waits.
+        number = self._worker_index.setdefault(worker_id, len(self._worker_index))
+        applied = self.ledger.apply(number, rows, self._vocab_limit)
+        report = ApplyReport(rows.take(applied.accepted), tags=applied.tags,
+                             indices=applied.indices)
+        by_slot = self._by_slot
+        for row in applied.dropped.tolist():  # rare: say why, one by one
+            handle = int(rows.requests[row])
+            req = by_slot.get(handle & MASK)
+            if req is not None and req.handle != handle:
+                req = None
+            n = int(rows.counts[row])
+            reason = self._refusal(req, worker_id, rows, row)
+            report.dropped.append(DroppedDelta(req.request_id if req else f"#{handle}",
+                                               worker_id, reason, n, row))
+            if reason == "stale":
+                self.counters.tokens_dropped_stale += n
+        for slot in applied.started:
+            by_slot[slot].state = RequestState.EXECUTING
+        for row, reason in applied.ended:  # after all the batch's tokens are in
+            req = by_slot[int(rows.requests[row]) & MASK]
+            if reason == "abort":  # the worker gave it up on its own: it keeps its tokens
                 self.release(req.request_id)
                 report.aborted.append(req.request_id)
-                continue
-            if delta.finished or len(held) >= req.sampling.max_tokens or \
-                    (held and held[-1] in req.sampling.stop_token_ids):
-                self._finish(req, self._finish_reason(req, delta))
+            else:
+                self._finish(req, reason)
                 report.finished.append(req.request_id)
-        self.counters.tokens_generated += generated
-        self.counters.tokens_regenerated += regenerated
-        if generated:  # every accepted token grew a request of worker_id (see _detach)
-            self._context[worker_id] = self._context.get(worker_id, 0) + generated
+        self.counters.tokens_generated += applied.generated
+        self.counters.tokens_regenerated += applied.regenerated
+        if applied.generated:  # every accepted token grew a request of worker_id (see _detach)
+            self._context[worker_id] = self._context.get(worker_id, 0) + applied.generated
         return report
 
-    def _finish_reason(self, req: TrackedRequest, delta: DeltaLike) -> str:
-        # The manager decides completion itself as well: a worker lost right after producing the
-        # last token must not cause a resume with nothing left to generate.
-        ended = natural_end(req.token_ids, req.sampling.max_tokens, req.sampling.stop_token_ids)
-        return ended or ((delta.finish_reason or "stop") if delta.finished else "")
+    @staticmethod
+    def _refusal(req: TrackedRequest | None, worker_id: str, rows: Rows, row: int) -> str:
+        if req is None:
+            return "unknown"
+        if req.done:
+            return "done"
+        if req.worker_id != worker_id:
+            return "stale"
+        if rows.weight_version != req.weight_version:
+            return "version"
+        if int(rows.positions[row]) != req.generated:
+            return "position"
+        return "malformed"
+
+    def apply_deltas(self, worker_id: str, deltas: Iterable[DeltaLike]) -> ApplyReport:
+        """``apply_outputs`` for deltas as objects naming their requests by id (tests, the policy
+        simulator): one batch of rows per weight version, in order."""
+        deltas = list(deltas)
+        report = ApplyReport(delta_batch.empty(deltas[0].weight_version if deltas else 0))
+        good = []
+        for d in deltas:
+            if len(d.logprobs) != len(d.token_ids):  # rows carry one logprob per token
+                report.dropped.append(DroppedDelta(d.request_id, worker_id, "malformed",
+                                                   len(d.token_ids)))
+            else:
+                good.append(d)
+        while good:
+            version = good[0].weight_version
+            batch = [d for d in good if d.weight_version == version]
+            good = [d for d in good if d.weight_version != version]
+            unknown = MASK  # a handle naming no request
+            rows = delta_batch.build(
+                ((self._requests[d.request_id].handle if d.request_id in self._requests
+                  else unknown, d.position, d.token_ids, d.logprobs,
+                  (d.finish_reason or "stop") if d.finished else "") for d in batch), version)
+            part = self.apply_outputs(worker_id, rows)
+            report.accepted = delta_batch.concat([report.accepted, part.accepted])
+            report.finished += part.finished
+            report.aborted += part.aborted
+            report.dropped += [DroppedDelta(batch[x.row].request_id, x.worker_id, x.reason,
+                                            x.tokens, x.row) for x in part.dropped]
+        return report
 
     def _finish(self, req: TrackedRequest, reason: str) -> None:
         req.finished_on = req.worker_id

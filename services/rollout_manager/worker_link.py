@@ -45,7 +45,8 @@ class WorkerLink:
         self._outbox.put_nowait(pb.WorkerCommand(add=pb.AddRequest(
             request_id=payload.request_id, prompt_token_ids=payload.prompt_token_ids,
             generated_token_ids=payload.generated_token_ids,
-            sampling=sampling_to_proto(payload.sampling), weight_version=payload.weight_version)))
+            sampling=sampling_to_proto(payload.sampling), weight_version=payload.weight_version,
+            handle=payload.handle)))
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and request_ids:

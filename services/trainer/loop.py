@@ -424,11 +424,10 @@ class TrainerLoop:
                 rewarding.setdefault(place[0], []).append(
                     tasks.create_task(reward(*place, completion)))
 
-        def take(event: mpb.StepEvent, tasks: TaskGroup) -> None:
+        def take(event: mpb.StepEvent, tasks: TaskGroup, ids: list[str]) -> None:
             if event.HasField("remote"):
                 remote.append(event.remote)
-            for delta in event.deltas:
-                assembler.delta(delta)
+            assembler.rows(event.batch, ids)  # ids: the submission's, which rows index
             for completion in event.completions:
                 complete(completion, tasks)
             for verdict in event.verdicts:  # after the completions that decided them
@@ -444,10 +443,11 @@ class TrainerLoop:
             submit, endpoint = request, manager
             incarnation: str | None = member.get("incarnation")
             while submit.requests:
+                ids = [r.request_id for r in submit.requests]
                 try:
                     async for event in rollout_client.stream_step(endpoint, submit,
                                                                   cfg.max_message_bytes):
-                        take(event, tasks)
+                        take(event, tasks, ids)
                     break
                 except grpc.aio.AioRpcError as exc:
                     if submit is request:

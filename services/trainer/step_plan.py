@@ -12,6 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlharvest.common import delta_batch
+from rlharvest.common.delta_batch import Row
 from rlharvest.common.engine_types import natural_end
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
 from rlharvest.services.trainer.bench_harness import LengthModel
@@ -130,15 +132,15 @@ class _Partial:
     finish_reason: str = ""  # "stop" | "length" once its final delta came
     broken: bool = False
 
-    def add(self, delta: common_pb2.TokenDelta) -> None:
-        if delta.position > len(self.token_ids):
+    def add(self, row: Row) -> None:
+        if row.position > len(self.token_ids):
             self.broken = True
             return
-        del self.token_ids[delta.position:], self.logprobs[delta.position:]
-        self.token_ids.extend(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
-        if delta.finished and delta.finish_reason in ("stop", "length"):
-            self.finish_reason = delta.finish_reason
+        del self.token_ids[row.position:], self.logprobs[row.position:]
+        self.token_ids.extend(row.token_ids)
+        self.logprobs.extend(row.logprobs)
+        if row.end in ("stop", "length"):
+            self.finish_reason = row.end
 
     def ended(self, sampling: common_pb2.SamplingParams) -> str:
         """Why these tokens are a whole completion ("" when not): the final delta said so, or
@@ -182,13 +184,19 @@ class GroupAssembler:
         """The index of one of the step's group ids (``s<step>-g<index>``)."""
         return self.parse(f"{group_id}-r0")[0]
 
-    def delta(self, delta: common_pb2.TokenDelta) -> None:
-        if delta.weight_version != self._spec.weight_version:
+    def rows(self, batch: common_pb2.DeltaBatch, request_ids: Sequence[str]) -> None:
+        """One event's rows; ``request_ids``: the submission's, which the rows index."""
+        if not batch.requests:
+            return
+        rows = delta_batch.decode(batch)
+        if rows.weight_version != self._spec.weight_version:
             raise OnPolicyViolation(
-                f"request {delta.request_id}: tokens {delta.position}.. came from weight version "
-                f"{delta.weight_version}, the step runs on {self._spec.weight_version}")
-        self.tokens_generated += len(delta.token_ids)
-        self._partial.setdefault(delta.request_id, _Partial()).add(delta)
+                f"request {request_ids[int(rows.requests[0])]}: tokens came from weight version "
+                f"{rows.weight_version}, the step runs on {self._spec.weight_version}")
+        self.tokens_generated += len(rows.token_ids)
+        partial = self._partial
+        for row in rows.iter():
+            partial.setdefault(request_ids[row.request], _Partial()).add(row)
 
     def resume(self, request: mpb.SubmitStepRequest
                ) -> tuple[mpb.SubmitStepRequest, list[mpb.Completion]]:

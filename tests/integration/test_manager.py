@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-from rlharvest.common import keys, rpc
+from rlharvest.common import delta_batch, keys, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.tokenizer import CharTokenizer
@@ -57,10 +57,11 @@ async def run_step(endpoint: str, request: mpb.SubmitStepRequest, on_event=None,
     async with rpc.channel(endpoint) as chan:
         stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
         async for event in stub.SubmitStep(request, timeout=180):
-            for d in event.deltas:
-                got = streamed.setdefault(d.request_id, [])
-                assert d.position == len(got), f"{d.request_id}: gap/duplicate at {d.position}"
-                got.extend(d.token_ids)
+            for row in delta_batch.decode(event.batch).iter():
+                rid = request.requests[row.request].request_id
+                got = streamed.setdefault(rid, [])
+                assert row.position == len(got), f"{rid}: gap/duplicate at {row.position}"
+                got.extend(row.token_ids)
             for c in event.completions:
                 assert c.request_id not in completions, "completed twice"
                 completions[c.request_id] = c
@@ -122,7 +123,8 @@ async def test_step_completes_on_the_step_version(cluster):
             mpb.GenerateRequest(request=single, weight_version=0), timeout=60)]
     [completion] = [c for e in events for c in e.completions]
     assert list(completion.token_ids) == list(done["r0"].token_ids)
-    assert [t for e in events for d in e.deltas for t in d.token_ids] == list(completion.token_ids)
+    streamed = [t for e in events for t in delta_batch.decode(e.batch).token_ids.tolist()]
+    assert streamed == list(completion.token_ids)
 
     samples = scrape(manager.metrics_port)
     assert samples["rlh_manager_tokens_total"] == 13 * 20

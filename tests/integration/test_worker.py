@@ -21,7 +21,7 @@ from rlharvest.common.pb import rollout_worker_pb2 as pb
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import CharTokenizer
 
-from tests.worker_sessions import abort, add
+from tests.worker_sessions import abort, add, deltas_of
 
 from tests.fuzz_messages import fuzz_service, garbage_status
 
@@ -61,8 +61,8 @@ async def test_streams_batched_step_outputs_with_contiguous_positions(session):
     assert got.max_deltas_per_message == 3
     # ... and that step's own measurements: this session's requests are the whole batch here.
     for step in got.steps:
-        assert step.stats.batch_size == len(step.deltas)
-        assert step.stats.decode_tokens == sum(len(d.token_ids) for d in step.deltas)
+        assert step.stats.batch_size == len(deltas_of(step))
+        assert step.stats.decode_tokens == sum(len(d.token_ids) for d in deltas_of(step))
         assert step.stats.duration_s > 0
     assert sum(step.stats.prefill_tokens for step in got.steps) == 3 * len(PROMPT)
 

@@ -184,7 +184,7 @@ def test_a_kv_memory_workers_reported_queue_migrates_to_an_idle_worker(admission
     control.add_step("s", step(8), 0)
     control.tick()
     for i in range(8):
-        control.step_outputs("busy", [TokenDelta(f"r{i}", 0, (5,), (0.0,), 0)])
+        control.step_deltas("busy", [TokenDelta(f"r{i}", 0, (5,), (0.0,), 0)])
     control.worker_load("busy", pending=3, executing=5)  # memory for five: three queue there
     control.worker_joined("idle", 0, capacity=16, kind="k")
     moves = [c for c in control.tick() if isinstance(c, Migrate)]
@@ -317,7 +317,7 @@ class FakeWorkers:
     def step(self, worker: str, tokens: int) -> None:
         deltas = []
         late = self.late.pop(worker, {})
-        late_deltas: set[int] = set()
+        late_rows: set[tuple[int, int]] = set()  # (handle, position) sent after a move
         for held in (self.position[worker], late):
             for rid, pos in list(held.items()):
                 r = self.control.tracker.get(rid)
@@ -327,14 +327,15 @@ class FakeWorkers:
                 deltas.append(TokenDelta(rid, pos, ids, (0.0,) * n, self.version[worker], done,
                                          "length" if done else ""))
                 if held is late:
-                    late_deltas.add(id(deltas[-1]))
+                    late_rows.add((r.handle, pos))
                 if held is self.position[worker]:
                     held[rid] = pos + n
                     if done:
                         del held[rid]
-        report = self.control.step_outputs(worker, deltas)
+        report = self.control.step_deltas(worker, deltas)
         # A worker the request has left may still send its in-flight step: never appended.
-        assert not [d for d in report.accepted if id(d) in late_deltas], "stale tokens appended"
+        accepted = zip(report.accepted.requests.tolist(), report.accepted.positions.tolist())
+        assert not late_rows & set(accepted), "stale tokens appended"
         self.finished += report.finished
 
     def kill(self, worker: str) -> None:

@@ -19,7 +19,7 @@ def run_until_loss(recompute_on_loss: bool) -> RolloutControl:
     control.add_step("s", step(2, max_tokens=8), 0)
     control.tick()
     for rid in ("r0", "r1"):
-        control.step_outputs("a", [TokenDelta(rid, 0, (3,) * 5, (0.0,) * 5, 0)])
+        control.step_deltas("a", [TokenDelta(rid, 0, (3,) * 5, (0.0,) * 5, 0)])
     released = control.worker_lost("a", "SIGKILL")
     assert {c.request_id for c in released if isinstance(c, Release)} == {"r0", "r1"}
     control.worker_joined("b", 0, capacity=4, kind="k")
@@ -31,7 +31,7 @@ def test_by_default_a_lost_workers_requests_resume_from_their_last_token():
     control = run_until_loss(recompute_on_loss=False)
     payload = control.tracker.resume_payload("r0")
     assert payload.generated_token_ids == (3,) * 5 and payload.remaining_tokens == 3
-    control.step_outputs("b", [TokenDelta("r0", 5, (4,) * 3, (0.0,) * 3, 0)])
+    control.step_deltas("b", [TokenDelta("r0", 5, (4,) * 3, (0.0,) * 3, 0)])
     assert control.tracker.counters.tokens_regenerated == 0
 
 
@@ -39,7 +39,7 @@ def test_recompute_on_loss_restarts_from_the_prompt_and_counts_regenerated_token
     control = run_until_loss(recompute_on_loss=True)
     payload = control.tracker.resume_payload("r0")
     assert payload.generated_token_ids == () and payload.remaining_tokens == 8
-    report = control.step_outputs("b", [TokenDelta("r0", 0, (4,) * 8, (0.0,) * 8, 0)])
+    report = control.step_deltas("b", [TokenDelta("r0", 0, (4,) * 8, (0.0,) * 8, 0)])
     assert report.finished == ["r0"]
     assert control.tracker.counters.tokens_regenerated == 5  # positions 0..4 came twice
 
@@ -50,7 +50,7 @@ def test_recompute_on_loss_leaves_graceful_drain_as_a_migration():
         control.worker_joined(w, 0, capacity=4, kind="k")
     control.add_step("s", step(1, max_tokens=8), 0)
     (dispatch,) = control.tick()
-    control.step_outputs(dispatch.worker_id, [TokenDelta("r0", 0, (3, 3), (0.0, 0.0), 0)])
+    control.step_deltas(dispatch.worker_id, [TokenDelta("r0", 0, (3, 3), (0.0, 0.0), 0)])
     control.worker_draining(dispatch.worker_id, deadline=100.0)
     assert control.tracker.resume_payload("r0").generated_token_ids == (3, 3)
 

@@ -35,7 +35,7 @@ def add(control: RolloutControl, n: int, version: int = 1, max_tokens: int = 50)
 def emit(control: RolloutControl, worker: str, request_id: str, tokens: list[int],
          version: int = 1):
     pos = len(control.tracker.get(request_id).token_ids)
-    return control.step_outputs(worker, [TokenDelta(request_id, pos, tuple(tokens),
+    return control.step_deltas(worker, [TokenDelta(request_id, pos, tuple(tokens),
                                                     (0.0,) * len(tokens), version)])
 
 
@@ -81,7 +81,7 @@ def test_tokens_a_lost_worker_sends_after_the_loss_are_dropped():
     control.tick()
     emit(control, "w", "r0", [10])
     control.worker_lost("w", "lease vanished")
-    report = control.step_outputs("w", [TokenDelta("r0", 1, (11,), (0.0,), 1)])
+    report = control.step_deltas("w", [TokenDelta("r0", 1, (11,), (0.0,), 1)])
     assert [d.reason for d in report.dropped] == ["stale"]
     assert control.tracker.get("r0").token_ids == [10]
 

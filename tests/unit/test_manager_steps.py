@@ -32,7 +32,7 @@ def finish(control: RolloutControl, *request_ids: str) -> None:
     """Worker w produces each request's last token; the service delivers the completions."""
     for rid in request_ids:
         pos = len(control.tracker.get(rid).token_ids)
-        control.step_outputs("w", [TokenDelta(rid, pos, (5,), (0.0,), 0, True, "stop")])
+        control.step_deltas("w", [TokenDelta(rid, pos, (5,), (0.0,), 0, True, "stop")])
     for rid in request_ids:
         control.deliver(rid)
 
@@ -45,7 +45,7 @@ def test_a_step_ends_once_when_its_last_completion_is_delivered():
     control.tick()
     finish(control, "r0")
     assert not s.ended and s.outstanding == {"r1"}
-    control.step_outputs("w", [TokenDelta("r1", 0, (5,), (0.0,), 0, True, "stop")])
+    control.step_deltas("w", [TokenDelta("r1", 0, (5,), (0.0,), 0, True, "stop")])
     assert control.deliver("r1") is s
     assert s.outcome is StepOutcome.FINISHED and not control.steps.live()
     assert control.abandon_step(s) == []  # the client leaving afterwards changes nothing
@@ -63,7 +63,7 @@ def test_a_client_going_away_drops_its_requests_and_aborts_those_on_a_worker():
     assert s.outcome is StepOutcome.ABANDONED
     assert not any(r in control.tracker for r in ("r0", "r1", "r2"))
     assert control.tick() == []
-    late = control.step_outputs("w", [TokenDelta("r0", 0, (5,), (0.0,), 0)])
+    late = control.step_deltas("w", [TokenDelta("r0", 0, (5,), (0.0,), 0)])
     assert [d.reason for d in late.dropped] == ["unknown"]
 
 

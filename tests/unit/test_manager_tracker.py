@@ -85,8 +85,8 @@ def test_tokens_from_the_assignee_are_appended_in_order_with_their_logprobs():
     t.add_step([req("a")])
     t.assign("a", "w1")
     assert t.get("a").state is RequestState.PENDING
-    report = t.apply_outputs("w1", [delta("a", 0, [7, 8])])
-    report2 = t.apply_outputs("w1", [delta("a", 2, [9])])
+    report = t.apply_deltas("w1", [delta("a", 0, [7, 8])])
+    report2 = t.apply_deltas("w1", [delta("a", 2, [9])])
     a = t.get("a")
     assert a.token_ids == [7, 8, 9] and a.logprobs == [-0.5, -0.5, -0.5]
     assert a.state is RequestState.EXECUTING
@@ -97,12 +97,12 @@ def test_a_late_message_from_a_migrated_away_worker_is_dropped_never_appended():
     t = tracker()
     t.add_step([req("a")])
     t.assign("a", "w1")
-    t.apply_outputs("w1", [delta("a", 0, [7, 8])])
+    t.apply_deltas("w1", [delta("a", 0, [7, 8])])
     t.move("a", "w2")
-    late = t.apply_outputs("w1", [delta("a", 2, [9, 10])])
+    late = t.apply_deltas("w1", [delta("a", 2, [9, 10])])
     assert [d.reason for d in late.dropped] == ["stale"]
     assert t.counters.tokens_dropped_stale == 2
-    t.apply_outputs("w2", [delta("a", 2, [11])])
+    t.apply_deltas("w2", [delta("a", 2, [11])])
     assert t.get("a").token_ids == [7, 8, 11]
     assert t.get("a").migrations == 1
 
@@ -112,8 +112,8 @@ def test_a_delta_that_would_leave_a_gap_or_a_duplicate_is_dropped(position, reas
     t = tracker()
     t.add_step([req("a")])
     t.assign("a", "w1")
-    t.apply_outputs("w1", [delta("a", 0, [7, 8])])
-    report = t.apply_outputs("w1", [delta("a", position, [9])])
+    t.apply_deltas("w1", [delta("a", 0, [7, 8])])
+    report = t.apply_deltas("w1", [delta("a", position, [9])])
     assert [d.reason for d in report.dropped] == [reason]
     assert t.get("a").token_ids == [7, 8]
 
@@ -122,7 +122,7 @@ def test_tokens_of_another_weight_version_are_never_appended():
     t = tracker()
     t.add_step([req("a", version=3)])
     t.assign("a", "w1")
-    report = t.apply_outputs("w1", [delta("a", 0, [7], version=4)])
+    report = t.apply_deltas("w1", [delta("a", 0, [7], version=4)])
     assert [d.reason for d in report.dropped] == ["version"]
     assert t.get("a").token_ids == []
 
@@ -136,15 +136,15 @@ def test_malformed_deltas_are_dropped(bad):
     t = tracker()
     t.add_step([req("a", max_tokens=4)])
     t.assign("a", "w1")
-    assert [d.reason for d in t.apply_outputs("w1", [bad]).dropped] == ["malformed"]
+    assert [d.reason for d in t.apply_deltas("w1", [bad]).dropped] == ["malformed"]
 
 
 def test_outputs_for_unknown_or_finished_requests_are_dropped():
     t = tracker()
     t.add_step([req("a")])
     t.assign("a", "w1")
-    t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
-    report = t.apply_outputs("w1", [delta("a", 1, [8]), delta("zzz", 0, [8])])
+    t.apply_deltas("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    report = t.apply_deltas("w1", [delta("a", 1, [8]), delta("zzz", 0, [8])])
     assert sorted(d.reason for d in report.dropped) == ["done", "unknown"]
 
 
@@ -156,7 +156,7 @@ def test_a_request_finishes_once_when_the_worker_says_so():
     t.add_step([req("a")])
     t.assign("a", "w1")
     clock.now = 4.0
-    report = t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    report = t.apply_deltas("w1", [delta("a", 0, [7], finished=True, reason="stop")])
     a = t.get("a")
     assert report.finished == ["a"] and a.state is RequestState.FINISHED
     assert a.finish_reason == "stop" and a.finished_at == 4.0 and a.worker_id is None
@@ -168,7 +168,7 @@ def test_the_manager_finishes_a_request_at_max_tokens_or_a_stop_token_even_witho
     t.add_step([req("len", max_tokens=2), req("stop", stop=(2,))])
     t.assign("len", "w1")
     t.assign("stop", "w1")
-    report = t.apply_outputs("w1", [delta("len", 0, [7, 8]), delta("stop", 0, [7, 2])])
+    report = t.apply_deltas("w1", [delta("len", 0, [7, 8]), delta("stop", 0, [7, 2])])
     assert sorted(report.finished) == ["len", "stop"]
     assert t.get("len").finish_reason == "length" and t.get("stop").finish_reason == "stop"
 
@@ -177,7 +177,7 @@ def test_an_abort_from_the_assignee_sends_the_request_back_to_wait_with_its_toke
     t = tracker()
     t.add_step([req("a")])
     t.assign("a", "w1")
-    report = t.apply_outputs("w1", [delta("a", 0, [7]), delta("a", 1, [], finished=True,
+    report = t.apply_deltas("w1", [delta("a", 0, [7]), delta("a", 1, [], finished=True,
                                                                  reason="abort")])
     assert report.aborted == ["a"]
     assert t.get("a").state is RequestState.WAITING and t.get("a").token_ids == [7]
@@ -189,7 +189,7 @@ def test_resume_payload_is_prompt_plus_tokens_so_far_with_the_remaining_budget()
     t = tracker()
     t.add_step([req("a", prompt=(1, 5), max_tokens=10)])
     t.assign("a", "w1")
-    t.apply_outputs("w1", [delta("a", 0, [7, 8, 9])])
+    t.apply_deltas("w1", [delta("a", 0, [7, 8, 9])])
     t.release("a")
     payload = t.resume_payload("a")
     assert payload.prompt_token_ids == (1, 5) and payload.generated_token_ids == (7, 8, 9)
@@ -203,7 +203,7 @@ def test_a_finished_request_has_no_resume_payload():
     t = tracker()
     t.add_step([req("a")])
     t.assign("a", "w1")
-    t.apply_outputs("w1", [delta("a", 0, [7], finished=True, reason="stop")])
+    t.apply_deltas("w1", [delta("a", 0, [7], finished=True, reason="stop")])
     with pytest.raises(ValueError, match="finished; nothing to resume"):
         t.resume_payload("a")
 
@@ -233,12 +233,12 @@ def test_recompute_from_prompt_regenerates_tokens_and_migration_does_not():
     t.add_step([req("migrated"), req("recomputed")])
     for rid in ("migrated", "recomputed"):
         t.assign(rid, "w1")
-        t.apply_outputs("w1", [delta(rid, 0, [7, 8, 9])])
+        t.apply_deltas("w1", [delta(rid, 0, [7, 8, 9])])
         t.release(rid)
     t.restart_from_prompt("recomputed")
     t.assign("migrated", "w2")
     t.assign("recomputed", "w2")
-    t.apply_outputs("w2", [delta("migrated", 3, [10]), delta("recomputed", 0, [7, 8, 9, 10])])
+    t.apply_deltas("w2", [delta("migrated", 3, [10]), delta("recomputed", 0, [7, 8, 9, 10])])
     assert t.get("migrated").token_ids == t.get("recomputed").token_ids == [7, 8, 9, 10]
     assert t.counters.tokens_regenerated == 3  # all three from the recomputed request
 
@@ -263,11 +263,11 @@ def test_migrated_request_continues_from_its_last_token_whatever_the_history(tok
         if worker != holder:
             t.move("a", worker)
             if late:  # the old worker's in-flight step arrives after the move
-                t.apply_outputs(holder, [delta("a", pos, tokens[pos:pos + size])])
+                t.apply_deltas(holder, [delta("a", pos, tokens[pos:pos + size])])
             holder = worker
         payload = t.resume_payload("a")
         assert list(payload.generated_token_ids) == tokens[:pos]
-        t.apply_outputs(holder, [delta("a", pos, tokens[pos:pos + size])])
+        t.apply_deltas(holder, [delta("a", pos, tokens[pos:pos + size])])
     a = t.get("a")
     assert a.token_ids == tokens[:len(a.token_ids)]
     assert t.counters.tokens_regenerated == 0
@@ -297,13 +297,13 @@ def test_a_workers_mean_context_is_that_of_its_requests_whatever_happened(ops):
         elif op in ("emit", "finish", "abort") and r.worker_id is not None:
             pos = len(r.token_ids)
             reason = {"finish": "stop", "abort": "abort"}.get(op, "")
-            t.apply_outputs(r.worker_id, [delta(r.request_id, pos, [7] * min(n, 12 - pos),
+            t.apply_deltas(r.worker_id, [delta(r.request_id, pos, [7] * min(n, 12 - pos),
                                                 finished=bool(reason), reason=reason)])
         elif op == "fail":
             t.fail(r.request_id, "test")
         elif op == "batch":  # one delta per request of the worker, the n-th one finishing
             on = t.on_worker(worker)
-            t.apply_outputs(worker, [
+            t.apply_deltas(worker, [
                 delta(x.request_id, len(x.token_ids), [7] * min(2, 12 - len(x.token_ids)),
                       finished=k == n, reason="stop" if k == n else "")
                 for k, x in enumerate(on)])
@@ -322,7 +322,7 @@ def test_a_resumed_request_continues_after_its_tokens_and_completes_with_them():
     payload = t.resume_payload("a")
     assert payload.generated_token_ids == (7, 8, 9) and payload.remaining_tokens == 13
     t.assign("a", "w1")
-    report = t.apply_outputs("w1", [delta("a", 3, [10, 11], finished=True, reason="stop")])
+    report = t.apply_deltas("w1", [delta("a", 3, [10, 11], finished=True, reason="stop")])
     assert report.accepted_tokens == 2
     tracked = t.get("a")
     assert tracked.token_ids == [7, 8, 9, 10, 11] and tracked.done

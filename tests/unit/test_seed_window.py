@@ -43,7 +43,7 @@ class Harness:
     def emit(self, worker: str, rid: str, count: int) -> None:
         """``worker`` generated ``count`` tokens of ``rid``: what the service does per step."""
         req = self.control.tracker.get(rid)
-        self.control.step_outputs(worker, [TokenDelta(rid, len(req.token_ids), (5,) * count,
+        self.control.step_deltas(worker, [TokenDelta(rid, len(req.token_ids), (5,) * count,
                                                       (0.0,) * count, 0)])
 
 
@@ -63,7 +63,7 @@ async def test_what_the_seed_sends_after_the_close_is_dropped_and_the_step_end_r
     h = Harness()
     h.emit("seed", "r0", 2)
     await asyncio.sleep(WINDOW_S * 5)
-    report = h.control.step_outputs("seed", [TokenDelta("r0", 2, (7,), (0.0,), 0)])
+    report = h.control.step_deltas("seed", [TokenDelta("r0", 2, (7,), (0.0,), 0)])
     assert [d.reason for d in report.dropped] == ["stale"]  # r0 resumes from its 2 tokens
     assert len(h.control.tracker.get("r0").token_ids) == 2
     h.windows.step_ended(h.step.key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -28,7 +29,12 @@ from rlharvest.services.rollout_manager.stream_scaling import (
     StreamScaling,
     WorkerKV,
 )
-from rlharvest.services.rollout_manager.tracker import TokenDelta, TrackedRequest
+from rlharvest.services.rollout_manager.tracker import (
+    RequestTracker,
+    StepLimits,
+    TokenDelta,
+    TrackedRequest,
+)
 from rlharvest.services.rollout_manager.worker_pool import WorkerPool, WorkerState, WorkerView
 from tests.builders import Clock, request, step
 
@@ -38,8 +44,11 @@ from tests.builders import Clock, request, step
 def tracked(rid: str, prompt: int, output: int, worker: str | None,
             done: bool = False) -> TrackedRequest:
     r = request(rid, prompt=(1,) * prompt, max_tokens=100)
-    t = TrackedRequest(rid, "g", r.prompt_token_ids, r.sampling, 0, 0.0,
-                       token_ids=[7] * output, worker_id=worker)
+    tracker = RequestTracker(StepLimits(), lambda: 0.0)
+    tracker.add_step([replace(r, resume_token_ids=(7,) * output,
+                              resume_logprobs=(0.0,) * output)])
+    t = tracker.get(rid)
+    t.worker_id = worker
     if done:
         t.state = t.state.FINISHED
     return t
@@ -194,7 +203,7 @@ def start(control: RolloutControl, scaler: StreamScaler, n: int, max_tokens,
 def emit(control: RolloutControl, rid: str, count: int) -> None:
     req = control.tracker.get(rid)
     assert req.worker_id is not None
-    control.step_outputs(req.worker_id, [TokenDelta(rid, len(req.token_ids), (5,) * count,
+    control.step_deltas(req.worker_id, [TokenDelta(rid, len(req.token_ids), (5,) * count,
                                                     (0.0,) * count, 0)])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlharvest.common import delta_batch
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
 from rlharvest.services.demo import Kill, PreemptionSchedule, Replace
 from rlharvest.services.trainer.step_plan import (
@@ -45,10 +46,10 @@ def test_a_group_is_ready_only_when_all_its_samples_are_rewarded():
 
 def test_a_token_of_another_version_is_refused():
     a = GroupAssembler(step_spec(version=3))
-    a.delta(common_pb2.TokenDelta(request_id="s5-g0-r0", token_ids=[7], weight_version=3))
-    with pytest.raises(OnPolicyViolation, match="weight version 2"):
-        a.delta(common_pb2.TokenDelta(request_id="s5-g0-r0", position=1, token_ids=[8],
-                                      weight_version=2))
+    ids = ["s5-g0-r0"]
+    a.rows(_batch(0, 0, [7]), ids)
+    with pytest.raises(OnPolicyViolation, match="s5-g0-r0: tokens came from weight version 2"):
+        a.rows(_batch(0, 1, [8], version=2), ids)
     with pytest.raises(OnPolicyViolation, match="completed on weight version 4"):
         a.completion(completion("s5-g0-r1", version=4))
 
@@ -121,10 +122,14 @@ def test_with_a_length_model_each_request_runs_its_modelled_length_without_stop_
         assert not r.sampling.stop_token_ids
 
 
-def _delta(rid: str, position: int, tokens: list[int], finished: str = "") -> common_pb2.TokenDelta:
-    return common_pb2.TokenDelta(request_id=rid, position=position, token_ids=tokens,
-                                 logprobs=[-0.25] * len(tokens), weight_version=3,
-                                 finished=bool(finished), finish_reason=finished)
+def _batch(index: int, position: int, tokens: list[int], finished: str = "",
+           version: int = 3) -> common_pb2.DeltaBatch:
+    """One row naming the request by its index in the submission."""
+    return delta_batch.encode(delta_batch.build(
+        [(index, position, tokens, [-0.25] * len(tokens), finished)], version))
+
+
+IDS = ["s5-g0-r0", "s5-g0-r1", "s5-g1-r0", "s5-g1-r1"]  # the submission's order
 
 
 def test_a_resumed_step_carries_each_unfinished_requests_streamed_tokens():
@@ -135,14 +140,14 @@ def test_a_resumed_step_carries_each_unfinished_requests_streamed_tokens():
     request = submit_request(s, max_new_tokens=8, temperature=1.0, top_p=1.0,
                              stop_token_ids=[2], data_seed=0, no_worker_deadline_s=0)
     a = GroupAssembler(s)
-    a.delta(_delta("s5-g0-r0", 0, [10, 2], finished="stop"))
+    a.rows(_batch(0, 0, [10, 2], finished="stop"), IDS)
     a.completion(completion("s5-g0-r0"))
-    a.delta(_delta("s5-g0-r1", 0, [11, 12]))
-    a.delta(_delta("s5-g0-r1", 2, [13]))
-    a.delta(_delta("s5-g1-r0", 0, [20]))
-    a.delta(_delta("s5-g1-r0", 1, [21, 2], finished="stop"))  # final delta, no completion
-    a.delta(_delta("s5-g1-r1", 0, [30]))
-    a.delta(_delta("s5-g1-r1", 3, [33]))  # a gap: these tokens cannot be trusted
+    a.rows(_batch(1, 0, [11, 12]), IDS)
+    a.rows(_batch(1, 2, [13]), IDS)
+    a.rows(_batch(2, 0, [20]), IDS)
+    a.rows(_batch(2, 1, [21, 2], finished="stop"), IDS)  # final delta, no completion
+    a.rows(_batch(3, 0, [30]), IDS)
+    a.rows(_batch(3, 3, [33]), IDS)  # a gap: these tokens cannot be trusted
     again, finished = a.resume(request)
     assert [r.request_id for r in again.requests] == ["s5-g0-r1", "s5-g1-r1"]
     resumed = {r.request_id: r for r in again.requests}
@@ -165,8 +170,8 @@ def test_a_request_the_manager_would_have_finished_completes_instead_of_resuming
     request = submit_request(s, max_new_tokens=3, temperature=1.0, top_p=1.0,
                              stop_token_ids=[2], data_seed=0, no_worker_deadline_s=0)
     a = GroupAssembler(s)
-    a.delta(_delta("s5-g0-r0", 0, [10, 2]))  # a stop token last
-    a.delta(_delta("s5-g0-r1", 0, [11, 12, 13]))  # max_tokens
+    a.rows(_batch(0, 0, [10, 2]), IDS)  # a stop token last
+    a.rows(_batch(1, 0, [11, 12, 13]), IDS)  # max_tokens
     again, finished = a.resume(request)
     assert list(again.requests) == []
     assert {(c.request_id, c.finish_reason) for c in finished} == \

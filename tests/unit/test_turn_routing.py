@@ -84,7 +84,7 @@ def test_the_manager_routes_a_trajectorys_next_turn_to_the_worker_that_served_th
 
     control.add_step("t0", [turn("t0", 0)], 0)
     home = next(c.worker_id for c in control.tick() if isinstance(c, Dispatch))
-    control.step_outputs(home, [TokenDelta("t0", 0, (5,), (0.0,), 0, True, "stop")])
+    control.step_deltas(home, [TokenDelta("t0", 0, (5,), (0.0,), 0, True, "stop")])
     control.deliver("t0")
     # Other requests load the home worker more than the other one: JSQ alone would now pick
     # the other worker.
@@ -96,7 +96,7 @@ def test_the_manager_routes_a_trajectorys_next_turn_to_the_worker_that_served_th
     dispatched = [c for c in control.tick() if isinstance(c, Dispatch)]
     assert dispatched == [Dispatch("t1", home)]
     assert control.router.counts.affinity == 1
-    control.step_outputs(home, [TokenDelta("t1", 0, (5,), (0.0,), 0, True, "stop")])
+    control.step_deltas(home, [TokenDelta("t1", 0, (5,), (0.0,), 0, True, "stop")])
     control.deliver("t1")
     assert len(control.router) == 0  # the last turn ended the entry
 
@@ -150,13 +150,13 @@ def test_a_lost_workers_turn_resumes_elsewhere_with_its_tokens_and_its_home_move
     turn = replace(request("t0", max_tokens=4), trajectory_id="traj", turn=0)
     control.add_step("t0", [turn], 0)
     first = next(c.worker_id for c in control.tick() if isinstance(c, Dispatch))
-    control.step_outputs(first, [TokenDelta("t0", 0, (5, 6), (0.0, 0.0), 0)])
+    control.step_deltas(first, [TokenDelta("t0", 0, (5, 6), (0.0, 0.0), 0)])
     control.worker_lost(first, "SIGKILL")
     moved = [c for c in control.tick() if isinstance(c, Dispatch)]
     other = "b" if first == "a" else "a"
     assert moved == [Dispatch("t0", other)]
     assert control.tracker.get("t0").token_ids == [5, 6]  # resumed, not regenerated
-    control.step_outputs(other, [TokenDelta("t0", 2, (7, 8), (0.0, 0.0), 0, True, "length")])
+    control.step_deltas(other, [TokenDelta("t0", 2, (7, 8), (0.0, 0.0), 0, True, "length")])
     control.deliver("t0")
     assert control.router.home("traj") == other  # the history's KV is where it finished
 

@@ -25,7 +25,7 @@ from rlharvest.common.worker_core.session_hub import RoutedStep, SessionHub
 from prometheus_client import REGISTRY
 from rlharvest.services.rollout_worker.admission import RolloutAdmission
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-from tests.worker_sessions import InProcessSession, abort, add
+from tests.worker_sessions import InProcessSession, abort, add, deltas_of
 
 PROMPT = [1, 5, 9, 13, 17]
 
@@ -89,13 +89,13 @@ async def test_every_step_message_carries_the_steps_true_stats():
     first_step = {}  # request id -> the step that admitted (prefilled) it
     for number in sorted(steps):
         for message in steps[number]:
-            for d in message.deltas:
+            for d in deltas_of(message):
                 first_step.setdefault(d.request_id, number)
     assert len(steps) == core.pump.steps  # a message for every step, none for other events
     for number, messages in steps.items():
         stats = messages[0].stats
         assert all(m.stats == stats for m in messages)  # the same in every session's message
-        deltas = [d for m in messages for d in m.deltas]
+        deltas = [d for m in messages for d in deltas_of(m)]
         assert stats.batch_size == len(deltas) <= 2  # every decoding request, within the slots
         assert stats.decode_tokens == sum(len(d.token_ids) for d in deltas)
         assert stats.prefill_tokens == sum(len(prompts[r]) for r, n in first_step.items()

@@ -16,7 +16,7 @@ from rlharvest.common.errors import NotFound, ResourceExhausted
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core.engine_pump import EngineStep
 from rlharvest.common.worker_core.session_hub import Session, SessionHub
-from tests.worker_sessions import Collected
+from tests.worker_sessions import Collected, deltas_of, handle_of
 
 LOAD = common_pb2.Load(executing=1, weight_version=3)
 
@@ -65,13 +65,13 @@ async def test_a_new_session_hears_the_load_first():
 async def test_an_abort_confirmation_never_overtakes_step_outputs_routed_before_it():
     hub = SessionHub()
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     routed = hub.route(engine_step(1, token("r", 7)))
     hub.end(aborted("r"), 3, LOAD)  # decided between steps, while step 1 is still unsent
     assert len(session.outbox) == 0  # held back behind the unsent step
     await hub.send(routed)
     got = await collect(session)
-    assert [s.deltas[0].position for s in got.steps] == [0, 1]
+    assert [deltas_of(s)[0].position for s in got.steps] == [0, 1]
     assert got.completions["r"].tokens == [7]
     assert got.completions["r"].finish_reason == "abort"
     assert hub.holder("r") is None
@@ -80,25 +80,26 @@ async def test_an_abort_confirmation_never_overtakes_step_outputs_routed_before_
 async def test_a_final_delta_with_no_step_unsent_goes_out_at_once():
     hub = SessionHub()
     session = opened(hub)
-    hub.hold(session, "r", next_position=5, weight_version=3)  # a resume: 5 tokens came before
+    # a resume: 5 tokens came before
+    hub.hold(session, "r", next_position=5, weight_version=3, handle=handle_of("r"))
     hub.end(aborted("r"), 3, LOAD)
     (event,) = await take(session)
     assert event is not None
-    assert event.step.deltas[0].position == 5 and event.step.deltas[0].finish_reason == "abort"
+    assert deltas_of(event.step)[0].position == 5 and deltas_of(event.step)[0].finish_reason == "abort"
 
 
 async def test_step_outputs_go_one_message_per_session_with_the_steps_stats():
     hub = SessionHub()
     first, second = opened(hub), opened(hub)
     for rid, session in (("a", first), ("b", first), ("c", second)):
-        hub.hold(session, rid, next_position=0, weight_version=3)
+        hub.hold(session, rid, next_position=0, weight_version=3, handle=handle_of(rid))
     step = engine_step(4, token("a", 1), token("b", 2), token("c", 3, finished=True),
                        token("gone", 4))  # an output nobody holds is not sent
     await hub.send(hub.route(step))
     (to_first,), (to_second,) = await take(first), await take(second)
     assert to_first is not None and to_second is not None
-    assert [d.request_id for d in to_first.step.deltas] == ["a", "b"]
-    assert [d.request_id for d in to_second.step.deltas] == ["c"]
+    assert [d.request_id for d in deltas_of(to_first.step)] == ["a", "b"]
+    assert [d.request_id for d in deltas_of(to_second.step)] == ["c"]
     assert to_first.step.stats == to_second.step.stats == step.stats
     assert to_first.step.step == 4 and to_first.step.load == LOAD
     assert hub.holder("c") is None and hub.holder("a") is not None  # finished: released
@@ -107,7 +108,7 @@ async def test_step_outputs_go_one_message_per_session_with_the_steps_stats():
 async def test_control_events_survive_a_full_outbox_and_heartbeats_do_not():
     hub = SessionHub(session_queue=1)
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     await hub.send(hub.route(engine_step(1, token("r", 7))))  # the outbox is now full
     hub.heartbeat(LOAD)  # dropped: the session is backed up
     for i in range(3):
@@ -131,7 +132,7 @@ async def test_a_refusal_carries_the_errors_status_and_message():
 async def test_a_slow_reader_holds_up_send_until_it_reads():
     hub = SessionHub(session_queue=1)
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     await hub.send(hub.route(engine_step(1, token("r", 1))))
     blocked = asyncio.create_task(hub.send(hub.route(engine_step(2, token("r", 2)))))
     await asyncio.sleep(0.05)
@@ -143,8 +144,8 @@ async def test_a_slow_reader_holds_up_send_until_it_reads():
 async def test_closing_a_session_hands_back_its_requests_and_unblocks_the_sender():
     hub = SessionHub(session_queue=1)
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
-    hub.hold(session, "s", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
+    hub.hold(session, "s", next_position=0, weight_version=3, handle=handle_of("s"))
     await hub.send(hub.route(engine_step(1, token("r", 1))))
     blocked = asyncio.create_task(hub.send(hub.route(engine_step(2, token("r", 2)))))
     await asyncio.sleep(0.01)
@@ -156,7 +157,7 @@ async def test_closing_a_session_hands_back_its_requests_and_unblocks_the_sender
 async def test_a_half_closed_session_ends_after_its_last_request():
     hub = SessionHub()
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     hub.client_done(session)
     assert len(session.outbox) == 0  # still owes r's outputs
     await hub.send(hub.route(engine_step(1, token("r", 1, finished=True))))
@@ -167,19 +168,19 @@ async def test_a_half_closed_session_ends_after_its_last_request():
 async def test_a_half_closed_session_ends_after_an_abort_confirmation_held_back():
     hub = SessionHub()
     session = opened(hub)
-    hub.hold(session, "r", next_position=0, weight_version=3)
+    hub.hold(session, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     hub.client_done(session)
     routed = hub.route(engine_step(1, token("r", 1)))
     hub.end(aborted("r"), 3, LOAD)
     await hub.send(routed)
     events = await take(session)
-    assert [e.step.deltas[0].finish_reason if e else None for e in events] == ["", "abort", None]
+    assert [deltas_of(e.step)[0].finish_reason if e else None for e in events] == ["", "abort", None]
 
 
 async def test_drain_tells_every_session_and_waits_for_the_requests_to_leave():
     hub = SessionHub()
     first, second = opened(hub), opened(hub)
-    hub.hold(first, "r", next_position=0, weight_version=3)
+    hub.hold(first, "r", next_position=0, weight_version=3, handle=handle_of("r"))
     drain = asyncio.create_task(hub.drain(timeout=5, reason="spot notice"))
     await asyncio.sleep(0.01)
     assert hub.draining and not drain.done()
@@ -194,7 +195,7 @@ async def test_drain_tells_every_session_and_waits_for_the_requests_to_leave():
 
 async def test_a_drain_nobody_answers_ends_at_its_timeout():
     hub = SessionHub()
-    hub.hold(opened(hub), "stuck", next_position=0, weight_version=3)
+    hub.hold(opened(hub), "stuck", next_position=0, weight_version=3, handle=handle_of("stuck"))
     assert await hub.drain(timeout=0.1, reason="shutting down") is False
 
 

@@ -1,0 +1,301 @@
+"""Every tracked request's tokens and logprobs in arrays, appended a whole batch at a time.
+
+The tracker's hot path (issue 16): one worker message carries one engine step's tokens for every
+request on that worker (``delta_batch.Rows``). Checking and appending them one request at a time
+in Python costs microseconds per request; here the checks are array comparisons over the batch and
+the tokens land in an arena with one scatter, so a message costs a few dozen numpy calls whatever
+its rows (bench/manager_relay.py). Pure and synchronous, like the tracker that owns it.
+
+* Per-request state is one row of an int64 table (``_COLUMNS``), so a batch reads everything it
+  checks with one gather.
+* A request holds a *slot* (its table row) while tracked. The handle a worker echoes is
+  ``generation << 32 | slot``: a slot is reused after its request is removed, and the generation
+  makes a late row for the old request miss instead of landing on the new one.
+* Tokens live in an arena, each request in a region of ``room`` tokens at ``base``; a request that
+  outgrows its region moves to one twice the size at the arena's top (rare: doubling). The arena is
+  compacted when more than half of it is dead regions.
+* ``owner`` is the assignee's worker number while the request is on a worker and not done, else
+  ``NO_WORKER``: one comparison says "tracked, live, and this worker's".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlharvest.common.delta_batch import Rows
+
+NO_WORKER = -1
+_SHIFT = 32
+MASK = (1 << _SHIFT) - 1
+_FIRST_ROOM = 256  # tokens of a new request's region (or its max_tokens, if fewer)
+(HANDLE, OWNER, VERSION, LENGTH, CAP, BASE, ROOM, HIGH, FRESH, TAG, INDEX, STOPS) = range(12)
+_COLUMNS = STOPS + 2  # two stop ids to begin with; the table widens for more
+count = np.count_nonzero  # far cheaper than ndarray.any()/all() on small arrays
+
+
+@dataclass
+class Applied:
+    """What one batch did: rows accepted (indices into it), refused, and requests that ended."""
+
+    accepted: np.ndarray  # row indices, increasing
+    dropped: np.ndarray  # row indices refused (the tracker names the reason)
+    ended: list[tuple[int, str]] = field(default_factory=list)  # (row, reason)
+    started: list[int] = field(default_factory=list)  # slots with their assignment's first token
+    generated: int = 0
+    regenerated: int = 0
+    tags: np.ndarray | None = None  # the accepted rows' labels (``label``)
+    indices: np.ndarray | None = None
+
+
+class TokenLedger:
+    def __init__(self, slots: int = 256) -> None:
+        self.table = np.full((slots, _COLUMNS), -1, np.int64)
+        self._mark = np.zeros(slots, np.int64)  # scratch: finds a request named twice in a batch
+        self._free_slots: list[int] = []
+        self._used = 0  # slots ever handed out: [0, _used)
+        self._generation: list[int] = []
+        self._tokens = np.zeros(1 << 16, np.int32)
+        self._logprobs = np.zeros(1 << 16, np.float32)
+        self._top = 0  # the arena's first unused token
+        self._dead = 0  # tokens of regions no request uses
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    @staticmethod
+    def slot(handle: int) -> int:
+        return handle & MASK
+
+    def add(self, cap: int, version: int, stop_ids: Sequence[int],
+            tokens: Sequence[int] = (), logprobs: Sequence[float] = ()) -> int:
+        """Track a request (with already generated tokens: a resume); returns its handle."""
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = self._used
+            self._used += 1
+            self._generation.append(0)
+            if slot >= len(self.table):
+                grown = np.full((2 * len(self.table), self.table.shape[1]), -1, np.int64)
+                grown[:len(self.table)] = self.table
+                self.table = grown
+                self._mark = np.zeros(len(grown), np.int64)
+        if STOPS + len(stop_ids) > self.table.shape[1]:
+            wider = np.full((len(self.table), STOPS + len(stop_ids)), -1, np.int64)
+            wider[:, :self.table.shape[1]] = self.table
+            self.table = wider
+        handle = self._generation[slot] << _SHIFT | slot
+        room = max(min(cap, _FIRST_ROOM), len(tokens))
+        base = self._allocate(room)  # first: a compaction must not see this row half made
+        row = self.table[slot]
+        row[:] = -1
+        row[HANDLE], row[OWNER], row[VERSION], row[CAP] = handle, NO_WORKER, version, cap
+        row[LENGTH] = row[HIGH] = len(tokens)
+        row[BASE], row[ROOM] = base, room
+        row[FRESH], row[TAG], row[INDEX] = 1, 0, 0
+        row[STOPS:STOPS + len(stop_ids)] = stop_ids
+        if tokens:
+            base = int(row[BASE])
+            self._tokens[base:base + len(tokens)] = tokens
+            self._logprobs[base:base + len(tokens)] = logprobs
+        return handle
+
+    def remove(self, handle: int) -> None:
+        slot = self.slot(handle)
+        self._dead += int(self.table[slot, ROOM])
+        self.table[slot] = -1
+        self._generation[slot] += 1
+        self._free_slots.append(slot)
+
+    def truncate(self, slot: int) -> None:
+        """Forget the tokens (the recompute baseline); positions below the old length that come
+        again count as regenerated."""
+        row = self.table[slot]
+        row[HIGH] = max(row[HIGH], row[LENGTH])
+        row[LENGTH] = 0
+
+    def length(self, slot: int) -> int:
+        return int(self.table[slot, LENGTH])
+
+    def tokens(self, slot: int) -> list[int]:
+        base, n = int(self.table[slot, BASE]), int(self.table[slot, LENGTH])
+        return self._tokens[base:base + n].tolist()
+
+    def logprobs(self, slot: int) -> list[float]:
+        base, n = int(self.table[slot, BASE]), int(self.table[slot, LENGTH])
+        return self._logprobs[base:base + n].tolist()
+
+    def assign(self, slot: int, worker: int) -> None:
+        self.table[slot, OWNER] = worker
+        self.table[slot, FRESH] = 1
+
+    def unassign(self, slot: int) -> None:
+        self.table[slot, OWNER] = NO_WORKER
+
+    def label(self, slots: Sequence[int], tag: int) -> None:
+        self.table[slots, TAG] = tag
+        self.table[slots, INDEX] = np.arange(len(slots))
+
+    def labels(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.table[handles & MASK]
+        return rows[:, TAG], rows[:, INDEX]
+
+    # ---- a batch ------------------------------------------------------------------------------
+
+    def apply(self, worker: int, rows: Rows, vocab_size: int) -> Applied:
+        """Check every row against its request and append the good ones' tokens.
+
+        A row is refused (``dropped``) unless its request is tracked, live and on ``worker``, the
+        row's weight version is the request's, it starts where the request's tokens end, it stays
+        within max_tokens and its tokens are in the vocabulary. A request named by several rows
+        of one batch takes them in order, as if they came in as many batches.
+        """
+        requests = rows.requests
+        slots = requests & MASK
+        n = len(slots)
+        if n > 1:  # a request named twice? Each row marks its slot; a later mark overwrites.
+            order = np.arange(n)
+            self._mark.put(slots, order, mode="clip")
+            if count(self._mark.take(slots, mode="clip") != order):
+                return self._apply_in_turns(worker, rows, vocab_size, slots)
+        state = self.table.take(slots, axis=0, mode="clip")  # one gather of every column
+        length = state[:, LENGTH]
+        counts = rows.counts
+        end = length + counts
+        ok = (state[:, HANDLE] == requests) & (state[:, OWNER] == worker) & \
+            (state[:, VERSION] == rows.weight_version) & (rows.positions == length) & \
+            (end <= state[:, CAP])
+        tokens = rows.token_ids
+        bad_token = tokens.view(np.uint32) >= vocab_size  # a negative id is a huge uint32
+        unit = rows.unit
+        if unit:
+            ok &= ~bad_token
+        elif count(bad_token):
+            ok[np.repeat(np.arange(n), counts)[bad_token]] = False
+        if count(ok) == n:
+            out = Applied(np.arange(n), np.zeros(0, np.int64))
+        else:
+            out = Applied(np.flatnonzero(ok), np.flatnonzero(~ok))
+            if not len(out.accepted):
+                return out
+            state, slots, length, counts, end = (state[ok], slots[ok], length[ok], counts[ok],
+                                                 end[ok])
+        acc = out.accepted
+        grows = end > state[:, ROOM]
+        if count(grows):
+            self._regrow(slots[grows], end[grows])
+            state[:, BASE] = self.table[slots, BASE]
+        if unit:
+            index = state[:, BASE] + length
+            kept_tokens, kept_logprobs = (tokens, rows.logprobs) if len(acc) == n else \
+                (tokens[acc], rows.logprobs[acc])
+        else:
+            keep = np.repeat(ok, rows.counts)
+            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+            index = np.repeat(state[:, BASE] + length, counts) + offsets
+            kept_tokens, kept_logprobs = tokens[keep], rows.logprobs[keep]
+        self._tokens[index] = kept_tokens
+        self._logprobs[index] = kept_logprobs
+        self.table[slots, LENGTH] = end
+        out.generated = int(end.sum() - length.sum())
+        high = state[:, HIGH]
+        if count(high > length):  # positions held before and discarded come again
+            out.regenerated = int(np.clip(np.minimum(high, end) - length, 0, None).sum())
+        fresh = state[:, FRESH] == 1
+        if count(fresh):
+            started = slots[fresh & (counts > 0)]
+            out.started = started.tolist()
+            self.table[started, FRESH] = 0
+        out.tags, out.indices = state[:, TAG], state[:, INDEX]
+        # The request is whole after a stop token or at max_tokens (the manager's own rule,
+        # ``natural_end``), or when the worker says so.
+        last = kept_tokens if unit else self._tokens[np.maximum(state[:, BASE] + end - 1, 0)]
+        stop = (state[:, STOPS:] == last[:, None]).any(axis=1) & (end > 0)
+        whole = stop | (end >= state[:, CAP])
+        if rows.ends or count(whole):
+            out.ended = self._ends(rows, acc, stop, whole)
+        return out
+
+    @staticmethod
+    def _ends(rows: Rows, acc: np.ndarray, stop: np.ndarray,
+              whole: np.ndarray) -> list[tuple[int, str]]:
+        ended = {int(acc[i]): "stop" if stop[i] else "length" for i in np.flatnonzero(whole)}
+        for r, why in rows.ends.items():  # few: the rows whose request the worker ended
+            i = int(np.searchsorted(acc, r))
+            if i < len(acc) and acc[i] == r:
+                # A worker's abort wins (the request goes on elsewhere, tokens kept).
+                ended[r] = why if why == "abort" else ended.get(r, why or "stop")
+        return sorted(ended.items())
+
+    def _apply_in_turns(self, worker: int, rows: Rows, vocab_size: int,
+                        slots: np.ndarray) -> Applied:
+        # Rank each row among the rows of its request; apply rank 0, then 1, ...
+        order = np.argsort(slots, kind="stable")
+        sorted_slots = slots[order]
+        first = np.r_[True, sorted_slots[1:] != sorted_slots[:-1]]
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order)) - group_start
+        total = Applied(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        accepted, dropped, tags, indices = [], [], [], []
+        for turn in range(int(rank.max()) + 1):
+            picked = np.flatnonzero(rank == turn)
+            part = self.apply(worker, rows.take(picked), vocab_size)
+            accepted.append(picked[part.accepted])
+            dropped.append(picked[part.dropped])
+            if part.tags is not None and part.indices is not None:
+                tags.append(part.tags)
+                indices.append(part.indices)
+            total.ended += [(int(picked[r]), why) for r, why in part.ended]
+            total.started += part.started
+            total.generated += part.generated
+            total.regenerated += part.regenerated
+        order_acc = np.argsort(np.concatenate(accepted))
+        total.accepted = np.concatenate(accepted)[order_acc]
+        total.dropped = np.sort(np.concatenate(dropped))
+        if tags:
+            total.tags = np.concatenate(tags)[order_acc]
+            total.indices = np.concatenate(indices)[order_acc]
+        total.ended.sort()
+        return total
+
+    # ---- the arena ----------------------------------------------------------------------------
+
+    def _allocate(self, room: int) -> int:
+        if self._top + room > len(self._tokens):
+            live = self._top - self._dead
+            if self._dead > live:  # mostly dead regions: compact instead of growing
+                self._compact()
+            while self._top + room > len(self._tokens):
+                self._tokens = np.concatenate([self._tokens, np.zeros_like(self._tokens)])
+                self._logprobs = np.concatenate([self._logprobs, np.zeros_like(self._logprobs)])
+        base = self._top
+        self._top += room
+        return base
+
+    def _regrow(self, slots: np.ndarray, needed: np.ndarray) -> None:
+        for slot, need in zip(slots.tolist(), needed.tolist()):
+            row = self.table[slot]
+            old, length, room = int(row[BASE]), int(row[LENGTH]), int(row[ROOM])
+            new_room = min(max(2 * room, need), max(int(row[CAP]), need))
+            base = self._allocate(new_room)
+            old = int(self.table[slot, BASE])  # a compaction may have moved it
+            self._tokens[base:base + length] = self._tokens[old:old + length]
+            self._logprobs[base:base + length] = self._logprobs[old:old + length]
+            self._dead += room
+            self.table[slot, BASE], self.table[slot, ROOM] = base, new_room
+
+    def _compact(self) -> None:
+        live = np.flatnonzero(self.table[:self._used, HANDLE] >= 0)
+        tokens = np.zeros_like(self._tokens)
+        logprobs = np.zeros_like(self._logprobs)
+        top = 0
+        for slot in live.tolist():
+            base, room = int(self.table[slot, BASE]), int(self.table[slot, ROOM])
+            tokens[top:top + room] = self._tokens[base:base + room]
+            logprobs[top:top + room] = self._logprobs[base:base + room]
+            self.table[slot, BASE] = top
+            top += room
+        self._tokens, self._logprobs, self._top, self._dead = tokens, logprobs, top, 0
