@@ -276,16 +276,21 @@ class TokenLedger:
         return base
 
     def _regrow(self, slots: np.ndarray, needed: np.ndarray) -> None:
-        for slot, need in zip(slots.tolist(), needed.tolist()):
-            row = self.table[slot]
-            old, length, room = int(row[BASE]), int(row[LENGTH]), int(row[ROOM])
-            new_room = min(max(2 * room, need), max(int(row[CAP]), need))
-            base = self._allocate(new_room)
-            old = int(self.table[slot, BASE])  # a compaction may have moved it
-            self._tokens[base:base + length] = self._tokens[old:old + length]
-            self._logprobs[base:base + length] = self._logprobs[old:old + length]
-            self._dead += room
-            self.table[slot, BASE], self.table[slot, ROOM] = base, new_room
+        """Move the requests of ``slots`` to regions of twice their room (at least ``needed``,
+        at most their max_tokens), side by side at the arena's top, tokens copied in one go:
+        a step's requests that started together outgrow their regions together."""
+        rows = self.table[slots]
+        rooms = np.minimum(np.maximum(2 * rows[:, ROOM], needed),
+                           np.maximum(rows[:, CAP], needed))
+        top = self._allocate(int(rooms.sum()))  # may compact: read the old bases after it
+        old, lengths = self.table[slots, BASE], rows[:, LENGTH]
+        bases = top + np.cumsum(rooms) - rooms
+        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        src, dst = np.repeat(old, lengths) + offsets, np.repeat(bases, lengths) + offsets
+        self._tokens[dst] = self._tokens[src]
+        self._logprobs[dst] = self._logprobs[src]
+        self._dead += int(rows[:, ROOM].sum())
+        self.table[slots, BASE], self.table[slots, ROOM] = bases, rooms
 
     def _compact(self) -> None:
         live = np.flatnonzero(self.table[:self._used, HANDLE] >= 0)
