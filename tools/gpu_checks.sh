@@ -3,12 +3,7 @@
 # on a lent GPU machine by the device tool from the repository root, with the Python packages
 # its image lacks as wheels in .whl/ and an etcd binary in .devbin/ (docs/gpu-checks.md says how
 # to fetch both). Output goes to $OUT (the device tool brings it back) and stdout.
-set -uo pipefail
-OUT=${OUT:-/tmp/rlh-gpu-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PATH="$PWD/.devbin:$PATH" PYTHONUNBUFFERED=1
+source tools/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 [ "${RLH_SKIP_SMOKE:-0}" = 1 ] || timeout 120 python3 tools/gpu_smoke.py 2>&1 | tee "$OUT/smoke.txt" || exit 1
 if [ "${RLH_SKIP_COEXEC:-0}" != 1 ]; then

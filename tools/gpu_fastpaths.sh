@@ -3,12 +3,7 @@
 # CUDA (Qwen3-0.6B shape, bf16), and the manager relay (a CPU path; the node's 16 cores give the
 # manager a core of its own) A/B against the tree before the columnar change, when one is
 # carried in .devbin/before. Same setup as tools/gpu_checks.sh: wheels in .whl/, etcd in .devbin/.
-set -uo pipefail
-OUT=${OUT:-/tmp/rlh-gpu-out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PATH="$PWD/.devbin:$PATH" PYTHONUNBUFFERED=1
+source tools/gpu_env.sh
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -n 1; } | tee "$OUT/node.txt"
 timeout "${RLH_DELIVERY_TIMEOUT:-170}" python3 bench/worker_delivery.py --device cuda \
