@@ -71,7 +71,9 @@ def main() -> None:
         for balancer in BALANCERS:
             port = free_port()
             proc = stack.start("rollout_manager", balancer, [
-                "--manager-id", balancer, "--port", str(port), "--balancer", balancer,
+                # A job each: managers of one job elect one leader (the others stand by).
+                "--manager-id", balancer, "--job", balancer, "--port", str(port),
+                "--balancer", balancer,
                 "--log-level", "warning", "--theta", "2"])
             managers[balancer] = f"127.0.0.1:{port}"
             wait_serving(WorkerHandle(proc, managers[balancer], 0), 60)

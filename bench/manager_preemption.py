@@ -123,7 +123,8 @@ def main() -> None:
     def new_manager(name: str, *extra: str) -> str:
         port = free_port()
         proc = stack.start("rollout_manager", name, [
-            "--manager-id", name, "--port", str(port), "--log-level", "warning",
+            # A job each: managers of one job elect one leader (the others stand by).
+            "--manager-id", name, "--job", name, "--port", str(port), "--log-level", "warning",
             "--lease-ttl", "2", "--stall-timeout-s", "20", *extra])
         wait_serving(WorkerHandle(proc, f"127.0.0.1:{port}", 0), 60)
         return f"127.0.0.1:{port}"
