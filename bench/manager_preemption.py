@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--min-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (quick: 1)")
     parser.add_argument("--step-delay-s", type=float, default=0.04,
                         help="per engine step, so a worker's rate, not the machine's few shared "
                              "cores, bounds the step (as a GPU would); 0 = CPU-bound")
@@ -104,6 +104,7 @@ def main() -> None:
     if args.quick:
         args.requests, args.min_tokens, args.max_tokens = 24, 32, 64
         points = {"middle": 0.5}
+        args.repeats = 1 if "--repeats" not in sys.argv else args.repeats
     rng = random.Random(0)
     lengths = [rng.randint(args.min_tokens, args.max_tokens) for _ in range(args.requests)]
     total = sum(lengths)
@@ -178,13 +179,22 @@ def main() -> None:
               f"recompute {mean('recompute', 'clean'):.2f} s")
     lines = [header, "",
              "| preempted | migrate overhead (s) | recompute overhead (s) | migrate / recompute | "
-             "tokens regenerated: migrate / recompute |", "| --- | --- | --- | --- | --- |"]
+             "same, per round: median [spread] | tokens regenerated: migrate / recompute |",
+             "| --- | --- | --- | --- | --- | --- |"]
     ratios = {}
     for point, fraction in points.items():
         m = mean("migrate", point) - mean("migrate", "clean")
         r = mean("recompute", point) - mean("recompute", "clean")
         ratios[point] = m / r if r > 0 else float("nan")  # nan: recompute cost nothing here
+        # Each round's own: its kill steps against its clean steps (a round whose recompute
+        # cost nothing says nothing and is left out).
+        rounds = sorted((mk - mc) / (rk - rc) for mk, mc, rk, rc in zip(
+            results["migrate"][point], results["migrate"]["clean"],
+            results["recompute"][point], results["recompute"]["clean"]) if rk > rc)
+        spread = (f"{statistics.median(rounds):.2f}x [{rounds[0]:.2f}–{rounds[-1]:.2f}]"
+                  if rounds else "—")
         lines.append(f"| {point} ({fraction:.0%}) | {m:.2f} | {r:.2f} | {ratios[point]:.2f}x | "
+                     f"{spread} | "
                      f"{mean('migrate', point + '-regen'):.0f} / "
                      f"{mean('recompute', point + '-regen'):.0f} |")
     lines += ["", f"ratio at the middle point: migrate overhead / recompute overhead = "

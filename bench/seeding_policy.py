@@ -112,7 +112,7 @@ def main() -> None:
     lines.append("\nT_seed per step (full, seed 0): " + ", ".join(
         f"{t:.1f}" for t in windows["full"]))
     lines += ["", "RLBoost Table 5's segments (synthesized with their mean instances, "
-              "allocations and preemptions; `sim/spot_trace.py`), median full / variant:", "",
+              "allocations and preemptions; `sim/spot_trace.py`), median full / variant [spread over seeds]:", "",
               "| segment | availability per step | full / no-seeding | full / no-memory | "
               "full / co-located |", "| --- | --- | ---: | ---: | ---: |"]
     for name in sorted(SEGMENTS):
@@ -120,18 +120,19 @@ def main() -> None:
         got = {v: [run(v, seg, s, args.requests)[0] for s in range(args.seeds)]
                for v in ("full", "no-seeding", "no-memory", "co-located")}
         lines.append(f"| {name} | {trace_summary(seg)} | " + " | ".join(
-            f"{ratios(got, 'full', v)[0]:.3f}" for v in ("no-seeding", "no-memory",
-                                                          "co-located")) + " |")
+            "{:.3f} [{:.3f}–{:.3f}]".format(*ratios(got, "full", v))
+            for v in ("no-seeding", "no-memory", "co-located")) + " |")
     lines += ["", "Constant availability (Fig. 11), full vs no-seeding, tokens/s:", "",
               "| remote instances | full | no-seeding | co-located | full / no-seeding |",
               "| ---: | ---: | ---: | ---: | ---: |"]
     for n in range(7):
         sweep = {v: [run(v, [n] * (args.steps // 2), s, args.requests)[0]
                      for s in range(args.seeds)] for v in ("full", "no-seeding", "co-located")}
-        med, _, _ = ratios(sweep, "full", "no-seeding")
+        med, lo, hi = ratios(sweep, "full", "no-seeding")
         lines.append(f"| {n} | {statistics.median(sweep['full']):.0f} | "
                      f"{statistics.median(sweep['no-seeding']):.0f} | "
-                     f"{statistics.median(sweep['co-located']):.0f} | {med:.3f} |")
+                     f"{statistics.median(sweep['co-located']):.0f} | {med:.3f} "
+                     f"[{lo:.3f}–{hi:.3f}] |")
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -107,18 +108,16 @@ def main() -> None:
         stack.stop()
     keeping = sorted(k / p for k, p in zip(remote, plain))
     ratios = sorted(r / loc for r, loc in zip(remote, local))
-    best_local, best_remote = max(local), max(remote)
     print(f"model={args.model} batch={args.batch} tokens/request={args.tokens} "
           f"threads={args.threads} repeats={args.repeats} device={args.device} "
           f"dtype={args.dtype}")
-    print(f"in-process engine : {best_local:10.0f} tokens/s")
-    print(f"gRPC Session      : {best_remote:10.0f} tokens/s")
-    print(f"ratio gRPC / in-process = {best_remote / best_local:.3f}  (target >= 0.9)")
-    print(f"ratio gRPC / in-process per round: median {ratios[len(ratios) // 2]:.3f} "
-          f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
-    print(f"keeping tokens for a successor / not: median {keeping[len(keeping) // 2]:.3f} "
-          f"[{keeping[0]:.3f}-{keeping[-1]:.3f}] over {len(keeping)} interleaved runs")
-
+    print(f"in-process engine : {statistics.median(local):10.0f} tokens/s (median)")
+    print(f"gRPC Session      : {statistics.median(remote):10.0f} tokens/s (median)")
+    print(f"ratio gRPC / in-process = {statistics.median(ratios):.3f} "
+          f"[{ratios[0]:.3f}-{ratios[-1]:.3f}] over {len(ratios)} interleaved rounds "
+          "(target >= 0.9)")
+    print(f"keeping tokens for a successor / not: median {statistics.median(keeping):.3f} "
+          f"[{keeping[0]:.3f}-{keeping[-1]:.3f}] over {len(keeping)} interleaved rounds")
 
 if __name__ == "__main__":
     main()
