@@ -59,7 +59,7 @@ def makespans(requests: int, capacity: int, seeds: int) -> tuple[list[str], dict
         f"of speed 2/1/1/1/0.5/0.5, capacity {capacity}, {seeds} seed(s); the previous step "
         "captures P.",
         "",
-        "| policy | mean step makespan (s) | vs Algorithm 2 |",
+        "| policy | mean step makespan (s) | vs Algorithm 2, per seed: median [spread] |",
         "| --- | --- | --- |",
     ]
     names = {"rlboost": "Algorithm 2 (SELECTINSTANCE Θ=2 + CONTINUOUSLB)",
@@ -67,10 +67,16 @@ def makespans(requests: int, capacity: int, seeds: int) -> tuple[list[str], dict
              "jsq": "JSQ, immediate dispatch, no migration",
              "round_robin": "round-robin, no migration"}
     for k, v in mean.items():
-        lines.append(f"| {names[k]} | {v:.1f} | {v / mean['rlboost']:.2f}x |")
+        lines.append(f"| {names[k]} | {v:.1f} | {spread(per[k], per['rlboost'])} |")
     lines.append(f"\nAlgorithm 2 migrated {statistics.mean(migrations):.0f} requests per "
                  "2-step run on average.")
     return lines, mean
+
+
+def spread(values: list[float], bases: list[float]) -> str:
+    """Per seed value / base, as "median [min–max]" (a seed whose base is 0 is left out)."""
+    r = sorted(v / b for v, b in zip(values, bases) if b > 0)
+    return f"{statistics.median(r):.2f}x [{r[0]:.2f}–{r[-1]:.2f}]" if r else "n/a"
 
 
 def preemption(requests: int, capacity: int, seeds: int) -> list[str]:
@@ -96,14 +102,14 @@ def preemption(requests: int, capacity: int, seeds: int) -> list[str]:
         f"time, {requests} requests, {seeds} seed(s), Algorithm 2 in both. Overhead = step "
         "time increase over the same step without preemption.",
         "",
-        "| preempted | migrate overhead (s) | recompute overhead (s) | migrate / recompute | "
-        "tokens regenerated: migrate / recompute |",
+        "| preempted | migrate overhead (s) | recompute overhead (s) | migrate / recompute, "
+        "per seed: median [spread] | tokens regenerated: migrate / recompute |",
         "| --- | --- | --- | --- | --- |",
     ]
     for label, row in rows.items():
         m, r = (statistics.mean(row[f"{k}_overhead"]) for k in ("migrate", "recompute"))
         gm, gr = (statistics.mean(row[f"{k}_regen"]) for k in ("migrate", "recompute"))
-        ratio = f"{m / r:.2f}x" if r > 0 else "n/a"
+        ratio = spread(row["migrate_overhead"], row["recompute_overhead"])
         lines.append(f"| {label} | {m:.1f} | {r:.1f} | {ratio} | {gm:.0f} / {gr:.0f} |")
     return lines
 
@@ -126,7 +132,7 @@ def main() -> None:
     requests, capacity, seeds = (192, 24, 2) if args.quick else (512, 64, 5)
     started = time.perf_counter()
     table, mean = makespans(requests, capacity, seeds)
-    pre = preemption(requests, capacity, 1 if args.quick else 2)
+    pre = preemption(requests, capacity, 1 if args.quick else 3)
     elapsed = time.perf_counter() - started
     cmd = "python bench/manager_policy.py" + (" --quick" if args.quick else "")
     report = ["# Rollout manager policies (RLBoost Algorithm 2, §6.4.3)", "",

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 
@@ -46,6 +47,7 @@ def concurrent(endpoint: str, n: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=0, help="rounds (0: 3, quick 1)")
     args = parser.parse_args()
     mb, counts = (32, (1, 4)) if args.quick else (128, (1, 2, 4, 8))
     from rlharvest.services.transfer_agent.client import publish
@@ -57,12 +59,16 @@ def main() -> None:
                    .to(torch.bfloat16) for i in range(16)}
         asyncio.run(publish(endpoint, "fanout", 1, tensors))
         concurrent(endpoint, 1)  # warm the agent's encode/pack cache
-        single = None
+        runs: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
+        for _ in range(args.repeats or (1 if args.quick else 3)):
+            for n in counts:  # each round measures every count: noise hits all alike
+                runs[n].append(concurrent(endpoint, n))
         for n in counts:
-            wall, mean = concurrent(endpoint, n)
-            single = single or wall
+            wall = statistics.median(w for w, _ in runs[n])
+            mean = statistics.median(m for _, m in runs[n])
+            vs_one = sorted(w / one for (w, _), (one, _) in zip(runs[n], runs[counts[0]]))
             rows.append(f"| {n} | {wall:.2f} | {mean:.2f} | {n * mb / wall:.0f} | "
-                        f"{wall / single:.2f}x |")
+                        f"{statistics.median(vs_one):.2f}x [{vs_one[0]:.2f}–{vs_one[-1]:.2f}] |")
     finally:
         stack.stop()
     text = "\n".join([
@@ -71,7 +77,8 @@ def main() -> None:
         f"version, each puller a process (pull + decode + checksums), one agent, loopback; "
         f"{os.cpu_count()} cores shared by agent and pullers, load average "
         f"{os.getloadavg()[0]:.1f}.\n",
-        "| pullers | wall s (all done) | mean per-pull s | aggregate MB/s | wall vs 1 |",
+        "| pullers | wall s (all done), median | mean per-pull s, median | aggregate MB/s | "
+        "wall vs 1, per round: median [spread] |",
         "|---|---|---|---|---|", *rows]) + "\n"
     write_results("transfer_fanout" + ("_quick" if args.quick else ""), text)
 

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -69,23 +70,31 @@ def run(mode: str, mb: int, receivers: int, link: float) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=0, help="rounds (0: 3, quick 1)")
     args = parser.parse_args()
     mb, receivers, link = (16, 3, 32e6) if args.quick else (64, 4, 64e6)
-    flat_s, flat_bytes = run("flat", mb, receivers, link)
-    gate_s, gate_bytes = run("gateway", mb, receivers, link)
+    flat, gate = [], []
+    for k in range(args.repeats or (1 if args.quick else 3)):
+        # Interleaved, the order alternating, so the box's noise hits both alike.
+        for mode in ("flat", "gateway") if k % 2 == 0 else ("gateway", "flat"):
+            (flat if mode == "flat" else gate).append(run(mode, mb, receivers, link))
+    speedups = sorted(f[0] / g[0] for f, g in zip(flat, gate))
+    flat_s, flat_bytes = statistics.median(f[0] for f in flat), flat[0][1]
+    gate_s, gate_bytes = statistics.median(g[0] for g in gate), gate[0][1]
     text = "\n".join([
         "# transfer_relay: one copy over a throttled link, then broadcast, vs flat pulls\n",
         f"`python bench/transfer_relay.py{' --quick' if args.quick else ''}` — {mb} MB bf16 "
         f"version published in cluster `train`; {receivers} relaying agents in cluster "
         f"`rollout`; link = {link / 1e6:.0f} MB/s token bucket in the sender; real agent "
         f"processes, loopback; load average {os.getloadavg()[0]:.1f}.\n",
-        "| mode | seconds until every receiver holds it | bytes over the link | copies |",
+        "| mode | seconds until every receiver holds it (median) | bytes over the link | copies |",
         "|---|---|---|---|",
         f"| flat (every receiver crosses the link) | {flat_s:.2f} | {flat_bytes / 1e6:.1f} MB | "
         f"{flat_bytes / (mb << 20):.1f} |",
         f"| gateway (one copy, then inside the cluster) | {gate_s:.2f} | "
         f"{gate_bytes / 1e6:.1f} MB | {gate_bytes / (mb << 20):.1f} |",
-        f"\nspeedup gateway vs flat: {flat_s / gate_s:.2f}x\n"])
+        f"\nspeedup gateway vs flat, per round: median {statistics.median(speedups):.2f}x "
+        f"[{speedups[0]:.2f}–{speedups[-1]:.2f}] over {len(speedups)} interleaved rounds\n"])
     write_results("transfer_relay" + ("_quick" if args.quick else ""), text)
 
 

@@ -156,10 +156,13 @@ class TokenLedger:
         slots = requests & MASK
         n = len(slots)
         if n > 1:  # a request named twice? Each row marks its slot; a later mark overwrites.
+            # Slots past the table (rows naming no request) share its last row's mark: the
+            # turns below separate them by that same key, so each turn has unique keys.
+            keys = np.minimum(slots, len(self._mark) - 1)
             order = np.arange(n)
-            self._mark.put(slots, order, mode="clip")
-            if count(self._mark.take(slots, mode="clip") != order):
-                return self._apply_in_turns(worker, rows, vocab_size, slots)
+            self._mark[keys] = order
+            if count(self._mark[keys] != order):
+                return self._apply_in_turns(worker, rows, vocab_size, keys)
         state = self.table.take(slots, axis=0, mode="clip")  # one gather of every column
         length = state[:, LENGTH]
         counts = rows.counts
@@ -230,10 +233,10 @@ class TokenLedger:
         return sorted(ended.items())
 
     def _apply_in_turns(self, worker: int, rows: Rows, vocab_size: int,
-                        slots: np.ndarray) -> Applied:
-        # Rank each row among the rows of its request; apply rank 0, then 1, ...
-        order = np.argsort(slots, kind="stable")
-        sorted_slots = slots[order]
+                        keys: np.ndarray) -> Applied:
+        # Rank each row among the rows of its key (its request's slot); apply rank 0, then 1...
+        order = np.argsort(keys, kind="stable")
+        sorted_slots = keys[order]
         first = np.r_[True, sorted_slots[1:] != sorted_slots[:-1]]
         group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
         rank = np.empty(len(order), np.int64)

@@ -108,7 +108,7 @@ def run_script(script) -> None:
             else:
                 ledger.assign(handle & MASK, worker)
         else:
-            pool = handles + removed[-2:]
+            pool = handles + removed[-2:] + [MASK, 7 << 20]  # and handles past the table
             rows = []
             for _ in range(int(rng.integers(1, 6))):
                 handle = pool[int(rng.integers(len(pool)))]
@@ -156,6 +156,20 @@ def test_a_request_named_twice_in_a_batch_takes_its_rows_in_order():
     got = ledger.apply(0, rows, VOCAB)
     assert got.accepted.tolist() == [0, 1, 2] and got.dropped.tolist() == [3]
     assert ledger.tokens(a & MASK) == [1, 3] and ledger.tokens(b & MASK) == [2]
+
+
+def test_rows_naming_no_request_past_the_table_are_refused_however_many():
+    ledger = TokenLedger(slots=2)
+    a, b = ledger.add(10, 0, []), ledger.add(10, 0, [])
+    ledger.assign(a & MASK, 0)
+    ledger.assign(b & MASK, 0)
+    # Two slots past the table and the table's last slot all map onto one mark.
+    rows = delta_batch.build([(MASK, 0, [1], [0.0], ""), (5000, 0, [1], [0.0], ""),
+                              (b, 0, [2], [0.0], ""), (MASK, 0, [1], [0.0], ""),
+                              (a, 0, [3], [0.0], "")], 0)
+    got = ledger.apply(0, rows, VOCAB)
+    assert got.accepted.tolist() == [2, 4] and got.dropped.tolist() == [0, 1, 3]
+    assert ledger.tokens(a & MASK) == [3] and ledger.tokens(b & MASK) == [2]
 
 
 def test_a_batch_whose_columns_disagree_is_refused_whole():
