@@ -252,7 +252,7 @@ class SessionHub:
         held.handle = handle
         rows = RowsBuilder(weight_version)
         rows.add(handle, n, held.tokens[n - held.base:], held.logprobs[n - held.base:],
-                 held.finish_reason if done else "")
+                 (held.finish_reason or "stop") if done else "")
         metrics.KEPT_OUTCOMES.labels("adopted").inc()
         metrics.KEPT_TOKENS_ADOPTED.inc(have - n)
         if done:  # in case this session breaks too before its client has the final delta
@@ -314,7 +314,7 @@ class SessionHub:
             return
         rows = RowsBuilder(weight_version)
         rows.add(held.handle, held.next_position, final.new_token_ids, final.new_logprobs,
-                 final.finish_reason if final.finished else "")
+                 (final.finish_reason or "stop") if final.finished else "")
         event = _step_event(self._last_step, rows, load)
         self.release(final.request_id, final.finish_reason)
         if self._unsent is not None:
@@ -367,7 +367,7 @@ class SessionHub:
             if rows is None:
                 rows = by_session[session] = RowsBuilder(version)
             rows.add(handle, position, out.new_token_ids, out.new_logprobs,
-                     out.finish_reason if out.finished else "")
+                     (out.finish_reason or "stop") if out.finished else "")
         for session, rows in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.

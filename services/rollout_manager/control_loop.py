@@ -236,7 +236,7 @@ class RolloutControl:
         return self._after_outputs(worker_id, self.tracker.apply_deltas(worker_id, deltas))
 
     def _after_outputs(self, worker_id: str, report: ApplyReport) -> ApplyReport:
-        if len(report.accepted):
+        if report.accepted_tokens:  # rows with tokens: an end alone is no progress
             self.pool.note_progress(worker_id)
             if self.pool.get(worker_id).kind in CAPPED_KINDS:
                 self._remote_produced(worker_id, report)
@@ -423,6 +423,7 @@ class RolloutControl:
         tags = report.tags
         if tags is None:
             tags, _ = self.tracker.labels(report.accepted.requests)
+        tags = tags[report.accepted.counts > 0]  # the steps it produced tokens of
         for key in np.unique(tags).tolist():  # the rows' steps (label: a step's key)
             if self.steps.live_step(key) is not None:
                 self.remote.produced(key, worker_id)

@@ -171,7 +171,9 @@ class TokenLedger:
             (state[:, VERSION] == rows.weight_version) & (rows.positions == length) & \
             (end <= state[:, CAP])
         tokens = rows.token_ids
-        bad_token = tokens.view(np.uint32) >= vocab_size  # a negative id is a huge uint32
+        # A negative id viewed as uint32 is >= 2**31, so with the bound at most 2**31 one
+        # comparison refuses both (an unknown vocabulary is passed as a huge bound).
+        bad_token = tokens.view(np.uint32) >= min(vocab_size, 1 << 31)
         unit = rows.unit
         if unit:
             ok &= ~bad_token
@@ -219,6 +221,10 @@ class TokenLedger:
         whole = stop | (end >= state[:, CAP])
         if rows.ends or count(whole):
             out.ended = self._ends(rows, acc, stop, whole)
+            # An ended request is on no worker from here (the tracker detaches it): a later
+            # row of it, in this batch's next turn or a later batch, is refused.
+            ended = rows.requests[[r for r, _ in out.ended]] & MASK
+            self.table[ended, OWNER] = NO_WORKER
         return out
 
     @staticmethod

@@ -486,17 +486,6 @@ class RequestTracker:
         report = ApplyReport(rows.take(applied.accepted), tags=applied.tags,
                              indices=applied.indices)
         by_slot = self._by_slot
-        for row in applied.dropped.tolist():  # rare: say why, one by one
-            handle = int(rows.requests[row])
-            req = by_slot.get(handle & MASK)
-            if req is not None and req.handle != handle:
-                req = None
-            n = int(rows.counts[row])
-            reason = self._refusal(req, worker_id, rows, row)
-            report.dropped.append(DroppedDelta(req.request_id if req else f"#{handle}",
-                                               worker_id, reason, n, row))
-            if reason == "stale":
-                self.counters.tokens_dropped_stale += n
         for slot in applied.started:
             by_slot[slot].state = RequestState.EXECUTING
         for row, reason in applied.ended:  # after all the batch's tokens are in
@@ -507,6 +496,19 @@ class RequestTracker:
             else:
                 self._finish(req, reason)
                 report.finished.append(req.request_id)
+        # After the ends: a later row of a request that ended in this batch reads "done" (or
+        # "stale" after an abort), as it would have in a batch of its own.
+        for row in applied.dropped.tolist():  # rare: say why, one by one
+            handle = int(rows.requests[row])
+            named = by_slot.get(handle & MASK)
+            if named is not None and named.handle != handle:
+                named = None  # a late row of a forgotten request whose slot was reused
+            n = int(rows.counts[row])
+            reason = self._refusal(named, worker_id, rows, row)
+            report.dropped.append(DroppedDelta(named.request_id if named else f"#{handle}",
+                                               worker_id, reason, n, row))
+            if reason == "stale":
+                self.counters.tokens_dropped_stale += n
         self.counters.tokens_generated += applied.generated
         self.counters.tokens_regenerated += applied.regenerated
         if applied.generated:  # every accepted token grew a request of worker_id (see _detach)
@@ -529,7 +531,8 @@ class RequestTracker:
 
     def apply_deltas(self, worker_id: str, deltas: Iterable[DeltaLike]) -> ApplyReport:
         """``apply_outputs`` for deltas as objects naming their requests by id (tests, the policy
-        simulator): one batch of rows per weight version, in order."""
+        simulator): one batch of rows per run of one weight version, in order. The report's
+        ``accepted`` joins them under the first batch's version."""
         deltas = list(deltas)
         report = ApplyReport(delta_batch.empty(deltas[0].weight_version if deltas else 0))
         good = []
@@ -539,10 +542,10 @@ class RequestTracker:
                                                    len(d.token_ids)))
             else:
                 good.append(d)
-        while good:
+        while good:  # one batch per run of one weight version, in order
             version = good[0].weight_version
-            batch = [d for d in good if d.weight_version == version]
-            good = [d for d in good if d.weight_version != version]
+            run = next((i for i, d in enumerate(good) if d.weight_version != version), len(good))
+            batch, good = good[:run], good[run:]
             unknown = MASK  # a handle naming no request
             rows = delta_batch.build(
                 ((self._requests[d.request_id].handle if d.request_id in self._requests

@@ -53,6 +53,7 @@ def model_apply(models: dict[int, Model], worker: int, rows: list[tuple], versio
             why = end
         if why:
             ended.append((i, why))
+            m.owner = -1  # done or released: on no worker
     return accepted, dropped, ended, generated, regenerated
 
 
@@ -170,6 +171,27 @@ def test_rows_naming_no_request_past_the_table_are_refused_however_many():
     got = ledger.apply(0, rows, VOCAB)
     assert got.accepted.tolist() == [2, 4] and got.dropped.tolist() == [0, 1, 3]
     assert ledger.tokens(a & MASK) == [3] and ledger.tokens(b & MASK) == [2]
+
+
+def test_a_row_after_its_requests_end_in_the_same_batch_is_refused():
+    ledger = TokenLedger()
+    a, b = ledger.add(10, 0, [STOP]), ledger.add(10, 0, [])
+    ledger.assign(a & MASK, 0)
+    ledger.assign(b & MASK, 0)
+    rows = delta_batch.build([(a, 0, [STOP], [0.0], ""), (b, 0, [], [], "abort"),
+                              (a, 1, [5], [0.0], ""), (b, 0, [4], [0.0], "")], 0)
+    got = ledger.apply(0, rows, VOCAB)
+    assert got.accepted.tolist() == [0, 1] and got.dropped.tolist() == [2, 3]
+    assert got.ended == [(0, "stop"), (1, "abort")]
+    assert ledger.tokens(a & MASK) == [STOP] and ledger.tokens(b & MASK) == []
+
+
+def test_negative_ids_are_refused_before_the_vocabulary_is_known():
+    ledger = TokenLedger()
+    a = ledger.add(10, 0, [])
+    ledger.assign(a & MASK, 0)
+    got = ledger.apply(0, delta_batch.build([(a, 0, [-1], [0.0], "")], 0), 2**63)
+    assert got.dropped.tolist() == [0] and not got.ended and ledger.tokens(a & MASK) == []
 
 
 def test_a_batch_whose_columns_disagree_is_refused_whole():
