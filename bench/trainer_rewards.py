@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import time
 
 from rlharvest.services.trainer.rewards.adaptive_timeout import AdaptiveTimeout, TimeoutPolicy
@@ -86,27 +87,29 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--hang-fraction", type=float, default=0.15)
     args = parser.parse_args()
-    count, steps, rollout_s = (16, 1, 2.0) if args.quick else (32, 2, 4.0)
+    count, steps, rollout_s = (16, 1, 2.0) if args.quick else (32, 3, 4.0)
     print(f"{count} candidates/step, {args.hang_fraction:.0%} hang, rollout {rollout_s}s, "
           f"{args.concurrency} sandboxes, fixed timeout {FIXED_TIMEOUT_S}s (paper: 30s)")
     configs = [("sync + fixed timeout (baseline)", False, False),
                ("async + fixed timeout", True, False),
                ("async + adaptive timeout", True, True)]
-    totals = {}
-    for name, asynchronous, adaptive in configs:
-        timeouts = AdaptiveTimeout(POLICY) if adaptive else None
-        times = []
-        for step in range(steps):
-            candidates = make_candidates(count, args.hang_fraction, rollout_s, seed=step)
-            elapsed, reward = await one_step(candidates, asynchronous, timeouts, args.concurrency)
-            times.append(elapsed)
+    # One controller per configuration for the whole run: its anchors carry across steps.
+    timeouts = {name: AdaptiveTimeout(POLICY) if adaptive else None
+                for name, _, adaptive in configs}
+    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
+    for step in range(steps):  # every configuration runs each step: noise hits all alike
+        candidates = make_candidates(count, args.hang_fraction, rollout_s, seed=step)
+        for name, asynchronous, _ in configs:
+            elapsed, reward = await one_step(candidates, asynchronous, timeouts[name],
+                                             args.concurrency)
+            times[name].append(elapsed)
             print(f"  {name:34s} step {step}: rollout+reward {elapsed:5.2f}s  "
                   f"total reward {reward:.0f}")
-        totals[name] = sum(times)
-    base = totals[configs[0][0]]
+    base = times[configs[0][0]]
     for name, *_ in configs:
-        print(f"{name:34s} {totals[name]:6.2f}s  speedup {base / totals[name]:.2f}x")
-
+        speedups = sorted(b / t for b, t in zip(base, times[name]))
+        print(f"{name:34s} {sum(times[name]):6.2f}s  speedup per step: median "
+              f"{statistics.median(speedups):.2f}x [{speedups[0]:.2f}-{speedups[-1]:.2f}]")
 
 if __name__ == "__main__":
     asyncio.run(main())
