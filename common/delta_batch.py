@@ -22,6 +22,12 @@ _ONES = np.ones(1 << 16, _I32)  # the counts of a batch of one token per row: a 
 _ONES.flags.writeable = False
 
 
+def spans(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices of ``counts[i]`` consecutive items from ``starts[i]``, for every i, joined."""
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets
+
+
 class MalformedBatch(ValueError):
     """Columns whose lengths disagree: nothing in the batch can be attributed to a request."""
 
@@ -60,13 +66,7 @@ class Rows:
         """The rows at ``rows`` (indices, increasing), ends renumbered."""
         if len(rows) == len(self.requests):
             return self
-        if self.unit:
-            tokens: np.ndarray | slice = rows
-        else:
-            starts = self.starts()[rows]
-            counts = self.counts[rows]
-            tokens = np.repeat(starts - (np.cumsum(counts) - counts), counts) + \
-                np.arange(int(counts.sum()))
+        tokens = rows if self.unit else spans(self.starts()[rows], self.counts[rows])
         renumber = {int(old): new for new, old in enumerate(rows)}
         return Rows(self.requests[rows], self.positions[rows], self.counts[rows],
                     self.token_ids[tokens], self.logprobs[tokens], self.weight_version,
@@ -107,11 +107,10 @@ def decode(msg: common_pb2.DeltaBatch) -> Rows:
                              f"summing to {int(counts.sum()) if n else 0}, {len(tokens)} tokens "
                              f"and {len(logprobs)} logprobs")
     ends = {}
-    if len(msg.ends):
-        for end in msg.ends:
-            if end.row >= n:
-                raise MalformedBatch(f"an end names row {end.row} of {n}")
-            ends[end.row] = end.reason
+    for end in msg.ends:
+        if end.row >= n:
+            raise MalformedBatch(f"an end names row {end.row} of {n}")
+        ends[end.row] = end.reason
     return Rows(requests, positions, counts, tokens, logprobs, msg.weight_version, ends,
                 not packed)
 
@@ -128,6 +127,21 @@ def encode(rows: Rows, out: common_pb2.DeltaBatch | None = None) -> common_pb2.D
     for row, reason in sorted(rows.ends.items()):
         msg.ends.add(row=row, reason=reason)
     return msg
+
+
+def by_key(rows: Rows, keys: np.ndarray, names: np.ndarray) -> list[tuple[int, Rows]]:
+    """The rows split by ``keys`` (one per row; the manager: each request's step), each part
+    naming its requests by ``names`` (their index in the step) instead."""
+    if not len(rows):
+        return []
+    first = keys[0]
+    if not np.count_nonzero(keys != first):  # the common case: one step on the worker
+        return [(int(first), rows.with_requests(names))]
+    parts = []
+    for key in np.unique(keys).tolist():
+        picked = np.flatnonzero(keys == key)
+        parts.append((key, rows.take(picked).with_requests(names[picked])))
+    return parts
 
 
 def empty(weight_version: int = 0) -> Rows:

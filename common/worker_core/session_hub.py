@@ -314,7 +314,7 @@ class SessionHub:
             return
         rows = RowsBuilder(weight_version)
         rows.add(held.handle, held.next_position, final.new_token_ids, final.new_logprobs,
-                 (final.finish_reason or "stop") if final.finished else "")
+                 _end(final))
         event = _step_event(self._last_step, rows, load)
         self.release(final.request_id, final.finish_reason)
         if self._unsent is not None:
@@ -366,8 +366,7 @@ class SessionHub:
             rows = by_session.get(session)
             if rows is None:
                 rows = by_session[session] = RowsBuilder(version)
-            rows.add(handle, position, out.new_token_ids, out.new_logprobs,
-                     (out.finish_reason or "stop") if out.finished else "")
+            rows.add(handle, position, out.new_token_ids, out.new_logprobs, _end(out))
         for session, rows in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.
@@ -426,6 +425,12 @@ class SessionHub:
 def request_identity(msg: pb.AddRequest) -> int:
     """What must match for an add to adopt a kept request: its prompt and sampling."""
     return hash((tuple(msg.prompt_token_ids), msg.sampling.SerializeToString(deterministic=True)))
+
+
+def _end(out: RequestOutput) -> str:
+    """A row's end: "" while the request goes on; an output finished without a reason ends
+    as "stop" (the manager's reading of a bare "finished")."""
+    return (out.finish_reason or "stop") if out.finished else ""
 
 
 def _step_event(number: int, rows: RowsBuilder, load: common_pb2.Load,

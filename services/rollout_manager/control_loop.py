@@ -420,10 +420,7 @@ class RolloutControl:
         self.remote.active_changed(len(healthy - self.pool.standby()), len(healthy))
 
     def _remote_produced(self, worker_id: str, report: ApplyReport) -> None:
-        tags = report.tags
-        if tags is None:
-            tags, _ = self.tracker.labels(report.accepted.requests)
-        tags = tags[report.accepted.counts > 0]  # the steps it produced tokens of
+        tags = report.tags[report.accepted.counts > 0]  # the steps it produced tokens of
         for key in np.unique(tags).tolist():  # the rows' steps (label: a step's key)
             if self.steps.live_step(key) is not None:
                 self.remote.produced(key, worker_id)
@@ -460,7 +457,7 @@ class RolloutControl:
         # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
         # the likeliest to run longest, and they gain most from the idle worker's small batch.
         running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
-                         key=lambda r: -len(r.token_ids))
+                         key=lambda r: -r.generated)
         context = self.tracker.mean_context(w.worker_id)
         plateau = None if context is None else self.profiles[w.kind].plateau(context)
         capacity, unmanaged = w.capacity, 0

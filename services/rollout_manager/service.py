@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-import numpy as np
-
 from rlharvest.common import delta_batch, errors, keys, registry, server_guard
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
@@ -271,16 +269,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if accepted.ends:  # the client must not read "ended" on a request the worker aborted
             accepted = dataclasses.replace(accepted, ends={
                 r: why for r, why in accepted.ends.items() if why != "abort"})
-        keys, indices = report.tags, report.indices
-        if keys is None or indices is None:
-            keys, indices = self._control.tracker.labels(accepted.requests)
-        first = keys[0]
-        if (keys == first).all():  # the common case: one step on the worker
-            parts = [(int(first), accepted.with_requests(indices))]
-        else:
-            parts = [(int(key), accepted.take(np.flatnonzero(keys == key)).with_requests(
-                indices[keys == key])) for key in np.unique(keys)]
-        for key, rows in parts:
+        for key, rows in delta_batch.by_key(accepted, report.tags, report.indices):
             stream = self._step_streams.get(key)
             if stream is not None:
                 # A slow client holds this worker's stream here: backpressure.
@@ -334,7 +323,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def _completion(self, request_id: str, cancelled: bool = False) -> mpb.Completion:
         req = self._control.tracker.get(request_id)
         if cancelled:  # not needed: its partial tokens are discarded, never trained
-            metrics.TOKENS_DISCARDED.inc(len(req.token_ids))
+            metrics.TOKENS_DISCARDED.inc(req.generated)
             return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
                                   weight_version=req.weight_version,
                                   finish_reason=req.finish_reason, failed=True, cancelled=True,
@@ -350,7 +339,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         stream = self._streams.pop(request_id)
         lengths = self._step_lengths.get(stream.step.key)
         if lengths is not None and outcome == "finished":
-            lengths.append(len(self._control.tracker.get(request_id).token_ids))
+            lengths.append(self._control.tracker.get(request_id).generated)
         step = self._control.deliver(request_id, succeeded=outcome == "finished")
         policy = stream.step.policy
         if isinstance(policy, TailBatchingStep):  # before the step's end, if this was its last

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlharvest.common.delta_batch import Rows
+from rlharvest.common.delta_batch import Rows, spans
 
 NO_WORKER = -1
 _SHIFT = 32
@@ -34,6 +34,7 @@ _FIRST_ROOM = 256  # tokens of a new request's region (or its max_tokens, if few
 (HANDLE, OWNER, VERSION, LENGTH, CAP, BASE, ROOM, HIGH, FRESH, TAG, INDEX, STOPS) = range(12)
 _COLUMNS = STOPS + 2  # two stop ids to begin with; the table widens for more
 count = np.count_nonzero  # far cheaper than ndarray.any()/all() on small arrays
+_NONE = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -46,8 +47,8 @@ class Applied:
     started: list[int] = field(default_factory=list)  # slots with their assignment's first token
     generated: int = 0
     regenerated: int = 0
-    tags: np.ndarray | None = None  # the accepted rows' labels (``label``)
-    indices: np.ndarray | None = None
+    tags: np.ndarray = field(default_factory=lambda: _NONE)  # the accepted rows' ``label``s
+    indices: np.ndarray = field(default_factory=lambda: _NONE)
 
 
 class TokenLedger:
@@ -97,7 +98,6 @@ class TokenLedger:
         row[FRESH], row[TAG], row[INDEX] = 1, 0, 0
         row[STOPS:STOPS + len(stop_ids)] = stop_ids
         if tokens:
-            base = int(row[BASE])
             self._tokens[base:base + len(tokens)] = tokens
             self._logprobs[base:base + len(tokens)] = logprobs
         return handle
@@ -137,10 +137,6 @@ class TokenLedger:
     def label(self, slots: Sequence[int], tag: int) -> None:
         self.table[slots, TAG] = tag
         self.table[slots, INDEX] = np.arange(len(slots))
-
-    def labels(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.table[handles & MASK]
-        return rows[:, TAG], rows[:, INDEX]
 
     # ---- a batch ------------------------------------------------------------------------------
 
@@ -198,8 +194,7 @@ class TokenLedger:
                 (tokens[acc], rows.logprobs[acc])
         else:
             keep = np.repeat(ok, rows.counts)
-            offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-            index = np.repeat(state[:, BASE] + length, counts) + offsets
+            index = spans(state[:, BASE] + length, counts)
             kept_tokens, kept_logprobs = tokens[keep], rows.logprobs[keep]
         self._tokens[index] = kept_tokens
         self._logprobs[index] = kept_logprobs
@@ -254,9 +249,8 @@ class TokenLedger:
             part = self.apply(worker, rows.take(picked), vocab_size)
             accepted.append(picked[part.accepted])
             dropped.append(picked[part.dropped])
-            if part.tags is not None and part.indices is not None:
-                tags.append(part.tags)
-                indices.append(part.indices)
+            tags.append(part.tags)
+            indices.append(part.indices)
             total.ended += [(int(picked[r]), why) for r, why in part.ended]
             total.started += part.started
             total.generated += part.generated
@@ -264,9 +258,8 @@ class TokenLedger:
         order_acc = np.argsort(np.concatenate(accepted))
         total.accepted = np.concatenate(accepted)[order_acc]
         total.dropped = np.sort(np.concatenate(dropped))
-        if tags:
-            total.tags = np.concatenate(tags)[order_acc]
-            total.indices = np.concatenate(indices)[order_acc]
+        total.tags = np.concatenate(tags)[order_acc]
+        total.indices = np.concatenate(indices)[order_acc]
         total.ended.sort()
         return total
 
@@ -294,8 +287,7 @@ class TokenLedger:
         top = self._allocate(int(rooms.sum()))  # may compact: read the old bases after it
         old, lengths = self.table[slots, BASE], rows[:, LENGTH]
         bases = top + np.cumsum(rooms) - rooms
-        offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        src, dst = np.repeat(old, lengths) + offsets, np.repeat(bases, lengths) + offsets
+        src, dst = spans(old, lengths), spans(bases, lengths)
         self._tokens[dst] = self._tokens[src]
         self._logprobs[dst] = self._logprobs[src]
         self._dead += int(rows[:, ROOM].sum())
@@ -303,13 +295,12 @@ class TokenLedger:
 
     def _compact(self) -> None:
         live = np.flatnonzero(self.table[:self._used, HANDLE] >= 0)
-        tokens = np.zeros_like(self._tokens)
-        logprobs = np.zeros_like(self._logprobs)
-        top = 0
-        for slot in live.tolist():
-            base, room = int(self.table[slot, BASE]), int(self.table[slot, ROOM])
-            tokens[top:top + room] = self._tokens[base:base + room]
-            logprobs[top:top + room] = self._logprobs[base:base + room]
-            self.table[slot, BASE] = top
-            top += room
-        self._tokens, self._logprobs, self._top, self._dead = tokens, logprobs, top, 0
+        rows = self.table[live]
+        rooms, lengths = rows[:, ROOM], rows[:, LENGTH]
+        bases = np.cumsum(rooms) - rooms  # side by side from 0, rooms kept
+        src, dst = spans(rows[:, BASE], lengths), spans(bases, lengths)
+        tokens, logprobs = np.zeros_like(self._tokens), np.zeros_like(self._logprobs)
+        tokens[dst], logprobs[dst] = self._tokens[src], self._logprobs[src]
+        self.table[live, BASE] = bases
+        self._tokens, self._logprobs = tokens, logprobs
+        self._top, self._dead = int(rooms.sum()), 0

@@ -201,8 +201,8 @@ class ApplyReport:
     """Outcome of one batch of step outputs: what to forward, what finished, what was refused."""
 
     accepted: Rows  # the rows appended (requests named by their handles)
-    tags: np.ndarray | None = None  # the accepted rows' labels (``label``): step keys
-    indices: np.ndarray | None = None  # and their index in their step
+    tags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # step keys
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # in the step
     finished: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # the assignee aborted it: back to waiting
     dropped: list[DroppedDelta] = field(default_factory=list)
@@ -269,13 +269,9 @@ class RequestTracker:
 
     def label(self, request_ids: Sequence[str], tag: int) -> None:
         """Name the requests' rows ``tag`` and their index in ``request_ids`` (the manager: a
-        step's key and each request's index in it, read by ``labels``)."""
+        step's key and each request's index in it, reported with accepted rows)."""
         slots = [self._requests[rid].slot for rid in request_ids]
         self.ledger.label(slots, tag)
-
-    def labels(self, handles: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tags and indices (``label``) of the requests of these handles."""
-        return self.ledger.labels(handles)
 
     def _validate_step(self, requests: Sequence[NewRequest]) -> None:
         lim = self._limits
@@ -449,8 +445,7 @@ class RequestTracker:
     def _attach(self, req: TrackedRequest, worker_id: str) -> None:
         req.worker_id = worker_id
         req.state = RequestState.PENDING
-        number = self._worker_index.setdefault(worker_id, len(self._worker_index))
-        self.ledger.assign(req.slot, number)
+        self.ledger.assign(req.slot, self._worker_number(worker_id))
         self._by_worker.setdefault(worker_id, {})[req.request_id] = None
         self._context[worker_id] = self._context.get(worker_id, 0) + req.context_length
 
@@ -481,8 +476,7 @@ class RequestTracker:
         (token_ledger.py checks the whole batch with array operations). The accepted rows are
         reported as a batch, so the service forwards them without a Python object per row.
         """
-        number = self._worker_index.setdefault(worker_id, len(self._worker_index))
-        applied = self.ledger.apply(number, rows, self._vocab_limit)
+        applied = self.ledger.apply(self._worker_number(worker_id), rows, self._vocab_limit)
         report = ApplyReport(rows.take(applied.accepted), tags=applied.tags,
                              indices=applied.indices)
         by_slot = self._by_slot
@@ -514,6 +508,9 @@ class RequestTracker:
         if applied.generated:  # every accepted token grew a request of worker_id (see _detach)
             self._context[worker_id] = self._context.get(worker_id, 0) + applied.generated
         return report
+
+    def _worker_number(self, worker_id: str) -> int:
+        return self._worker_index.setdefault(worker_id, len(self._worker_index))
 
     @staticmethod
     def _refusal(req: TrackedRequest | None, worker_id: str, rows: Rows, row: int) -> str:
@@ -553,6 +550,8 @@ class RequestTracker:
                   (d.finish_reason or "stop") if d.finished else "") for d in batch), version)
             part = self.apply_outputs(worker_id, rows)
             report.accepted = delta_batch.concat([report.accepted, part.accepted])
+            report.tags = np.concatenate([report.tags, part.tags])
+            report.indices = np.concatenate([report.indices, part.indices])
             report.finished += part.finished
             report.aborted += part.aborted
             report.dropped += [DroppedDelta(batch[x.row].request_id, x.worker_id, x.reason,

@@ -29,6 +29,8 @@ class Model:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     high: int = 0
+    tag: int = 0  # its ``label``: a step key and its index in that step
+    index: int = 0
 
 
 def model_apply(models: dict[int, Model], worker: int, rows: list[tuple], version: int):
@@ -89,6 +91,11 @@ def run_script(script) -> None:
                                    logprobs=[t / 10 for t in resume], high=len(resume))
             ledger.assign(handle & MASK, 0)
             models[handle].owner = 0
+            # Every request labelled again as one step: tags and indices must follow each row.
+            ordered = sorted(models)
+            ledger.label([h & MASK for h in ordered], len(ordered))
+            for i, h in enumerate(ordered):
+                models[h].tag, models[h].index = len(ordered), i
         elif op == "truncate":
             handle = handles[int(rng.integers(len(handles)))]
             ledger.truncate(handle & MASK)
@@ -131,6 +138,9 @@ def run_script(script) -> None:
             want = model_apply(models, worker, rows, 0)
             assert (got.accepted.tolist(), got.dropped.tolist(), got.ended, got.generated,
                     got.regenerated) == want
+            named = [models[rows[r][0]] for r in want[0]]
+            assert got.tags.tolist() == [m.tag for m in named]
+            assert got.indices.tolist() == [m.index for m in named]
         for handle, m in models.items():
             assert ledger.tokens(handle & MASK) == m.tokens
             assert ledger.logprobs(handle & MASK) == pytest.approx(m.logprobs)
@@ -192,6 +202,17 @@ def test_negative_ids_are_refused_before_the_vocabulary_is_known():
     ledger.assign(a & MASK, 0)
     got = ledger.apply(0, delta_batch.build([(a, 0, [-1], [0.0], "")], 0), 2**63)
     assert got.dropped.tolist() == [0] and not got.ended and ledger.tokens(a & MASK) == []
+
+
+def test_rows_split_by_step_keep_their_tokens_ends_and_step_indices():
+    rows = delta_batch.build([(10, 0, [1], [0.1], ""), (11, 3, [2, 3], [0.2, 0.3], "stop"),
+                              (12, 5, [4], [0.4], "")], 0)
+    parts = delta_batch.by_key(rows, np.array([7, 9, 7]), np.array([0, 4, 1]))
+    assert [(key, [tuple(r) for r in part.iter()]) for key, part in parts] == [
+        (7, [(0, 0, [1], pytest.approx([0.1]), ""), (1, 5, [4], pytest.approx([0.4]), "")]),
+        (9, [(4, 3, [2, 3], pytest.approx([0.2, 0.3]), "stop")])]
+    [(key, whole)] = delta_batch.by_key(rows, np.array([7, 7, 7]), np.array([2, 0, 1]))
+    assert key == 7 and whole.requests.tolist() == [2, 0, 1]
 
 
 def test_a_batch_whose_columns_disagree_is_refused_whole():
