@@ -1,11 +1,19 @@
 """Sparse delta pull vs dense pull, end to end through a real transfer agent (ROSE §4.2): the
-worker holds v; v+1 differs in 10%, 1% or 0.1% of the elements. Both pulls are timed from
-PlanPull (which encodes on the agent, cold cache) to decoded, checksummed tensors in the worker.
-Both sides run the codec on 2 threads (agent --codec-threads, client codec_threads); the delta
-pull applies in place to the held version, as the worker's puller does.
+worker holds v; v+1 differs in 10%, 1% or 0.1% of the elements.
 
-    python bench/transfer_delta.py           # ~200 MB of bf16
-    python bench/transfer_delta.py --quick   # ~48 MB, < 30 s
+- dense: PlanPull (the agent encodes v+1 dense, cold cache) to decoded, CRC-checked tensors.
+- delta: the trainer encodes v+1 against v from the positions its optimizer step changed
+  (``LastPublished.encode_next``; timed), publishes it (not timed, like the dense publish it
+  replaces), then the worker pulls it: PlanPull (the agent serves the trainer's encodings),
+  bytes, decode, apply in place to the held v and verify by linear sums (no full pass).
+
+Every version is pulled both ways, the order alternating; rounds repeat and the speedup is the
+median of the per-version ratios with its spread. The first delta after the dense pull of v1
+computes each tensor's linear sum once on both sides (a full pass); it runs before the timed
+rounds and is reported on its own. Bit-exactness is checked on every pull (outside the timing).
+
+    python bench/transfer_delta.py           # 200 MB of bf16, 3 rounds
+    python bench/transfer_delta.py --quick   # 48 MB, 2 rounds, < 30 s
 """
 
 from __future__ import annotations
@@ -13,80 +21,161 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ratios import spread  # noqa: E402
 from transfer_harness import local_stack, start_agent, write_results  # noqa: E402
 
-from rlharvest.services.transfer_agent.client import publish, pull, weights_fingerprint  # noqa: E402
+from rlharvest.services.transfer_agent.client import (  # noqa: E402
+    agent_channel,
+    publish,
+    publish_delta,
+    pull,
+    weights_fingerprint,
+)
+from rlharvest.services.transfer_agent.delta_publish import (  # noqa: E402
+    LastPublished,
+    changed_positions,
+)
 
 ZEROS = (0.9, 0.99, 0.999)
+ENCODE_POOL = ThreadPoolExecutor(2, thread_name_prefix="encode")  # the trainer's 2 codec threads
 
 
-def next_version(tensors: dict, zero_fraction: float, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
+def next_version(tensors: dict, zero_fraction: float, seed: int) -> tuple[dict, dict]:
+    """v+1 with one low bit flipped at (1 - zero_fraction) of the positions, and those
+    positions (what the optimizer step knows it changed)."""
+    gen = np.random.default_rng(seed)
+    out, positions = {}, {}
     for name, t in tensors.items():
         new = t.clone()
         bits = new.view(-1).view(torch.int16)
-        k = int(bits.numel() * (1 - zero_fraction))
-        bits[torch.randint(0, bits.numel(), (k,), generator=gen)] ^= 1
-        out[name] = new
-    return out
+        index = np.unique(gen.integers(0, bits.numel(), int(bits.numel() * (1 - zero_fraction))))
+        bits[torch.from_numpy(index)] ^= 1
+        out[name], positions[name] = new, index
+    return out, positions
 
 
-async def run(mb: int) -> list[str]:
+class Worker:
+    """The rollout worker's side: the held version, its tensors and their linear sums."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.channel = agent_channel(endpoint)  # kept open, as the worker's puller does
+        self.version = 0
+        self.tensors: dict = {}
+        self.sums: dict[str, int] = {}
+
+    async def pull_delta(self, version: int):
+        result = await pull(self.endpoint, "delta", version=version, held=self.tensors,
+                            held_version=self.version, inplace=True, held_sums=self.sums,
+                            channel=self.channel)
+        assert result.delta, result.note
+        self.version, self.tensors, self.sums = version, result.tensors, result.sums
+        return result
+
+
+async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zeros: float,
+                      seed: int, dense_first: bool) -> dict:
+    new, positions = next_version(trainer.tensors, zeros, seed)
+    version = trainer.version + 1
+    started = time.perf_counter()
+    encoded, stats = trainer.encode_next(new, positions, ENCODE_POOL.map)
+    encode_s = time.perf_counter() - started
+    started = time.perf_counter()
+    await publish_delta(endpoint, "delta", version, trainer.version, encoded)
+    publish_s = time.perf_counter() - started
+    diff_s = time.perf_counter()
+    for name, t in new.items():  # what a trainer without positions pays (CPU; ~free on a GPU)
+        changed_positions(trainer.tensors[name], t)
+    diff_s = time.perf_counter() - diff_s
+    expected = weights_fingerprint(new)
+    if dense_first:
+        dense = await pull(endpoint, "delta", version=version)
+        sparse = await worker.pull_delta(version)
+    else:
+        sparse = await worker.pull_delta(version)
+        dense = await pull(endpoint, "delta", version=version)
+    assert weights_fingerprint(sparse.tensors) == expected, "delta pull is not bit-exact"
+    assert weights_fingerprint(dense.tensors) == expected, "dense pull is not bit-exact"
+    assert not dense.delta
+    next_trainer = LastPublished.after(version, new, encoded)
+    trainer.__dict__.update(next_trainer.__dict__)
+    return {"zeros": zeros, "dense_s": dense.seconds, "encode_s": encode_s,
+            "pull_s": sparse.seconds, "delta_s": encode_s + sparse.seconds,
+            "ratio": dense.seconds / (encode_s + sparse.seconds), "publish_s": publish_s,
+            "diff_s": diff_s, "dense_mb": dense.payload_bytes / 1e6,
+            "delta_mb": sparse.payload_bytes / 1e6, "changed": stats.changed_fraction}
+
+
+async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
     stack = local_stack()
-    rows = []
     try:
         endpoint, _ = start_agent(stack, "delta-agent", "--memory-budget-bytes", str(8 * (mb << 20)))
         n_tensors = 16
         numel = (mb << 20) // 2 // n_tensors
-        base = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(numel).to(torch.bfloat16)
-                for i in range(n_tensors)}
-        version = 1
-        await publish(endpoint, "delta", version, base)
-        held = (await pull(endpoint, "delta", version=version)).tensors
-        for zeros in ZEROS:
-            new = next_version(held, zeros, seed=version)
-            version += 1
-            await publish(endpoint, "delta", version, new)
-            expected = weights_fingerprint(new)
-            sparse = await pull(endpoint, "delta", version=version, held=held,
-                                held_version=version - 1, inplace=True)
-            dense = await pull(endpoint, "delta", version=version)  # cold: dense encode too
-            assert weights_fingerprint(sparse.tensors) == expected
-            assert weights_fingerprint(dense.tensors) == expected
-            assert sparse.delta and not dense.delta
-            rows.append(f"| {zeros:.1%} | {dense.payload_bytes / 1e6:.1f} | "
-                        f"{sparse.payload_bytes / 1e6:.2f} | "
-                        f"{sparse.payload_bytes / dense.payload_bytes:.2%} | {dense.seconds:.3f} | "
-                        f"{sparse.seconds:.3f} | {dense.seconds / sparse.seconds:.1f}x |")
-            held = sparse.tensors
+        gen = torch.Generator().manual_seed(0)
+        base = {f"model.layers.{i}.mlp.up_proj.weight":
+                torch.randn(numel, generator=gen).to(torch.bfloat16) for i in range(n_tensors)}
+        await publish(endpoint, "delta", 1, base)
+        trainer, worker = LastPublished(1, base), Worker(endpoint)
+        first = await pull(endpoint, "delta", version=1)
+        worker.version, worker.tensors, worker.sums = 1, first.tensors, first.sums
+        warm = await one_version(endpoint, trainer, worker, 0.99, seed=1, dense_first=True)
+        rows = []
+        for round_ in range(rounds):
+            for zeros in ZEROS:
+                rows.append(await one_version(endpoint, trainer, worker, zeros,
+                                              seed=trainer.version, dense_first=round_ % 2 == 0))
+        return rows, warm
     finally:
         stack.stop()
-    return rows
+
+
+def table(rows: list[dict], warm: dict) -> list[str]:
+    out = ["| zeros | dense MB | delta MB | dense pull s | trainer encode ms | delta pull s | "
+           "speedup, median [spread] | delta publish s | trainer CPU diff s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for zeros in ZEROS:
+        mine = [r for r in rows if r["zeros"] == zeros]
+
+        def med(key: str, mine: list[dict] = mine) -> float:
+            return statistics.median(r[key] for r in mine)
+
+        out.append(f"| {zeros:.1%} | {med('dense_mb'):.1f} | {med('delta_mb'):.2f} | "
+                   f"{med('dense_s'):.3f} | {med('encode_s') * 1e3:.1f} | {med('pull_s'):.3f} | "
+                   f"**{spread([r['ratio'] for r in mine], 1)}** | {med('publish_s'):.3f} | "
+                   f"{med('diff_s'):.3f} |")
+    out.append(f"\nFirst delta after the dense pull (99% zeros; each side computes the linear "
+               f"sums once): encode {warm['encode_s'] * 1e3:.0f} ms + pull {warm['pull_s']:.3f} s "
+               f"vs dense {warm['dense_s']:.3f} s ({warm['ratio']:.1f}x).")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     mb = 48 if args.quick else 200
+    rounds = args.rounds or (2 if args.quick else 3)
     started = time.perf_counter()
-    rows = asyncio.run(run(mb))
+    rows, warm = asyncio.run(run(mb, rounds))
     text = "\n".join([
         "# transfer_delta: sparse delta pull vs dense pull through the agent, end to end\n",
         f"`python bench/transfer_delta.py{' --quick' if args.quick else ''}` — {mb} MB of bf16 "
-        f"(16 tensors); worker holds v, pulls v+1; loopback; encode on the agent (cold), bytes, "
-        f"decode + checksums in the worker (delta applied in place, as the puller does); codec on 2 "
-        f"threads per side; bit-exact checked; 2 cores, load average "
+        f"(16 tensors), {rounds} rounds of the three sparsities, each version pulled both ways "
+        f"(order alternating); loopback; codec on 2 threads per side; bit-exact checked; speedup "
+        f"= dense pull / (trainer encode + delta pull), per version; 2 cores, load average "
         f"{os.getloadavg()[0]:.1f}; run took {time.perf_counter() - started:.0f}s.\n",
-        "| zeros | dense MB | delta MB | delta / dense | dense s | delta s | speedup |",
-        "|---|---|---|---|---|---|---|", *rows]) + "\n"
+        *table(rows, warm)]) + "\n"
     write_results("transfer_delta" + ("_quick" if args.quick else ""), text)
 
 

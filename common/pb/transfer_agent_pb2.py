@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlharvest/v1/transfer_agent.proto\x12\x0crlharvest.v1\"\x88\x01\n\rPublishHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x0f\n\x07tp_rank\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x07 \x01(\x05\"q\n\x0cPublishChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rlharvest.v1.PublishHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.rlharvest.v1.BucketChunkH\x00\x42\x06\n\x04part\"h\n\x0cPublishReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rheld_versions\x18\x02 \x03(\x03\x12\x18\n\x10\x65victed_versions\x18\x03 \x03(\x03\x12\x16\n\x0eshards_missing\x18\x04 \x03(\x05\"\x9d\x01\n\x0bPullRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0bhas_holding\x18\x03 \x01(\x08\x12\x0f\n\x07holding\x18\x04 \x01(\x03\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\r\n\x05names\x18\x07 \x03(\t\x12\x19\n\x11requester_cluster\x18\x08 \x01(\t\"\x94\x01\n\x08PullPlan\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04note\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x03\x12\x15\n\rdelta_tensors\x18\x06 \x01(\x05\x12\x0f\n\x07plan_id\x18\x07 \x01(\r\"[\n\x0e\x42ucketsRequest\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x19.rlharvest.v1.PullRequest\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\x05\x12\x0f\n\x07plan_id\x18\x03 \x01(\r\";\n\x0b\x42ucketChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0f\n\rStatusRequest\"U\n\x0bJobVersions\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rheld_versions\x18\x02 \x03(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x03\x12\x12\n\nheld_bytes\x18\x04 \x01(\x03\"g\n\x0b\x41gentStatus\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x63luster\x18\x03 \x01(\t\x12\'\n\x04jobs\x18\x04 \x03(\x0b\x32\x19.rlharvest.v1.JobVersions2\xa2\x02\n\rTransferAgent\x12\x43\n\x07Publish\x12\x1a.rlharvest.v1.PublishChunk\x1a\x1a.rlharvest.v1.PublishReply(\x01\x12=\n\x08PlanPull\x12\x19.rlharvest.v1.PullRequest\x1a\x16.rlharvest.v1.PullPlan\x12H\n\x0bPullBuckets\x12\x1c.rlharvest.v1.BucketsRequest\x1a\x19.rlharvest.v1.BucketChunk0\x01\x12\x43\n\tGetStatus\x12\x1b.rlharvest.v1.StatusRequest\x1a\x19.rlharvest.v1.AgentStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlharvest/v1/transfer_agent.proto\x12\x0crlharvest.v1\"\x88\x01\n\rPublishHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rmanifest_json\x18\x03 \x01(\t\x12\x0f\n\x07tp_rank\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x0f\n\x07\x64p_rank\x18\x06 \x01(\x05\x12\x0f\n\x07\x64p_size\x18\x07 \x01(\x05\"q\n\x0cPublishChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.rlharvest.v1.PublishHeaderH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.rlharvest.v1.BucketChunkH\x00\x42\x06\n\x04part\"h\n\x0cPublishReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rheld_versions\x18\x02 \x03(\x03\x12\x18\n\x10\x65victed_versions\x18\x03 \x03(\x03\x12\x16\n\x0eshards_missing\x18\x04 \x03(\x05\"\xb7\x01\n\x0bPullRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x13\n\x0bhas_holding\x18\x03 \x01(\x08\x12\x0f\n\x07holding\x18\x04 \x01(\x03\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\x12\r\n\x05names\x18\x07 \x03(\t\x12\x19\n\x11requester_cluster\x18\x08 \x01(\t\x12\x18\n\x10inline_max_bytes\x18\t \x01(\x03\"\xac\x01\n\x08PullPlan\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04note\x18\x03 \x01(\t\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x64\x65nse_bytes\x18\x05 \x01(\x03\x12\x15\n\rdelta_tensors\x18\x06 \x01(\x05\x12\x0f\n\x07plan_id\x18\x07 \x01(\r\x12\x16\n\x0einline_buckets\x18\x08 \x03(\x0c\"[\n\x0e\x42ucketsRequest\x12\'\n\x04pull\x18\x01 \x01(\x0b\x32\x19.rlharvest.v1.PullRequest\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\x05\x12\x0f\n\x07plan_id\x18\x03 \x01(\r\";\n\x0b\x42ucketChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0f\n\rStatusRequest\"U\n\x0bJobVersions\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rheld_versions\x18\x02 \x03(\x03\x12\x0e\n\x06latest\x18\x03 \x01(\x03\x12\x12\n\nheld_bytes\x18\x04 \x01(\x03\"g\n\x0b\x41gentStatus\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x63luster\x18\x03 \x01(\t\x12\'\n\x04jobs\x18\x04 \x03(\x0b\x32\x19.rlharvest.v1.JobVersions2\xa2\x02\n\rTransferAgent\x12\x43\n\x07Publish\x12\x1a.rlharvest.v1.PublishChunk\x1a\x1a.rlharvest.v1.PublishReply(\x01\x12=\n\x08PlanPull\x12\x19.rlharvest.v1.PullRequest\x1a\x16.rlharvest.v1.PullPlan\x12H\n\x0bPullBuckets\x12\x1c.rlharvest.v1.BucketsRequest\x1a\x19.rlharvest.v1.BucketChunk0\x01\x12\x43\n\tGetStatus\x12\x1b.rlharvest.v1.StatusRequest\x1a\x19.rlharvest.v1.AgentStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,19 +38,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUBLISHREPLY']._serialized_start=305
   _globals['_PUBLISHREPLY']._serialized_end=409
   _globals['_PULLREQUEST']._serialized_start=412
-  _globals['_PULLREQUEST']._serialized_end=569
-  _globals['_PULLPLAN']._serialized_start=572
-  _globals['_PULLPLAN']._serialized_end=720
-  _globals['_BUCKETSREQUEST']._serialized_start=722
-  _globals['_BUCKETSREQUEST']._serialized_end=813
-  _globals['_BUCKETCHUNK']._serialized_start=815
-  _globals['_BUCKETCHUNK']._serialized_end=874
-  _globals['_STATUSREQUEST']._serialized_start=876
-  _globals['_STATUSREQUEST']._serialized_end=891
-  _globals['_JOBVERSIONS']._serialized_start=893
-  _globals['_JOBVERSIONS']._serialized_end=978
-  _globals['_AGENTSTATUS']._serialized_start=980
-  _globals['_AGENTSTATUS']._serialized_end=1083
-  _globals['_TRANSFERAGENT']._serialized_start=1086
-  _globals['_TRANSFERAGENT']._serialized_end=1376
+  _globals['_PULLREQUEST']._serialized_end=595
+  _globals['_PULLPLAN']._serialized_start=598
+  _globals['_PULLPLAN']._serialized_end=770
+  _globals['_BUCKETSREQUEST']._serialized_start=772
+  _globals['_BUCKETSREQUEST']._serialized_end=863
+  _globals['_BUCKETCHUNK']._serialized_start=865
+  _globals['_BUCKETCHUNK']._serialized_end=924
+  _globals['_STATUSREQUEST']._serialized_start=926
+  _globals['_STATUSREQUEST']._serialized_end=941
+  _globals['_JOBVERSIONS']._serialized_start=943
+  _globals['_JOBVERSIONS']._serialized_end=1028
+  _globals['_AGENTSTATUS']._serialized_start=1030
+  _globals['_AGENTSTATUS']._serialized_end=1133
+  _globals['_TRANSFERAGENT']._serialized_start=1136
+  _globals['_TRANSFERAGENT']._serialized_end=1426
 # @@protoc_insertion_point(module_scope)

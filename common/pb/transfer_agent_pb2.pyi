@@ -45,7 +45,7 @@ class PublishReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., held_versions: _Optional[_Iterable[int]] = ..., evicted_versions: _Optional[_Iterable[int]] = ..., shards_missing: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("job", "version", "has_holding", "holding", "tp_rank", "tp_size", "names", "requester_cluster")
+    __slots__ = ("job", "version", "has_holding", "holding", "tp_rank", "tp_size", "names", "requester_cluster", "inline_max_bytes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HAS_HOLDING_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PullRequest(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     has_holding: bool
@@ -62,10 +63,11 @@ class PullRequest(_message.Message):
     tp_size: int
     names: _containers.RepeatedScalarFieldContainer[str]
     requester_cluster: str
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., has_holding: _Optional[bool] = ..., holding: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., requester_cluster: _Optional[str] = ...) -> None: ...
+    inline_max_bytes: int
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., has_holding: _Optional[bool] = ..., holding: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., requester_cluster: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
 
 class PullPlan(_message.Message):
-    __slots__ = ("manifest_json", "version", "note", "payload_bytes", "dense_bytes", "delta_tensors", "plan_id")
+    __slots__ = ("manifest_json", "version", "note", "payload_bytes", "dense_bytes", "delta_tensors", "plan_id", "inline_buckets")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,7 @@ class PullPlan(_message.Message):
     DENSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DELTA_TENSORS_FIELD_NUMBER: _ClassVar[int]
     PLAN_ID_FIELD_NUMBER: _ClassVar[int]
+    INLINE_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     version: int
     note: str
@@ -80,7 +83,8 @@ class PullPlan(_message.Message):
     dense_bytes: int
     delta_tensors: int
     plan_id: int
-    def __init__(self, manifest_json: _Optional[str] = ..., version: _Optional[int] = ..., note: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., delta_tensors: _Optional[int] = ..., plan_id: _Optional[int] = ...) -> None: ...
+    inline_buckets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, manifest_json: _Optional[str] = ..., version: _Optional[int] = ..., note: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., dense_bytes: _Optional[int] = ..., delta_tensors: _Optional[int] = ..., plan_id: _Optional[int] = ..., inline_buckets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BucketsRequest(_message.Message):
     __slots__ = ("pull", "buckets", "plan_id")

@@ -21,12 +21,14 @@ from rlharvest.common import keys, registry
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.bucketing import ManifestError
+from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.client import (
     PullError,
     PullResult,
     holders,
     pull,
-    weights_fingerprint,
+    agent_channel,
+    sums_fingerprint,
 )
 from rlharvest.services.transfer_agent.replication import pick_agent
 
@@ -61,6 +63,9 @@ class Puller:
         self.streams = streams
         self.held: dict[str, torch.Tensor] = {}  # the tensors of held_version, as pulled
         self.held_version: int | None = None
+        # Their linear sums: the next delta verifies against them without re-reading held.
+        self.held_sums: dict[str, int] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}  # endpoint -> open agent channel
         self.pulling = False  # a pull (and its load) under way
         self.paired: str | None = None  # agent id
         self._last_agent: str | None = None  # paired before, in an earlier run()
@@ -90,6 +95,9 @@ class Puller:
                     pass
         finally:
             watcher.cancel()
+            channels, self._channels = self._channels, {}
+            for channel in channels.values():
+                await channel.close()
             if self._keepalive_task is not None:
                 self._keepalive_task.cancel()
             lease, self._lease, self._keepalive_task = self._lease, None, None
@@ -116,6 +124,13 @@ class Puller:
         """Drop the held tensors: a pull stopped half-way may have applied part of a delta in
         place, so the next pull is dense."""
         self.held, self.held_version, self.pulling = {}, None, False
+        self.held_sums = {}
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        """One open channel per agent: a sparse pull then costs no connection set-up."""
+        if endpoint not in self._channels:
+            self._channels[endpoint] = agent_channel(endpoint)
+        return self._channels[endpoint]
 
     async def _pair(self, agents: dict[str, dict]) -> str | None:
         """Keep the paired agent while it lives; otherwise take the least-paired live one and
@@ -178,10 +193,13 @@ class Puller:
                     # In place: the engine copies what it loads, so ``held`` is ours alone, and
                     # a delta then costs no fresh copy of the model (apply_pull undoes a
                     # half-applied delta, so a failed pull leaves held_version intact).
-                    result = await pull(agents[agent]["endpoint"], self.job, version=version,
+                    endpoint = agents[agent]["endpoint"]
+                    result = await pull(endpoint, self.job, version=version,
                                         held=self.held, held_version=self.held_version,
                                         tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                        streams=self.streams, inplace=True)
+                                        streams=self.streams, inplace=True,
+                                        held_sums=self.held_sums,
+                                        channel=self._channel(endpoint))
                 except (grpc.aio.AioRpcError, PullError, ManifestError) as exc:
                     what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                     log.warning("pull of version %d from agent %s failed: %s", version, agent, what)
@@ -193,8 +211,12 @@ class Puller:
             PULLING.set(0)
 
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
-        # The held tensors now are this version (deltas went in place), loaded or not.
+        # The held tensors now are this version (deltas went in place), loaded or not. Sums the
+        # agent did not know are computed once here (a pass the fingerprint needs anyway).
         self.held, self.held_version = result.tensors, result.version
+        self.held_sums = dict(result.sums)
+        for name in result.tensors.keys() - self.held_sums.keys():
+            self.held_sums[name] = tensor_linear_sum(result.tensors[name])
         try:
             await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:
@@ -208,7 +230,7 @@ class Puller:
         PULL_SECONDS.observe(seconds)
         REJECTED_BUCKETS.inc(result.rejected_buckets)
         DELTA_RATIO.set(result.payload_bytes / max(result.dense_bytes, 1))
-        fingerprint = weights_fingerprint(result.tensors)
+        fingerprint = sums_fingerprint(self.held_sums)
         FINGERPRINT.set(fingerprint)
         log.info("loaded version %d from agent %s: %s pull, %d of %d bytes, %d buckets re-pulled, "
                  "%.2fs, fingerprint %08x (%s)", result.version, agent, kind,

@@ -27,11 +27,15 @@ def apply_pull(manifest: VersionManifest,
                held: Mapping[str, torch.Tensor], held_version: int | None, *,
                inplace: bool = False, names: Collection[str] | None = None,
                verified: Iterable[int] = (),
-               parallel_map: ParallelMap = map) -> dict[str, torch.Tensor]:
+               parallel_map: ParallelMap = map,
+               held_sums: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:
     """The pulled version's tensors by name (those in ``names`` when given). Deltas are applied
     to ``held`` (the worker's tensors of ``held_version``), into them when ``inplace``; dense
     entries always decode into fresh tensors. ``verified`` buckets already passed their CRC.
     Tensors decode through ``parallel_map`` (a thread pool's map runs them side by side).
+    ``held_sums``: the linear sums recorded for ``held`` (the manifest sums of the pull that
+    brought them); a delta against a tensor without one re-reads it to compute it. The pulled
+    tensors' own sums are their manifest entries' ``sum``.
 
     All or nothing: if any entry fails, deltas already applied in place are taken back out, so
     ``held`` is again exactly ``held_version`` when the error propagates."""
@@ -50,8 +54,9 @@ def apply_pull(manifest: VersionManifest,
         """(name, tensor, error, whether a delta now sits in ``held``)."""
         in_place = inplace and entry.encoding != Encoding.DENSE.name
         base = held.get(entry.name) if entry.encoding != Encoding.DENSE.name else None
+        base_sum = None if held_sums is None else held_sums.get(entry.name)
         try:
-            tensor = decode(payloads[entry.name], base, inplace=in_place)
+            tensor = decode(payloads[entry.name], base, inplace=in_place, base_sum=base_sum)
         except Exception as exc:  # gathered, so the deltas that did apply can be undone
             return entry.name, None, exc, False  # a failed in-place decode restores its base
         if tuple(tensor.shape) != entry.shape or tensor.dtype != manifest_dtype(entry):

@@ -42,8 +42,12 @@ class ManifestEntry:
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...]
     encoding: str  # "DENSE" | "COO" | "BITMAP"
-    checksum: int  # CRC-32 of the decoded tensor
+    checksum: int  # DENSE: CRC-32 of the decoded tensor; sparse: 0 (the payload carries sums)
     segments: tuple[Segment, ...]
+    # The decoded tensor's linear sum (checksum.linear_sum) when the sender knows it: always
+    # for a delta, for a dense entry once the agent has it. The receiver records it to verify
+    # the next delta against what it holds without re-reading the tensor.
+    sum: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +93,8 @@ class VersionManifest:
             "entries": [
                 {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "encoding": e.encoding,
                  "checksum": e.checksum,
-                 "segments": [[s.bucket, s.offset, s.length] for s in e.segments]}
+                 "segments": [[s.bucket, s.offset, s.length] for s in e.segments],
+                 **({} if e.sum is None else {"sum": e.sum})}
                 for e in self.entries
             ],
             **extra,
@@ -105,7 +110,8 @@ class VersionManifest:
             entries = tuple(
                 ManifestEntry(str(e["name"]), str(e["dtype"]), tuple(int(n) for n in e["shape"]),
                               str(e["encoding"]), int(e["checksum"]),
-                              tuple(Segment(int(b), int(o), int(n)) for b, o, n in e["segments"]))
+                              tuple(Segment(int(b), int(o), int(n)) for b, o, n in e["segments"]),
+                              None if e.get("sum") is None else int(e["sum"]))
                 for e in data["entries"]
             )
             base = data["base_version"]
@@ -168,7 +174,8 @@ def pack(version: int, base_version: int | None, items: Sequence[tuple[str, Enco
             parts[seg.bucket].append(view[at:at + seg.length])
             at += seg.length
         entries.append(ManifestEntry(name, str(item.dtype).removeprefix("torch."), item.shape,
-                                     item.encoding.name, item.checksum, segments))
+                                     item.encoding.name, item.checksum, segments,
+                                     item.target_sum))
     joined = list(parallel_map(_join_and_sum, parts))
     buckets = [b for b, _ in joined]
     manifest = VersionManifest(version, base_version, tp_rank, tp_size,
@@ -196,7 +203,9 @@ def unpack(manifest: VersionManifest,
                 checked.add(seg.bucket)
             views.append(memoryview(by_index[seg.bucket])[seg.offset:seg.offset + seg.length])
         payload = views[0] if len(views) == 1 else memoryview(b"".join(views))
-        if read_header(payload).checksum != entry.checksum:
+        header = read_header(payload)
+        if header.checksum != entry.checksum or (header.encoding.name != "DENSE"
+                                                 and header.target_sum != entry.sum):
             raise ManifestError(f"payload of {entry.name} does not belong to this manifest "
                                 "(tensor checksums differ): buckets of two pulls were mixed")
         payloads[entry.name] = payload

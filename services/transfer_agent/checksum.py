@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
+
 import torch
 
 
@@ -50,3 +52,90 @@ def verify_checksum(what: str, tensor: torch.Tensor, expected: int) -> None:
     actual = tensor_checksum(tensor)
     if actual != expected:
         raise ChecksumMismatchError(what, expected, actual)
+
+
+# ---- Linear sums: checksums a sparse delta updates in O(changes) ------------------------------
+#
+# A CRC must re-read the whole tensor after a delta is applied; at 99% zeros that pass costs more
+# than the delta itself (issue 16). The linear sum of a tensor's bits v is
+#     S(v) = sum_i v_i * w_i  (mod 2^64),   w_i = T[i mod 2^16] * U[i div 2^16]
+# with v_i the element's bits read as an unsigned integer and T, U fixed odd pseudo-random
+# weights (splitmix64). A delta changing positions I moves it by sum_{i in I} (new_i - old_i) w_i,
+# so the receiver verifies a delta by reading only the changed elements. Every w_i is odd, so a
+# change of one element always changes S; for several, two different tensors collide with
+# probability about 2^-64 for errors that are not chosen against the weights. Like the CRC this
+# guards against damage and a wrong base, not an attacker. The full sum is a matrix-vector
+# product per 2^16-element block (0.8 ns/element on the dev box, CRC-32: 0.5 ns).
+
+SUM_BLOCK = 1 << 16
+_MASK64 = (1 << 64) - 1
+_UNSIGNED: dict[int, np.dtype] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"),
+                                  8: np.dtype("<u8")}
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective mix of uint64 values (wrap-around is intended)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _odd_weights(start: int, count: int, salt: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        keys = np.arange(start, start + count, dtype=np.uint64) ^ np.uint64(salt)
+        return _splitmix64(keys) | np.uint64(1)
+
+
+# Part of the wire format (both ends must agree): never change the salts.
+_T = _odd_weights(0, SUM_BLOCK, 0x524C4853554D5431)  # "RLHSUMT1"
+
+
+def _block_weights(blocks: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return _splitmix64(blocks.astype(np.uint64) ^ np.uint64(0x524C4853554D5531)) | np.uint64(1)
+
+
+def _unsigned(bits: np.ndarray) -> np.ndarray:
+    return bits.reshape(-1).view(_UNSIGNED[bits.itemsize])
+
+
+def linear_sum(bits: np.ndarray) -> int:
+    """S of a tensor's flat integer view (any width of 1, 2, 4 or 8 bytes)."""
+    flat = _unsigned(bits)
+    full = flat.size // SUM_BLOCK
+    total = 0
+    with np.errstate(over="ignore"):
+        blocks = flat[:full * SUM_BLOCK].reshape(full, SUM_BLOCK)
+        for start in range(0, full, 16):  # 16 blocks at a time: 8 MB of uint64 at most
+            part = blocks[start:start + 16].astype(np.uint64) @ _T
+            weights = _block_weights(np.arange(start, start + part.size))
+            total += int((part * weights).sum(dtype=np.uint64))
+        tail = flat[full * SUM_BLOCK:]
+        if tail.size:
+            part_sum = int(tail.astype(np.uint64) @ _T[:tail.size])
+            total += part_sum * int(_block_weights(np.array([full]))[0])
+    return total & _MASK64
+
+
+def linear_sum_change(index: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """How S moves when the elements at flat positions ``index`` go from ``old`` to ``new``."""
+    if index.size == 0:
+        return 0
+    position = index.astype(np.uint64, copy=False)
+    blocks = index >> 16
+    first = int(blocks.min())
+    # One mix per block touched (a small table), not per position.
+    block_weights = _block_weights(np.arange(first, int(blocks.max()) + 1))
+    with np.errstate(over="ignore"):
+        diff = _unsigned(new).astype(np.uint64) - _unsigned(old).astype(np.uint64)
+        weights = np.take(_T, position & np.uint64(SUM_BLOCK - 1))
+        weights *= np.take(block_weights, blocks - first)
+        diff *= weights
+        return int(diff.sum(dtype=np.uint64))
+
+
+def tensor_linear_sum(tensor: torch.Tensor) -> int:
+    """S of a tensor's raw bits (see ``linear_sum``)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return linear_sum(flat.view(torch.uint8).numpy().view(_UNSIGNED[flat.element_size()]))

@@ -8,7 +8,8 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -20,9 +21,9 @@ from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest, pack
-from rlharvest.services.transfer_agent.checksum import bytes_checksum, tensor_checksum
+from rlharvest.services.transfer_agent.checksum import bytes_checksum, tensor_linear_sum
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_buckets
-from rlharvest.services.transfer_agent.delta_codec import Encoding, encode_dense
+from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, Encoding, encode_dense
 from rlharvest.services.transfer_agent.http_data import (
     DEFAULT_READ_TIMEOUT_S,
     DataPathError,
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TransferAgent"].full_name
 PUBLISH_CHUNK_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20
+# Plans up to this size come with their buckets (one round trip): a sparse delta of a 1 GB
+# model at 99% zeros is ~20 MB; dense pulls stay on the parallel range streams.
+DEFAULT_INLINE_MAX_BYTES = 16 << 20
 DATA_ENDPOINT_METADATA = "rlh-data-endpoint"  # PlanPull's trailing metadata: the HTTP data path
 
 
@@ -91,7 +95,26 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
     header = pb.PublishHeader(job=job, version=version, tp_rank=tp_rank, tp_size=tp_size,
                               dp_rank=dp_rank, dp_size=dp_size if dp_size > 1 else 0,
                               manifest_json=json.dumps(manifest.to_dict()))
+    return await _send_publish(endpoint, header, buckets)
 
+
+async def publish_delta(endpoint: str, job: str, version: int, base_version: int,
+                        encoded: Mapping[str, EncodedTensor], *,
+                        bucket_bytes: int = 64 << 20) -> pb.PublishReply:
+    """Hand version ``version`` to the agent as ``encoded`` (every tensor, each a sparse delta
+    against ``base_version`` or dense; see ``DeltaPublisher``). The agent applies the deltas to
+    its copy of the base and serves them as they are to workers holding it. Raises PublishError
+    FAILED_PRECONDITION when the agent does not hold ``base_version``: publish dense then."""
+    base = base_version if any(item.needs_base for item in encoded.values()) else None
+    manifest, buckets = await asyncio.get_running_loop().run_in_executor(
+        None, partial(pack, version, base, list(encoded.items()), bucket_bytes))
+    header = pb.PublishHeader(job=job, version=version,
+                              manifest_json=json.dumps(manifest.to_dict()))
+    return await _send_publish(endpoint, header, buckets)
+
+
+async def _send_publish(endpoint: str, header: pb.PublishHeader,
+                        buckets: Sequence[bytes]) -> pb.PublishReply:
     def messages():
         yield pb.PublishChunk(header=header)
         for chunk in chunk_buckets(buckets, PUBLISH_CHUNK_BYTES):
@@ -143,13 +166,18 @@ class PullResult:
     rejected_buckets: int  # failed their checksum and were pulled again
     seconds: float
     sources: dict[str, int] = field(default_factory=dict)  # agent id -> bytes (scattered pulls)
+    # Linear sums of the pulled tensors where the agent knew them (every delta's): hand them
+    # back as ``held_sums`` with the next pull, so its deltas verify without a full pass.
+    sums: dict[str, int] = field(default_factory=dict)
 
 
 def pull_request(job: str, version: int = 0, held_version: int | None = None, tp_rank: int = 0,
-                 tp_size: int = 1, names: Sequence[str] = (), cluster: str = "") -> pb.PullRequest:
+                 tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
+                 inline_max_bytes: int = 0) -> pb.PullRequest:
     return pb.PullRequest(job=job, version=version, has_holding=held_version is not None,
                           holding=held_version or 0, tp_rank=tp_rank, tp_size=tp_size,
-                          names=list(names), requester_cluster=cluster)
+                          names=list(names), requester_cluster=cluster,
+                          inline_max_bytes=inline_max_bytes)
 
 
 async def pull(endpoint: str, job: str, *, version: int = 0,
@@ -157,7 +185,10 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
                tp_rank: int = 0, tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
                streams: int = 4, refetch_attempts: int = 3, decode: bool = True,
                inplace: bool = False, codec_threads: int = 2, transport: str = "auto",
-               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> PullResult:
+               read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+               held_sums: Mapping[str, int] | None = None,
+               inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES,
+               channel: grpc.aio.Channel | None = None) -> PullResult:
     """Pull ``version`` (0: the agent's latest) of ``job`` for TP slice (tp_rank, tp_size):
     sparse deltas against ``held`` (the caller's tensors of ``held_version``) where the agent still
     holds that version, dense otherwise. The plan comes over gRPC; the bytes over the agent's HTTP
@@ -168,14 +199,19 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
     their buckets are in; deltas once every bucket is.
 
     ``inplace`` applies deltas into ``held`` (all or nothing: on an error they are taken back
-    out); only for a caller that owns those tensors. Raises grpc.aio.AioRpcError for the agent's
+    out); only for a caller that owns those tensors. ``held_sums``: the ``sums`` of the pull
+    that brought ``held`` (deltas against a tensor without one re-read it to verify). A plan of
+    at most ``inline_max_bytes`` comes with its buckets in the PlanPull reply (0: never).
+    ``channel``: an open ``agent_channel(endpoint)`` to reuse (a caller pulling every version
+    from one agent saves the connection set-up, a few ms of a sparse pull); else one per pull. Raises grpc.aio.AioRpcError for the agent's
     refusals of the plan and PullError when bytes cannot be had or stay damaged."""
     if transport not in ("auto", "http", "grpc"):
         raise ValueError(f"transport must be auto, http or grpc, got {transport!r}")
     started = time.perf_counter()
-    request = pull_request(job, version, held_version, tp_rank, tp_size, names, cluster)
+    request = pull_request(job, version, held_version, tp_rank, tp_size, names, cluster,
+                           inline_max_bytes)
     with ThreadPoolExecutor(codec_threads, thread_name_prefix="pull-codec") as pool:
-        async with agent_channel(endpoint) as chan:
+        async with _borrowed(channel) if channel is not None else agent_channel(endpoint) as chan:
             stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
             call = stub.PlanPull(request)
             plan = await call
@@ -188,11 +224,14 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
                                 "(http_data_path off); pull with transport='grpc'")
             http = transport != "grpc" and bool(data_endpoint)
             buffers: dict[int, bytearray] = {}
-            decoder = PullDecoder(manifest, buffers, held or {}, held_version, inplace, pool) \
-                if decode else None
+            decoder = PullDecoder(manifest, buffers, held or {}, held_version, inplace, pool,
+                                  held_sums) if decode else None
             on_verified = decoder.bucket_verified if decoder else (lambda index: None)
             try:
-                if http:
+                inline = await _take_inline(plan, manifest, buffers, pool, on_verified)
+                if inline is not None:
+                    rejected = inline
+                elif http:
                     rejected = await _fetch_http(data_endpoint, request, plan, manifest, buffers,
                                                  streams, refetch_attempts, pool, on_verified,
                                                  read_timeout_s)
@@ -204,8 +243,9 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
                     decoder.abandon()
                 raise
         tensors = await decoder.finish() if decoder else {}
+    sums = {e.name: e.sum for e in manifest.entries if e.sum is not None} if decoder else {}
     return PullResult(plan.version, tensors, plan.note, plan.delta_tensors > 0, plan.payload_bytes,
-                      plan.dense_bytes, rejected, time.perf_counter() - started)
+                      plan.dense_bytes, rejected, time.perf_counter() - started, sums=sums)
 
 
 async def _fetch_http(data_endpoint: str, request: pb.PullRequest, plan: pb.PullPlan,
@@ -245,6 +285,35 @@ async def _fetch_http(data_endpoint: str, request: pb.PullRequest, plan: pb.Pull
                         "again (attempt %d)", wanted, plan.version, data_endpoint, attempt + 1)
     raise PullError(f"buckets {wanted} of version {plan.version} from {data_endpoint} stayed "
                     f"damaged after {refetch_attempts} re-pulls; try another agent", "DATA_LOSS")
+
+
+@asynccontextmanager
+async def _borrowed(channel: grpc.aio.Channel) -> AsyncIterator[grpc.aio.Channel]:
+    yield channel  # the caller's: left open
+
+
+async def _take_inline(plan: pb.PullPlan, manifest: VersionManifest,
+                       buffers: dict[int, bytearray], pool: ThreadPoolExecutor,
+                       on_verified: Callable[[int], None]) -> int | None:
+    """Buckets that came inside the plan, checked like fetched ones. None when there were
+    none, or one was damaged: the caller then fetches them all the usual way."""
+    if not plan.inline_buckets:
+        return None
+    if len(plan.inline_buckets) != len(manifest.bucket_sizes):
+        raise PullError(f"the plan of version {plan.version} carries "
+                        f"{len(plan.inline_buckets)} inline buckets for a manifest of "
+                        f"{len(manifest.bucket_sizes)}", "DATA_LOSS")
+    loop = asyncio.get_running_loop()
+    sums = await asyncio.gather(*(loop.run_in_executor(pool, bytes_checksum, data)
+                                  for data in plan.inline_buckets))
+    if list(sums) != list(manifest.bucket_checksums):
+        log.warning("inline buckets of version %d failed their checksum; fetching them",
+                    plan.version)
+        return None
+    for index, data in enumerate(plan.inline_buckets):
+        buffers[index] = bytearray(data)
+        on_verified(index)
+    return 0
 
 
 async def _fetch_grpc(stub, request: pb.PullRequest, plan: pb.PullPlan,
@@ -295,8 +364,9 @@ class PullDecoder:
 
     def __init__(self, manifest: VersionManifest, buffers: dict[int, bytearray],
                  held: Mapping[str, torch.Tensor], held_version: int | None, inplace: bool,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, held_sums: Mapping[str, int] | None = None) -> None:
         self._manifest = manifest
+        self._held_sums = held_sums
         self._buffers = buffers
         self._held, self._held_version, self._inplace = held, held_version, inplace
         self._pool = pool
@@ -329,7 +399,7 @@ class PullDecoder:
             tensors.update(await asyncio.get_running_loop().run_in_executor(None, partial(
                 apply_pull, self._manifest, self._buffers, self._held, self._held_version,
                 inplace=self._inplace, names=rest, verified=set(self._verified),
-                parallel_map=self._pool.map)))
+                parallel_map=self._pool.map, held_sums=self._held_sums)))
         return {e.name: tensors[e.name] for e in self._manifest.entries}
 
     def abandon(self) -> None:
@@ -339,11 +409,17 @@ class PullDecoder:
 
 
 def weights_fingerprint(tensors: Mapping[str, torch.Tensor]) -> int:
-    """One CRC-32 over every tensor's name and checksum, in name order: equal fingerprints mean
-    bit-identical weights (used in logs, the worker's metrics and the tests)."""
+    """One CRC-32 over every tensor's name and linear sum, in name order: equal fingerprints
+    mean bit-identical weights (used in logs, the worker's metrics and the tests)."""
+    return sums_fingerprint({name: tensor_linear_sum(t) for name, t in tensors.items()})
+
+
+def sums_fingerprint(sums: Mapping[str, int]) -> int:
+    """``weights_fingerprint`` from the tensors' linear sums, without reading the tensors: a
+    worker that pulled a delta knows them already."""
     digest = 0
-    for name in sorted(tensors):
-        digest = zlib.crc32(f"{name}:{tensor_checksum(tensors[name]):08x};".encode(), digest)
+    for name in sorted(sums):
+        digest = zlib.crc32(f"{name}:{sums[name]:016x};".encode(), digest)
     return digest & 0xFFFFFFFF
 
 

@@ -16,9 +16,18 @@ Deviations from the paper, and why:
   above 1/16 density (2 index bytes vs 1/8 byte per element). With it, sparse beats dense up to
   1 - 1/(8 x itemsize) density (94% for bf16); dense is chosen only above that.
 
+- A sparse payload is verified in O(changes), not by a CRC of the whole target (a full pass that
+  at 99% zeros costs more than the delta itself): it carries the linear sums (checksum.py) of
+  its base and target; the receiver checks that the changed elements move the sum from one to
+  the other, and that the base it holds has the base's sum (known from the pull that brought
+  it, so also not re-read). Verification happens before the first write, so a failed in-place
+  decode leaves the base untouched. The cost: damage to a held tensor at positions no later
+  delta touches goes unseen until a dense pull or ``tensor_linear_sum`` audit re-reads it.
+
 Payload layout (little-endian), self-describing so a bucket can be decoded on its own:
-  header  magic "RLHD", format, encoding, dtype code, ndim, count (u64), crc32 of target (u32),
-          shape (ndim x u64)
+  header  magic "RLHD", format, encoding, dtype code, ndim, count (u64), crc32 of target (u32;
+          DENSE only, 0 otherwise), linear sums of base and target (u64 each; sparse only, 0
+          for DENSE), shape (ndim x u64)
   DENSE   the target's raw bytes
   COO     per-block change counts (u32 x ceil(numel / 65536)), in-block offsets (u16 x count),
           XOR values (count x itemsize)
@@ -35,7 +44,12 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, bytes_checksum
+from rlharvest.services.transfer_agent.checksum import (
+    ChecksumMismatchError,
+    bytes_checksum,
+    linear_sum,
+    linear_sum_change,
+)
 
 
 class Encoding(IntEnum):
@@ -49,9 +63,10 @@ class DeltaCodecError(ValueError):
 
 
 MAGIC = b"RLHD"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sparse payloads carry linear sums instead of the target's CRC
 COO_BLOCK = 1 << 16  # in-block offsets fit in uint16
-_HEADER = struct.Struct("<4sBBBBQI")
+_HEADER = struct.Struct("<4sBBBBQIQQ")
+_MASK64 = (1 << 64) - 1
 
 # Wire codes are part of the format: append, never renumber.
 _DTYPE_CODES: dict[torch.dtype, int] = {
@@ -72,8 +87,12 @@ class EncodedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     count: int  # changed elements for COO/BITMAP, numel for DENSE
-    checksum: int  # CRC-32 of the *target* tensor's bytes, verified by decode
+    checksum: int  # DENSE: CRC-32 of the target's bytes, verified by decode; sparse: 0
     payload: bytes
+    # Linear sums (checksum.linear_sum) of the target and, sparse only, of the base it needs;
+    # a DENSE payload's target_sum is None unless the encoder was told it.
+    target_sum: int | None = None
+    base_sum: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,52 +148,87 @@ def dense_break_even(dtype: torch.dtype, numel: int) -> float:
 
 
 def _header(encoding: Encoding, dtype: torch.dtype, shape: tuple[int, ...], count: int,
-            checksum: int) -> bytes:
+            checksum: int, sums: tuple[int, int] = (0, 0)) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, encoding, _DTYPE_CODES[dtype], len(shape), count,
-                        checksum) + struct.pack(f"<{len(shape)}Q", *shape)
+                        checksum, *sums) + struct.pack(f"<{len(shape)}Q", *shape)
 
 
-def encode_dense(new: torch.Tensor, *, checksum: int | None = None) -> EncodedTensor:
+def encode_dense(new: torch.Tensor, *, checksum: int | None = None,
+                 target_sum: int | None = None) -> EncodedTensor:
     """The full tensor; decodes without a base (first pull, evicted base, dense delta).
-    ``checksum``: the tensor's CRC when the caller already verified it (saves a pass)."""
+    ``checksum``: the tensor's CRC when the caller already verified it (saves a pass);
+    ``target_sum``: its linear sum when known, handed on so the receiver can verify deltas."""
     bits = _bits(new)
     shape = tuple(new.shape)
     checksum = bytes_checksum(bits.data) if checksum is None else checksum
     header = _header(Encoding.DENSE, new.dtype, shape, bits.size, checksum)
     payload = b"".join([header, bits.data])
-    return EncodedTensor(Encoding.DENSE, new.dtype, shape, bits.size, checksum, payload)
+    return EncodedTensor(Encoding.DENSE, new.dtype, shape, bits.size, checksum, payload,
+                         target_sum)
 
 
 def encode_delta(old: torch.Tensor, new: torch.Tensor, *, encoding: Encoding | None = None,
-                 checksum: int | None = None) -> EncodedTensor:
+                 checksum: int | None = None, base_sum: int | None = None) -> EncodedTensor:
     """Encode ``new`` against ``old`` in the smallest of COO, BITMAP and DENSE, or in
-    ``encoding`` when given (benchmarks and tests compare the forms). ``checksum``: ``new``'s
-    CRC when the caller already verified it (saves a pass over the tensor)."""
+    ``encoding`` when given (benchmarks and tests compare the forms), by diffing the two.
+    ``checksum``: ``new``'s CRC when the caller already verified it (a DENSE result reuses it);
+    ``base_sum``: ``old``'s linear sum when known (else computed: a full pass over ``old``)."""
+    _check_same_form(old, new)
+    old_bits, new_bits = _bits(old), _bits(new)
+    index = np.flatnonzero(old_bits != new_bits)
+    return _encode_index(new, old_bits, new_bits, index, encoding, checksum, base_sum)
+
+
+def encode_changes(old: torch.Tensor, new: torch.Tensor, index: np.ndarray, *,
+                   base_sum: int | None = None, encoding: Encoding | None = None) -> EncodedTensor:
+    """Encode ``new`` against ``old`` given the flat positions where they may differ (strictly
+    increasing; from the optimizer step or the trainer's own diff), reading only those
+    elements: no pass over the whole tensor when the delta is sparse and ``base_sum`` known.
+    A position listed whose element did not change costs its bytes and nothing else; a changed
+    position left out is the caller's bug, which the receiver cannot see (the sums are built
+    from these positions), so callers derive ``index`` from the bits they publish."""
+    _check_same_form(old, new)
+    old_bits, new_bits = _bits(old), _bits(new)
+    index = np.asarray(index, dtype=np.int64).reshape(-1)
+    if index.size and (int(index[0]) < 0 or int(index[-1]) >= new_bits.size
+                       or bool(np.any(index[1:] <= index[:-1]))):
+        raise DeltaCodecError(f"changed positions must be strictly increasing flat indices into "
+                              f"{new_bits.size} elements: sort and deduplicate them")
+    return _encode_index(new, old_bits, new_bits, index, encoding, None, base_sum)
+
+
+def _check_same_form(old: torch.Tensor, new: torch.Tensor) -> None:
     if old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape):
         raise DeltaCodecError(
             f"cannot delta-encode {new.dtype}{tuple(new.shape)} against base "
             f"{old.dtype}{tuple(old.shape)}: dtype and shape must match — send it dense instead"
         )
-    old_bits, new_bits = _bits(old), _bits(new)
-    changed = old_bits != new_bits
-    count = int(np.count_nonzero(changed))
+
+
+def _encode_index(new: torch.Tensor, old_bits: np.ndarray, new_bits: np.ndarray,
+                  index: np.ndarray, encoding: Encoding | None, checksum: int | None,
+                  base_sum: int | None) -> EncodedTensor:
+    count = int(index.size)
     if encoding is None:
         encoding = choose_encoding(new_bits.size, count, new_bits.itemsize)
     if encoding == Encoding.DENSE:
         return encode_dense(new, checksum=checksum)
-    index = np.flatnonzero(changed)
-    values = (old_bits[index] ^ new_bits[index]).astype(_BITS_NUMPY[new_bits.itemsize], copy=False)
+    shape, dtype = tuple(new.shape), new.dtype
+    old_values, new_values = np.take(old_bits, index), np.take(new_bits, index)
+    values = (old_values ^ new_values).astype(_BITS_NUMPY[new_bits.itemsize], copy=False)
     if encoding == Encoding.COO:
         blocks = math.ceil(new_bits.size / COO_BLOCK)
         counts = np.bincount(index >> 16, minlength=blocks).astype("<u4")
         body = [counts.data, (index & (COO_BLOCK - 1)).astype("<u2").data]
     else:
+        changed = np.zeros(new_bits.size, dtype=bool)
+        changed[index] = True
         body = [np.packbits(changed).data]
-    shape = tuple(new.shape)
-    checksum = bytes_checksum(new_bits.data) if checksum is None else checksum
-    header = _header(encoding, new.dtype, shape, count, checksum)
+    base_sum = linear_sum(old_bits) if base_sum is None else base_sum
+    target_sum = (base_sum + linear_sum_change(index, old_values, new_values)) & _MASK64
+    header = _header(encoding, dtype, shape, count, 0, (base_sum, target_sum))
     payload = b"".join([header, *body, values.data])
-    return EncodedTensor(encoding, new.dtype, shape, count, checksum, payload)
+    return EncodedTensor(encoding, dtype, shape, count, 0, payload, target_sum, base_sum)
 
 
 @dataclass(frozen=True)
@@ -184,6 +238,8 @@ class PayloadHeader:
     shape: tuple[int, ...]
     count: int
     checksum: int
+    base_sum: int
+    target_sum: int
     body_offset: int
 
     @property
@@ -197,7 +253,8 @@ def read_header(payload: bytes | bytearray | memoryview) -> PayloadHeader:
     if len(view) < _HEADER.size:
         raise DeltaCodecError(f"weight payload of {len(view)} bytes is shorter than its header "
                               f"({_HEADER.size} bytes): it was truncated — pull it again")
-    magic, fmt, encoding, dtype_code, ndim, count, checksum = _HEADER.unpack_from(view)
+    magic, fmt, encoding, dtype_code, ndim, count, checksum, base_sum, target_sum = \
+        _HEADER.unpack_from(view)
     if magic != MAGIC or fmt != FORMAT_VERSION:
         raise DeltaCodecError(f"not a weight payload of format {FORMAT_VERSION} (magic {magic!r}, "
                               f"format {fmt}): sender and receiver run different versions")
@@ -209,12 +266,21 @@ def read_header(payload: bytes | bytearray | memoryview) -> PayloadHeader:
         raise DeltaCodecError("weight payload was truncated inside its shape: pull it again")
     shape = struct.unpack_from(f"<{ndim}Q", view, _HEADER.size)
     header = PayloadHeader(Encoding(encoding), _CODE_DTYPES[dtype_code], tuple(shape), count,
-                           checksum, end)
+                           checksum, base_sum, target_sum, end)
     expected = end + _expected_body_size(header)
     if len(view) != expected:
         raise DeltaCodecError(f"weight payload is {len(view)} bytes but its header describes "
                               f"{expected}: it was truncated or padded — pull it again")
     return header
+
+
+def encoded_tensor(payload: bytes) -> EncodedTensor:
+    """An EncodedTensor around a payload received whole (header parsed and size checked)."""
+    header = read_header(payload)
+    sparse = header.encoding != Encoding.DENSE
+    return EncodedTensor(header.encoding, header.dtype, header.shape, header.count,
+                         header.checksum, payload, header.target_sum if sparse else None,
+                         header.base_sum if sparse else None)
 
 
 def _expected_body_size(header: PayloadHeader) -> int:
@@ -226,12 +292,16 @@ def _expected_body_size(header: PayloadHeader) -> int:
 
 
 def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
-           base: torch.Tensor | None = None, *, inplace: bool = False) -> torch.Tensor:
-    """Rebuild the target tensor, bit-exact, and verify its checksum.
+           base: torch.Tensor | None = None, *, inplace: bool = False,
+           base_sum: int | None = None) -> torch.Tensor:
+    """Rebuild the target tensor, bit-exact, and verify it.
 
-    DENSE payloads ignore ``base`` unless ``inplace``; COO/BITMAP need the base version the delta
-    was encoded against. With ``inplace`` the result is written into ``base`` (a contiguous CPU
-    tensor) and returned; on a checksum mismatch ``base`` is restored before the error is raised.
+    DENSE payloads ignore ``base`` unless ``inplace`` and are checked by the CRC of all their
+    bytes. COO/BITMAP need the base version the delta was encoded against and are checked in
+    O(changes) (module docstring): ``base_sum`` is the linear sum the caller recorded for
+    ``base`` (None: computed here, a full pass). With ``inplace`` the result is written into
+    ``base`` (a contiguous CPU tensor) and returned; every check runs before the first write, so
+    on an error ``base`` is unchanged.
     """
     raw = payload.payload if isinstance(payload, EncodedTensor) else payload
     header = read_header(raw)
@@ -241,13 +311,44 @@ def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
     itemsize = bits.itemsize
     if header.encoding == Encoding.DENSE:
         bits[:] = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.numel)
-        _verify(header, bits, undo=None)
+        actual = bytes_checksum(bits.data)
+        if actual != header.checksum:
+            raise ChecksumMismatchError(f"DENSE {header.dtype}{header.shape} tensor",
+                                        header.checksum, actual)
         return target
     index, values_at = _sparse_index(header, body)
     values = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.count, offset=values_at)
-    bits[index] ^= values
-    _verify(header, bits, undo=(index, values) if inplace else None)
+    what = f"{header.encoding.name} {header.dtype}{header.shape} delta"
+    held_sum = linear_sum(bits) if base_sum is None else base_sum
+    if held_sum != header.base_sum:
+        raise ChecksumMismatchError(f"{what} (the held base is not the one it was encoded "
+                                    "against)", header.base_sum, held_sum)
+    moved = _apply_xor(bits, index, values)
+    if (header.base_sum + moved) & _MASK64 != header.target_sum:
+        if inplace:  # XOR is its own inverse: give the caller its base back intact
+            _apply_xor(bits, index, values)
+        raise ChecksumMismatchError(f"{what} (its changes do not lead from the base's sum to the "
+                                    "target's)", header.target_sum,
+                                    (header.base_sum + moved) & _MASK64)
     return target
+
+
+# Positions applied per pass: the cache lines a chunk's gather brings in are still cached when
+# its scatter writes them (one trip to memory per changed line instead of two; 1.5x measured).
+_APPLY_CHUNK = 1 << 15
+
+
+def _apply_xor(bits: np.ndarray, index: np.ndarray, values: np.ndarray) -> int:
+    """XOR ``values`` into ``bits`` at ``index`` (strictly increasing); returns how far that
+    moved the linear sum."""
+    moved = 0
+    for start in range(0, index.size, _APPLY_CHUNK):
+        where = index[start:start + _APPLY_CHUNK]
+        old = np.take(bits, where)
+        new = old ^ values[start:start + _APPLY_CHUNK]
+        np.put(bits, where, new)
+        moved += linear_sum_change(where, old, new)
+    return moved & _MASK64
 
 
 def _sparse_index(header: PayloadHeader, body: memoryview) -> tuple[np.ndarray, int]:
@@ -270,7 +371,8 @@ def undo_delta(payload: EncodedTensor | bytes | bytearray | memoryview,
     body = memoryview(raw).cast("B")[header.body_offset:]
     bits = target.detach().reshape(-1).view(_BITS_TORCH[target.element_size()]).numpy()
     index, values_at = _sparse_index(header, body)
-    bits[index] ^= np.frombuffer(body, dtype=bits.dtype, count=header.count, offset=values_at)
+    _apply_xor(bits, index, np.frombuffer(body, dtype=bits.dtype, count=header.count,
+                                          offset=values_at))
 
 
 def _target(header: PayloadHeader, base: torch.Tensor | None, inplace: bool) -> torch.Tensor:
@@ -305,6 +407,9 @@ def _coo_index(header: PayloadHeader, body: memoryview) -> np.ndarray:
     if header.count and int(index[-1]) >= header.numel:
         raise DeltaCodecError(f"COO index {int(index[-1])} is outside a tensor of "
                               f"{header.numel} elements: the payload is corrupt — pull it again")
+    if bool(np.any(index[1:] <= index[:-1])):  # a repeat would make the XOR apply its own undo
+        raise DeltaCodecError("COO positions are not strictly increasing: the payload is "
+                              "corrupt — pull it again")
     return index
 
 
@@ -315,13 +420,3 @@ def _bitmap_index(header: PayloadHeader, body: memoryview) -> np.ndarray:
         raise DeltaCodecError(f"bitmap marks {index.size} changed elements but the header says "
                               f"{header.count}: the payload is corrupt — pull it again")
     return index
-
-
-def _verify(header: PayloadHeader, bits: np.ndarray,
-            undo: tuple[np.ndarray, np.ndarray] | None) -> None:
-    actual = bytes_checksum(bits.data)
-    if actual != header.checksum:
-        if undo is not None:  # XOR is its own inverse: give the caller its base back intact
-            bits[undo[0]] ^= undo[1]
-        raise ChecksumMismatchError(f"{header.encoding.name} {header.dtype}{header.shape} tensor",
-                                    header.checksum, actual)

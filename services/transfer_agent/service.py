@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -24,11 +25,23 @@ from rlharvest.common import errors, server_guard
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent import flat_shards, metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
-from rlharvest.services.transfer_agent.bucketing import ManifestError, VersionManifest, pack
+from rlharvest.services.transfer_agent.bucketing import (
+    ManifestError,
+    VersionManifest,
+    manifest_dtype,
+    pack,
+    unpack,
+)
+from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, tensor_checksum
 from rlharvest.services.transfer_agent.client import DATA_ENDPOINT_METADATA, manifest_id
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, stream_buckets
-from rlharvest.services.transfer_agent.delta_codec import DeltaCodecError, Encoding
+from rlharvest.services.transfer_agent.delta_codec import (
+    DeltaCodecError,
+    EncodedTensor,
+    Encoding,
+    encoded_tensor,
+)
 from rlharvest.services.transfer_agent.shard_staging import Admission, ShardStaging
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
@@ -46,6 +59,10 @@ class _Packed:
 
     plan: pb.PullPlan
     buckets: list[bytes]
+
+
+# A publish's decoded tensors, and the sparse encodings (by name) it arrived in.
+_Decoded = tuple[dict[str, torch.Tensor], dict[str, EncodedTensor]]
 
 
 @dataclass
@@ -124,12 +141,17 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         return await asyncio.get_running_loop().run_in_executor(self._store_thread, work)
 
     async def hold(self, job: str, version: int, tensors: dict[str, torch.Tensor],
-                   source: str, checksums: dict[str, int] | None = None) -> list[EvictionRecord]:
+                   source: str, checksums: dict[str, int] | None = None,
+                   sums: Mapping[str, int | None] | None = None,
+                   deltas: tuple[int, Mapping[str, EncodedTensor]] | None = None,
+                   ) -> list[EvictionRecord]:
         """Store a whole version (publish or relay), report evictions, then run the on_held hook.
-        ``checksums``: the tensors' CRCs, already verified while decoding them."""
+        ``checksums``: the tensors' CRCs, already verified while decoding them; ``sums``: their
+        linear sums where known; ``deltas``: the encodings a delta publish arrived as."""
         store = self._job(job).store
         records = await self._in_store(lambda: store.publish(
-            version, tensors, now=time.time(), copy=False, checksums=checksums))
+            version, tensors, now=time.time(), copy=False, checksums=checksums, sums=sums,
+            deltas=deltas))
         return await self._now_held(job, version, records, source)
 
     async def hold_shards(self, job: str, version: int,
@@ -181,12 +203,11 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
         try:
-            header, manifest, admission, tensors = await self._receive_publish(request_iterator,
-                                                                               context)
+            header, manifest, admission, (tensors, encodings) = await self._receive_publish(
+                request_iterator, context)
             if admission is not None:
                 return await self._publish_shard(header, manifest, admission, tensors)
-            records = await self.hold(header.job, header.version, tensors, "publish",
-                                      {e.name: e.checksum for e in manifest.entries})
+            records = await self._hold_published(header, manifest, tensors, encodings)
         except errors.ServiceError as exc:
             await _drain(request_iterator)
             await self._refuse(context, "Publish", exc)
@@ -197,9 +218,9 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def _receive_publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                                context: grpc.aio.ServicerContext
                                ) -> tuple[pb.PublishHeader, VersionManifest, Admission | None,
-                                          dict[str, torch.Tensor]]:
-        """The header, manifest, staging admission (TP shards only) and decoded tensors of one
-        publish stream. A shard admitted to the staging is taken back out if its stream fails,
+                                          _Decoded]:
+        """The header, manifest, staging admission (TP shards only) and decoded tensors (with
+        the encodings of a delta publish) of one publish stream. A shard admitted to the staging is taken back out if its stream fails,
         so its rank may publish again."""
         header: pb.PublishHeader | None = None
         assembler: BucketAssembler | None = None
@@ -227,26 +248,57 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 metrics.BYTES_IN.labels("publish").inc(len(message.chunk.data))
             if header is None or assembler is None:
                 raise errors.InvalidArgument("empty publish stream")
-            tensors = await self._decode_publish(header, assembler)
-            return header, assembler.manifest, admission, tensors
+            decoded = await self._decode_publish(header, assembler)
+            return header, assembler.manifest, admission, decoded
         except BaseException:
             if admission is not None and header is not None:
                 self._jobs[header.job].staging.abandon(admission)
             raise
 
     async def _decode_publish(self, header: pb.PublishHeader,
-                              assembler: BucketAssembler) -> dict[str, torch.Tensor]:
+                              assembler: BucketAssembler) -> _Decoded:
+        """The published tensors; a delta publish is applied to copies of its base version and
+        its sparse encodings are kept (bytes copied out of the stream's buffers)."""
         if assembler.missing():
             raise errors.InvalidArgument(f"publish of version {header.version} ended with "
                                          f"buckets {assembler.missing()} incomplete; send every "
                                          "bucket")
+        manifest = assembler.manifest
+        base: dict[str, torch.Tensor] = {}
+        base_sums: dict[str, int] = {}
+        base_version = manifest.base_version
+        if base_version is not None:
+            store = self._job(header.job).store
+            base, base_sums = await self._in_store(lambda: (
+                store.full_tensors(base_version), store.sums(base_version)))
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(None, partial(
-                apply_pull, assembler.manifest, assembler.buffers, {}, None,
-                parallel_map=self._codec_pool.map))
-        except (ManifestError, DeltaCodecError) as exc:
+            tensors = await loop.run_in_executor(None, partial(
+                apply_pull, manifest, assembler.buffers, base, manifest.base_version,
+                parallel_map=self._codec_pool.map, held_sums=base_sums))
+        except (ManifestError, DeltaCodecError, ChecksumMismatchError) as exc:
             raise errors.DataLoss(f"publish of version {header.version}: {exc}") from None
+        sparse = {e.name for e in manifest.entries if e.encoding != Encoding.DENSE.name}
+        payloads = unpack(manifest, assembler.buffers, sparse, range(len(manifest.bucket_sizes)))
+        return tensors, {name: encoded_tensor(bytes(view)) for name, view in payloads.items()}
+
+    async def _hold_published(self, header: pb.PublishHeader, manifest: VersionManifest,
+                              tensors: dict[str, torch.Tensor],
+                              encodings: dict[str, EncodedTensor]) -> list[EvictionRecord]:
+        """Hold a whole published version. A delta publish's new tensors get their CRCs here,
+        off every pull's path, so dense pulls of it cost what they cost after a dense publish;
+        its encodings serve the pulls of workers holding the base as they are."""
+        crcs = {e.name: e.checksum for e in manifest.entries if e.encoding == Encoding.DENSE.name}
+        deltas = None
+        if manifest.base_version is not None:
+            missing = [name for name in tensors if name not in crcs]
+            loop = asyncio.get_running_loop()
+            crcs.update(zip(missing, await asyncio.gather(*(
+                loop.run_in_executor(self._codec_pool, tensor_checksum, tensors[name])
+                for name in missing))))
+            deltas = (manifest.base_version, encodings)
+        return await self.hold(header.job, header.version, tensors, "publish", crcs,
+                               {e.name: e.sum for e in manifest.entries}, deltas)
 
     async def _publish_shard(self, header: pb.PublishHeader, manifest: VersionManifest,
                              admission: Admission,
@@ -291,14 +343,16 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             manifest = VersionManifest.from_dict(json.loads(header.manifest_json))
         except (ValueError, TypeError) as exc:
             raise errors.InvalidArgument(f"publish manifest is not valid: {exc}") from None
-        if manifest.version != header.version or any(e.encoding != Encoding.DENSE.name
-                                                      for e in manifest.entries):
-            raise errors.InvalidArgument("a publish carries every tensor dense, for the "
-                                         "header's version")
-        if manifest.total_bytes > self.cfg.memory_budget_bytes:
-            raise errors.ResourceExhausted(f"version {header.version} is "
-                                           f"{manifest.total_bytes} bytes, over this agent's "
-                                           f"memory_budget_bytes {self.cfg.memory_budget_bytes}")
+        if manifest.version != header.version:
+            raise errors.InvalidArgument(f"the manifest is for version {manifest.version} but "
+                                         f"the header publishes {header.version}")
+        self._check_publish_base(header, manifest)
+        full_bytes = sum(math.prod(e.shape) * manifest_dtype(e).itemsize
+                         for e in manifest.entries)
+        if max(full_bytes, manifest.total_bytes) > self.cfg.memory_budget_bytes:
+            raise errors.ResourceExhausted(f"version {header.version} is {full_bytes} bytes, "
+                                           "over this agent's memory_budget_bytes "
+                                           f"{self.cfg.memory_budget_bytes}")
         if _is_dp_shard(header) and (header.tp_size > 1 or header.tp_rank):
             raise errors.InvalidArgument(f"version {header.version} is published as DP shards "
                                          f"and TP shards (tp_size {header.tp_size}) at once; "
@@ -310,6 +364,25 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                          f"{manifest.tp_size}; a shard's header states its "
                                          "tp_rank and tp_size")
         return manifest
+
+    def _check_publish_base(self, header: pb.PublishHeader, manifest: VersionManifest) -> None:
+        """A delta publish (sparse entries against ``base_version``) of a whole model, whose
+        base this agent holds; anything else carries every tensor dense."""
+        sparse = any(e.encoding != Encoding.DENSE.name for e in manifest.entries)
+        if manifest.base_version is None:
+            if sparse:
+                raise errors.InvalidArgument("a publish with delta entries names the version "
+                                             "they apply to (the manifest's base_version)")
+            return
+        if _is_shard(header):
+            raise errors.InvalidArgument("TP and DP shards are published dense; only a whole "
+                                         "model is published as a delta")
+        held = self.held(header.job)
+        if manifest.base_version not in held:
+            raise errors.FailedPrecondition(
+                f"this agent does not hold version {manifest.base_version}, the base of the "
+                f"delta publish of version {header.version} (it holds {list(held) or 'nothing'}"
+                "): publish this version dense")
 
     def _admit_shard(self, header: pb.PublishHeader, manifest: VersionManifest) -> Admission:
         """Refuse a shard that cannot join its version before its bytes arrive."""
@@ -360,11 +433,25 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     async def PlanPull(self, request: pb.PullRequest, context) -> pb.PullPlan:
         try:
-            plan = (await self._packed_pull(request)).plan
+            packed = await self._packed_pull(request)
         except errors.ServiceError as exc:
             await self._refuse(context, "PlanPull", exc)
         if self.data_endpoint:  # where the bytes are served; a proto field would need a new
             context.set_trailing_metadata(((DATA_ENDPOINT_METADATA, self.data_endpoint),))
+        return self._with_inline_buckets(request, packed)
+
+    def _with_inline_buckets(self, request: pb.PullRequest, packed: _Packed) -> pb.PullPlan:
+        """The plan, with its buckets when they are small enough to ride along: a sparse delta
+        then costs one round trip instead of a plan, a connection and range fetches. Never
+        under a throttle (inline bytes would bypass it) or the chunk-corrupting test hook."""
+        throttles, link = self.send_path(request)
+        if (not packed.buckets or packed.plan.payload_bytes > request.inline_max_bytes
+                or throttles or self._corrupt_left > 0):
+            return packed.plan
+        plan = pb.PullPlan()
+        plan.CopyFrom(packed.plan)
+        plan.inline_buckets.extend(packed.buckets)
+        metrics.BYTES_OUT.labels(link).inc(plan.payload_bytes)
         return plan
 
     async def PullBuckets(self, request: pb.BucketsRequest, context) -> AsyncIterator[pb.BucketChunk]:

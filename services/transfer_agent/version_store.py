@@ -6,6 +6,10 @@ TP shard. This store keeps the last ``max_versions`` versions within ``byte_budg
 full model or a training side's TP shards, and answers a pull with a plan of encoded slices.
 Versions only move forward; eviction drops the oldest and returns a record the service reports.
 Encoded slices are cached per (base, version, tp_rank, tp_size) so N workers cost one encode.
+A version the trainer published as a delta arrives with its encodings, which go straight into
+that cache: a worker holding the base pulls them without the agent diffing anything. The linear
+sums (checksum.py) of the slices are kept too, chained from base to target by each delta, so
+the worker verifies a delta without re-reading its tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -126,6 +130,9 @@ class VersionStore:
         self._eviction_history = eviction_history
         self._cache: OrderedDict[tuple, EncodedTensor] = OrderedDict()
         self._cached_bytes = 0
+        # (version, tp_rank, tp_size, name) -> linear sum of that slice, learned from encodes
+        # and delta publishes; 8 bytes a tensor, dropped with the version.
+        self._sums: dict[tuple[int, int, int, str], int] = {}
 
     # --- publishing -------------------------------------------------------------------------
 
@@ -142,14 +149,31 @@ class VersionStore:
         return sum(v.nbytes for v in self._versions.values())
 
     def publish(self, version: int, tensors: Mapping[str, torch.Tensor], *, now: float,
-                copy: bool = True,
-                checksums: Mapping[str, int] | None = None) -> list[EvictionRecord]:
+                copy: bool = True, checksums: Mapping[str, int] | None = None,
+                sums: Mapping[str, int | None] | None = None,
+                deltas: tuple[int, Mapping[str, EncodedTensor]] | None = None,
+                ) -> list[EvictionRecord]:
         """Store a full model. ``copy=False`` hands over tensors the caller will not touch again.
-        ``checksums``: tensor CRCs the caller verified (pulls of the whole tensor reuse them)."""
+        ``checksums``: tensor CRCs the caller verified (pulls of the whole tensor reuse them).
+        ``sums``: their linear sums, where known. ``deltas``: (base version, encodings) the
+        trainer published this version as; pulls from that base are served from them."""
         known = checksums or {}
         stored = {name: StoredTensor((_own(t, copy),), tuple(t.shape), known.get(name))
                   for name, t in tensors.items()}
-        return self._admit(version, stored, now)
+        records = self._admit(version, stored, now)
+        for name, value in (sums or {}).items():
+            if value is not None:
+                self._sums[(version, 0, 1, name)] = value
+        if deltas is not None and deltas[0] in self._versions:
+            for name, item in deltas[1].items():
+                self._remember((deltas[0], version, 0, 1, name), item)
+                self._learn_sums(deltas[0], version, 0, 1, name, item)
+        return records
+
+    def sums(self, version: int, tp_rank: int = 0, tp_size: int = 1) -> dict[str, int]:
+        """The linear sums known for a held version's slices (rank ``tp_rank`` of ``tp_size``)."""
+        return {name: value for (v, rank, size, name), value in self._sums.items()
+                if (v, rank, size) == (version, tp_rank, tp_size)}
 
     def publish_shards(self, version: int, shards: Sequence[Mapping[str, torch.Tensor]], *,
                        now: float, copy: bool = True) -> list[EvictionRecord]:
@@ -209,6 +233,8 @@ class VersionStore:
             self._evicted.popitem(last=False)
         for key in [k for k in self._cache if version in (k[0], k[1])]:
             self._cached_bytes -= self._cache.pop(key).nbytes
+        for key in [k for k in self._sums if k[0] == version]:
+            del self._sums[key]
         return record
 
     # --- pulling ----------------------------------------------------------------------------
@@ -240,14 +266,18 @@ class VersionStore:
         cached = {name: self._cached((base_version, version, tp_rank, tp_size, name))
                   for name in wanted}
         misses = [name for name in wanted if cached[name] is None]
+        base_sums = {} if base_version is None else self.sums(base_version, tp_rank, tp_size)
+        target_sums = self.sums(version, tp_rank, tp_size)
         fresh = dict(zip(misses, parallel_map(
-            lambda name: _encode(name, target, base, tp_rank, tp_size), misses)))
+            lambda name: _encode(name, target, base, tp_rank, tp_size, base_sums.get(name),
+                                 target_sums.get(name)), misses)))
         encoded, dense_bytes = [], 0
         for name in wanted:
             item = cached[name]
             if item is None:
                 item = fresh[name]
                 self._remember((base_version, version, tp_rank, tp_size, name), item)
+            self._learn_sums(base_version, version, tp_rank, tp_size, name, item)
             encoded.append((name, item))
             dense_bytes += _slice_bytes(name, target.tensors[name], tp_size)
         uses_base = any(item.needs_base for _, item in encoded)
@@ -269,6 +299,13 @@ class VersionStore:
         raise VersionUnavailableError(f"weight version {version} {why}; this agent holds "
                                       f"{held or 'nothing'} — pull the latest instead", evicted)
 
+    def _learn_sums(self, base_version: int | None, version: int, tp_rank: int, tp_size: int,
+                    name: str, item: EncodedTensor) -> None:
+        if item.target_sum is not None:
+            self._sums[(version, tp_rank, tp_size, name)] = item.target_sum
+        if item.base_sum is not None and base_version is not None:
+            self._sums[(base_version, tp_rank, tp_size, name)] = item.base_sum
+
     def _cached(self, key: tuple) -> EncodedTensor | None:
         item = self._cache.get(key)
         if item is not None:
@@ -284,16 +321,19 @@ class VersionStore:
             self._cached_bytes -= self._cache.popitem(last=False)[1].nbytes
 
 
-def _encode(name: str, target: _Version, base: _Version | None, tp_rank: int,
-            tp_size: int) -> EncodedTensor:
+def _encode(name: str, target: _Version, base: _Version | None, tp_rank: int, tp_size: int,
+            base_sum: int | None, target_sum: int | None) -> EncodedTensor:
+    """A slice dense (with its sum when known) or as a delta from ``base`` (the base's sum
+    computed, a full pass, only the first time a delta from it is encoded)."""
     stored = target.tensors[name]
     new = _worker_slice(name, stored, tp_rank, tp_size)
     whole = len(stored.shards) == 1 and new is stored.shards[0]
     checksum = stored.checksum if whole else None
     if base is None or name not in base.tensors:
-        return encode_dense(new, checksum=checksum)
-    return encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new,
-                        checksum=checksum)
+        return encode_dense(new, checksum=checksum, target_sum=target_sum)
+    item = encode_delta(_worker_slice(name, base.tensors[name], tp_rank, tp_size), new,
+                        checksum=checksum, base_sum=base_sum)
+    return item if item.target_sum is not None else replace(item, target_sum=target_sum)
 
 
 def _slice_bytes(name: str, stored: StoredTensor, tp_size: int) -> int:

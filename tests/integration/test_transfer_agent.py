@@ -30,17 +30,20 @@ from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.transfer_agent import flat_shards, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
+from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, tensor_linear_sum
 from rlharvest.services.transfer_agent.client import (
     PublishError,
     _pack_dense,
     find_agent,
     holders,
     publish,
+    publish_delta,
     pull,
     pull_request,
     weights_fingerprint,
 )
 from rlharvest.services.transfer_agent.data_path import BucketAssembler
+from rlharvest.services.transfer_agent.delta_publish import LastPublished
 
 from tests.fuzz_messages import fuzz_service, garbage_status
 from tests.worker_sessions import add
@@ -203,6 +206,46 @@ async def test_worker_holding_previous_version_pulls_a_bit_exact_sparse_delta(ag
     tokens, logprobs = greedy_reference(V2, 2)
     assert served.versions == {2} and served.tokens == tokens
     assert served.logprobs == pytest.approx(logprobs, abs=1e-4)
+
+
+async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_sums(agent):
+    """Issue 16: the trainer publishes what changed; a worker holding the base gets those very
+    encodings in the plan's reply and verifies them in O(changes); a worker without it gets
+    the version dense; a delta against a base the agent lacks, or a held copy whose recorded
+    sum is wrong, is refused with nothing changed."""
+    _, endpoint, _ = agent
+    job = "job-delta-publish"
+    v1 = version_of(3)
+    await publish(endpoint, job, 1, v1)
+    first = await pull(endpoint, job, version=1)
+    trainer = LastPublished(1, v1)
+    v2 = perturb(v1, 0.01, seed=5)
+    encoded, stats = trainer.encode_next(v2)
+    assert 0 < stats.changed_fraction < 0.05
+    with pytest.raises(PublishError) as refused:
+        await publish_delta(endpoint, job, 2, 0, encoded)
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    await publish_delta(endpoint, job, 2, 1, encoded)
+    held = {name: t.clone() for name, t in first.tensors.items()}
+    delta = await pull(endpoint, job, version=2, held=held, held_version=1, inplace=True,
+                       held_sums=first.sums)
+    assert delta.delta and delta.payload_bytes == sum(e.nbytes for e in encoded.values())
+    assert weights_fingerprint(delta.tensors) == weights_fingerprint(v2)
+    assert delta.sums == {name: tensor_linear_sum(t) for name, t in v2.items()}
+    dense = await pull(endpoint, job, version=2)
+    assert not dense.delta and weights_fingerprint(dense.tensors) == weights_fingerprint(v2)
+
+    trainer = LastPublished.after(2, v2, encoded)
+    v3 = perturb(v2, 0.01, seed=6)
+    await publish_delta(endpoint, job, 3, 2, trainer.encode_next(v3)[0])
+    wrong = {**delta.sums, next(iter(v2)): delta.sums[next(iter(v2))] ^ 1}
+    with pytest.raises(ChecksumMismatchError, match="not the one it was encoded against"):
+        await pull(endpoint, job, version=3, held=held, held_version=2, inplace=True,
+                   held_sums=wrong)
+    assert weights_fingerprint(held) == weights_fingerprint(v2)  # nothing applied
+    third = await pull(endpoint, job, version=3, held=held, held_version=2, inplace=True,
+                       held_sums=delta.sums)
+    assert weights_fingerprint(third.tensors) == weights_fingerprint(v3)
 
 
 async def test_worker_joining_midway_serves_current_version_after_one_pull(

@@ -1,0 +1,111 @@
+"""The trainer's side of delta publishing (issue 16): what changed since the last published
+version, encoded once where the change is known, instead of the agent diffing full copies.
+
+ROSE §4.2 ships ΔW_t to workers holding W_{t-1}; in our first design the agent found ΔW_t by
+comparing two full copies, then re-read the whole target to checksum it, on every worker's
+first pull. Here the trainer keeps the version it last published (in the serving dtype: bf16
+rounding is what makes RL deltas sparse, ROSE Fig. 11), finds the changed elements itself (a
+compare on the device that holds the weights, ~free on a GPU; here a CPU pass), and encodes
+only those elements, chaining the linear sums from version to version so nobody re-reads an
+unchanged element. The agent stores the encodings as the pull plan for the base version.
+
+Pure: no I/O. ``LastPublished.encode_next`` is called on a thread (it reads tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from rlharvest.services.transfer_agent.bucketing import ParallelMap
+from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
+from rlharvest.services.transfer_agent.delta_codec import (
+    EncodedTensor,
+    encode_changes,
+    encode_dense,
+)
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """What one publish changed: the measured sparsity operators ask about."""
+
+    changed: int  # elements whose bits changed
+    numel: int
+    payload_bytes: int
+    dense_bytes: int
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.numel if self.numel else 0.0
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+    """Flat positions where the bits of ``new`` differ from ``old`` (same shape and dtype),
+    increasing. Compares integer views, so NaN payloads and -0.0 count as the bits they are."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
+    a = old.detach().contiguous().reshape(-1).view(width)
+    b = new.detach().contiguous().reshape(-1).view(width)
+    return torch.nonzero(a != b).reshape(-1).cpu().numpy()
+
+
+def _dense_with_sum(tensor: torch.Tensor) -> EncodedTensor:
+    return encode_dense(tensor, target_sum=tensor_linear_sum(tensor))
+
+
+class LastPublished:
+    """The last version published to one agent: its tensors (a private copy) and their linear
+    sums where known. ``encode_next`` turns the next version into encodings against it."""
+
+    def __init__(self, version: int, tensors: Mapping[str, torch.Tensor],
+                 sums: Mapping[str, int | None] | None = None) -> None:
+        self.version = version
+        self.tensors = {name: t.detach().cpu().clone(memory_format=torch.contiguous_format)
+                        for name, t in tensors.items()}
+        self.sums: dict[str, int | None] = dict(sums or {})
+
+    def encode_next(self, tensors: Mapping[str, torch.Tensor],
+                    positions: Mapping[str, np.ndarray] | None = None,
+                    parallel_map: ParallelMap = map,
+                    ) -> tuple[dict[str, EncodedTensor], DeltaStats]:
+        """Every tensor of the next version: a sparse delta against this one where that is
+        smaller, dense where it is not (a new name, a new shape or dtype, a dense change).
+        ``positions``: per tensor, the flat positions that may have changed, increasing (from
+        the optimizer step, when it knows them); a tensor without them is compared in full.
+        Tensors encode through ``parallel_map`` (a thread pool's map: numpy releases the GIL)."""
+        given = positions or {}
+
+        def one(name: str) -> tuple[str, EncodedTensor, int]:
+            new = tensors[name].detach().cpu().contiguous()
+            old = self.tensors.get(name)
+            if old is None or old.shape != new.shape or old.dtype != new.dtype:
+                return name, _dense_with_sum(new), new.numel()
+            index = given.get(name)
+            index = changed_positions(old, new) if index is None else index
+            item = encode_changes(old, new, index, base_sum=self.sums.get(name))
+            if item.target_sum is None:  # too dense for a delta: keep the chain of sums
+                item = replace(item, target_sum=tensor_linear_sum(new))
+            return name, item, index.size
+
+        encoded: dict[str, EncodedTensor] = {}
+        changed = 0
+        for name, item, count in parallel_map(one, list(tensors)):
+            encoded[name] = item
+            changed += count
+            if item.base_sum is not None:
+                self.sums[name] = item.base_sum  # learned: computed once, then chained
+        numel = sum(t.numel() for t in tensors.values())
+        dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        payload = sum(item.nbytes for item in encoded.values())
+        return encoded, DeltaStats(changed, numel, payload, dense_bytes)
+
+    @classmethod
+    def after(cls, version: int, tensors: Mapping[str, torch.Tensor],
+              encoded: Mapping[str, EncodedTensor] | None = None) -> LastPublished:
+        """The record after publishing ``tensors`` as ``version`` (``encoded``: the encodings
+        it went as, whose target sums carry over; None after a dense publish)."""
+        sums = {name: item.target_sum for name, item in (encoded or {}).items()}
+        return cls(version, tensors, sums)
