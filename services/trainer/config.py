@@ -162,6 +162,10 @@ class TrainerConfig(ServiceConfig):
                                             "first is on-policy)")
     agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
     bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
+    publish_deltas: bool = Field(True, description="publish each version as what changed "
+                                 "since the last one published to the same agent (a sparse "
+                                 "delta per tensor where smaller; costs one host copy of the "
+                                 "model); off: every version dense")
     # shards is the default because it measured faster on 2 ranks (bench/trainer_publish.py:
     # the version held 1.27x sooner at ZeRO-2, 1.56x at ZeRO-3, where it also blocks the
     # trainer 7x less: no gather). One rank always publishes the whole model.

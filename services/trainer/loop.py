@@ -187,7 +187,8 @@ class TrainerLoop:
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
                                    config=cfg.model_dump(mode="json"))
-        self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes)
+        self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes,
+                                                    cfg.publish_deltas)
                            if cfg.publish else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
         # RollPacker §4.4's handoff on this machine: lent workers' threads join training.

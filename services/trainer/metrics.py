@@ -33,6 +33,11 @@ REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that fai
 MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")
 PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one version to the agent",
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+PUBLISH_CHANGED = Gauge("rlh_trainer_publish_changed_fraction", "Fraction of the elements of "
+                        "the last published version whose bits changed since the one before "
+                        "(1 for a first or dense publish): the sparsity delta transfer rides on")
+PUBLISH_PAYLOAD = Gauge("rlh_trainer_publish_payload_ratio", "Bytes the last publish sent over "
+                        "the bytes of the whole model dense")
 CHECKPOINT_SECONDS = Histogram("rlh_trainer_checkpoint_seconds", "Writing one checkpoint",
                                buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 STEP_RESUMES = Counter("rlh_trainer_step_resumes_total",

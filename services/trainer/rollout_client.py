@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -13,6 +16,10 @@ import torch
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.retry import Backoff
+from rlharvest.services.trainer import metrics
+
+if TYPE_CHECKING:
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +80,30 @@ PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 
 
 class Publisher:
-    """Hands each new version to the node's transfer agent (its client, not a second path)."""
+    """Hands each new version to the node's transfer agent (its client, not a second path).
+    With ``deltas``, each version goes as what changed since the last one this agent took
+    (``LastPublished``): sparse where that is smaller, with linear sums chained so workers
+    verify it without re-reading their copy. An agent that lost the base (it restarted) refuses
+    the delta; the version then goes dense."""
 
-    def __init__(self, etcd, job: str, agent: str, bucket_bytes: int) -> None:
+    def __init__(self, etcd, job: str, agent: str, bucket_bytes: int,
+                 deltas: bool = True) -> None:
         try:
-            from rlharvest.services.transfer_agent import client
+            from rlharvest.services.transfer_agent import client, delta_publish
         except ImportError as exc:
             raise RuntimeError(
                 "publishing needs the transfer agent's client "
                 "(rlharvest.services.transfer_agent.client), which is not installed here; run "
                 "with --no-publish to train without publishing (only step 1 is on-policy)") from exc
         self._client = client
+        self._delta_publish = delta_publish
         self._etcd = etcd
         self._job = job
         self._agent = agent
         self._bucket_bytes = bucket_bytes
+        self._deltas = deltas
+        self._last: tuple[str, delta_publish.LastPublished] | None = None  # (agent, record)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="publish-codec")
 
     async def endpoint(self) -> str:
         """The agent to publish to: the configured one, else one registered in etcd
@@ -97,6 +113,36 @@ class Publisher:
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
         agent = await self.endpoint()
-        await self._client.publish(agent, self._job, version, dict(tensors),
-                                   bucket_bytes=self._bucket_bytes)
+        if not self._deltas:
+            await self._client.publish(agent, self._job, version, dict(tensors),
+                                       bucket_bytes=self._bucket_bytes)
+            return agent
+        last = self._last[1] if self._last is not None and self._last[0] == agent else None
+        try:
+            stats = await self._publish_against(agent, version, tensors, last)
+        except self._client.PublishError as exc:
+            if last is None or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("agent %s no longer holds version %d: publishing version %d dense",
+                        agent, last.version, version)
+            stats = await self._publish_against(agent, version, tensors, None)
+        metrics.PUBLISH_CHANGED.set(stats.changed_fraction)
+        metrics.PUBLISH_PAYLOAD.set(stats.payload_bytes / max(stats.dense_bytes, 1))
+        log.info("version %d: %.3f%% of the elements changed; sent %.2f of %.2f MB",
+                 version, 100 * stats.changed_fraction, stats.payload_bytes / 1e6,
+                 stats.dense_bytes / 1e6)
         return agent
+
+    async def _publish_against(self, agent: str, version: int,
+                               tensors: Mapping[str, torch.Tensor],
+                               last: LastPublished | None) -> DeltaStats:
+        """Encode against ``last`` (None: all dense, with sums), publish, remember the record."""
+        loop = asyncio.get_running_loop()
+        base = last or self._delta_publish.LastPublished(-1, {})
+        encoded, stats = await loop.run_in_executor(  # tensors encode on the pool's threads
+            None, partial(base.encode_next, tensors, None, self._pool.map))
+        await self._client.publish_delta(agent, self._job, version, base.version, encoded,
+                                         bucket_bytes=self._bucket_bytes)
+        self._last = (agent, await loop.run_in_executor(self._pool, partial(
+            self._delta_publish.LastPublished.after, version, tensors, encoded)))
+        return stats
