@@ -162,6 +162,11 @@ class TrainerConfig(ServiceConfig):
                                             "first is on-policy)")
     agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
     bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
+    publish_dtype: Literal["model", "bfloat16", "float16"] = Field(
+        "model", description="dtype of the published weights: the model's own, or the serving "
+        "dtype (floating tensors cast before publishing). bf16 is what makes RL deltas sparse "
+        "(an update smaller than half a bf16 ulp leaves the element's bits unchanged; "
+        "bench/README.md: trainer_learnability --publish-dtype)")
     publish_deltas: bool = Field(True, description="publish each version as what changed "
                                  "since the last one published to the same agent (a sparse "
                                  "delta per tensor where smaller; costs one host copy of the "

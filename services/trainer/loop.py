@@ -187,8 +187,9 @@ class TrainerLoop:
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
                                    config=cfg.model_dump(mode="json"))
+        publish_dtype = None if cfg.publish_dtype == "model" else getattr(torch, cfg.publish_dtype)
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes,
-                                                    cfg.publish_deltas)
+                                                    cfg.publish_deltas, publish_dtype)
                            if cfg.publish else None)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
         # RollPacker §4.4's handoff on this machine: lent workers' threads join training.

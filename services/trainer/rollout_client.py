@@ -87,7 +87,7 @@ class Publisher:
     the delta; the version then goes dense."""
 
     def __init__(self, etcd, job: str, agent: str, bucket_bytes: int,
-                 deltas: bool = True) -> None:
+                 deltas: bool = True, dtype: torch.dtype | None = None) -> None:
         try:
             from rlharvest.services.transfer_agent import client, delta_publish
         except ImportError as exc:
@@ -102,6 +102,7 @@ class Publisher:
         self._agent = agent
         self._bucket_bytes = bucket_bytes
         self._deltas = deltas
+        self._dtype = dtype  # the serving dtype floating tensors are published in (None: as is)
         self._last: tuple[str, delta_publish.LastPublished] | None = None  # (agent, record)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="publish-codec")
 
@@ -113,6 +114,10 @@ class Publisher:
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
         agent = await self.endpoint()
+        if self._dtype is not None:
+            dtype = self._dtype
+            tensors = {name: t.to(dtype) if t.is_floating_point() else t
+                       for name, t in tensors.items()}
         if not self._deltas:
             await self._client.publish(agent, self._job, version, dict(tensors),
                                        bucket_bytes=self._bucket_bytes)

@@ -27,6 +27,8 @@ from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.launcher import LocalStack
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from rlharvest.services.trainer import metrics as trainer_metrics
+from rlharvest.services.trainer.rollout_client import Publisher
 from rlharvest.services.transfer_agent import flat_shards, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
@@ -246,6 +248,35 @@ async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_s
     third = await pull(endpoint, job, version=3, held=held, held_version=2, inplace=True,
                        held_sums=delta.sums)
     assert weights_fingerprint(third.tensors) == weights_fingerprint(v3)
+
+
+async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_base_is_gone(
+        agent):
+    _, endpoint, _ = agent
+    job = "job-publisher"
+    publisher = Publisher(None, job, endpoint, 1 << 20, deltas=True, dtype=torch.bfloat16)
+    v1 = version_of(4)
+    await publisher.publish(1, v1)
+    assert trainer_metrics.PUBLISH_CHANGED._value.get() == 1.0  # a first publish is all new
+    first = await pull(endpoint, job, version=1)
+    assert {t.dtype for t in first.tensors.values()} == {torch.bfloat16}
+    v2 = {name: t.clone() for name, t in v1.items()}
+    name = next(n for n, t in v2.items() if t.numel() > 1000)
+    v2[name].view(-1)[:10] += 1.0  # ten elements move by far more than a bf16 ulp
+    await publisher.publish(2, v2)
+    expected = 10 / sum(t.numel() for t in v2.values())
+    assert trainer_metrics.PUBLISH_CHANGED._value.get() == pytest.approx(expected)
+    held = {n: t.clone() for n, t in first.tensors.items()}
+    delta = await pull(endpoint, job, version=2, held=held, held_version=1, inplace=True,
+                       held_sums=first.sums)
+    assert delta.delta and delta.payload_bytes < delta.dense_bytes / 100
+    bf16 = {n: t.to(torch.bfloat16) for n, t in v2.items()}
+    assert weights_fingerprint(delta.tensors) == weights_fingerprint(bf16)
+    # As after an agent restart: the publisher's base is one the agent does not hold.
+    publisher._last = (endpoint, LastPublished(99, publisher._last[1].tensors))
+    await publisher.publish(3, v2)
+    dense = await pull(endpoint, job, version=3)
+    assert weights_fingerprint(dense.tensors) == weights_fingerprint(bf16)
 
 
 async def test_worker_joining_midway_serves_current_version_after_one_pull(
