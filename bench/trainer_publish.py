@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ratios import spread  # noqa: E402
 
 MODES = ("gather", "shards")
 
@@ -92,10 +93,6 @@ def worker(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in leader.weights().values())
     leader.close()
     Path(args.out).write_text(json.dumps({"times": times, "bytes": nbytes}))
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
 
 def launch(args: argparse.Namespace, stage: int, agent: str, out: Path) -> dict:

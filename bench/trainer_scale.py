@@ -29,6 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(__file__))
+from ratios import spread  # noqa: E402
+
 CONFIGS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1)}
 
 
@@ -90,10 +93,6 @@ def launch(config: str, args: argparse.Namespace, out: Path) -> tuple[float, flo
                     f"--out={out}", *flags], env=env, check=True, capture_output=True)
     result = json.loads(out.read_text())
     return result["tokens"] / result["seconds"], result["weights_s"]
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
 
 
 def main() -> None:
