@@ -8,7 +8,8 @@ For a Qwen3-shaped bf16 model, version v+1 differs from v in 10%, 1% or 0.1% of 
   BITMAP  encode_delta(encoding=BITMAP): one bit per element, XOR values of the set bits
   pick    encode_delta choosing per tensor (what the agent sends): the smallest of the three
 
-Sparse forms decode applied in place to the worker's copy of v. Printed per form: bytes on the
+Sparse forms decode applied in place to the worker's copy of v, verified by linear sums against
+the sum the worker recorded for v (the agent knows v's too). Printed per form: bytes on the
 wire, encode and decode time, codec throughput (GB of model per second), and the end-to-end
 speedup over dense (codec + bytes / link) for a few link speeds. The links are modelled here
 (bytes / bandwidth); the measured network path is benchmarked separately.
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import statistics
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -29,12 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.delta_codec import (
     Encoding,
     decode,
     encode_delta,
     encode_dense,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ratios import spread  # noqa: E402
 
 LINKS_GBPS = (1, 20, 100)  # WEAVE/ROSE cross-cluster Ethernet is 20 Gbps
 ZERO_FRACTIONS = (0.9, 0.99, 0.999)
@@ -73,30 +80,38 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def encoder(form: str):
-    """The agent-side encode of one form, as f(old, new) -> EncodedTensor."""
+def encoder(form: str, sums: dict[str, int]):
+    """The agent-side encode of one form, as f(name, old, new) -> EncodedTensor; the base's
+    linear sum is known (the agent learned it with the version before)."""
     if form == "dense":
-        return lambda old, new: encode_dense(new)
-    if form == "pick":
-        return encode_delta
-    return lambda old, new: encode_delta(old, new, encoding=Encoding[form])
+        return lambda name, old, new: encode_dense(new)
+    encoding = None if form == "pick" else Encoding[form]
+    return lambda name, old, new: encode_delta(old, new, encoding=encoding, base_sum=sums[name])
 
 
-def run_form(old: dict, new: dict, form: str, repeat: int) -> tuple[int, float, float, dict]:
-    """(wire bytes, best encode s, best decode s, encodings used) for one form."""
-    encode = encoder(form)
-    best_enc = best_dec = float("inf")
-    for _ in range(repeat):
-        held = {k: t.clone() for k, t in old.items()}  # the worker's copy of v, outside the timer
-        enc_s, encoded = timed(lambda: {k: encode(old[k], new[k]) for k in new})
-        dec_s, decoded = timed(lambda: {k: decode(e, held[k], inplace=True)
-                                        for k, e in encoded.items()})
-        best_enc, best_dec = min(best_enc, enc_s), min(best_dec, dec_s)
+def run_form(old: dict, new: dict, sums: dict[str, int], form: str) -> tuple[int, float, float, dict]:
+    """(wire bytes, encode s, decode s, encodings used) of one round of one form. Deltas
+    decode in place into the worker's copy of v, verified against its recorded sums."""
+    encode = encoder(form, sums)
+    held = {k: t.clone() for k, t in old.items()}  # the worker's copy of v, outside the timer
+    enc_s, encoded = timed(lambda: {k: encode(k, old[k], new[k]) for k in new})
+    dec_s, decoded = timed(lambda: {k: decode(e, held[k], inplace=True, base_sum=sums[k])
+                                    for k, e in encoded.items()})
     assert all(torch.equal(decoded[k].view(torch.int16), new[k].view(torch.int16)) for k in new)
     used: dict[str, int] = {}
     for e in encoded.values():
         used[e.encoding.name] = used.get(e.encoding.name, 0) + 1
-    return sum(e.nbytes for e in encoded.values()), best_enc, best_dec, used
+    return sum(e.nbytes for e in encoded.values()), enc_s, dec_s, used
+
+
+def rounds_of(old: dict, new: dict, repeat: int) -> dict[str, list[tuple[int, float, float, dict]]]:
+    """Every form once per round, the order rotating, ``repeat`` rounds."""
+    sums = {k: tensor_linear_sum(t) for k, t in old.items()}
+    results: dict[str, list] = {form: [] for form in FORMS}
+    for r in range(repeat):
+        for form in FORMS[r % len(FORMS):] + FORMS[:r % len(FORMS)]:
+            results[form].append(run_form(old, new, sums, form))
+    return results
 
 
 def e2e_seconds(wire_bytes: int, enc_s: float, dec_s: float, gbps: float) -> float:
@@ -114,15 +129,16 @@ def checksum_rates(data: bytes) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="~24 MB model, one repetition")
+    parser.add_argument("--quick", action="store_true", help="~24 MB model, two rounds")
     parser.add_argument("--out", default="bench/results/transfer_codec.md")
     args = parser.parse_args()
-    layers, hidden, intermediate, repeat = (1, 1024, 3072, 1) if args.quick else (2, 2048, 6144, 2)
+    layers, hidden, intermediate, repeat = (1, 1024, 3072, 2) if args.quick else (2, 2048, 6144, 3)
 
     lines = ["# transfer_codec: sparse weight deltas vs dense", "",
              f"`python bench/transfer_codec.py{' --quick' if args.quick else ''}` — bf16, "
              f"{layers} Qwen3-shaped layer(s) (hidden {hidden}, intermediate {intermediate}); "
-             f"best of {repeat}; torch threads {torch.get_num_threads()}; "
+             f"{repeat} rounds, forms interleaved; times are medians, speedups per round: "
+             f"median [spread]; torch threads {torch.get_num_threads()}; "
              f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.", ""]
     header = ("| zeros | form | wire MB | wire / dense | encodings | enc s | dec s | "
               "codec GB/s | " + " | ".join(f"e2e vs dense @{g} Gbps" for g in LINKS_GBPS) + " |")
@@ -130,16 +146,19 @@ def main() -> None:
     for i, zeros in enumerate(ZERO_FRACTIONS):
         old, new = make_versions(layers, hidden, intermediate, zeros, seed=i)
         model_bytes = sum(t.numel() * t.element_size() for t in new.values())
-        results = {form: run_form(old, new, form, repeat) for form in FORMS}
-        dense_bytes, dense_enc, dense_dec, _ = results["dense"]
-        for form, (wire, enc_s, dec_s, used) in results.items():
-            speedups = [e2e_seconds(dense_bytes, dense_enc, dense_dec, g)
-                        / e2e_seconds(wire, enc_s, dec_s, g) for g in LINKS_GBPS]
+        results = rounds_of(old, new, repeat)
+        dense = results["dense"]
+        for form, runs in results.items():
+            wire, used = runs[0][0], runs[0][3]
+            enc_s = statistics.median(r[1] for r in runs)
+            dec_s = statistics.median(r[2] for r in runs)
+            speedups = [spread([e2e_seconds(d[0], d[1], d[2], g) / e2e_seconds(*r[:3], g)
+                                for d, r in zip(dense, runs)], 1) for g in LINKS_GBPS]
             lines.append(
-                f"| {zeros:.1%} | {form} | {wire / 1e6:.2f} | {wire / dense_bytes:.2%} | "
+                f"| {zeros:.1%} | {form} | {wire / 1e6:.2f} | {wire / dense[0][0]:.2%} | "
                 f"{', '.join(f'{k} {v}' for k, v in sorted(used.items()))} | {enc_s:.3f} | "
                 f"{dec_s:.3f} | {model_bytes / (enc_s + dec_s) / 1e9:.2f} | "
-                + " | ".join(f"{s:.1f}x" for s in speedups) + " |")
+                + " | ".join(speedups) + " |")
             print(lines[-1], flush=True)
     sample = b"".join(encode_dense(t).payload for t in list(new.values())[:4])
     rates = checksum_rates(sample)
