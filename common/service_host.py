@@ -118,6 +118,10 @@ class Parts:
     stop_accepting: Callable[[], None] | None = None
     drain: Callable[[StopReason], Awaitable[None]] | None = None
     close: Sequence[Callable[[], Awaitable[None] | None]] = ()
+    # A warm standby: its loops start at once (they must not need the membership) and the
+    # service registers only when this returns (``member_info`` is read then, so it may be
+    # brought up to date first); a stop meanwhile ends it unregistered.
+    standby: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -221,14 +225,33 @@ class Host(Generic[C]):
             [s.name for s in parts.servicers], serving=parts.serving)
         self._http, metrics_port = await start_http(cfg.host, cfg.metrics_port, parts.health,
                                                     on_scrape=parts.on_scrape)
+        if parts.standby is not None:
+            for loop in parts.loops:
+                self.start_loop(loop)
+            log.info("%s %s standing by on %s", self.spec.name, parts.member_id, self.endpoint)
+            if not await self._until_stopped(parts.standby()):
+                return
         info = {**parts.member_info, "endpoint": self.endpoint,
                 "metrics": f"{advertise}:{metrics_port}", "incarnation": INCARNATION}
         self.membership = await registry.register(self.etcd, self.spec.name, parts.member_id,
                                                   info, ttl=cfg.lease_ttl)
-        for loop in parts.loops:
-            self.start_loop(loop)
+        if parts.standby is None:
+            for loop in parts.loops:
+                self.start_loop(loop)
         log.info("%s %s serving on %s (metrics on %d)", self.spec.name, parts.member_id,
                  self.endpoint, metrics_port)
+
+    async def _until_stopped(self, work: Awaitable[None]) -> bool:
+        """Await ``work`` unless the service is told to stop first; True when it finished."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+            return False
+        task.result()
+        return True
 
     async def _on_signal(self, signalled: asyncio.Event) -> None:
         await signalled.wait()

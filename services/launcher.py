@@ -62,6 +62,10 @@ class ServiceProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
+    def activate(self) -> None:
+        """SIGUSR1: a worker started with --standby joins the managers."""
+        self.process.send_signal(signal.SIGUSR1)
+
     def rank_pids(self) -> list[int]:
         """The pids of a multi-rank job's ranks, by rank (from their RANK variable)."""
         import psutil  # DeepSpeed's dependency; only multi-rank jobs need it

@@ -80,6 +80,10 @@ class WorkerConfig(EngineDeviceConfig):
     placement_resident_jobs: int = Field(2, ge=1, description="with --placement-node: jobs "
                                          "whose weights stay in host memory besides the one "
                                          "served, so switching back is a warm load")
+    standby: bool = Field(False, description="a warm standby (issue 16): start, build the "
+                          "engine and keep pulling the job's versions, but join the managers "
+                          "only on SIGUSR1 — a replacement for a preempted spot worker then "
+                          "costs no process start, import or dense pull (needs --agent-pull)")
     tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -88,6 +92,13 @@ class WorkerConfig(EngineDeviceConfig):
     @model_validator(mode="after")
     def _prefix_cache_usable(self) -> WorkerConfig:
         check_prefix_cache(self.prefix_cache, self.kv_pages, self.prefill_chunk)
+        return self
+
+    @model_validator(mode="after")
+    def _standby_pulls(self) -> WorkerConfig:
+        if self.standby and (not self.agent_pull or self.placement_node):
+            raise ValueError("--standby keeps a job's weights warm by pulling them: it needs "
+                             "--job and --agent-pull, and no --placement-node")
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +67,19 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     cfg = host.config
     engine = build_engine(cfg)
 
+    reporting: list[asyncio.Task] = []
+
     def on_version_change(version: int) -> None:
         if host.membership is not None:
             asyncio.get_running_loop().create_task(host.membership.update(weight_version=version))
+        elif cfg.standby and not any(not t.done() for t in reporting):
+            reporting[:] = [asyncio.get_running_loop().create_task(report_once_registered())]
+
+    async def report_once_registered() -> None:
+        """A version loaded while a standby registers must reach its record too."""
+        while host.membership is None:
+            await asyncio.sleep(0.05)
+        await host.membership.update(weight_version=engine.weight_version)
 
     service = WorkerService(engine, cfg.worker_id, endpoint=host.endpoint, model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
@@ -110,15 +121,31 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         service.close()
         log.info("worker %s stopped (%s)", cfg.worker_id, outcome[0])
 
-    return Parts(member_id=cfg.worker_id, member_info={
+    info = {
         "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
         "weight_version": engine.weight_version, "draining": False,
         "admission": engine.batch_admission, "vocab_size": engine.vocab_size,
         # A placed worker joins only the manager of the job its record names (none at first).
-        **({"placement_node": cfg.placement_node, "job": ""} if cfg.placement_node else {})},
-        servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
-                            SERVICE_NAME)],
-        health=service.health, loops=loops, drain=drain, close=[close])
+        **({"placement_node": cfg.placement_node, "job": ""} if cfg.placement_node else {})}
+
+    async def standby() -> None:
+        """Until SIGUSR1: the puller keeps the weights current meanwhile."""
+        activated = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, activated.set)
+        try:
+            await activated.wait()
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+        info["weight_version"] = engine.weight_version  # what it pulled while standing by
+        log.info("worker %s activated at version %d", cfg.worker_id, engine.weight_version)
+
+    return Parts(member_id=cfg.worker_id, member_info=info,
+                 servicers=[Servicer(service,
+                                     rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
+                                     SERVICE_NAME)],
+                 health=service.health, loops=loops, drain=drain, close=[close],
+                 standby=standby if cfg.standby else None)
 
 
 SPEC = ServiceSpec("rollout_worker", WorkerConfig, build, __doc__)

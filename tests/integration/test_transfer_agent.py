@@ -292,6 +292,22 @@ async def test_worker_joining_midway_serves_current_version_after_one_pull(
     late.process.kill()
 
 
+async def test_a_warm_standby_pulls_unregistered_and_joins_at_the_current_version_on_sigusr1(
+        module_stack, agent, etcd):
+    """Issue 16: a standby worker keeps the job's version warm without joining the managers; on
+    SIGUSR1 it registers at the version it holds and serves it at once (no start, no pull)."""
+    standby = start_worker(module_stack, "standby-1", "--job", JOB, "--agent-pull", "--standby")
+    await wait_for(lambda: scrape(standby.metrics_port).get(
+        "rlh_worker_pulls_total{kind=dense}") == 1, what="the standby's pull")
+    assert await worker_version(etcd, "standby-1") is None  # not registered: no manager sees it
+    standby.process.activate()
+    await wait_for(lambda: _equals(worker_version(etcd, "standby-1"), 2), what="activation")
+    assert scrape(standby.metrics_port)["rlh_worker_pulls_total{kind=dense}"] == 1  # no pull more
+    served = await served_completion(standby.endpoint, 2)
+    assert served.versions == {2}
+    standby.process.kill()
+
+
 async def test_tp_worker_pulls_only_its_shard(agent):
     _, endpoint, _ = agent
     got = await pull(endpoint, JOB, version=2, tp_rank=1, tp_size=2)
