@@ -391,7 +391,7 @@ def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
     serving requests finished in the step (of how many) and rollout tokens harvested there."""
     table = Table(title=title)
     columns = ["step", "version", "reward", "time s", "tokens/s", "micro", "migr", "N_prem",
-               "T_seed"]
+               "T_seed", "Δ changed"]
     if serving is not None:
         columns += ["serving SLO", "harvested"]
     tail = any(s.round for s in status.steps)
@@ -402,7 +402,8 @@ def step_table(status: tpb.TrainerStatus, events: dict[int, list[str]],
     for s in status.steps:
         row = [str(s.step), str(s.weight_version), f"{s.mean_reward:.3f}", f"{s.step_time_s:.2f}",
                f"{s.tokens_per_second:.0f}", str(s.micro_batches), str(s.migrations),
-               str(s.n_prem or "-"), f"{s.t_seed_s:.1f}"]
+               str(s.n_prem or "-"), f"{s.t_seed_s:.1f}",
+               f"{s.published_changed:.1%}" if s.published_version else "-"]
         if serving is not None:
             served = serving.get(s.step)
             row += ["-" if served is None or served.attainment is None

@@ -13,7 +13,7 @@ class TrainerStatusRequest(_message.Message):
     def __init__(self, last_steps: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "weight_version", "mean_reward", "step_time_s", "tokens", "tokens_per_second", "migrations", "micro_batches", "micro_batch_wait_s", "loss", "grad_norm", "publish_s", "published_version", "train_compute_s", "n_prem", "t_seed_s", "round", "prompts_launched", "prompts_deferred", "tokens_discarded", "rollout_s", "rewards_s", "rollout_digest")
+    __slots__ = ("step", "weight_version", "mean_reward", "step_time_s", "tokens", "tokens_per_second", "migrations", "micro_batches", "micro_batch_wait_s", "loss", "grad_norm", "publish_s", "published_version", "train_compute_s", "n_prem", "t_seed_s", "round", "prompts_launched", "prompts_deferred", "tokens_discarded", "rollout_s", "rewards_s", "rollout_digest", "published_changed", "published_payload_ratio")
     STEP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class StepSummary(_message.Message):
     ROLLOUT_S_FIELD_NUMBER: _ClassVar[int]
     REWARDS_S_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_PAYLOAD_RATIO_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     mean_reward: float
@@ -60,7 +62,9 @@ class StepSummary(_message.Message):
     rollout_s: float
     rewards_s: float
     rollout_digest: str
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., step_time_s: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., migrations: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_wait_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., publish_s: _Optional[float] = ..., published_version: _Optional[int] = ..., train_compute_s: _Optional[float] = ..., n_prem: _Optional[int] = ..., t_seed_s: _Optional[float] = ..., round: _Optional[str] = ..., prompts_launched: _Optional[int] = ..., prompts_deferred: _Optional[int] = ..., tokens_discarded: _Optional[int] = ..., rollout_s: _Optional[float] = ..., rewards_s: _Optional[float] = ..., rollout_digest: _Optional[str] = ...) -> None: ...
+    published_changed: float
+    published_payload_ratio: float
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., mean_reward: _Optional[float] = ..., step_time_s: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., migrations: _Optional[int] = ..., micro_batches: _Optional[int] = ..., micro_batch_wait_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., publish_s: _Optional[float] = ..., published_version: _Optional[int] = ..., train_compute_s: _Optional[float] = ..., n_prem: _Optional[int] = ..., t_seed_s: _Optional[float] = ..., round: _Optional[str] = ..., prompts_launched: _Optional[int] = ..., prompts_deferred: _Optional[int] = ..., tokens_discarded: _Optional[int] = ..., rollout_s: _Optional[float] = ..., rewards_s: _Optional[float] = ..., rollout_digest: _Optional[str] = ..., published_changed: _Optional[float] = ..., published_payload_ratio: _Optional[float] = ...) -> None: ...
 
 class StepProgress(_message.Message):
     __slots__ = ("step", "weight_version", "samples", "completions", "groups_trained", "tokens_generated", "phase")

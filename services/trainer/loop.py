@@ -732,7 +732,13 @@ class TrainerLoop:
         elapsed = await pending()
         if self.status.summaries and self.status.summaries[-1].published_version == \
                 self._version:
-            self.status.summaries[-1].publish_s = elapsed
+            summary = self.status.summaries[-1]
+            summary.publish_s = elapsed
+            stats = self._publisher.last_stats if isinstance(
+                self._publisher, rollout_client.Publisher) else None
+            if stats is not None:
+                summary.published_changed = stats.changed_fraction
+                summary.published_payload_ratio = stats.payload_bytes / max(stats.dense_bytes, 1)
 
     async def _after_step(self) -> None:
         if self._cfg.checkpoint_dir and self._step % self._cfg.checkpoint_every == 0:

@@ -104,6 +104,7 @@ class Publisher:
         self._deltas = deltas
         self._dtype = dtype  # the serving dtype floating tensors are published in (None: as is)
         self._last: tuple[str, delta_publish.LastPublished] | None = None  # (agent, record)
+        self.last_stats: delta_publish.DeltaStats | None = None  # of the last delta publish
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="publish-codec")
 
     async def endpoint(self) -> str:
@@ -131,6 +132,7 @@ class Publisher:
             log.warning("agent %s no longer holds version %d: publishing version %d dense",
                         agent, last.version, version)
             stats = await self._publish_against(agent, version, tensors, None)
+        self.last_stats = stats
         metrics.PUBLISH_CHANGED.set(stats.changed_fraction)
         metrics.PUBLISH_PAYLOAD.set(stats.payload_bytes / max(stats.dense_bytes, 1))
         log.info("version %d: %.3f%% of the elements changed; sent %.2f of %.2f MB",

@@ -149,6 +149,10 @@ async def test_grpo_learns_on_policy_while_a_spot_worker_is_preempted(stack, etc
         assert s.weight_version == s.step - 1 and s.published_version == s.step, s
         # Groups ready together merge: at most ceil(8 groups / m_b 2) micro-batches.
         assert s.tokens > 0 and 1 <= s.micro_batches <= 4, s
+    # Each publish measured what changed (fp32 at this lr: nearly everything) before the next
+    # step began; the first version is all new.
+    assert st.steps[0].published_changed == 1.0
+    assert all(0.5 < s.published_changed <= 1.0 for s in st.steps[:-1]), st.steps
     manager_metrics = scrape(manager.metrics_port)
     assert metric(manager_metrics, 'rlh_manager_migrations_total{cause="lost"}') > 0, \
         "the kill moved no request"

@@ -86,6 +86,15 @@ def test_the_step_table_shows_tail_batching_rounds_only_when_they_ran() -> None:
     assert cells["deferred"] == ["2", "0"] and cells["discarded"] == ["77", "0"]
 
 
+def test_the_step_table_shows_each_published_versions_changed_share() -> None:
+    status = tpb.TrainerStatus(steps=[
+        tpb.StepSummary(step=1, published_version=2, published_changed=1.0),
+        tpb.StepSummary(step=2, published_version=3, published_changed=0.0123),
+        tpb.StepSummary(step=3)])  # published nothing
+    cells = {c.header: list(c.cells) for c in demo.step_table(status, {}).columns}
+    assert cells["Δ changed"] == ["100.0%", "1.2%", "-"]
+
+
 def test_an_eta_below_one_is_refused(tmp_path) -> None:
     result = CliRunner().invoke(demo.app, ["--tail-batching", "0.5", "--log-dir", str(tmp_path)])
     assert result.exit_code == 2 and "give 1 or more" in result.output
