@@ -2,25 +2,32 @@
 
 A standalone loop: model.generate sampling (rollout), the task's rule-based reward, and
 StreamingStep (torch backend) for the update. Baseline: the same model's reward before training.
-Prints mean reward per step and the ratio of the last 3 steps' mean to the first step's.
+Prints, per configuration over seeds (interleaved), the mean reward of the last 3 steps and its
+ratio to the first step's: median [spread].
 
 With ``--publish-dtype bfloat16`` the rollout runs on the trainer's weights rounded to bf16 (what
 workers serve when the trainer publishes in the serving dtype), and each step prints the fraction
 of bf16 elements that changed since the last version: the sparsity delta transfer rides on
 (ROSE Fig. 11), measured against the learning it must not hurt.
 
-    python bench/trainer_learnability.py [--quick] [--steps N] [--publish-dtype bfloat16]
+    python bench/trainer_learnability.py [--quick] [--steps N] [--seeds N] [--lr LR]
+        [--publish-dtype model|bfloat16|both]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ratios import spread  # noqa: E402
 
 from rlharvest.common.tiny_model import build_model  # noqa: E402
 from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer  # noqa: E402
@@ -69,27 +76,16 @@ def rollout(model: torch.nn.Module, prompts: list[list[int]], group_size: int,
     return [completions[i:i + group_size] for i in range(0, len(completions), group_size)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="10 steps instead of 20")
-    parser.add_argument("--steps", type=int, default=0)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--publish-dtype", choices=["model", "bfloat16"], default="model")
-    args = parser.parse_args()
-    steps = args.steps or (10 if args.quick else 20)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
+def train(args: argparse.Namespace, seed: int, dtype: str, steps: int) -> tuple[list, list]:
+    """One run: the reward curve, and (bf16) the changed fraction of each published version."""
+    torch.manual_seed(seed)
     tok = CharTokenizer()
-    model = build_model("tiny", seed=args.seed)
+    model = build_model("tiny", seed=seed)
     model.generation_config.top_k = None
     backend = make_backend("torch", model, OptimConfig(lr=args.lr, grad_clip=1.0))
-    data = TaskDataset(seed=args.seed)
+    data = TaskDataset(seed=seed)
     curve, changes = [], []
-    workers = Bf16Rollout(args.seed) if args.publish_dtype == "bfloat16" else None
-    start = time.perf_counter()
+    workers = Bf16Rollout(seed) if dtype == "bfloat16" else None
     for step in range(steps):
         items = data.next_batch(args.prompts)
         prompts = [tok.encode(it.prompt) for it in items]
@@ -104,21 +100,50 @@ def main() -> None:
         for g, (item, prompt, comps) in enumerate(zip(items, prompts, groups_ids)):
             rewards = [AdditionTask.reward(tok.decode(c), item.answer) for c in comps]
             train.add_group(RewardedGroup(g, [Completion(prompt, c) for c in comps], rewards))
-        stats = train.finish()
-        curve.append(stats.mean_reward)
-        sample = tok.decode(groups_ids[0][0])
-        changed = f"  bf16 changed {changes[-1]:.2%}" if changes else ""
-        print(f"step {step:2d}  reward {stats.mean_reward:.3f}  loss {stats.loss:+.4f}  "
-              f"e.g. {items[0].prompt}{sample!r}{changed}  t={time.perf_counter() - start:.1f}s")
-    elapsed = time.perf_counter() - start
-    before, after = curve[0], sum(curve[-3:]) / len(curve[-3:])
-    print(f"\nreward before {before:.3f} -> after (mean of last 3) {after:.3f}  "
-          f"ratio {after / max(before, 1e-9):.2f}x  in {elapsed:.1f}s for {steps} steps "
-          f"({args.prompts}x{args.group_size} samples/step, rollout included)")
-    if len(changes) > 1:
-        later = sorted(changes[1:])
-        print(f"bf16 elements changed per published version (lr {args.lr:g}): median "
-              f"{later[len(later) // 2]:.2%} [{later[0]:.2%}-{later[-1]:.2%}]")
+        curve.append(train.finish().mean_reward)
+        if args.verbose:
+            changed = f"  bf16 changed {changes[-1]:.2%}" if changes else ""
+            print(f"seed {seed} {dtype} step {step:3d}  reward {curve[-1]:.3f}{changed}")
+    return curve, changes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="10 steps, 2 seeds")
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=0, help="runs per configuration (3)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--publish-dtype", choices=["model", "bfloat16", "both"], default="model")
+    parser.add_argument("--verbose", action="store_true", help="print every step")
+    args = parser.parse_args()
+    steps = args.steps or (10 if args.quick else 20)
+    seeds = args.seeds or (2 if args.quick else 3)
+    dtypes = ["model", "bfloat16"] if args.publish_dtype == "both" else [args.publish_dtype]
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    ratios: dict[str, list[float]] = {d: [] for d in dtypes}
+    afters: dict[str, list[float]] = {d: [] for d in dtypes}
+    changed: list[float] = []
+    for seed in range(seeds):  # the configurations interleaved, seed by seed
+        for dtype in dtypes:
+            curve, changes = train(args, seed, dtype, steps)
+            after = sum(curve[-3:]) / len(curve[-3:])
+            ratios[dtype].append(after / max(curve[0], 1e-9))
+            afters[dtype].append(after)
+            changed += changes[1:]
+            print(f"seed {seed} {dtype}: reward {curve[0]:.3f} -> {after:.3f} (mean of the "
+                  f"last 3)", flush=True)
+    print(f"\nlr {args.lr:g}, {steps} steps, {args.prompts}x{args.group_size} samples/step, "
+          f"{seeds} seeds, {time.perf_counter() - started:.0f}s")
+    for dtype in dtypes:
+        print(f"  {dtype:9s} reward after: median {statistics.median(afters[dtype]):.3f} "
+              f"[{min(afters[dtype]):.3f}-{max(afters[dtype]):.3f}]; after / before "
+              f"{spread(ratios[dtype])}")
+    if changed:
+        print(f"  bf16 elements changed per published version: median "
+              f"{statistics.median(changed):.2%} [{min(changed):.2%}-{max(changed):.2%}]")
 
 
 if __name__ == "__main__":
