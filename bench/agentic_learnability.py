@@ -10,13 +10,14 @@ Reported per step: the success rate (episodes reaching G, gymnasium's reward) an
 trajectory reward (with ``frozen_lake_shaped``, progress included). Then the success rate of the
 first 3 steps against the last 3. The baseline is the same model before training.
 
-    python bench/agentic_learnability.py [--quick] [--steps 120] [--lr 2e-3] [--seed 0] [--env frozen_lake_shaped]
+    python bench/agentic_learnability.py [--quick] [--steps 120] [--lr 2e-3] [--seeds 3] [--env frozen_lake_shaped]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -90,21 +91,40 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0, help="model init and episode seeds")
+    parser.add_argument("--seeds", type=int, default=0, help="runs, seeds 0..N-1 (3; 2 quick)")
+    parser.add_argument("--verbose", action="store_true", help="print every step")
     args = parser.parse_args()
     steps = 30 if args.quick else args.steps
-    torch.manual_seed(args.seed)
+    seeds = args.seeds or (2 if args.quick else 3)
     torch.set_num_threads(2)
+    started = time.perf_counter()
+    firsts, lasts = [], []
+    for seed in range(seeds):
+        success = train(args, seed, steps)
+        firsts.append(sum(success[:3]) / 3)
+        lasts.append(sum(success[-3:]) / 3)
+        print(f"seed {seed}: success rate {firsts[-1]:.1%} (first 3 steps) -> {lasts[-1]:.1%} "
+              f"(last 3)", flush=True)
+    print(f"\n{args.env}, tiny model, lr {args.lr:g}, {args.prompts}x{args.group_size} "
+          f"trajectories per step, {steps} steps, {seeds} seeds in "
+          f"{time.perf_counter() - started:.0f} s: success rate of the last 3 steps median "
+          f"{statistics.median(lasts):.1%} [{min(lasts):.1%}-{max(lasts):.1%}] (first 3 steps: "
+          f"median {statistics.median(firsts):.1%})")
+
+
+def train(args: argparse.Namespace, seed: int, steps: int) -> list[float]:
+    """One run: the success rate of each step's trajectories."""
+    torch.manual_seed(seed)
     env_class = load_environment(args.env)
-    model = build_model("tiny", seed=args.seed)
+    model = build_model("tiny", seed=seed)
     backend = make_backend("torch", model, OptimConfig(lr=args.lr, grad_clip=1.0))
     cfg = PlayConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, context=512)
-    engine = TorchEngine("tiny", seed=args.seed, max_running=args.prompts * args.group_size,
+    engine = TorchEngine("tiny", seed=seed, max_running=args.prompts * args.group_size,
                          max_len=512)
     generator = EngineGenerator(engine, cfg)
-    success, start = [], time.perf_counter()
+    success = []
     for step in range(steps):
-        groups = asyncio.run(run_step(generator, env_class, step + 10_000 * args.seed,
+        groups = asyncio.run(run_step(generator, env_class, step + 10_000 * seed,
                                       args.prompts, args.group_size, cfg))
         played = [t for group in groups for t in group]
         reached = sum(t.done and t.reward >= 1.0 for t in played) / len(played)
@@ -114,13 +134,11 @@ def main() -> None:
         train.add_groups([rewarded_group(g, group) for g, group in enumerate(groups)])
         stats = train.finish()
         engine.load_weights(model.state_dict(), step + 1)
-        print(f"step {step:2d}  success {reached:5.1%}  mean reward {stats.mean_reward:+.3f}  "
-              f"turns/trajectory {sum(t.turns for t in played) / len(played):.1f}  "
-              f"t={time.perf_counter() - start:.0f}s", flush=True)
-    first, last = sum(success[:3]) / 3, sum(success[-3:]) / 3
-    print(f"\n{args.env}, tiny model, {args.prompts}x{args.group_size} trajectories per step, "
-          f"{steps} steps in {time.perf_counter() - start:.0f} s: success rate {first:.1%} "
-          f"(first 3 steps) -> {last:.1%} (last 3)")
+        if args.verbose:
+            print(f"seed {seed} step {step:3d}  success {reached:5.1%}  mean reward "
+                  f"{stats.mean_reward:+.3f}  turns/trajectory "
+                  f"{sum(t.turns for t in played) / len(played):.1f}", flush=True)
+    return success
 
 
 if __name__ == "__main__":

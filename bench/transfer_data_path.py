@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ import torch
 from rlharvest.common.local_etcd import free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ratios import spread  # noqa: E402
 from transfer_harness import local_stack, start_agent, write_results  # noqa: E402
 
 CHUNK = 16 << 20
@@ -155,50 +157,43 @@ async def recv_grpc(port: int, nbytes: int) -> None:
     assert got == nbytes
 
 
-def best_of(runs: int, fn) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def start_server(kind: str, nbytes: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port), str(nbytes)])
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    time.sleep(0.2)
+    return proc, port
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--serve", nargs=3, metavar=("KIND", "PORT", "BYTES"))
+    parser.add_argument("--rounds", type=int, default=0)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve[0], int(args.serve[1]), int(args.serve[2]))
         return
     mb = 96 if args.quick else 512
     nbytes = mb << 20
-    runs = 2 if args.quick else 3
-    results: dict[str, float] = {}
-    receivers = {"socket": lambda p: recv_socket(p, nbytes),
-                 "asyncio": lambda p: asyncio.run(recv_asyncio(p, nbytes)),
-                 "aiohttp": lambda p: asyncio.run(recv_aiohttp(p, nbytes)),
-                 "grpc": lambda p: asyncio.run(recv_grpc(p, nbytes))}
-    for kind, receive in receivers.items():
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port), str(nbytes)])
-        try:
-            for _ in range(600):
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            time.sleep(0.2)
-            results[kind] = best_of(runs, lambda: receive(port))
-        finally:
-            proc.kill()
-            proc.wait()
-
+    rounds = args.rounds or (2 if args.quick else 3)
     from rlharvest.services.transfer_agent.client import publish, pull
+    servers = {kind: start_server(kind, nbytes) for kind in ("socket", "asyncio", "aiohttp", "grpc")}
     stack = local_stack()
+    times: dict[str, list[float]] = {}
     try:
+        ports = {kind: port for kind, (_, port) in servers.items()}
         endpoint, _ = start_agent(stack, "bench-agent", "--memory-budget-bytes", str(4 * nbytes))
         # A model-like version: 64 tensors of bf16.
         n = nbytes // 2 // 64
@@ -206,18 +201,29 @@ def main() -> None:
                    for i in range(64)}
         asyncio.run(publish(endpoint, "bench", 1, tensors))
         asyncio.run(pull(endpoint, "bench", version=1, decode=False))  # warm: encode + pack cache
-        results["agent"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench", version=1,
-                                                                   decode=False)))
-        results["agent-1"] = best_of(runs, lambda: asyncio.run(pull(
-            endpoint, "bench", version=1, decode=False, streams=1)))
-        results["agent-grpc"] = best_of(runs, lambda: asyncio.run(pull(
-            endpoint, "bench", version=1, decode=False, transport="grpc")))
-        results["agent+decode"] = best_of(runs, lambda: asyncio.run(pull(endpoint, "bench",
-                                                                          version=1)))
+        paths = {
+            "socket": lambda: recv_socket(ports["socket"], nbytes),
+            "asyncio": lambda: asyncio.run(recv_asyncio(ports["asyncio"], nbytes)),
+            "aiohttp": lambda: asyncio.run(recv_aiohttp(ports["aiohttp"], nbytes)),
+            "grpc": lambda: asyncio.run(recv_grpc(ports["grpc"], nbytes)),
+            "agent": lambda: asyncio.run(pull(endpoint, "bench", version=1, decode=False)),
+            "agent-1": lambda: asyncio.run(pull(endpoint, "bench", version=1, decode=False,
+                                                streams=1)),
+            "agent-grpc": lambda: asyncio.run(pull(endpoint, "bench", version=1, decode=False,
+                                                   transport="grpc")),
+            "agent+decode": lambda: asyncio.run(pull(endpoint, "bench", version=1))}
+        times = {key: [] for key in paths}
+        for round_ in range(rounds):  # every path once per round, the order rotating
+            keys = list(paths)[round_ % len(paths):] + list(paths)[:round_ % len(paths)]
+            for key in keys:
+                times[key].append(timed(paths[key]))
     finally:
         stack.stop()
+        for proc, _ in servers.values():
+            proc.kill()
+            proc.wait()
 
-    base = results["socket"]
+    base = times["socket"]
     names = {"socket": "raw socket (baseline)", "asyncio": "asyncio streams", "aiohttp": "aiohttp",
              "grpc": "grpc.aio stream (16 MB msgs)",
              "agent": "agent pull: HTTP ranges, 4 streams (transport + bucket CRC)",
@@ -226,14 +232,19 @@ def main() -> None:
              "agent+decode": "agent pull + decode + tensor CRC"}
     lines = ["# transfer_data_path: dense pull over loopback vs raw socket\n",
              f"`python bench/transfer_data_path.py{' --quick' if args.quick else ''}` — {mb} MB, "
-             f"best of {runs}; servers in separate processes; {os.cpu_count()} cores, load "
-             f"average {os.getloadavg()[0]:.1f} (shared box).\n",
-             "| path | seconds | GB/s | vs raw socket |", "|---|---|---|---|"]
-    for key, seconds in results.items():
-        lines.append(f"| {names[key]} | {seconds:.3f} | {nbytes / seconds / 1e9:.2f} | "
-                     f"{base / seconds:.2f} |")
-    lines.append(f"\nagent pull (HTTP, 4 streams) vs raw socket: {base / results['agent']:.2f}x; "
-                 f"vs the previous gRPC data path: {results['agent-grpc'] / results['agent']:.2f}x")
+             f"{rounds} rounds, every path once per round (order rotating); servers in separate "
+             f"processes; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (shared "
+             "box).\n",
+             "| path | seconds (median) | GB/s | vs raw socket, per round: median [spread] |",
+             "|---|---|---|---|"]
+    for key, seconds in times.items():
+        median = statistics.median(seconds)
+        lines.append(f"| {names[key]} | {median:.3f} | {nbytes / median / 1e9:.2f} | "
+                     f"{spread([b / t for b, t in zip(base, seconds)])} |")
+    lines.append(f"\nagent pull (HTTP, 4 streams) vs raw socket: "
+                 f"{spread([b / t for b, t in zip(base, times['agent'])])}; vs the previous "
+                 f"gRPC data path: "
+                 f"{spread([g / t for g, t in zip(times['agent-grpc'], times['agent'])])}")
     write_results("transfer_data_path" + ("_quick" if args.quick else ""), "\n".join(lines) + "\n")
 
 
