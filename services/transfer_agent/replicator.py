@@ -108,9 +108,11 @@ class Replicator:
             return
         base = self.service.latest(job)
         held = await self.service.full_tensors(job, base) if base is not None else None
+        held_sums = await self.service.sums(job, base) if base is not None else {}
         link = "cross" if clusters[source] != self.cfg.cluster else "local"
         try:
-            result = await self._pull(job, version, source, clusters, having, held, base)
+            result = await self._pull(job, version, source, clusters, having, held, base,
+                                      held_sums)
         except (grpc.aio.AioRpcError, PullError) as exc:
             delay = self._backoff.failed(job, version, self._clock())
             log.warning("relay of job %s version %d from %s failed: %s; trying again in %.1fs",
@@ -128,13 +130,13 @@ class Replicator:
                  result.seconds)
         try:
             await self.service.hold(job, result.version, result.tensors,
-                                    f"relay from {sorted(result.sources)}")
+                                    f"relay from {sorted(result.sources)}", sums=result.sums)
         except VersionStoreError as exc:  # a publish landed meanwhile
             log.info("relayed version %d not kept: %s", version, exc)
 
     async def _pull(self, job: str, version: int, source: str, clusters: dict[str, str],
                     having: dict[str, dict], held: dict[str, torch.Tensor] | None,
-                    base: int | None) -> PullResult:
+                    base: int | None, held_sums: dict[str, int]) -> PullResult:
         """Across the slow link, the pull is scattered over every holder of the source's
         cluster (WEAVE §5.2: one copy, from all senders at once); inside a cluster, and when
         the source is the only remote holder, it comes from ``source`` alone — and so it does,
@@ -150,7 +152,7 @@ class Replicator:
                     senders, job, version, held=held, held_version=held_version,
                     receiver=self.cfg.agent_id, cluster=self.cfg.cluster,
                     source_cluster=clusters[source], streams=self.cfg.relay_streams,
-                    read_timeout_s=self.cfg.data_read_timeout_s)
+                    read_timeout_s=self.cfg.data_read_timeout_s, held_sums=held_sums)
             except PullError as exc:
                 log.warning("scattered relay of job %s version %d over %s failed (%s: %s); "
                             "pulling it from %s alone over gRPC", job, version,
@@ -160,7 +162,8 @@ class Replicator:
             result = await pull(having[source]["endpoint"], job, version=version, held=held,
                                 held_version=held_version, cluster=self.cfg.cluster,
                                 streams=self.cfg.relay_streams, transport=transport,
-                                read_timeout_s=self.cfg.data_read_timeout_s)
+                                read_timeout_s=self.cfg.data_read_timeout_s,
+                                held_sums=held_sums)
         except (ValueError, KeyError) as exc:
             # A malformed plan or manifest from the holder (ManifestError, DeltaCodecError and
             # JSON errors are ValueErrors): a failed relay to retry later, not a dead agent.

@@ -194,7 +194,8 @@ async def scatter_pull(senders: Sequence[Sender], job: str, version: int, *,
                        held: Mapping[str, torch.Tensor] | None, held_version: int | None,
                        receiver: str, cluster: str, source_cluster: str, streams: int = 4,
                        refetch_attempts: int = 3, codec_threads: int = 2,
-                       read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> PullResult:
+                       read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                       held_sums: Mapping[str, int] | None = None) -> PullResult:
     """Pull ``version`` of ``job`` (whole, tp_size 1) scattered over ``senders``, all of
     ``source_cluster``; deltas against ``held`` (tensors of ``held_version``) where the senders
     hold that version. ``streams`` connections in all, shared among the senders; a sender that
@@ -216,7 +217,8 @@ async def scatter_pull(senders: Sequence[Sender], job: str, version: int, *,
     # no longer needs.
     pool = ThreadPoolExecutor(codec_threads, thread_name_prefix="scatter-codec")
     try:
-        decoder = PullDecoder(manifest, buffers, held or {}, held_version, False, pool)
+        decoder = PullDecoder(manifest, buffers, held or {}, held_version, False, pool,
+                              held_sums)
         try:
             async with AsyncExitStack() as stack:
                 fetchers = {item.sender.agent_id: await stack.enter_async_context(RangeFetcher(
@@ -235,7 +237,8 @@ async def scatter_pull(senders: Sequence[Sender], job: str, version: int, *,
         pool.shutdown(wait=False, cancel_futures=True)
     return PullResult(plan.version, tensors, plan.note, plan.delta_tensors > 0,
                       plan.payload_bytes, plan.dense_bytes, rejected,
-                      time.perf_counter() - started, sources)
+                      time.perf_counter() - started, sources,
+                      {e.name: e.sum for e in manifest.entries if e.sum is not None})
 
 
 def _scatter_plan(chosen: Sequence[Planned], source_cluster: str, receiver: str,

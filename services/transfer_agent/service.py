@@ -45,7 +45,11 @@ from rlharvest.services.transfer_agent.delta_codec import (
 from rlharvest.services.transfer_agent.shard_staging import Admission, ShardStaging
 from rlharvest.services.transfer_agent.sharding import ShardingError
 from rlharvest.services.transfer_agent.throttle import TokenBucket
-from rlharvest.services.transfer_agent.version_store import EvictionRecord, VersionStore
+from rlharvest.services.transfer_agent.version_store import (
+    EvictionRecord,
+    VersionStore,
+    VersionUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             return entry.store.full_tensors(version) if held else None
 
         return await self._in_store(whole)
+
+    async def sums(self, job: str, version: int) -> dict[str, int]:
+        """The linear sums this agent knows for a held version's whole tensors."""
+        entry = self._jobs.get(job)
+        if entry is None:
+            return {}
+        store = entry.store
+        return await self._in_store(lambda: store.sums(version))
 
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
@@ -269,8 +281,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         base_version = manifest.base_version
         if base_version is not None:
             store = self._job(header.job).store
-            base, base_sums = await self._in_store(lambda: (
-                store.full_tensors(base_version), store.sums(base_version)))
+            try:
+                base, base_sums = await self._in_store(lambda: (
+                    store.full_tensors(base_version), store.sums(base_version)))
+            except VersionUnavailableError:  # evicted while the delta arrived
+                raise errors.FailedPrecondition(
+                    f"version {base_version}, the base of the delta publish of version "
+                    f"{header.version}, was evicted meanwhile: publish this version dense"
+                ) from None
         loop = asyncio.get_running_loop()
         try:
             tensors = await loop.run_in_executor(None, partial(

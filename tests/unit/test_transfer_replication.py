@@ -124,6 +124,7 @@ class FakeEtcd:
 class FakeAgent:
     def __init__(self) -> None:
         self.held: dict[int, dict] = {}
+        self.sums_of: dict[int, dict[str, int]] = {}
 
     def latest(self, job: str) -> int | None:
         return max(self.held, default=None)
@@ -131,8 +132,13 @@ class FakeAgent:
     async def full_tensors(self, job: str, version: int):
         return self.held.get(version)
 
-    async def hold(self, job: str, version: int, tensors, source: str):
+    async def sums(self, job: str, version: int) -> dict[str, int]:
+        return self.sums_of.get(version, {})
+
+    async def hold(self, job: str, version: int, tensors, source: str,
+                   sums: dict[str, int] | None = None):
         self.held[version] = tensors
+        self.sums_of[version] = dict(sums or {})
 
 
 @pytest.fixture
