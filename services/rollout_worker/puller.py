@@ -215,8 +215,11 @@ class Puller:
         # agent did not know are computed once here (a pass the fingerprint needs anyway).
         self.held, self.held_version = result.tensors, result.version
         self.held_sums = dict(result.sums)
-        for name in result.tensors.keys() - self.held_sums.keys():
-            self.held_sums[name] = tensor_linear_sum(result.tensors[name])
+        missing = sorted(result.tensors.keys() - self.held_sums.keys())
+        if missing:  # a full pass: off the event loop, which serves the engine's sessions
+            computed = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [tensor_linear_sum(result.tensors[name]) for name in missing])
+            self.held_sums.update(zip(missing, computed))
         try:
             await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:
