@@ -162,9 +162,11 @@ async def test_sigkilled_worker_loses_no_token(cluster, kill_after_tokens):
 
 async def test_graceful_drain_moves_requests_before_exit(stack):
     # The drained worker is slowed (an emulated slower GPU) so its requests are still running
-    # when the drain notice arrives: on a fast CPU they could otherwise finish first.
+    # when the drain notice arrives: on a fast CPU they could otherwise finish first. Drained,
+    # it exits once the manager's session to it ends, after the gRPC grace: 1 s, not 5.
     workers = [launch_worker(stack, "d0", "--max-running", "4"),
-               launch_worker(stack, "d1", "--max-running", "4", "--step-delay-s", "0.02"),
+               launch_worker(stack, "d1", "--max-running", "4", "--step-delay-s", "0.02",
+                             "--shutdown-grace", "1"),
                launch_worker(stack, "d2", "--max-running", "4")]
     manager = start_manager(stack)
     for worker in workers:

@@ -125,7 +125,7 @@ async def preempt_once_it_holds_requests(stack, manager: WorkerHandle, victim: s
 
 async def test_grpo_learns_on_policy_while_a_spot_worker_is_preempted(stack, etcd_client):
     steps = 8
-    slow = ["--max-running", "8", "--step-delay-s", "0.1"]  # steps spread over all workers
+    slow = ["--max-running", "8", "--step-delay-s", "0.05"]  # steps spread over all workers
     # The spot worker is slower still, 2 s per engine step, so requests stay on it for seconds
     # (4 tokens each; before the first step ends there is no batching profile by which to
     # migrate executing requests). JSQ gives every healthy worker a share of step 1, and the
@@ -325,6 +325,10 @@ NO_MIGRATION = ("--balancer", "jsq")
 # A manager that never re-attaches a step: trainers that run the same steps one after the other
 # would otherwise get the first one's completions back (reattach.py).
 NO_REATTACH = ("--reattach-grace-s", "0")
+# One step of 16 requests of some 24 tokens (about 400 in all, 2.5 s on two workers at 50 ms an
+# engine step): a kill once 128 tokens are out lands mid-step, with most of it still to run.
+KILLED_STEP = ("--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "48",
+               "--bench-length-median", "24")
 
 
 async def wait_manager_roles(etcd, roles: list[str], timeout: float = 60) -> None:
@@ -355,8 +359,7 @@ async def test_a_sigkilled_managers_restarted_successor_adopts_its_requests_and_
     would blur the count.)"""
     manager = await start_job(stack, 2, "--step-delay-s", "0.05", manager_flags=NO_MIGRATION)
     trainer, metrics_port = await start_trainer(
-        stack, "trainer", "--backend", "torch", "--steps", "1", "--prompts-per-step", "4",
-        "--samples-per-prompt", "4", "--max-new-tokens", "96", "--bench-length-median", "48")
+        stack, "trainer", "--backend", "torch", "--steps", "1", *KILLED_STEP)
     st = await wait_trainer(trainer, lambda s: s.current.step == 1
                             and s.current.tokens_generated >= 128, timeout=60)
     manager.process.kill()
@@ -394,9 +397,7 @@ async def test_a_sigkilled_leaders_standby_resumes_the_step_with_the_uninterrupt
         str(standby_metrics), "--stall-timeout-s", "5", *NO_MIGRATION, *NO_REATTACH, *COMMON])
     await wait_manager_roles(etcd_client, ["leader", "standby"])
     assert metric(scrape(standby_metrics), "rlh_manager_leader") == 0
-    flags = ("--backend", "torch", "--steps", "1", "--prompts-per-step", "4",
-             "--samples-per-prompt", "4", "--max-new-tokens", "96", "--bench-length-median",
-             "48", "--no-publish")
+    flags = ("--backend", "torch", "--steps", "1", *KILLED_STEP, "--no-publish")
     reference, _ = await start_trainer(stack, "reference", *flags)
     uninterrupted = await wait_trainer(reference, lambda s: s.state == "done")
     workers = await registry.list_members(etcd_client, "rollout_worker")
@@ -423,9 +424,8 @@ async def test_a_sigkilled_trainer_restarted_from_its_checkpoint_re_attaches_to_
     (the workers sampled each token once, JSQ as above)."""
     ckpt = tmp_path / "ckpt"
     manager = await start_job(stack, 2, "--step-delay-s", "0.05", manager_flags=NO_MIGRATION)
-    flags = ("--backend", "torch", "--steps", "2", "--prompts-per-step", "4",
-             "--samples-per-prompt", "4", "--max-new-tokens", "96", "--bench-length-median",
-             "48", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    flags = ("--backend", "torch", "--steps", "2", *KILLED_STEP, "--checkpoint-dir", str(ckpt),
+             "--checkpoint-every", "1")
     trainer, _ = await start_trainer(stack, "trainer", *flags)
     st = await wait_trainer(trainer, lambda s: s.current.step == 2
                             and s.current.tokens_generated >= 128, timeout=90)

@@ -274,7 +274,8 @@ async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_clie
 
 async def test_sigterm_drains_then_exits_cleanly(stack, etcd_client):
     # Slowed so both requests are still running when the drain comes, however fast the machine.
-    handle = start_worker(stack, "drainer", "--step-delay-s", "0.02")
+    # The session stays open to the end, so the exit waits out the gRPC grace: 1 s, not 5.
+    handle = start_worker(stack, "drainer", "--step-delay-s", "0.02", "--shutdown-grace", "1")
     session = WorkerSession(handle.endpoint)
     try:
         await session.send(add("d1", PROMPT, max_tokens=400), add("d2", PROMPT, max_tokens=400))
@@ -351,9 +352,11 @@ async def test_spot_notice_from_the_metadata_server_drains_the_worker(stack, etc
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}/latest/meta-data/spot/instance-action"
-    # Slowed so the request is still running when the notice comes, however fast the machine.
+    # Slowed so the request is still running when the notice comes, however fast the machine;
+    # the open session's gRPC grace at the exit shortened as above.
     handle = start_worker(stack, "spot-0", "--kind", "spot", "--preemption-notice-url", url,
-                          "--preemption-poll-s", "0.1", "--step-delay-s", "0.02")
+                          "--preemption-poll-s", "0.1", "--step-delay-s", "0.02",
+                          "--shutdown-grace", "1")
     session = WorkerSession(handle.endpoint)
     try:
         await session.send(add("s1", PROMPT, max_tokens=400))
