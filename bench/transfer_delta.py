@@ -83,7 +83,8 @@ class Worker:
 
 
 async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zeros: float,
-                      seed: int, dense_first: bool) -> dict:
+                      seed: int, dense_first: bool) -> tuple[dict, LastPublished]:
+    """One version pulled both ways; its row and the trainer's record after publishing it."""
     new, positions = next_version(trainer.tensors, zeros, seed)
     version = trainer.version + 1
     started = time.perf_counter()
@@ -106,14 +107,13 @@ async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zer
     assert weights_fingerprint(sparse.tensors) == expected, "delta pull is not bit-exact"
     assert weights_fingerprint(dense.tensors) == expected, "dense pull is not bit-exact"
     assert not dense.delta
-    next_trainer = LastPublished.after(version, new, encoded)
-    trainer.__dict__.update(next_trainer.__dict__)
     return {"zeros": zeros, "dense_s": dense.seconds, "encode_s": encode_s,
             "pull_s": sparse.seconds, "delta_s": encode_s + sparse.seconds,
             "ratio": dense.seconds / (encode_s + sparse.seconds),
             "pull_ratio": dense.seconds / sparse.seconds, "publish_s": publish_s,
             "diff_s": diff_s, "dense_mb": dense.payload_bytes / 1e6,
-            "delta_mb": sparse.payload_bytes / 1e6, "changed": stats.changed_fraction}
+            "delta_mb": sparse.payload_bytes / 1e6,
+            "changed": stats.changed_fraction}, LastPublished.after(version, new, encoded)
 
 
 async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
@@ -129,12 +129,15 @@ async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
         trainer, worker = LastPublished(1, base), Worker(endpoint)
         first = await pull(endpoint, "delta", version=1)
         worker.version, worker.tensors, worker.sums = 1, first.tensors, first.sums
-        warm = await one_version(endpoint, trainer, worker, 0.99, seed=1, dense_first=True)
+        warm, trainer = await one_version(endpoint, trainer, worker, 0.99, seed=1,
+                                          dense_first=True)
         rows = []
         for round_ in range(rounds):
             for zeros in ZEROS:
-                rows.append(await one_version(endpoint, trainer, worker, zeros,
-                                              seed=trainer.version, dense_first=round_ % 2 == 0))
+                row, trainer = await one_version(endpoint, trainer, worker, zeros,
+                                                 seed=trainer.version,
+                                                 dense_first=round_ % 2 == 0)
+                rows.append(row)
         return rows, warm
     finally:
         stack.stop()

@@ -81,19 +81,19 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def _odd_weights(start: int, count: int, salt: int) -> np.ndarray:
+def _odd_weights(keys: np.ndarray, salt: int) -> np.ndarray:
+    """An odd pseudo-random uint64 weight per key (splitmix64 of key ^ salt, low bit set)."""
     with np.errstate(over="ignore"):
-        keys = np.arange(start, start + count, dtype=np.uint64) ^ np.uint64(salt)
-        return _splitmix64(keys) | np.uint64(1)
+        return _splitmix64(keys.astype(np.uint64) ^ np.uint64(salt)) | np.uint64(1)
 
 
 # Part of the wire format (both ends must agree): never change the salts.
-_T = _odd_weights(0, SUM_BLOCK, 0x524C4853554D5431)  # "RLHSUMT1"
+_T = _odd_weights(np.arange(SUM_BLOCK), 0x524C4853554D5431)  # "RLHSUMT1"
+_U_SALT = 0x524C4853554D5531  # "RLHSUMU1"
 
 
 def _block_weights(blocks: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return _splitmix64(blocks.astype(np.uint64) ^ np.uint64(0x524C4853554D5531)) | np.uint64(1)
+    return _odd_weights(blocks, _U_SALT)
 
 
 def _unsigned(bits: np.ndarray) -> np.ndarray:
