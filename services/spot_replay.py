@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlharvest.common import registry
+from rlharvest.common.aio import wait_event
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 from rlharvest.sim.spot_trace import (
     SEGMENTS,
@@ -83,7 +84,4 @@ class SpotReplay:
             at = time.monotonic() - started
             cap = await registry.read_instance_cap(etcd, self.job)
             self.apply(at, self.replayer.advance(min(at, self.trace.duration), cap))
-            try:
-                await asyncio.wait_for(stopped.wait(), tick)
-            except TimeoutError:
-                pass
+            await wait_event(stopped, tick)

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rlharvest.common import keys, registry, rpc
+from rlharvest.common.aio import wait_event
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
@@ -458,8 +459,7 @@ async def watch(etcd: str, console: Console, *, interval: float = 1.0, timeout: 
                 if max_refreshes and snap.refresh >= max_refreshes:
                     break
                 wait = max(interval - (loop.time() - started), 0.0)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait)
+                await wait_event(stop, wait)
     finally:
         await watcher.close()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import EngineLoad, RequestOutput
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core import metrics
@@ -188,9 +189,7 @@ class EnginePump(Generic[R]):
 
     async def _idle(self) -> None:
         self._wakeup.clear()
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), self._heartbeat_s)
-        except asyncio.TimeoutError:
+        if not await wait_event(self._wakeup, self._heartbeat_s):
             self._sink.heartbeat(self.snapshot_load())
 
     def _tokens_per_second(self) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import aetcd
 
 from rlharvest.common import keys, registry
+from rlharvest.common.aio import wait_event, wait_for
 from rlharvest.common.lending_record import Claim, parse_claim
 
 log = logging.getLogger(__name__)
@@ -98,17 +99,14 @@ class LendingWatch:
                     await self._on_change(change)
                 if readable:
                     await self._settle()
-                try:
-                    await asyncio.wait_for(wake.wait(), self._probe_s)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(wake, self._probe_s)
         finally:
             watcher.cancel()
 
     async def _read(self) -> tuple[bool, Claim | None]:
         """(whether etcd answered, the claim it holds)."""
         try:
-            found = await asyncio.wait_for(self._etcd.get(self._key.encode()), self._probe_s)
+            found = await wait_for(self._etcd.get(self._key.encode()), self._probe_s)
         except (aetcd.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as exc:
             log.debug("lending record unreadable: %r", exc)
             return False, None

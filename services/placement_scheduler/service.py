@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from rlharvest.common import errors, keys, registry
+from rlharvest.common.aio import wait_event
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
@@ -320,11 +321,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             return False
-        try:
-            await asyncio.wait_for(changed.wait(), left)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return await wait_event(changed, left)
 
     async def ReportProgress(self, request: pb.RolloutProgressReport,
                              context) -> pb.RolloutProgressReply:

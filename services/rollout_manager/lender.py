@@ -18,6 +18,7 @@ from collections.abc import Callable
 import aetcd
 
 from rlharvest.common import keys, registry
+from rlharvest.common.aio import wait_event
 from rlharvest.common.lending_record import Claim, parse_claim
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.lending import Lendable, plan_claims
@@ -48,10 +49,7 @@ class Lender:
                     await self.reconcile()
                 except (aetcd.ClientError, ConnectionError, OSError) as exc:  # etcd hiccup
                     log.warning("lending: %r; trying again", exc)
-                try:
-                    await asyncio.wait_for(wake.wait(), self._interval_s)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(wake, self._interval_s)
         finally:
             for watcher in watchers:
                 watcher.cancel()

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from rlharvest.common import delta_batch, errors, keys, registry, server_guard
+from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
@@ -145,10 +146,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def run_ticks(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self._tick_interval)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self._wake, self._tick_interval)
             self._wake.clear()
             if self._scaler is not None:  # before the tick: it dispatches what lending released
                 self._execute(self._scale_due())

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from rlharvest.common import keys, registry, rpc
+from rlharvest.common.aio import wait_event
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
@@ -492,8 +493,7 @@ class TrainerLoop:
                 tasks.create_task(rollout(tasks))
                 if window_s:  # the trainer's engine rolls out: training waits for the window
                     progress.phase = "seeding"
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(rollout_done.wait(), window_s)
+                    await wait_event(rollout_done, window_s)
                     progress.phase = "rollout"
                 while train.groups_received < spec.train_groups:  # train on groups as they come
                     idle_since = self._clock()
