@@ -21,6 +21,7 @@ import grpc
 from aetcd.utils import prefix_range_end
 
 from rlharvest.common import keys, tls
+from rlharvest.common.aio import wait_event
 from rlharvest.common.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,8 @@ class AuthenticatingClient(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:  # another task is connecting: wait for it, as aetcd does
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            if not await wait_event(self._connected, self._connect_wait_timeout):
+                raise asyncio.TimeoutError
             return
         self._is_connecting = True
         try:

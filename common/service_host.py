@@ -4,7 +4,8 @@ config model and a build step that returns its ``Parts`` — and the host does t
 startup
     logging -> etcd -> gRPC port bound (so ``host.endpoint`` is known to the build step) ->
     ``spec.build(host)`` -> gRPC served with health and reflection -> HTTP ``/metrics`` and
-    ``/healthz`` -> membership registered under a lease -> background loops started.
+    ``/healthz`` -> membership registered under a lease -> background loops started -> gRPC
+    health SERVING (a client that sees it finds the member in etcd).
 teardown, once, in this order, whatever stopped the service (SIGTERM or SIGINT, ``host.stop``,
 a loop that crashed under the "stop" policy, a failed startup)
     stop accepting (gRPC health NOT_SERVING, ``parts.stop_accepting``) -> ``parts.drain`` ->
@@ -105,8 +106,9 @@ class Servicer:
 @dataclass
 class Parts:
     """What a service's build step returns. ``member_info`` is published in etcd next to the
-    ``endpoint`` and ``metrics`` addresses the host adds; ``serving`` False starts gRPC health
-    NOT_SERVING (a standby sets it with ``host.set_serving``)."""
+    ``endpoint`` and ``metrics`` addresses the host adds. gRPC health turns SERVING once the
+    member is registered and its loops run; ``serving`` False leaves it NOT_SERVING (a leader
+    standby sets it with ``host.set_serving``; a warm standby serves once activated)."""
 
     member_id: str
     servicers: Sequence[Servicer]
@@ -222,7 +224,7 @@ class Host(Generic[C]):
         parts = self._parts = await self.spec.build(self)
         self._server = await rpc.serve(
             self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],
-            [s.name for s in parts.servicers], serving=parts.serving)
+            [s.name for s in parts.servicers], serving=False)
         self._http, metrics_port = await start_http(cfg.host, cfg.metrics_port, parts.health,
                                                     on_scrape=parts.on_scrape)
         if parts.standby is not None:
@@ -238,6 +240,8 @@ class Host(Generic[C]):
         if parts.standby is None:
             for loop in parts.loops:
                 self.start_loop(loop)
+        if parts.serving:  # only now: a client that saw SERVING finds the member registered
+            await self.set_serving(True)
         log.info("%s %s serving on %s (metrics on %d)", self.spec.name, parts.member_id,
                  self.endpoint, metrics_port)
 

@@ -18,6 +18,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.common import keys, registry
+from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.bucketing import ManifestError
@@ -89,10 +90,7 @@ class Puller:
                     await asyncio.sleep(_RETRY_S)
                     continue
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._wake, _POLL_S)
         finally:
             watcher.cancel()
             channels, self._channels = self._channels, {}

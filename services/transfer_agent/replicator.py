@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from rlharvest.common import keys, registry
+from rlharvest.common.aio import wait_event
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.client import PullError, PullResult, holders, pull
 from rlharvest.services.transfer_agent.config import AgentConfig
@@ -77,10 +78,7 @@ class Replicator:
             while True:
                 await self._round()
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), _POLL_S)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._wake, _POLL_S)
         finally:
             watcher.cancel()
 

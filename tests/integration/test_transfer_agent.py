@@ -50,7 +50,7 @@ from rlharvest.services.transfer_agent.delta_publish import LastPublished
 from tests.fuzz_messages import fuzz_service, garbage_status
 from tests.worker_sessions import add
 
-from .worker_client import WorkerSession, start_worker
+from .worker_client import WorkerSession, health_status, launch_worker, start_worker, wait_serving
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
@@ -84,6 +84,14 @@ def scrape(metrics_port: int) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def _scraped(metrics_port: int) -> dict[str, float]:
+    """``scrape``, or nothing while the process has not opened its metrics port yet."""
+    try:
+        return scrape(metrics_port)
+    except (urllib.error.URLError, ConnectionError):
+        return {}
 
 
 async def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
@@ -296,12 +304,14 @@ async def test_a_warm_standby_pulls_unregistered_and_joins_at_the_current_versio
         module_stack, agent, etcd):
     """Issue 16: a standby worker keeps the job's version warm without joining the managers; on
     SIGUSR1 it registers at the version it holds and serves it at once (no start, no pull)."""
-    standby = start_worker(module_stack, "standby-1", "--job", JOB, "--agent-pull", "--standby")
-    await wait_for(lambda: scrape(standby.metrics_port).get(
-        "rlh_worker_pulls_total{kind=dense}") == 1, what="the standby's pull")
+    standby = launch_worker(module_stack, "standby-1", "--job", JOB, "--agent-pull", "--standby")
+    await wait_for(lambda: _scraped(standby.metrics_port).get(
+        "rlh_worker_pulls_total{kind=dense}") == 1, timeout=90, what="the standby's pull")
     assert await worker_version(etcd, "standby-1") is None  # not registered: no manager sees it
+    assert health_status(standby.endpoint) == "NOT_SERVING"  # nor a health check
     standby.process.activate()
     await wait_for(lambda: _equals(worker_version(etcd, "standby-1"), 2), what="activation")
+    await asyncio.to_thread(wait_serving, standby, 30)
     assert scrape(standby.metrics_port)["rlh_worker_pulls_total{kind=dense}"] == 1  # no pull more
     served = await served_completion(standby.endpoint, 2)
     assert served.versions == {2}

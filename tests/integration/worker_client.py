@@ -58,10 +58,7 @@ _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100),
 
 def wait_serving(handle: WorkerHandle, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    credentials = tls.channel_credentials()  # a test running the stack with mutual TLS
-    with (grpc.insecure_channel(handle.endpoint, options=_RECONNECT_OPTIONS)
-          if credentials is None else
-          grpc.secure_channel(handle.endpoint, credentials, options=_RECONNECT_OPTIONS)) as chan:
+    with _sync_channel(handle.endpoint) as chan:
         stub = health_pb2_grpc.HealthStub(chan)
         while time.monotonic() < deadline:
             assert handle.process.alive(), "worker exited:\n" + handle.process.log_tail()
@@ -73,6 +70,20 @@ def wait_serving(handle: WorkerHandle, timeout: float) -> None:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"worker {handle.endpoint} not serving:\n{handle.process.log_tail()}")
+
+
+def _sync_channel(endpoint: str) -> grpc.Channel:
+    credentials = tls.channel_credentials()  # a test running the stack with mutual TLS
+    if credentials is None:
+        return grpc.insecure_channel(endpoint, options=_RECONNECT_OPTIONS)
+    return grpc.secure_channel(endpoint, credentials, options=_RECONNECT_OPTIONS)
+
+
+def health_status(endpoint: str) -> str:
+    """The gRPC health status a process reports, by name (SERVING, NOT_SERVING)."""
+    with _sync_channel(endpoint) as chan:
+        reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 class WorkerSession:
