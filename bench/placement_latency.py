@@ -34,7 +34,8 @@ def plain_algorithm1(scheduler: InterGroupScheduler, job: Job) -> float:
     for group in scheduler.groups.values():
         if group.train_load_s >= group.t_cycle or len(group.train_nodes) < job.train_nodes:
             continue
-        if group.train_mem_gb + job.train_mem_gb > group.min_train_mem_gb:
+        running = group.running(job)  # at the group's DP degree
+        if group.train_mem_gb + running.train_mem_gb > group.min_train_mem_gb:
             continue
         room = sorted((n for n in group.rollout_nodes
                        if group.roll_mem_gb[n] + job.rollout_mem_gb
@@ -49,7 +50,7 @@ def plain_algorithm1(scheduler: InterGroupScheduler, job: Job) -> float:
                        if len(room) >= job.rollout_nodes - m]
         for shared, fresh in candidates:
             nodes = shared + tuple(f"new-{i}" for i in range(fresh))
-            members = [*members_of(group), Member(job.job_id, job.t_roll, job.t_train, nodes)]
+            members = [*members_of(group), Member(job.job_id, job.t_roll, running.t_train, nodes)]
             if not slo_violations(co_execution_periods(members), {**group.jobs, job.job_id: job}):
                 best = min(best, fresh * ROLL.node_cost_per_hour)
     return best

@@ -111,7 +111,8 @@ def _idle_share(group: Group) -> float:
 def _room(group: Group, job: Job) -> list[str] | None:
     """Rollout nodes with memory for the job, or None if the group cannot hold it at all."""
     if len(group.train_nodes) < job.train_nodes or \
-            not fits_in_memory(group.train_mem_gb, job.train_mem_gb, group.min_train_mem_gb):
+            not fits_in_memory(group.train_mem_gb, group.running(job).train_mem_gb,
+                               group.min_train_mem_gb):
         return None
     nodes = [n for n, node in group.rollout_nodes.items()
              if fits_in_memory(group.roll_mem_gb[n], job.rollout_mem_gb, node.host_mem_gb)]

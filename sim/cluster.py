@@ -104,7 +104,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
         # and each SLO holds against the job's actual solo time.
         actual = {j: by_id[j].running_job for j in group.jobs}
         periods = co_execution_periods([replace(m, t_roll=actual[m.job_id].t_roll,
-                                                t_train=actual[m.job_id].t_train)
+                                                t_train=group.running(actual[m.job_id]).t_train)
                                         for m in members_of(group)])
         missed.update(slo_violations(periods, actual))
         for job_id, period in periods.items():

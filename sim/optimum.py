@@ -70,10 +70,11 @@ def regrouping_optimum(job_sets: Iterable[Sequence[str]], jobs: Mapping[str, Job
 
 def _cheapest_group(members: list[Job], rollout_pool: PoolSpec, train_pool: PoolSpec) -> float:
     train_nodes = max(j.train_nodes for j in members)
-    if not fits_in_memory(0.0, sum(j.train_mem_gb for j in members), train_pool.host_mem_gb):
+    running = [j.at_dp(train_nodes) for j in members]  # DP matched to the pool (§4.2 fn 3)
+    if not fits_in_memory(0.0, sum(j.train_mem_gb for j in running), train_pool.host_mem_gb):
         return math.inf
     budget = min(j.slo_budget for j in members)
-    if max(t_cycle(members), sum(j.t_train for j in members)) > budget:
+    if max(t_cycle(running), sum(j.t_train for j in running)) > budget:
         return math.inf  # no round-robin schedule is that fast (Theorem 1 lower bound)
     best = [math.inf]
 
@@ -83,7 +84,7 @@ def _cheapest_group(members: list[Job], rollout_pool: PoolSpec, train_pool: Pool
             return
         if i == len(members):
             group = [Member(j.job_id, j.t_roll, j.t_train, tuple(map(str, nodes)))
-                     for j, nodes in zip(members, node_sets)]
+                     for j, nodes in zip(running, node_sets)]
             periods = co_execution_periods(group)
             if all(periods[j.job_id] <= j.slo_budget * (1 + 1e-9) for j in members):
                 best[0] = len(loads)

@@ -73,6 +73,11 @@ class InventoryScheduler(InterGroupScheduler):
         self.taken.difference_update(released)
         return released
 
+    def shrink_train_pool(self, group_id: str) -> list[str]:
+        dropped = super().shrink_train_pool(group_id)
+        self.taken.difference_update(dropped)
+        return dropped
+
     def restore(self, data: Mapping[str, Any]) -> None:
         super().restore(data)
         for group in self.groups.values():
@@ -230,9 +235,11 @@ class PlacementControl:
         record = self._record(job_id)
         queues = self.queues[record.group_id]
         self._now_whole(queues.remove_job(job_id), self.clock())
-        released = self.scheduler.leave(job_id)
+        released = self.scheduler.leave(job_id, shrink=False)
         if record.group_id not in self.scheduler.groups:
             del self.queues[record.group_id]
+        else:
+            released += self._shrink_train_pool(record.group_id)
         del self.jobs[job_id]
         self.stats.departures[cause] = self.stats.departures.get(cause, 0) + 1
         return released
@@ -305,9 +312,21 @@ class PlacementControl:
         job = self.scheduler.groups[record.group_id].jobs[job_id]
         if phase is Pool.TRAIN:
             self._iteration_done(record, job, now)
+            self._shrink_train_pool(record.group_id)
         # Waiting for nodes a migrated tail still held is not phase time (no false drift).
         started, record.whole_at = max(permit.granted_at, record.whole_at), 0.0
         return self._check_drift(job, phase, now - started)
+
+    def _shrink_train_pool(self, group_id: str) -> list[str]:
+        """Drop the training nodes the group no longer needs (``shrink_train_pool``), between
+        training phases only: a running one keeps its DP degree. Tried again after each
+        training phase ends. Returns the dropped nodes."""
+        queues = self.queues[group_id]
+        if any(p.phase is Pool.TRAIN for p in queues.running()):
+            return []
+        dropped = self.scheduler.shrink_train_pool(group_id)
+        queues.drop_train_nodes(dropped)
+        return dropped
 
     def _now_whole(self, grown: Iterable[Permit], now: float) -> None:
         """Permits that just got the last node a migrated tail held are whole from ``now``."""
@@ -329,11 +348,12 @@ class PlacementControl:
         """§5.3: a phase slower than its worst-case estimate means the profile drifted. The new
         estimate is recorded; if the group no longer holds (saturated past T_cycle or an SLO
         broken) the job leaves so the others keep their SLOs; resubmitted it is a new arrival."""
-        estimate = job.t_roll if phase is Pool.ROLLOUT else job.t_train
+        running = self.scheduler.group_of(job.job_id).running(job)  # at the group's DP degree
+        estimate = running.t_roll if phase is Pool.ROLLOUT else running.t_train
         if not math.isfinite(measured_s) or measured_s <= estimate * self.drift_tolerance:
             return ReleaseOutcome(True)
-        t_roll = measured_s if phase is Pool.ROLLOUT else job.t_roll
-        t_train = measured_s if phase is Pool.TRAIN else job.t_train
+        t_roll = measured_s if phase is Pool.ROLLOUT else running.t_roll
+        t_train = measured_s if phase is Pool.TRAIN else running.t_train
         if not self.scheduler.observe_drift(job.job_id, t_roll, t_train):
             return ReleaseOutcome(True, message=f"{phase.value} took {measured_s:.3g}s against an "
                                   f"estimate of {estimate:.3g}s; estimate updated")

@@ -143,9 +143,10 @@ class InterGroupScheduler:
         """Group-level filters that hold for every placement in the group."""
         if len(group.train_nodes) < job.train_nodes:  # training pools are not scaled (§4.2 fn 2)
             return False
-        if not fits_in_memory(group.train_mem_gb, job.train_mem_gb, group.min_train_mem_gb):
+        running = group.running(job)  # its DP degree matched to the pool (fn 3)
+        if not fits_in_memory(group.train_mem_gb, running.train_mem_gb, group.min_train_mem_gb):
             return False  # line 8, for the training nodes every placement in the group shares
-        bound = max(group.t_cycle, job.t_solo, group.train_load_s + job.t_train)
+        bound = max(group.t_cycle, running.t_solo, group.train_load_s + running.t_train)
         return bound <= min(group.min_slo_budget, job.slo_budget) * (1 + _EPS)
 
     def _first_feasible(self, group: Group, job: Job, new_nodes: int) -> Decision | None:
@@ -181,7 +182,7 @@ class InterGroupScheduler:
     def _periods(self, group: Group, job: Job, rollout_node_ids: tuple[str, ...]
                  ) -> dict[str, float]:
         members = [*self._members_of(group),
-                   Member(job.job_id, job.t_roll, job.t_train, rollout_node_ids)]
+                   Member(job.job_id, job.t_roll, group.running(job).t_train, rollout_node_ids)]
         if len({frozenset(m.rollout_node_ids) for m in members}) == 1:
             cycle = theorem1_meta_iteration_s(members)  # one shared node set: Theorem 1 applies
             if cycle is not None:
@@ -233,13 +234,42 @@ class InterGroupScheduler:
         self.admit(decision)
         return decision
 
-    def leave(self, job_id: str) -> list[str]:
+    def leave(self, job_id: str, shrink: bool = True) -> list[str]:
         """Remove a finished or failed job; the rest of its group keeps running. Returns the node
-        ids released back to the pools (rollout nodes nobody uses; all nodes of an empty group)."""
+        ids released back to the pools: rollout nodes nobody uses, all nodes of an empty group,
+        and (``shrink``) training nodes the remaining members can do without."""
         group = self.group_of(job_id)
         group.remove(job_id)
         del self._job_group[job_id]
-        return self._release_unused(group)
+        released = self._release_unused(group)
+        if shrink and group.jobs:
+            released += self.shrink_train_pool(group.group_id)
+        return released
+
+    def shrink_train_pool(self, group_id: str) -> list[str]:
+        """A group's training pool was sized by the member that needed the most nodes; once no
+        member needs them all, shrink it to the fewest nodes (>= every member's minimum) at
+        which training memory and every SLO still hold: the others' DP degrees fall and their
+        training phases grow (``Job.at_dp``). §4.2 fn 2 defers training-pool *scaling* (growing
+        means reconfiguring DP groups of running jobs); a shrink is the same reconfiguration,
+        done at a phase boundary, and without it a group keeps paying for training nodes that
+        only a departed job needed. Returns the dropped node ids."""
+        group = self.groups[group_id]
+        need = max((j.train_nodes for j in group.jobs.values()), default=len(group.train_nodes))
+        for keep in range(need, len(group.train_nodes)):
+            if self._pool_holds(group, keep):
+                dropped = group.shrink_train_pool(keep)
+                self._nodes_in_use[Pool.TRAIN] -= len(dropped)
+                return dropped
+        return []
+
+    def _pool_holds(self, group: Group, keep: int) -> bool:
+        if not group.train_state_fits(keep):
+            return False
+        running = [j.at_dp(keep) for j in group.jobs.values()]
+        members = [Member(j.job_id, j.t_roll, j.t_train,
+                          group.placements[j.job_id].rollout_node_ids) for j in running]
+        return not slo_violations(co_execution_periods(members, self.iterations), group.jobs)
 
     def _release_unused(self, group: Group) -> list[str]:
         released = group.drop_idle_rollout_nodes()
@@ -252,7 +282,8 @@ class InterGroupScheduler:
         return released
 
     def observe_drift(self, job_id: str, t_roll: float, t_train: float) -> bool:
-        """Record a job's drifted profile (§5.3). True means the job must be stopped and
+        """Record a job's drifted profile (§5.3): phase times measured in its group, so
+        ``t_train`` is at the group's DP degree. True means the job must be stopped and
         resubmitted: the drift made its group overloaded (T_load <= T_cycle before, > after) or
         broke a member's SLO that held before. A group admitted with T_load > T_cycle (rollout
         scaling onto a full node, within every SLO) is not evicted for drift that changes
@@ -261,7 +292,8 @@ class InterGroupScheduler:
         overloaded = group.t_load > group.t_cycle + _EPS
         broken = set(self._violations(group))
         old = group.jobs[job_id]
-        group.update_job(Job(**{**old.to_dict(), "t_roll": t_roll, "t_train": t_train}))
+        at_minimum = t_train * len(group.train_nodes) / old.train_nodes  # undo Job.at_dp
+        group.update_job(Job(**{**old.to_dict(), "t_roll": t_roll, "t_train": at_minimum}))
         if not overloaded and group.t_load > group.t_cycle + _EPS:
             return True
         return bool(set(self._violations(group)) - broken)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -99,7 +99,11 @@ class Job:
     rollout_nodes: int = 1  # nodes the rollout phase needs (gang)
     train_nodes: int = 1  # minimum; its DP degree grows to the group's pool (§4.2 fn 2)
     rollout_mem_gb: float = 0.0  # host-memory working set cached on each of its rollout nodes
-    train_mem_gb: float = 0.0  # ... on each training node
+    train_mem_gb: float = 0.0  # ... on each training node, at ``train_nodes``
+    # Training state sharded over the data-parallel ranks (ZeRO / FSDP, as the trainer's
+    # DeepSpeed runs it): per-node memory falls as the DP degree grows. False: DDP replicas,
+    # each node holds the whole state whatever the degree (§3 C3's "replicate state per node").
+    train_state_sharded: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.job_id), "job_id must be a non-empty string")
@@ -130,6 +134,22 @@ class Job:
     def slo_budget(self) -> float:
         """The longest co-execution iteration time the job accepts: SLO × T_solo."""
         return self.slo * self.t_solo
+
+    def at_dp(self, train_nodes: int) -> Job:
+        """The job as it runs on a training pool of ``train_nodes`` (>= its minimum): §4.2 fn 3
+        matches every member's DP degree to the pool, so its training phase divides over the
+        larger degree and, with sharded state, so does its per-node training memory.
+
+        Linear scaling is an upper bound on the speed-up (the weight sync in ``t_train`` does not
+        shrink, and gradient all-reduce grows); we take it because the profiler measures one
+        degree only, and a drift report at the group's degree corrects an optimistic estimate."""
+        _require(train_nodes >= self.train_nodes, f"job {self.job_id!r} needs {self.train_nodes} "
+                 f"training nodes; a pool of {train_nodes} cannot run it")
+        if train_nodes == self.train_nodes:
+            return self
+        share = self.train_nodes / train_nodes
+        mem = self.train_mem_gb * share if self.train_state_sharded else self.train_mem_gb
+        return replace(self, t_train=self.t_train * share, train_mem_gb=mem)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -184,7 +204,9 @@ class Group:
 
     Members are kept in admission order, which is the round-robin order (§4.3). Every member
     trains on *all* training nodes (§4.2 footnote 3: DP degrees are matched to the group's
-    training pool), so training nodes carry identical loads and memory.
+    training pool), so training nodes carry identical loads and memory. ``jobs`` keeps each
+    member's estimates as submitted (at its own minimum ``train_nodes``); the aggregates and
+    ``running`` are at the pool's DP degree (``Job.at_dp``).
     """
 
     group_id: str
@@ -216,10 +238,15 @@ class Group:
         nodes = (*self.rollout_nodes.values(), *self.train_nodes.values())
         return sum(node.cost_per_hour for node in nodes)
 
+    def running(self, job: Job) -> Job:
+        """``job`` at this group's DP degree (itself while the group has no training pool)."""
+        return job.at_dp(len(self.train_nodes)) if self.train_nodes else job
+
     @property
     def t_cycle(self) -> float:
-        """T_G^cycle = max_j T_j^solo: the longest member's solo iteration (§4.2)."""
-        return max((job.t_solo for job in self.jobs.values()), default=0.0)
+        """T_G^cycle = max_j T_j^solo: the longest member's iteration on its own (§4.2), at the
+        group's DP degree, the time that phase takes here."""
+        return max((self.running(job).t_solo for job in self.jobs.values()), default=0.0)
 
     @property
     def t_load(self) -> float:
@@ -294,17 +321,47 @@ class Group:
                      f"needs {job.rollout_mem_gb} GB host memory on rollout node {node_id}, which "
                      f"has {capacity - used:.1f} GB free; choose another node or provision one")
         capacity, used = self.min_train_mem_gb, self.train_mem_gb
-        _require(fits_in_memory(used, job.train_mem_gb, capacity), f"job {job.job_id!r} needs "
-                 f"{job.train_mem_gb} GB host memory on group {gid}'s training nodes, which have "
+        need = self.running(job).train_mem_gb
+        _require(fits_in_memory(used, need, capacity), f"job {job.job_id!r} needs {need:g} GB "
+                 f"host memory on group {gid}'s training nodes, which have "
                  f"{capacity - used:.1f} GB free")
 
     def _account(self, job: Job, placement: Placement, sign: int) -> None:
         for node_id in placement.rollout_node_ids:
             self.roll_load_s[node_id] += sign * job.t_roll
             self.roll_mem_gb[node_id] += sign * job.rollout_mem_gb
-        self.train_load_s += sign * job.t_train
-        self.train_mem_gb += sign * job.train_mem_gb
+        running = self.running(job)
+        self.train_load_s += sign * running.t_train
+        self.train_mem_gb += sign * running.train_mem_gb
         self.version += 1
+
+    def train_state_fits(self, keep: int) -> bool:
+        """Whether the first ``keep`` training nodes hold every member's training state at DP
+        degree ``keep`` (memory residency, §4.2 constraint 1)."""
+        capacity = min(n.host_mem_gb for n in list(self.train_nodes.values())[:keep])
+        need = sum(job.at_dp(keep).train_mem_gb for job in self.jobs.values())
+        return fits_in_memory(0.0, need, capacity)
+
+    def shrink_train_pool(self, keep: int) -> list[str]:
+        """Drop training nodes down to ``keep`` (the last added go first): every member's DP
+        degree falls to ``keep``, so its training phase and sharded memory grow. Returns the
+        dropped node ids. The caller checks SLOs first (``InterGroupScheduler``)."""
+        _require(keep >= max((j.train_nodes for j in self.jobs.values()), default=1),
+                 f"group {self.group_id}: a member needs more than {keep} training nodes")
+        _require(self.train_state_fits(keep), f"group {self.group_id}: {keep} training nodes "
+                 "cannot hold the members' training state")
+        dropped = list(self.train_nodes)[keep:]
+        jobs = list(self.jobs.values())
+        for job in jobs:
+            self._account(job, self.placements[job.job_id], -1)
+        for node_id in dropped:
+            del self.train_nodes[node_id]
+        kept = tuple(self.train_nodes)
+        for job in jobs:
+            self.placements[job.job_id] = replace(self.placements[job.job_id],
+                                                  train_node_ids=kept)
+            self._account(job, self.placements[job.job_id], +1)
+        return dropped
 
     def add_rollout_node(self, node: Node) -> None:
         _require(node.node_id not in self.rollout_nodes, f"rollout node {node.node_id} already in "

@@ -169,6 +169,24 @@ class PhaseQueues:
         self._pass_turn(freed)
         return freed
 
+    def drop_train_nodes(self, node_ids: Sequence[str]) -> None:
+        """The group's training pool shrank: every member trains on the remaining nodes. Only
+        while no training phase holds a dropped node (the scheduler shrinks between phases)."""
+        held = [n for n in node_ids if self._holder.get(n) is not None]
+        if held:
+            raise PlacementError(f"training nodes {held} are held by a running phase; shrink the "
+                                 "pool once it is released")
+        gone = set(node_ids)
+        for job_id, nodes in self._nodes.items():
+            kept = tuple(n for n in nodes[Pool.TRAIN] if n not in gone)
+            if not kept:
+                raise PlacementError(f"job {job_id!r} would keep no training node")
+            nodes[Pool.TRAIN] = kept
+        for node_id in gone:
+            self._cycle.pop(node_id, None)
+            self._turn.pop(node_id, None)
+            self._holder.pop(node_id, None)
+
     # --- views ---------------------------------------------------------------------------------
     def holders(self) -> dict[str, str | None]:
         return dict(self._holder)

@@ -37,9 +37,9 @@ class Member:
 
 
 def members_of(group: Group) -> list[Member]:
-    """The group's jobs in round-robin (admission) order."""
-    return [Member(j.job_id, j.t_roll, j.t_train, group.placements[j.job_id].rollout_node_ids)
-            for j in group.jobs.values()]
+    """The group's jobs in round-robin (admission) order, at the group's DP degree."""
+    return [Member(j.job_id, j.t_roll, group.running(j).t_train,
+                   group.placements[j.job_id].rollout_node_ids) for j in group.jobs.values()]
 
 
 def t_cycle(jobs: Iterable[Job | Member]) -> float:

@@ -283,3 +283,23 @@ def test_waiting_for_a_migrated_tails_nodes_is_not_counted_as_phase_time() -> No
     outcome = ctl.release("B", Pool.ROLLOUT, 0)
     assert outcome.released and not outcome.evicted and not outcome.message, outcome
     assert ctl.scheduler.group_of("B").jobs["B"].t_roll == 10.0  # no drift was recorded
+
+
+def test_the_training_pool_shrinks_after_a_leave_only_between_training_phases() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=2, train=2)
+    ctl.submit({**spec("A"), "train_nodes": 2})
+    assert ctl.submit(spec("B")).train_node_ids == ("t1", "t2")  # DP matched to the pool
+    run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 10.0)
+    run_phase(ctl, clock, "B", Pool.ROLLOUT, 0, 10.0)
+    assert ctl.acquire("B", Pool.TRAIN, 0) is None  # A trains first
+    run_phase(ctl, clock, "A", Pool.TRAIN, 0, 5.0)
+    assert ctl.acquire("B", Pool.TRAIN, 0).node_ids == ("t1", "t2")
+    assert ctl.cancel("A") == []  # B is training on both nodes: the pool waits for it
+    clock.advance(5.0)
+    ctl.release("B", Pool.TRAIN, 0)
+    assert ctl.scheduler.group_of("B").placements["B"].train_node_ids == ("t1",)
+    assert ctl.scheduler.nodes_in_use(Pool.TRAIN) == 1
+    run_phase(ctl, clock, "B", Pool.ROLLOUT, 1, 10.0)
+    assert ctl.acquire("B", Pool.TRAIN, 1).node_ids == ("t1",)
+    assert "t2" not in ctl.scheduler.taken  # free for the next group

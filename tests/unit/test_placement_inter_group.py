@@ -255,3 +255,67 @@ def test_drift_in_a_group_admitted_overloaded_evicts_only_when_an_slo_breaks(sch
     assert group.t_load > group.t_cycle
     assert scheduler.observe_drift("A", 10.5, 2) is False  # still overloaded, every SLO holds
     assert scheduler.observe_drift("B", 30, 2) is True  # A's iteration now breaks its SLO
+
+
+# --- data-parallel scaling (§4.2 fn 3) and the training pool's shrink ---------------------------
+def dp_job(job_id: str, t_train: float, train_nodes: int, train_mem: float = 600.0,
+           slo: float = 2.0, sharded: bool = True) -> Job:
+    return Job(job_id, 100.0, t_train, slo, rollout_nodes=1, train_nodes=train_nodes,
+               rollout_mem_gb=100.0, train_mem_gb=train_mem, train_state_sharded=sharded)
+
+
+def test_a_member_of_a_larger_training_pool_trains_and_stores_at_the_pools_dp_degree(
+        scheduler) -> None:
+    scheduler.submit(dp_job("A", 100, train_nodes=2))  # a 2-node training pool
+    decision = scheduler.submit(dp_job("B", 160, train_nodes=1))
+    # At DP 2 B's 600 GB of sharded state is 300 GB a node (900 <= 1000) and it trains 80 s,
+    # not 160: it packs. Unscaled it would need 1200 GB a node and a group of its own.
+    assert decision.strategy is Strategy.DIRECT_PACKING
+    group = scheduler.group_of("B")
+    assert group.train_mem_gb == pytest.approx(900) and group.train_load_s == pytest.approx(180)
+    assert group.running(group.jobs["B"]).t_train == pytest.approx(80)
+    assert group.jobs["B"].t_train == 160  # the submitted estimate is kept
+    assert decision.periods == {"A": pytest.approx(200), "B": pytest.approx(200)}
+
+
+def test_replicated_training_state_does_not_shrink_with_the_dp_degree(scheduler) -> None:
+    scheduler.submit(dp_job("A", 100, train_nodes=2))
+    decision = scheduler.submit(dp_job("B", 160, train_nodes=1, sharded=False))
+    assert decision.strategy is Strategy.ISOLATED  # 600 GB on every node: 1200 > 1000
+
+
+def test_the_training_pool_shrinks_when_the_member_that_needed_it_leaves(scheduler) -> None:
+    scheduler.submit(dp_job("A", 100, train_nodes=2))
+    scheduler.submit(dp_job("B", 160, train_nodes=1))
+    released = scheduler.leave("A")
+    group = scheduler.group_of("B")
+    assert released == ["train-2"] and list(group.train_nodes) == ["train-1"]
+    assert scheduler.nodes_in_use(Pool.TRAIN) == 1
+    assert group.train_load_s == pytest.approx(160) and group.train_mem_gb == pytest.approx(600)
+    assert group.placements["B"].train_node_ids == ("train-1",)
+    assert scheduler.cost_per_hour() == pytest.approx(8 * 1.85 + 8 * 5.28)
+
+
+def test_the_training_pool_keeps_nodes_whose_loss_would_break_an_slo(scheduler) -> None:
+    scheduler.submit(dp_job("A", 60, train_nodes=2, train_mem=100))
+    scheduler.submit(dp_job("B", 120, train_nodes=1, train_mem=100, slo=3.0))
+    assert scheduler.submit(dp_job("C", 100, train_nodes=1, train_mem=100, slo=1.05)).strategy \
+        is Strategy.ROLLOUT_SCALING
+    group = scheduler.group_of("C")
+    assert len(group.train_nodes) == 2
+    # At DP 1 B and C would train 120 + 100 s a meta-iteration: over C's 1.05 x 200 s budget.
+    assert scheduler.leave("A") == []
+    assert len(group.train_nodes) == 2 and scheduler.nodes_in_use(Pool.TRAIN) == 2
+    assert group.running(group.jobs["C"]).t_train == pytest.approx(50)
+
+
+def test_a_drift_report_is_read_at_the_groups_dp_degree(scheduler) -> None:
+    scheduler.submit(dp_job("A", 100, train_nodes=2))
+    scheduler.submit(dp_job("B", 160, train_nodes=1))
+    assert not scheduler.observe_drift("B", 100, 80)  # B trains 80 s at DP 2: on its estimate
+    assert scheduler.group_of("B").jobs["B"].t_train == pytest.approx(160)
+
+
+def test_at_dp_refuses_a_pool_smaller_than_the_jobs_minimum() -> None:
+    with pytest.raises(PlacementError, match="needs 2 training nodes"):
+        dp_job("A", 100, train_nodes=2).at_dp(1)
