@@ -12,7 +12,7 @@ import random
 from typing import Protocol
 
 from rlharvest.services.placement_scheduler.inter_group import (
-    Decision, InterGroupScheduler, Strategy)
+    Decision, InterGroupScheduler, Objective, Strategy)
 from rlharvest.services.placement_scheduler.model import Group, Job, PoolSpec, fits_in_memory
 from rlharvest.services.placement_scheduler.round_robin import co_execution_periods, members_of
 
@@ -26,10 +26,11 @@ class Placer(Protocol):
 
 
 class Weave:
-    """Algorithm 1 (inter_group.py)."""
+    """Algorithm 1 (inter_group.py), or our cost-per-work admission objective."""
 
-    def __init__(self, rollout_pool: PoolSpec, train_pool: PoolSpec) -> None:
-        self.scheduler = InterGroupScheduler(rollout_pool, train_pool)
+    def __init__(self, rollout_pool: PoolSpec, train_pool: PoolSpec,
+                 objective: Objective = Objective.MARGINAL_COST) -> None:
+        self.scheduler = InterGroupScheduler(rollout_pool, train_pool, objective=objective)
 
     def submit(self, job: Job) -> Decision:
         return self.scheduler.submit(job)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from rlharvest.services.placement_scheduler.inter_group import Strategy
-from rlharvest.services.placement_scheduler.model import Job, Pool
+from rlharvest.services.placement_scheduler.model import Group, Job, Pool
 from rlharvest.services.placement_scheduler.round_robin import (
     co_execution_periods, members_of, slo_violations)
 from rlharvest.sim.baselines import Placer
@@ -95,11 +95,18 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
     seq, start, now = len(jobs), min((s.arrival_s for s in jobs), default=0.0), 0.0
     cost_integral, peak_cost, peak_gpus, solo_time, actual_time = 0.0, 0.0, 0, 0.0, 0.0
 
-    def refresh(group_id: str | None) -> None:
+    seen: dict[str, tuple[int, int]] = {}  # group id -> (object, version) last refreshed
+
+    def refresh_changed() -> None:
+        """Re-derive the periods of every group the last event changed (a policy may re-place
+        many jobs at once: the optimum)."""
+        for group_id, group in sched.groups.items():
+            if seen.get(group_id) != (id(group), group.version):
+                seen[group_id] = (id(group), group.version)
+                refresh(group)
+
+    def refresh(group: Group) -> None:
         nonlocal seq
-        group = sched.groups.get(group_id) if group_id else None
-        if group is None:
-            return
         # The scheduler planned with worst-case durations; the jobs run at their actual ones,
         # and each SLO holds against the job's actual solo time.
         actual = {j: by_id[j].running_job for j in group.jobs}
@@ -127,14 +134,13 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
             s = by_id[job_id]
             running[job_id] = _Running(s, s.iterations, s.running_job.t_solo, now)
             strategies[placer.submit(s.job).strategy.value] += 1
-            refresh(sched.group_of(job_id).group_id)
+            refresh_changed()
         else:
             run = running.pop(job_id)
             solo_time += run.sim_job.iterations * run.sim_job.running_job.t_solo
             actual_time += now - run.sim_job.arrival_s
-            group_id = sched.group_of(job_id).group_id
             placer.leave(job_id)
-            refresh(group_id)
+            refresh_changed()
         peak_cost = max(peak_cost, sched.cost_per_hour())
         peak_gpus = max(peak_gpus, sum(sched.nodes_in_use(p) * gpu_per_node[p] for p in Pool))
     span_h = max(now - start, 1e-9) / 3600

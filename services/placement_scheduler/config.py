@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from rlharvest.common.config import ServiceConfig
 from rlharvest.common.rpc import DEFAULT_MAX_MESSAGE_BYTES
+from rlharvest.services.placement_scheduler.inter_group import Objective
 from rlharvest.services.placement_scheduler.model import H20, H800, Pool, PoolSpec
 
 # Table 1 node types; a pool may use either for either role (the role decides what it runs).
@@ -41,6 +42,9 @@ class PlacementConfig(ServiceConfig):
     train_node_names: list[str] = Field(default_factory=list,
                                         description="training pool hosts (instead of a count)")
     iterations: int = Field(8, ge=2, description="round-robin iterations Algorithm 1 simulates")
+    objective: Objective = Field(Objective.MARGINAL_COST, description="what admission minimises: "
+                                 "marginal_cost (Algorithm 1's Δ) or cost_per_work (cluster $/h "
+                                 "per solo-speed work rate; slower decisions)")
     max_wait_s: float = Field(30.0, gt=0, le=600, description="longest AcquirePermit long-poll")
     tail_threshold: float = Field(0.8, gt=0, le=1, description="share of finished responses "
                                                                "that makes a rollout tail-bound")

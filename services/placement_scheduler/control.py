@@ -24,7 +24,8 @@ from typing import Any
 import grpc
 
 from rlharvest.common.errors import ServiceError
-from rlharvest.services.placement_scheduler.inter_group import Decision, InterGroupScheduler
+from rlharvest.services.placement_scheduler.inter_group import (
+    Decision, InterGroupScheduler, Objective)
 from rlharvest.services.placement_scheduler.long_tail import (
     RolloutProgress, TailMigration, plan_tail_migration)
 from rlharvest.services.placement_scheduler.model import (
@@ -54,8 +55,9 @@ class InventoryScheduler(InterGroupScheduler):
     configured host of its pool that no group uses, and a released node becomes free again."""
 
     def __init__(self, names: Mapping[Pool, Sequence[str]], rollout_pool: PoolSpec,
-                 train_pool: PoolSpec, iterations: int) -> None:
-        super().__init__(rollout_pool, train_pool, iterations)
+                 train_pool: PoolSpec, iterations: int,
+                 objective: Objective = Objective.MARGINAL_COST) -> None:
+        super().__init__(rollout_pool, train_pool, iterations, objective)
         self.names = {pool: list(names[pool]) for pool in Pool}
         self.taken: set[str] = set()
 
@@ -177,10 +179,12 @@ def job_from_spec(job_id: str, spec: Mapping[str, Any]) -> Job:
 
 class PlacementControl:
     def __init__(self, names: Mapping[Pool, Sequence[str]], rollout_pool: PoolSpec,
-                 train_pool: PoolSpec, *, iterations: int = 8, tail_threshold: float = 0.8,
+                 train_pool: PoolSpec, *, iterations: int = 8,
+                 objective: Objective = Objective.MARGINAL_COST, tail_threshold: float = 0.8,
                  requests_per_node: int = 64, min_keep_nodes: int = 1,
                  drift_tolerance: float = 1.25, clock: Callable[[], float] = time.time) -> None:
-        self.scheduler = InventoryScheduler(names, rollout_pool, train_pool, iterations)
+        self.scheduler = InventoryScheduler(names, rollout_pool, train_pool, iterations,
+                                            objective)
         self.queues: dict[str, PhaseQueues] = {}  # group id -> its permit state machine
         self.jobs: dict[str, JobRecord] = {}
         self.stats = Stats()

@@ -24,7 +24,7 @@ How the search stays fast without changing Algorithm 1's answer:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -36,6 +36,19 @@ from rlharvest.services.placement_scheduler.round_robin import (
     theorem1_meta_iteration_s)
 
 _EPS = 1e-9
+
+
+class Objective(str, Enum):
+    """What admission minimises. ``marginal_cost`` is Algorithm 1 (line 12: Δ). ``cost_per_work``
+    is ours: cluster $/h divided by the cluster's work rate (solo-speed iterations per unit
+    time, Σ_j T_j^solo / T_j^co-exec), over every feasible placement. With loose SLOs Δ = 0
+    packing wins even where it slows the job (and its partners) so much that the cluster pays
+    more per unit of work than a group of its own would cost: the jobs hold their nodes longer.
+    The option weighs the two; it evaluates every group instead of stopping at the first
+    feasible Δ level, so decisions are slower."""
+
+    MARGINAL_COST = "marginal_cost"
+    COST_PER_WORK = "cost_per_work"
 
 
 class Strategy(str, Enum):
@@ -63,11 +76,14 @@ class InterGroupScheduler:
     """Owns the cluster's co-execution groups; every method is synchronous and I/O free."""
 
     def __init__(self, rollout_pool: PoolSpec = H20, train_pool: PoolSpec = H800,
-                 iterations: int = DEFAULT_ITERATIONS) -> None:
+                 iterations: int = DEFAULT_ITERATIONS,
+                 objective: Objective = Objective.MARGINAL_COST) -> None:
         if rollout_pool.pool is not Pool.ROLLOUT or train_pool.pool is not Pool.TRAIN:
             raise PlacementError("rollout_pool must be a ROLLOUT PoolSpec and train_pool a TRAIN "
                                  f"one; got {rollout_pool.pool.value} and {train_pool.pool.value}")
         self.rollout_pool, self.train_pool, self.iterations = rollout_pool, train_pool, iterations
+        self.objective = Objective(objective)
+        self._work: dict[str, tuple[int, float]] = {}  # per-group work rate by version
         self.groups: dict[str, Group] = {}
         self._job_group: dict[str, str] = {}
         self._members: dict[str, tuple[int, list[Member]]] = {}  # per-group cache by version
@@ -110,6 +126,7 @@ class InterGroupScheduler:
         affected SLO. Does not change any state; pass the result to ``admit``."""
         self.validate(job)
         open_groups = [g for g in self.groups.values() if self._may_take(g, job)]
+        candidates = []
         for new_nodes in range(job.rollout_nodes + 1):  # Δ levels: 0, c_R, 2c_R, ...
             if not self._capacity_for(new_nodes, 0):
                 break
@@ -117,16 +134,44 @@ class InterGroupScheduler:
                 if not self._has_slack(group, scaling=new_nodes > 0):
                     continue
                 decision = self._first_feasible(group, job, new_nodes)
-                if decision is not None:
+                if decision is not None and self.objective is Objective.MARGINAL_COST:
                     return decision
+                if decision is not None:
+                    candidates.append(decision)
+        if candidates and not self._capacity_for(job.rollout_nodes, job.train_nodes):
+            return min(candidates, key=self._cost_per_work)
         if not self._capacity_for(job.rollout_nodes, job.train_nodes):
             raise PlacementError(f"job {job.job_id!r} fits no existing group and the pools have no "
                                  f"room for {job.rollout_nodes}+{job.train_nodes} new nodes; wait "
                                  "for jobs to leave or grow the pools")
         cost = (job.rollout_nodes * self.rollout_pool.node_cost_per_hour
                 + job.train_nodes * self.train_pool.node_cost_per_hour)
-        return Decision(job, Strategy.ISOLATED, None, 0, (), job.rollout_nodes, job.train_nodes,
-                        cost, {job.job_id: job.t_solo})
+        isolated = Decision(job, Strategy.ISOLATED, None, 0, (), job.rollout_nodes,
+                            job.train_nodes, cost, {job.job_id: job.t_solo})
+        if not candidates:
+            return isolated
+        return min([*candidates, isolated], key=self._cost_per_work)
+
+    def _cost_per_work(self, decision: Decision) -> float:
+        """Cluster $/h per unit of work rate once ``decision`` is applied (``Objective``)."""
+        rates = {g: self._work_rate(group) for g, group in self.groups.items()}
+        members = {**self.groups[decision.group_id].jobs} if decision.group_id else {}
+        members[decision.job.job_id] = decision.job
+        rates[decision.group_id or ""] = sum(
+            members[j].t_solo / period for j, period in decision.periods.items())
+        return (self.cost_per_hour() + decision.marginal_cost_per_hour) / sum(rates.values())
+
+    def work_rate(self) -> float:
+        """Solo-speed iterations the cluster completes per unit time, Σ_j T^solo_j / T^co-exec_j."""
+        return sum(self._work_rate(g) for g in self.groups.values())
+
+    def _work_rate(self, group: Group) -> float:
+        cached = self._work.get(group.group_id)
+        if cached is None or cached[0] != group.version:
+            periods = co_execution_periods(self._members_of(group), self.iterations)
+            cached = (group.version, sum(group.jobs[j].t_solo / p for j, p in periods.items()))
+            self._work[group.group_id] = cached
+        return cached[1]
 
     @staticmethod
     def _has_slack(group: Group, scaling: bool) -> bool:
@@ -279,6 +324,7 @@ class InterGroupScheduler:
             self._nodes_in_use[Pool.TRAIN] -= len(group.train_nodes)
             del self.groups[group.group_id]
             self._members.pop(group.group_id, None)
+            self._work.pop(group.group_id, None)
         return released
 
     def observe_drift(self, job_id: str, t_roll: float, t_train: float) -> bool:
@@ -324,16 +370,22 @@ class InterGroupScheduler:
                 "serial": {"group": self._serial["group"], "rollout": self._serial[Pool.ROLLOUT],
                            "train": self._serial[Pool.TRAIN]}}
 
-    def restore(self, data: Mapping[str, Any]) -> None:
-        """Resume from ``to_dict`` output (e.g. read back from etcd after a restart)."""
-        if self.groups:
-            raise PlacementError("restore() needs an empty scheduler; create a new one")
-        for row in data["groups"]:
-            group = Group.from_dict(row)
+    def replace_groups(self, groups: Iterable[Group]) -> None:
+        """Forget every group and hold ``groups`` instead: a restart, or a policy that re-places
+        every job at once (the simulator's optimum, migrations free)."""
+        self.groups, self._job_group, self._members, self._work = {}, {}, {}, {}
+        self._nodes_in_use = {Pool.ROLLOUT: 0, Pool.TRAIN: 0}
+        for group in groups:
             self.groups[group.group_id] = group
             self._job_group.update({j: group.group_id for j in group.jobs})
             self._nodes_in_use[Pool.ROLLOUT] += len(group.rollout_nodes)
             self._nodes_in_use[Pool.TRAIN] += len(group.train_nodes)
+
+    def restore(self, data: Mapping[str, Any]) -> None:
+        """Resume from ``to_dict`` output (e.g. read back from etcd after a restart)."""
+        if self.groups:
+            raise PlacementError("restore() needs an empty scheduler; create a new one")
+        self.replace_groups(Group.from_dict(row) for row in data["groups"])
         serial = data["serial"]
         self._serial = {"group": serial["group"], Pool.ROLLOUT: serial["rollout"],
                         Pool.TRAIN: serial["train"]}

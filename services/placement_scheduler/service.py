@@ -40,7 +40,8 @@ _WRITE_BACKOFF = Backoff(first_s=0.1, max_s=0.4)
 def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) -> PlacementControl:
     return PlacementControl({pool: cfg.node_names(pool) for pool in Pool},
                             cfg.pool_spec(Pool.ROLLOUT), cfg.pool_spec(Pool.TRAIN),
-                            iterations=cfg.iterations, tail_threshold=cfg.tail_threshold,
+                            iterations=cfg.iterations, objective=cfg.objective,
+                            tail_threshold=cfg.tail_threshold,
                             requests_per_node=cfg.requests_per_node,
                             min_keep_nodes=cfg.min_keep_nodes,
                             drift_tolerance=cfg.drift_tolerance, clock=clock)

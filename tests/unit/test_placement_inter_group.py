@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlharvest.services.placement_scheduler.inter_group import (
-    Decision, InterGroupScheduler, Strategy)
+    Decision, InterGroupScheduler, Objective, Strategy)
 from rlharvest.services.placement_scheduler.model import (
     H20, H800, Job, JobProfile, Placement, PlacementError, Pool, PoolSpec)
 from rlharvest.services.placement_scheduler.round_robin import (
@@ -319,3 +319,30 @@ def test_a_drift_report_is_read_at_the_groups_dp_degree(scheduler) -> None:
 def test_at_dp_refuses_a_pool_smaller_than_the_jobs_minimum() -> None:
     with pytest.raises(PlacementError, match="needs 2 training nodes"):
         dp_job("A", 100, train_nodes=2).at_dp(1)
+
+
+# --- the cost-per-work objective ---------------------------------------------------------------
+def test_cost_per_work_gives_a_job_its_own_group_where_free_packing_slows_the_cluster() -> None:
+    """A loose SLO lets Algorithm 1 pack a train-heavy job for Δ = 0 behind a train-heavy
+    partner: both then iterate every 760 s instead of 400, and the group gains 5% of work for
+    its second job. Where the cluster already pays more per unit of work than a one-node group
+    does (here a two-node job), a group of its own lowers the cluster's $ per unit of work."""
+    marginal = InterGroupScheduler(ROLL, TRAIN)
+    per_work = InterGroupScheduler(ROLL, TRAIN, objective=Objective.COST_PER_WORK)
+    for scheduler in (marginal, per_work):
+        scheduler.submit(Job("X", 100, 100, 1.0, 2, 2, 100.0, 100.0))  # $2c per unit of work
+        assert scheduler.submit(job("A", 20, 380, slo=2.5)).strategy is Strategy.ISOLATED
+    assert marginal.submit(job("B", 20, 380, slo=2.5)).strategy is Strategy.DIRECT_PACKING
+    assert marginal.work_rate() == pytest.approx(1 + 800 / 760)
+    assert per_work.submit(job("B", 20, 380, slo=2.5)).strategy is Strategy.ISOLATED
+    assert per_work.work_rate() == pytest.approx(3.0)
+    assert per_work.cost_per_hour() / per_work.work_rate() < \
+        marginal.cost_per_hour() / marginal.work_rate()
+
+
+def test_cost_per_work_still_packs_into_a_real_bubble() -> None:
+    scheduler = InterGroupScheduler(ROLL, TRAIN, objective=Objective.COST_PER_WORK)
+    scheduler.submit(job("A", 100, 100))
+    decision = scheduler.submit(job("B", 100, 100))  # fills A's bubble at full speed
+    assert decision.strategy is Strategy.DIRECT_PACKING and scheduler.work_rate() == \
+        pytest.approx(2.0)

@@ -70,6 +70,23 @@ def test_the_regrouping_optimum_is_never_dearer_than_weave_at_any_instant(reside
         pytest.approx(run.total_cost)
 
 
+@pytest.mark.parametrize("regroup", [True, False], ids=["regrouped", "arrivals-only"])
+def test_the_optimum_run_on_its_own_timeline_keeps_every_slo_at_the_optimal_price(
+        regroup) -> None:
+    trace = workloads.poisson_jobs(20, "mixed", seed=3, mean_interarrival_s=6960)
+    run = cluster.simulate(trace, lambda: optimum.OptimumPlacer(ROLL, TRAIN, regroup))
+    assert run.slo_attainment == 1.0
+    jobs = {s.job.job_id: s.job for s in trace}
+    prices = [(s.cost_per_hour, optimum.offline_optimum(
+        [jobs[j] for j in s.job_ids], ROLL, TRAIN)) for s in run.timeline]
+    if regroup:  # every instant at the optimum of the jobs alive
+        assert all(paid == pytest.approx(best) for paid, best in prices)
+    else:  # optimal after each arrival; a departure may leave a dearer grouping behind
+        assert all(paid >= best - 1e-9 for paid, best in prices)
+        assert any(paid > best + 1e-9 for paid, best in prices)
+    assert run.total_cost < cluster.simulate(trace, solo).total_cost
+
+
 def test_packing_past_an_slo_is_cheaper_per_hour_and_paid_for_in_progress() -> None:
     # Two rollout-bound jobs that may not slow down: Greedy shares one rollout node, so each
     # iterates every 600 s instead of 350 s; WEAVE scales the rollout side with a second node.
