@@ -7,8 +7,10 @@ with the same round-robin model the scheduler uses (``round_robin.co_execution_p
 members' finish times are moved accordingly, and any member slower than SLO × T_solo is counted
 as an SLO miss. Jobs may run faster than the worst case the scheduler planned with
 (``SimJob.actual``): periods, SLOs and finish times then follow the actual durations, while
-placement still sees the estimates. Long-tail migration is not modelled (a rollout occupies all
-its nodes until it ends). Provisioning cost is integrated over time. Time is simulated, never read.
+placement still sees the estimates. Long-tail migration (``SimJob.tail_share``): a multi-node
+rollout keeps one node once tail-bound and its others pass to the next job's turn, in the same
+replay (``Member.tail_s``); node granularity, so single-node rollouts never migrate.
+Provisioning cost is integrated over time. Time is simulated, never read.
 
 What the cost model charges: provisioned node-hours, nothing else. A job slowed past its SLO
 costs only through living longer (its group's nodes stay provisioned); there is no penalty for
@@ -28,7 +30,7 @@ from typing import NamedTuple
 from rlharvest.services.placement_scheduler.inter_group import Strategy
 from rlharvest.services.placement_scheduler.model import Group, Job, Pool
 from rlharvest.services.placement_scheduler.round_robin import (
-    co_execution_periods, members_of, slo_violations)
+    Member, co_execution_periods, members_of, slo_violations)
 from rlharvest.sim.baselines import Placer
 from rlharvest.sim.workloads import SimJob
 
@@ -110,8 +112,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
         # The scheduler planned with worst-case durations; the jobs run at their actual ones,
         # and each SLO holds against the job's actual solo time.
         actual = {j: by_id[j].running_job for j in group.jobs}
-        periods = co_execution_periods([replace(m, t_roll=actual[m.job_id].t_roll,
-                                                t_train=group.running(actual[m.job_id]).t_train)
+        periods = co_execution_periods([_as_run(m, by_id[m.job_id], group)
                                         for m in members_of(group)])
         missed.update(slo_violations(periods, actual))
         for job_id, period in periods.items():
@@ -147,6 +148,14 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
     return SimResult(cost_integral / span_h, peak_cost, cost_integral, peak_gpus,
                      1 - len(missed) / max(len(jobs), 1), actual_time / max(solo_time, 1e-9),
                      strategies, timeline)
+
+
+def _as_run(member: Member, job: SimJob, group: Group) -> Member:
+    """The member at its actual durations, with its long-tail migration point if it has one."""
+    actual = job.running_job
+    tail = None if job.tail_share is None else job.tail_share * actual.t_roll
+    return replace(member, t_roll=actual.t_roll, t_train=group.running(actual).t_train,
+                   tail_s=tail)
 
 
 def static_cost(jobs: Sequence[Job], make_placer: Callable[[], Placer]) -> StaticResult:

@@ -50,8 +50,34 @@ def optimal_groups(jobs: Sequence[Job], rollout_pool: PoolSpec, train_pool: Pool
 
     @lru_cache(maxsize=None)
     def group(mask: int) -> OptimalGroup | None:
-        return _cheapest_group([jobs[i] for i in range(n) if mask >> i & 1], rollout_pool,
+        return _cheapest_group(tuple(jobs[i] for i in range(n) if mask >> i & 1), rollout_pool,
                                train_pool)
+
+    top = max((j.train_nodes for j in jobs), default=1)
+    floor = [j.at_dp(top) for j in jobs]  # a job's smallest training time and memory anywhere
+
+    def open_subsets(low: int, rest: int) -> list[int]:
+        """Subsets of ``rest`` that might form a feasible group with job ``low``: bounds that
+        only grow as members join (training memory and Σ T_train at the largest DP degree any
+        group could have, the longest solo time, the tightest SLO budget), so a subset failing
+        them fails with any superset too. Enumerating all 2^|rest| subsets was the cost."""
+        found: list[int] = []
+        order = [i for i in range(n) if rest >> i & 1]
+        cap = train_pool.host_mem_gb
+
+        def grow(k: int, sub: int, mem: float, train: float, cycle: float, budget: float) -> None:
+            found.append(sub)
+            for t in range(k, len(order)):
+                j = floor[order[t]]
+                state = (mem + j.train_mem_gb, train + j.t_train, max(cycle, j.t_solo),
+                         min(budget, jobs[order[t]].slo_budget))
+                if fits_in_memory(0.0, state[0], cap) and \
+                        max(state[1], state[2]) <= state[3] * (1 + 1e-9):
+                    grow(t + 1, sub | 1 << order[t], *state)
+
+        j = floor[low]
+        grow(0, 0, j.train_mem_gb, j.t_train, j.t_solo, jobs[low].slo_budget)
+        return found
 
     @lru_cache(maxsize=None)
     def best(mask: int) -> tuple[float, tuple[int, ...]]:
@@ -60,16 +86,12 @@ def optimal_groups(jobs: Sequence[Job], rollout_pool: PoolSpec, train_pool: Pool
         low = mask & -mask
         rest = mask ^ low
         result: tuple[float, tuple[int, ...]] = (math.inf, ())
-        sub = rest
-        while True:  # every subset of ``rest``, joined with the lowest job
+        for sub in open_subsets(low.bit_length() - 1, rest):  # groups with the lowest job
             found = group(sub | low)
             if found is not None and found.cost_per_hour < result[0]:
                 cost, masks = best(rest ^ sub)
                 if found.cost_per_hour + cost < result[0]:
                     result = (found.cost_per_hour + cost, (sub | low, *masks))
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
         return result
 
     cost, masks = best((1 << n) - 1)
@@ -96,7 +118,8 @@ def regrouping_optimum(job_sets: Iterable[Sequence[str]], jobs: Mapping[str, Job
     return cost
 
 
-def _cheapest_group(members: list[Job], rollout_pool: PoolSpec,
+@lru_cache(maxsize=1 << 20)  # consecutive alive sets of a trace share most of their groups
+def _cheapest_group(members: tuple[Job, ...], rollout_pool: PoolSpec,
                     train_pool: PoolSpec) -> OptimalGroup | None:
     train_nodes = max(j.train_nodes for j in members)
     running = [j.at_dp(train_nodes) for j in members]  # DP matched to the pool (§4.2 fn 3)
@@ -139,7 +162,7 @@ def _cheapest_group(members: list[Job], rollout_pool: PoolSpec,
     if math.isinf(fewest[0]):
         return None
     rollout_nodes = int(fewest[0])
-    return OptimalGroup(tuple(members), tuple(best), rollout_nodes, train_nodes,
+    return OptimalGroup(members, tuple(best), rollout_nodes, train_nodes,
                         rollout_nodes * rollout_pool.node_cost_per_hour
                         + train_nodes * train_pool.node_cost_per_hour)
 

@@ -52,6 +52,10 @@ class SimJob:
     # Share of its worst-case phase durations the job actually takes: the scheduler plans with
     # every response at the token limit (t_roll, t_train); real responses end sooner.
     actual: float = 1.0
+    # Share of its actual rollout after which the job is tail-bound (a threshold share of its
+    # responses done) and long-tail migration (§4.3) keeps one of its rollout nodes; None: the
+    # rollout holds every node to its end. Only multi-node rollouts free a node.
+    tail_share: float | None = None
 
     @property
     def running_job(self) -> Job:
@@ -78,19 +82,24 @@ def sample_job(rng: random.Random, job_id: str, workload: str,
 def poisson_jobs(n_jobs: int, workload: str, seed: int, mean_interarrival_s: float = 1800.0,
                  mean_duration_s: float = 14.4 * 3600,
                  slo_range: tuple[float, float] = (1.0, 2.0),
-                 actual_range: tuple[float, float] | None = None) -> list[SimJob]:
+                 actual_range: tuple[float, float] | None = None,
+                 tail_range: tuple[float, float] | None = None) -> list[SimJob]:
     """Poisson arrivals with exponential solo durations (Philly: mean 14.4 h, §6.5).
     ``actual_range``: each job runs at a share ~ U(lo, hi) of its worst-case durations
-    (drawn from its own stream, so the jobs and arrivals stay those of the same seed)."""
+    (drawn from its own stream, so the jobs and arrivals stay those of the same seed).
+    ``tail_range``: each job's rollout turns tail-bound at a share ~ U(lo, hi) of it (its own
+    stream too)."""
     rng = random.Random(seed)
     shares = random.Random(seed + 1_000_003)
+    tails = random.Random(seed + 2_000_003)
     now, jobs = 0.0, []
     for i in range(n_jobs):
         now += rng.expovariate(1.0 / mean_interarrival_s)
         job = sample_job(rng, f"job-{i}", workload, slo_range)
         duration = min(rng.expovariate(1.0 / mean_duration_s), 10 * mean_duration_s)
         actual = shares.uniform(*actual_range) if actual_range else 1.0
-        jobs.append(SimJob(job, now, max(duration / job.t_solo, 1.0), actual))
+        tail = tails.uniform(*tail_range) if tail_range else None
+        jobs.append(SimJob(job, now, max(duration / job.t_solo, 1.0), actual, tail))
     return jobs
 
 

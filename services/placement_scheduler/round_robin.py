@@ -34,6 +34,16 @@ class Member:
     t_roll: float
     t_train: float
     rollout_node_ids: tuple[str, ...]
+    # Long-tail migration (§4.3), for the simulator's actual runs (admission plans the worst
+    # case, where every response runs to the limit and no tail frees anything): ``tail_s``
+    # into its rollout the phase is tail-bound and keeps only its first ``tail_keep`` nodes;
+    # the others pass to the next job's turn. None: never migrates.
+    tail_s: float | None = None
+    tail_keep: int = 1
+
+    def migrates(self) -> bool:
+        return self.tail_s is not None and self.tail_s < self.t_roll and \
+            0 < self.tail_keep < len(self.rollout_node_ids)
 
 
 def members_of(group: Group) -> list[Member]:
@@ -54,8 +64,9 @@ def t_load(members: Iterable[Member]) -> float:
     per_node: dict[str, float] = {}
     for m in members:
         train += m.t_train
-        for node_id in m.rollout_node_ids:
-            per_node[node_id] = per_node.get(node_id, 0.0) + m.t_roll
+        for k, node_id in enumerate(m.rollout_node_ids):
+            held = m.tail_s if m.migrates() and k >= m.tail_keep else m.t_roll
+            per_node[node_id] = per_node.get(node_id, 0.0) + (held or 0.0)
     return max(train, max(per_node.values(), default=0.0))
 
 
@@ -94,18 +105,40 @@ def simulate_round_robin(members: Sequence[Member], train_node_ids: Sequence[str
         queues.add_job(m.job_id, m.rollout_node_ids, train_node_ids)
         durations[(m.job_id, Pool.ROLLOUT)] = m.t_roll
         durations[(m.job_id, Pool.TRAIN)] = m.t_train
+    by_id = {m.job_id: m for m in members}
     done: dict[str, list[float]] = {m.job_id: [] for m in members}
-    events: list[tuple[float, int, str, Pool]] = []
+    events: list[tuple[float, int, str, Pool, bool]] = []  # (.., is the tail point)
     seq, now, unfinished = 0, 0.0, len(members)
+
+    def start(job_id: str, phase: Pool) -> None:
+        """The phase holds all its nodes: its clock starts (a rollout granted part of its nodes
+        while a migrated tail holds the rest waits for them, as the fast replay's gang does)."""
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (now + durations[(job_id, phase)], seq, job_id, phase, False))
+        m = by_id[job_id]
+        if phase is Pool.ROLLOUT and m.migrates():
+            seq += 1
+            heapq.heappush(events, (now + (m.tail_s or 0.0), seq, job_id, phase, True))
+
+    whole: set[str] = set()  # partly granted phases whose last node just came
     while True:
         for job_id, phase in queues.runnable():
-            if queues.acquire(job_id, phase, now) is not None:
-                seq += 1
-                heapq.heappush(events, (now + durations[(job_id, phase)], seq, job_id, phase))
+            permit = queues.acquire(job_id, phase, now)
+            if permit is not None and not permit.pending_node_ids:
+                whole.add(job_id)
+        for m in members:  # in admission order, as the fast replay starts them
+            if m.job_id in whole:
+                start(m.job_id, queues.next_phase(m.job_id)[0])
+        whole.clear()
         if unfinished == 0:
             break
-        now, _, job_id, phase = heapq.heappop(events)
-        queues.release(job_id, phase, now)
+        now, _, job_id, phase, tail = heapq.heappop(events)
+        if tail:
+            queues.shrink(job_id, by_id[job_id].rollout_node_ids[:by_id[job_id].tail_keep])
+            continue
+        whole.update(p.job_id for p in queues.release(job_id, phase, now)
+                     if not p.pending_node_ids)
         if phase is Pool.TRAIN:
             done[job_id].append(now)
             unfinished -= len(done[job_id]) == iterations
@@ -140,8 +173,16 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
     busy = [False] * (train + 1)
     phase = [0] * len(members)  # 0: next/running phase is rollout, 1: training
     running = [False] * len(members)
+    held: list[tuple[int, ...]] = [() for _ in members]  # nodes a running phase holds
     done: list[list[float]] = [[] for _ in members]
-    events: list[tuple[float, int, int]] = []
+    events: list[tuple[float, int, int, bool]] = []  # (time, seq, job, is the tail point)
+
+    def free(nodes: Sequence[int]) -> None:
+        for n in nodes:
+            busy[n] = False
+            turn[n] = (turn[n] + 1) % len(cycle[n])
+            dirty.add(n)
+
     dirty, seq, now, unfinished = set(range(train + 1)), 0, 0.0, len(members)
     while True:
         for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]}):
@@ -149,17 +190,22 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
             if not running[j] and all(not busy[n] and cycle[n][turn[n]] == j for n in nodes):
                 for n in nodes:
                     busy[n] = True
-                running[j] = True
+                running[j], held[j] = True, nodes
                 seq += 1
-                heapq.heappush(events, (now + durations[j][phase[j]], seq, j))
+                heapq.heappush(events, (now + durations[j][phase[j]], seq, j, False))
+                if phase[j] == 0 and members[j].migrates():
+                    seq += 1
+                    heapq.heappush(events, (now + (members[j].tail_s or 0.0), seq, j, True))
         dirty.clear()
         if unfinished == 0:
             break
-        now, _, j = heapq.heappop(events)
-        for n in phase_nodes[j][phase[j]]:
-            busy[n] = False
-            turn[n] = (turn[n] + 1) % len(cycle[n])
-            dirty.add(n)
+        now, _, j, tail = heapq.heappop(events)
+        if tail:  # the tail keeps its first nodes; the others pass to the next job's turn
+            keep = members[j].tail_keep
+            free(held[j][keep:])
+            held[j] = held[j][:keep]
+            continue
+        free(held[j])
         if phase[j]:
             done[j].append(now)
             unfinished -= len(done[j]) == iterations

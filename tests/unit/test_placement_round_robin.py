@@ -53,6 +53,30 @@ def test_fast_replay_matches_the_permit_state_machine(rows) -> None:
 
 
 @settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(durations, durations, st.sets(st.sampled_from("abc"), min_size=1),
+                          st.one_of(st.none(), st.floats(0.1, 0.9))), min_size=1, max_size=5))
+def test_fast_replay_matches_the_permit_state_machine_with_long_tail_migration(rows) -> None:
+    group = [Member(f"j{i}", r, t, tuple(sorted(n)), None if f is None else f * r)
+             for i, (r, t, n, f) in enumerate(rows)]
+    assert fast_round_robin(group) == simulate_round_robin(group)
+    assert all(p >= max(t_cycle(group), t_load(group)) - 1e-9
+               for p in co_execution_periods(group).values())
+
+
+def test_a_migrated_tail_frees_its_other_nodes_for_the_next_rollout() -> None:
+    """A 2-node rollout (200 s) and a 1-node one (150 s) share r2: without migration C's
+    rollout waits for all of A's, a meta-iteration of 350 s. A tail-bound 50 s in keeps r1
+    only, C rolls out on r2 alongside A's tail: both iterate every 250 s (T_cycle)."""
+    solo = Member("C", 150, 50, ("r2",))
+    assert co_execution_periods([Member("A", 200, 50, ("r1", "r2")), solo]) == \
+        {"A": 350.0, "C": 350.0}
+    tailed = [Member("A", 200, 50, ("r1", "r2"), tail_s=50.0), solo]
+    assert co_execution_periods(tailed) == simulate_round_robin(tailed) == \
+        {"A": 250.0, "C": 250.0}
+    assert t_load(tailed) == 200.0  # r2 carries A's 50 s before the tail and C's 150 s
+
+
+@settings(max_examples=80, deadline=None)
 @given(st.data())
 def test_permits_never_overlap_on_a_node_and_no_phase_runs_twice(data) -> None:
     nodes = ["r1", "r2", "r3"]
