@@ -219,6 +219,9 @@ class TrainerConfig(ServiceConfig):
                                  "running solo the job accepts")
     placement_rollout_nodes: int = Field(1, ge=1, description="rollout nodes the job needs")
     placement_train_nodes: int = Field(1, ge=1, description="training nodes the job needs")
+    placement_progress_s: float = Field(0.5, ge=0, description="how often a placed rollout "
+                                        "reports its progress, so the scheduler's long-tail "
+                                        "migration can fire; 0 = never")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -43,7 +43,7 @@ from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
-from rlharvest.services.trainer import checkpoint, metrics, rollout_client
+from rlharvest.services.trainer import checkpoint, metrics, rollout_client, tail_reports
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
 from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards, delayed
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
@@ -352,6 +352,16 @@ class TrainerLoop:
         finally:
             self._step_id = None  # a lent record of this step no longer lends anything
 
+    def _report_tail(self, tasks: TaskGroup, manager: Callable[[], str], total: int,
+                     finished: Callable[[], int]) -> asyncio.Task | None:
+        """--placement-scheduler: report the rollout's progress until its tail migrates
+        (tail_reports.py); None when not placed or reports are off."""
+        run = self.placed.rollout_run if self.placed is not None else None
+        if run is None or not self._cfg.placement_progress_s:
+            return None
+        return tasks.create_task(tail_reports.report_until_migrated(
+            run, self._etcd, manager, total, finished, self._cfg.placement_progress_s))
+
     async def _train_step(self, spec: StepSpec) -> tpb.StepSummary:
         cfg = self._cfg
         started = self._clock()
@@ -445,6 +455,8 @@ class TrainerLoop:
         async def rollout(tasks: TaskGroup) -> None:
             submit, endpoint = request, manager
             incarnation: str | None = member.get("incarnation")
+            reporter = self._report_tail(tasks, lambda: endpoint, len(request.requests),
+                                         lambda: assembler.completions)
             while submit.requests:
                 ids = [r.request_id for r in submit.requests]
                 try:
@@ -477,6 +489,8 @@ class TrainerLoop:
                                 sum(len(r.resume_token_ids) for r in submit.requests),
                                 successor["endpoint"])
                     endpoint, incarnation = successor["endpoint"], successor.get("incarnation")
+            if reporter is not None:
+                reporter.cancel()
             assembler.check_complete()
             phases["rollout"] = self._clock() - started
             rollout_done.set()

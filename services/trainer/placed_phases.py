@@ -47,6 +47,12 @@ class PlacedPhases:
             return None
         return run
 
+    @property
+    def rollout_run(self) -> PhaseRun | None:
+        """The rollout permit held now, if any (its progress reports go through it)."""
+        run = self._holding
+        return run if run is not None and run.phase is Pool.ROLLOUT else None
+
     async def rollout(self) -> None:
         """Before the step's rollout: hold the rollout permit (kept by a retried rollout)."""
         async with self._lock:

@@ -124,3 +124,35 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
     # A's job left the group when it finished; no group holds the node now.
     assert await etcd_client.get(keys.placement_state_key("jobs/job-a").encode()) is None
     assert await etcd_client.get(keys.placement_node_key("rollout-1").encode()) is None
+
+
+async def test_a_tail_bound_rollout_reports_its_progress_and_its_tail_migrates(stack):
+    """Issue 15: a placed trainer reports its rollout's progress; once 80% of a step's
+    responses are done the scheduler shrinks the two-node rollout onto its tail's node and
+    passes the other node's turn on (to job B, or to A's next rollout). Every step still
+    completes: only open requests move, with their tokens, to the kept node's worker."""
+    metrics_port = free_port()
+    stack.start("placement_scheduler", "scheduler", [
+        "--scheduler-id", "scheduler", "--rollout-nodes", "2", "--train-nodes", "1",
+        "--metrics-port", str(metrics_port), *COMMON])
+    for job in ("job-a", "job-b"):
+        stack.start("rollout_manager", f"manager-{job}", [
+            "--manager-id", f"manager-{job}", "--job", job, "--port", str(free_port()), *COMMON])
+    for w in range(2):
+        stack.start("rollout_worker", f"w{w}", [
+            "--worker-id", f"w{w}", "--placement-node", f"rollout-{w + 1}", "--torch-threads",
+            "1", "--max-running", "8", "--step-delay-s", "0.05", *COMMON])
+    # Eight responses a step, lengths log-normal around 6 tokens and up to 48: a long tail.
+    a = start_trainer(stack, "job-a", 3, "--placement-rollout-nodes", "2",
+                      "--samples-per-prompt", "4", "--bench-length-median", "6",
+                      "--max-new-tokens", "48", "--placement-progress-s", "0.1",
+                      "--no-exit-when-done")
+    b = start_trainer(stack, "job-b", 3, "--no-exit-when-done")
+    for trainer in (a, b):
+        await asyncio.to_thread(wait_serving, trainer, 120)
+    for trainer in (a, b):
+        assert (await wait_trainer(trainer, lambda s: s.state == "done")).steps_done == 3
+    migrated = metric(scrape(a.metrics_port), "rlh_trainer_tail_migrations_total")
+    assert migrated >= 1, a.process.log_tail()
+    assert metric(scrape(metrics_port), "rlh_placement_tail_migrations") == migrated
+    assert "is tail-bound at" in a.process.log_path.read_text()

@@ -14,6 +14,7 @@ from rlharvest.services.placement_scheduler.client import PhaseRun
 from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.rollout_worker.placement_follower import NodeFollower, turn_of
 from rlharvest.services.trainer.placed_phases import PlacedPhases
+from rlharvest.services.trainer import tail_reports
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.rollout_worker.config import WorkerConfig
 
@@ -238,3 +239,18 @@ async def test_a_cancelled_release_still_goes_through_and_is_not_asked_twice() -
     await phases.train()
     assert job.calls == [("acquire", "rollout", 0), ("release", "rollout", 0),
                          ("acquire", "train", 0)]
+
+
+# --- progress reports for long-tail migration (services/trainer/tail_reports.py) ---------------
+@pytest.mark.parametrize("open_requests, assigned, expected", [
+    (3, {"r1": 2, "r2": 1}, {"r1": 2, "r2": 1}),  # the manager's picture as it is
+    (2, {"r1": 2, "r2": 1}, {"r1": 1, "r2": 1}),  # one finished since: proportional, rounded
+    (5, {"r1": 2, "r2": 1}, {"r1": 3, "r2": 2}),  # queued ones land where most are
+    (4, {}, {"r1": 4, "r2": 0}),  # nothing assigned yet: the first node
+    (0, {"r1": 2}, {"r1": 0, "r2": 0}),
+    (2, {"r1": 1, "r3": 5}, {"r1": 2, "r2": 0}),  # a node outside the permit is not counted
+])
+def test_open_requests_per_node_always_add_up_to_the_open_count(open_requests, assigned,
+                                                                expected) -> None:
+    by_node = tail_reports.open_by_node(open_requests, assigned, ["r1", "r2"])
+    assert by_node == expected and sum(by_node.values()) == open_requests
