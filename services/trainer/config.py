@@ -211,7 +211,9 @@ class TrainerConfig(ServiceConfig):
                                       "and training phase under its permits")
     placement_endpoint: str = Field("", description="the scheduler's host:port; empty = its "
                                     "elected leader, found in etcd")
-    placement_t_roll_s: float = Field(0.0, ge=0, description="the job's worst-case rollout "
+    placement_t_roll_s: float = Field(0.0, ge=0, description="0 with --placement-t-train-s 0: "
+                                      "measured at start-up (warmup_profile.py); else the "
+                                      "job's worst-case rollout "
                                       "phase in seconds (Algorithm 1's T_roll)")
     placement_t_train_s: float = Field(0.0, ge=0, description="the job's worst-case training "
                                        "phase in seconds (T_train)")
@@ -231,9 +233,10 @@ class TrainerConfig(ServiceConfig):
     def _placement_fits(self) -> TrainerConfig:
         if not self.placement_scheduler:
             return self
-        if not self.placement_t_roll_s or not self.placement_t_train_s:
-            raise ValueError("--placement-scheduler needs the job's phase durations: give "
-                             "--placement-t-roll-s and --placement-t-train-s (worst case, s)")
+        if bool(self.placement_t_roll_s) != bool(self.placement_t_train_s):
+            raise ValueError("--placement-scheduler takes both worst-case phase durations "
+                             "(--placement-t-roll-s and --placement-t-train-s) or neither (the "
+                             "trainer then measures its profile at start-up)")
         if self.seed_role:
             raise ValueError("--placement-scheduler and --seed-role exclude each other: the "
                              "seed role rolls out on the training node, which the scheduler "

@@ -43,7 +43,8 @@ from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
-from rlharvest.services.trainer import checkpoint, metrics, rollout_client, tail_reports
+from rlharvest.services.trainer import (
+    checkpoint, metrics, rollout_client, tail_reports, warmup_profile)
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
 from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards, delayed
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
@@ -61,6 +62,7 @@ from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.rollout_manager.stream_accounting import parse_scale_record
 from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.lent_capacity import LentCapacity
+from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.trainer.placed_phases import PlacedPhases
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.seed_role import SeedRole
@@ -351,6 +353,16 @@ class TrainerLoop:
             return await self._train_step(spec)
         finally:
             self._step_id = None  # a lent record of this step no longer lends anything
+
+    def measure_profile(self) -> JobProfile:
+        """--placement-scheduler without durations: the job's profile, measured now
+        (warmup_profile.py) on a step's batch of the longest prompts it will send."""
+        cfg = self._cfg
+        peeked = self._spec(tuple(self._data.peek(cfg.prompts_per_step)), cfg.samples_per_prompt)
+        longest = max([self._setup.longest_prompt, *(len(p) for p in peeked.prompts)])
+        return warmup_profile.measure_profile(
+            cfg.model, self._model, cfg.prompts_per_step * cfg.samples_per_prompt, longest,
+            cfg.max_new_tokens)
 
     def _report_tail(self, tasks: TaskGroup, manager: Callable[[], str], total: int,
                      finished: Callable[[], int]) -> asyncio.Task | None:

@@ -14,6 +14,7 @@ from rlharvest.common.cli import service_app
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.placement_scheduler.client import JobSpec, PlacementJob
+from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer import ranks
 from rlharvest.services.trainer.loop import TrainerLoop, build_trainee, torch_threads
@@ -45,7 +46,10 @@ async def build(host: Host[TrainerConfig]) -> Parts:
         try:
             await loop.restore()
             if cfg.placement_scheduler:
-                async with PlacementJob(placement_spec(cfg), cfg.etcd, lease_ttl=cfg.lease_ttl,
+                profile = None if cfg.placement_t_roll_s else \
+                    await asyncio.to_thread(loop.measure_profile)
+                async with PlacementJob(placement_spec(cfg, profile), cfg.etcd,
+                                        lease_ttl=cfg.lease_ttl,
                                         start_iteration=loop.steps_done,
                                         endpoint=cfg.placement_endpoint or None) as job:
                     placed = job.placement
@@ -89,10 +93,12 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                  close=[loop.close, *([seed.close] if seed else [])])
 
 
-def placement_spec(cfg: TrainerConfig) -> JobSpec:
-    return JobSpec(cfg.job, t_roll_s=cfg.placement_t_roll_s, t_train_s=cfg.placement_t_train_s,
-                   slo=cfg.placement_slo, rollout_nodes=cfg.placement_rollout_nodes,
-                   train_nodes=cfg.placement_train_nodes)
+def placement_spec(cfg: TrainerConfig, profile: JobProfile | None = None) -> JobSpec:
+    """The job as submitted: its given worst-case durations, or its measured ``profile``."""
+    given = {} if profile is not None else {"t_roll_s": cfg.placement_t_roll_s,
+                                            "t_train_s": cfg.placement_t_train_s}
+    return JobSpec(cfg.job, slo=cfg.placement_slo, rollout_nodes=cfg.placement_rollout_nodes,
+                   train_nodes=cfg.placement_train_nodes, profile=profile, **given)
 
 
 def follow(cfg: TrainerConfig) -> int:

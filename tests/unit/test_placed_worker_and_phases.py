@@ -197,9 +197,9 @@ async def test_a_step_failed_between_its_phases_runs_an_empty_training_phase() -
                          ("acquire", "rollout", 5)]
 
 
-def test_placement_flags_are_refused_without_durations_or_with_the_seed_role() -> None:
+def test_placement_flags_are_refused_with_one_duration_or_with_the_seed_role() -> None:
     with pytest.raises(ValueError, match="placement-t-roll-s"):
-        TrainerConfig(placement_scheduler=True)
+        TrainerConfig(placement_scheduler=True, placement_t_train_s=1)
     with pytest.raises(ValueError, match="exclude each other"):
         TrainerConfig(placement_scheduler=True, placement_t_roll_s=1, placement_t_train_s=1,
                       seed_role=True, instance_cap="auto")
@@ -254,3 +254,33 @@ def test_open_requests_per_node_always_add_up_to_the_open_count(open_requests, a
                                                                 expected) -> None:
     by_node = tail_reports.open_by_node(open_requests, assigned, ["r1", "r2"])
     assert by_node == expected and sum(by_node.values()) == open_requests
+
+
+# --- the measured warm-up profile (services/trainer/warmup_profile.py) --------------------------
+def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -> None:
+    from rlharvest.common.tiny_model import build_model
+    from rlharvest.services.trainer import warmup_profile
+
+    profile = warmup_profile.measure_profile("tiny", build_model(seed=0), batch=4,
+                                             prompt_tokens=12, max_response_tokens=32)
+    assert (profile.batch_size, profile.prompt_tokens, profile.max_response_tokens) == (4, 12, 32)
+    assert profile.prefill_s > 0 and profile.decode_s_per_token > 0
+    assert profile.train_tokens_per_s > 0
+    # The scheduler's worst case: every response at the limit, 32 decode steps of the batch.
+    assert profile.worst_case_rollout_s() == pytest.approx(
+        profile.prefill_s + 32 * profile.decode_s_per_token)
+
+
+def test_a_placed_trainer_takes_both_durations_or_measures_its_profile() -> None:
+    from rlharvest.services.placement_scheduler.model import JobProfile
+    from rlharvest.services.trainer.main import placement_spec
+
+    base = dict(job="j", placement_scheduler=True)
+    measured = TrainerConfig(**base)  # neither: measured at start-up
+    profile = JobProfile(8, 16, 64, 0.01, 0.1, 1000.0)
+    spec = placement_spec(measured, profile)
+    assert spec.profile == profile and spec.t_roll_s is None and spec.t_train_s is None
+    given = placement_spec(TrainerConfig(**base, placement_t_roll_s=30, placement_t_train_s=20))
+    assert (given.t_roll_s, given.t_train_s, given.profile) == (30, 20, None)
+    with pytest.raises(ValueError, match="or neither"):
+        TrainerConfig(**base, placement_t_roll_s=30)

@@ -1,0 +1,86 @@
+"""The job's profile for the placement scheduler, measured at start-up (WEAVE §5 workflow ①②).
+
+``--placement-scheduler`` without ``--placement-t-roll-s``/``--placement-t-train-s``: before it
+submits, the trainer measures what the scheduler's worst-case estimate needs (``JobProfile``)
+and the scheduler derives the phase durations from it (every response at the token limit).
+
+- Rollout: the workers' own engine (``TorchEngine``) on the job's model preset or checkpoint,
+  one step's batch (prompts x samples) of prompts as long as the longest the job sends: the
+  first engine step is the prefill, the median of the next ``decode_steps`` the decode step.
+  Measured where the trainer runs, not on a rollout node: on a different accelerator the
+  estimate is off by their speed ratio, which the drift check (§5.3) then corrects.
+- Training: forward passes of the policy itself, without gradients (its weights and optimizer
+  state are untouched), times 3 for forward + backward (the usual FLOP ratio), over a sample of
+  at most ``sample_sequences`` sequences of at most ``sample_tokens`` tokens, scaled linearly to
+  the step (attention's quadratic share ignored: an optimistic estimate for long responses).
+
+The weights' values do not change the timings, so the rollout engine loads the start weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+
+from rlharvest.common.engine_types import EngineRequest, SamplingParams
+from rlharvest.services.placement_scheduler.model import JobProfile
+from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+FORWARD_BACKWARD_FLOPS = 3.0  # backward costs about twice the forward
+
+
+def measure_rollout(model: str, batch: int, prompt_tokens: int,
+                    decode_steps: int = 8) -> tuple[float, float]:
+    """(prefill seconds of the whole batch, seconds of one decode step of it)."""
+    engine = TorchEngine(model=model, seed=0, max_running=batch,
+                         max_len=prompt_tokens + decode_steps + 1,
+                         prefill_token_budget=batch * prompt_tokens)
+    for i in range(batch):  # token ids below any vocabulary's size; no stop token: full length
+        engine.add(EngineRequest(f"warmup-{i}", [1 + (i + k) % 7 for k in range(prompt_tokens)],
+                                 SamplingParams(temperature=1.0, max_tokens=decode_steps)))
+    times = []
+    while engine.has_work():
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return times[0], statistics.median(times[1:]) if len(times) > 1 else times[0]
+
+
+@torch.no_grad()
+def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: int,
+                               sample_sequences: int = 16, sample_tokens: int = 256) -> float:
+    """Training tokens per second of forward + backward, estimated from forward passes."""
+    rows, length = min(sequences, sample_sequences), max(min(tokens, sample_tokens), 2)
+    ids = torch.ones(rows, length, dtype=torch.long, device=_device_of(policy))
+    policy(ids)  # warm: allocations and kernels of the first call
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        policy(ids)
+        times.append(time.perf_counter() - started)
+    return rows * length / (FORWARD_BACKWARD_FLOPS * max(statistics.median(times), 1e-6))
+
+
+def measure_profile(model: str, policy: torch.nn.Module, batch: int, prompt_tokens: int,
+                    max_response_tokens: int, decode_steps: int = 8) -> JobProfile:
+    prompt_tokens = max(prompt_tokens, 1)
+    prefill_s, decode_s = measure_rollout(model, batch, prompt_tokens, decode_steps)
+    train = measure_train_tokens_per_s(policy, batch, prompt_tokens + max_response_tokens)
+    profile = JobProfile(batch_size=batch, prompt_tokens=prompt_tokens,
+                         max_response_tokens=max_response_tokens, decode_s_per_token=decode_s,
+                         prefill_s=prefill_s, train_tokens_per_s=train)
+    log.info("placement: measured profile: prefill %.3f s and decode %.4f s per token for %d "
+             "responses, training %.0f tokens/s: worst case rollout %.2f s, training %.2f s",
+             prefill_s, decode_s, batch, train, profile.worst_case_rollout_s(),
+             profile.worst_case_train_s())
+    return profile
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
