@@ -50,7 +50,11 @@ class PlacementConfig(ServiceConfig):
                                                                "that makes a rollout tail-bound")
     requests_per_node: int = Field(64, ge=1, description="default open requests one rollout node "
                                                          "holds after consolidation")
-    min_keep_nodes: int = Field(1, ge=1, description="nodes a migrated tail keeps at least")
+    min_keep_nodes: int = Field(1, ge=1, description="nodes (slots) a migrated tail keeps at "
+                                "least")
+    rollout_slots: int = Field(1, ge=1, le=64, description="GPUs per rollout node that permits "
+                               "and long-tail migration work at, a placed worker each (named "
+                               "--placement-node <node>.gpu<k>); 1 = whole nodes")
     drift_tolerance: float = Field(1.25, ge=1, description="a phase measured this much longer "
                                                            "than its estimate counts as drift")
     max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024)

@@ -182,15 +182,39 @@ class PlacementControl:
                  train_pool: PoolSpec, *, iterations: int = 8,
                  objective: Objective = Objective.MARGINAL_COST, tail_threshold: float = 0.8,
                  requests_per_node: int = 64, min_keep_nodes: int = 1,
-                 drift_tolerance: float = 1.25, clock: Callable[[], float] = time.time) -> None:
+                 drift_tolerance: float = 1.25, rollout_slots: int = 1,
+                 clock: Callable[[], float] = time.time) -> None:
+        if rollout_slots < 1:
+            raise PlacementError(f"rollout_slots must be >= 1 GPU per node, got {rollout_slots}")
         self.scheduler = InventoryScheduler(names, rollout_pool, train_pool, iterations,
                                             objective)
+        # Permits, node records and long-tail migration work on rollout *slots* (a GPU each,
+        # a placed worker each) when a node has several: a single-node rollout can then hand
+        # the slots its tail no longer needs to the next job (§4.3 at GPU granularity).
+        # Admission (Algorithm 1) stays at whole nodes. One slot: the slot is the node.
+        self.rollout_slots = rollout_slots
         self.queues: dict[str, PhaseQueues] = {}  # group id -> its permit state machine
         self.jobs: dict[str, JobRecord] = {}
         self.stats = Stats()
         self.tail_threshold, self.requests_per_node = tail_threshold, requests_per_node
         self.min_keep_nodes, self.drift_tolerance = min_keep_nodes, drift_tolerance
         self.clock = clock
+
+    # --- slots ---------------------------------------------------------------------------------
+    def units(self, pool: Pool, node_ids: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The permit units of ``node_ids`` (default: the whole pool): rollout nodes expand to
+        their slots ``<node>.gpu<k>``; training nodes are whole."""
+        nodes = self.scheduler.names[pool] if node_ids is None else node_ids
+        if pool is Pool.TRAIN or self.rollout_slots == 1:
+            return tuple(nodes)
+        return tuple(f"{n}.gpu{k}" for n in nodes for k in range(self.rollout_slots))
+
+    def node_of(self, unit: str) -> str:
+        """The node a permit unit belongs to."""
+        if self.rollout_slots == 1:
+            return unit
+        node, _, slot = unit.rpartition(".gpu")
+        return node if node and slot.isdigit() else unit
 
     # --- admission -----------------------------------------------------------------------------
     def submit(self, spec: Mapping[str, Any], lease_id: int = 0,
@@ -223,8 +247,8 @@ class PlacementControl:
         placement = self.scheduler.admit(decision)
         group_id = self.scheduler.group_of(job_id).group_id
         queues = self.queues.setdefault(group_id, PhaseQueues())
-        queues.add_job(job_id, placement.rollout_node_ids, placement.train_node_ids,
-                       start_iteration)
+        queues.add_job(job_id, self.units(Pool.ROLLOUT, placement.rollout_node_ids),
+                       placement.train_node_ids, start_iteration)
         self.jobs[job_id] = JobRecord(
             job_id, group_id, lease_id, decision.strategy.value, decision.marginal_cost_per_hour,
             max(decision.periods.values(), default=job.t_solo), self.clock())
@@ -284,7 +308,8 @@ class PlacementControl:
         queues = self.queues[record.group_id]
         phase, _, _ = queues.next_phase(job_id)
         placement = self.scheduler.groups[record.group_id].placements[job_id]
-        nodes = placement.rollout_node_ids if phase is Pool.ROLLOUT else placement.train_node_ids
+        nodes = self.units(Pool.ROLLOUT, placement.rollout_node_ids) if phase is Pool.ROLLOUT \
+            else placement.train_node_ids
         holders = queues.holders()
         parts = [f"{n}: turn {queues.turn(n)}, held by {holders.get(n) or 'nobody'}"
                  for n in nodes]
@@ -311,7 +336,7 @@ class PlacementControl:
         self._now_whole(queues.release(job_id, phase, now), now)
         if record.tail_freed:
             self.stats.bubble_node_seconds += max(now - record.tail_at, 0.0) * \
-                len(record.tail_freed)
+                len(record.tail_freed) / self.rollout_slots
             record.tail_freed, record.tail_at = [], 0.0
         job = self.scheduler.groups[record.group_id].jobs[job_id]
         if phase is Pool.TRAIN:
@@ -380,7 +405,7 @@ class PlacementControl:
             raise Refusal("precondition", f"job {job_id!r} reported progress of rollout "
                           f"#{iteration} but its current phase is "
                           f"{_describe(nxt_phase, nxt_iteration)} ({status})")
-        known = set(self.scheduler.names[Pool.ROLLOUT]) | set(self.scheduler.names[Pool.TRAIN])
+        known = set(self.units(Pool.ROLLOUT)) | set(self.units(Pool.TRAIN))
         unknown = sorted(set(unfinished_by_node) - known)
         if unknown:
             raise Refusal("invalid", f"job {job_id!r} reported unknown nodes {unknown}; the "
@@ -396,8 +421,9 @@ class PlacementControl:
             raise Refusal("invalid", f"requests_per_node must be >= 0, got {requests_per_node}")
         try:
             report = RolloutProgress(job_id, total, finished, dict(unfinished_by_node))
-            plan = plan_tail_migration(report, requests_per_node or self.requests_per_node,
-                                       self.tail_threshold, self.min_keep_nodes)
+            per_unit = -(-(requests_per_node or self.requests_per_node) // self.rollout_slots)
+            plan = plan_tail_migration(report, per_unit, self.tail_threshold,
+                                       self.min_keep_nodes)
         except PlacementError as exc:
             raise Refusal("invalid", str(exc)) from None
         if plan is None:
@@ -426,7 +452,8 @@ class PlacementControl:
 
     def pool_usage(self) -> dict[Pool, tuple[int, int, int]]:
         """(nodes, allocated to a group, held by a permit now) per pool."""
-        busy = {n for q in self.queues.values() for n, h in q.holders().items() if h}
+        busy = {self.node_of(n) for q in self.queues.values() for n, h in q.holders().items()
+                if h}
         out = {}
         for pool in Pool:
             names = self.scheduler.names[pool]
@@ -470,6 +497,14 @@ class PlacementControl:
         for key, row in records.items():
             if key.startswith("jobs/"):
                 self.jobs[row["job_id"]] = JobRecord(**row)
+        units = set(self.units(Pool.ROLLOUT)) | set(self.units(Pool.TRAIN))
+        for group_id, queues in self.queues.items():
+            stray = sorted(set(queues.nodes()) - units)
+            if stray:
+                raise PlacementError(f"persisted group {group_id} runs permits on {stray}, which "
+                                     f"this scheduler's nodes and --rollout-slots "
+                                     f"{self.rollout_slots} do not have; restart it with the "
+                                     "slots it ran with")
         members = {j for g in self.scheduler.groups.values() for j in g.jobs}
         if members != set(self.jobs):
             raise PlacementError(f"persisted state is inconsistent: group members "

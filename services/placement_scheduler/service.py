@@ -44,7 +44,8 @@ def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) ->
                             tail_threshold=cfg.tail_threshold,
                             requests_per_node=cfg.requests_per_node,
                             min_keep_nodes=cfg.min_keep_nodes,
-                            drift_tolerance=cfg.drift_tolerance, clock=clock)
+                            drift_tolerance=cfg.drift_tolerance,
+                            rollout_slots=cfg.rollout_slots, clock=clock)
 
 
 # proto field -> Job field, for the fields whose absence means "use the default" (proto3 optional).
@@ -374,8 +375,8 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 status=status, held_node_ids=held, iterations_done=record.iterations_done,
                 slo_attainment=record.slo_met / measured if measured else 1.0))
         for pool in Pool:
-            for node_id in scheduler.names[pool]:
-                group_id = node_group.get(node_id, "")
+            for node_id in control.units(pool):  # a rollout node's slots, when it has several
+                group_id = node_group.get(control.node_of(node_id), "")
                 queue = pb.NodePhaseQueue(node_id=node_id, pool=pool.value, group_id=group_id)
                 if group_id:
                     queues = control.queues[group_id]

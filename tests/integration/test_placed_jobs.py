@@ -128,23 +128,24 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
 
 async def test_a_tail_bound_rollout_reports_its_progress_and_its_tail_migrates(stack):
     """Issue 15: a placed trainer reports its rollout's progress; once 80% of a step's
-    responses are done the scheduler shrinks the two-node rollout onto its tail's node and
-    passes the other node's turn on (to job B, or to A's next rollout). Every step still
-    completes: only open requests move, with their tokens, to the kept node's worker."""
+    responses are done the scheduler shrinks the one-node rollout onto the GPU slot of its tail
+    (two slots, a placed worker each) and passes the other slot's turn on (to job B, or to A's
+    next rollout). Every step still completes: only open requests move, with their tokens, to
+    the kept slot's worker."""
     metrics_port = free_port()
     stack.start("placement_scheduler", "scheduler", [
-        "--scheduler-id", "scheduler", "--rollout-nodes", "2", "--train-nodes", "1",
+        "--scheduler-id", "scheduler", "--rollout-nodes", "1", "--rollout-slots", "2",
+        "--train-nodes", "1",
         "--metrics-port", str(metrics_port), *COMMON])
     for job in ("job-a", "job-b"):
         stack.start("rollout_manager", f"manager-{job}", [
             "--manager-id", f"manager-{job}", "--job", job, "--port", str(free_port()), *COMMON])
     for w in range(2):
         stack.start("rollout_worker", f"w{w}", [
-            "--worker-id", f"w{w}", "--placement-node", f"rollout-{w + 1}", "--torch-threads",
+            "--worker-id", f"w{w}", "--placement-node", f"rollout-1.gpu{w}", "--torch-threads",
             "1", "--max-running", "8", "--step-delay-s", "0.05", *COMMON])
     # Eight responses a step, lengths log-normal around 6 tokens and up to 48: a long tail.
-    a = start_trainer(stack, "job-a", 3, "--placement-rollout-nodes", "2",
-                      "--samples-per-prompt", "4", "--bench-length-median", "6",
+    a = start_trainer(stack, "job-a", 3, "--samples-per-prompt", "4", "--bench-length-median", "6",
                       "--max-new-tokens", "48", "--placement-progress-s", "0.1",
                       "--no-exit-when-done")
     b = start_trainer(stack, "job-b", 3, "--no-exit-when-done")

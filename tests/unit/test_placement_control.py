@@ -12,7 +12,7 @@ import pytest
 from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import JobSpec
 from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
-from rlharvest.services.placement_scheduler.model import H20, H800, JobProfile, Pool
+from rlharvest.services.placement_scheduler.model import H20, H800, JobProfile, PlacementError, Pool
 from rlharvest.services.placement_scheduler.service import submitted_spec
 from tests.builders import Clock
 
@@ -303,3 +303,46 @@ def test_the_training_pool_shrinks_after_a_leave_only_between_training_phases() 
     run_phase(ctl, clock, "B", Pool.ROLLOUT, 1, 10.0)
     assert ctl.acquire("B", Pool.TRAIN, 1).node_ids == ("t1",)
     assert "t2" not in ctl.scheduler.taken  # free for the next group
+
+
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_single_node_rollouts_tail_frees_gpu_slots_for_the_next_job(slots) -> None:
+    """WEAVE §4.3 at GPU granularity: with four slots per rollout node a one-node rollout
+    that is tail-bound keeps the slot its open request is on, and the job packed on the same
+    node starts its rollout on the other three at once (the fourth follows when the tail ends).
+    At whole-node granularity the one node cannot shrink: no migration."""
+    clock = Clock(START)
+    ctl = PlacementControl({Pool.ROLLOUT: ["r1"], Pool.TRAIN: ["t1"]},
+                           dataclasses.replace(H20, max_nodes=1),
+                           dataclasses.replace(H800, max_nodes=1), rollout_slots=slots,
+                           clock=clock)
+    ctl.submit(spec("A"))
+    ctl.submit(spec("B"))  # packed onto r1: it rolls out while A trains, and after A's rollout
+    permit = ctl.acquire("A", Pool.ROLLOUT, 0)
+    units = ctl.units(Pool.ROLLOUT, ["r1"])
+    assert permit.node_ids == units == (("r1",) if slots == 1 else
+                                        ("r1.gpu0", "r1.gpu1", "r1.gpu2", "r1.gpu3"))
+    assert ctl.acquire("B", Pool.ROLLOUT, 0) is None  # A's turn on every slot
+    open_on = {unit: int(unit == units[-1]) for unit in units}  # one request left, on one slot
+    plan = ctl.progress("A", 0, total=8, finished=7, unfinished_by_node=open_on)
+    if slots == 1:
+        assert plan is None and ctl.acquire("B", Pool.ROLLOUT, 0) is None
+        return
+    assert plan.keep_node_ids == (units[-1],) and set(plan.freed_node_ids) == set(units[:-1])
+    started = ctl.acquire("B", Pool.ROLLOUT, 0)
+    assert set(started.node_ids) == set(units[:-1]) and started.pending_node_ids == (units[-1],)
+    clock.advance(4.0)
+    ctl.release("A", Pool.ROLLOUT, 0)  # the tail ends: its slot passes to B
+    assert set(next(p for p in ctl.queues["group-1"].running() if p.job_id == "B").node_ids) \
+        == set(units)
+    assert ctl.stats.bubble_node_seconds == pytest.approx(4.0 * 3 / 4)  # 3 slots of 4, 4 s
+    assert ctl.pool_usage()[Pool.ROLLOUT] == (1, 1, 1)
+    records = json.loads(json.dumps(ctl.records()))  # through etcd's JSON
+    assert "nodes/r1.gpu0" in records  # each slot's worker follows its own record
+    again = PlacementControl({Pool.ROLLOUT: ["r1"], Pool.TRAIN: ["t1"]}, H20, H800,
+                             rollout_slots=4, clock=clock)
+    again.restore(records)
+    assert again.queues["group-1"].holders() == ctl.queues["group-1"].holders()
+    with pytest.raises(PlacementError, match="rollout-slots"):
+        PlacementControl({Pool.ROLLOUT: ["r1"], Pool.TRAIN: ["t1"]}, H20, H800,
+                         clock=clock).restore(records)
