@@ -23,6 +23,7 @@ time-averaged ``mean_cost_per_hour`` divides by a span that slowed jobs stretch.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -80,8 +81,11 @@ class _Running:
     version: int = 0  # finish events carry it; a stale one is ignored
 
 
-def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimResult:
-    """Replay ``jobs`` against a fresh placer; deterministic for a given job list."""
+def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer],
+             rollout_slots: int = 1) -> SimResult:
+    """Replay ``jobs`` against a fresh placer; deterministic for a given job list.
+    ``rollout_slots``: the GPU slots per rollout node long-tail migration works at (the
+    placement scheduler's ``--rollout-slots``); 1 = whole nodes."""
     placer = make_placer()
     sched = placer.scheduler
     gpu_per_node = {Pool.ROLLOUT: sched.rollout_pool.gpus_per_node,
@@ -112,7 +116,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
         # The scheduler planned with worst-case durations; the jobs run at their actual ones,
         # and each SLO holds against the job's actual solo time.
         actual = {j: by_id[j].running_job for j in group.jobs}
-        periods = co_execution_periods([_as_run(m, by_id[m.job_id], group)
+        periods = co_execution_periods([_as_run(m, by_id[m.job_id], group, rollout_slots)
                                         for m in members_of(group)])
         missed.update(slo_violations(periods, actual))
         for job_id, period in periods.items():
@@ -150,12 +154,20 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer]) -> SimRe
                      strategies, timeline)
 
 
-def _as_run(member: Member, job: SimJob, group: Group) -> Member:
-    """The member at its actual durations, with its long-tail migration point if it has one."""
+TAIL_KEEP_SHARE = 0.25  # of a rollout's units its tail keeps (2 of 8 GPUs, 1 of 2 nodes)
+
+
+def _as_run(member: Member, job: SimJob, group: Group, slots: int) -> Member:
+    """The member at its actual durations, with its long-tail migration if it has one: the
+    tail keeps a quarter of its rollout's units (slots, or nodes at one slot a node)."""
     actual = job.running_job
-    tail = None if job.tail_share is None else job.tail_share * actual.t_roll
-    return replace(member, t_roll=actual.t_roll, t_train=group.running(actual).t_train,
-                   tail_s=tail)
+    run = replace(member, t_roll=actual.t_roll, t_train=group.running(actual).t_train)
+    if job.tail_share is None:
+        return run
+    units = member.rollout_node_ids if slots == 1 else tuple(
+        f"{n}.gpu{k}" for n in member.rollout_node_ids for k in range(slots))
+    return replace(run, rollout_node_ids=units, tail_s=job.tail_share * actual.t_roll,
+                   tail_keep=max(1, math.ceil(len(units) * TAIL_KEEP_SHARE)))
 
 
 def static_cost(jobs: Sequence[Job], make_placer: Callable[[], Placer]) -> StaticResult:
