@@ -111,8 +111,9 @@ def simulate_round_robin(members: Sequence[Member], train_node_ids: Sequence[str
     seq, now, unfinished = 0, 0.0, len(members)
 
     def start(job_id: str, phase: Pool) -> None:
-        """The phase holds all its nodes: its clock starts (a rollout granted part of its nodes
-        while a migrated tail holds the rest waits for them, as the fast replay's gang does)."""
+        """The phase's clock starts at its grant, a partial one included: a rollout granted
+        part of its nodes while a migrated tail holds the rest runs on those (§4.3: that is
+        what the migration is for) and gets the others as the tail releases them."""
         nonlocal seq
         seq += 1
         heapq.heappush(events, (now + durations[(job_id, phase)], seq, job_id, phase, False))
@@ -121,27 +122,36 @@ def simulate_round_robin(members: Sequence[Member], train_node_ids: Sequence[str
             seq += 1
             heapq.heappush(events, (now + (m.tail_s or 0.0), seq, job_id, phase, True))
 
-    whole: set[str] = set()  # partly granted phases whose last node just came
-    while True:
-        for job_id, phase in queues.runnable():
-            permit = queues.acquire(job_id, phase, now)
-            if permit is not None and not permit.pending_node_ids:
-                whole.add(job_id)
-        for m in members:  # in admission order, as the fast replay starts them
-            if m.job_id in whole:
-                start(m.job_id, queues.next_phase(m.job_id)[0])
-        whole.clear()
-        if unfinished == 0:
-            break
-        now, _, job_id, phase, tail = heapq.heappop(events)
-        if tail:
-            queues.shrink(job_id, by_id[job_id].rollout_node_ids[:by_id[job_id].tail_keep])
-            continue
-        whole.update(p.job_id for p in queues.release(job_id, phase, now)
-                     if not p.pending_node_ids)
+    ended: set[str] = set()  # time up, but a node of theirs is still a migrated tail's
+
+    def finish(job_id: str, phase: Pool) -> None:
+        nonlocal unfinished
+        grown = queues.release(job_id, phase, now)
         if phase is Pool.TRAIN:
             done[job_id].append(now)
             unfinished -= len(done[job_id]) == iterations
+        for permit in grown:
+            if not permit.pending_node_ids and permit.job_id in ended:
+                ended.discard(permit.job_id)
+                finish(permit.job_id, permit.phase)
+
+    while True:
+        for job_id, phase in queues.runnable():
+            if queues.acquire(job_id, phase, now) is not None:
+                start(job_id, phase)
+        if unfinished == 0:
+            break
+        now, _, job_id, phase, tail = heapq.heappop(events)
+        running = next(p for p in queues.running() if p.job_id == job_id)
+        if tail:  # no migration while the rollout still waits for a node itself
+            if not running.pending_node_ids:
+                m = by_id[job_id]
+                queues.shrink(job_id, m.rollout_node_ids[:m.tail_keep])
+            continue
+        if running.pending_node_ids:
+            ended.add(job_id)
+            continue
+        finish(job_id, phase)
     return {job_id: _steady_period(times) for job_id, times in done.items()}
 
 
@@ -171,47 +181,93 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
             cycle[n].append(j)
     turn = [0] * (train + 1)
     busy = [False] * (train + 1)
+    holder = [-1] * (train + 1)
     phase = [0] * len(members)  # 0: next/running phase is rollout, 1: training
     running = [False] * len(members)
-    held: list[tuple[int, ...]] = [() for _ in members]  # nodes a running phase holds
+    tailing = [False] * len(members)  # a running rollout shrunk onto its tail
+    ended = [False] * len(members)  # time up, but a node of theirs is still a tail's
+    held: list[list[int]] = [[] for _ in members]  # nodes a running phase holds
+    pending: list[list[int]] = [[] for _ in members]  # ... and waits for from a tail
     done: list[list[float]] = [[] for _ in members]
     events: list[tuple[float, int, int, bool]] = []  # (time, seq, job, is the tail point)
+    dirty, seq, now, unfinished = set(range(train + 1)), 0, 0.0, len(members)
+    after_tail: set[int] = set()
 
-    def free(nodes: Sequence[int]) -> None:
+    def grant(j: int) -> tuple[list[int], list[int]] | None:
+        """As ``PhaseQueues._grantable``: free nodes whose turn is j's, and nodes a migrated
+        tail holds whose next turn is j's; None unless every node is one or the other."""
+        free, wait = [], []
+        for n in phase_nodes[j][phase[j]]:
+            if not busy[n] and cycle[n][turn[n]] == j:
+                free.append(n)
+            elif busy[n] and holder[n] != j and tailing[holder[n]] and \
+                    cycle[n][(turn[n] + 1) % len(cycle[n])] == j:
+                wait.append(n)
+            else:
+                return None
+        return (free, wait) if free else None
+
+    def pass_turn(nodes: Sequence[int]) -> None:
+        """Free ``nodes`` and advance their turn; a partly started rollout waiting for one
+        takes it (``PhaseQueues._pass_turn``); one whose time was up finishes then."""
+        grown: list[int] = []
         for n in nodes:
-            busy[n] = False
+            busy[n], holder[n] = False, -1
             turn[n] = (turn[n] + 1) % len(cycle[n])
             dirty.add(n)
+            heir = cycle[n][turn[n]]
+            if n in pending[heir]:
+                busy[n], holder[n] = True, heir
+                pending[heir].remove(n)
+                held[heir].append(n)
+                grown.append(heir)
+        for j in dict.fromkeys(grown):
+            if not pending[j] and ended[j]:
+                finish(j)
 
-    dirty, seq, now, unfinished = set(range(train + 1)), 0, 0.0, len(members)
-    while True:
-        for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]}):
-            nodes = phase_nodes[j][phase[j]]
-            if not running[j] and all(not busy[n] and cycle[n][turn[n]] == j for n in nodes):
-                for n in nodes:
-                    busy[n] = True
-                running[j], held[j] = True, nodes
-                seq += 1
-                heapq.heappush(events, (now + durations[j][phase[j]], seq, j, False))
-                if phase[j] == 0 and members[j].migrates():
-                    seq += 1
-                    heapq.heappush(events, (now + (members[j].tail_s or 0.0), seq, j, True))
-        dirty.clear()
-        if unfinished == 0:
-            break
-        now, _, j, tail = heapq.heappop(events)
-        if tail:  # the tail keeps its first nodes; the others pass to the next job's turn
-            keep = members[j].tail_keep
-            free(held[j][keep:])
-            held[j] = held[j][:keep]
-            continue
-        free(held[j])
+    def finish(j: int) -> None:
+        nonlocal unfinished
+        nodes, held[j] = held[j], []
+        ended[j] = tailing[j] = running[j] = False
         if phase[j]:
             done[j].append(now)
             unfinished -= len(done[j]) == iterations
         phase[j] ^= 1
-        running[j] = False
         dirty.update(phase_nodes[j][phase[j]])
+        pass_turn(nodes)
+
+    while True:
+        # Whose turn it is on a node that changed; and after a tail point, whose turn follows
+        # on the tail's nodes (they may start on their free nodes now, as in _grantable).
+        for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]} | after_tail):
+            found = None if running[j] else grant(j)
+            if found is None:
+                continue
+            for n in found[0]:
+                busy[n], holder[n] = True, j
+            running[j], held[j], pending[j] = True, found[0], found[1]
+            seq += 1
+            heapq.heappush(events, (now + durations[j][phase[j]], seq, j, False))
+            if phase[j] == 0 and members[j].migrates():
+                seq += 1
+                heapq.heappush(events, (now + (members[j].tail_s or 0.0), seq, j, True))
+        dirty.clear()
+        after_tail.clear()
+        if unfinished == 0:
+            break
+        now, _, j, tail = heapq.heappop(events)
+        if tail:  # the tail keeps its first nodes; the others pass to the next job's turn
+            if not pending[j]:
+                keep = set(phase_nodes[j][0][:members[j].tail_keep])
+                freed = [n for n in held[j] if n not in keep]
+                held[j], tailing[j] = [n for n in held[j] if n in keep], True
+                after_tail.update(cycle[n][(turn[n] + 1) % len(cycle[n])] for n in held[j])
+                pass_turn(freed)
+            continue
+        if pending[j]:
+            ended[j] = True
+            continue
+        finish(j)
     return {m.job_id: _steady_period(done[j]) for j, m in enumerate(members)}
 
 

@@ -52,8 +52,8 @@ def test_fast_replay_matches_the_permit_state_machine(rows) -> None:
                for p in co_execution_periods(group).values())
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(durations, durations, st.sets(st.sampled_from("abc"), min_size=1),
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(durations, durations, st.sets(st.sampled_from("abcd"), min_size=1),
                           st.one_of(st.none(), st.floats(0.1, 0.9))), min_size=1, max_size=5))
 def test_fast_replay_matches_the_permit_state_machine_with_long_tail_migration(rows) -> None:
     group = [Member(f"j{i}", r, t, tuple(sorted(n)), None if f is None else f * r)
