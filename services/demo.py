@@ -46,6 +46,7 @@ from rlharvest.common import observability, registry, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
+from rlharvest.services import demo_placed
 from rlharvest.services.demo_serving import DemoServing, StepServing
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 
@@ -499,9 +500,20 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
          min_rise: float = typer.Option(0.1, help="fail unless the mean reward of the last 3 "
                                                   "steps beats the first 3 by this much"),
          timeout: float = typer.Option(_TIME_LIMIT_S, help="give up after this many seconds "
-                                                           "(the spec: 5 minutes on 2 cores)")
+                                                           "(the spec: 5 minutes on 2 cores)"),
+         placement_jobs: int = typer.Option(0, min=0, help="WEAVE instead: this many GRPO jobs "
+                                            "share one rollout worker and one training node "
+                                            "under the placement scheduler (--steps each)")
          ) -> None:
     """Run the demo and print a table per step; the plot goes to OUT/demo.png."""
+    if placement_jobs:
+        try:
+            demo_placed.run(placement_jobs, steps, step_delay_s,
+                            log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-demo-")), timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            console.print(f"[bold red]demo failed[/]: {exc}")
+            raise typer.Exit(1) from None
+        return
     if 0 < tail_batching < 1:
         raise typer.BadParameter(f"--tail-batching {tail_batching:g}: eta launches at least "
                                  "what trains, so give 1 or more (or 0 for off)")

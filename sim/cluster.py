@@ -7,9 +7,10 @@ with the same round-robin model the scheduler uses (``round_robin.co_execution_p
 members' finish times are moved accordingly, and any member slower than SLO × T_solo is counted
 as an SLO miss. Jobs may run faster than the worst case the scheduler planned with
 (``SimJob.actual``): periods, SLOs and finish times then follow the actual durations, while
-placement still sees the estimates. Long-tail migration (``SimJob.tail_share``): a multi-node
-rollout keeps one node once tail-bound and its others pass to the next job's turn, in the same
-replay (``Member.tail_s``); node granularity, so single-node rollouts never migrate.
+placement still sees the estimates. Long-tail migration (``SimJob.tail_share``): once
+tail-bound a rollout keeps a quarter of its units (nodes, or GPU slots with ``rollout_slots``)
+and the next job's rollout starts on the others, in the same replay (``Member.tail_s``); at one
+slot a node a single-node rollout cannot migrate.
 Provisioning cost is integrated over time. Time is simulated, never read.
 
 What the cost model charges: provisioned node-hours, nothing else. A job slowed past its SLO

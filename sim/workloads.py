@@ -53,8 +53,8 @@ class SimJob:
     # every response at the token limit (t_roll, t_train); real responses end sooner.
     actual: float = 1.0
     # Share of its actual rollout after which the job is tail-bound (a threshold share of its
-    # responses done) and long-tail migration (§4.3) keeps one of its rollout nodes; None: the
-    # rollout holds every node to its end. Only multi-node rollouts free a node.
+    # responses done) and long-tail migration (§4.3) keeps a quarter of its rollout's units
+    # (``cluster.simulate``); None: the rollout holds every unit to its end.
     tail_share: float | None = None
 
     @property

@@ -17,7 +17,7 @@ PHASE_ROLLOUT: JobPhase
 PHASE_TRAIN: JobPhase
 
 class PlacementJobSpec(_message.Message):
-    __slots__ = ("job_id", "t_roll_s", "t_train_s", "slo", "rollout_nodes", "train_nodes", "rollout_mem_gb", "train_mem_gb", "profile")
+    __slots__ = ("job_id", "t_roll_s", "t_train_s", "slo", "rollout_nodes", "train_nodes", "rollout_mem_gb", "train_mem_gb", "profile", "train_state_sharded")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     T_ROLL_S_FIELD_NUMBER: _ClassVar[int]
     T_TRAIN_S_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class PlacementJobSpec(_message.Message):
     ROLLOUT_MEM_GB_FIELD_NUMBER: _ClassVar[int]
     TRAIN_MEM_GB_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STATE_SHARDED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     t_roll_s: float
     t_train_s: float
@@ -36,7 +37,8 @@ class PlacementJobSpec(_message.Message):
     rollout_mem_gb: float
     train_mem_gb: float
     profile: PlacementJobProfile
-    def __init__(self, job_id: _Optional[str] = ..., t_roll_s: _Optional[float] = ..., t_train_s: _Optional[float] = ..., slo: _Optional[float] = ..., rollout_nodes: _Optional[int] = ..., train_nodes: _Optional[int] = ..., rollout_mem_gb: _Optional[float] = ..., train_mem_gb: _Optional[float] = ..., profile: _Optional[_Union[PlacementJobProfile, _Mapping]] = ...) -> None: ...
+    train_state_sharded: bool
+    def __init__(self, job_id: _Optional[str] = ..., t_roll_s: _Optional[float] = ..., t_train_s: _Optional[float] = ..., slo: _Optional[float] = ..., rollout_nodes: _Optional[int] = ..., train_nodes: _Optional[int] = ..., rollout_mem_gb: _Optional[float] = ..., train_mem_gb: _Optional[float] = ..., profile: _Optional[_Union[PlacementJobProfile, _Mapping]] = ..., train_state_sharded: _Optional[bool] = ...) -> None: ...
 
 class PlacementJobProfile(_message.Message):
     __slots__ = ("batch_size", "prompt_tokens", "max_response_tokens", "decode_s_per_token", "prefill_s", "train_tokens_per_s", "turns", "env_s_per_turn", "sync_s")

@@ -73,6 +73,7 @@ class JobSpec:
     rollout_mem_gb: float = 0.0
     train_mem_gb: float = 0.0
     profile: JobProfile | None = None
+    train_state_sharded: bool | None = None  # default True: ZeRO / FSDP (Job.at_dp)
 
     def to_proto(self) -> pb.PlacementJobSpec:
         fields = {k: v for k, v in asdict(self).items() if v is not None and k != "profile"}

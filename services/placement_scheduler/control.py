@@ -341,10 +341,13 @@ class PlacementControl:
         job = self.scheduler.groups[record.group_id].jobs[job_id]
         if phase is Pool.TRAIN:
             self._iteration_done(record, job, now)
-            self._shrink_train_pool(record.group_id)
         # Waiting for nodes a migrated tail still held is not phase time (no false drift).
         started, record.whole_at = max(permit.granted_at, record.whole_at), 0.0
-        return self._check_drift(job, phase, now - started)
+        # Judged at the DP degree the phase ran at: before any shrink of the pool.
+        outcome = self._check_drift(job, phase, now - started)
+        if phase is Pool.TRAIN and record.group_id in self.scheduler.groups:
+            self._shrink_train_pool(record.group_id)
+        return outcome
 
     def _shrink_train_pool(self, group_id: str) -> list[str]:
         """Drop the training nodes the group no longer needs (``shrink_train_pool``), between
@@ -411,12 +414,12 @@ class PlacementControl:
             raise Refusal("invalid", f"job {job_id!r} reported unknown nodes {unknown}; the "
                           f"cluster's nodes are {sorted(known)}")
         permit = next(p for p in queues.running() if p.job_id == job_id)
-        if set(unfinished_by_node) != set(permit.node_ids) or permit.pending_node_ids:
+        if permit.pending_node_ids:  # it waits for a tail's nodes itself: no migration yet
+            return None
+        if set(unfinished_by_node) != set(permit.node_ids):
             raise Refusal("precondition", f"job {job_id!r} reported nodes "
                           f"{sorted(unfinished_by_node)} but its rollout holds "
-                          f"{sorted(permit.node_ids)}"
-                          + (f" and waits for {list(permit.pending_node_ids)}"
-                             if permit.pending_node_ids else "") + "; report every held node")
+                          f"{sorted(permit.node_ids)}; report every held node")
         if requests_per_node < 0:
             raise Refusal("invalid", f"requests_per_node must be >= 0, got {requests_per_node}")
         try:

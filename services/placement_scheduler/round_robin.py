@@ -64,9 +64,8 @@ def t_load(members: Iterable[Member]) -> float:
     per_node: dict[str, float] = {}
     for m in members:
         train += m.t_train
-        for k, node_id in enumerate(m.rollout_node_ids):
-            held = m.tail_s if m.migrates() and k >= m.tail_keep else m.t_roll
-            per_node[node_id] = per_node.get(node_id, 0.0) + (held or 0.0)
+        for node_id in m.rollout_node_ids:
+            per_node[node_id] = per_node.get(node_id, 0.0) + m.t_roll
     return max(train, max(per_node.values(), default=0.0))
 
 
@@ -277,6 +276,10 @@ def co_execution_periods(members: Sequence[Member], iterations: int = DEFAULT_IT
     bound max(T_cycle, T_load). A finite replay can still be in its start-up transient (a short
     job drifting into step with a long one); the bound corrects that underestimate."""
     bound = max(t_cycle(members), t_load(members))
+    if any(m.migrates() for m in members):
+        # With long-tail migration a rollout node's turns overlap (the next rollout runs on the
+        # freed nodes while the tail ends on the kept one), so its summed T_roll bounds nothing.
+        bound = max(t_cycle(members), sum(m.t_train for m in members))
     return {j: max(p, bound) for j, p in fast_round_robin(members, iterations).items()}
 
 

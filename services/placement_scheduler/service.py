@@ -50,7 +50,8 @@ def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) ->
 
 # proto field -> Job field, for the fields whose absence means "use the default" (proto3 optional).
 _OPTIONAL = {"t_roll_s": "t_roll", "t_train_s": "t_train", "slo": "slo",
-             "rollout_nodes": "rollout_nodes", "train_nodes": "train_nodes"}
+             "rollout_nodes": "rollout_nodes", "train_nodes": "train_nodes",
+             "train_state_sharded": "train_state_sharded"}
 
 
 def submitted_spec(job: pb.PlacementJobSpec) -> dict[str, Any]:

@@ -98,7 +98,8 @@ def placement_spec(cfg: TrainerConfig, profile: JobProfile | None = None) -> Job
     given = {} if profile is not None else {"t_roll_s": cfg.placement_t_roll_s,
                                             "t_train_s": cfg.placement_t_train_s}
     return JobSpec(cfg.job, slo=cfg.placement_slo, rollout_nodes=cfg.placement_rollout_nodes,
-                   train_nodes=cfg.placement_train_nodes, profile=profile, **given)
+                   train_nodes=cfg.placement_train_nodes, profile=profile,
+                   train_state_sharded=cfg.backend == "deepspeed" and cfg.zero_stage > 0, **given)
 
 
 def follow(cfg: TrainerConfig) -> int:

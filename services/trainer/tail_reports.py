@@ -27,6 +27,7 @@ from prometheus_client import Counter
 
 from rlharvest.common import registry
 from rlharvest.services.placement_scheduler.client import PhaseRun
+from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.rollout_manager.status_client import manager_status
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ async def report_until_migrated(run: PhaseRun, etcd: aetcd.Client, manager: Call
         await asyncio.sleep(interval_s)
         done = min(finished(), total)
         try:
+            # The permit as it is now: a rollout started on a tail's freed nodes has since been
+            # handed the rest (asking again for a running phase returns its permit).
+            permit = await run.job.client.acquire(job, Pool.ROLLOUT, run.iteration, wait_s=0.0)
+            run.node_ids = [*permit.node_ids, *permit.pending_node_ids]
             by_node = open_by_node(total - done,
                                    await assigned_by_node(etcd, manager(), job), run.node_ids)
             migration = await run.report_progress(total, done, by_node)

