@@ -27,7 +27,7 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.launcher import LocalStack
 
-COMMON = ["--lease-ttl", "2", "--json-logs"]
+COMMON = ["--json-logs"]  # the default 5 s leases: a demo on a busy laptop keeps its leader
 console = Console()
 
 
@@ -80,7 +80,7 @@ def start(stack: LocalStack, jobs: list[str], steps: int, step_delay_s: float
         "--max-running", "16", "--step-delay-s", str(step_delay_s),
         "--metrics-port", str(worker_metrics), *COMMON])
     endpoints = {}
-    for job in jobs:
+    for seed, job in enumerate(jobs):
         stack.start("rollout_manager", f"manager-{job}", [
             "--manager-id", f"manager-{job}", "--job", job, "--port", str(free_port()),
             *COMMON])
@@ -89,6 +89,7 @@ def start(stack: LocalStack, jobs: list[str], steps: int, step_delay_s: float
             "--trainer-id", f"trainer-{job}", "--job", job, "--port", str(port),
             "--backend", "torch", "--torch-threads", "1", "--no-publish", "--steps", str(steps),
             "--prompts-per-step", "4", "--samples-per-prompt", "4", "--no-exit-when-done",
+            "--data-seed", str(seed),
             "--placement-scheduler", "--placement-t-roll-s", "30", "--placement-t-train-s", "30",
             "--placement-slo", str(len(jobs) + 1), *COMMON])
         endpoints[job] = f"127.0.0.1:{port}"
@@ -143,4 +144,5 @@ def run(jobs: int, steps: int, step_delay_s: float, log_dir: Path, timeout: floa
         f"reclaimed {scheduler.get('rlh_placement_bubble_node_seconds_reclaimed', 0):.1f} "
         f"node-seconds of long-tail bubbles in "
         f"{scheduler.get('rlh_placement_tail_migrations', 0):.0f} migrations; "
-        f"{2 * makespan / done:.2f} node-seconds per step on 2 nodes (solo: 2 nodes per job)")
+        f"{2 * makespan / done:.2f} node-seconds per step on the 2 shared nodes "
+        "(bench/placement_e2e.py runs the same jobs solo, 2 nodes each, for the comparison)")

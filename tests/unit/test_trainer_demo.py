@@ -98,3 +98,22 @@ def test_the_step_table_shows_each_published_versions_changed_share() -> None:
 def test_an_eta_below_one_is_refused(tmp_path) -> None:
     result = CliRunner().invoke(demo.app, ["--tail-batching", "0.5", "--log-dir", str(tmp_path)])
     assert result.exit_code == 2 and "give 1 or more" in result.output
+
+
+def test_the_placed_demos_table_has_a_row_per_step_and_two_columns_per_job() -> None:
+    from rich.console import Console
+
+    from rlharvest.common.pb import trainer_pb2 as tpb
+    from rlharvest.services.demo_placed import jobs_table
+
+    statuses = {job: tpb.TrainerStatus(steps=[tpb.StepSummary(step=i + 1, mean_reward=0.1 * i,
+                                                              step_time_s=0.5)
+                                              for i in range(n)])
+                for job, n in (("job-a", 3), ("job-b", 2))}
+    table = jobs_table(statuses)
+    assert [c.header for c in table.columns] == [
+        "step", "job-a reward", "job-a step s", "job-b reward", "job-b step s"]
+    assert table.row_count == 3
+    console = Console(width=120, record=True)
+    console.print(table)
+    assert "0.200" in console.export_text()  # job-a's third step; job-b has none there
