@@ -188,10 +188,10 @@ class InterGroupScheduler:
         """Group-level filters that hold for every placement in the group."""
         if len(group.train_nodes) < job.train_nodes:  # training pools are not scaled (§4.2 fn 2)
             return False
-        running = group.running(job)  # its DP degree matched to the pool (fn 3)
-        if not fits_in_memory(group.train_mem_gb, running.train_mem_gb, group.min_train_mem_gb):
+        t_train, mem = job.train_at(len(group.train_nodes))  # DP matched to the pool (fn 3)
+        if not fits_in_memory(group.train_mem_gb, mem, group.min_train_mem_gb):
             return False  # line 8, for the training nodes every placement in the group shares
-        bound = max(group.t_cycle, running.t_solo, group.train_load_s + running.t_train)
+        bound = max(group.t_cycle, job.t_roll + t_train, group.train_load_s + t_train)
         return bound <= min(group.min_slo_budget, job.slo_budget) * (1 + _EPS)
 
     def _first_feasible(self, group: Group, job: Job, new_nodes: int) -> Decision | None:

@@ -143,13 +143,19 @@ class Job:
         Linear scaling is an upper bound on the speed-up (the weight sync in ``t_train`` does not
         shrink, and gradient all-reduce grows); we take it because the profiler measures one
         degree only, and a drift report at the group's degree corrects an optimistic estimate."""
-        _require(train_nodes >= self.train_nodes, f"job {self.job_id!r} needs {self.train_nodes} "
-                 f"training nodes; a pool of {train_nodes} cannot run it")
         if train_nodes == self.train_nodes:
             return self
+        t_train, mem = self.train_at(train_nodes)
+        return replace(self, t_train=t_train, train_mem_gb=mem)
+
+    def train_at(self, train_nodes: int) -> tuple[float, float]:
+        """(training seconds, per-node training GB) at a pool of ``train_nodes``: ``at_dp``'s
+        numbers without building a Job (Algorithm 1 asks for every group)."""
+        _require(train_nodes >= self.train_nodes, f"job {self.job_id!r} needs {self.train_nodes} "
+                 f"training nodes; a pool of {train_nodes} cannot run it")
         share = self.train_nodes / train_nodes
-        mem = self.train_mem_gb * share if self.train_state_sharded else self.train_mem_gb
-        return replace(self, t_train=self.t_train * share, train_mem_gb=mem)
+        return (self.t_train * share,
+                self.train_mem_gb * share if self.train_state_sharded else self.train_mem_gb)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -246,7 +252,9 @@ class Group:
     def t_cycle(self) -> float:
         """T_G^cycle = max_j T_j^solo: the longest member's iteration on its own (§4.2), at the
         group's DP degree, the time that phase takes here."""
-        return max((self.running(job).t_solo for job in self.jobs.values()), default=0.0)
+        pool = len(self.train_nodes) or 1
+        return max((job.t_roll + (job.train_at(pool)[0] if self.train_nodes else job.t_train)
+                    for job in self.jobs.values()), default=0.0)
 
     @property
     def t_load(self) -> float:
