@@ -175,7 +175,7 @@ class OptimumPlacer:
     shrunk), as WEAVE does: the reading the issue calls "assigned at arrivals only"."""
 
     def __init__(self, rollout_pool: PoolSpec, train_pool: PoolSpec,
-                 regroup_at_departures: bool, max_jobs: int = 24) -> None:
+                 regroup_at_departures: bool, max_jobs: int = 40) -> None:
         self.scheduler = InterGroupScheduler(rollout_pool, train_pool)
         self.regroup_at_departures, self.max_jobs = regroup_at_departures, max_jobs
         self._alive: dict[str, Job] = {}  # arrival order
