@@ -179,6 +179,57 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
     for j, (roll_nodes, _) in enumerate(phase_nodes):
         for n in (*roll_nodes, train):
             cycle[n].append(j)
+    replay = _replay_with_tails if any(m.migrates() for m in members) else _replay_gangs
+    done = replay(members, phase_nodes, durations, cycle, iterations)
+    return {m.job_id: _steady_period(done[j]) for j, m in enumerate(members)}
+
+
+Layout = list[list[tuple[int, ...]]]  # per job: (rollout node indices, (the training pool,))
+
+
+def _replay_gangs(members: Sequence[Member], phase_nodes: Layout,
+                  durations: list[tuple[float, float]], cycle: list[list[int]],
+                  iterations: int) -> list[list[float]]:
+    """No member migrates (admission's worst case): every phase a gang on its nodes. The hot
+    path of Algorithm 1, so kept apart from the tails' bookkeeping."""
+    turn = [0] * len(cycle)
+    busy = [False] * len(cycle)
+    phase = [0] * len(members)  # 0: next/running phase is rollout, 1: training
+    running = [False] * len(members)
+    done: list[list[float]] = [[] for _ in members]
+    events: list[tuple[float, int, int]] = []
+    dirty, seq, now, unfinished = set(range(len(cycle))), 0, 0.0, len(members)
+    while True:
+        for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]}):
+            nodes = phase_nodes[j][phase[j]]
+            if not running[j] and all(not busy[n] and cycle[n][turn[n]] == j for n in nodes):
+                for n in nodes:
+                    busy[n] = True
+                running[j] = True
+                seq += 1
+                heapq.heappush(events, (now + durations[j][phase[j]], seq, j))
+        dirty.clear()
+        if unfinished == 0:
+            return done
+        now, _, j = heapq.heappop(events)
+        for n in phase_nodes[j][phase[j]]:
+            busy[n] = False
+            turn[n] = (turn[n] + 1) % len(cycle[n])
+            dirty.add(n)
+        if phase[j]:
+            done[j].append(now)
+            unfinished -= len(done[j]) == iterations
+        phase[j] ^= 1
+        running[j] = False
+        dirty.update(phase_nodes[j][phase[j]])
+
+
+def _replay_with_tails(members: Sequence[Member], phase_nodes: Layout,
+                       durations: list[tuple[float, float]], cycle: list[list[int]],
+                       iterations: int) -> list[list[float]]:
+    """Long-tail migration as the permits grant it: a tail keeps its first nodes, the next
+    rollout starts on the freed ones and takes the rest as the tail releases them."""
+    train = len(cycle) - 1
     turn = [0] * (train + 1)
     busy = [False] * (train + 1)
     holder = [-1] * (train + 1)
@@ -268,7 +319,7 @@ def fast_round_robin(members: Sequence[Member], iterations: int = DEFAULT_ITERAT
             ended[j] = True
             continue
         finish(j)
-    return {m.job_id: _steady_period(done[j]) for j, m in enumerate(members)}
+    return done
 
 
 def co_execution_periods(members: Sequence[Member], iterations: int = DEFAULT_ITERATIONS
