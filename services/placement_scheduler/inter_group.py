@@ -84,6 +84,7 @@ class InterGroupScheduler:
         self.rollout_pool, self.train_pool, self.iterations = rollout_pool, train_pool, iterations
         self.objective = Objective(objective)
         self._work: dict[str, tuple[int, float]] = {}  # per-group work rate by version
+        self._kept_pool: dict[str, int] = {}  # group -> version whose pool could not shrink
         self.groups: dict[str, Group] = {}
         self._job_group: dict[str, str] = {}
         self._members: dict[str, tuple[int, list[Member]]] = {}  # per-group cache by version
@@ -300,12 +301,15 @@ class InterGroupScheduler:
         done at a phase boundary, and without it a group keeps paying for training nodes that
         only a departed job needed. Returns the dropped node ids."""
         group = self.groups[group_id]
+        if self._kept_pool.get(group_id) == group.version:
+            return []  # nothing changed since the last try (the control asks every phase)
         need = max((j.train_nodes for j in group.jobs.values()), default=len(group.train_nodes))
         for keep in range(need, len(group.train_nodes)):
             if self._pool_holds(group, keep):
                 dropped = group.shrink_train_pool(keep)
                 self._nodes_in_use[Pool.TRAIN] -= len(dropped)
                 return dropped
+        self._kept_pool[group_id] = group.version
         return []
 
     def _pool_holds(self, group: Group, keep: int) -> bool:
@@ -325,6 +329,7 @@ class InterGroupScheduler:
             del self.groups[group.group_id]
             self._members.pop(group.group_id, None)
             self._work.pop(group.group_id, None)
+            self._kept_pool.pop(group.group_id, None)
         return released
 
     def observe_drift(self, job_id: str, t_roll: float, t_train: float) -> bool:
@@ -374,6 +379,7 @@ class InterGroupScheduler:
         """Forget every group and hold ``groups`` instead: a restart, or a policy that re-places
         every job at once (the simulator's optimum, migrations free)."""
         self.groups, self._job_group, self._members, self._work = {}, {}, {}, {}
+        self._kept_pool = {}
         self._nodes_in_use = {Pool.ROLLOUT: 0, Pool.TRAIN: 0}
         for group in groups:
             self.groups[group.group_id] = group

@@ -7,6 +7,7 @@ rise check turned permissive (tests/unit/test_trainer_demo.py covers the check i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,18 @@ def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     assert any(e.startswith("SIGKILL the leading manager") for s in steps[1:]
                for e in s["events"]), result.stdout[-4000:]
     assert "tokens generated twice: 0" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_placed_demo_runs_two_jobs_on_one_worker_and_reports_the_switches(tmp_path):
+    """`demo --placement-jobs 2`: two GRPO jobs take turns on one placed worker and one
+    training node under the placement scheduler; both finish, and the worker switched jobs."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rlharvest.services.demo", "--placement-jobs", "2", "--steps", "3",
+         "--timeout", "90", "--log-dir", str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "job-a step 3" in out and "job-b step 3" in out, out[-2000:]
+    switches = re.search(r"switched jobs (\d+) times warm .* and (\d+) cold", out)
+    assert switches is not None, out[-2000:]
+    assert int(switches.group(2)) == 2 and int(switches.group(1)) >= 1  # each job loaded once

@@ -307,6 +307,9 @@ def test_the_training_pool_keeps_nodes_whose_loss_would_break_an_slo(scheduler) 
     assert scheduler.leave("A") == []
     assert len(group.train_nodes) == 2 and scheduler.nodes_in_use(Pool.TRAIN) == 2
     assert group.running(group.jobs["C"]).t_train == pytest.approx(50)
+    assert scheduler.shrink_train_pool(group.group_id) == []  # asked again: still kept
+    assert scheduler.leave("B") == ["rollout-1", "train-2"]  # C alone fits one node at last
+    assert len(group.train_nodes) == 1
 
 
 def test_a_drift_report_is_read_at_the_groups_dp_degree(scheduler) -> None:
