@@ -196,13 +196,6 @@ def _start_coexecutor(stack: LocalStack, args: dict, common: list[str]) -> DemoS
                        seconds=_TIME_LIMIT_S, rps=args["serving_rps"])
 
 
-async def _status(stub, timeout: float = 2.0) -> tpb.TrainerStatus | None:
-    try:
-        return await stub.GetStatus(tpb.TrainerStatusRequest(), timeout=timeout)
-    except Exception:  # noqa: BLE001 - still starting: the caller polls again
-        return None
-
-
 async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                  timeout: float) -> tpb.TrainerStatus:
     deadline = time.monotonic() + timeout
@@ -228,7 +221,7 @@ async def drive(run: Run, schedule: PreemptionSchedule, steps: int,
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the demo did not finish within {timeout:.0f}s; logs "
                                        f"in {run.stack.log_dir}")
-                st = await _status(stub)
+                st = await demo_placed.trainer_status(stub)
                 if st is None or st.state == "starting":
                     await asyncio.sleep(0.2)
                     continue

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-import grpc
-
-from rlharvest.common import rpc
+from rlharvest.common import observability, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.launcher import LocalStack
@@ -31,14 +27,13 @@ COMMON = ["--json-logs"]  # the default 5 s leases: a demo on a busy laptop keep
 console = Console()
 
 
-async def trainer_status(endpoint: str) -> tpb.TrainerStatus | None:
-    """The trainer's status, or None while it is not answering yet."""
-    async with rpc.channel(endpoint) as chan:
-        try:
-            return await trainer_pb2_grpc.TrainerStub(chan).GetStatus(
-                tpb.TrainerStatusRequest(), timeout=2)
-        except grpc.aio.AioRpcError:
-            return None
+async def trainer_status(stub: trainer_pb2_grpc.TrainerStub,
+                         timeout: float = 2.0) -> tpb.TrainerStatus | None:
+    """The trainer's status, or None while it is not answering yet (the demos poll again)."""
+    try:
+        return await stub.GetStatus(tpb.TrainerStatusRequest(), timeout=timeout)
+    except Exception:  # noqa: BLE001 - still starting: the caller polls again
+        return None
 
 
 def jobs_table(statuses: dict[str, tpb.TrainerStatus]) -> Table:
@@ -57,14 +52,6 @@ def jobs_table(statuses: dict[str, tpb.TrainerStatus]) -> Table:
                     "" if step is None else f"{step.step_time_s:.2f}"]
         table.add_row(*row)
     return table
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())):
-            sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples}
 
 
 def start(stack: LocalStack, jobs: list[str], steps: int, step_delay_s: float
@@ -101,9 +88,20 @@ async def watch(endpoints: dict[str, str], steps: int, timeout: float
     """Until every job trained ``steps`` steps, printing each step as it lands."""
     deadline, shown = time.monotonic() + timeout, {job: 0 for job in endpoints}
     statuses: dict[str, tpb.TrainerStatus] = {}
+    channels = {job: rpc.channel(endpoint) for job, endpoint in endpoints.items()}
+    try:
+        return await _poll(channels, statuses, shown, steps, deadline, timeout)
+    finally:
+        for chan in channels.values():
+            await chan.close()
+
+
+async def _poll(channels: dict, statuses: dict[str, tpb.TrainerStatus], shown: dict[str, int],
+                steps: int, deadline: float, timeout: float) -> dict[str, tpb.TrainerStatus]:
+    stubs = {job: trainer_pb2_grpc.TrainerStub(chan) for job, chan in channels.items()}
     while True:
-        for job, endpoint in endpoints.items():
-            status = await trainer_status(endpoint)
+        for job, stub in stubs.items():
+            status = await trainer_status(stub)
             if status is None:
                 continue
             statuses[job] = status
@@ -113,7 +111,7 @@ async def watch(endpoints: dict[str, str], steps: int, timeout: float
                 console.log(f"{job} step {step.step}: reward {step.mean_reward:.3f} in "
                             f"{step.step_time_s:.2f} s")
             shown[job] = len(status.steps)
-        if len(statuses) == len(endpoints) and all(s.state == "done"
+        if len(statuses) == len(stubs) and all(s.state == "done"
                                                    for s in statuses.values()):
             return statuses
         if time.monotonic() > deadline:
@@ -131,18 +129,22 @@ def run(jobs: int, steps: int, step_delay_s: float, log_dir: Path, timeout: floa
         stack.start_etcd()
         endpoints, worker_metrics, scheduler_metrics = start(stack, names, steps, step_delay_s)
         statuses = asyncio.run(watch(endpoints, steps, timeout))
-        worker, scheduler = scrape(worker_metrics), scrape(scheduler_metrics)
+        worker, scheduler = (observability.scrape(f"127.0.0.1:{port}")
+                             for port in (worker_metrics, scheduler_metrics))
     finally:
         stack.stop()
     console.print(jobs_table(statuses))
+
+    def switches(load: str) -> float:
+        return observability.sample(worker, f'rlh_worker_job_switches_total{{load="{load}"}}')
+
     makespan = max(sum(s.step_time_s for s in st.steps) for st in statuses.values())
     done = sum(len(st.steps) for st in statuses.values())
     console.print(
-        f"the worker switched jobs {worker.get('rlh_worker_job_switches_total{load=warm}', 0):.0f}"
-        f" times warm (weights resident in host memory) and "
-        f"{worker.get('rlh_worker_job_switches_total{load=cold}', 0):.0f} cold; the scheduler "
-        f"reclaimed {scheduler.get('rlh_placement_bubble_node_seconds_reclaimed', 0):.1f} "
+        f"the worker switched jobs {switches('warm'):.0f} times warm (weights resident in host "
+        f"memory) and {switches('cold'):.0f} cold; the scheduler reclaimed "
+        f"{observability.sample(scheduler, 'rlh_placement_bubble_node_seconds_reclaimed'):.1f} "
         f"node-seconds of long-tail bubbles in "
-        f"{scheduler.get('rlh_placement_tail_migrations', 0):.0f} migrations; "
+        f"{observability.sample(scheduler, 'rlh_placement_tail_migrations'):.0f} migrations; "
         f"{2 * makespan / done:.2f} node-seconds per step on the 2 shared nodes "
         "(bench/placement_e2e.py runs the same jobs solo, 2 nodes each, for the comparison)")

@@ -162,7 +162,7 @@ def _as_run(member: Member, job: SimJob, group: Group, slots: int) -> Member:
     """The member at its actual durations, with its long-tail migration if it has one: the
     tail keeps a quarter of its rollout's units (slots, or nodes at one slot a node)."""
     actual = job.running_job
-    run = replace(member, t_roll=actual.t_roll, t_train=group.running(actual).t_train)
+    run = replace(member, t_roll=actual.t_roll, t_train=group.train_s(actual))
     if job.tail_share is None:
         return run
     units = member.rollout_node_ids if slots == 1 else tuple(

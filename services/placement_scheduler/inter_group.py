@@ -139,9 +139,9 @@ class InterGroupScheduler:
                     return decision
                 if decision is not None:
                     candidates.append(decision)
-        if candidates and not self._capacity_for(job.rollout_nodes, job.train_nodes):
-            return min(candidates, key=self._cost_per_work)
         if not self._capacity_for(job.rollout_nodes, job.train_nodes):
+            if candidates:  # cost per work, and no room for a group of its own
+                return min(candidates, key=self._cost_per_work)
             raise PlacementError(f"job {job.job_id!r} fits no existing group and the pools have no "
                                  f"room for {job.rollout_nodes}+{job.train_nodes} new nodes; wait "
                                  "for jobs to leave or grow the pools")
@@ -149,18 +149,16 @@ class InterGroupScheduler:
                 + job.train_nodes * self.train_pool.node_cost_per_hour)
         isolated = Decision(job, Strategy.ISOLATED, None, 0, (), job.rollout_nodes,
                             job.train_nodes, cost, {job.job_id: job.t_solo})
-        if not candidates:
-            return isolated
-        return min([*candidates, isolated], key=self._cost_per_work)
+        return min([*candidates, isolated], key=self._cost_per_work) if candidates else isolated
 
     def _cost_per_work(self, decision: Decision) -> float:
         """Cluster $/h per unit of work rate once ``decision`` is applied (``Objective``)."""
-        rates = {g: self._work_rate(group) for g, group in self.groups.items()}
-        members = {**self.groups[decision.group_id].jobs} if decision.group_id else {}
-        members[decision.job.job_id] = decision.job
-        rates[decision.group_id or ""] = sum(
+        group = self.groups.get(decision.group_id or "")
+        members = {**group.jobs, decision.job.job_id: decision.job} if group else \
+            {decision.job.job_id: decision.job}
+        rate = self.work_rate() - (self._work_rate(group) if group else 0.0) + sum(
             members[j].t_solo / period for j, period in decision.periods.items())
-        return (self.cost_per_hour() + decision.marginal_cost_per_hour) / sum(rates.values())
+        return (self.cost_per_hour() + decision.marginal_cost_per_hour) / rate
 
     def work_rate(self) -> float:
         """Solo-speed iterations the cluster completes per unit time, Σ_j T^solo_j / T^co-exec_j."""
@@ -228,7 +226,7 @@ class InterGroupScheduler:
     def _periods(self, group: Group, job: Job, rollout_node_ids: tuple[str, ...]
                  ) -> dict[str, float]:
         members = [*self._members_of(group),
-                   Member(job.job_id, job.t_roll, group.running(job).t_train, rollout_node_ids)]
+                   Member(job.job_id, job.t_roll, group.train_s(job), rollout_node_ids)]
         if len({frozenset(m.rollout_node_ids) for m in members}) == 1:
             cycle = theorem1_meta_iteration_s(members)  # one shared node set: Theorem 1 applies
             if cycle is not None:
@@ -315,9 +313,9 @@ class InterGroupScheduler:
     def _pool_holds(self, group: Group, keep: int) -> bool:
         if not group.train_state_fits(keep):
             return False
-        running = [j.at_dp(keep) for j in group.jobs.values()]
-        members = [Member(j.job_id, j.t_roll, j.t_train,
-                          group.placements[j.job_id].rollout_node_ids) for j in running]
+        members = [Member(j.job_id, j.t_roll, j.train_at(keep)[0],
+                          group.placements[j.job_id].rollout_node_ids)
+                   for j in group.jobs.values()]
         return not slo_violations(co_execution_periods(members, self.iterations), group.jobs)
 
     def _release_unused(self, group: Group) -> list[str]:

@@ -248,13 +248,15 @@ class Group:
         """``job`` at this group's DP degree (itself while the group has no training pool)."""
         return job.at_dp(len(self.train_nodes)) if self.train_nodes else job
 
+    def train_s(self, job: Job) -> float:
+        """``running(job).t_train`` without building a Job (hot in Algorithm 1)."""
+        return job.train_at(len(self.train_nodes))[0] if self.train_nodes else job.t_train
+
     @property
     def t_cycle(self) -> float:
         """T_G^cycle = max_j T_j^solo: the longest member's iteration on its own (§4.2), at the
         group's DP degree, the time that phase takes here."""
-        pool = len(self.train_nodes) or 1
-        return max((job.t_roll + (job.train_at(pool)[0] if self.train_nodes else job.t_train)
-                    for job in self.jobs.values()), default=0.0)
+        return max((job.t_roll + self.train_s(job) for job in self.jobs.values()), default=0.0)
 
     @property
     def t_load(self) -> float:
@@ -347,7 +349,7 @@ class Group:
         """Whether the first ``keep`` training nodes hold every member's training state at DP
         degree ``keep`` (memory residency, §4.2 constraint 1)."""
         capacity = min(n.host_mem_gb for n in list(self.train_nodes.values())[:keep])
-        need = sum(job.at_dp(keep).train_mem_gb for job in self.jobs.values())
+        need = sum(job.train_at(keep)[1] for job in self.jobs.values())
         return fits_in_memory(0.0, need, capacity)
 
     def shrink_train_pool(self, keep: int) -> list[str]:

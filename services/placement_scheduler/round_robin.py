@@ -48,9 +48,8 @@ class Member:
 
 def members_of(group: Group) -> list[Member]:
     """The group's jobs in round-robin (admission) order, at the group's DP degree."""
-    pool = len(group.train_nodes)
-    return [Member(j.job_id, j.t_roll, j.train_at(pool)[0] if pool else j.t_train,
-                   group.placements[j.job_id].rollout_node_ids) for j in group.jobs.values()]
+    return [Member(j.job_id, j.t_roll, group.train_s(j), group.placements[j.job_id].rollout_node_ids)
+            for j in group.jobs.values()]
 
 
 def t_cycle(jobs: Iterable[Job | Member]) -> float:
