@@ -46,8 +46,9 @@ class WorkerConfig(EngineDeviceConfig):
     page_tokens: int = Field(16, ge=1, description="tokens per KV page (with kv_pages)")
     prefix_cache: bool = Field(False, description="keep finished requests' full KV pages and "
                                "start a request after its longest cached prefix (a multi-turn "
-                               "trajectory's next turn, a resume); needs kv_pages, no "
-                               "prefill_chunk; a weight load empties it")
+                               "trajectory's next turn, a resume); needs kv_pages; with "
+                               "prefill_chunk the chunks start after the cached prefix; a weight "
+                               "load empties it")
     prefix_cache_lease_s: float = Field(60.0, gt=0, description="cached pages unused this long "
                                         "are evicted first when pages run short")
     kv_budget_tokens: int = Field(0, ge=0, description="KV tokens the executing requests may hold "
@@ -91,7 +92,7 @@ class WorkerConfig(EngineDeviceConfig):
 
     @model_validator(mode="after")
     def _prefix_cache_usable(self) -> WorkerConfig:
-        check_prefix_cache(self.prefix_cache, self.kv_pages, self.prefill_chunk)
+        check_prefix_cache(self.prefix_cache, self.kv_pages)
         return self
 
     @model_validator(mode="after")

@@ -30,17 +30,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
-def check_prefix_cache(enabled: bool, kv_pages: int, prefill_chunk: int,
-                       shared_pool: bool = False) -> None:
+def check_prefix_cache(enabled: bool, kv_pages: int, shared_pool: bool = False) -> None:
     """Raises ValueError saying why the prefix cache cannot be used with these engine options."""
-    if not enabled:
-        return
-    if shared_pool or not kv_pages:
+    if enabled and (shared_pool or not kv_pages):
         raise ValueError("the prefix cache keeps KV pages: it needs the engine's own paged KV "
                          "(kv_pages > 0); the co-executor's shared pool has none yet")
-    if prefill_chunk:
-        raise ValueError("the prefix cache prefills from the end of the cached prefix in one "
-                         "pass; it is not combined with chunked prefill (prefill_chunk > 0) yet")
 
 
 @dataclass

@@ -93,7 +93,7 @@ class _Admitted:
     known_tokens: list[int]  # prompt + tokens generated before a resume
     stop_ids: frozenset[int]
     generated: int  # tokens generated so far, including those before a resume
-    prefilled: int = 0  # known tokens already in the KV cache (chunked prefill only)
+    prefilled: int = 0  # known tokens already in the KV cache (chunked prefill, a cached prefix)
     emitted: list[int] = dataclasses.field(default_factory=list)  # tokens sampled since admission
     seq: int = 0  # admission order (the KV budget preempts the newest first)
     prefix_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hit read
@@ -261,7 +261,7 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
                              f"prompts), got {prefill_chunk}")
         check_kv_budget(kv_budget_tokens, max_len, paged is not None or kv_pages > 0)
-        check_prefix_cache(prefix_cache, kv_pages, prefill_chunk, shared_pool=paged is not None)
+        check_prefix_cache(prefix_cache, kv_pages, shared_pool=paged is not None)
         self._model = load_decoder(model, seed, dtype, device)
         cfg = self._model.config
         self._vocab_size = cfg.vocab_size
@@ -448,16 +448,23 @@ class TorchEngine:
         if self._partial is not None:
             budget -= self._prefill_partial(budget, logits)
         whole: list[_Admitted] = []
+        longer: _Admitted | None = None  # the first that does not fit whole in what is left
+        # Reserved before it is measured: a prefix-cache hit prefills only past its cached
+        # prefix (``entry.prefilled``), which the reservation finds.
         while (budget and self._pending and len(whole) < self._cache.free_slots
-               and len(next(iter(self._pending.values())).known_tokens) <= budget
                and self._reserve_next()):
-            whole.append(self._pending.popitem(last=False)[1])
-            budget -= len(whole[-1].known_tokens)
+            entry = self._pending.popitem(last=False)[1]
+            rest = len(entry.known_tokens) - entry.prefilled
+            if rest > budget:
+                longer = entry
+                break
+            whole.append(entry)
+            budget -= rest
         logits.extend(self._prefill_whole(whole))
         # Budget left means no request is mid-prefill now, so the new partial takes the slot
-        # right after the running ones.
-        if budget and self._pending and self._cache.free_slots and self._reserve_next():
-            self._begin_partial(self._pending.popitem(last=False)[1])
+        # right after the running ones (``whole`` left it free: it stopped below free_slots).
+        if longer is not None:
+            self._begin_partial(longer)
             budget -= self._prefill_partial(budget, logits)
         self._last_step_prefill_tokens = self._prefill_chunk - budget
         return logits

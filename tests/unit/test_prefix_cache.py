@@ -91,12 +91,10 @@ def test_bad_sizes_and_combinations_are_refused():
     with pytest.raises(ValueError):
         PrefixCache(0)
     with pytest.raises(ValueError, match="kv_pages"):
-        check_prefix_cache(True, kv_pages=0, prefill_chunk=0)
+        check_prefix_cache(True, kv_pages=0)
     with pytest.raises(ValueError, match="shared pool"):
-        check_prefix_cache(True, kv_pages=64, prefill_chunk=0, shared_pool=True)
-    with pytest.raises(ValueError, match="chunked prefill"):
-        check_prefix_cache(True, kv_pages=64, prefill_chunk=32)
-    check_prefix_cache(False, kv_pages=0, prefill_chunk=32)
+        check_prefix_cache(True, kv_pages=64, shared_pool=True)
+    check_prefix_cache(False, kv_pages=0)
 
 
 @settings(max_examples=150, deadline=None)
@@ -144,8 +142,6 @@ def test_the_worker_refuses_a_prefix_cache_without_its_own_pages_naming_the_key(
 
     with pytest.raises(ConfigError, match="kv_pages"):
         load_config(WorkerConfig, flags={"prefix_cache": True})
-    with pytest.raises(ConfigError, match="chunked prefill"):
-        load_config(WorkerConfig, flags={"prefix_cache": True, "kv_pages": 64,
-                                         "prefill_chunk": 32})
-    cfg = load_config(WorkerConfig, flags={"prefix_cache": True, "kv_pages": "64"})
-    assert cfg.prefix_cache and cfg.prefix_cache_lease_s == 60.0
+    cfg = load_config(WorkerConfig, flags={"prefix_cache": True, "kv_pages": "64",
+                                           "prefill_chunk": 32})
+    assert cfg.prefix_cache and cfg.prefix_cache_lease_s == 60.0 and cfg.prefill_chunk == 32

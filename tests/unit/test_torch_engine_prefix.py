@@ -95,3 +95,30 @@ def test_page_pressure_evicts_cached_pages_instead_of_refusing_work_and_every_pa
     assert own is not None and cache is not None
     assert cache.evicted > 0 and eng.load().prefix_hits > 0
     assert own.free_pages + eng.load().prefix_cache_pages == 40
+
+
+def test_chunked_prefill_starts_after_the_cached_prefix_and_generates_the_same_tokens():
+    plain = trajectories(engine(max_running=4, kv_pages=256, page_tokens=PAGE_TOKENS), 4, 3)
+    eng = cached_engine(prefill_chunk=8)  # histories of 9-40 tokens: most need several chunks
+    assert trajectories(eng, 4, 3) == plain
+    stats = eng.load()
+    assert stats.prefix_hits == 8
+    assert stats.prefix_cached_tokens >= 8 * 2 * PAGE_TOKENS
+
+
+def test_a_hit_counts_only_its_rest_against_the_chunk_so_others_join_the_same_step():
+    eng = cached_engine(prefill_chunk=8)
+    history = prompt(3, 30)
+    eng.add(EngineRequest("first", history, sampled(1, 6)))
+    first = drain(eng)["first"][0]
+    # 37 tokens: the KV of 35 (the last sampled token has none) = 8 full pages cached, 5 to
+    # prefill. Alone that fills 5 of the 8-token chunk; a 3-token prompt fits beside it.
+    turn = history + first + [7]
+    eng.add(EngineRequest("turn", turn, sampled(2, 6)))
+    eng.add(EngineRequest("new", prompt(4, 3), sampled(3, 6)))
+    eng.step()
+    assert eng.load().prefix_cached_tokens == 8 * PAGE_TOKENS
+    assert eng._last_step_prefill_tokens == 5 + 3
+    assert [e.request.request_id for e in eng._running] == ["turn", "new"]
+    assert eng._partial is None
+    drain(eng)
