@@ -249,8 +249,7 @@ class TrainerConfig(ServiceConfig):
             return self
         clash = [flag for flag, on in (("--data", bool(self.data)),
                                        ("--tail-batching", self.tail_batching),
-                                       ("--seed-role", self.seed_role),
-                                       ("--placement-scheduler", self.placement_scheduler))
+                                       ("--seed-role", self.seed_role))
                  if on]
         if clash:
             raise ValueError(f"--env {self.env} plays its own episodes turn by turn; it does not "

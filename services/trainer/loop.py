@@ -358,11 +358,18 @@ class TrainerLoop:
         """--placement-scheduler without durations: the job's profile, measured now
         (warmup_profile.py) on a step's batch of the longest prompts it will send."""
         cfg = self._cfg
+        batch = cfg.prompts_per_step * cfg.samples_per_prompt
+        if self._env is not None:
+            # A trajectory's worst case: every turn prefills a history as long as the context
+            # and samples max_new_tokens (the environment's own time is not measured).
+            profile = warmup_profile.measure_profile(
+                cfg.model, self._model, batch, cfg.env_context,
+                cfg.env_max_turns * cfg.max_new_tokens)
+            return dataclasses.replace(profile, prefill_s=profile.prefill_s * cfg.env_max_turns)
         peeked = self._spec(tuple(self._data.peek(cfg.prompts_per_step)), cfg.samples_per_prompt)
         longest = max([self._setup.longest_prompt, *(len(p) for p in peeked.prompts)])
-        return warmup_profile.measure_profile(
-            cfg.model, self._model, cfg.prompts_per_step * cfg.samples_per_prompt, longest,
-            cfg.max_new_tokens)
+        return warmup_profile.measure_profile(cfg.model, self._model, batch, longest,
+                                              cfg.max_new_tokens)
 
     def _report_tail(self, tasks: TaskGroup, manager: Callable[[], str], total: int,
                      finished: Callable[[], int]) -> asyncio.Task | None:
@@ -609,29 +616,49 @@ class TrainerLoop:
         env_class = self._env
 
         waited = 0.0
-        async with manager_generator(manager, play_cfg) as generate:
+        # Placed (WEAVE): one phase at a time, so the groups train once the rollout phase ended
+        # and the training permit is held; else each trains as soon as it is played.
+        held: list[RewardedGroup] = []
+        async with manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
                 seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
                 return g, await play_group(generate, env_class, f"s{spec.step}-g{g}", seed,
                                            spec.group_size, play_cfg)
 
+            reporter = self._report_tail(tasks, lambda: manager, spec.samples,
+                                         lambda: progress.completions)
             for played in asyncio.as_completed([group(g) for g in range(spec.train_groups)]):
                 idle_since = self._clock()
                 g, trajectories = await played
                 waited += self._clock() - idle_since
-                for t in trajectories:
-                    metrics.TRAJECTORIES.labels("failed" if t.failed else "played").inc()
-                    if t.failed:
-                        log.warning("step %d: trajectory %s failed: %s", spec.step,
-                                    t.trajectory_id, t.failed)
-                    progress.completions += 1
-                    progress.tokens_generated += sum(t.trained)
+                self._count_played(spec, trajectories, progress)
+                if self.placed is not None:
+                    held.append(rewarded_group(g, trajectories))
+                    continue
                 await self._run(train.add_groups, [rewarded_group(g, trajectories)])
                 progress.groups_trained = train.groups_received
-        phases = {"rollout": self._clock() - started, "rewards": 0.0}
+            if reporter is not None:
+                reporter.cancel()
+        rollout_s = self._clock() - started
+        if self.placed is not None:
+            await self.placed.end_rollout()
+            await self.placed.train()
+            await self._run(train.add_groups, held)
+            progress.groups_trained = train.groups_received
+        phases = {"rollout": rollout_s, "rewards": 0.0}
         return await self._conclude(spec, train, GroupAssembler(spec), progress, started,
                                     waited, phases, [])
+
+    @staticmethod
+    def _count_played(spec: StepSpec, trajectories: list[Trajectory], progress: Progress) -> None:
+        for t in trajectories:
+            metrics.TRAJECTORIES.labels("failed" if t.failed else "played").inc()
+            if t.failed:
+                log.warning("step %d: trajectory %s failed: %s", spec.step, t.trajectory_id,
+                            t.failed)
+            progress.completions += 1
+            progress.tokens_generated += sum(t.trained)
 
     def _seed_window_s(self) -> float:
         """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role."""

@@ -157,3 +157,40 @@ async def test_a_tail_bound_rollout_reports_its_progress_and_its_tail_migrates(s
     assert migrated >= 1, a.process.log_tail()
     assert metric(scrape(metrics_port), "rlh_placement_tail_migrations") == migrated
     assert "is tail-bound at" in a.process.log_path.read_text()
+
+
+async def test_multi_turn_trajectories_play_under_the_rollout_permit_and_train_under_the_next(
+        stack):
+    """Issue 18 with issue 15: an --env job placed by the scheduler plays every turn of its
+    step's trajectories while it holds the rollout permit, and trains them only once that
+    permit ended and the training permit is held (one phase at a time); a job beside it on
+    the same rollout node takes the node's turns in between."""
+    stack.start("placement_scheduler", "scheduler", [
+        "--scheduler-id", "scheduler", "--rollout-nodes", "1", "--train-nodes", "1", *COMMON])
+    for job in ("agent", "text"):
+        stack.start("rollout_manager", f"manager-{job}", [
+            "--manager-id", f"manager-{job}", "--job", job, "--port", str(free_port()), *COMMON])
+    stack.start("rollout_worker", "w0", [
+        "--worker-id", "w0", "--placement-node", "rollout-1", "--torch-threads", "1",
+        "--max-running", "8", "--kv-pages", "512", "--prefix-cache", *COMMON])
+    agent = start_trainer(stack, "agent", 2, "--env", "frozen_lake", "--max-new-tokens", "2",
+                          "--env-max-turns", "3", "--no-exit-when-done")
+    text = start_trainer(stack, "text", 2, "--no-exit-when-done")
+    for trainer in (agent, text):
+        await asyncio.to_thread(wait_serving, trainer, 120)
+    for trainer in (agent, text):
+        assert (await wait_trainer(trainer, lambda s: s.state == "done")).steps_done == 2
+    played = scrape(agent.metrics_port)
+    assert metric(played, 'rlh_trainer_trajectories_total{outcome="played"}') == 2 * 2 * 2
+    assert metric(played, 'rlh_trainer_trajectories_total{outcome="failed"}') == 0
+    runs = phases([agent.process.log_path.read_text(), text.process.log_path.read_text()], "")
+    ran = {(job, phase, i) for job, phase, i, _, _ in runs}
+    assert {(job, p, i) for job in ("agent", "text") for p in ("rollout", "train")
+            for i in range(2)} <= ran, runs
+    by_key = {(job, phase, i): (start, end) for job, phase, i, start, end in runs}
+    for i in range(2):  # the agent's training phase began after its rollout phase ended
+        assert by_key[("agent", "rollout", i)][1] <= by_key[("agent", "train", i)][0], runs
+    for phase in ("rollout", "train"):
+        held = sorted((start, end, job) for job, p, _, start, end in runs if p == phase)
+        for (_, end, job), (start, _, other) in zip(held, held[1:]):
+            assert end <= start or job == other, f"{phase} overlaps: {held}"
