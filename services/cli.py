@@ -27,6 +27,9 @@ from rlharvest.services.launcher import LocalStack
 from rlharvest.services.rollout_manager.status_client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.services.spot_replay import SpotReplay, load_trace
+from rlharvest.services.placement_scheduler.config import PlacementConfig
+from rlharvest.services.placement_scheduler.control import slot_units
+from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.train_command import train
 from rlharvest.services.trainer.gsm8k import make_dataset
 
@@ -57,6 +60,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        log_dir: Optional[Path] = typer.Option(None, help="where service logs go (default: a temp dir)"),
        placement_scheduler: bool = typer.Option(False, help="also start a placement scheduler "
                                                 "(4 rollout + 2 training nodes; see its --help)"),
+       rollout_slots: int = typer.Option(1, min=1, max=64, help="with --jobs: GPU slots per "
+                                         "rollout node, a placed worker each (the node's "
+                                         "permits, and a long tail's migration, are per slot)"),
        jobs: int = typer.Option(1, min=1, help="RL jobs; more than one needs "
                                 "--placement-scheduler: the jobs then share the rollout workers "
                                 "(one per rollout node) and one training node by WEAVE's "
@@ -105,11 +111,12 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         for i in range(agents):
             stack.start("transfer_agent", f"agent-{i}", ["--agent-id", f"agent-{i}", "--relay"])
         if jobs > 1:
-            expected = agents + _start_placed_jobs(stack, jobs, workers, model, agents, trainer,
-                                                   manager_standby)
+            expected = agents + _start_placed_jobs(stack, jobs, workers, rollout_slots, model,
+                                                   agents, trainer, manager_standby)
             asyncio.run(_wait_members(endpoint, expected, ready_timeout, stack))
             console.print(f"[bold green]rlharvest is up[/]: etcd at {endpoint}, {jobs} jobs "
-                          f"sharing {workers} placed rollout workers and 1 training node by "
+                          f"sharing {workers * rollout_slots} placed rollout workers "
+                          f"({workers} nodes x {rollout_slots} slots) and 1 training node by "
                           f"the placement scheduler's permits, logs in {stack.log_dir}")
             console.print(f"  rlharvest status --etcd {endpoint}")
             if scraper is not None:
@@ -202,18 +209,28 @@ def _configure_tls(cert: str, key: str, ca: str) -> None:
         raise typer.BadParameter(str(exc)) from None
 
 
-def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, agents: int,
-                       trainer: bool, standby: bool) -> int:
-    """WEAVE on the local stack: a scheduler with a rollout node per worker and one training
-    node, the workers placed on the rollout nodes, a manager (and a trainer) per job. Returns
-    how many members that is."""
+def placed_units(nodes: int, slots: int) -> tuple[str, ...]:
+    """Where ``up --jobs`` places a worker each: the scheduler's own names for its rollout
+    nodes, or their GPU slots (``rollout-<i>.gpu<k>``)."""
+    names = PlacementConfig.model_validate(
+        {"rollout_nodes": nodes, "rollout_slots": slots}).node_names(Pool.ROLLOUT)
+    return slot_units(names, slots)
+
+
+def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, slots: int, model: str,
+                       agents: int, trainer: bool, standby: bool) -> int:
+    """WEAVE on the local stack: a scheduler with ``workers`` rollout nodes of ``slots`` GPU
+    slots and one training node, a worker placed on each slot, a manager (and a trainer) per
+    job. Returns how many members that is."""
     if workers < 1:
         raise typer.BadParameter("--jobs needs at least one rollout worker", param_hint="--workers")
     stack.start("placement_scheduler", "placement-scheduler", [
-        "--scheduler-id", "scheduler-0", "--rollout-nodes", str(workers), "--train-nodes", "1"])
-    for i in range(1, workers + 1):
+        "--scheduler-id", "scheduler-0", "--rollout-nodes", str(workers), "--rollout-slots",
+        str(slots), "--train-nodes", "1"])
+    nodes = placed_units(workers, slots)
+    for i, node in enumerate(nodes, start=1):
         stack.start("rollout_worker", f"worker-{i}", [
-            "--worker-id", f"worker-{i}", "--model", model, "--placement-node", f"rollout-{i}",
+            "--worker-id", f"worker-{i}", "--model", model, "--placement-node", node,
             *(["--agent-pull"] if agents else [])])
     for j in range(1, jobs + 1):
         job = f"job-{j}"
@@ -228,7 +245,7 @@ def _start_placed_jobs(stack: LocalStack, jobs: int, workers: int, model: str, a
                 "--no-exit-when-done", *([] if agents else ["--no-publish"]),
                 "--placement-scheduler", "--placement-t-roll-s", "30",
                 "--placement-t-train-s", "30", "--placement-slo", str(jobs + 1)])
-    return 1 + workers + jobs * (1 + trainer + standby)
+    return 1 + len(nodes) + jobs * (1 + trainer + standby)
 
 
 async def _wait_members(endpoint: str, expected: int, timeout: float, stack: LocalStack) -> None:

@@ -87,6 +87,7 @@ class _NoLeader(TimeoutError):
 
 
 _FAILOVER_BACKOFF = Backoff(first_s=0.1, max_s=1.0)
+_EXIT_CANCEL_S = 5.0  # a leaving job waits this long for a leader to cancel it
 _unavailable = rpc.status_in(grpc.StatusCode.UNAVAILABLE)
 
 
@@ -118,7 +119,8 @@ class SchedulerClient:
             return kv.value.decode()
         return None
 
-    async def _call(self, method: str, request: Any, timeout: float = 30.0) -> Any:
+    async def _call(self, method: str, request: Any, timeout: float = 30.0,
+                    failover_s: float | None = None) -> Any:
         async def once() -> Any:
             target = await self.leader()
             if target is None:
@@ -136,7 +138,8 @@ class SchedulerClient:
                 await self.close()
 
         return await retry(once, retry_if=_failing_over, attempts=None,
-                           deadline_s=self._failover_timeout, backoff=_FAILOVER_BACKOFF,
+                           deadline_s=self._failover_timeout if failover_s is None else failover_s,
+                           backoff=_FAILOVER_BACKOFF,
                            what=f"{method} to the placement scheduler", on_retry=forget_leader)
 
     async def submit(self, spec: JobSpec, lease_id: int = 0,
@@ -145,8 +148,12 @@ class SchedulerClient:
                                       start_iteration=start_iteration)
         return await self._call("SubmitJob", request)
 
-    async def cancel(self, job_id: str, reason: str = "") -> pb.CancelJobReply:
-        return await self._call("CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason))
+    async def cancel(self, job_id: str, reason: str = "",
+                     failover_s: float | None = None) -> pb.CancelJobReply:
+        """``failover_s``: how long to wait for a leader (default: the client's failover
+        timeout)."""
+        return await self._call("CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason),
+                                failover_s=failover_s)
 
     async def placement(self, job_id: str) -> pb.JobPlacement:
         return await self._call("GetPlacement", pb.GetPlacementRequest(job_id=job_id))
@@ -249,12 +256,18 @@ class PlacementJob:
     async def __aexit__(self, *exc_info: Any) -> None:
         try:
             if not self.left_reason:
+                # Not a failover's wait: the lease revoked below takes the job out as well (a
+                # scheduler stopping with the whole stack would hold the exit for a minute).
                 await self.client.cancel(self.spec.job_id, "job finished"
-                                         if exc_info[0] is None else f"job raised {exc_info[1]!r}")
+                                         if exc_info[0] is None else f"job raised {exc_info[1]!r}",
+                                         failover_s=_EXIT_CANCEL_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("could not cancel job %s (%s); its lease will expire",
                             self.spec.job_id, exc.details())
+        except _NoLeader as exc:
+            log.warning("could not cancel job %s (%s); its lease is revoked now",
+                        self.spec.job_id, exc)
         finally:
             await self._close()
 

@@ -177,6 +177,15 @@ def job_from_spec(job_id: str, spec: Mapping[str, Any]) -> Job:
     return Job(**fields)
 
 
+
+def slot_units(nodes: Sequence[str], slots: int) -> tuple[str, ...]:
+    """Rollout permit units: the nodes themselves, or with ``slots`` > 1 their GPU slots
+    ``<node>.gpu<k>`` (where a placed worker says it runs: ``--placement-node``)."""
+    if slots == 1:
+        return tuple(nodes)
+    return tuple(f"{n}.gpu{k}" for n in nodes for k in range(slots))
+
+
 class PlacementControl:
     def __init__(self, names: Mapping[Pool, Sequence[str]], rollout_pool: PoolSpec,
                  train_pool: PoolSpec, *, iterations: int = 8,
@@ -205,9 +214,7 @@ class PlacementControl:
         """The permit units of ``node_ids`` (default: the whole pool): rollout nodes expand to
         their slots ``<node>.gpu<k>``; training nodes are whole."""
         nodes = self.scheduler.names[pool] if node_ids is None else node_ids
-        if pool is Pool.TRAIN or self.rollout_slots == 1:
-            return tuple(nodes)
-        return tuple(f"{n}.gpu{k}" for n in nodes for k in range(self.rollout_slots))
+        return tuple(nodes) if pool is Pool.TRAIN else slot_units(nodes, self.rollout_slots)
 
     def node_of(self, unit: str) -> str:
         """The node a permit unit belongs to."""

@@ -329,3 +329,18 @@ def test_bad_inventory_stops_the_scheduler_with_a_message(stack):
     log = proc.log_path.read_text()
     assert "rollout_gpu 'A100' is not a known node type" in log
     assert "appear more than once" in log
+
+
+async def test_a_job_leaving_while_no_scheduler_leads_exits_in_seconds_not_a_failover_wait(
+        stack, etcd_client):
+    """The whole stack stopping at once (`rlharvest up`, Ctrl-C): the scheduler is gone when a
+    trainer's job leaves. Its cancel waits briefly for a leader, then the revoked lease takes
+    the job out: the trainer does not wait out the one-minute failover timeout."""
+    scheduler = start_scheduler(stack, "sched-gone")
+    job = PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint)
+    await job.__aenter__()
+    scheduler.process.process.send_signal(signal.SIGKILL)
+    scheduler.process.process.wait()
+    started = time.monotonic()
+    await job.__aexit__(None, None, None)
+    assert time.monotonic() - started < 20, "the leaving job waited for a failover"

@@ -222,6 +222,14 @@ def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None
     assert words in " ".join(result.output.split())
 
 
+def test_up_places_a_worker_on_each_gpu_slot_under_the_schedulers_slot_names() -> None:
+    from rlharvest.services.cli import placed_units
+
+    assert placed_units(2, 1) == ("rollout-1", "rollout-2")
+    assert placed_units(2, 2) == ("rollout-1.gpu0", "rollout-1.gpu1",
+                                  "rollout-2.gpu0", "rollout-2.gpu1")
+
+
 async def test_a_cancelled_release_still_goes_through_and_is_not_asked_twice() -> None:
     job = Job()
 
