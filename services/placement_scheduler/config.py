@@ -45,6 +45,10 @@ class PlacementConfig(ServiceConfig):
     objective: Objective = Field(Objective.MARGINAL_COST, description="what admission minimises: "
                                  "marginal_cost (Algorithm 1's Δ) or cost_per_work (cluster $/h "
                                  "per solo-speed work rate; slower decisions)")
+    admission_window_s: float = Field(0.0, ge=0, le=60, description="jobs submitted within "
+                                      "this many seconds of each other are admitted together, "
+                                      "largest first (the order batch_order finds cheapest; "
+                                      "beyond the paper); 0 = each at once, in arrival order")
     max_wait_s: float = Field(30.0, gt=0, le=600, description="longest AcquirePermit long-poll")
     tail_threshold: float = Field(0.8, gt=0, le=1, description="share of finished responses "
                                                                "that makes a rollout tail-bound")

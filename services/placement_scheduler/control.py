@@ -132,6 +132,15 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Submission:
+    """One SubmitJob: the job's spec (``job_from_spec``), its client's lease, where it resumes."""
+
+    spec: Mapping[str, Any]
+    lease_id: int = 0
+    start_iteration: int = 0
+
+
+@dataclass(frozen=True)
 class Admission:
     decision: Decision
     rollout_node_ids: tuple[str, ...]
@@ -227,6 +236,34 @@ class PlacementControl:
     def submit(self, spec: Mapping[str, Any], lease_id: int = 0,
                start_iteration: int = 0) -> Admission:
         """Algorithm 1 for one arriving job; Refusal says why it cannot be placed."""
+        return self._admit(self._job(spec, lease_id, start_iteration), lease_id, start_iteration)
+
+    def submit_batch(self, submissions: Sequence[Submission]) -> list[Admission | Refusal]:
+        """Jobs that arrived together (the service's admission window), admitted in the order
+        ``batch_order`` finds cheapest; each one's Admission or Refusal, in the given order."""
+        outcomes: list[Admission | Refusal | None] = [None] * len(submissions)
+        jobs: dict[str, tuple[int, Job]] = {}
+        for i, sub in enumerate(submissions):
+            try:
+                job = self._job(sub.spec, sub.lease_id, sub.start_iteration)
+                if job.job_id in jobs:
+                    raise Refusal("exists", f"job {job.job_id!r} was submitted twice at once")
+            except Refusal as exc:
+                outcomes[i] = exc
+                continue
+            jobs[job.job_id] = (i, job)
+        arrived = [job for _, job in jobs.values()]
+        for job in self.scheduler.batch_order(arrived) if len(arrived) > 1 else arrived:
+            i = jobs[job.job_id][0]
+            try:
+                outcomes[i] = self._admit(job, submissions[i].lease_id,
+                                          submissions[i].start_iteration)
+            except Refusal as exc:
+                outcomes[i] = exc
+        return [out for out in outcomes if out is not None]
+
+    def _job(self, spec: Mapping[str, Any], lease_id: int, start_iteration: int) -> Job:
+        """The submitted job, checked: a Refusal says what is wrong with it."""
         job_id = str(spec.get("job_id", ""))
         if not _JOB_ID.match(job_id):
             raise Refusal("invalid", f"job_id {job_id!r} must be 1-128 characters of "
@@ -245,6 +282,10 @@ class PlacementControl:
             self.scheduler.validate(job)
         except PlacementError as exc:
             raise Refusal("precondition", str(exc)) from None
+        return job
+
+    def _admit(self, job: Job, lease_id: int, start_iteration: int) -> Admission:
+        job_id = job.job_id
         started = time.perf_counter()
         try:
             decision = self.scheduler.schedule(job)

@@ -15,6 +15,9 @@ SUBMISSIONS = Counter("rlh_placement_submissions_total", "SubmitJob outcomes "
 DEPARTURES = Counter("rlh_placement_departures_total", "Jobs that left their group", ["cause"])
 DECISION_SECONDS = Histogram("rlh_placement_decision_seconds", "Algorithm 1 running time",
                              buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3))
+ADMISSION_BATCH = Histogram("rlh_placement_admission_batch_jobs", "Jobs admitted together "
+                            "per admission window (--admission-window-s)",
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 PERMITS = Counter("rlh_placement_permits_total", "Permits granted / released", ["phase", "event"])
 TAIL_MIGRATIONS = Gauge("rlh_placement_tail_migrations", "Long-tail migrations triggered")
 BUBBLES_RECLAIMED = Gauge("rlh_placement_bubble_node_seconds_reclaimed",

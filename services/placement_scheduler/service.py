@@ -23,7 +23,8 @@ from rlharvest.common.aio import wait_event
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
-from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
+from rlharvest.services.placement_scheduler.control import (
+    Admission, PlacementControl, Refusal, Submission)
 from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.placement_scheduler.store import DeposedError, PlacementStore
 from rlharvest.common.retry import Backoff, retry
@@ -80,6 +81,9 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         self._changed = asyncio.Event()  # replaced after every change; long-polls wait on it
         self.deposed = asyncio.Event()
         self.accepting = True
+        # --admission-window-s: the submissions waiting for their window to close.
+        self._window: list[tuple[Submission, asyncio.Future[Admission | Refusal]]] = []
+        self._window_tasks: set[asyncio.Task] = set()
 
     # ---- leadership ----------------------------------------------------------------------------
 
@@ -224,14 +228,18 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 f"job {job.job_id!r}: etcd lease {request.lease_id:x} does not exist or "
                 "expired; submit with a live lease of the job's client"))
 
-        def submit(control: PlacementControl):
-            try:
-                return control.submit(spec, request.lease_id, request.start_iteration)
-            except Refusal as exc:
-                metrics.SUBMISSIONS.labels(exc.kind).inc()
-                raise
+        submission = Submission(spec, request.lease_id, request.start_iteration)
+        if self._cfg.admission_window_s > 0:
+            admission = await self._in_window(context, submission)
+        else:
+            def submit(control: PlacementControl) -> Admission:
+                try:
+                    return control.submit(spec, request.lease_id, request.start_iteration)
+                except Refusal as exc:
+                    metrics.SUBMISSIONS.labels(exc.kind).inc()
+                    raise
 
-        admission = await self._mutate(context, submit)
+            admission = await self._mutate(context, submit)
         metrics.SUBMISSIONS.labels(admission.decision.strategy.value).inc()
         metrics.DECISION_SECONDS.observe(admission.decision_s)
         placement = self._placement(job.job_id)
@@ -239,6 +247,53 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                  admission.decision.strategy.value, placement.group_id,
                  admission.rollout_node_ids, admission.train_node_ids)
         return placement
+
+    async def _in_window(self, context: grpc.aio.ServicerContext,
+                         submission: Submission) -> Admission:
+        """``--admission-window-s``: the first submission opens a window; every job submitted
+        before it closes is admitted with it, in the order ``batch_order`` finds cheapest
+        (largest first, as first-fit decreasing packs bins). Each call gets its own answer."""
+        await self._leader(context)
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Admission | Refusal] = loop.create_future()
+        self._window.append((submission, answer))
+        if len(self._window) == 1:
+            loop.call_later(self._cfg.admission_window_s, self._close_window)
+        try:
+            outcome = await asyncio.shield(answer)  # a client hanging up is admitted anyway
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+        if isinstance(outcome, Refusal):
+            metrics.SUBMISSIONS.labels(outcome.kind).inc()
+            await errors.abort(context, outcome)
+        return outcome
+
+    def _close_window(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._admit_window())
+        self._window_tasks.add(task)
+        task.add_done_callback(self._window_tasks.discard)
+
+    async def _admit_window(self) -> None:
+        batch, self._window = self._window, []
+        metrics.ADMISSION_BATCH.observe(len(batch))
+        try:
+            async with self._lock:
+                control = self.control
+                if control is None or not self.accepting:
+                    raise errors.Unavailable("the scheduler stopped leading while the job waited "
+                                             "in its admission window; retry against the leader")
+                outcomes = control.submit_batch([submission for submission, _ in batch])
+                try:
+                    await self._persist()
+                except RuntimeError as exc:  # rolled back to what etcd holds: nothing changed
+                    raise errors.Unavailable(f"{exc}; nothing changed, retry the call") from None
+        except errors.ServiceError as exc:
+            for _, answer in batch:
+                answer.set_exception(exc)
+            return
+        self._notify()
+        for (_, answer), outcome in zip(batch, outcomes):
+            answer.set_result(outcome)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context) -> pb.CancelJobReply:
         cause = "cancelled"

@@ -11,7 +11,7 @@ import pytest
 
 from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import JobSpec
-from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal
+from rlharvest.services.placement_scheduler.control import PlacementControl, Refusal, Submission
 from rlharvest.services.placement_scheduler.model import H20, H800, JobProfile, PlacementError, Pool
 from rlharvest.services.placement_scheduler.service import submitted_spec
 from tests.builders import Clock
@@ -379,3 +379,30 @@ def test_a_submission_says_whether_its_training_state_is_sharded() -> None:
     replicated = JobSpec("j", t_roll_s=10, t_train_s=10, train_state_sharded=False)
     assert submitted_spec(replicated.to_proto())["train_state_sharded"] is False
     assert "train_state_sharded" not in submitted_spec(JobSpec("k", 10, 10).to_proto())
+
+
+def test_jobs_submitted_together_are_admitted_in_batch_order_and_answered_in_their_own() -> None:
+    from rlharvest.sim import workloads
+
+    rollout, train = workloads.pools(5, H20, H800)
+    names = {pool: [f"{pool.value}-{i}" for i in range(1, 31)] for pool in Pool}
+
+    def fresh() -> PlacementControl:
+        return PlacementControl(names, dataclasses.replace(rollout, max_nodes=30),
+                                dataclasses.replace(train, max_nodes=30), clock=Clock(START))
+
+    jobs = [dataclasses.asdict(j) for j in workloads.static_jobs(9, "balanced", 3)]
+    ctl = fresh()
+    subs = [Submission(j, start_iteration=2) for j in jobs]
+    outcomes = ctl.submit_batch(subs[:4] + [Submission(spec("bad id!")), Submission(jobs[0])]
+                                + subs[4:])
+    kinds = [o.kind if isinstance(o, Refusal) else "admitted" for o in outcomes]
+    assert kinds == ["admitted"] * 4 + ["invalid", "exists"] + ["admitted"] * 5
+    assert set(ctl.jobs) == {j["job_id"] for j in jobs}
+    one_by_one = fresh()
+    for j in jobs:
+        one_by_one.submit(j)
+    assert ctl.scheduler.cost_per_hour() < 0.8 * one_by_one.scheduler.cost_per_hour()
+    first = jobs[0]["job_id"]  # every admitted job has its queues, from its start iteration
+    assert ctl.acquire(first, Pool.ROLLOUT, 2) is not None or \
+        ctl.queues[ctl.jobs[first].group_id].next_phase(first)[1] == 2
