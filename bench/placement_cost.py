@@ -51,6 +51,7 @@ def _pools(residency: int) -> tuple[PoolSpec, PoolSpec]:
 POLICIES: dict[str, Factory] = {
     "WEAVE": lambda res, seed: baselines.Weave(*_pools(res)),
     "WEAVE c/w": lambda res, seed: baselines.Weave(*_pools(res), Objective.COST_PER_WORK),
+    "WEAVE consol": lambda res, seed: baselines.Weave(*_pools(res), consolidate=True),
     "Random": lambda res, seed: baselines.RandomPlacer(*_pools(res), seed),
     "Greedy": lambda res, seed: baselines.MostIdlePlacer(*_pools(res)),
     "Solo-D": lambda res, seed: baselines.SoloDisaggregation(*_pools(res)),
@@ -133,10 +134,12 @@ def _slo(results: list[cluster.SimResult]) -> str:
 
 def versus_optima(n_jobs: int, seeds: int) -> tuple[str, list[float]]:
     head = ["residency", "most concurrent", "WEAVE / Opt arrivals", "WEAVE / Opt regrouped",
-            "WEAVE c/w / Opt arrivals", "Opt arrivals / Opt regrouped", "Solo-D / WEAVE",
-            "$/h WEAVE · Opt arrivals", "SLO WEAVE · c/w · Random · Greedy"]
+            "WEAVE consol / Opt arrivals · regrouped (moves)", "WEAVE c/w / Opt arrivals",
+            "Opt arrivals / Opt regrouped", "Solo-D / WEAVE", "$/h WEAVE · Opt arrivals",
+            "SLO WEAVE · consol · c/w · Random · Greedy"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     ours: list[float] = []
+    consol: list[list[float]] = []
     for res in RESIDENCIES:
         traces = [workloads.poisson_jobs(n_jobs, "mixed", s, PHILLY_INTERARRIVAL_S)
                   for s in range(seeds)]
@@ -146,29 +149,41 @@ def versus_optima(n_jobs: int, seeds: int) -> tuple[str, list[float]]:
         crowd = max(len(s.job_ids) for r in runs["WEAVE"] for s in r.timeline)
         rate = (f"{statistics.median(r.mean_cost_per_hour for r in runs['WEAVE']):,.0f} · "
                 f"{statistics.median(r.mean_cost_per_hour for r in runs['Opt arrivals']):,.0f}")
-        slos = " · ".join(_slo(runs[p]) for p in ("WEAVE", "WEAVE c/w", "Random", "Greedy"))
+        slos = " · ".join(_slo(runs[p]) for p in ("WEAVE", "WEAVE consol", "WEAVE c/w",
+                                                   "Random", "Greedy"))
+        consol.append([c.total_cost / o.total_cost
+                       for c, o in zip(runs["WEAVE consol"], runs["Opt arrivals"])])
+        moves = statistics.median(r.moves for r in runs["WEAVE consol"])
         lines.append(f"| {res} | {crowd} | **{_ratio(runs, 'WEAVE', 'Opt arrivals')}** | "
                      f"{_ratio(runs, 'WEAVE', 'Opt regrouped')} | "
+                     f"**{_ratio(runs, 'WEAVE consol', 'Opt arrivals')}** · "
+                     f"{_ratio(runs, 'WEAVE consol', 'Opt regrouped')} ({moves:.0f}) | "
                      f"{_ratio(runs, 'WEAVE c/w', 'Opt arrivals')} | "
                      f"{_ratio(runs, 'Opt arrivals', 'Opt regrouped')} | "
                      f"{_ratio(runs, 'Solo-D', 'WEAVE')} | {rate} | {slos} |")
+    flat = [r for per_res in consol for r in per_res]
+    lines += ["", f"WEAVE consol / Opt arrivals: {min(flat):.2f}–{max(flat):.2f}x over every "
+                  "residency and seed."]
     return "\n".join(lines), ours
 
 
 def slo_sweep(n_jobs: int, seeds: int) -> str:
-    head = ["SLO", "WEAVE / Opt arrivals", "WEAVE c/w / Opt arrivals", "Solo-D / WEAVE",
-            "Solo-D / WEAVE c/w", "WEAVE slowdown", "SLO met WEAVE · c/w"]
+    head = ["SLO", "WEAVE / Opt arrivals", "WEAVE consol / Opt arrivals",
+            "WEAVE c/w / Opt arrivals", "Solo-D / WEAVE", "Solo-D / WEAVE c/w", "WEAVE slowdown",
+            "SLO met WEAVE · consol · c/w"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    policies = {p: POLICIES[p] for p in ("WEAVE", "WEAVE c/w", "Solo-D")}
+    policies = {p: POLICIES[p] for p in ("WEAVE", "WEAVE consol", "WEAVE c/w", "Solo-D")}
     for label, slo in SLOS.items():
         traces = [workloads.poisson_jobs(n_jobs, "mixed", s, PHILLY_INTERARRIVAL_S,
                                          slo_range=slo) for s in range(seeds)]
         runs = _runs(traces, 5, {**policies, "Opt arrivals": OPTIMA["Opt arrivals"]})
         slowdown = statistics.median(r.mean_slowdown for r in runs["WEAVE"])
         lines.append(f"| {label} | **{_ratio(runs, 'WEAVE', 'Opt arrivals')}** | "
+                     f"**{_ratio(runs, 'WEAVE consol', 'Opt arrivals')}** | "
                      f"{_ratio(runs, 'WEAVE c/w', 'Opt arrivals')} | "
                      f"{_ratio(runs, 'Solo-D', 'WEAVE')} | {_ratio(runs, 'Solo-D', 'WEAVE c/w')} "
-                     f"| {slowdown:.2f} | {_slo(runs['WEAVE'])} · {_slo(runs['WEAVE c/w'])} |")
+                     f"| {slowdown:.2f} | {_slo(runs['WEAVE'])} · {_slo(runs['WEAVE consol'])} · "
+                     f"{_slo(runs['WEAVE c/w'])} |")
     return "\n".join(lines)
 
 
@@ -196,9 +211,11 @@ def production(n_jobs: int, seeds: int) -> tuple[str, list[float]]:
                      f"{mix['direct_packing']} / {mix['rollout_scaling']} |")
     saving = [s.total_cost / w.total_cost for s, w in zip(runs["Solo-D"], runs["WEAVE"])]
     vs_opt = {p: runs[p][0].total_cost / best.total_cost for p in ("Solo-D", "WEAVE",
-                                                                     "WEAVE c/w")}
+                                                                     "WEAVE consol", "WEAVE c/w")}
+    moves = statistics.median(r.moves for r in runs["WEAVE consol"])
     lines += ["", f"Opt arrivals on seed 0: Solo-D / Opt **{vs_opt['Solo-D']:.2f}x**, WEAVE / "
-                  f"Opt {vs_opt['WEAVE']:.2f}x, WEAVE c/w / Opt {vs_opt['WEAVE c/w']:.2f}x "
+                  f"Opt {vs_opt['WEAVE']:.2f}x, WEAVE consol / Opt {vs_opt['WEAVE consol']:.2f}x "
+                  f"({moves:.0f} moves), WEAVE c/w / Opt {vs_opt['WEAVE c/w']:.2f}x "
                   f"(SLO {best.slo_attainment:.0%})."]
     return "\n".join(lines), saving
 

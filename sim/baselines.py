@@ -29,14 +29,22 @@ class Weave:
     """Algorithm 1 (inter_group.py), or our cost-per-work admission objective."""
 
     def __init__(self, rollout_pool: PoolSpec, train_pool: PoolSpec,
-                 objective: Objective = Objective.MARGINAL_COST) -> None:
+                 objective: Objective = Objective.MARGINAL_COST,
+                 consolidate: bool = False) -> None:
         self.scheduler = InterGroupScheduler(rollout_pool, train_pool, objective=objective)
+        self.consolidate = consolidate
+        self.moves = 0  # jobs consolidation moved
 
     def submit(self, job: Job) -> Decision:
         return self.scheduler.submit(job)
 
     def leave(self, job_id: str) -> None:
+        """A departure; with ``consolidate`` its group's members are then repacked when that
+        is cheaper (``InterGroupScheduler.consolidate``; the scheduler's --consolidate)."""
+        group_id = self.scheduler.group_of(job_id).group_id
         self.scheduler.leave(job_id)
+        if self.consolidate and group_id in self.scheduler.groups:
+            self.moves += len(self.scheduler.consolidate(group_id))
 
 
 class SoloDisaggregation:

@@ -56,6 +56,7 @@ class SimResult:
     mean_slowdown: float  # Σ actual runtime / Σ solo runtime
     strategies: dict[str, int] = field(default_factory=dict)
     timeline: list[Stretch] = field(default_factory=list)  # every stretch with a job alive
+    moves: int = 0  # running jobs the policy moved to another group (each a cold start)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def simulate(jobs: Sequence[SimJob], make_placer: Callable[[], Placer],
     span_h = max(now - start, 1e-9) / 3600
     return SimResult(cost_integral / span_h, peak_cost, cost_integral, peak_gpus,
                      1 - len(missed) / max(len(jobs), 1), actual_time / max(solo_time, 1e-9),
-                     strategies, timeline)
+                     strategies, timeline, getattr(placer, "moves", 0))
 
 
 TAIL_KEEP_SHARE = 0.25  # of a rollout's units its tail keeps (2 of 8 GPUs, 1 of 2 nodes)

@@ -309,6 +309,30 @@ class InterGroupScheduler:
                 best, chosen = score, order
         return chosen
 
+    def consolidate(self, group_id: str) -> dict[str, Placement]:
+        """Beyond the paper: after a departure, dissolve ``group_id`` and admit its members
+        again, largest first, if that lowers the cluster's $/h (Algorithm 1 never moves a job,
+        so groups thinned by departures stay open while the optimum would repack them). Tried
+        on a copy, then replayed here (Algorithm 1 is deterministic). Returns the members' new
+        placements, or {} when nothing moved."""
+        members = list(self.groups[group_id].jobs.values())
+        order = sorted(members, key=lambda j: -j.t_solo)
+        trial = copy.deepcopy(self)
+        try:
+            for job in members:
+                trial.leave(job.job_id)
+            for job in order:
+                trial.submit(job)
+        except PlacementError:
+            return {}
+        if trial.cost_per_hour() >= self.cost_per_hour() - 1e-9:
+            return {}
+        for job in members:
+            self.leave(job.job_id)
+        placements = {job.job_id: self.admit(self.schedule(job)) for job in order}
+        assert abs(self.cost_per_hour() - trial.cost_per_hour()) < 1e-6, "replay diverged"
+        return placements
+
     def leave(self, job_id: str, shrink: bool = True) -> list[str]:
         """Remove a finished or failed job; the rest of its group keeps running. Returns the node
         ids released back to the pools: rollout nodes nobody uses, all nodes of an empty group,
