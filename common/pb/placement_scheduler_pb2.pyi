@@ -307,7 +307,7 @@ class PoolUtilisation(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., gpu: _Optional[str] = ..., nodes: _Optional[int] = ..., allocated: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class PlacementState(_message.Message):
-    __slots__ = ("groups", "jobs", "queues", "pools", "cost_per_hour", "tail_migrations", "bubble_node_seconds_reclaimed", "slo_attainment", "leader")
+    __slots__ = ("groups", "jobs", "queues", "pools", "cost_per_hour", "tail_migrations", "bubble_node_seconds_reclaimed", "slo_attainment", "leader", "consolidation_moves")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     QUEUES_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class PlacementState(_message.Message):
     BUBBLE_NODE_SECONDS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     SLO_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    CONSOLIDATION_MOVES_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedCompositeFieldContainer[CoExecGroup]
     jobs: _containers.RepeatedCompositeFieldContainer[PlacedJob]
     queues: _containers.RepeatedCompositeFieldContainer[NodePhaseQueue]
@@ -326,4 +327,5 @@ class PlacementState(_message.Message):
     bubble_node_seconds_reclaimed: float
     slo_attainment: float
     leader: str
-    def __init__(self, groups: _Optional[_Iterable[_Union[CoExecGroup, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[PlacedJob, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[NodePhaseQueue, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolUtilisation, _Mapping]]] = ..., cost_per_hour: _Optional[float] = ..., tail_migrations: _Optional[int] = ..., bubble_node_seconds_reclaimed: _Optional[float] = ..., slo_attainment: _Optional[float] = ..., leader: _Optional[str] = ...) -> None: ...
+    consolidation_moves: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[CoExecGroup, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[PlacedJob, _Mapping]]] = ..., queues: _Optional[_Iterable[_Union[NodePhaseQueue, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolUtilisation, _Mapping]]] = ..., cost_per_hour: _Optional[float] = ..., tail_migrations: _Optional[int] = ..., bubble_node_seconds_reclaimed: _Optional[float] = ..., slo_attainment: _Optional[float] = ..., leader: _Optional[str] = ..., consolidation_moves: _Optional[int] = ...) -> None: ...

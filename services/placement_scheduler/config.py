@@ -49,6 +49,10 @@ class PlacementConfig(ServiceConfig):
                                       "this many seconds of each other are admitted together, "
                                       "largest first (the order batch_order finds cheapest; "
                                       "beyond the paper); 0 = each at once, in arrival order")
+    consolidate: bool = Field(False, description="after a departure, repack the thinned group's "
+                              "members (largest first) when that lowers $/h, once none holds a "
+                              "permit; a moved job's next phase runs on its new group's nodes "
+                              "(beyond the paper)")
     max_wait_s: float = Field(30.0, gt=0, le=600, description="longest AcquirePermit long-poll")
     tail_threshold: float = Field(0.8, gt=0, le=1, description="share of finished responses "
                                                                "that makes a rollout tail-bound")

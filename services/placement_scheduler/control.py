@@ -121,6 +121,7 @@ class Stats:
     admissions: dict[str, int] = field(default_factory=dict)  # per strategy
     departures: dict[str, int] = field(default_factory=dict)  # per cause
     tail_migrations: int = 0
+    consolidation_moves: int = 0  # jobs moved to another group after a departure
     bubble_node_seconds: float = 0.0  # node time freed by migrations before the tail ended
     slo_met: int = 0
     slo_missed: int = 0
@@ -201,7 +202,7 @@ class PlacementControl:
                  objective: Objective = Objective.MARGINAL_COST, tail_threshold: float = 0.8,
                  requests_per_node: int = 64, min_keep_nodes: int = 1,
                  drift_tolerance: float = 1.25, rollout_slots: int = 1,
-                 clock: Callable[[], float] = time.time) -> None:
+                 consolidate: bool = False, clock: Callable[[], float] = time.time) -> None:
         if rollout_slots < 1:
             raise PlacementError(f"rollout_slots must be >= 1 GPU per node, got {rollout_slots}")
         self.scheduler = InventoryScheduler(names, rollout_pool, train_pool, iterations,
@@ -216,6 +217,11 @@ class PlacementControl:
         self.stats = Stats()
         self.tail_threshold, self.requests_per_node = tail_threshold, requests_per_node
         self.min_keep_nodes, self.drift_tolerance = min_keep_nodes, drift_tolerance
+        # Consolidation at departures (beyond the paper): groups thinned by a departure, to be
+        # repacked once none of their members holds a permit. Not persisted: a new leader only
+        # misses that saving until the next departure.
+        self.consolidate = consolidate
+        self._thinned: set[str] = set()
         self.clock = clock
 
     # --- slots ---------------------------------------------------------------------------------
@@ -318,7 +324,37 @@ class PlacementControl:
             released += self._shrink_train_pool(record.group_id)
         del self.jobs[job_id]
         self.stats.departures[cause] = self.stats.departures.get(cause, 0) + 1
+        if self.consolidate and record.group_id in self.scheduler.groups:
+            self._thinned.add(record.group_id)
+            self._consolidate(record.group_id)
         return released
+
+    def _consolidate(self, group_id: str) -> list[str]:
+        """Repack a group thinned by a departure when that is cheaper (``InterGroupScheduler.
+        consolidate``), once no member holds a permit: a job moves between two of its phases,
+        and its next phase runs on its new group's nodes (its placed workers there load its
+        weights). Tried again after every release in the group. Returns the jobs moved."""
+        queues = self.queues.get(group_id)
+        if queues is None or group_id not in self.scheduler.groups:
+            self._thinned.discard(group_id)
+            return []
+        if queues.running():
+            return []
+        self._thinned.discard(group_id)
+        resume = {job_id: queues.next_phase(job_id)[:2] for job_id in queues.job_ids()}
+        moved = self.scheduler.consolidate(group_id)
+        if not moved:
+            return []
+        del self.queues[group_id]  # every member left it: the group is gone
+        for job_id, placement in moved.items():
+            new_group = self.scheduler.group_of(job_id).group_id
+            phase, iteration = resume[job_id]
+            self.queues.setdefault(new_group, PhaseQueues()).add_job(
+                job_id, self.units(Pool.ROLLOUT, placement.rollout_node_ids),
+                placement.train_node_ids, iteration, phase)
+            self.jobs[job_id].group_id = new_group
+        self.stats.consolidation_moves += len(moved)
+        return list(moved)
 
     def expired(self, alive_job_ids: Iterable[str]) -> list[str]:
         """Jobs tracked by a client lease whose liveness key is gone."""
@@ -395,6 +431,8 @@ class PlacementControl:
         outcome = self._check_drift(job, phase, now - started)
         if phase is Pool.TRAIN and record.group_id in self.scheduler.groups:
             self._shrink_train_pool(record.group_id)
+        if record.group_id in self._thinned:
+            self._consolidate(record.group_id)
         return outcome
 
     def _shrink_train_pool(self, group_id: str) -> list[str]:

@@ -20,6 +20,8 @@ ADMISSION_BATCH = Histogram("rlh_placement_admission_batch_jobs", "Jobs admitted
                             buckets=(1, 2, 4, 8, 16, 32, 64, 128))
 PERMITS = Counter("rlh_placement_permits_total", "Permits granted / released", ["phase", "event"])
 TAIL_MIGRATIONS = Gauge("rlh_placement_tail_migrations", "Long-tail migrations triggered")
+CONSOLIDATION_MOVES = Gauge("rlh_placement_consolidation_moves", "Jobs moved to another group "
+                            "when a departure thinned theirs (--consolidate)")
 BUBBLES_RECLAIMED = Gauge("rlh_placement_bubble_node_seconds_reclaimed",
                           "Node-seconds handed to the next rollout before a migrated tail ended")
 SLO_ATTAINMENT = Gauge("rlh_placement_slo_attainment",

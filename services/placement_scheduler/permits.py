@@ -62,9 +62,11 @@ class PhaseQueues:
 
     # --- membership ----------------------------------------------------------------------------
     def add_job(self, job_id: str, rollout_node_ids: Sequence[str],
-                train_node_ids: Sequence[str], iteration: int = 0) -> None:
-        """Admit a job at the end of the round-robin order; its next phase is the rollout of
-        ``iteration`` (0 for a new job, the checkpointed iteration for a resubmitted one)."""
+                train_node_ids: Sequence[str], iteration: int = 0,
+                phase: Pool = Pool.ROLLOUT) -> None:
+        """Admit a job at the end of the round-robin order; its next phase is ``phase`` (the
+        rollout for a new job) of ``iteration`` (0 for a new job, the checkpointed iteration
+        for a resubmitted one, where it stood for one moved from another group)."""
         if job_id in self._nodes:
             raise PlacementError(f"job {job_id!r} already has a phase queue; remove it first")
         if not rollout_node_ids or not train_node_ids or \
@@ -77,8 +79,9 @@ class PhaseQueues:
             self._cycle.setdefault(node_id, []).append(job_id)
             self._turn.setdefault(node_id, 0)
             self._holder.setdefault(node_id, None)
-        self._next[job_id] = _NextPhase(Pool.ROLLOUT, iteration)
-        self._start_on_idle_nodes(job_id, rollout_node_ids)
+        self._next[job_id] = _NextPhase(phase, iteration)
+        if phase is Pool.ROLLOUT:
+            self._start_on_idle_nodes(job_id, rollout_node_ids)
 
     def _start_on_idle_nodes(self, job_id: str, node_ids: Sequence[str]) -> None:
         """A new job's first phase (its rollout) goes first on its nodes when all of them idle,
@@ -211,6 +214,10 @@ class PhaseQueues:
         return cycle[self._turn[node_id]] if cycle else None
 
     # --- persistence ---------------------------------------------------------------------------
+    def job_ids(self) -> list[str]:
+        """The members, in round-robin (admission) order."""
+        return list(self._nodes)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "jobs": {j: {"rollout_node_ids": list(n[Pool.ROLLOUT]),

@@ -46,7 +46,8 @@ def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) ->
                             requests_per_node=cfg.requests_per_node,
                             min_keep_nodes=cfg.min_keep_nodes,
                             drift_tolerance=cfg.drift_tolerance,
-                            rollout_slots=cfg.rollout_slots, clock=clock)
+                            rollout_slots=cfg.rollout_slots, consolidate=cfg.consolidate,
+                            clock=clock)
 
 
 # proto field -> Job field, for the fields whose absence means "use the default" (proto3 optional).
@@ -407,6 +408,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         scheduler = control.scheduler
         state = pb.PlacementState(cost_per_hour=scheduler.cost_per_hour(),
                                   tail_migrations=control.stats.tail_migrations,
+                                  consolidation_moves=control.stats.consolidation_moves,
                                   bubble_node_seconds_reclaimed=control.stats.bubble_node_seconds,
                                   slo_attainment=control.stats.slo_attainment,
                                   leader=self.endpoint)
@@ -461,6 +463,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             metrics.POOL_NODES.labels(pool.value, "busy").set(busy)
             metrics.POOL_UTILISATION.labels(pool.value).set(busy / allocated if allocated else 0)
         metrics.TAIL_MIGRATIONS.set(control.stats.tail_migrations)
+        metrics.CONSOLIDATION_MOVES.set(control.stats.consolidation_moves)
         metrics.BUBBLES_RECLAIMED.set(control.stats.bubble_node_seconds)
         metrics.SLO_ATTAINMENT.set(control.stats.slo_attainment)
 

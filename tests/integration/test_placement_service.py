@@ -369,3 +369,33 @@ async def test_jobs_submitted_within_the_admission_window_are_placed_largest_fir
         assert state.cost_per_hour == pytest.approx(71.84)
     finally:
         await client.close()
+
+
+async def test_consolidate_moves_a_job_of_a_thinned_group_between_its_phases(stack):
+    """--consolidate: A|C fill one group and B|D another. C and D leave; B is then repacked
+    into A's group between two of its phases, its next phases run on A's nodes, and no phase
+    of A or B runs twice or beside another on a node."""
+    start_scheduler(stack, "sched-consol", "--train-nodes", "2", "--consolidate")
+    runs: list = []
+    jobs = {name: PlacementJob(JobSpec(f"job-{name}", **SPEC), stack.etcd.endpoint)
+            for name in "acbd"}  # submitted in this order
+    for job in jobs.values():
+        await job.__aenter__()
+    try:
+        groups = {name: job.placement.group_id for name, job in jobs.items()}
+        assert groups["a"] == groups["c"] != groups["b"] == groups["d"], groups
+        await asyncio.gather(*(drive(job, 1, runs, 0.05) for job in jobs.values()))
+        for name in "cd":
+            await jobs[name].__aexit__(None, None, None)
+        await asyncio.gather(drive(jobs["a"], 3, runs, 0.05), drive(jobs["b"], 3, runs, 0.05))
+        state = await jobs["a"].client.state()
+    finally:
+        for name in "ab":
+            await jobs[name].__aexit__(None, None, None)
+    assert state.consolidation_moves == 1, state
+    assert_no_overlap_and_no_repeat([r for r in runs if r[0] in ("job-a", "job-b")],
+                                    {"job-a": 4, "job-b": 4})
+    a_nodes = {n for j, _, i, nodes, _, _ in runs if j == "job-a" for n in nodes}
+    b_first = {n for j, _, i, nodes, _, _ in runs if j == "job-b" and i == 0 for n in nodes}
+    b_late = {n for j, _, i, nodes, _, _ in runs if j == "job-b" and i >= 2 for n in nodes}
+    assert not b_first & a_nodes and b_late <= a_nodes, (b_first, b_late, a_nodes)

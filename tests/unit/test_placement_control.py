@@ -406,3 +406,50 @@ def test_jobs_submitted_together_are_admitted_in_batch_order_and_answered_in_the
     first = jobs[0]["job_id"]  # every admitted job has its queues, from its start iteration
     assert ctl.acquire(first, Pool.ROLLOUT, 2) is not None or \
         ctl.queues[ctl.jobs[first].group_id].next_phase(first)[1] == 2
+
+
+def test_a_group_thinned_by_a_departure_is_repacked_once_no_member_holds_a_permit() -> None:
+    clock = Clock(START)
+    names = {Pool.ROLLOUT: ["r1", "r2"], Pool.TRAIN: ["t1", "t2"]}
+    ctl = PlacementControl(names, dataclasses.replace(H20, max_nodes=2),
+                           dataclasses.replace(H800, max_nodes=2), clock=clock, consolidate=True)
+    for job_id in "ABCD":  # A|B fill one group, C|D the other
+        ctl.submit(spec(job_id))
+    assert ctl.jobs["A"].group_id != ctl.jobs["C"].group_id
+    run_phase(ctl, clock, "A", Pool.ROLLOUT, 0, 5.0)
+    ctl.cancel("B")  # A alone: nothing cheaper (C|D is full), A stays
+    assert ctl.stats.consolidation_moves == 0
+    assert ctl.acquire("C", Pool.ROLLOUT, 0) is not None
+    ctl.cancel("D")  # C alone, but C rolls out now: it moves only once its permit is back
+    assert ctl.stats.consolidation_moves == 0 and ctl.jobs["C"].group_id != ctl.jobs["A"].group_id
+    clock.advance(5.0)
+    ctl.release("C", Pool.ROLLOUT, 0)
+    assert ctl.stats.consolidation_moves == 1
+    assert ctl.jobs["C"].group_id == ctl.jobs["A"].group_id
+    assert len(ctl.scheduler.groups) == 1 and len(ctl.queues) == 1
+    # C goes on where it stood (its training of iteration 0), on the group's nodes.
+    assert ctl.queues[ctl.jobs["C"].group_id].next_phase("C")[:2] == (Pool.TRAIN, 0)
+    run_phase(ctl, clock, "A", Pool.TRAIN, 0, 5.0)
+    permit = ctl.acquire("C", Pool.TRAIN, 0)
+    assert permit is not None and set(permit.node_ids) <= set(ctl.scheduler.taken)
+    clock.advance(5.0)
+    ctl.release("C", Pool.TRAIN, 0)
+    for job_id, phase in (("A", Pool.ROLLOUT), ("C", Pool.ROLLOUT), ("A", Pool.TRAIN),
+                          ("C", Pool.TRAIN)):  # the two take turns from now on
+        run_phase(ctl, clock, job_id, phase, 1, 5.0)
+    restored = PlacementControl(names, dataclasses.replace(H20, max_nodes=2),
+                                dataclasses.replace(H800, max_nodes=2), clock=Clock(START),
+                                consolidate=True)  # the moved state persists and restores
+    restored.restore(json.loads(json.dumps(ctl.records())))
+    assert restored.jobs["C"].group_id == ctl.jobs["C"].group_id
+    assert restored.stats.consolidation_moves == 1
+
+
+def test_without_consolidate_a_thinned_group_keeps_its_nodes() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=2, train=2)
+    for job_id in "ABCD":
+        ctl.submit(spec(job_id))
+    ctl.cancel("B")
+    ctl.cancel("D")
+    assert len(ctl.scheduler.groups) == 2 and ctl.stats.consolidation_moves == 0

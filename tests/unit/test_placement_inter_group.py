@@ -400,3 +400,58 @@ def test_batch_order_never_costs_more_than_arrival_order_and_breaks_no_slo(drawn
     cost, broken = _cost_in_order(ordered)
     assert cost <= _cost_in_order(jobs)[0] + 1e-9
     assert broken == []
+
+
+# --- consolidation at departures (beyond the paper) -------------------------------------------
+
+def _two_thinned_groups() -> InterGroupScheduler:
+    """A|B in one group, C|D in another (each pair saturates its group); B and D leave."""
+    scheduler = InterGroupScheduler(ROLL, TRAIN)
+    for name in "ABCD":
+        scheduler.submit(job(name, 100, 100))
+    assert len(scheduler.groups) == 2
+    scheduler.leave("B")
+    scheduler.leave("D")
+    return scheduler
+
+
+def test_a_group_thinned_by_departures_is_repacked_into_another_when_cheaper() -> None:
+    scheduler = _two_thinned_groups()
+    before = scheduler.cost_per_hour()
+    home = scheduler.group_of("A").group_id
+    moved = scheduler.consolidate(scheduler.group_of("C").group_id)
+    assert list(moved) == ["C"] and scheduler.group_of("C").group_id == home
+    assert moved["C"].train_node_ids == tuple(scheduler.groups[home].train_nodes)
+    assert len(scheduler.groups) == 1 and scheduler.cost_per_hour() < before
+    periods = co_execution_periods(members_of(scheduler.groups[home]))
+    assert all(periods[j] <= 2.0 * 200 for j in "AC")
+
+
+def test_consolidation_moves_nothing_when_repacking_is_no_cheaper(scheduler) -> None:
+    scheduler.submit(job("A", 100, 100))
+    scheduler.submit(job("B", 100, 100))
+    scheduler.submit(job("C", 100, 100))  # alone: A|B's group is saturated
+    before = scheduler.to_dict()
+    assert scheduler.consolidate(scheduler.group_of("C").group_id) == {}
+    assert scheduler.to_dict() == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(10, 300), st.integers(10, 300),
+                          st.sampled_from([1.2, 1.5, 2.0])), min_size=3, max_size=8),
+       st.lists(st.integers(0, 7), max_size=5))
+def test_consolidating_after_every_departure_breaks_no_slo_and_never_raises_cost(
+        drawn, leaving) -> None:
+    scheduler = InterGroupScheduler(ROLL, TRAIN)
+    for i, (r, t, slo) in enumerate(drawn):
+        scheduler.submit(job(f"J{i}", r, t, slo))
+    for index in dict.fromkeys(i for i in leaving if i < len(drawn)):
+        group_id = scheduler.group_of(f"J{index}").group_id
+        scheduler.leave(f"J{index}")
+        if group_id in scheduler.groups:
+            before = scheduler.cost_per_hour()
+            scheduler.consolidate(group_id)
+            assert scheduler.cost_per_hour() <= before + 1e-9
+    for group in scheduler.groups.values():
+        for job_id, period in co_execution_periods(members_of(group)).items():
+            assert period <= group.jobs[job_id].slo * group.jobs[job_id].t_solo + 1e-6
