@@ -75,6 +75,12 @@ class InventoryScheduler(InterGroupScheduler):
         self.taken.difference_update(released)
         return released
 
+    def _save_extra(self) -> Any:
+        return set(self.taken)
+
+    def _restore_extra(self, saved: Any) -> None:
+        self.taken = saved
+
     def shrink_train_pool(self, group_id: str) -> list[str]:
         dropped = super().shrink_train_pool(group_id)
         self.taken.difference_update(dropped)

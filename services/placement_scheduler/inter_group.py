@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import copy
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from rlharvest.services.placement_scheduler.model import (
     H20, H800, Group, Job, Node, Placement, PlacementError, Pool, PoolSpec, fits_in_memory)
@@ -39,6 +39,8 @@ from rlharvest.services.placement_scheduler.round_robin import (
 
 _EPS = 1e-9
 
+
+T = TypeVar("T")
 
 class Objective(str, Enum):
     """What admission minimises. ``marginal_cost`` is Algorithm 1 (line 12: Δ). ``cost_per_work``
@@ -285,8 +287,8 @@ class InterGroupScheduler:
         greedy, so the order matters: a small job admitted first opens a group a larger one
         then cannot join. As first-fit decreasing does for bin packing, the candidates put the
         largest first (by solo period, rollout, training, nodes), beside the arrival order; each
-        is admitted on a copy, and the order that places the most jobs at the lowest $/h wins
-        (ties: the earlier candidate). The copies leave this scheduler untouched."""
+        is admitted tentatively, and the order that places the most jobs at the lowest $/h wins
+        (ties: the earlier candidate). The scheduler is left as it was."""
         candidates: list[list[Job]] = [
             sorted(jobs, key=lambda j: -j.t_solo),
             sorted(jobs, key=lambda j: -j.t_roll),
@@ -296,42 +298,90 @@ class InterGroupScheduler:
         best: tuple[int, float] | None = None
         chosen = candidates[-1]
         for order in candidates:
-            trial = copy.deepcopy(self)
-            placed = 0
-            for job in order:
-                try:
-                    trial.submit(job)
-                    placed += 1
-                except PlacementError:
-                    continue
-            score = (-placed, trial.cost_per_hour())
+            def admit_all(touch: Callable[[str | None], None],
+                          order: list[Job] = order) -> tuple[int, float]:
+                return self._admit_all(order, touch)
+
+            outcome, _ = self._tentatively(admit_all, keep=lambda _: False)
+            assert outcome is not None  # _admit_all skips what does not fit: it never raises
+            score = (-outcome[0], outcome[1])
             if best is None or score < best:
                 best, chosen = score, order
         return chosen
+
+    def _admit_all(self, order: Sequence[Job], touch: Callable[[str | None], None]
+                   ) -> tuple[int, float]:
+        """Admits what fits of ``order``; how many, and the $/h after."""
+        placed = 0
+        for job in order:
+            try:
+                decision = self.schedule(job)
+                touch(decision.group_id)
+                self.admit(decision)
+                placed += 1
+            except PlacementError:
+                continue
+        return placed, self.cost_per_hour()
 
     def consolidate(self, group_id: str) -> dict[str, Placement]:
         """Beyond the paper: after a departure, dissolve ``group_id`` and admit its members
         again, largest first, if that lowers the cluster's $/h (Algorithm 1 never moves a job,
         so groups thinned by departures stay open while the optimum would repack them). Tried
-        on a copy, then replayed here (Algorithm 1 is deterministic). Returns the members' new
-        placements, or {} when nothing moved."""
+        tentatively: undone unless cheaper. Returns the members' new placements, or {} when
+        nothing moved."""
         members = list(self.groups[group_id].jobs.values())
-        order = sorted(members, key=lambda j: -j.t_solo)
-        trial = copy.deepcopy(self)
-        try:
+        before = self.cost_per_hour()
+
+        def repack(touch: Callable[[str | None], None]) -> dict[str, Placement]:
+            touch(group_id)
             for job in members:
-                trial.leave(job.job_id)
-            for job in order:
-                trial.submit(job)
+                self.leave(job.job_id)
+            placements = {}
+            for job in sorted(members, key=lambda j: -j.t_solo):
+                decision = self.schedule(job)
+                touch(decision.group_id)
+                placements[job.job_id] = self.admit(decision)
+            return placements
+
+        moved, kept = self._tentatively(repack,
+                                        keep=lambda _: self.cost_per_hour() < before - 1e-9)
+        return moved if kept and moved is not None else {}
+
+    def _tentatively(self, change: Callable[[Callable[[str | None], None]], T],
+                     keep: Callable[[T], bool]) -> tuple[T | None, bool]:
+        """Runs ``change`` on this scheduler and keeps it if ``keep`` says so, else (or when it
+        raises PlacementError) puts everything back. Returns what ``change`` returned (None when
+        it raised) and whether it was kept. ``change`` calls ``touch(group_id)`` before
+        it changes a group; only those groups are copied, so a trial at thousands of jobs costs
+        what it touches, not a copy of the whole scheduler."""
+        saved = (dict(self.groups), dict(self._job_group), dict(self._members), dict(self._work),
+                 dict(self._kept_pool), dict(self._serial), dict(self._nodes_in_use),
+                 self._save_extra())
+        originals: dict[str, Group] = {}
+
+        def touch(group_id: str | None) -> None:
+            if group_id is not None and group_id not in originals and group_id in saved[0]:
+                originals[group_id] = copy.deepcopy(saved[0][group_id])
+
+        result: T | None = None
+        try:
+            result = change(touch)
+            if keep(result):
+                return result, True
         except PlacementError:
-            return {}
-        if trial.cost_per_hour() >= self.cost_per_hour() - 1e-9:
-            return {}
-        for job in members:
-            self.leave(job.job_id)
-        placements = {job.job_id: self.admit(self.schedule(job)) for job in order}
-        assert abs(self.cost_per_hour() - trial.cost_per_hour()) < 1e-6, "replay diverged"
-        return placements
+            result = None
+        (groups, self._job_group, self._members, self._work, self._kept_pool, self._serial,
+         self._nodes_in_use, extra) = saved
+        self.groups = {gid: originals.get(gid, group) for gid, group in groups.items()}
+        self._restore_extra(extra)
+        return result, False
+
+    def _save_extra(self) -> Any:
+        """A subclass's own state for ``_tentatively`` to put back (none here)."""
+        return None
+
+    def _restore_extra(self, saved: Any) -> None:
+        pass
 
     def leave(self, job_id: str, shrink: bool = True) -> list[str]:
         """Remove a finished or failed job; the rest of its group keeps running. Returns the node

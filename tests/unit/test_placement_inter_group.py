@@ -455,3 +455,38 @@ def test_consolidating_after_every_departure_breaks_no_slo_and_never_raises_cost
     for group in scheduler.groups.values():
         for job_id, period in co_execution_periods(members_of(group)).items():
             assert period <= group.jobs[job_id].slo * group.jobs[job_id].t_solo + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(10, 300), st.integers(10, 300),
+                          st.sampled_from([1.2, 1.5, 2.0])), min_size=3, max_size=9),
+       st.lists(st.integers(0, 8), max_size=4))
+def test_a_trial_that_is_undone_leaves_a_scheduler_that_behaves_as_if_never_tried(
+        drawn, leaving) -> None:
+    """batch_order and a declined consolidate try changes on the scheduler itself and put it
+    back (copying only the groups they touch): afterwards it must decide exactly as an
+    untouched copy does, serials, caches and node counts included."""
+    import copy
+
+    jobs = [job(f"J{i}", r, t, slo) for i, (r, t, slo) in enumerate(drawn)]
+    tried = InterGroupScheduler(ROLL, TRAIN)
+    for j in jobs[:-2]:
+        tried.submit(j)
+    for index in dict.fromkeys(i for i in leaving if i < len(jobs) - 2):
+        tried.leave(f"J{index}")
+    untouched = copy.deepcopy(tried)
+    tried.batch_order(jobs[-2:])
+    for group_id in list(tried.groups):
+        if group_id not in tried.groups:  # dissolved by an earlier consolidation
+            continue
+        before = tried.cost_per_hour()
+        if not tried.consolidate(group_id):
+            assert tried.cost_per_hour() == before
+            untouched_moves = copy.deepcopy(untouched).consolidate(group_id)
+            assert not untouched_moves
+        else:
+            untouched.consolidate(group_id)
+    assert tried.to_dict() == untouched.to_dict()
+    for j in jobs[-2:]:  # the same arrivals decide the same
+        assert tried.submit(j) == untouched.submit(j)
+        assert tried.to_dict() == untouched.to_dict()
