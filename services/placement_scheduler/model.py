@@ -226,6 +226,10 @@ class Group:
     roll_mem_gb: dict[str, float] = field(default_factory=dict)
     train_load_s: float = 0.0
     train_mem_gb: float = 0.0
+    # (version, training nodes, members) -> t_cycle, min_slo_budget, min_train_mem_gb: Algorithm
+    # 1 reads them for every open group on every arrival (most of its time at 2,000 jobs).
+    _derived: tuple[tuple[int, int, int], float, float, float] | None = field(
+        default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for node_id, node in {**self.rollout_nodes, **self.train_nodes}.items():
@@ -256,7 +260,17 @@ class Group:
     def t_cycle(self) -> float:
         """T_G^cycle = max_j T_j^solo: the longest member's iteration on its own (§4.2), at the
         group's DP degree, the time that phase takes here."""
-        return max((job.t_roll + self.train_s(job) for job in self.jobs.values()), default=0.0)
+        return self._aggregates()[0]
+
+    def _aggregates(self) -> tuple[float, float, float]:
+        key = (self.version, len(self.train_nodes), len(self.jobs))
+        if self._derived is None or self._derived[0] != key:
+            jobs = self.jobs.values()
+            self._derived = (
+                key, max((job.t_roll + self.train_s(job) for job in jobs), default=0.0),
+                min((job.slo_budget for job in jobs), default=math.inf),
+                min((n.host_mem_gb for n in self.train_nodes.values()), default=0.0))
+        return self._derived[1:]
 
     @property
     def t_load(self) -> float:
@@ -271,11 +285,11 @@ class Group:
     @property
     def min_slo_budget(self) -> float:
         """The tightest member's SLO × T_solo: every member's iteration must fit in it."""
-        return min((job.slo_budget for job in self.jobs.values()), default=math.inf)
+        return self._aggregates()[1]
 
     @property
     def min_train_mem_gb(self) -> float:
-        return min((n.host_mem_gb for n in self.train_nodes.values()), default=0.0)
+        return self._aggregates()[2]
 
     # --- mutation ------------------------------------------------------------------------------
     def add(self, job: Job, placement: Placement) -> None:
