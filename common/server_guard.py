@@ -7,8 +7,9 @@ which a client cannot tell from a server bug. This server interceptor, installed
 ``rpc.bind_server`` for every service, wraps each method's deserializer so a message that does
 not parse becomes a marker instead of an exception, and wraps the method so the marker is
 answered with INVALID_ARGUMENT naming the message type — for a unary request before the
-servicer runs; for a request stream when the servicer reads the message that does not parse:
-the status goes out at once and the servicer's read raises ``grpc.aio.AbortError``. Valid
+servicer runs; for a request stream when the servicer reads the message that does not parse: its read raises
+``grpc.aio.AbortError`` and the status goes out at once (a unary reply) or when the servicer's
+reply stream ends (a bidirectional stream: ``_RefusedStream``). Valid
 messages pass through unchanged; a wrapped response stream closes the servicer's own generator
 when it ends (``aclosing``), so its cleanup runs then, not at garbage collection.
 
@@ -46,9 +47,20 @@ def _safe(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse
 
 
+def _refusal(bad: _Undecodable) -> str:
+    return f"the request is not a valid protobuf message: {bad.error}"
+
+
 async def _refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request is not a valid protobuf message: {bad.error}")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(bad))
+
+
+class _RefusedStream(grpc.aio.AbortError):
+    """An undecodable message in a bidirectional stream. The status is set on the context and
+    goes out when the servicer's response stream ends, from the RPC's own task. A servicer
+    reading its requests in another task (the worker's Session) must not ``abort`` there: an
+    abort racing the handler's completion can leave the client waiting until its deadline
+    (grpc/grpc#28989; seen here as a rare DEADLINE_EXCEEDED under load)."""
 
 
 Precheck = Callable[[grpc.aio.ServicerContext], Awaitable[None]]
@@ -84,11 +96,15 @@ async def require_job(context: grpc.aio.ServicerContext, job: str) -> None:
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
 
 
-async def _checked(requests: AsyncIterator[Any],
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext,
+                   streaming_reply: bool = False) -> AsyncIterator[Any]:
     async for message in requests:
         if isinstance(message, _Undecodable):
-            await _refuse(context, message)
+            if not streaming_reply:
+                await _refuse(context, message)  # raises AbortError: the status is out
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(_refusal(message))
+            raise _RefusedStream(_refusal(message))
         yield message
 
 
@@ -118,9 +134,13 @@ def _stream_request(fn: Callable[..., Any], check: Precheck) -> Callable[..., An
         async def stream(requests: AsyncIterator[Any],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await check(context)
-            async with contextlib.aclosing(fn(_checked(requests, context), context)) as responses:
-                async for response in responses:
-                    yield response
+            try:
+                async with contextlib.aclosing(fn(_checked(requests, context, True),
+                                                  context)) as responses:
+                    async for response in responses:
+                        yield response
+            except _RefusedStream:
+                return  # its status is set: it goes out now that the stream ends
         return stream
 
     async def call(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:

@@ -79,3 +79,47 @@ async def test_an_unparsable_request_gets_invalid_argument_on_every_rpc(server):
         for service, method in METHODS:
             code, _ = await outcome(chan, method, b"")
             assert code == grpc.StatusCode.UNIMPLEMENTED, (service, method.name, code)
+
+
+async def test_a_bidi_servicer_reading_in_another_task_ends_with_invalid_argument():
+    """The worker's Session shape: a reader task consumes the commands while the handler
+    streams events. The undecodable command's status is set, the reader sees AbortError, and
+    the status goes out when the handler's stream ends, from the RPC's own task."""
+    import asyncio
+
+    from rlharvest.common.pb import rollout_worker_pb2 as wpb
+
+    method = wpb.DESCRIPTOR.services_by_name["RolloutWorker"].methods_by_name["Session"]
+    seen: list[str] = []
+
+    async def session(requests, context):
+        done = asyncio.Event()
+
+        async def read() -> None:
+            try:
+                async for _ in requests:
+                    pass
+            except grpc.aio.AbortError as exc:
+                seen.append(type(exc).__name__)
+            done.set()
+
+        reader = asyncio.ensure_future(read())
+        yield wpb.WorkerEvent()  # the hello, as the worker sends one first
+        await done.wait()
+        await reader
+
+    handler = grpc.stream_stream_rpc_method_handler(
+        session, wpb.WorkerCommand.FromString, wpb.WorkerEvent.SerializeToString)
+    started = await rpc.start_server([lambda srv: srv.add_generic_rpc_handlers((
+        grpc.method_handlers_generic_handler("rlharvest.v1.RolloutWorker",
+                                             {"Session": handler}),))],
+        ["rlharvest.v1.RolloutWorker"])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{started.port}") as chan:
+            for _ in range(20):
+                code, details = await outcome(chan, method, GARBAGE, timeout_s=5)
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+                assert "WorkerCommand" in details
+    finally:
+        await started.stop(0)
+    assert seen == ["_RefusedStream"] * 20
