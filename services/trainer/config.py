@@ -248,7 +248,6 @@ class TrainerConfig(ServiceConfig):
         if not self.env:
             return self
         clash = [flag for flag, on in (("--data", bool(self.data)),
-                                       ("--tail-batching", self.tail_batching),
                                        ("--seed-role", self.seed_role))
                  if on]
         if clash:

@@ -619,25 +619,36 @@ class TrainerLoop:
         # Placed (WEAVE): one phase at a time, so the groups train once the rollout phase ended
         # and the training permit is held; else each trains as soon as it is played.
         held: list[RewardedGroup] = []
+        # Tail batching's short round (RollPacker): every episode of the round plays R
+        # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
+        # are cancelled and deferred to a long round. Otherwise every group trains whole.
+        trained: list[int] = []
         async with manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
                 seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
                 return g, await play_group(generate, env_class, f"s{spec.step}-g{g}", seed,
-                                           spec.group_size, play_cfg)
+                                           spec.samples_per_prompt, play_cfg,
+                                           keep=spec.group_size)
 
             reporter = self._report_tail(tasks, lambda: manager, spec.samples,
                                          lambda: progress.completions)
-            for played in asyncio.as_completed([group(g) for g in range(spec.train_groups)]):
+            playing = [tasks.create_task(group(g)) for g in range(len(spec.items))]
+            for played in asyncio.as_completed(playing):
                 idle_since = self._clock()
                 g, trajectories = await played
                 waited += self._clock() - idle_since
+                trained.append(g)
                 self._count_played(spec, trajectories, progress)
                 if self.placed is not None:
                     held.append(rewarded_group(g, trajectories))
-                    continue
-                await self._run(train.add_groups, [rewarded_group(g, trajectories)])
-                progress.groups_trained = train.groups_received
+                else:
+                    await self._run(train.add_groups, [rewarded_group(g, trajectories)])
+                    progress.groups_trained = train.groups_received
+                if len(trained) == spec.train_groups:
+                    break
+            for task in playing:  # a short round's tail (none otherwise)
+                task.cancel()
             if reporter is not None:
                 reporter.cancel()
         rollout_s = self._clock() - started
@@ -647,8 +658,11 @@ class TrainerLoop:
             await self._run(train.add_groups, held)
             progress.groups_trained = train.groups_received
         phases = {"rollout": rollout_s, "rewards": 0.0}
-        return await self._conclude(spec, train, GroupAssembler(spec), progress, started,
-                                    waited, phases, [])
+        assembler = GroupAssembler(spec)  # what _commit_data reads: trained and deferred groups
+        assembler.accepted = sorted(trained)
+        assembler.deferred = [g for g in range(len(spec.items)) if g not in trained]
+        return await self._conclude(spec, train, assembler, progress, started, waited, phases,
+                                    [])
 
     @staticmethod
     def _count_played(spec: StepSpec, trajectories: list[Trajectory], progress: Progress) -> None:

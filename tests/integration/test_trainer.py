@@ -523,3 +523,25 @@ async def test_grpo_steps_on_frozen_lake_trajectories_play_turn_by_turn_on_polic
     assert metric(text, 'rlh_trainer_trajectories_total{outcome="failed"}') == 0
     routed = scrape(manager.metrics_port)
     assert metric(routed, 'rlh_manager_turns_routed{outcome="affinity"}') > 0
+
+
+async def test_tail_batching_defers_the_episodes_whose_trajectories_run_longest(
+        stack, etcd_client):
+    """--env with --tail-batching (RollPacker on multi-turn trajectories): a short round plays
+    3 episodes x 3 trajectories and trains the first 2 episodes to end 2 trajectories each; the
+    third is cancelled and deferred; once 2 are deferred a long round trains them whole."""
+    await start_job(stack, 1, "--max-running", "16", "--kv-pages", "1024", "--prefix-cache")
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "3", "--env", "frozen_lake",
+        "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "2",
+        "--env-max-turns", "4", "--tail-batching")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2, 3]
+    assert [s.round for s in st.steps] == ["short", "short", "long"]
+    assert [s.prompts_launched for s in st.steps] == [3, 3, 2]
+    assert [s.prompts_deferred for s in st.steps] == [1, 1, 0]
+    text = scrape(metrics_port)
+    assert metric(text, 'rlh_trainer_rounds_total{kind="short"}') == 2
+    assert metric(text, 'rlh_trainer_rounds_total{kind="long"}') == 1
+    # Trained: 2 episodes x 2 trajectories per step; the cancelled ones are not counted.
+    assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 12

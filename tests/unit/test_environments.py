@@ -128,7 +128,35 @@ def test_the_trainer_refuses_an_unknown_env_and_combinations_it_does_not_run_yet
 
     with pytest.raises(ConfigError, match="package.module:Class"):
         load_config(TrainerConfig, flags={"env": "chess"})
-    with pytest.raises(ConfigError, match="--tail-batching"):
-        load_config(TrainerConfig, flags={"env": "frozen_lake", "tail_batching": True})
+    with pytest.raises(ConfigError, match="--seed-role"):
+        load_config(TrainerConfig, flags={"env": "frozen_lake", "seed_role": True,
+                                          "instance_cap": "auto"})
     cfg = load_config(TrainerConfig, flags={"env": "frozen_lake_shaped", "env_max_turns": "6"})
     assert cfg.env_max_turns == 6 and cfg.env_timeout_s == 5.0
+
+
+async def test_a_short_rounds_group_keeps_the_first_trajectories_to_end_and_cancels_the_rest():
+    """Tail batching with --env: of R trajectories launched, the first R0 to end train (in the
+    order they ended); the others are cancelled mid-turn, not awaited to their end."""
+    import asyncio
+
+    from rlharvest.services.trainer.environments.runner import PlayConfig, play_group
+
+    delays = {"g-t0": 0.2, "g-t1": 0.0, "g-t2": 5.0, "g-t3": 0.05}  # seconds per turn
+    cancelled: list[str] = []
+
+    async def generate(trajectory_id: str, turn: int, history: list[int], seed: int):
+        try:
+            await asyncio.sleep(delays[trajectory_id])
+        except asyncio.CancelledError:
+            cancelled.append(trajectory_id)
+            raise
+        return CharTokenizer().encode("R", add_bos=False), [-0.1]
+
+    cfg = PlayConfig(max_turns=2, max_new_tokens=1, context=512)
+    started = asyncio.get_running_loop().time()
+    kept = await play_group(generate, FrozenLake, "g", seed=0, size=4, cfg=cfg, keep=2)
+    assert [t.trajectory_id for t in kept] == ["g-t1", "g-t3"]
+    assert all(t.turns >= 1 and not t.failed for t in kept)
+    assert sorted(cancelled) == ["g-t0", "g-t2"]
+    assert asyncio.get_running_loop().time() - started < 2.0

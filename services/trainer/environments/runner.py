@@ -116,11 +116,28 @@ async def play(generate: Generate, env: Environment, trajectory_id: str, seed: i
 
 
 async def play_group(generate: Generate, make_env: Callable[[], Environment], group_id: str,
-                     seed: int, size: int, cfg: PlayConfig) -> list[Trajectory]:
+                     seed: int, size: int, cfg: PlayConfig, keep: int | None = None
+                     ) -> list[Trajectory]:
     """A GRPO group: ``size`` trajectories of one episode (the same reset seed), at once; each
-    samples with its own seeds (they follow from its trajectory id)."""
-    return list(await asyncio.gather(*(
-        play(generate, make_env(), f"{group_id}-t{i}", seed, cfg) for i in range(size))))
+    samples with its own seeds (they follow from its trajectory id). ``keep`` < ``size`` (a
+    tail batching short round): the first ``keep`` to end, in the order they ended; the others
+    are cancelled, and with them their turns in flight (the manager aborts what a client
+    leaves)."""
+    plays = [asyncio.ensure_future(play(generate, make_env(), f"{group_id}-t{i}", seed, cfg))
+             for i in range(size)]
+    if keep is None or keep >= size:
+        return list(await asyncio.gather(*plays))
+    first: list[Trajectory] = []
+    try:
+        for ended in asyncio.as_completed(plays):
+            first.append(await ended)
+            if len(first) == keep:
+                break
+    finally:
+        for task in plays:
+            task.cancel()
+        await asyncio.gather(*plays, return_exceptions=True)
+    return first
 
 
 async def _call(fn: Callable[[], object], cfg: PlayConfig) -> object:
