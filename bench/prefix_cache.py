@@ -15,6 +15,7 @@ alternating), the ratio no cache / cache (median [spread]), the hit rate and the
 saved.
 
     python bench/prefix_cache.py [--quick] [--rounds 5] [--model small] [--threads 1]
+                                 [--prefill-chunk 256]
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def run(engine: TorchEngine, trajectories: int, turns: int) -> tuple[float, list
     return seconds, completions
 
 
-def make(model: str, cached: bool, trajectories: int, turns: int) -> TorchEngine:
+def make(model: str, cached: bool, trajectories: int, turns: int,
+         prefill_chunk: int = 0) -> TorchEngine:
     longest = PROMPT + (turns - 1) * (COMPLETION + OBSERVATION) + COMPLETION
     pages = trajectories * (longest // 16 + 2) * 2  # room for every history twice
     return TorchEngine(model, max_running=trajectories, max_len=longest, kv_pages=pages,
-                       page_tokens=16, prefix_cache=cached)
+                       page_tokens=16, prefix_cache=cached, prefill_chunk=prefill_chunk)
 
 
 def main() -> None:
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--model", default="small")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="chunked prefill of this many tokens per step (both engines)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.trajectories = 2, 4
@@ -87,7 +91,8 @@ def main() -> None:
         order = ["no cache", "prefix cache"] if r % 2 == 0 else ["prefix cache", "no cache"]
         outputs = {}
         for name in order:
-            engine = make(args.model, name == "prefix cache", args.trajectories, args.turns)
+            engine = make(args.model, name == "prefix cache", args.trajectories, args.turns,
+                          args.prefill_chunk)
             seconds, outputs[name] = run(engine, args.trajectories, args.turns)
             times[name].append(seconds)
             if name == "prefix cache":
@@ -98,8 +103,9 @@ def main() -> None:
     assert load is not None
     history = PROMPT + (args.turns - 1) * (COMPLETION + OBSERVATION)
     print(f"{args.model}, {args.trajectories} trajectories x {args.turns} turns, histories "
-          f"{PROMPT}-{history} tokens, {COMPLETION} sampled per turn, {args.rounds} rounds; "
-          "tokens identical with and without the cache")
+          f"{PROMPT}-{history} tokens, {COMPLETION} sampled per turn, {args.rounds} rounds, "
+          f"prefill chunk {args.prefill_chunk or 'none'}; tokens identical with and without "
+          "the cache")
     for name, secs in times.items():
         print(f"  {name:13s} {statistics.median(secs):7.2f} s (median)")
     print(f"  speed-up no cache / prefix cache: {statistics.median(ratios):.2f}x "

@@ -41,6 +41,9 @@ class ModelTokenizer(Protocol):
     def encode(self, text: str) -> list[int]:
         """A plain-text prompt, with the special tokens the tokenizer adds by default."""
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Text that continues a sequence (an environment's observation): no special tokens."""
+
     def decode(self, ids: Sequence[int]) -> str:
         """A completion's text, special tokens left out."""
 
@@ -84,6 +87,12 @@ class BuiltinTokenizer:
         except ValueError as exc:
             raise TokenizerError(str(exc)) from None
 
+    def encode_plain(self, text: str) -> list[int]:
+        try:
+            return self._chars.encode(text, add_bos=False)
+        except ValueError as exc:
+            raise TokenizerError(str(exc)) from None
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._chars.decode(ids)
 
@@ -119,6 +128,9 @@ class CheckpointTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

@@ -247,15 +247,17 @@ class TrainerConfig(ServiceConfig):
     def _env_fits(self) -> TrainerConfig:
         if not self.env:
             return self
-        clash = [flag for flag, on in (("--data", bool(self.data)),
-                                       ("--seed-role", self.seed_role))
-                 if on]
-        if clash:
+        if self.seed_role:
             raise ValueError(f"--env {self.env} plays its own episodes turn by turn; it does not "
-                             f"combine with {', '.join(clash)} yet")
-        from rlharvest.services.trainer.environments.interface import load_environment
+                             "combine with --seed-role yet")
+        from rlharvest.services.trainer.environments.interface import (
+            load_environment, takes_task)
 
-        load_environment(self.env)  # a bad name fails here, naming the key
+        env = load_environment(self.env)  # a bad name fails here, naming the key
+        if self.data and not takes_task(env):
+            raise ValueError(f"--env {self.env} plays its own episodes (its reset takes no "
+                             "task), so --data would be ignored; use an environment whose "
+                             "reset(seed, task) plays dataset items, e.g. --env calculator")
         return self
 
     @model_validator(mode="after")

@@ -50,7 +50,8 @@ from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards,
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
-from rlharvest.services.trainer.environments.interface import load_environment
+from rlharvest.services.trainer.environments.interface import (
+    EpisodeTask, load_environment, takes_task)
 from rlharvest.services.trainer.environments.runner import (
     PlayConfig,
     Trajectory,
@@ -610,10 +611,12 @@ class TrainerLoop:
                               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                               top_p=cfg.top_p, context=cfg.env_context,
                               env_timeout_s=cfg.env_timeout_s,
-                              no_worker_deadline_s=cfg.no_worker_deadline_s)
+                              no_worker_deadline_s=cfg.no_worker_deadline_s,
+                              stop_token_ids=tuple(self._tok.stop_ids))
         train = self._streaming_step(spec)
         progress.phase = "rollout"
         env_class = self._env
+        with_task = takes_task(env_class)  # it plays the step's dataset items
 
         waited = 0.0
         # Placed (WEAVE): one phase at a time, so the groups train once the rollout phase ended
@@ -626,10 +629,14 @@ class TrainerLoop:
         async with manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
-                seed = sample_seed(cfg.data_seed, 0, spec.items[g].index, 0)
+                item = spec.items[g]
+                seed = sample_seed(cfg.data_seed, 0, item.index, 0)
+                task = EpisodeTask(item.index, item.prompt, item.answer, item.data_source) \
+                    if with_task else None
                 return g, await play_group(generate, env_class, f"s{spec.step}-g{g}", seed,
                                            spec.samples_per_prompt, play_cfg,
-                                           keep=spec.group_size)
+                                           keep=spec.group_size, tokenizer=self._tok,
+                                           task=task)
 
             reporter = self._report_tail(tasks, lambda: manager, spec.samples,
                                          lambda: progress.completions)

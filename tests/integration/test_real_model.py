@@ -174,3 +174,48 @@ async def test_a_sigkilled_trainer_resumes_a_dataset_run_at_its_saved_data_posit
     assert sorted(after) == [saved + 1, saved + 2]
     for step, reference in {**before, **after}.items():
         assert reference == task.item((step - 1) * 2).answer, step
+
+
+async def test_agentic_steps_play_dataset_items_through_a_checkpoints_tokenizer(
+        stack, etcd_client, artefacts):
+    """--env calculator --data: each GSM8K row is an episode of the tool loop (CALC / ANSWER),
+    played turn by turn on a local Qwen3 checkpoint through the manager; every text the
+    environment writes is encoded by the checkpoint's own tokenizer, and turns stop at its
+    EOS ids. Steps apply and publish as text steps do."""
+    model = str(artefacts["qwen3"])
+    await start_job(stack, 1, "--model", model, "--max-len", "384", "--max-running", "16")
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--model", model, "--data", str(artefacts["data"]),
+        "--env", "calculator", "--env-max-turns", "2", "--env-context", "384", "--steps", "2",
+        "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "8",
+        "--backend", "torch")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2]
+    for s in st.steps:
+        assert s.published_version == s.step and s.tokens > 0, s
+    text = scrape(metrics_port)
+    assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 8
+    assert metric(text, 'rlh_trainer_trajectories_total{outcome="failed"}') == 0
+
+
+async def test_the_runner_encodes_observations_with_the_models_tokenizer(artefacts):
+    from rlharvest.services.trainer.environments.calculator import Calculator
+    from rlharvest.services.trainer.environments.interface import EpisodeTask
+    from rlharvest.services.trainer.environments.runner import PlayConfig, play
+
+    tok = load_tokenizer(str(artefacts["qwen3"]))
+    task = EpisodeTask(0, "What is 12 * 7?", "84")
+    histories: list[list[int]] = []
+    action = tok.encode_plain("CALC 12 * 7")
+
+    async def generate(trajectory_id: str, turn: int, history: list[int], seed: int):
+        histories.append(list(history))
+        return action, [-0.5] * len(action)
+
+    cfg = PlayConfig(max_turns=2, max_new_tokens=8, context=384)
+    out = await play(generate, Calculator(), "t", 0, cfg, tok, task)
+    first = Calculator().reset(0, task)
+    assert histories[0] == tok.encode(first) == out.prompt_ids
+    assert histories[1] == tok.encode(first) + action + tok.encode_plain("\n= 84\n")
+    reply = [False] * len(tok.encode_plain("\n= 84\n"))
+    assert out.trained == ([True] * len(action) + reply) * 2  # observations never train

@@ -5,12 +5,14 @@ holes, the goal, the slippery 1/3 rule, the time limit), text actions, and the l
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 import pytest
 
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
 from rlharvest.services.trainer.environments.interface import (
+    EpisodeTask,
     EnvironmentError_,
     EnvStep,
     checked_step,
@@ -20,14 +22,16 @@ from rlharvest.services.trainer.environments.interface import (
 TOK = CharTokenizer()
 
 
-def check_contract(env_class: type, actions: str = "LDRU", seeds: range = range(3)) -> None:
+def check_contract(env_class: type, actions: Sequence[str] = "LDRU", seeds: range = range(3),
+                   task: EpisodeTask | None = None) -> None:
     """What the runner relies on: reset gives a string the built-in tokenizer encodes, step
-    gives a well-formed EnvStep, an episode ends, and one seed replays identically."""
+    gives a well-formed EnvStep, an episode ends, and one seed replays identically. ``task``:
+    the dataset item an environment that plays them is reset with."""
     for seed in seeds:
         runs = []
         for _ in range(2):
             env = env_class()
-            transcript = [env.reset(seed)]
+            transcript = [env.reset(seed) if task is None else env.reset(seed, task)]
             TOK.encode(transcript[0])
             for turn in range(1000):
                 step = checked_step(env.step(actions[turn % len(actions)]))
@@ -131,8 +135,50 @@ def test_the_trainer_refuses_an_unknown_env_and_combinations_it_does_not_run_yet
     with pytest.raises(ConfigError, match="--seed-role"):
         load_config(TrainerConfig, flags={"env": "frozen_lake", "seed_role": True,
                                           "instance_cap": "auto"})
+    with pytest.raises(ConfigError, match="reset takes no task"):
+        load_config(TrainerConfig, flags={"env": "frozen_lake", "data": "x.jsonl"})
     cfg = load_config(TrainerConfig, flags={"env": "frozen_lake_shaped", "env_max_turns": "6"})
     assert cfg.env_max_turns == 6 and cfg.env_timeout_s == 5.0
+    cfg = load_config(TrainerConfig, flags={"env": "calculator", "data": "x.jsonl"})
+    assert cfg.env == "calculator"
+
+
+def test_the_calculator_keeps_the_contract():
+    from rlharvest.services.trainer.environments.calculator import Calculator
+
+    check_contract(Calculator, ["CALC 12 * 7", "no tool", "CALC 1/0"],
+                   task=EpisodeTask(3, "What is 12 * 7?", "84"))
+
+
+def test_an_environment_that_plays_dataset_items_is_told_apart_by_its_reset():
+    from rlharvest.services.trainer.environments.calculator import Calculator
+    from rlharvest.services.trainer.environments.interface import takes_task
+
+    assert takes_task(Calculator) and load_environment("calculator") is Calculator
+    assert not takes_task(FrozenLake)
+
+
+def test_the_calculator_computes_only_arithmetic_and_scores_the_answer_against_the_item():
+    from rlharvest.services.trainer.environments.calculator import Calculator, evaluate
+    from rlharvest.services.trainer.environments.interface import EpisodeTask
+
+    task = EpisodeTask(0, "Lea walks 2 miles a day for 5 days. How many miles?", "10")
+    env = Calculator(max_steps=4)
+    first = env.reset(0, task)
+    assert task.prompt in first and "CALC" in first and TOK.encode(first)
+    assert checked_step(env.step("CALC (2 + 3) * 2")) == EnvStep("\n= 10\n", 0.0, False)
+    assert "Cannot compute" in env.step("CALC __import__('os')").observation
+    assert "Cannot compute: division by zero" in env.step("CALC 1/0").observation
+    assert env.step("ANSWER 10.0") == EnvStep("\n", 1.0, True)
+    env.reset(0, task)
+    assert env.step("#### 11").reward == 0.0
+    env.reset(0, task)
+    outcomes = [env.step("hmm") for _ in range(4)]  # neither: ends after max_steps, scored 0
+    assert [o.done for o in outcomes] == [False, False, False, True]
+    assert [o.reward for o in outcomes] == [0.0] * 4
+    with pytest.raises(ValueError):
+        evaluate("2 ** 99999")
+    assert evaluate("1,000 - -5") == 1005.0
 
 
 async def test_a_short_rounds_group_keeps_the_first_trajectories_to_end_and_cancels_the_rest():

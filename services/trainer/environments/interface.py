@@ -8,6 +8,11 @@ An environment plays one episode per instance, in text:
   observation appended to the history before the next turn (never trained: masked out of the
   loss), the reward of this step, and whether the episode ended.
 
+An environment that plays dataset items (``--data``, or the built-in task's items) takes the
+item as a second argument: ``reset(seed, task)``, where ``task`` is an ``EpisodeTask`` (the
+item's prompt text, its reference answer and data source). ``takes_task`` tells the two kinds
+apart by ``reset``'s signature.
+
 The trajectory's reward is the sum of its steps' rewards, given at its end (GRPO scores whole
 trajectories). Both calls run in a worker thread under the runner's timeout. A raise, a hang past
 the timeout, or a return of the wrong shape fails that trajectory with the reason recorded; the
@@ -17,6 +22,7 @@ contract test a user's environment can run too.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,10 +41,29 @@ class EnvStep:
     done: bool
 
 
+@dataclass(frozen=True)
+class EpisodeTask:
+    """The dataset item an episode plays (``reset(seed, task)``)."""
+
+    index: int
+    prompt: str
+    answer: str
+    data_source: str = ""
+
+
 class Environment(Protocol):
     def reset(self, seed: int) -> str: ...
 
     def step(self, action: str) -> EnvStep: ...
+
+
+def takes_task(env_class: type) -> bool:
+    """Whether ``env_class.reset`` takes the dataset item (``reset(self, seed, task)``)."""
+    try:
+        params = list(inspect.signature(getattr(env_class, "reset")).parameters.values())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return len(params) >= 3 or any(p.name == "task" for p in params)
 
 
 def checked_observation(value: object, where: str) -> str:
@@ -68,7 +93,10 @@ def load_environment(spec: str) -> type:
     """The environment class named by ``package.module:Class`` or a built-in name."""
     from rlharvest.services.trainer.environments.frozen_lake import FrozenLake, ShapedFrozenLake
 
-    builtin = {"frozen_lake": FrozenLake, "frozen_lake_shaped": ShapedFrozenLake}
+    from rlharvest.services.trainer.environments.calculator import Calculator
+
+    builtin = {"frozen_lake": FrozenLake, "frozen_lake_shaped": ShapedFrozenLake,
+               "calculator": Calculator}
     if spec in builtin:
         return builtin[spec]
     env = load_object(spec, "environment", "Class")

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from rlharvest.common import rpc
 from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.common.model_tokenizer import BuiltinTokenizer, ModelTokenizer
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup
 from rlharvest.services.trainer.environments.interface import (
     Environment,
     EnvironmentError_,
+    EpisodeTask,
     checked_observation,
     checked_step,
 )
@@ -46,6 +47,7 @@ class PlayConfig:
     context: int = 512  # prompt + everything after it, as the workers' max_len
     env_timeout_s: float = 5.0
     no_worker_deadline_s: float = 60.0
+    stop_token_ids: tuple[int, ...] = ()  # the model's EOS ids: a turn ends at one
 
 
 @dataclass
@@ -84,12 +86,18 @@ async def manager_generator(endpoint: str, cfg: PlayConfig) -> AsyncIterator[Gen
 
 
 async def play(generate: Generate, env: Environment, trajectory_id: str, seed: int,
-               cfg: PlayConfig, tokenizer: CharTokenizer | None = None) -> Trajectory:
-    """One trajectory of ``env`` (a fresh instance) from ``reset(seed)``."""
-    tok = tokenizer or CharTokenizer()
+               cfg: PlayConfig, tokenizer: ModelTokenizer | None = None,
+               task: EpisodeTask | None = None) -> Trajectory:
+    """One trajectory of ``env`` (a fresh instance) from ``reset(seed)``, or ``reset(seed,
+    task)`` for an environment that plays dataset items (``takes_task``). Text goes through the
+    model's own tokenizer: the first observation as a prompt (with its special tokens), the
+    others as plain continuations (default: the presets' built-in tokenizer)."""
+    tok = tokenizer or BuiltinTokenizer()
     try:
-        first = checked_observation(await _call(lambda: env.reset(seed), cfg), "reset")
-        prompt = _encode(tok, first, bos=True)
+        first = checked_observation(await _call(
+            (lambda: env.reset(seed)) if task is None else (lambda: env.reset(seed, task)),  # type: ignore[call-arg]
+            cfg), "reset")
+        prompt = _encode(tok, first, first_turn=True)
     except EnvironmentError_ as exc:
         return Trajectory(trajectory_id, [], failed=f"reset: {exc}")
     out = Trajectory(trajectory_id, prompt)
@@ -103,7 +111,7 @@ async def play(generate: Generate, env: Environment, trajectory_id: str, seed: i
         out.turns += 1
         try:
             step = checked_step(await _call(lambda: env.step(tok.decode(tokens)), cfg))
-            observation = _encode(tok, step.observation, bos=False)
+            observation = _encode(tok, step.observation, first_turn=False)
         except EnvironmentError_ as exc:
             out.failed = f"turn {turn}: {exc}"
             return out
@@ -116,14 +124,16 @@ async def play(generate: Generate, env: Environment, trajectory_id: str, seed: i
 
 
 async def play_group(generate: Generate, make_env: Callable[[], Environment], group_id: str,
-                     seed: int, size: int, cfg: PlayConfig, keep: int | None = None
-                     ) -> list[Trajectory]:
+                     seed: int, size: int, cfg: PlayConfig, keep: int | None = None,
+                     tokenizer: ModelTokenizer | None = None,
+                     task: EpisodeTask | None = None) -> list[Trajectory]:
     """A GRPO group: ``size`` trajectories of one episode (the same reset seed), at once; each
     samples with its own seeds (they follow from its trajectory id). ``keep`` < ``size`` (a
     tail batching short round): the first ``keep`` to end, in the order they ended; the others
     are cancelled, and with them their turns in flight (the manager aborts what a client
     leaves)."""
-    plays = [asyncio.ensure_future(play(generate, make_env(), f"{group_id}-t{i}", seed, cfg))
+    plays = [asyncio.ensure_future(play(generate, make_env(), f"{group_id}-t{i}", seed, cfg,
+                                        tokenizer, task))
              for i in range(size)]
     if keep is None or keep >= size:
         return list(await asyncio.gather(*plays))
@@ -134,8 +144,8 @@ async def play_group(generate: Generate, make_env: Callable[[], Environment], gr
             if len(first) == keep:
                 break
     finally:
-        for task in plays:
-            task.cancel()
+        for running in plays:
+            running.cancel()
         await asyncio.gather(*plays, return_exceptions=True)
     return first
 
@@ -158,10 +168,10 @@ def _turn_seed(trajectory_id: str, turn: int, seed: int) -> int:
     return zlib.crc32(f"{trajectory_id}/{turn}/{seed}".encode())
 
 
-def _encode(tok: CharTokenizer, text: str, bos: bool) -> list[int]:
+def _encode(tok: ModelTokenizer, text: str, first_turn: bool) -> list[int]:
     try:
-        return tok.encode(text, add_bos=bos)
-    except ValueError as exc:
+        return tok.encode(text) if first_turn else tok.encode_plain(text)
+    except ValueError as exc:  # TokenizerError: e.g. a character the built-in one lacks
         raise EnvironmentError_(f"observation not encodable: {exc}") from None
 
 
@@ -175,6 +185,7 @@ async def generate_turn(stub: rollout_manager_pb2_grpc.RolloutManagerStub, traje
         trajectory_id=trajectory_id, turn=turn, last_turn=turn == cfg.max_turns - 1,
         sampling=common_pb2.SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                            max_tokens=cfg.max_new_tokens,
+                                           stop_token_ids=cfg.stop_token_ids,
                                            seed=sampling_seed))
     completion = None
     async for event in stub.Generate(mpb.GenerateRequest(
