@@ -65,6 +65,10 @@ class CoexecutorConfig(EngineDeviceConfig):
                                                  "and the pool only accounts")
     headroom: float = Field(0.2, gt=0, lt=1, description="H: share of the pool kept for serving")
     lease_s: float = Field(10.0, gt=0, description="lease of a rollout page, renewed on use")
+    prefix_cache: bool = Field(False, description="keep a finished rollout request's pages in "
+                               "the pool (under its lease, reclaimed first for serving) for its "
+                               "trajectory's next turn, which takes them over and prefills only "
+                               "the rest; needs kv_memory pool")
     static_partition: bool = Field(False, description="Table 2's baseline: half the pool each")
     # ---- admission (ROSE §4.1 Eq. 1-2)
     ttft_slo_ms: float = Field(500.0, gt=0, description="B_TTFT")
@@ -92,6 +96,13 @@ class CoexecutorConfig(EngineDeviceConfig):
         if self.total_pages * self.page_tokens < self.max_len:
             raise ValueError(f"total_pages ({self.total_pages}) x page_tokens ({self.page_tokens})"
                              f" must hold one request of max_len ({self.max_len}) tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_in_the_pool(self) -> CoexecutorConfig:
+        if self.prefix_cache and self.kv_memory != "pool":
+            raise ValueError("prefix_cache keeps the KV pages of finished rollout requests: it "
+                             "needs kv_memory pool (slot caches have no pages to keep)")
         return self
 
     @model_validator(mode="after")

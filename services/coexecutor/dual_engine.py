@@ -39,6 +39,7 @@ from rlharvest.services.coexecutor.admission import DecodeBatch, PendingPrefill,
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.memory_sharing import MemorySharing, MemoryState
+from rlharvest.services.coexecutor.parked_prefixes import ParkedPrefixes
 from rlharvest.services.coexecutor.page_pool import Owner, PageState, PoolExhausted, pages_for
 from rlharvest.services.coexecutor.scheduler import ActionKind, CoexecScheduler, RolloutUnit
 
@@ -56,6 +57,7 @@ class _Held:
     last_token: float | None = None  # serving: when its latest token came out
     request: EngineRequest | None = None  # serving: what to re-add after a preemption
     output: list[int] = field(default_factory=list)  # serving: its tokens so far
+    ids: list[int] | None = None  # rollout with prefix reuse: prompt + generated token ids
 
 
 @dataclass
@@ -73,7 +75,7 @@ class DualEngine:
                  deliver: Callable[[list[RequestOutput]], None] = lambda outputs: None,
                  clock: Callable[[], float] = time.perf_counter,
                  idle_sleep_s: float = 0.001, stall_s: float = 2.0,
-                 rollout_prefill_chunk: int = 0) -> None:
+                 rollout_prefill_chunk: int = 0, prefix_reuse: bool = False) -> None:
         self.rollout = rollout
         self.serving = serving
         self.scheduler = scheduler
@@ -92,6 +94,9 @@ class DualEngine:
         self._rollout: dict[str, _Held] = {}
         self._last_prefill = 0
         self._pending_aborts: list[RequestOutput] = []
+        # Finished rollout requests' tables parked for the next turn to adopt (the rollout
+        # engine's pages must be the pool's: PoolPages(prefix_reuse=True)).
+        self._parked = ParkedPrefixes(self.rollout_tpp) if prefix_reuse else None
         self.stats = DualStats()
         self.serving_side = _ServingSide(self)
 
@@ -118,13 +123,28 @@ class DualEngine:
         them at its prefill); when B_roll cannot grant them it goes back to the manager."""
         self.rollout.add(request)
         rid = request.request_id
-        known = len(request.prompt_token_ids) + len(request.generated_token_ids)
+        ids = [*request.prompt_token_ids, *request.generated_token_ids]
         now = self._clock()
-        self._rollout[rid] = _Held(known, now, generated=len(request.generated_token_ids))
+        self._rollout[rid] = _Held(len(ids), now, generated=len(request.generated_token_ids),
+                                   ids=ids if self._parked is not None else None)
         try:
-            self.pool.allocate(rid, Owner.ROLLOUT, pages_for(known, self.rollout_tpp), now)
+            held = self._adopt_prefix(rid, ids, now)
+            self.pool.allocate(rid, Owner.ROLLOUT, pages_for(len(ids), self.rollout_tpp) - held,
+                               now)
         except PoolExhausted:  # admission saw room; a step since took it
-            self._pending_aborts.append(self._abort_rollout(rid, "budget"))
+            self._pending_aborts.append(self._abort_active(rid, "budget"))
+
+    def _adopt_prefix(self, rid: str, ids: list[int], now: float) -> int:
+        """With prefix reuse: ``rid`` takes over the pages of the parked table holding the
+        longest run of its full pages (the trajectory's last turn, most likely). Returns the
+        pages it holds now."""
+        hit = self._parked.match(ids, self.rollout.weight_version) if self._parked else None
+        if hit is None:
+            return 0
+        parked, pages = hit
+        assert self._parked is not None
+        self._parked.forget(parked)
+        return len(self.pool.adopt(parked, rid, pages, now))
 
     def abort(self, request_id: str) -> RequestOutput:
         out = self.rollout.abort(request_id)
@@ -139,12 +159,17 @@ class DualEngine:
         return EngineLoad(pending=load.pending, executing=load.executing,
                           kv_used_tokens=self.pool.rollout_pages * self.rollout_tpp,
                           kv_capacity_tokens=self.pool.rollout_budget * self.rollout_tpp,
-                          weight_version=load.weight_version)
+                          weight_version=load.weight_version,
+                          prefix_lookups=load.prefix_lookups, prefix_hits=load.prefix_hits,
+                          prefix_cached_tokens=load.prefix_cached_tokens,
+                          prefix_cache_pages=self.pool.count(PageState.ROLLOUT_CACHED))
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """A new weight version: the rollout model loads it and the RL step starts (B_roll is
         set again from serving's recent use and the freeze ends)."""
         self.rollout.load_weights(tensors, version)
+        for parked in self._parked.clear() if self._parked is not None else []:
+            self.pool.free(parked)  # KV of the old weights is no prefix of the new
         self.memory.start_step(self._clock())
 
     def export_gauges(self) -> None:
@@ -246,11 +271,26 @@ class DualEngine:
             held.tokens += len(out.new_token_ids)
             held.generated += len(out.new_token_ids)
             held.last_token = now
-            if out.finished:
-                self._forget(table, out.request_id)
-            else:
+            if held.ids is not None:
+                held.ids += out.new_token_ids
+            if not out.finished:
                 growing.append((out.request_id, held))
+            elif held.ids is not None and out.finish_reason in ("stop", "length"):
+                self._park(out.request_id, held.ids, now)
+            else:
+                self._forget(table, out.request_id)
         return growing
+
+    def _park(self, rid: str, ids: list[int], now: float) -> None:
+        """A finished rollout request's table stays in the pool (ROLLOUT_CACHED: under its
+        lease, reclaimed first) for its trajectory's next turn; its last token has no KV."""
+        assert self._parked is not None
+        del self._rollout[rid]
+        if self._parked.park(rid, ids[:-1], self.rollout.weight_version) and \
+                self.pool.holds(rid):
+            self.pool.park(rid, now)
+        elif self.pool.holds(rid):
+            self.pool.free(rid)  # not one full page: nothing to reuse
 
     def _account_rollout(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
         aborted: list[RequestOutput] = []
@@ -259,7 +299,7 @@ class DualEngine:
                 self.pool.allocate(rid, Owner.ROLLOUT,
                                    self._missing_pages(rid, held.tokens, self.rollout_tpp), now)
             except PoolExhausted:  # past B_roll or the pool: this request gives way
-                aborted.append(self._abort_rollout(rid, "budget"))
+                aborted.append(self._abort_active(rid, "budget"))
         return aborted
 
     def _account_serving(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:
@@ -321,8 +361,8 @@ class DualEngine:
 
     def _reclaim(self, now: float, cause: str, serving_need: int = 0) -> list[RequestOutput]:
         generated = {rid: held.generated for rid, held in self._rollout.items()}
-        return [self._abort_rollout(rid, cause)
-                for rid in self.memory.victims(now, generated, serving_need)]
+        return [out for rid in self.memory.victims(now, generated, serving_need)
+                if (out := self._abort_rollout(rid, cause)) is not None]
 
     def _stalled(self, now: float) -> list[RequestOutput]:
         """Rollout requests that made no progress for ``stall_s`` because no rollout step ran
@@ -333,20 +373,28 @@ class DualEngine:
         stalled = [rid for rid, held in self._rollout.items()
                    if now - (held.last_token if held.last_token is not None else held.arrival)
                    >= self._stall_s]
-        return [self._abort_rollout(rid, "stall") for rid in stalled]
+        return [out for rid in stalled if (out := self._abort_rollout(rid, "stall")) is not None]
 
     def _expire(self, now: float) -> list[RequestOutput]:
-        return [self._abort_rollout(rid, "lease") for rid in self.pool.expired(now)]
+        return [out for rid in self.pool.expired(now)
+                if (out := self._abort_rollout(rid, "lease")) is not None]
 
-    def _abort_rollout(self, rid: str, cause: str) -> RequestOutput:
+    def _abort_rollout(self, rid: str, cause: str) -> RequestOutput | None:
         """Abort a rollout request for memory: the manager gets its abort (its tokens are
-        already streamed) and places it elsewhere."""
+        already streamed) and places it elsewhere. A parked prefix (a finished request's
+        table) is only freed: no request stands behind it, so nothing is aborted."""
+        if rid in self._rollout:
+            return self._abort_active(rid, cause)
+        self.pool.free(rid)
+        if self._parked is not None:
+            self._parked.forget(rid)
+        metrics.PREFIXES_DROPPED.labels(cause).inc()
+        return None
+
+    def _abort_active(self, rid: str, cause: str) -> RequestOutput:
         self.stats.aborts[cause] += 1
         metrics.ROLLOUT_ABORTS.labels(cause).inc()
-        if rid in self._rollout:
-            return self.abort(rid)
-        self.pool.free(rid)  # a cached prefix with no request behind it
-        return RequestOutput(rid, [], [], finished=True, finish_reason="abort")
+        return self.abort(rid)
 
     def _forget(self, table: dict[str, _Held], rid: str) -> None:
         table.pop(rid, None)

@@ -64,7 +64,9 @@ def build_dual(cfg: CoexecutorConfig,
         torch.set_num_threads(cfg.torch_threads)
     device, dtype = engine_device.resolve(cfg.device, cfg.dtype)
     pool = PagePool(cfg.total_pages, lease_s=cfg.lease_s)
-    views = {owner: PoolPages(pool, cfg.page_tokens, owner) for owner in Owner}
+    views = {owner: PoolPages(pool, cfg.page_tokens, owner,
+                              prefix_reuse=cfg.prefix_cache and owner is Owner.ROLLOUT)
+             for owner in Owner}
     paged: dict[Owner, PagedKV | None] = {owner: None for owner in Owner}
     if cfg.kv_memory == "pool":  # one store; each model sees its pages in its own layout
         size = max(kv_page_bytes(name, cfg.page_tokens, dtype)
@@ -101,7 +103,8 @@ def build_dual(cfg: CoexecutorConfig,
                                                                   memory.headroom_pages),
                       memory=memory, rollout_profile=rollout_profile,
                       tokens_per_page=(cfg.page_tokens, cfg.page_tokens), deliver=deliver,
-                      rollout_prefill_chunk=cfg.rollout_prefill_chunk)
+                      rollout_prefill_chunk=cfg.rollout_prefill_chunk,
+                      prefix_reuse=cfg.prefix_cache)
 
 
 async def build(host: Host[CoexecutorConfig]) -> Parts:

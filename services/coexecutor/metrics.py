@@ -21,6 +21,9 @@ PRESSURE_EVENTS = Counter("rlh_coexec_pressure_events_total", "Burst cuts of B_r
 ROLLOUT_ABORTS = Counter("rlh_coexec_rollout_aborts_total", "Rollout requests aborted back to "
                          "the manager", ["cause"])  # memory_pressure | budget | lease | stall
 ROLLOUT_TOKENS = Counter("rlh_coexec_rollout_tokens_total", "Rollout tokens generated here")
+PREFIXES_DROPPED = Counter("rlh_coexec_parked_prefixes_dropped_total", "Parked rollout "
+                           "prefixes (finished requests' KV kept for the next turn) freed before "
+                           "a turn adopted them", ["cause"])  # lease | memory_pressure | ...
 LENT = Gauge("rlh_coexec_lent", "1 while lent to an RL job (its rollouts run here)")
 LENDING_CHANGES = Counter("rlh_coexec_lending_changes_total", "Lent to a job / returned",
                           ["change"])

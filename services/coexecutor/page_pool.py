@@ -61,6 +61,7 @@ class BlockTable:
     pages: list[int] = field(default_factory=list)
     last_used: float = 0.0
     cached: bool = False  # a finished rollout request's KV, kept for prefix reuse
+    adopted: int = 0  # leading pages taken over from a parked table (their KV is written)
 
     @property
     def state(self) -> PageState:
@@ -158,6 +159,27 @@ class PagePool:
             raise PoolError(f"only rollout KV is cached; {request_id!r} is serving")
         self._restate(table, cached=True)
         table.last_used = now
+
+    def adopt(self, parked_id: str, request_id: str, pages: int, now: float) -> list[int]:
+        """``request_id`` takes over the first ``pages`` pages of the parked (cached) table of
+        ``parked_id``, which holds its prefix's KV; the parked table's other pages are freed and
+        the table is gone. Returns the adopted pages (the start of ``request_id``'s table)."""
+        table = self.table(parked_id)
+        if not table.cached:
+            raise PoolError(f"{parked_id!r} is not a parked rollout table")
+        if self.holds(request_id):
+            raise PoolError(f"{request_id!r} holds pages already; it adopts a prefix first")
+        if not 0 < pages <= len(table.pages):
+            raise PoolError(f"adopt {pages} pages of {parked_id!r}, which has "
+                            f"{len(table.pages)}")
+        del self._tables[parked_id]
+        kept, freed = table.pages[:pages], table.pages[pages:]
+        self._counts[PageState.ROLLOUT_CACHED] -= len(table.pages)
+        self._tables[request_id] = BlockTable(Owner.ROLLOUT, kept, now, adopted=pages)
+        self._counts[PageState.ROLLOUT_ACTIVE] += len(kept)
+        self._free.extend(reversed(freed))
+        self._counts[PageState.FREE] += len(freed)
+        return kept
 
     def touch(self, request_id: str, now: float) -> None:
         """The request used its pages: renew the lease."""

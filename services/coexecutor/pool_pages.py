@@ -18,11 +18,21 @@ class PoolPages:
     """One engine's view of the pool. ``granting`` (measuring latency profiles at start, before
     the dual engine runs): requests take and give back their pages themselves."""
 
-    def __init__(self, pool: PagePool, page_tokens: int, owner: Owner) -> None:
+    def __init__(self, pool: PagePool, page_tokens: int, owner: Owner,
+                 prefix_reuse: bool = False) -> None:
         self._pool = pool
         self._page_tokens = page_tokens
         self._owner = owner
+        self._prefix_reuse = prefix_reuse  # the dual engine hands parked prefixes over
         self.granting = False
+
+    def cached_tokens(self, request_id: str) -> int | None:
+        """Tokens of ``request_id``'s prefix whose KV its adopted pages already hold (prefill
+        starts after them); None without prefix reuse."""
+        if not self._prefix_reuse:
+            return None
+        held = self._pool.table(request_id) if self._pool.holds(request_id) else None
+        return held.adopted * self._page_tokens if held is not None else 0
 
     def reserve(self, request_id: str, tokens: int) -> bool:
         """A request starts once the dual engine granted its prompt pages."""

@@ -182,6 +182,11 @@ class KVPages(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def cached_tokens(self, request_id: str) -> int | None:
+        """Tokens of the request's prefix its pages already hold the KV of (prefill starts
+        after them); None when these pages never hand a prefix over."""
+        ...
+
 
 class OwnPages:
     """A dedicated engine's allocator: a request reserves every page it can need (prompt +
@@ -227,3 +232,6 @@ class OwnPages:
     def give(self, pages: Sequence[int]) -> None:
         """Pages back from a prefix cache (evicted or flushed)."""
         self._free.extend(pages)
+
+    def cached_tokens(self, request_id: str) -> int | None:
+        return None  # the engine's own PrefixCache reads prefixes (_reserve_with_prefix)

@@ -30,11 +30,25 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
+def page_keys(tokens: Sequence[int], page_tokens: int, version: int) -> Iterator[bytes]:
+    """The chain keys of ``tokens``' full pages, one page at a time (a lookup stops hashing at
+    its first miss): ``key_i = H(key_{i-1}, tokens of page i, weight version)``."""
+    parent = b""
+    salt = version.to_bytes(8, "little", signed=True)
+    for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(salt)
+        digest.update(array("I", tokens[start:start + page_tokens]).tobytes())
+        parent = digest.digest()
+        yield parent
+
+
 def check_prefix_cache(enabled: bool, kv_pages: int, shared_pool: bool = False) -> None:
     """Raises ValueError saying why the prefix cache cannot be used with these engine options."""
     if enabled and (shared_pool or not kv_pages):
         raise ValueError("the prefix cache keeps KV pages: it needs the engine's own paged KV "
-                         "(kv_pages > 0); the co-executor's shared pool has none yet")
+                         "(kv_pages > 0); in the co-executor's shared pool the dual engine "
+                         "keeps them (its --prefix-cache)")
 
 
 @dataclass
@@ -69,16 +83,7 @@ class PrefixCache:
         return list(self._chain(tokens, version))
 
     def _chain(self, tokens: Sequence[int], version: int) -> Iterator[bytes]:
-        """The keys one page at a time, so a lookup stops hashing at its first miss."""
-        parent = b""
-        size = self.page_tokens
-        salt = version.to_bytes(8, "little", signed=True)
-        for start in range(0, len(tokens) - size + 1, size):
-            digest = hashlib.blake2b(parent, digest_size=16)
-            digest.update(salt)
-            digest.update(array("I", tokens[start:start + size]).tobytes())
-            parent = digest.digest()
-            yield parent
+        return page_keys(tokens, self.page_tokens, version)
 
     def match(self, tokens: Sequence[int], version: int) -> tuple[list[bytes], list[int]]:
         """The longest cached run of full pages at the start of ``tokens``, leaving at least one

@@ -637,7 +637,14 @@ class TorchEngine:
         tokens = len(entry.known_tokens) + left
         if self._prefix is not None:
             return self._reserve_with_prefix(entry, tokens)
-        return self._paged.pages.reserve(entry.request.request_id, tokens)
+        rid = entry.request.request_id
+        if not self._paged.pages.reserve(rid, tokens):
+            return False
+        cached = self._paged.pages.cached_tokens(rid)  # a prefix the pool handed over
+        if cached is not None:
+            entry.prefilled = min(cached, len(entry.known_tokens) - 1)
+            self.prefix_stats.count(entry.prefilled)
+        return True
 
     def _reserve_with_prefix(self, entry: _Admitted, tokens: int) -> bool:
         """Reserves ``tokens`` tokens' pages, reading the longest cached prefix instead of

@@ -229,3 +229,23 @@ async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path)
         for proc in local.processes:
             proc.kill()
         etcd.stop()
+
+
+async def test_a_trajectorys_later_turns_on_a_coexecutor_take_over_its_parked_history(stack):
+    """--prefix-cache on the co-executor (issue 18 on serving GPUs): the manager sends each
+    later turn back to the co-executor that served the last one, and there the turn takes over
+    the pages its last turn left parked in the shared pool, prefilling only what it adds."""
+    from bench.agentic_routing import run_trajectories
+
+    coexec, _ = launch_coexecutor(stack, "coexec-pfx", "--prefix-cache", "--max-len", "1024",
+                                  "--total-pages", "512", "--page-tokens", "16")
+    manager = start_manager(stack, "--max-serving-workers", "1",
+                            "--turn-routing", "turnwise+affinity")
+    wait_serving(coexec, 120)
+    await wait_workers(manager.endpoint, 1, timeout=60)
+    await run_trajectories(manager.endpoint, "pfx", count=2, turns=3)
+    routed = scrape(manager.metrics_port)
+    assert routed['rlh_manager_turns_routed{outcome="affinity"}'] == 2 * 2
+    seen = scrape(coexec.metrics_port)
+    assert seen["rlh_worker_prefix_cache_hits_total"] == 2 * 2
+    assert seen["rlh_worker_prefix_cache_saved_tokens_total"] >= 2 * 2 * 300

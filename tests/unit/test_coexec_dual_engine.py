@@ -11,7 +11,7 @@ from rlharvest.services.coexecutor.admission import DualSloAdmission, SloConfig
 from rlharvest.services.coexecutor.dual_engine import DualEngine
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.memory_sharing import MemoryConfig, MemorySharing, MemoryState
-from rlharvest.services.coexecutor.page_pool import Owner, PagePool
+from rlharvest.services.coexecutor.page_pool import Owner, PagePool, PageState
 from rlharvest.services.coexecutor.pool_pages import PoolPages
 from rlharvest.services.rollout_worker.kv_pages import PageStore
 from rlharvest.services.coexecutor.scheduler import CoexecScheduler
@@ -34,14 +34,15 @@ class Counted(TorchEngine):
 
 
 def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: int = 0,
-         paged: bool = False):
+         paged: bool = False, prefix_reuse: bool = False, lease_s: float = 60.0, clock=None):
     """``paged``: both engines keep their KV in the pool's pages (one store), as the service
-    does by default."""
-    pool = PagePool(total_pages, lease_s=60.0)
+    does by default. ``prefix_reuse``: finished rollout tables are parked for the next turn."""
+    pool = PagePool(total_pages, lease_s=lease_s)
     kv = {owner: None for owner in Owner}
     if paged:
         store = PageStore(total_pages, kv_page_bytes("tiny", 8))
-        kv = {owner: PagedKV(store, 8, PoolPages(pool, 8, owner)) for owner in Owner}
+        kv = {owner: PagedKV(store, 8, PoolPages(pool, 8, owner, prefix_reuse and
+                                                 owner is Owner.ROLLOUT)) for owner in Owner}
     memory = MemorySharing(pool, MemoryConfig(headroom=0.2))
     scheduler = CoexecScheduler(DualSloAdmission(slo, profile()), memory.headroom_pages)
     served: dict[str, list[int]] = defaultdict(list)
@@ -55,7 +56,8 @@ def dual(total_pages: int = 400, slo: SloConfig = SloConfig(60.0, 60.0), chunk: 
                         Counted("tiny", seed=1, max_running=8, max_len=128,
                                 paged=kv[Owner.SERVING]),
                         scheduler=scheduler, memory=memory, rollout_profile=profile(),
-                        tokens_per_page=(8, 8), deliver=deliver, rollout_prefill_chunk=chunk)
+                        tokens_per_page=(8, 8), deliver=deliver, rollout_prefill_chunk=chunk,
+                        prefix_reuse=prefix_reuse, **({"clock": clock} if clock else {}))
     return engine, served
 
 
@@ -234,3 +236,48 @@ def test_in_one_physical_pool_both_models_get_exactly_their_own_tokens_through_c
     for rid, outs in got.items():  # an aborted request's tokens are a prefix of the full run
         tokens = [t for o in outs for t in o.new_token_ids]
         assert tokens == want[rid][:len(tokens)], rid
+
+
+def turns(engine: DualEngine, trajectories: int = 3, count: int = 3) -> dict[str, list[int]]:
+    """Trajectories turn by turn on the rollout side: each turn's prompt is the last prompt, its
+    completion and an observation. Returns each turn's tokens."""
+    history = {t: [5 + (t * 7 + i) % 20 for i in range(10 + 3 * t)] for t in range(trajectories)}
+    out: dict[str, list[int]] = {}
+    for turn in range(count):
+        for t in range(trajectories):
+            engine.add(EngineRequest(f"t{t}.{turn}", list(history[t]),
+                                     SamplingParams(max_tokens=9, seed=100 * t + turn)))
+        done = run(engine)
+        for t in range(trajectories):
+            tokens = [tok for o in done[f"t{t}.{turn}"] for tok in o.new_token_ids]
+            out[f"t{t}.{turn}"] = tokens
+            history[t] = history[t] + tokens + [7, 8, 9 + turn]
+    return out
+
+
+def test_a_turn_takes_over_its_last_turns_parked_pages_and_generates_the_same_tokens():
+    plain, _ = dual(paged=True)
+    reused, _ = dual(paged=True, prefix_reuse=True)
+    assert turns(reused) == turns(plain)
+    load = reused.load()
+    assert load.prefix_lookups == 9 and load.prefix_hits == 6  # every turn after the first
+    assert load.prefix_cached_tokens >= 6 * 8
+    assert plain.load().prefix_lookups == 0
+    # The last turns are parked (ROLLOUT_CACHED), each table whole; pages conserved.
+    assert load.prefix_cache_pages == reused.pool.count(PageState.ROLLOUT_CACHED) > 0
+    reused.pool.check()
+
+
+def test_parked_prefixes_expire_on_their_lease_and_a_weight_load_frees_them():
+    now = [0.0]
+    engine, _ = dual(paged=True, prefix_reuse=True, lease_s=5.0, clock=lambda: now[0])
+    turns(engine, count=1)
+    assert engine.pool.count(PageState.ROLLOUT_CACHED) > 0
+    now[0] += 6.0  # past the lease: freed, and no abort reaches the manager for them
+    assert engine.step() == []
+    assert engine.pool.count(PageState.ROLLOUT_CACHED) == 0 and len(engine._parked) == 0
+    turns(engine, count=1)
+    assert engine.pool.count(PageState.ROLLOUT_CACHED) > 0
+    engine.load_weights({}, 1)
+    assert engine.pool.count(PageState.ROLLOUT_CACHED) == 0 and len(engine._parked) == 0
+    engine.pool.check()

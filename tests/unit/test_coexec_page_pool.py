@@ -61,6 +61,22 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.park(rid, self.now)
         assert self.pool.table(rid).state is PageState.ROLLOUT_CACHED
 
+    @precondition(lambda self: any(t.cached and t.pages for t in self.pool.tables().values()))
+    @rule(data=st.data())
+    def adopt(self, data):
+        parked = data.draw(st.sampled_from(sorted(
+            rid for rid, t in self.pool.tables().items() if t.cached and t.pages)))
+        pages = self.pool.table(parked).pages
+        keep = data.draw(st.integers(1, len(pages)))
+        free, rollout = self.pool.free_pages, self.pool.rollout_pages
+        self.ids += 1
+        rid = f"r{self.ids}"
+        assert self.pool.adopt(parked, rid, keep, self.now) == pages[:keep]
+        assert not self.pool.holds(parked) and self.pool.table(rid).adopted == keep
+        assert self.pool.table(rid).state is PageState.ROLLOUT_ACTIVE
+        assert self.pool.free_pages == free + len(pages) - keep
+        assert self.pool.rollout_pages == rollout - (len(pages) - keep)
+
     @precondition(lambda self: self.pool.tables())
     @rule(data=st.data())
     def free(self, data):
@@ -143,3 +159,35 @@ def test_bad_calls_name_what_is_wrong():
     with pytest.raises(PoolError, match="at least one token"):
         pages_for(10, 0)
     assert pages_for(10, 4) == 3 and pages_for(0, 4) == 0
+
+
+def test_only_a_parked_table_is_adopted_and_only_by_a_request_without_pages():
+    pool = PagePool(total_pages=8)
+    pool.allocate("turn-1", Owner.ROLLOUT, 3, 0.0)
+    with pytest.raises(PoolError, match="not a parked"):
+        pool.adopt("turn-1", "turn-2", 2, 0.0)
+    pool.park("turn-1", 0.0)
+    pool.allocate("other", Owner.ROLLOUT, 1, 0.0)
+    with pytest.raises(PoolError, match="holds pages already"):
+        pool.adopt("turn-1", "other", 2, 0.0)
+    with pytest.raises(PoolError, match="has 3"):
+        pool.adopt("turn-1", "turn-2", 4, 0.0)
+    assert pool.adopt("turn-1", "turn-2", 2, 1.0) == [0, 1]
+    pool.check()
+
+
+def test_parked_prefixes_find_the_longest_run_of_full_pages_and_forget_what_moved():
+    from rlharvest.services.coexecutor.parked_prefixes import ParkedPrefixes
+
+    index = ParkedPrefixes(page_tokens=4)
+    history = list(range(10, 23))  # 13 tokens of KV: 3 full pages
+    assert index.park("turn-1", history, version=0) == 3
+    assert index.park("short", [1, 2, 3], version=0) == 0 and "short" not in index
+    assert index.match(history + [99], 0) == ("turn-1", 3)
+    assert index.match(history[:12], 0) == ("turn-1", 2)  # one token is left to prefill
+    assert index.match(history[:6] + [0] * 8, 0) == ("turn-1", 1)
+    assert index.match(history, 1) is None  # another weight version: no prefix
+    index.forget("turn-1")
+    assert index.match(history + [99], 0) is None and len(index) == 0
+    index.park("a", history, 0)
+    assert index.clear() == ["a"] and index.match(history, 0) is None

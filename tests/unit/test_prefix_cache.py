@@ -145,3 +145,12 @@ def test_the_worker_refuses_a_prefix_cache_without_its_own_pages_naming_the_key(
     cfg = load_config(WorkerConfig, flags={"prefix_cache": True, "kv_pages": "64",
                                            "prefill_chunk": 32})
     assert cfg.prefix_cache and cfg.prefix_cache_lease_s == 60.0 and cfg.prefill_chunk == 32
+
+
+def test_the_coexecutor_keeps_prefixes_only_in_its_shared_pool():
+    from rlharvest.common.config import ConfigError, load_config
+    from rlharvest.services.coexecutor.config import CoexecutorConfig
+
+    with pytest.raises(ConfigError, match="kv_memory pool"):
+        load_config(CoexecutorConfig, flags={"prefix_cache": True, "kv_memory": "slots"})
+    assert load_config(CoexecutorConfig, flags={"prefix_cache": True}).prefix_cache
