@@ -436,10 +436,14 @@ def test_consolidation_moves_nothing_when_repacking_is_no_cheaper(scheduler) -> 
     assert scheduler.to_dict() == before
 
 
+def _drawn_jobs(max_size: int) -> st.SearchStrategy[list[tuple[int, int, float]]]:
+    """(t_roll, t_train, slo) of 3 to ``max_size`` jobs."""
+    return st.lists(st.tuples(st.integers(10, 300), st.integers(10, 300),
+                              st.sampled_from([1.2, 1.5, 2.0])), min_size=3, max_size=max_size)
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(10, 300), st.integers(10, 300),
-                          st.sampled_from([1.2, 1.5, 2.0])), min_size=3, max_size=8),
-       st.lists(st.integers(0, 7), max_size=5))
+@given(_drawn_jobs(8), st.lists(st.integers(0, 7), max_size=5))
 def test_consolidating_after_every_departure_breaks_no_slo_and_never_raises_cost(
         drawn, leaving) -> None:
     scheduler = InterGroupScheduler(ROLL, TRAIN)
@@ -458,9 +462,7 @@ def test_consolidating_after_every_departure_breaks_no_slo_and_never_raises_cost
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(10, 300), st.integers(10, 300),
-                          st.sampled_from([1.2, 1.5, 2.0])), min_size=3, max_size=9),
-       st.lists(st.integers(0, 8), max_size=4))
+@given(_drawn_jobs(9), st.lists(st.integers(0, 8), max_size=4))
 def test_a_trial_that_is_undone_leaves_a_scheduler_that_behaves_as_if_never_tried(
         drawn, leaving) -> None:
     """batch_order and a declined consolidate try changes on the scheduler itself and put it
