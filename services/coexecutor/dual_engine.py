@@ -138,11 +138,15 @@ class DualEngine:
         """With prefix reuse: ``rid`` takes over the pages of the parked table holding the
         longest run of its full pages (the trajectory's last turn, most likely). Returns the
         pages it holds now."""
-        hit = self._parked.match(ids, self.rollout.weight_version) if self._parked else None
+        if self._parked is None:
+            return 0
+        if rid in self._parked:  # the same id again (a retried turn): its old table goes
+            self._parked.forget(rid)
+            self.pool.free(rid)
+        hit = self._parked.match(ids, self.rollout.weight_version)
         if hit is None:
             return 0
         parked, pages = hit
-        assert self._parked is not None
         self._parked.forget(parked)
         return len(self.pool.adopt(parked, rid, pages, now))
 

@@ -281,3 +281,13 @@ def test_parked_prefixes_expire_on_their_lease_and_a_weight_load_frees_them():
     engine.load_weights({}, 1)
     assert engine.pool.count(PageState.ROLLOUT_CACHED) == 0 and len(engine._parked) == 0
     engine.pool.check()
+
+
+def test_a_turn_sent_again_under_its_parked_id_replaces_that_table():
+    engine, _ = dual(paged=True, prefix_reuse=True)
+    first = turns(engine, trajectories=1, count=1)["t0.0"]
+    history = [5 + i % 20 for i in range(10)]
+    engine.add(EngineRequest("t0.0", history, SamplingParams(max_tokens=9, seed=0)))
+    again = [t for o in run(engine)["t0.0"] for t in o.new_token_ids]
+    assert again == first
+    engine.pool.check()
