@@ -9,7 +9,8 @@ and a turn samples 8–48 tokens (drawn per trajectory and turn, the same in eve
 So histories grow to about 800 tokens, and the workers' loads drift apart as trajectories do.
 Configurations, interleaved over rounds, fresh prompts each run:
 
-- ``pinned``: a trajectory stays on its first turn's worker;
+- ``pinned``: a trajectory stays on its first turn's worker (bound when a worker has room);
+- ``pinned-static``: the paper's baseline, bound at launch to the least assigned worker;
 - ``turnwise``: each turn placed like any request (Algorithm 2's shortest queue);
 - ``turnwise+affinity``: to the worker holding the history while it is under its cap, else as
   turnwise (the default).
@@ -45,7 +46,7 @@ from tests.integration.test_manager import scrape  # noqa: E402
 from bench.coexec_serving import wait_http  # noqa: E402
 from bench.manager_preemption import wait_healthy  # noqa: E402
 
-MODES = ("pinned", "turnwise", "turnwise+affinity")
+MODES = ("pinned", "pinned-static", "turnwise", "turnwise+affinity")
 PROMPT, REPLY = 300, 150
 HIT_METRICS = ("rlh_worker_prefix_cache_hits_total", "rlh_worker_prefix_cache_saved_tokens_total")
 
@@ -133,7 +134,8 @@ async def bench(args: argparse.Namespace) -> None:
     try:
         workers = start_workers(stack, args.workers)
         for r in range(args.rounds):
-            for i, mode in enumerate(MODES[r % 3:] + MODES[:r % 3]):
+            shift = r % len(MODES)
+            for i, mode in enumerate(MODES[shift:] + MODES[:shift]):
                 runs[mode].append(await one_run(stack, workers, mode, f"r{r}m{i}", args))
             print(f"  round {r} done", flush=True)
     finally:
@@ -142,13 +144,16 @@ async def bench(args: argparse.Namespace) -> None:
     print(f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
           f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
           f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds")
-    pinned = [run["seconds"] for run in runs["pinned"]]
+    baselines = {b: [run["seconds"] for run in runs[b]] for b in ("pinned", "pinned-static")}
     for mode in MODES:
         secs = [run["seconds"] for run in runs[mode]]
-        ratios = sorted(p / s for p, s in zip(pinned, secs))
+        versus = []
+        for name, base in baselines.items():
+            ratios = sorted(b / s for b, s in zip(base, secs))
+            versus.append(f"vs {name} {statistics.median(ratios):.2f}x "
+                          f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
         last = runs[mode][-1]
-        print(f"  {mode:18s} {statistics.median(secs):6.2f} s   vs pinned "
-              f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]   cache hits "
+        print(f"  {mode:18s} {statistics.median(secs):6.2f} s   {', '.join(versus)}   cache hits "
               f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "
               f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}   "
               f"routed (last run) {last['routed']}")

@@ -40,11 +40,12 @@ class ManagerConfig(ServiceConfig):
         False, description="baseline only: a lost worker's requests restart from the prompt "
                            "(the client sees their deltas start again at position 0) instead of "
                            "resuming from their last token")
-    turn_routing: Literal["turnwise+affinity", "turnwise", "pinned"] = Field(
+    turn_routing: Literal["turnwise+affinity", "turnwise", "pinned", "pinned-static"] = Field(
         "turnwise+affinity", description="agentic trajectories (ROSE §4.3): a turn goes to the "
         "worker holding its history's KV while it is under its concurrency cap "
         "(turnwise+affinity), is placed like any request (turnwise), or stays on its first "
-        "turn's worker (pinned)")
+        "turn's worker (pinned; pinned-static binds the first turn at once to the least "
+        "assigned worker, the paper's baseline)")
     trajectory_ttl_s: float = Field(120.0, gt=0, description="a trajectory's affinity entry "
                                     "is dropped after this long without a turn")
     rebalance_interval_s: float = Field(0.05, gt=0, description="period of CONTINUOUSLB")

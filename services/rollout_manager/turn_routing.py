@@ -9,7 +9,12 @@ manager for a slot, as the paper says. Queueing it behind a full worker that lac
 would cost it a full prefill as well as the wait. The benchmark's baselines:
 
 - ``pinned``: a trajectory stays on the worker of its first turn, however loaded (the agent
-  frameworks' sticky sessions);
+  frameworks' sticky sessions); its first turn waits in the manager for a worker under Θ, so
+  the binding itself is load-aware;
+- ``pinned-static``: the paper's baseline (Table 3: "we pin each trajectory to a fixed rollout
+  worker for its entire lifetime"): the first turn binds at once to the worker with the fewest
+  turns assigned, whatever its cap (it queues there), as a client that sends every first turn
+  at launch does (veRL's least-requests sticky sessions);
 - ``turnwise``: every turn is placed like any request, ignoring where the history is.
 
 The cap is the batching profile's plateau B (App. A: past B a worker's throughput stops rising),
@@ -35,6 +40,7 @@ from rlharvest.services.rollout_manager.commands import Dispatch
 
 class TurnRouting(str, Enum):
     PINNED = "pinned"
+    PINNED_STATIC = "pinned-static"
     TURNWISE = "turnwise"
     AFFINITY = "turnwise+affinity"
 
@@ -77,10 +83,17 @@ class TurnRouter:
         """Where to send the trajectory's next turn (None: hold it)."""
         home = self.home(trajectory_id) if self.mode is not TurnRouting.TURNWISE else None
         by_id = {i.worker_id: i for i in instances}
+        pinned = self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC)
         if home is not None and home in by_id:
-            if self.mode is TurnRouting.PINNED or _home_has_room(by_id[home], theta):
+            if pinned or _home_has_room(by_id[home], theta):
                 self.counts.affinity += 1
                 return home
+        if self.mode is TurnRouting.PINNED_STATIC and instances:
+            if home is None:
+                self.counts.first += 1
+            else:  # its worker is gone
+                self.counts.moved += 1
+            return min(instances, key=lambda i: (i.assigned, i.worker_id)).worker_id
         if self.mode is TurnRouting.AFFINITY:
             # Only a worker under its cap takes it; with none, it waits for a slot (at home
             # then, most likely) instead of queueing behind a full worker without its history.
@@ -130,7 +143,7 @@ class TurnRouter:
     def dispatched(self, trajectory_id: str, worker_id: str) -> None:
         """A turn was sent to ``worker_id``. Pinned: the first dispatch fixes the worker (and a
         lost worker's successor becomes the new one)."""
-        if self.mode is TurnRouting.PINNED:
+        if self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC):
             self._home[trajectory_id] = (worker_id, self._clock())
 
     def finished(self, trajectory_id: str, worker_id: str | None, last_turn: bool) -> None:
@@ -140,7 +153,8 @@ class TurnRouter:
             self._home.pop(trajectory_id, None)
         elif self.mode is TurnRouting.AFFINITY and worker_id is not None:
             self._home[trajectory_id] = (worker_id, self._clock())
-        elif self.mode is TurnRouting.PINNED and trajectory_id in self._home:
+        elif self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC) and \
+                trajectory_id in self._home:
             self._home[trajectory_id] = (self._home[trajectory_id][0], self._clock())
 
     def expire(self) -> int:

@@ -60,6 +60,17 @@ def test_pinned_stays_on_its_worker_however_loaded_and_turnwise_ignores_history(
     assert len(turnwise) == 0
 
 
+def test_pinned_static_binds_a_first_turn_at_once_to_the_least_assigned_worker_however_full():
+    static, _ = router(TurnRouting.PINNED_STATIC)
+    full = [busy(A, 4, queued=3), busy(B, 4, queued=5)]
+    assert static.select("t", full, 2, select_instance) == "a"  # no hold: it queues there
+    assert select_instance(full, 2) is None  # where pinned (and Algorithm 2) would wait
+    static.dispatched("t", "a")
+    assert static.select("t", [busy(A, 4, queued=9), B], 2, select_instance) == "a"
+    assert static.select("t", [B], 2, select_instance) == "b"  # its worker is gone
+    assert (static.counts.first, static.counts.affinity, static.counts.moved) == (1, 1, 1)
+
+
 def test_the_last_turn_and_the_ttl_end_an_entry():
     r, clock = router(ttl_s=10)
     r.finished("t", "a", last_turn=False)
