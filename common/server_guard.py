@@ -7,9 +7,9 @@ which a client cannot tell from a server bug. This server interceptor, installed
 ``rpc.bind_server`` for every service, wraps each method's deserializer so a message that does
 not parse becomes a marker instead of an exception, and wraps the method so the marker is
 answered with INVALID_ARGUMENT naming the message type — for a unary request before the
-servicer runs; for a request stream when the servicer reads the message that does not parse: its read raises
-``grpc.aio.AbortError`` and the status goes out at once (a unary reply) or when the servicer's
-reply stream ends (a bidirectional stream: ``_RefusedStream``). Valid
+servicer runs; for a request stream when the servicer reads the message that does not parse:
+its read raises ``grpc.aio.AbortError`` and the status goes out at once (a unary reply) or when
+the servicer's reply stream ends (a bidirectional stream: ``_RefusedStream``). Valid
 messages pass through unchanged; a wrapped response stream closes the servicer's own generator
 when it ends (``aclosing``), so its cleanup runs then, not at garbage collection.
 
@@ -100,11 +100,11 @@ async def _checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerConte
                    streaming_reply: bool = False) -> AsyncIterator[Any]:
     async for message in requests:
         if isinstance(message, _Undecodable):
-            if not streaming_reply:
-                await _refuse(context, message)  # raises AbortError: the status is out
-            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-            context.set_details(_refusal(message))
-            raise _RefusedStream(_refusal(message))
+            if streaming_reply:  # the status goes out as the reply stream ends
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(_refusal(message))
+                raise _RefusedStream(_refusal(message))
+            await _refuse(context, message)  # raises AbortError: the status is out
         yield message
 
 

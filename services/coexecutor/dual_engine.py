@@ -290,10 +290,11 @@ class DualEngine:
         lease, reclaimed first) for its trajectory's next turn; its last token has no KV."""
         assert self._parked is not None
         del self._rollout[rid]
-        if self._parked.park(rid, ids[:-1], self.rollout.weight_version) and \
-                self.pool.holds(rid):
+        if not self.pool.holds(rid):
+            return  # no table: nothing to keep, and nothing the index may point at
+        if self._parked.park(rid, ids[:-1], self.rollout.weight_version):
             self.pool.park(rid, now)
-        elif self.pool.holds(rid):
+        else:
             self.pool.free(rid)  # not one full page: nothing to reuse
 
     def _account_rollout(self, outputs: list[RequestOutput], now: float) -> list[RequestOutput]:

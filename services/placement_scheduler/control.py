@@ -193,7 +193,6 @@ def job_from_spec(job_id: str, spec: Mapping[str, Any]) -> Job:
     return Job(**fields)
 
 
-
 def slot_units(nodes: Sequence[str], slots: int) -> tuple[str, ...]:
     """Rollout permit units: the nodes themselves, or with ``slots`` > 1 their GPU slots
     ``<node>.gpu<k>`` (where a placed worker says it runs: ``--placement-node``)."""

@@ -25,10 +25,10 @@ How the search stays fast without changing Algorithm 1's answer:
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any, TypeVar
 
 from rlharvest.services.placement_scheduler.model import (
@@ -41,6 +41,7 @@ _EPS = 1e-9
 
 
 T = TypeVar("T")
+
 
 class Objective(str, Enum):
     """What admission minimises. ``marginal_cost`` is Algorithm 1 (line 12: Δ). ``cost_per_work``
@@ -298,11 +299,7 @@ class InterGroupScheduler:
         best: tuple[int, float] | None = None
         chosen = candidates[-1]
         for order in candidates:
-            def admit_all(touch: Callable[[str | None], None],
-                          order: list[Job] = order) -> tuple[int, float]:
-                return self._admit_all(order, touch)
-
-            outcome, _ = self._tentatively(admit_all, keep=lambda _: False)
+            outcome, _ = self._tentatively(partial(self._admit_all, order), keep=lambda _: False)
             assert outcome is not None  # _admit_all skips what does not fit: it never raises
             score = (-outcome[0], outcome[1])
             if best is None or score < best:

@@ -60,6 +60,7 @@ class TurnRouter:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.mode = mode
+        self._pinned = mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC)
         self.ttl_s = ttl_s
         self._clock = clock or (lambda: 0.0)
         self._home: dict[str, tuple[str, float]] = {}  # trajectory -> (worker, last seen)
@@ -83,9 +84,8 @@ class TurnRouter:
         """Where to send the trajectory's next turn (None: hold it)."""
         home = self.home(trajectory_id) if self.mode is not TurnRouting.TURNWISE else None
         by_id = {i.worker_id: i for i in instances}
-        pinned = self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC)
         if home is not None and home in by_id:
-            if pinned or _home_has_room(by_id[home], theta):
+            if self._pinned or _home_has_room(by_id[home], theta):
                 self.counts.affinity += 1
                 return home
         if self.mode is TurnRouting.PINNED_STATIC and instances:
@@ -143,7 +143,7 @@ class TurnRouter:
     def dispatched(self, trajectory_id: str, worker_id: str) -> None:
         """A turn was sent to ``worker_id``. Pinned: the first dispatch fixes the worker (and a
         lost worker's successor becomes the new one)."""
-        if self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC):
+        if self._pinned:
             self._home[trajectory_id] = (worker_id, self._clock())
 
     def finished(self, trajectory_id: str, worker_id: str | None, last_turn: bool) -> None:
@@ -153,8 +153,7 @@ class TurnRouter:
             self._home.pop(trajectory_id, None)
         elif self.mode is TurnRouting.AFFINITY and worker_id is not None:
             self._home[trajectory_id] = (worker_id, self._clock())
-        elif self.mode in (TurnRouting.PINNED, TurnRouting.PINNED_STATIC) and \
-                trajectory_id in self._home:
+        elif self._pinned and trajectory_id in self._home:
             self._home[trajectory_id] = (self._home[trajectory_id][0], self._clock())
 
     def expire(self) -> int:

@@ -50,8 +50,7 @@ from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards,
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
-from rlharvest.services.trainer.environments.interface import (
-    EpisodeTask, load_environment, takes_task)
+from rlharvest.services.trainer.environments.interface import load_environment, takes_task
 from rlharvest.services.trainer.environments.runner import (
     PlayConfig,
     Trajectory,
@@ -183,6 +182,8 @@ class TrainerLoop:
         self._round: Round | None = None  # the round the step in progress runs
         # Agentic RL (--env): the environment class whose episodes are the step's prompts.
         self._env: type | None = load_environment(cfg.env) if cfg.env else None
+        # It plays the step's dataset items (reset(seed, task)), or episodes of its own.
+        self._env_takes_task = self._env is not None and takes_task(self._env)
         self._lengths = LengthModel(cfg.bench_length_median, cfg.max_new_tokens, cfg.data_seed) \
             if cfg.bench_length_median else None
         self._rewards = RewardPool(delayed(self._setup.reward_fn or self._task_reward,
@@ -616,7 +617,6 @@ class TrainerLoop:
         train = self._streaming_step(spec)
         progress.phase = "rollout"
         env_class = self._env
-        with_task = takes_task(env_class)  # it plays the step's dataset items
 
         waited = 0.0
         # Placed (WEAVE): one phase at a time, so the groups train once the rollout phase ended
@@ -631,12 +631,10 @@ class TrainerLoop:
             async def group(g: int) -> tuple[int, list[Trajectory]]:
                 item = spec.items[g]
                 seed = sample_seed(cfg.data_seed, 0, item.index, 0)
-                task = EpisodeTask(item.index, item.prompt, item.answer, item.data_source) \
-                    if with_task else None
                 return g, await play_group(generate, env_class, f"s{spec.step}-g{g}", seed,
                                            spec.samples_per_prompt, play_cfg,
                                            keep=spec.group_size, tokenizer=self._tok,
-                                           task=task)
+                                           task=item if self._env_takes_task else None)
 
             reporter = self._report_tail(tasks, lambda: manager, spec.samples,
                                          lambda: progress.completions)
@@ -654,8 +652,8 @@ class TrainerLoop:
                     progress.groups_trained = train.groups_received
                 if len(trained) == spec.train_groups:
                     break
-            for task in playing:  # a short round's tail (none otherwise)
-                task.cancel()
+            for tail in playing:  # a short round's tail (none otherwise)
+                tail.cancel()
             if reporter is not None:
                 reporter.cancel()
         rollout_s = self._clock() - started
@@ -667,7 +665,7 @@ class TrainerLoop:
         phases = {"rollout": rollout_s, "rewards": 0.0}
         assembler = GroupAssembler(spec)  # what _commit_data reads: trained and deferred groups
         assembler.accepted = sorted(trained)
-        assembler.deferred = [g for g in range(len(spec.items)) if g not in trained]
+        assembler.deferred = sorted(set(range(len(spec.items))) - set(trained))
         return await self._conclude(spec, train, assembler, progress, started, waited, phases,
                                     [])
 

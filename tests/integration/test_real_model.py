@@ -200,11 +200,11 @@ async def test_agentic_steps_play_dataset_items_through_a_checkpoints_tokenizer(
 
 async def test_the_runner_encodes_observations_with_the_models_tokenizer(artefacts):
     from rlharvest.services.trainer.environments.calculator import Calculator
-    from rlharvest.services.trainer.environments.interface import EpisodeTask
+    from rlharvest.services.trainer.tasks import TaskItem
     from rlharvest.services.trainer.environments.runner import PlayConfig, play
 
     tok = load_tokenizer(str(artefacts["qwen3"]))
-    task = EpisodeTask(0, "What is 12 * 7?", "84")
+    task = TaskItem(0, "What is 12 * 7?", "84")
     histories: list[list[int]] = []
     action = tok.encode_plain("CALC 12 * 7")
 

@@ -11,8 +11,8 @@ import pytest
 
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
+from rlharvest.services.trainer.tasks import TaskItem
 from rlharvest.services.trainer.environments.interface import (
-    EpisodeTask,
     EnvironmentError_,
     EnvStep,
     checked_step,
@@ -23,7 +23,7 @@ TOK = CharTokenizer()
 
 
 def check_contract(env_class: type, actions: Sequence[str] = "LDRU", seeds: range = range(3),
-                   task: EpisodeTask | None = None) -> None:
+                   task: TaskItem | None = None) -> None:
     """What the runner relies on: reset gives a string the built-in tokenizer encodes, step
     gives a well-formed EnvStep, an episode ends, and one seed replays identically. ``task``:
     the dataset item an environment that plays them is reset with."""
@@ -147,7 +147,7 @@ def test_the_calculator_keeps_the_contract():
     from rlharvest.services.trainer.environments.calculator import Calculator
 
     check_contract(Calculator, ["CALC 12 * 7", "no tool", "CALC 1/0"],
-                   task=EpisodeTask(3, "What is 12 * 7?", "84"))
+                   task=TaskItem(3, "What is 12 * 7?", "84"))
 
 
 def test_an_environment_that_plays_dataset_items_is_told_apart_by_its_reset():
@@ -160,9 +160,9 @@ def test_an_environment_that_plays_dataset_items_is_told_apart_by_its_reset():
 
 def test_the_calculator_computes_only_arithmetic_and_scores_the_answer_against_the_item():
     from rlharvest.services.trainer.environments.calculator import Calculator, evaluate
-    from rlharvest.services.trainer.environments.interface import EpisodeTask
+    from rlharvest.services.trainer.tasks import TaskItem
 
-    task = EpisodeTask(0, "Lea walks 2 miles a day for 5 days. How many miles?", "10")
+    task = TaskItem(0, "Lea walks 2 miles a day for 5 days. How many miles?", "10")
     env = Calculator(max_steps=4)
     first = env.reset(0, task)
     assert task.prompt in first and "CALC" in first and TOK.encode(first)

@@ -25,7 +25,8 @@ import math
 import operator
 import re
 
-from rlharvest.services.trainer.environments.interface import EnvStep, EpisodeTask
+from rlharvest.services.trainer.environments.interface import EnvStep
+from rlharvest.services.trainer.tasks import TaskItem
 
 RULES = ("Write CALC <expression> to compute (+ - * / and parentheses), "
          "or ANSWER <number> to answer.")
@@ -42,7 +43,7 @@ class Calculator:
         self._answer: float | None = None
         self._steps = 0
 
-    def reset(self, seed: int, task: EpisodeTask) -> str:
+    def reset(self, seed: int, task: TaskItem) -> str:
         """``seed`` does not change an item's episode: the question is the item's."""
         self._answer = _number(task.answer)
         self._steps = 0

@@ -9,8 +9,8 @@ An environment plays one episode per instance, in text:
   loss), the reward of this step, and whether the episode ended.
 
 An environment that plays dataset items (``--data``, or the built-in task's items) takes the
-item as a second argument: ``reset(seed, task)``, where ``task`` is an ``EpisodeTask`` (the
-item's prompt text, its reference answer and data source). ``takes_task`` tells the two kinds
+item as a second argument: ``reset(seed, task)``, where ``task`` is the step's ``TaskItem``
+(``services/trainer/tasks.py``: the item's prompt text, reference answer and data source). ``takes_task`` tells the two kinds
 apart by ``reset``'s signature.
 
 The trajectory's reward is the sum of its steps' rewards, given at its end (GRPO scores whole
@@ -39,16 +39,6 @@ class EnvStep:
     observation: str
     reward: float
     done: bool
-
-
-@dataclass(frozen=True)
-class EpisodeTask:
-    """The dataset item an episode plays (``reset(seed, task)``)."""
-
-    index: int
-    prompt: str
-    answer: str
-    data_source: str = ""
 
 
 class Environment(Protocol):

@@ -28,10 +28,10 @@ from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.model_tokenizer import BuiltinTokenizer, ModelTokenizer
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup
+from rlharvest.services.trainer.tasks import TaskItem
 from rlharvest.services.trainer.environments.interface import (
     Environment,
     EnvironmentError_,
-    EpisodeTask,
     checked_observation,
     checked_step,
 )
@@ -87,7 +87,7 @@ async def manager_generator(endpoint: str, cfg: PlayConfig) -> AsyncIterator[Gen
 
 async def play(generate: Generate, env: Environment, trajectory_id: str, seed: int,
                cfg: PlayConfig, tokenizer: ModelTokenizer | None = None,
-               task: EpisodeTask | None = None) -> Trajectory:
+               task: TaskItem | None = None) -> Trajectory:
     """One trajectory of ``env`` (a fresh instance) from ``reset(seed)``, or ``reset(seed,
     task)`` for an environment that plays dataset items (``takes_task``). Text goes through the
     model's own tokenizer: the first observation as a prompt (with its special tokens), the
@@ -126,7 +126,7 @@ async def play(generate: Generate, env: Environment, trajectory_id: str, seed: i
 async def play_group(generate: Generate, make_env: Callable[[], Environment], group_id: str,
                      seed: int, size: int, cfg: PlayConfig, keep: int | None = None,
                      tokenizer: ModelTokenizer | None = None,
-                     task: EpisodeTask | None = None) -> list[Trajectory]:
+                     task: TaskItem | None = None) -> list[Trajectory]:
     """A GRPO group: ``size`` trajectories of one episode (the same reset seed), at once; each
     samples with its own seeds (they follow from its trajectory id). ``keep`` < ``size`` (a
     tail batching short round): the first ``keep`` to end, in the order they ended; the others
