@@ -59,8 +59,11 @@ def start(stack: LocalStack, jobs: list[str], steps: int, step_delay_s: float
     """The scheduler, one placed worker, a manager and a trainer per job. Returns the
     trainers' endpoints and the worker's and scheduler's metrics ports."""
     worker_metrics, scheduler_metrics = free_port(), free_port()
+    # One admission window for all the jobs: on a busy box one trainer can be up long before the
+    # other, and admitted alone it would run all its steps before the other took a turn.
     stack.start("placement_scheduler", "placement-scheduler", [
         "--scheduler-id", "scheduler-0", "--rollout-nodes", "1", "--train-nodes", "1",
+        "--admission-window-s", "60", "--admission-window-jobs", str(len(jobs)),
         "--metrics-port", str(scheduler_metrics), *COMMON])
     stack.start("rollout_worker", "worker-1", [
         "--worker-id", "worker-1", "--placement-node", "rollout-1", "--torch-threads", "1",

@@ -49,6 +49,9 @@ class PlacementConfig(ServiceConfig):
                                       "this many seconds of each other are admitted together, "
                                       "largest first (the order batch_order finds cheapest; "
                                       "beyond the paper); 0 = each at once, in arrival order")
+    admission_window_jobs: int = Field(0, ge=0, description="close the admission window early "
+                                       "once this many jobs wait in it (a batch of known size "
+                                       "need not wait out the window); 0 = wait it out")
     consolidate: bool = Field(False, description="after a departure, repack the thinned group's "
                               "members (largest first) when that lowers $/h, once none holds a "
                               "permit; a moved job's next phase runs on its new group's nodes "

@@ -85,6 +85,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         # --admission-window-s: the submissions waiting for their window to close.
         self._window: list[tuple[Submission, asyncio.Future[Admission | Refusal]]] = []
         self._window_tasks: set[asyncio.Task] = set()
+        self._window_timer: asyncio.TimerHandle | None = None
 
     # ---- leadership ----------------------------------------------------------------------------
 
@@ -253,13 +254,17 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                          submission: Submission) -> Admission:
         """``--admission-window-s``: the first submission opens a window; every job submitted
         before it closes is admitted with it, in the order ``batch_order`` finds cheapest
-        (largest first, as first-fit decreasing packs bins). Each call gets its own answer."""
+        (largest first, as first-fit decreasing packs bins). Each call gets its own answer;
+        ``--admission-window-jobs`` closes the window as soon as that many wait in it."""
         await self._leader(context)
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Admission | Refusal] = loop.create_future()
         self._window.append((submission, answer))
         if len(self._window) == 1:
-            loop.call_later(self._cfg.admission_window_s, self._close_window)
+            self._window_timer = loop.call_later(self._cfg.admission_window_s,
+                                                 self._close_window)
+        if 0 < self._cfg.admission_window_jobs <= len(self._window):
+            self._close_window()
         try:
             outcome = await asyncio.shield(answer)  # a client hanging up is admitted anyway
         except errors.ServiceError as exc:
@@ -270,6 +275,9 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         return outcome
 
     def _close_window(self) -> None:
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+            self._window_timer = None
         task = asyncio.get_running_loop().create_task(self._admit_window())
         self._window_tasks.add(task)
         task.add_done_callback(self._window_tasks.discard)

@@ -350,17 +350,21 @@ async def test_jobs_submitted_within_the_admission_window_are_placed_largest_fir
     """--admission-window-s: three jobs submitted at once are admitted together in the order
     batch_order finds cheapest. In arrival order Algorithm 1 opens a second group for them
     (114.08 $/h); admitted together they share one (71.84 $/h). Each call gets its own
-    placement; a bad one among them gets its own precise refusal."""
-    scheduler = start_scheduler(stack, "sched-window", "--admission-window-s", "1")
+    placement; a bad one among them gets its own precise refusal. With --admission-window-jobs 4
+    the window closes as soon as the fourth submission arrives, not after its 30 s."""
+    scheduler = start_scheduler(stack, "sched-window", "--admission-window-s", "30",
+                                "--admission-window-jobs", "4")
     client = SchedulerClient(endpoint=scheduler.endpoint)
     jobs = [JobSpec("job-0", t_roll_s=10, t_train_s=100, slo=2.0),
             JobSpec("job-1", t_roll_s=100, t_train_s=20, slo=2.0),
             JobSpec("job-2", t_roll_s=60, t_train_s=10, slo=3.0)]
     try:
+        started = time.monotonic()
         placed = await asyncio.gather(*(client.submit(j) for j in jobs),
                                       client.submit(JobSpec("job-3", t_roll_s=10, t_train_s=10,
                                                             slo=0.5)),
                                       return_exceptions=True)
+        assert time.monotonic() - started < 15, "the full window closed it, not the 4th job"
         assert [p.job_id for p in placed[:3]] == ["job-0", "job-1", "job-2"], placed
         assert isinstance(placed[3], grpc.aio.AioRpcError)
         assert placed[3].code() is grpc.StatusCode.INVALID_ARGUMENT

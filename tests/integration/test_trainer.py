@@ -473,13 +473,15 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     out during the seeding window, and when the window closes its requests move to the remote
     (spot) workers with every token — none regenerated, even with a spot worker SIGKILLed
     mid-step — and every step trains on-policy. The spot workers run 4 requests at a time,
-    slowly, so work waits in the manager and the seed engine is mid-flight at the close."""
+    slowly, so work waits in the manager; the seed engine's steps take 20 ms, so at the close
+    after 0.1 s its requests are a few tokens into responses of ~40 and surely mid-flight."""
     flags = ("--step-delay-s", "0.03", "--max-running", "4")
     manager = await start_job(stack, 2, *flags, spot=True)
     trainer, _ = await start_trainer(
         stack, "trainer", "--backend", "torch", "--steps", "3", "--seed-role",
         "--instance-cap", "auto", "--seed-window-init-s", "0.1", "--seed-max-running", "8",
-        "--max-new-tokens", "64", "--bench-length-median", "40")
+        "--max-new-tokens", "64", "--bench-length-median", "40",
+        "--bench-seed-step-delay-s", "0.02")
     held = await preempt_once_it_holds_requests(stack, manager, "w1", "w1-again", *flags)
     assert held > 0
     st = await wait_trainer(trainer, lambda s: s.state == "done")
