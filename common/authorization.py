@@ -4,8 +4,9 @@ A certificate carries its holder's role as a URI subject alternative name
 ``urn:rlharvest:role:<role>`` (``tls.LocalCA`` writes it). The calls that change what the system
 learns, runs or schedules take only some roles:
 
-- ``RolloutManager.SubmitStep`` and ``TransferAgent.Publish`` — a trainer (its job's steps and
-  weights); ``RolloutManager.Generate`` — a trainer or an operator;
+- ``RolloutManager.SubmitStep``, ``RolloutManager.HoldSeedWindow`` and ``TransferAgent.Publish``
+  — a trainer (its job's steps, seeding windows and weights); ``RolloutManager.Generate`` — a
+  trainer or an operator;
 - ``RolloutWorker.Session`` — a manager (it runs rollouts on workers and co-executors);
   ``RolloutWorker.LoadWeights`` — a trainer or an operator;
 - the placement scheduler's ``SubmitJob``, ``CancelJob``, ``AcquirePermit``, ``ReleasePermit``
@@ -17,8 +18,8 @@ gets PERMISSION_DENIED naming the roles it needs. Without TLS there are no ident
 nothing is checked (plaintext is for a trusted network only).
 
 Steps and weights are also scoped to a job: a certificate names the jobs its holder acts for as
-``urn:rlharvest:job:<job>`` (``*``: every job), and a manager takes ``SubmitStep`` and
-``Generate`` only for its own job, an agent ``Publish`` only for the job the publish names, from
+``urn:rlharvest:job:<job>`` (``*``: every job), and a manager takes ``SubmitStep``,
+``HoldSeedWindow`` and ``Generate`` only for its own job, an agent ``Publish`` only for the job the publish names, from
 a certificate naming that job (``job_refusal``); an operator acts for any job. The placement
 scheduler's calls stay scoped by role. Pure: the policy takes the method and the peer's
 identity; ``peer_identity`` reads it from a certificate.
@@ -38,6 +39,7 @@ _JOB = ("trainer", "operator")
 _SCHEDULER = "/rlharvest.v1.PlacementScheduler/"
 REQUIRED_ROLE: dict[str, tuple[str, ...]] = {
     "/rlharvest.v1.RolloutManager/SubmitStep": ("trainer",),
+    "/rlharvest.v1.RolloutManager/HoldSeedWindow": ("trainer",),
     "/rlharvest.v1.RolloutManager/Generate": _JOB,
     "/rlharvest.v1.TransferAgent/Publish": ("trainer",),
     "/rlharvest.v1.RolloutWorker/Session": ("manager",),

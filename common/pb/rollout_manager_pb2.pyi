@@ -45,6 +45,20 @@ class SubmitStepRequest(_message.Message):
     seed_window_s: float
     def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ..., acceptance: _Optional[_Union[Acceptance, _Mapping]] = ..., seed_window_s: _Optional[float] = ...) -> None: ...
 
+class SeedWindowRequest(_message.Message):
+    __slots__ = ("step_id", "window_s")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    window_s: float
+    def __init__(self, step_id: _Optional[str] = ..., window_s: _Optional[float] = ...) -> None: ...
+
+class SeedWindowEvent(_message.Message):
+    __slots__ = ("seed_worker_ids",)
+    SEED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    seed_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Acceptance(_message.Message):
     __slots__ = ("prompts", "responses")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class RolloutManagerStub:
                 request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.StepEvent.FromString,
                 _registered_method=True)
+        self.HoldSeedWindow = channel.unary_stream(
+                '/rlharvest.v1.RolloutManager/HoldSeedWindow',
+                request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.SerializeToString,
+                response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowEvent.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/rlharvest.v1.RolloutManager/GetStatus',
                 request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GetStatusRequest.SerializeToString,
@@ -69,6 +74,17 @@ class RolloutManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldSeedWindow(self, request, context):
+        """RLBoost §4.1 for a step made of many Generate calls (agentic turns): the job's seed
+        workers take requests for window_s seconds, then are lent to training, their requests
+        moving with their tokens to the remote workers. The first event names the seed workers;
+        the call then stays open and the seed workers are back once it ends (the client's step
+        ended, or the client went away).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -87,6 +103,11 @@ def add_RolloutManagerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GenerateRequest.FromString,
                     response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.StepEvent.SerializeToString,
+            ),
+            'HoldSeedWindow': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldSeedWindow,
+                    request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.FromString,
+                    response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowEvent.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -148,6 +169,33 @@ class RolloutManager:
             '/rlharvest.v1.RolloutManager/Generate',
             rlharvest_dot_v1_dot_rollout__manager__pb2.GenerateRequest.SerializeToString,
             rlharvest_dot_v1_dot_rollout__manager__pb2.StepEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldSeedWindow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rlharvest.v1.RolloutManager/HoldSeedWindow',
+            rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.SerializeToString,
+            rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,11 @@ class SeedWindows:
         log.info("seeding window of %.2fs opens for %s", window_s, ", ".join(seeds))
         window.timer = asyncio.get_running_loop().call_later(window_s, self._close, key)
 
+    def seeds_of(self, key: object) -> list[str]:
+        """The seed workers the step's window holds (none: it had no healthy seed worker)."""
+        window = self._steps.get(key)
+        return list(window.seeds) if window is not None else []
+
     def _close(self, key: object) -> None:
         window = self._steps.get(key)
         if window is None or window.closed:

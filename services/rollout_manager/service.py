@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -433,14 +434,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                            acceptance: mpb.Acceptance | None = None,
                            seed_window_s: float = 0.0, print_: bytes | None = None
                            ) -> AsyncIterator[mpb.StepEvent]:
-        if not self.accepting:
-            await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
-                                                           "the step to its successor"))
-        await server_guard.require_job(context, self._job)  # under TLS: this job's trainer
-        if not self.leading:
-            await errors.abort(context, errors.Unavailable(
-                "this manager stands by for the job's leader; submit the step to the manager "
-                "whose etcd record says role 'leader'"))
+        await self._admit_client(context)
         stream = self._reattach(step_id, print_) if print_ is not None else None
         if stream is None:
             stream = await self._start_step(step_id, requests, version, deadline_s, profiled,
@@ -454,6 +448,34 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 yield event
         finally:
             self._abandon(stream)
+
+    async def _admit_client(self, context: grpc.aio.ServicerContext) -> None:
+        """A step's client is served by the leader only, while it accepts work."""
+        if not self.accepting:
+            await errors.abort(context, errors.Unavailable("manager is shutting down; submit "
+                                                           "the step to its successor"))
+        await server_guard.require_job(context, self._job)  # under TLS: this job's trainer
+        if not self.leading:
+            await errors.abort(context, errors.Unavailable(
+                "this manager stands by for the job's leader; submit the step to the manager "
+                "whose etcd record says role 'leader'"))
+
+    async def HoldSeedWindow(self, request: mpb.SeedWindowRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[mpb.SeedWindowEvent]:
+        """The seeding window of a step made of Generate calls (agentic turns): open for
+        ``window_s``, then the seed workers are lent to training until the call ends."""
+        await self._admit_client(context)
+        if not math.isfinite(request.window_s) or request.window_s < 0:
+            await errors.abort(context, errors.InvalidArgument(
+                f"window_s must be a finite number of seconds >= 0, got {request.window_s}"))
+        key = ("seed-window", request.step_id)
+        self._seeds.step_started(key, request.window_s)
+        try:
+            yield mpb.SeedWindowEvent(seed_worker_ids=self._seeds.seeds_of(key))
+            await asyncio.get_running_loop().create_future()  # until the client ends the call
+        finally:
+            self._seeds.step_ended(key)
 
     async def _start_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
                           deadline_s: float, profiled: bool, context: grpc.aio.ServicerContext,

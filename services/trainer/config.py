@@ -247,9 +247,10 @@ class TrainerConfig(ServiceConfig):
     def _env_fits(self) -> TrainerConfig:
         if not self.env:
             return self
-        if self.seed_role:
-            raise ValueError(f"--env {self.env} plays its own episodes turn by turn; it does not "
-                             "combine with --seed-role yet")
+        if self.seed_role and self.seed_max_len < self.env_context:
+            raise ValueError(f"--seed-max-len {self.seed_max_len} is shorter than --env-context "
+                             f"{self.env_context}: the seed engine could not take a trajectory's "
+                             "later turns; raise --seed-max-len or lower --env-context")
         from rlharvest.services.trainer.environments.interface import (
             load_environment, takes_task)
 

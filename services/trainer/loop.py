@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -626,7 +627,11 @@ class TrainerLoop:
         # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
         # are cancelled and deferred to a long round. Otherwise every group trains whole.
         trained: list[int] = []
-        async with manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
+        window_s = self._seed_window_s()
+        if window_s and self._seed is not None:
+            await self._seed.wait_connected()
+        async with self._turns_seed_window(manager, spec, window_s), \
+                manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
                 item = spec.items[g]
@@ -668,6 +673,18 @@ class TrainerLoop:
         assembler.deferred = sorted(set(range(len(spec.items))) - set(trained))
         return await self._conclude(spec, train, assembler, progress, started, waited, phases,
                                     [])
+
+    def _turns_seed_window(self, manager: str, spec: StepSpec,
+                           window_s: float) -> contextlib.AbstractAsyncContextManager:
+        """--seed-role with --env: the step's turns are many Generate calls, not one SubmitStep
+        that carries the window, so the window is held on the manager while they play
+        (``rollout_client.seed_window``): the seed engine takes turns for T_seed, then its
+        running turns move with their tokens to the remote workers. Nothing without the role."""
+        if self._seed is None:
+            return contextlib.nullcontext()
+        # Unique per attempt: a retried step's window must not be ended by its predecessor's.
+        step_id = f"{self._cfg.job}-s{spec.step}-{uuid.uuid4().hex[:8]}"
+        return rollout_client.seed_window(manager, step_id, window_s)
 
     @staticmethod
     def _count_played(spec: StepSpec, trajectories: list[Trajectory], progress: Progress) -> None:

@@ -1,9 +1,10 @@
-"""The trainer's side of its two peers: the job's rollout manager (SubmitStep stream) and the
-node's transfer agent (publish). Both are found in etcd unless configured."""
+"""The trainer's side of its two peers: the job's rollout manager (SubmitStep stream, seeding
+windows) and the node's transfer agent (publish). Both are found in etcd unless configured."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +68,31 @@ async def stream_step(endpoint: str, request: mpb.SubmitStepRequest,
                 raise
             raise RolloutStreamError(f"SubmitStep to {endpoint} broke: {exc.code().name}: "
                                      f"{exc.details()}") from exc
+
+
+@contextlib.asynccontextmanager
+async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIterator[list[str]]:
+    """RLBoost's seeding window for a step of Generate calls (agentic turns), held open on the
+    manager while the body runs; yields the seed workers it holds. The window is open once this
+    yields, so turns submitted in the body can start on the seed workers. A manager that dies
+    meanwhile ends it; its successor holds none (the seed workers then take turns to the end,
+    as in the co-located fallback), and the turns' own streams retry the step."""
+    async with rpc.channel(endpoint) as chan:
+        call = rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(
+            mpb.SeedWindowRequest(step_id=step_id, window_s=window_s))
+        try:
+            opened = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            raise RolloutStreamError(f"HoldSeedWindow at {endpoint} failed: {exc.code().name}: "
+                                     f"{exc.details()}") from exc
+        if opened is grpc.aio.EOF:
+            raise RolloutStreamError(f"HoldSeedWindow at {endpoint} ended before it opened")
+        try:
+            yield list(opened.seed_worker_ids)
+        finally:
+            call.cancel()
 
 
 async def announced_version(etcd, job: str) -> int | None:

@@ -504,6 +504,35 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     assert metric(seed_text, 'rlh_worker_abort_wait_steps_bucket{le="1.0"}') == aborts
 
 
+async def test_agentic_turns_start_on_the_seed_engine_and_move_on_with_their_tokens(
+        stack, etcd_client):
+    """--env with --seed-role: a step's turns are Generate calls, so the trainer holds the
+    step's seeding window on the manager (HoldSeedWindow) while they play. The seed engine
+    takes the first turns; its steps take 50 ms, so at the close after 0.5 s its turns are
+    mid-flight and move to the spot worker with their tokens, none regenerated."""
+    manager = await start_job(stack, 1, "--max-running", "8", "--kv-pages", "1024",
+                              "--prefix-cache", spot=True)
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "2", "--env", "frozen_lake",
+        "--prompts-per-step", "2", "--samples-per-prompt", "4", "--max-new-tokens", "16",
+        "--env-max-turns", "2", "--seed-role", "--instance-cap", "auto",
+        "--seed-window-init-s", "0.5", "--seed-max-running", "8",
+        "--bench-seed-step-delay-s", "0.05")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2]
+    seed_text = scrape(metrics_port)  # the seed engine runs in the trainer's process
+    assert metric(seed_text, 'rlh_worker_requests_added_total{resumed="false"}') > 0
+    assert metric(seed_text, 'rlh_trainer_trajectories_total{outcome="played"}') == 16
+    text = scrape(manager.metrics_port)
+    assert metric(text, "rlh_manager_seed_windows_total") >= 1
+    assert metric(text, "rlh_manager_seed_handoffs_total") > 0
+    assert metric(text, 'rlh_manager_migrations_total{cause="seed_window"}') > 0
+    status = await manager_status(manager.endpoint)
+    assert status.tokens_regenerated == 0
+    seed = next(w for w in status.workers if w.worker_id == "trainer-0-seed")
+    assert seed.state == "healthy"  # back once the step's window call ended
+
+
 async def test_grpo_steps_on_frozen_lake_trajectories_play_turn_by_turn_on_policy(
         stack, etcd_client):  # etcd_client: an empty keyspace (no version announced before)
     """--env: each sample is a multi-turn FrozenLake trajectory played through the manager on

@@ -126,15 +126,18 @@ def test_the_shaped_variant_adds_progress_to_gymnasiums_reward_and_nothing_else(
     assert load_environment("frozen_lake_shaped")().shaped
 
 
-def test_the_trainer_refuses_an_unknown_env_and_combinations_it_does_not_run_yet():
+def test_the_trainer_refuses_an_unknown_env_and_combinations_it_cannot_run():
     from rlharvest.common.config import ConfigError, load_config
     from rlharvest.services.trainer.config import TrainerConfig
 
     with pytest.raises(ConfigError, match="package.module:Class"):
         load_config(TrainerConfig, flags={"env": "chess"})
-    with pytest.raises(ConfigError, match="--seed-role"):
+    # The seed engine must hold a trajectory's whole context to take its later turns.
+    with pytest.raises(ConfigError, match="--seed-max-len 256 is shorter than --env-context"):
         load_config(TrainerConfig, flags={"env": "frozen_lake", "seed_role": True,
-                                          "instance_cap": "auto"})
+                                          "instance_cap": "auto", "seed_max_len": "256"})
+    assert load_config(TrainerConfig, flags={"env": "frozen_lake", "seed_role": True,
+                                             "instance_cap": "auto"}).seed_role
     with pytest.raises(ConfigError, match="reset takes no task"):
         load_config(TrainerConfig, flags={"env": "frozen_lake", "data": "x.jsonl"})
     cfg = load_config(TrainerConfig, flags={"env": "frozen_lake_shaped", "env_max_turns": "6"})
