@@ -82,6 +82,17 @@ class Worker:
         return result
 
 
+def record_update(trainer: LastPublished, version: int, new: dict, encoded: dict) -> dict:
+    """The trainer's record of the published version: a full copy (``after``, before) timed
+    beside the in-place update it now does (``advance``), which moves ``trainer`` on."""
+    started = time.perf_counter()
+    LastPublished.after(version, new, encoded)
+    copy_s = time.perf_counter() - started
+    started = time.perf_counter()
+    trainer.advance(version, new, encoded)
+    return {"record_copy_s": copy_s, "record_advance_s": time.perf_counter() - started}
+
+
 async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zeros: float,
                       seed: int, dense_first: bool) -> tuple[dict, LastPublished]:
     """One version pulled both ways; its row and the trainer's record after publishing it."""
@@ -113,7 +124,8 @@ async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zer
             "pull_ratio": dense.seconds / sparse.seconds, "publish_s": publish_s,
             "diff_s": diff_s, "dense_mb": dense.payload_bytes / 1e6,
             "delta_mb": sparse.payload_bytes / 1e6,
-            "changed": stats.changed_fraction}, LastPublished.after(version, new, encoded)
+            "changed": stats.changed_fraction, **record_update(trainer, version, new, encoded)}, \
+        trainer
 
 
 async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
@@ -145,8 +157,9 @@ async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
 
 def table(rows: list[dict], warm: dict) -> list[str]:
     out = ["| zeros | dense MB | delta MB | dense pull s | trainer encode ms | delta pull s | "
-           "speedup, median [spread] | pull alone | delta publish s | trainer CPU diff s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "speedup, median [spread] | pull alone | delta publish s | trainer CPU diff s | "
+           "trainer record: copy ms / in place ms |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for zeros in ZEROS:
         mine = [r for r in rows if r["zeros"] == zeros]
 
@@ -157,7 +170,8 @@ def table(rows: list[dict], warm: dict) -> list[str]:
                    f"{med('dense_s'):.3f} | {med('encode_s') * 1e3:.1f} | {med('pull_s'):.3f} | "
                    f"**{spread([r['ratio'] for r in mine], 1)}** | "
                    f"{spread([r['pull_ratio'] for r in mine], 1)} | {med('publish_s'):.3f} | "
-                   f"{med('diff_s'):.3f} |")
+                   f"{med('diff_s'):.3f} | {med('record_copy_s') * 1e3:.0f} / "
+                   f"{med('record_advance_s') * 1e3:.1f} |")
     out.append(f"\nFirst delta after the dense pull (99% zeros; each side computes the linear "
                f"sums once): encode {warm['encode_s'] * 1e3:.0f} ms + pull {warm['pull_s']:.3f} s "
                f"vs dense {warm['dense_s']:.3f} s ({warm['ratio']:.1f}x).")

@@ -177,5 +177,5 @@ class Publisher:
         await self._client.publish_delta(agent, self._job, version, base.version, encoded,
                                          bucket_bytes=self._bucket_bytes)
         self._last = (agent, await loop.run_in_executor(self._pool, partial(
-            self._delta_publish.LastPublished.after, version, tensors, encoded)))
+            base.advance, version, tensors, encoded)))
         return stats

@@ -24,6 +24,7 @@ from rlharvest.services.transfer_agent.bucketing import ParallelMap
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.delta_codec import (
     EncodedTensor,
+    decode,
     encode_changes,
     encode_dense,
 )
@@ -101,6 +102,26 @@ class LastPublished:
         dense_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         payload = sum(item.nbytes for item in encoded.values())
         return encoded, DeltaStats(changed, numel, payload, dense_bytes)
+
+    def advance(self, version: int, tensors: Mapping[str, torch.Tensor],
+                encoded: Mapping[str, EncodedTensor]) -> LastPublished:
+        """This record, moved on to ``version`` once ``tensors`` were published as ``encoded``
+        (what ``encode_next`` made against it). A sparse delta is applied to the held copy in
+        place, as a worker applies it: O(changes), and verified by the chained sums; only dense
+        ones are copied. ``after`` copies every tensor, the whole model per publish."""
+        for name, item in encoded.items():
+            held = self.tensors.get(name)
+            if item.needs_base and held is not None:
+                decode(item, held, inplace=True, base_sum=item.base_sum)
+            else:
+                self.tensors[name] = tensors[name].detach().cpu().clone(
+                    memory_format=torch.contiguous_format)
+            self.sums[name] = item.target_sum
+        for name in set(self.tensors) - set(encoded):  # gone from the model
+            del self.tensors[name]
+            self.sums.pop(name, None)
+        self.version = version
+        return self
 
     @classmethod
     def after(cls, version: int, tensors: Mapping[str, torch.Tensor],

@@ -175,6 +175,31 @@ def test_the_trainer_chains_versions_and_every_delta_verifies_against_the_last()
     assert new_name.encoding == Encoding.DENSE
 
 
+def test_advancing_the_record_in_place_equals_copying_the_published_version():
+    """``advance`` applies the sparse deltas to the trainer's held copy (no copy of the model
+    per publish); the record then encodes the next version exactly as a fresh copy does, and a
+    tensor that went dense, one new and one gone are handled too."""
+    tensors = {"a": _pair(seed=1)[0], "b": _pair(numel=3000, seed=2)[0], "gone": torch.ones(3)}
+    moved, copied = LastPublished(1, tensors), LastPublished(1, tensors)
+    held_a = moved.tensors["a"]
+    for version in range(2, 5):
+        dense = torch.randn(3000, generator=torch.Generator().manual_seed(100 + version))
+        nxt = {"a": tensors["a"].clone(), "b": dense.to(tensors["b"].dtype)}  # b: all changed
+        nxt["a"].view(torch.int16)[version::101] ^= 5
+        if version == 3:
+            nxt["new"] = torch.arange(6.0)
+        encoded, _ = moved.encode_next(nxt)
+        assert encoded == copied.encode_next(nxt)[0]
+        assert encoded["a"].needs_base and not encoded["b"].needs_base
+        moved = moved.advance(version, nxt, encoded)
+        copied = LastPublished.after(version, nxt, encoded)
+        assert moved.version == copied.version == version
+        assert set(moved.tensors) == set(nxt) and moved.sums == copied.sums
+        assert all(same_bits(moved.tensors[n], t) for n, t in nxt.items())
+        tensors = nxt
+    assert moved.tensors["a"] is held_a  # applied where it was held: never copied
+
+
 def test_the_store_serves_a_delta_publish_as_published_and_learns_its_sums():
     old, new = _pair()
     store = VersionStore(byte_budget=1 << 24)
