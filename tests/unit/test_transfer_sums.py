@@ -185,7 +185,7 @@ def test_advancing_the_record_in_place_equals_copying_the_published_version():
     for version in range(2, 5):
         dense = torch.randn(3000, generator=torch.Generator().manual_seed(100 + version))
         nxt = {"a": tensors["a"].clone(), "b": dense.to(tensors["b"].dtype)}  # b: all changed
-        nxt["a"].view(torch.int16)[version::101] ^= 5
+        nxt["a"].view(torch.int16)[version::1000] ^= 5  # 0.1%: applied
         if version == 3:
             nxt["new"] = torch.arange(6.0)
         encoded, _ = moved.encode_next(nxt)
@@ -198,6 +198,12 @@ def test_advancing_the_record_in_place_equals_copying_the_published_version():
         assert all(same_bits(moved.tensors[n], t) for n, t in nxt.items())
         tensors = nxt
     assert moved.tensors["a"] is held_a  # applied where it was held: never copied
+    denser = {**tensors, "a": tensors["a"].clone()}
+    denser["a"].view(torch.int16)[::50] ^= 5  # 2% changed: a copy is cheaper than applying
+    encoded, _ = moved.encode_next(denser)
+    assert encoded["a"].needs_base
+    assert moved.advance(5, denser, encoded).tensors["a"] is not held_a
+    assert same_bits(moved.tensors["a"], denser["a"])
 
 
 def test_the_store_serves_a_delta_publish_as_published_and_learns_its_sums():
