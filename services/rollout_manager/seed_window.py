@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlharvest.common import errors
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
@@ -49,25 +51,29 @@ class SeedWindows:
         self._wake = wake
         self._steps: dict[object, _Window] = {}
 
-    def step_started(self, key: object, window_s: float) -> None:
-        """A step of the RL loop began; its seed workers roll out for ``window_s`` seconds."""
+    @staticmethod
+    def check(window_s: float) -> None:
+        """A window a client asked for (SubmitStep's ``seed_window_s``, HoldSeedWindow's)."""
+        if not math.isfinite(window_s) or window_s < 0:
+            raise errors.InvalidArgument(f"a seeding window must be a finite number of seconds "
+                                         f">= 0, got {window_s}")
+
+    def step_started(self, key: object, window_s: float) -> list[str]:
+        """A step of the RL loop began; its seed workers roll out for ``window_s`` seconds.
+        Returns them (none: the job has no healthy seed worker)."""
         seeds = [w.worker_id for w in self._control.pool.all()
                  if w.kind == SEED_KIND and w.state is WorkerState.HEALTHY]
         log.debug("step starts with a %.2fs seeding window; seed workers %s", window_s, seeds)
         if not seeds:
-            return
+            return []
         window = self._steps[key] = _Window(seeds)
         if window_s <= 0:
             self._close(key)  # before the step's first dispatch: they take none of it
-            return
+            return seeds
         metrics.SEED_WINDOWS.inc()
         log.info("seeding window of %.2fs opens for %s", window_s, ", ".join(seeds))
         window.timer = asyncio.get_running_loop().call_later(window_s, self._close, key)
-
-    def seeds_of(self, key: object) -> list[str]:
-        """The seed workers the step's window holds (none: it had no healthy seed worker)."""
-        window = self._steps.get(key)
-        return list(window.seeds) if window is not None else []
+        return seeds
 
     def _close(self, key: object) -> None:
         window = self._steps.get(key)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -466,13 +465,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         """The seeding window of a step made of Generate calls (agentic turns): open for
         ``window_s``, then the seed workers are lent to training until the call ends."""
         await self._admit_client(context)
-        if not math.isfinite(request.window_s) or request.window_s < 0:
-            await errors.abort(context, errors.InvalidArgument(
-                f"window_s must be a finite number of seconds >= 0, got {request.window_s}"))
-        key = ("seed-window", request.step_id)
-        self._seeds.step_started(key, request.window_s)
         try:
-            yield mpb.SeedWindowEvent(seed_worker_ids=self._seeds.seeds_of(key))
+            SeedWindows.check(request.window_s)
+        except errors.ServiceError as exc:
+            await errors.abort(context, exc)
+        key = ("seed-window", request.step_id)
+        seeds = self._seeds.step_started(key, request.window_s)
+        try:
+            yield mpb.SeedWindowEvent(seed_worker_ids=seeds)
             await asyncio.get_running_loop().create_future()  # until the client ends the call
         finally:
             self._seeds.step_ended(key)
@@ -487,6 +487,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                           r.trajectory_id, r.turn, r.last_turn)
                for r in requests]
         try:
+            SeedWindows.check(seed_window_s)
             # etcd is read only for a version no worker holds yet.
             announced = None if self._control.version_held(version) else await self._announced()
             policy = None if acceptance is None else TailBatchingStep(

@@ -406,9 +406,7 @@ class TrainerLoop:
             progress.phase = "rollout"
         if self._env is not None:
             return await self._agentic_step(spec, manager, progress, started)
-        window_s = self._seed_window_s()
-        if window_s and self._seed is not None:
-            await self._seed.wait_connected()
+        window_s = await self._seed_window_s()
         request = submit_request(spec, max_new_tokens=cfg.max_new_tokens,
                                  temperature=cfg.temperature, top_p=cfg.top_p,
                                  stop_token_ids=list(self._tok.stop_ids),
@@ -627,10 +625,7 @@ class TrainerLoop:
         # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
         # are cancelled and deferred to a long round. Otherwise every group trains whole.
         trained: list[int] = []
-        window_s = self._seed_window_s()
-        if window_s and self._seed is not None:
-            await self._seed.wait_connected()
-        async with self._turns_seed_window(manager, spec, window_s), \
+        async with self._turns_seed_window(manager, spec, await self._seed_window_s()), \
                 manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
@@ -696,11 +691,15 @@ class TrainerLoop:
             progress.completions += 1
             progress.tokens_generated += sum(t.trained)
 
-    def _seed_window_s(self) -> float:
-        """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role."""
+    async def _seed_window_s(self) -> float:
+        """The next step's seeding window T_seed (Algorithm 1), 0 without the seed role; a
+        window waits for a manager to hold a session with the seed engine (else it is idle)."""
         if self._seed is None or self._instance_cap is None:
             return 0.0
-        return self._instance_cap.window.schedule.t_seed
+        window_s = self._instance_cap.window.schedule.t_seed
+        if window_s:
+            await self._seed.wait_connected()
+        return window_s
 
     async def _apply(self, spec: StepSpec, train: StreamingStep,
                      assembler: GroupAssembler) -> StepStats:

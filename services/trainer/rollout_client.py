@@ -9,7 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 import torch
@@ -64,10 +64,15 @@ async def stream_step(endpoint: str, request: mpb.SubmitStepRequest,
             async for event in stub.SubmitStep(request):
                 yield event
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,):
-                raise
-            raise RolloutStreamError(f"SubmitStep to {endpoint} broke: {exc.code().name}: "
-                                     f"{exc.details()}") from exc
+            _raise_stream_error(exc, f"SubmitStep to {endpoint} broke")
+
+
+def _raise_stream_error(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:
+    """A refusal that retrying cannot fix (INVALID_ARGUMENT) propagates as it is; anything
+    else becomes a RolloutStreamError, which retries the step."""
+    if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+        raise exc
+    raise RolloutStreamError(f"{what}: {exc.code().name}: {exc.details()}") from exc
 
 
 @contextlib.asynccontextmanager
@@ -83,10 +88,7 @@ async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIter
         try:
             opened = await call.read()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            raise RolloutStreamError(f"HoldSeedWindow at {endpoint} failed: {exc.code().name}: "
-                                     f"{exc.details()}") from exc
+            _raise_stream_error(exc, f"HoldSeedWindow at {endpoint} failed")
         if opened is grpc.aio.EOF:
             raise RolloutStreamError(f"HoldSeedWindow at {endpoint} ended before it opened")
         try:

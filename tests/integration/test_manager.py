@@ -202,12 +202,21 @@ async def test_bad_steps_get_precise_statuses(cluster):
         (mpb.SubmitStepRequest(weight_version=0, requests=[step_request(1, 8).requests[0]] * 2),
          grpc.StatusCode.INVALID_ARGUMENT, "appears twice"),
         (step_request(70000, 8), grpc.StatusCode.INVALID_ARGUMENT, "above the limit"),
+        (mpb.SubmitStepRequest(weight_version=0, requests=step_request(1, 8).requests,
+                               seed_window_s=float("nan")),
+         grpc.StatusCode.INVALID_ARGUMENT, "seeding window must be a finite"),
     ]
     for request, code, text in cases:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await run_step(manager.endpoint, request)
         assert err.value.code() == code, err.value.details()
         assert text in err.value.details()
+    async with rpc.channel(manager.endpoint) as chan:  # the same check holds a window
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(
+                mpb.SeedWindowRequest(step_id="s", window_s=-1)).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "seeding window must be a finite" in err.value.details()
     # Bytes that are no protobuf: INVALID_ARGUMENT from the real servicer, not grpc's UNKNOWN.
     assert await garbage_status(manager.endpoint, "/rlharvest.v1.RolloutManager/SubmitStep") == \
         grpc.StatusCode.INVALID_ARGUMENT
