@@ -8,6 +8,7 @@ call, and the thread dies with the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,13 +23,19 @@ def run_in_daemon_thread(fn: Callable[[], Any], name: str = "user-code") -> asyn
         if not future.done():  # it may have been cancelled by the timeout meanwhile
             setter(value)
 
+    def deliver(setter: Callable[[Any], None], value: Any) -> None:
+        # An abandoned call may return after its loop has closed (the caller timed out and
+        # the program moved on): there is no one left to tell.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, setter, value)
+
     def target() -> None:
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, future.set_exception, exc)
+            deliver(future.set_exception, exc)
         else:
-            loop.call_soon_threadsafe(settle, future.set_result, result)
+            deliver(future.set_result, result)
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return future

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import rlharvest
 from rlharvest.common.authorization import SERVICE_ROLES
+from rlharvest.common.fork_server import ForkedProcess, ForkServer
 from rlharvest.common.local_etcd import LocalEtcd
 from rlharvest.common.tls import LocalCA
 
@@ -48,7 +49,7 @@ def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
 class ServiceProcess:
     service: str
     name: str
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     log_path: Path
 
     def alive(self) -> bool:
@@ -102,6 +103,9 @@ class LocalStack:
     # Mutual TLS: every service started gets a certificate of this CA for its role, and an
     # etcd started here serves them over TLS (an https:// endpoint) with one of its own.
     ca: LocalCA | None = None
+    # Single-rank services are forked from this server (imports done once) when the
+    # environment allows it; see fork_server.py. Without one, each is a fresh interpreter.
+    fork_server: ForkServer | None = None
 
     def start_etcd(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -122,12 +126,16 @@ class LocalStack:
             f"--max-restarts={restarts}", "--monitor-interval=0.5"]
         tls_flags = [] if self.ca is None else self.ca.flags(
             name, SERVICE_ROLES[service], _jobs_of(service, flags or []))
-        cmd = [sys.executable, *launcher, "-m", MODULES[service], "--etcd", self.etcd.endpoint,
-               *tls_flags, *(flags or [])]
+        args = ["--etcd", self.etcd.endpoint, *tls_flags, *(flags or [])]
         child_env = child_environment(env)
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                    start_new_session=True)
+        proc: subprocess.Popen | ForkedProcess
+        if ranks == 1 and self.fork_server is not None and self.fork_server.can_fork(child_env):
+            proc = self.fork_server.spawn(MODULES[service], args, child_env, log_path)
+        else:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen([sys.executable, *launcher, "-m", MODULES[service], *args],
+                                        stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                        start_new_session=True)
         started = ServiceProcess(service, name, proc, log_path)
         self.processes.append(started)
         return started
@@ -146,6 +154,20 @@ class LocalStack:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+# What the fork server imports: the libraries that make a service's start slow (torch and
+# transformers are ~4 s of the trainer's ~4.5 s). Not gRPC, nor anything that imports it (aetcd,
+# rlharvest's own modules): a gRPC core imported before a fork does not notice a dead peer's
+# closed socket in the child for a minute (a SIGKILLed manager's trainer hung until a keepalive).
+FORK_PRELOAD = ("torch", "transformers", "transformers.models.auto.modeling_auto",
+                "transformers.models.qwen3.modeling_qwen3", "numpy", "aiohttp", "pydantic_settings",
+                "typer", "rich", "prometheus_client", "safetensors.torch", "uvloop")
+
+
+def service_fork_server() -> ForkServer:
+    """A started fork server that has imported the services' heavy libraries."""
+    return ForkServer(FORK_PRELOAD, child_environment()).start()
 
 
 def _jobs_of(service: str, flags: list[str]) -> tuple[str, ...]:

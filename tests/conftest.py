@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from rlharvest.common.fork_server import ForkServer
 from rlharvest.common.local_etcd import LocalEtcd
-from rlharvest.services.launcher import LocalStack
+from rlharvest.services.launcher import LocalStack, service_fork_server
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every process a test starts (services, CLIs, helpers) imports this checkout, not whichever one
@@ -39,16 +40,31 @@ async def etcd_client(etcd_endpoint: str):
     await client.close()
 
 
+@pytest.fixture(scope="session")
+def fork_server() -> Iterator[ForkServer | None]:
+    """Services are forked from one process that imported them (torch, transformers) once: the
+    suite starts hundreds. RLH_TEST_FRESH_INTERPRETERS=1 starts each as `python -m` instead."""
+    if os.environ.get("RLH_TEST_FRESH_INTERPRETERS") == "1":
+        yield None
+        return
+    server = service_fork_server()
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def stack(etcd_server: LocalEtcd, tmp_path: Path) -> Iterator[LocalStack]:
+def stack(etcd_server: LocalEtcd, fork_server: ForkServer | None,
+          tmp_path: Path) -> Iterator[LocalStack]:
     """Service processes against the session's etcd; killed after the test, logs shown on failure."""
-    yield from _processes(LocalStack(tmp_path / "logs", etcd=etcd_server))
+    yield from _processes(LocalStack(tmp_path / "logs", etcd=etcd_server, fork_server=fork_server))
 
 
 @pytest.fixture(scope="module")
-def module_stack(etcd_server: LocalEtcd, tmp_path_factory) -> Iterator[LocalStack]:
+def module_stack(etcd_server: LocalEtcd, fork_server: ForkServer | None,
+                 tmp_path_factory) -> Iterator[LocalStack]:
     """Like ``stack``, for services a whole test module shares."""
-    yield from _processes(LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server))
+    yield from _processes(LocalStack(tmp_path_factory.mktemp("logs"), etcd=etcd_server,
+                                     fork_server=fork_server))
 
 
 def _processes(local: LocalStack) -> Iterator[LocalStack]:

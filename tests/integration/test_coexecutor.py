@@ -199,9 +199,9 @@ async def test_a_coexecutor_taken_back_mid_step_returns_its_rollout_with_every_t
     assert await claim_of(etcd_client, "coexec-0") == Claim("default", "manager-0")
 
 
-async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path):
+async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path, fork_server):
     etcd = await asyncio.to_thread(LocalEtcd().start)
-    local = LocalStack(tmp_path / "logs", etcd=etcd)
+    local = LocalStack(tmp_path / "logs", etcd=etcd, fork_server=fork_server)
     try:
         # Leases longer than the outage: the claim outlives it, so the lending comes back.
         coexec, url = launch_coexecutor(local, "coexec-x", "--lease-ttl", "20",

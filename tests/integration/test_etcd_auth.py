@@ -43,8 +43,8 @@ def authed_etcd():
 
 
 async def test_services_authenticate_to_etcd_and_a_wrong_password_stops_at_start(
-        authed_etcd, tmp_path):
-    stack = LocalStack(tmp_path / "logs", etcd=authed_etcd)
+        authed_etcd, fork_server, tmp_path):
+    stack = LocalStack(tmp_path / "logs", etcd=authed_etcd, fork_server=fork_server)
     try:
         credentials = {"RLH_ETCD_USERNAME": "root", "RLH_ETCD_PASSWORD": PASSWORD,
                        "RLH_ETCD_TOKEN_RENEW_S": "0.5"}

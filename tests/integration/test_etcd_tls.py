@@ -50,10 +50,10 @@ def operator(ca: tls.LocalCA) -> Iterator[list[str]]:
 
 
 @pytest.fixture
-def stack(tls_etcd: LocalEtcd, ca: tls.LocalCA, tmp_path: Path) -> Iterator[LocalStack]:
+def stack(tls_etcd: LocalEtcd, ca: tls.LocalCA, fork_server, tmp_path: Path) -> Iterator[LocalStack]:
     """Services against the TLS etcd, each with a certificate of the CA for its role (the
     conftest hook shows their logs when a test fails)."""
-    local = LocalStack(tmp_path / "logs", etcd=tls_etcd, ca=ca)
+    local = LocalStack(tmp_path / "logs", etcd=tls_etcd, ca=ca, fork_server=fork_server)
     yield local
     for proc in local.processes:
         proc.kill()
