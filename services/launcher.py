@@ -85,8 +85,7 @@ class ServiceProcess:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return self.process.wait()  # at once: it has exited
 
     def log_tail(self, lines: int = 40) -> str:
         try:
