@@ -32,6 +32,19 @@ log = logging.getLogger(__name__)
 _SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
 
 
+SEED_PAGE_TOKENS = 16
+
+
+def _agentic_cache(cfg: TrainerConfig) -> dict:
+    """With ``--env``, the seed engine keeps a prefix cache as the workers do: a turn re-reads
+    the trajectory's whole history, which its previous turn left in the cache when it ran
+    here. Pages for the running requests twice over: as many again stay cached."""
+    if not cfg.env:
+        return {}
+    pages = 2 * cfg.seed_max_running * -(-cfg.seed_max_len // SEED_PAGE_TOKENS)
+    return {"kv_pages": pages, "page_tokens": SEED_PAGE_TOKENS, "prefix_cache": True}
+
+
 class SeedRole:
     def __init__(self, cfg: TrainerConfig, etcd, endpoint: str) -> None:
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine
@@ -39,7 +52,8 @@ class SeedRole:
         self.worker_id = f"{cfg.trainer_id}-seed"
         self._etcd, self._cfg = etcd, cfg
         self._engine = TorchEngine(model=cfg.model, seed=cfg.model_seed,
-                                   max_running=cfg.seed_max_running, max_len=cfg.seed_max_len)
+                                   max_running=cfg.seed_max_running, max_len=cfg.seed_max_len,
+                                   **_agentic_cache(cfg))
         self.service = WorkerService(
             self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
             kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,
