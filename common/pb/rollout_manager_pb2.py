@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlharvest.common.pb import common_pb2 as rlharvest_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rlharvest/v1/rollout_manager.proto\x12\x0crlharvest.v1\x1a\x19rlharvest/v1/common.proto\"\xeb\x01\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.rlharvest.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fresume_logprobs\x18\x06 \x03(\x02\x12\x15\n\rtrajectory_id\x18\x07 \x01(\t\x12\x0c\n\x04turn\x18\x08 \x01(\x05\x12\x11\n\tlast_turn\x18\t \x01(\x08\"\xcf\x01\n\x11SubmitStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12.\n\x08requests\x18\x03 \x03(\x0b\x32\x1c.rlharvest.v1.RolloutRequest\x12\x1c\n\x14no_worker_deadline_s\x18\x04 \x01(\x01\x12,\n\nacceptance\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.Acceptance\x12\x15\n\rseed_window_s\x18\x06 \x01(\x01\"6\n\x11SeedWindowRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\"*\n\x0fSeedWindowEvent\x12\x17\n\x0fseed_worker_ids\x18\x01 \x03(\t\"0\n\nAcceptance\x12\x0f\n\x07prompts\x18\x01 \x01(\x05\x12\x11\n\tresponses\x18\x02 \x01(\x05\"2\n\x0cGroupVerdict\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\"v\n\x0fGenerateRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.rlharvest.v1.RolloutRequest\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x1c\n\x14no_worker_deadline_s\x18\x03 \x01(\x01\"\xbd\x01\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x12\x12\n\nmigrations\x18\x08 \x01(\x05\x12\x11\n\tcancelled\x18\t \x01(\x08\"\xc4\x01\n\tStepEvent\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.DeltaBatch\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.rlharvest.v1.Completion\x12+\n\x06remote\x18\x03 \x01(\x0b\x32\x1b.rlharvest.v1.RemoteTimings\x12,\n\x08verdicts\x18\x04 \x03(\x0b\x32\x1a.rlharvest.v1.GroupVerdictJ\x04\x08\x01\x10\x02\"\x8f\x01\n\rRemoteTimings\x12\x10\n\x08t_remote\x18\x01 \x01(\x01\x12\x15\n\rt_remote_wait\x18\x02 \x01(\x01\x12\x13\n\x0bn_prem_mean\x18\x03 \x01(\x01\x12\x13\n\x0bn_prem_next\x18\x04 \x01(\x05\x12\x11\n\tinstances\x18\x05 \x01(\x05\x12\x18\n\x10n_available_next\x18\x06 \x01(\x05\"\x12\n\x10GetStatusRequest\"\x9c\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\r\n\x05state\x18\x05 \x01(\t\x12\x10\n\x08\x61ssigned\x18\x06 \x01(\x05\x12 \n\x04load\x18\x07 \x01(\x0b\x32\x12.rlharvest.v1.Load\"\x88\x02\n\rManagerStatus\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.rlharvest.v1.WorkerStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x03\x12\x1a\n\x12tokens_regenerated\x18\x05 \x01(\x03\x12\x12\n\nmigrations\x18\x06 \x01(\x03\x12\x13\n\x0b\x63ompletions\x18\x07 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x08 \x01(\x03\x12\x35\n\x10last_step_remote\x18\t \x01(\x0b\x32\x1b.rlharvest.v1.RemoteTimings2\xbe\x02\n\x0eRolloutManager\x12H\n\nSubmitStep\x12\x1f.rlharvest.v1.SubmitStepRequest\x1a\x17.rlharvest.v1.StepEvent0\x01\x12\x44\n\x08Generate\x12\x1d.rlharvest.v1.GenerateRequest\x1a\x17.rlharvest.v1.StepEvent0\x01\x12R\n\x0eHoldSeedWindow\x12\x1f.rlharvest.v1.SeedWindowRequest\x1a\x1d.rlharvest.v1.SeedWindowEvent0\x01\x12H\n\tGetStatus\x12\x1e.rlharvest.v1.GetStatusRequest\x1a\x1b.rlharvest.v1.ManagerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rlharvest/v1/rollout_manager.proto\x12\x0crlharvest.v1\x1a\x19rlharvest/v1/common.proto\"\xeb\x01\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.rlharvest.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fresume_logprobs\x18\x06 \x03(\x02\x12\x15\n\rtrajectory_id\x18\x07 \x01(\t\x12\x0c\n\x04turn\x18\x08 \x01(\x05\x12\x11\n\tlast_turn\x18\t \x01(\x08\"\xcf\x01\n\x11SubmitStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12.\n\x08requests\x18\x03 \x03(\x0b\x32\x1c.rlharvest.v1.RolloutRequest\x12\x1c\n\x14no_worker_deadline_s\x18\x04 \x01(\x01\x12,\n\nacceptance\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.Acceptance\x12\x15\n\rseed_window_s\x18\x06 \x01(\x01\"C\n\x11SeedWindowRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\t\x12\x10\n\x08window_s\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\"W\n\x0fSeedWindowEvent\x12\x17\n\x0fseed_worker_ids\x18\x01 \x03(\t\x12+\n\x06remote\x18\x02 \x01(\x0b\x32\x1b.rlharvest.v1.RemoteTimings\"0\n\nAcceptance\x12\x0f\n\x07prompts\x18\x01 \x01(\x05\x12\x11\n\tresponses\x18\x02 \x01(\x05\"2\n\x0cGroupVerdict\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\"v\n\x0fGenerateRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.rlharvest.v1.RolloutRequest\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x1c\n\x14no_worker_deadline_s\x18\x03 \x01(\x01\"\xbd\x01\n\nCompletion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x08\x12\x12\n\nmigrations\x18\x08 \x01(\x05\x12\x11\n\tcancelled\x18\t \x01(\x08\"\xc4\x01\n\tStepEvent\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.DeltaBatch\x12-\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x18.rlharvest.v1.Completion\x12+\n\x06remote\x18\x03 \x01(\x0b\x32\x1b.rlharvest.v1.RemoteTimings\x12,\n\x08verdicts\x18\x04 \x03(\x0b\x32\x1a.rlharvest.v1.GroupVerdictJ\x04\x08\x01\x10\x02\"\x8f\x01\n\rRemoteTimings\x12\x10\n\x08t_remote\x18\x01 \x01(\x01\x12\x15\n\rt_remote_wait\x18\x02 \x01(\x01\x12\x13\n\x0bn_prem_mean\x18\x03 \x01(\x01\x12\x13\n\x0bn_prem_next\x18\x04 \x01(\x05\x12\x11\n\tinstances\x18\x05 \x01(\x05\x12\x18\n\x10n_available_next\x18\x06 \x01(\x05\"\x12\n\x10GetStatusRequest\"\x9c\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0eweight_version\x18\x04 \x01(\x03\x12\r\n\x05state\x18\x05 \x01(\t\x12\x10\n\x08\x61ssigned\x18\x06 \x01(\x05\x12 \n\x04load\x18\x07 \x01(\x0b\x32\x12.rlharvest.v1.Load\"\x88\x02\n\rManagerStatus\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.rlharvest.v1.WorkerStatus\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x18\n\x10tokens_generated\x18\x04 \x01(\x03\x12\x1a\n\x12tokens_regenerated\x18\x05 \x01(\x03\x12\x12\n\nmigrations\x18\x06 \x01(\x03\x12\x13\n\x0b\x63ompletions\x18\x07 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x08 \x01(\x03\x12\x35\n\x10last_step_remote\x18\t \x01(\x0b\x32\x1b.rlharvest.v1.RemoteTimings2\xc0\x02\n\x0eRolloutManager\x12H\n\nSubmitStep\x12\x1f.rlharvest.v1.SubmitStepRequest\x1a\x17.rlharvest.v1.StepEvent0\x01\x12\x44\n\x08Generate\x12\x1d.rlharvest.v1.GenerateRequest\x1a\x17.rlharvest.v1.StepEvent0\x01\x12T\n\x0eHoldSeedWindow\x12\x1f.rlharvest.v1.SeedWindowRequest\x1a\x1d.rlharvest.v1.SeedWindowEvent(\x01\x30\x01\x12H\n\tGetStatus\x12\x1e.rlharvest.v1.GetStatusRequest\x1a\x1b.rlharvest.v1.ManagerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITSTEPREQUEST']._serialized_start=318
   _globals['_SUBMITSTEPREQUEST']._serialized_end=525
   _globals['_SEEDWINDOWREQUEST']._serialized_start=527
-  _globals['_SEEDWINDOWREQUEST']._serialized_end=581
-  _globals['_SEEDWINDOWEVENT']._serialized_start=583
-  _globals['_SEEDWINDOWEVENT']._serialized_end=625
-  _globals['_ACCEPTANCE']._serialized_start=627
-  _globals['_ACCEPTANCE']._serialized_end=675
-  _globals['_GROUPVERDICT']._serialized_start=677
-  _globals['_GROUPVERDICT']._serialized_end=727
-  _globals['_GENERATEREQUEST']._serialized_start=729
-  _globals['_GENERATEREQUEST']._serialized_end=847
-  _globals['_COMPLETION']._serialized_start=850
-  _globals['_COMPLETION']._serialized_end=1039
-  _globals['_STEPEVENT']._serialized_start=1042
-  _globals['_STEPEVENT']._serialized_end=1238
-  _globals['_REMOTETIMINGS']._serialized_start=1241
-  _globals['_REMOTETIMINGS']._serialized_end=1384
-  _globals['_GETSTATUSREQUEST']._serialized_start=1386
-  _globals['_GETSTATUSREQUEST']._serialized_end=1404
-  _globals['_WORKERSTATUS']._serialized_start=1407
-  _globals['_WORKERSTATUS']._serialized_end=1563
-  _globals['_MANAGERSTATUS']._serialized_start=1566
-  _globals['_MANAGERSTATUS']._serialized_end=1830
-  _globals['_ROLLOUTMANAGER']._serialized_start=1833
-  _globals['_ROLLOUTMANAGER']._serialized_end=2151
+  _globals['_SEEDWINDOWREQUEST']._serialized_end=594
+  _globals['_SEEDWINDOWEVENT']._serialized_start=596
+  _globals['_SEEDWINDOWEVENT']._serialized_end=683
+  _globals['_ACCEPTANCE']._serialized_start=685
+  _globals['_ACCEPTANCE']._serialized_end=733
+  _globals['_GROUPVERDICT']._serialized_start=735
+  _globals['_GROUPVERDICT']._serialized_end=785
+  _globals['_GENERATEREQUEST']._serialized_start=787
+  _globals['_GENERATEREQUEST']._serialized_end=905
+  _globals['_COMPLETION']._serialized_start=908
+  _globals['_COMPLETION']._serialized_end=1097
+  _globals['_STEPEVENT']._serialized_start=1100
+  _globals['_STEPEVENT']._serialized_end=1296
+  _globals['_REMOTETIMINGS']._serialized_start=1299
+  _globals['_REMOTETIMINGS']._serialized_end=1442
+  _globals['_GETSTATUSREQUEST']._serialized_start=1444
+  _globals['_GETSTATUSREQUEST']._serialized_end=1462
+  _globals['_WORKERSTATUS']._serialized_start=1465
+  _globals['_WORKERSTATUS']._serialized_end=1621
+  _globals['_MANAGERSTATUS']._serialized_start=1624
+  _globals['_MANAGERSTATUS']._serialized_end=1888
+  _globals['_ROLLOUTMANAGER']._serialized_start=1891
+  _globals['_ROLLOUTMANAGER']._serialized_end=2211
 # @@protoc_insertion_point(module_scope)

@@ -46,18 +46,22 @@ class SubmitStepRequest(_message.Message):
     def __init__(self, step_id: _Optional[str] = ..., weight_version: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RolloutRequest, _Mapping]]] = ..., no_worker_deadline_s: _Optional[float] = ..., acceptance: _Optional[_Union[Acceptance, _Mapping]] = ..., seed_window_s: _Optional[float] = ...) -> None: ...
 
 class SeedWindowRequest(_message.Message):
-    __slots__ = ("step_id", "window_s")
+    __slots__ = ("step_id", "window_s", "end")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
     step_id: str
     window_s: float
-    def __init__(self, step_id: _Optional[str] = ..., window_s: _Optional[float] = ...) -> None: ...
+    end: bool
+    def __init__(self, step_id: _Optional[str] = ..., window_s: _Optional[float] = ..., end: _Optional[bool] = ...) -> None: ...
 
 class SeedWindowEvent(_message.Message):
-    __slots__ = ("seed_worker_ids",)
+    __slots__ = ("seed_worker_ids", "remote")
     SEED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     seed_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seed_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    remote: RemoteTimings
+    def __init__(self, seed_worker_ids: _Optional[_Iterable[str]] = ..., remote: _Optional[_Union[RemoteTimings, _Mapping]] = ...) -> None: ...
 
 class Acceptance(_message.Message):
     __slots__ = ("prompts", "responses")

@@ -44,7 +44,7 @@ class RolloutManagerStub:
                 request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.StepEvent.FromString,
                 _registered_method=True)
-        self.HoldSeedWindow = channel.unary_stream(
+        self.HoldSeedWindow = channel.stream_stream(
                 '/rlharvest.v1.RolloutManager/HoldSeedWindow',
                 request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.SerializeToString,
                 response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowEvent.FromString,
@@ -74,7 +74,7 @@ class RolloutManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def HoldSeedWindow(self, request, context):
+    def HoldSeedWindow(self, request_iterator, context):
         """RLBoost §4.1 for a step made of many Generate calls (agentic turns): the job's seed
         workers take requests for window_s seconds, then are lent to training, their requests
         moving with their tokens to the remote workers. The first event names the seed workers;
@@ -104,7 +104,7 @@ def add_RolloutManagerServicer_to_server(servicer, server):
                     request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GenerateRequest.FromString,
                     response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.StepEvent.SerializeToString,
             ),
-            'HoldSeedWindow': grpc.unary_stream_rpc_method_handler(
+            'HoldSeedWindow': grpc.stream_stream_rpc_method_handler(
                     servicer.HoldSeedWindow,
                     request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.FromString,
                     response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowEvent.SerializeToString,
@@ -180,7 +180,7 @@ class RolloutManager:
             _registered_method=True)
 
     @staticmethod
-    def HoldSeedWindow(request,
+    def HoldSeedWindow(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -190,8 +190,8 @@ class RolloutManager:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/rlharvest.v1.RolloutManager/HoldSeedWindow',
             rlharvest_dot_v1_dot_rollout__manager__pb2.SeedWindowRequest.SerializeToString,

@@ -18,12 +18,16 @@ Per step, from the manager's clock:
   next step *could* use. Algorithm 1 clamps N_prem to availability; the active count alone
   would be the current cap, and N_prem could then never grow past it.
 
+An agentic step is many Generate calls, each a step of its own here; the trainer opens a
+*scope* for the whole of it (``scope_opened``, from ``HoldSeedWindow``), which takes the remote
+tokens of every step while it is open and closes to the same timings over its lifetime.
+
 Pure and synchronous (an injected clock); the control loop reports what happens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 
@@ -54,6 +58,7 @@ class RemoteTiming:
         self._count = 0
         self._available = 0
         self._open: dict[int, _Open] = {}
+        self._scopes: dict[Hashable, _Open] = {}  # agentic steps: every step's tokens count
 
     @property
     def active(self) -> int:
@@ -62,6 +67,11 @@ class RemoteTiming:
     def step_opened(self, key: int) -> None:
         now = self._clock()
         self._open[key] = _Open(started_at=now, count_since=now)
+
+    def scope_opened(self, key: Hashable) -> None:
+        """An agentic step began: until ``scope_closed``, every remote token counts for it."""
+        now = self._clock()
+        self._scopes[key] = _Open(started_at=now, count_since=now)
 
     def active_changed(self, count: int, available: int | None = None) -> None:
         """``count`` remote instances are active now, of ``available`` (default: ``count``)."""
@@ -73,7 +83,7 @@ class RemoteTiming:
         if count == self._count:
             return
         now = self._clock()
-        for step in self._open.values():
+        for step in (*self._open.values(), *self._scopes.values()):
             step.area += self._count * (now - step.count_since)
             step.count_since = now
         self._count = count
@@ -84,12 +94,19 @@ class RemoteTiming:
         if step is None:
             return
         now = self._clock()
-        step.first.setdefault(instance, now)
-        step.last[instance] = now
+        for timed in (step, *self._scopes.values()):
+            timed.first.setdefault(instance, now)
+            timed.last[instance] = now
 
     def step_closed(self, key: int) -> RemoteStepTimings | None:
         """The step ended; its timings (None for a step never opened or already closed)."""
-        step = self._open.pop(key, None)
+        return self._timings(self._open.pop(key, None))
+
+    def scope_closed(self, key: Hashable) -> RemoteStepTimings | None:
+        """The agentic step's turns played; its timings (None: never opened, or closed)."""
+        return self._timings(self._scopes.pop(key, None))
+
+    def _timings(self, step: _Open | None) -> RemoteStepTimings | None:
         if step is None:
             return None
         now = self._clock()

@@ -459,22 +459,38 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 "this manager stands by for the job's leader; submit the step to the manager "
                 "whose etcd record says role 'leader'"))
 
-    async def HoldSeedWindow(self, request: mpb.SeedWindowRequest,
+    async def HoldSeedWindow(self, requests: AsyncIterator[mpb.SeedWindowRequest],
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[mpb.SeedWindowEvent]:
-        """The seeding window of a step made of Generate calls (agentic turns): open for
-        ``window_s``, then the seed workers are lent to training until the call ends."""
+        """An agentic step's scope (its turns are Generate calls): the first request opens the
+        seeding window for ``window_s`` and the remote timings; the seed workers are lent to
+        training from the close until the call ends. A request with ``end`` (or the client's
+        half-close) ends it with the step's remote timings, Algorithm 1's inputs; a client that
+        goes away ends it without."""
         await self._admit_client(context)
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
         try:
-            SeedWindows.check(request.window_s)
+            SeedWindows.check(first.window_s)
         except errors.ServiceError as exc:
             await errors.abort(context, exc)
-        key = ("seed-window", request.step_id)
-        seeds = self._seeds.step_started(key, request.window_s)
+        key = ("seed-window", first.step_id)
+        seeds = self._seeds.step_started(key, first.window_s)
+        self._control.remote.scope_opened(key)
         try:
             yield mpb.SeedWindowEvent(seed_worker_ids=seeds)
-            await asyncio.get_running_loop().create_future()  # until the client ends the call
+            async for request in requests:
+                if request.end:
+                    break
+            remote = None
+            timings = self._control.remote.scope_closed(key)
+            if timings is not None:
+                remote = self._last_remote = mpb.RemoteTimings(**dataclasses.asdict(timings))
+                metrics.observe_remote(timings)
+            yield mpb.SeedWindowEvent(remote=remote)
         finally:
+            self._control.remote.scope_closed(key)
             self._seeds.step_ended(key)
 
     async def _start_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,

@@ -65,6 +65,7 @@ from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.lent_capacity import LentCapacity
 from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.trainer.placed_phases import PlacedPhases
+from rlharvest.services.trainer.rollout_client import StepScope
 from rlharvest.services.trainer.rewards.pool import RewardOutcome, RewardPool, RewardRequest
 from rlharvest.services.trainer.seed_role import SeedRole
 from rlharvest.services.trainer.shard_publish import ShardTarget
@@ -625,7 +626,7 @@ class TrainerLoop:
         # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
         # are cancelled and deferred to a long round. Otherwise every group trains whole.
         trained: list[int] = []
-        async with self._turns_seed_window(manager, spec, await self._seed_window_s()), \
+        async with self._turns_seed_window(manager, spec, await self._seed_window_s()) as scope, \
                 manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
@@ -666,16 +667,19 @@ class TrainerLoop:
         assembler = GroupAssembler(spec)  # what _commit_data reads: trained and deferred groups
         assembler.accepted = sorted(trained)
         assembler.deferred = sorted(set(range(len(spec.items))) - set(trained))
+        remote = [scope.remote] if scope is not None and scope.remote is not None else []
         return await self._conclude(spec, train, assembler, progress, started, waited, phases,
-                                    [])
+                                    remote)
 
-    def _turns_seed_window(self, manager: str, spec: StepSpec,
-                           window_s: float) -> contextlib.AbstractAsyncContextManager:
-        """--seed-role with --env: the step's turns are many Generate calls, not one SubmitStep
-        that carries the window, so the window is held on the manager while they play
-        (``rollout_client.seed_window``): the seed engine takes turns for T_seed, then its
-        running turns move with their tokens to the remote workers. Nothing without the role."""
-        if self._seed is None:
+    def _turns_seed_window(self, manager: str, spec: StepSpec, window_s: float
+                           ) -> contextlib.AbstractAsyncContextManager[StepScope | None]:
+        """--env with the instance cap on: the step's turns are many Generate calls, not one
+        SubmitStep that carries the seeding window and comes back with the step's remote
+        timings, so the step is held open on the manager while they play
+        (``rollout_client.seed_window``). With --seed-role the seed engine takes turns for
+        T_seed, then its running turns move with their tokens to the remote workers; either
+        way the manager's timings of the step feed Algorithm 1. Nothing without the cap."""
+        if self._instance_cap is None:
             return contextlib.nullcontext()
         # Unique per attempt: a retried step's window must not be ended by its predecessor's.
         step_id = f"{self._cfg.job}-s{spec.step}-{uuid.uuid4().hex[:8]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -75,26 +76,62 @@ def _raise_stream_error(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:
     raise RolloutStreamError(f"{what}: {exc.code().name}: {exc.details()}") from exc
 
 
+@dataclass
+class StepScope:
+    """An agentic step held open on the manager: the seed workers its window holds, and once
+    the step's turns played, the remote timings the manager measured (Algorithm 1's inputs;
+    None if the manager could not give them)."""
+
+    seed_worker_ids: list[str]
+    remote: mpb.RemoteTimings | None = None
+
+
+SCOPE_END_TIMEOUT_S = 10.0
+
+
 @contextlib.asynccontextmanager
-async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIterator[list[str]]:
+async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIterator[StepScope]:
     """RLBoost's seeding window for a step of Generate calls (agentic turns), held open on the
-    manager while the body runs; yields the seed workers it holds. The window is open once this
-    yields, so turns submitted in the body can start on the seed workers. A manager that dies
-    meanwhile ends it; its successor holds none (the seed workers then take turns to the end,
-    as in the co-located fallback), and the turns' own streams retry the step."""
+    manager while the body runs (``window_s`` 0: no window, the step is only measured). The
+    window is open once this yields, so turns submitted in the body can start on the seed
+    workers. When the body ends normally the manager is told, and its answer, the step's
+    remote timings, lands in ``StepScope.remote``. A manager that dies meanwhile ends the
+    window; its successor holds none (the seed workers then take turns to the end, as in the
+    co-located fallback), and the turns' own streams retry the step."""
+    ended = asyncio.Event()
+
+    async def requests() -> AsyncIterator[mpb.SeedWindowRequest]:
+        yield mpb.SeedWindowRequest(step_id=step_id, window_s=window_s)
+        await ended.wait()
+        yield mpb.SeedWindowRequest(step_id=step_id, end=True)
+
     async with rpc.channel(endpoint) as chan:
-        call = rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(
-            mpb.SeedWindowRequest(step_id=step_id, window_s=window_s))
+        call = rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(requests())
         try:
             opened = await call.read()
         except grpc.aio.AioRpcError as exc:
             _raise_stream_error(exc, f"HoldSeedWindow at {endpoint} failed")
         if opened is grpc.aio.EOF:
             raise RolloutStreamError(f"HoldSeedWindow at {endpoint} ended before it opened")
+        scope = StepScope(list(opened.seed_worker_ids))
         try:
-            yield list(opened.seed_worker_ids)
+            yield scope
+            ended.set()
+            scope.remote = await _scope_timings(call, endpoint)
         finally:
             call.cancel()
+
+
+async def _scope_timings(call, endpoint: str) -> mpb.RemoteTimings | None:
+    """The manager's last event of a step scope: advisory (Algorithm 1 skips a step without)."""
+    try:
+        last = await asyncio.wait_for(call.read(), SCOPE_END_TIMEOUT_S)
+    except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        log.warning("no remote timings for the step from %s: %s", endpoint, exc)
+        return None
+    if last is grpc.aio.EOF or not last.HasField("remote"):
+        return None
+    return last.remote
 
 
 async def announced_version(etcd, job: str) -> int | None:

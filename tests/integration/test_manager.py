@@ -214,7 +214,7 @@ async def test_bad_steps_get_precise_statuses(cluster):
     async with rpc.channel(manager.endpoint) as chan:  # the same check holds a window
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(
-                mpb.SeedWindowRequest(step_id="s", window_s=-1)).read()
+                iter([mpb.SeedWindowRequest(step_id="s", window_s=-1)])).read()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "seeding window must be a finite" in err.value.details()
     # Bytes that are no protobuf: INVALID_ARGUMENT from the real servicer, not grpc's UNKNOWN.

@@ -509,7 +509,8 @@ async def test_agentic_turns_start_on_the_seed_engine_and_move_on_with_their_tok
     """--env with --seed-role: a step's turns are Generate calls, so the trainer holds the
     step's seeding window on the manager (HoldSeedWindow) while they play. The seed engine
     takes the first turns; its steps take 50 ms, so at the close after 0.5 s its turns are
-    mid-flight and move to the spot worker with their tokens, none regenerated."""
+    mid-flight and move to the spot worker with their tokens, none regenerated. The window's
+    end brings back the step's remote timings for Algorithm 1."""
     manager = await start_job(stack, 1, "--max-running", "8", "--kv-pages", "1024",
                               "--prefix-cache", spot=True)
     trainer, metrics_port = await start_trainer(
@@ -520,6 +521,9 @@ async def test_agentic_turns_start_on_the_seed_engine_and_move_on_with_their_tok
         "--bench-seed-step-delay-s", "0.05")
     st = await wait_trainer(trainer, lambda s: s.state == "done")
     assert [s.step for s in st.steps] == [1]
+    # The manager's timings of the whole step (every turn) came back at the window's end, and
+    # Algorithm 1 decided on them (without, it skips the step: n_prem 0).
+    assert st.steps[0].n_prem >= 1
     seed_text = scrape(metrics_port)  # the seed engine runs in the trainer's process
     assert metric(seed_text, 'rlh_worker_requests_added_total{resumed="false"}') > 0
     assert metric(seed_text, 'rlh_trainer_trajectories_total{outcome="played"}') == 8

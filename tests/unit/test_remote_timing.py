@@ -80,6 +80,35 @@ def test_two_steps_in_flight_each_measure_over_their_own_lifetime():
     assert second.n_prem_mean == pytest.approx(2.0)
 
 
+def test_a_scope_measures_every_turn_of_an_agentic_step_over_its_own_lifetime():
+    """An agentic step is many Generate steps: its scope takes the remote tokens of all of
+    them while open (first to last per instance), not those of a turn that ended before it
+    opened, and closes once."""
+    clock = Clock()
+    timing = RemoteTiming(clock)
+    timing.active_changed(2)
+    timing.step_opened(1)  # a turn of an earlier step
+    timing.produced(1, "a")
+    timing.step_closed(1)
+    clock.now = 1.0
+    timing.scope_opened(("seed-window", "s1"))
+    for key, at, instance in ((2, 2.0, "a"), (3, 3.0, "b"), (4, 5.0, "a"), (5, 6.0, "b")):
+        clock.now = at
+        timing.step_opened(key)  # each turn a step of its own
+        timing.produced(key, instance)
+        assert timing.step_closed(key) is not None
+    clock.now = 7.0
+    timing.active_changed(1)
+    clock.now = 9.0
+    got = timing.scope_closed(("seed-window", "s1"))
+    assert got is not None and got.instances == 2
+    assert got.t_remote == pytest.approx(((5.0 - 2.0) + (6.0 - 3.0)) / 2)
+    assert got.t_remote_wait == pytest.approx(((9.0 - 5.0) + (9.0 - 6.0)) / 2)
+    assert got.n_prem_mean == pytest.approx((2 * 6 + 1 * 2) / 8)
+    assert got.n_prem_next == 1
+    assert timing.scope_closed(("seed-window", "s1")) is None
+
+
 @given(st.lists(st.tuples(st.floats(0.0, 5.0), st.integers(0, 8), st.sampled_from("abc")),
                 min_size=1, max_size=30))
 def test_the_mean_count_lies_between_the_counts_and_an_instance_never_waits_past_the_step(
