@@ -102,6 +102,13 @@ def start_manager(stack: LocalStack, mode: str, name: str) -> tuple[ServiceProce
         "--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
         "--turn-routing", mode, "--json-logs"])
     wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
+    # The last configuration's manager may still hold the job's leadership (its lease runs
+    # out after --lease-ttl): a standby refuses Generate.
+    deadline = time.monotonic() + 30
+    while scrape(metrics).get("rlh_manager_leader", 0.0) != 1.0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"manager {name} never led the job:\n{proc.log_tail()}")
+        time.sleep(0.1)
     return proc, f"127.0.0.1:{port}", metrics
 
 
