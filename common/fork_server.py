@@ -22,13 +22,14 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,13 @@ class ForkServer:
             [sys.executable, "-m", "rlharvest.common.fork_server", self.socket_path, *self.preload],
             env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
         assert self._process.stdout is not None
-        line = self._process.stdout.readline()  # blocks until "ready" or the server's death
+        with self._process.stdout as ready:  # one line, then never read again: closed
+            # "ready", or nothing: the server died (its stderr says why) or hangs importing.
+            line = ready.readline() if select.select([ready], [], [], timeout)[0] else ""
         if line.strip() != "ready":
             self.close()
-            raise RuntimeError(f"fork server failed to start (preloading {self.preload})")
+            raise RuntimeError(f"fork server failed to start within {timeout:g}s "
+                               f"(preloading {self.preload})")
         return self
 
     def can_fork(self, env: Mapping[str, str]) -> bool:
@@ -216,22 +220,30 @@ def _reap(pid: int) -> int | None:
 def _fork_service(request: dict[str, Any], conn: socket.socket, listener: socket.socket) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
+    session_made, session_told = os.pipe()
     pid = os.fork()
     if pid:
+        # The pid goes out once the child leads its own session (as Popen's returns after the
+        # exec): a caller's killpg(pid) right away must find the group.
+        os.close(session_told)
+        os.read(session_made, 1)  # b"" once the child closed its end (or died)
+        os.close(session_made)
         return pid
     code = 70  # EX_SOFTWARE: the child failed before the service ran
     try:
+        os.close(session_made)
         conn.close()
         listener.close()
+        os.setsid()
+        os.close(session_told)
         code = _become(request)
     finally:
         os._exit(code)
 
 
 def _become(request: dict[str, Any]) -> int:
-    """In the forked child: detach, take the request's log, environment and argv, run the
-    module as ``__main__`` and return its exit code."""
-    os.setsid()
+    """In the forked child (its own session already): take the request's log, environment and
+    argv, run the module as ``__main__``, exit as the interpreter would; the exit code."""
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     for src, dst in ((null, 0), (log, 1), (log, 2)):
@@ -243,23 +255,32 @@ def _become(request: dict[str, Any]) -> int:
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]
     sys.modules.pop(request["module"], None)  # preloaded: runpy would warn it runs twice
-    code = 0
+    code, interrupted = 0, False
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = _exit_code(exc.code)
-    except KeyboardInterrupt:
-        # What a fresh interpreter does on an unhandled SIGINT: die of that signal.
+    except BaseException as exc:  # noqa: BLE001 - reported as an interpreter would, exit code 1
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        code, interrupted = 1, isinstance(exc, KeyboardInterrupt)
+    _finalize()
+    if interrupted:  # a fresh interpreter dies of an unhandled SIGINT, after its cleanup
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-    except BaseException:  # noqa: BLE001 - reported as an interpreter would, exit code 1
-        traceback.print_exc()
-        code = 1
+    return code
+
+
+def _finalize() -> None:
+    """What the interpreter does at exit before its own teardown, in its order: wait for
+    non-daemon threads (a pool's last write finishes, as it would in a fresh process), run
+    the threading exit hooks and the atexit handlers, flush."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
     atexit._run_exitfuncs()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    return code
 
 
 def _exit_code(code: object) -> int:

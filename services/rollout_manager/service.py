@@ -464,11 +464,12 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                              ) -> AsyncIterator[mpb.SeedWindowEvent]:
         """An agentic step's scope (its turns are Generate calls): the first request opens the
         seeding window for ``window_s`` and the remote timings; the seed workers are lent to
-        training from the close until the call ends. A request with ``end`` (or the client's
-        half-close) ends it with the step's remote timings, Algorithm 1's inputs; a client that
-        goes away ends it without."""
+        training from the close until the call ends. A request with ``end`` ends it with the
+        step's remote timings, Algorithm 1's inputs. A client that goes away ends it without
+        (so does a half-close without ``end``: grpc reads a cancelled call as an ended one)."""
         await self._admit_client(context)
-        first = await anext(aiter(requests), None)
+        incoming = aiter(requests)
+        first = await anext(incoming, None)
         if first is None:
             return
         try:
@@ -480,16 +481,18 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._control.remote.scope_opened(key)
         try:
             yield mpb.SeedWindowEvent(seed_worker_ids=seeds)
-            async for request in requests:
+            ended = False
+            async for request in incoming:
                 if request.end:
+                    ended = True
                     break
-            remote = None
             timings = self._control.remote.scope_closed(key)
-            if timings is not None:
+            self._seeds.step_ended(key)  # the seed workers are back before the last event
+            if ended and timings is not None:
                 remote = self._last_remote = mpb.RemoteTimings(**dataclasses.asdict(timings))
                 metrics.observe_remote(timings)
-            yield mpb.SeedWindowEvent(remote=remote)
-        finally:
+                yield mpb.SeedWindowEvent(remote=remote)
+        finally:  # cancelled or failed; both calls are no-ops after the normal end above
             self._control.remote.scope_closed(key)
             self._seeds.step_ended(key)
 

@@ -98,12 +98,13 @@ async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIter
     remote timings, lands in ``StepScope.remote``. A manager that dies meanwhile ends the
     window; its successor holds none (the seed workers then take turns to the end, as in the
     co-located fallback), and the turns' own streams retry the step."""
-    ended = asyncio.Event()
+    ended, played = asyncio.Event(), False
 
     async def requests() -> AsyncIterator[mpb.SeedWindowRequest]:
         yield mpb.SeedWindowRequest(step_id=step_id, window_s=window_s)
         await ended.wait()
-        yield mpb.SeedWindowRequest(step_id=step_id, end=True)
+        if played:  # a failed body only cancels: the manager measures no abandoned step
+            yield mpb.SeedWindowRequest(step_id=step_id, end=True)
 
     async with rpc.channel(endpoint) as chan:
         call = rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(requests())
@@ -116,9 +117,11 @@ async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIter
         scope = StepScope(list(opened.seed_worker_ids))
         try:
             yield scope
+            played = True
             ended.set()
             scope.remote = await _scope_timings(call, endpoint)
         finally:
+            ended.set()  # else a call that already ended leaves requests() waiting forever
             call.cancel()
 
 
@@ -126,7 +129,7 @@ async def _scope_timings(call, endpoint: str) -> mpb.RemoteTimings | None:
     """The manager's last event of a step scope: advisory (Algorithm 1 skips a step without)."""
     try:
         last = await asyncio.wait_for(call.read(), SCOPE_END_TIMEOUT_S)
-    except (grpc.aio.AioRpcError, TimeoutError) as exc:
+    except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:  # not TimeoutError on 3.10
         log.warning("no remote timings for the step from %s: %s", endpoint, exc)
         return None
     if last is grpc.aio.EOF or not last.HasField("remote"):

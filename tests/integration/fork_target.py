@@ -14,6 +14,15 @@ if __name__ == "__main__":
         sys.exit(int(sys.argv[2]))
     if action == "raise":
         raise ValueError("the module failed")
+    if action == "thread":  # main returns while a non-daemon thread still works
+        import threading
+
+        def late() -> None:
+            time.sleep(0.3)
+            print("thread done", flush=True)
+
+        threading.Thread(target=late).start()
+        sys.exit(0)
     if action == "serve":  # until SIGTERM, which it handles gracefully
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:

@@ -38,6 +38,7 @@ def test_a_forked_module_runs_as_main_with_its_argv_env_cwd_session_and_log(serv
     env = {**child_environment(), "RLH_FORK_PROBE": "probe-value"}
     monkeypatch.chdir(tmp_path)  # the server's cwd is not the child's: the caller's is
     proc = server.spawn(TARGET, ["exit", "0"], env, log)
+    assert os.getpgid(proc.pid) == proc.pid  # its session exists when spawn returns: killpg works
     assert proc.wait(timeout=20) == 0
     text = log.read_text()
     assert text.startswith("earlier line\n")  # appended, like the launcher's own logs
@@ -53,6 +54,12 @@ def test_exit_codes_are_a_fresh_interpreters(server, tmp_path, args, code):
     assert proc.poll() == code  # asked again: the same answer, not a reaped pid's
     if code == 1:
         assert "ValueError: the module failed" in log.read_text()
+
+
+def test_exit_waits_for_non_daemon_threads_as_an_interpreter_does(server, tmp_path):
+    proc = server.spawn(TARGET, ["thread"], child_environment(), tmp_path / "out.log")
+    assert proc.wait(timeout=20) == 0
+    assert "thread done" in (tmp_path / "out.log").read_text()
 
 
 def test_sigterm_is_handled_by_the_module_and_sigkill_kills(server, tmp_path):
