@@ -1,5 +1,6 @@
-"""A fork server: one process imports the services' modules (torch, transformers, gRPC) once, then
-forks each service process from that state instead of starting a fresh interpreter.
+"""A fork server: one process imports the services' heavy libraries (torch, transformers; never
+gRPC, see ``serve``) once, then forks each service process from that state instead of starting
+a fresh interpreter.
 
 A trainer's imports take 5–6 s of CPU and a worker's 2–3 s; the integration suite starts a few
 hundred service processes on 2 cores, so most of its time went to importing torch again. What

@@ -94,9 +94,11 @@ class RemoteTiming:
         if step is None:
             return
         now = self._clock()
-        for timed in (step, *self._scopes.values()):
-            timed.first.setdefault(instance, now)
-            timed.last[instance] = now
+        step.first.setdefault(instance, now)
+        step.last[instance] = now
+        for scope in self._scopes.values():  # per worker event: usually none open
+            scope.first.setdefault(instance, now)
+            scope.last[instance] = now
 
     def step_closed(self, key: int) -> RemoteStepTimings | None:
         """The step ended; its timings (None for a step never opened or already closed)."""

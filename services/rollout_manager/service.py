@@ -31,6 +31,7 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
+from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.seed_window import SeedWindows
 from rlharvest.services.rollout_manager.stream_scaler import StreamScaler
@@ -350,9 +351,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         # The step ended (and froze P if it is a step of the RL loop).
         remote = None
         if step.remote is not None and step.profiled:
-            remote = mpb.RemoteTimings(**dataclasses.asdict(step.remote))
-            self._last_remote = remote
-            metrics.observe_remote(step.remote)
+            remote = self._report_remote(step.remote)
         self._step_streams.pop(step.key, None)
         lengths = self._step_lengths.pop(step.key, None)
         self._plan_tp(step, lengths)
@@ -479,22 +478,24 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         key = ("seed-window", first.step_id)
         seeds = self._seeds.step_started(key, first.window_s)
         self._control.remote.scope_opened(key)
+        ended = False
         try:
             yield mpb.SeedWindowEvent(seed_worker_ids=seeds)
-            ended = False
             async for request in incoming:
                 if request.end:
                     ended = True
                     break
+        finally:  # also when cancelled: the seed workers are back before any last event
             timings = self._control.remote.scope_closed(key)
-            self._seeds.step_ended(key)  # the seed workers are back before the last event
-            if ended and timings is not None:
-                remote = self._last_remote = mpb.RemoteTimings(**dataclasses.asdict(timings))
-                metrics.observe_remote(timings)
-                yield mpb.SeedWindowEvent(remote=remote)
-        finally:  # cancelled or failed; both calls are no-ops after the normal end above
-            self._control.remote.scope_closed(key)
             self._seeds.step_ended(key)
+        if ended and timings is not None:
+            yield mpb.SeedWindowEvent(remote=self._report_remote(timings))
+
+    def _report_remote(self, timings: RemoteStepTimings) -> mpb.RemoteTimings:
+        """A step's remote timings as its client gets them, kept for GetStatus and exported."""
+        self._last_remote = mpb.RemoteTimings(**dataclasses.asdict(timings))
+        metrics.observe_remote(timings)
+        return self._last_remote
 
     async def _start_step(self, step_id: str, requests: list[mpb.RolloutRequest], version: int,
                           deadline_s: float, profiled: bool, context: grpc.aio.ServicerContext,

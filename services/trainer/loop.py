@@ -626,7 +626,7 @@ class TrainerLoop:
         # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
         # are cancelled and deferred to a long round. Otherwise every group trains whole.
         trained: list[int] = []
-        async with self._turns_seed_window(manager, spec, await self._seed_window_s()) as scope, \
+        async with self._hold_agentic_step(manager, spec, await self._seed_window_s()) as scope, \
                 manager_generator(manager, play_cfg) as generate, TaskGroup() as tasks:
 
             async def group(g: int) -> tuple[int, list[Trajectory]]:
@@ -671,19 +671,19 @@ class TrainerLoop:
         return await self._conclude(spec, train, assembler, progress, started, waited, phases,
                                     remote)
 
-    def _turns_seed_window(self, manager: str, spec: StepSpec, window_s: float
+    def _hold_agentic_step(self, manager: str, spec: StepSpec, window_s: float
                            ) -> contextlib.AbstractAsyncContextManager[StepScope | None]:
         """--env with the instance cap on: the step's turns are many Generate calls, not one
         SubmitStep that carries the seeding window and comes back with the step's remote
         timings, so the step is held open on the manager while they play
-        (``rollout_client.seed_window``). With --seed-role the seed engine takes turns for
+        (``rollout_client.hold_agentic_step``). With --seed-role the seed engine takes turns for
         T_seed, then its running turns move with their tokens to the remote workers; either
         way the manager's timings of the step feed Algorithm 1. Nothing without the cap."""
         if self._instance_cap is None:
             return contextlib.nullcontext()
         # Unique per attempt: a retried step's window must not be ended by its predecessor's.
         step_id = f"{self._cfg.job}-s{spec.step}-{uuid.uuid4().hex[:8]}"
-        return rollout_client.seed_window(manager, step_id, window_s)
+        return rollout_client.hold_agentic_step(manager, step_id, window_s)
 
     @staticmethod
     def _count_played(spec: StepSpec, trajectories: list[Trajectory], progress: Progress) -> None:

@@ -90,20 +90,20 @@ SCOPE_END_TIMEOUT_S = 10.0
 
 
 @contextlib.asynccontextmanager
-async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIterator[StepScope]:
-    """RLBoost's seeding window for a step of Generate calls (agentic turns), held open on the
-    manager while the body runs (``window_s`` 0: no window, the step is only measured). The
-    window is open once this yields, so turns submitted in the body can start on the seed
-    workers. When the body ends normally the manager is told, and its answer, the step's
-    remote timings, lands in ``StepScope.remote``. A manager that dies meanwhile ends the
-    window; its successor holds none (the seed workers then take turns to the end, as in the
-    co-located fallback), and the turns' own streams retry the step."""
-    ended, played = asyncio.Event(), False
+async def hold_agentic_step(endpoint: str, step_id: str,
+                            window_s: float) -> AsyncIterator[StepScope]:
+    """An agentic step (its turns are Generate calls) held open on the manager while the body
+    runs (``HoldSeedWindow``), with RLBoost's seeding window of ``window_s`` (0: none, the step
+    is only measured). The window is open once this yields, so turns submitted in the body can
+    start on the seed workers. When the body ends normally the manager is told, and its answer,
+    the step's remote timings, lands in ``StepScope.remote``. A manager that dies meanwhile ends
+    the window; its successor holds none (the seed workers then take turns to the end, as in
+    the co-located fallback), and the turns' own streams retry the step."""
+    played: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
     async def requests() -> AsyncIterator[mpb.SeedWindowRequest]:
         yield mpb.SeedWindowRequest(step_id=step_id, window_s=window_s)
-        await ended.wait()
-        if played:  # a failed body only cancels: the manager measures no abandoned step
+        if await played:  # a failed body only cancels: the manager measures no abandoned step
             yield mpb.SeedWindowRequest(step_id=step_id, end=True)
 
     async with rpc.channel(endpoint) as chan:
@@ -117,11 +117,11 @@ async def seed_window(endpoint: str, step_id: str, window_s: float) -> AsyncIter
         scope = StepScope(list(opened.seed_worker_ids))
         try:
             yield scope
-            played = True
-            ended.set()
+            played.set_result(True)
             scope.remote = await _scope_timings(call, endpoint)
         finally:
-            ended.set()  # else a call that already ended leaves requests() waiting forever
+            if not played.done():  # else a call that already ended leaves requests() waiting
+                played.set_result(False)
             call.cancel()
 
 

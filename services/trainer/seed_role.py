@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from rlharvest.common import registry
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Servicer
+from rlharvest.services.rollout_worker.config import WorkerConfig
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.trainer.config import TrainerConfig
 
@@ -32,17 +34,16 @@ log = logging.getLogger(__name__)
 _SERVICE_NAME = rollout_worker_pb2.DESCRIPTOR.services_by_name["RolloutWorker"].full_name
 
 
-SEED_PAGE_TOKENS = 16
-
-
 def _agentic_cache(cfg: TrainerConfig) -> dict:
-    """With ``--env``, the seed engine keeps a prefix cache as the workers do: a turn re-reads
-    the trajectory's whole history, which its previous turn left in the cache when it ran
-    here. Pages for the running requests twice over: as many again stay cached."""
+    """With ``--env``, the seed engine keeps a prefix cache as the workers do (their default
+    page size): a turn re-reads the trajectory's whole history, which its previous turn left
+    in the cache when it ran here. Pages for the running requests twice over: as many again
+    stay cached."""
     if not cfg.env:
         return {}
-    pages = 2 * cfg.seed_max_running * -(-cfg.seed_max_len // SEED_PAGE_TOKENS)
-    return {"kv_pages": pages, "page_tokens": SEED_PAGE_TOKENS, "prefix_cache": True}
+    page_tokens = WorkerConfig.model_fields["page_tokens"].default
+    pages = 2 * cfg.seed_max_running * math.ceil(cfg.seed_max_len / page_tokens)
+    return {"kv_pages": pages, "page_tokens": page_tokens, "prefix_cache": True}
 
 
 class SeedRole:

@@ -31,10 +31,10 @@ def test_a_call_that_returns_after_its_loop_closed_raises_nothing_in_its_thread(
 
     async def main():
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(run_in_daemon_thread(slow), 0.05)
+            await asyncio.wait_for(run_in_daemon_thread(slow, name="outlives-its-loop"), 0.05)
 
     asyncio.run(main())  # the loop is closed when this returns
-    thread = next(t for t in threading.enumerate() if t.name == "user-code")
+    thread = next(t for t in threading.enumerate() if t.name == "outlives-its-loop")
     release.set()
     thread.join(10)
     assert finished.is_set() and errors == []
