@@ -51,14 +51,15 @@ ENCODE_POOL = ThreadPoolExecutor(2, thread_name_prefix="encode")  # the trainer'
 
 def next_version(tensors: dict, zero_fraction: float, seed: int) -> tuple[dict, dict]:
     """v+1 with one low bit flipped at (1 - zero_fraction) of the positions, and those
-    positions (what the optimizer step knows it changed)."""
+    positions (what the optimizer step knows it changed, on the weights' device)."""
     gen = np.random.default_rng(seed)
     out, positions = {}, {}
     for name, t in tensors.items():
         new = t.clone()
         bits = new.view(-1).view(torch.int16)
-        index = np.unique(gen.integers(0, bits.numel(), int(bits.numel() * (1 - zero_fraction))))
-        bits[torch.from_numpy(index)] ^= 1
+        index = torch.from_numpy(np.unique(
+            gen.integers(0, bits.numel(), int(bits.numel() * (1 - zero_fraction))))).to(t.device)
+        bits[index] ^= 1
         out[name], positions[name] = new, index
     return out, positions
 
@@ -128,7 +129,8 @@ async def one_version(endpoint: str, trainer: LastPublished, worker: Worker, zer
         trainer
 
 
-async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
+async def run(mb: int, rounds: int, device: str,
+              worker_device: str) -> tuple[list[dict], dict]:
     stack = local_stack()
     try:
         endpoint, _ = start_agent(stack, "delta-agent", "--memory-budget-bytes", str(8 * (mb << 20)))
@@ -138,9 +140,15 @@ async def run(mb: int, rounds: int) -> tuple[list[dict], dict]:
         base = {f"model.layers.{i}.mlp.up_proj.weight":
                 torch.randn(numel, generator=gen).to(torch.bfloat16) for i in range(n_tensors)}
         await publish(endpoint, "delta", 1, base)
-        trainer, worker = LastPublished(1, base), Worker(endpoint)
+        # The trainer's weights and its record of v on ``device``: on a GPU the compare, the
+        # gather and the sums run there (``encode_changes_on_device``); the worker is a CPU one.
+        trainer = LastPublished(1, {name: t.to(device) for name, t in base.items()})
+        worker = Worker(endpoint)
         first = await pull(endpoint, "delta", version=1)
-        worker.version, worker.tensors, worker.sums = 1, first.tensors, first.sums
+        # A GPU worker keeps its copy where its engine is: deltas apply there
+        # (``decode_with_torch``), and a load is a device-to-device copy.
+        worker.version, worker.sums = 1, first.sums
+        worker.tensors = {name: t.to(worker_device) for name, t in first.tensors.items()}
         warm, trainer = await one_version(endpoint, trainer, worker, 0.99, seed=1,
                                           dense_first=True)
         rows = []
@@ -182,21 +190,34 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--device", default="cpu",
+                        help="where the trainer's weights and its record live (cuda: the "
+                             "encode runs on the GPU)")
+    parser.add_argument("--worker-device", default=None,
+                        help="where the worker holds its copy and applies deltas (default: "
+                             "--device); the dense pull stays a pull to host memory")
     args = parser.parse_args()
+    args.worker_device = args.worker_device or args.device
     mb = 48 if args.quick else 200
     rounds = args.rounds or (2 if args.quick else 3)
     started = time.perf_counter()
-    rows, warm = asyncio.run(run(mb, rounds))
+    rows, warm = asyncio.run(run(mb, rounds, args.device, args.worker_device))
     text = "\n".join([
         "# transfer_delta: sparse delta pull vs dense pull through the agent, end to end\n",
-        f"`python bench/transfer_delta.py{' --quick' if args.quick else ''}` — {mb} MB of bf16 "
+        f"`python bench/transfer_delta.py{' --quick' if args.quick else ''}"
+        f"{'' if args.device == 'cpu' else ' --device ' + args.device}"
+        f"{'' if args.worker_device == args.device else ' --worker-device ' + args.worker_device}"
+        f"` — {mb} MB of bf16 "
         f"(16 tensors), {rounds} rounds of the three sparsities, each version pulled both ways "
         f"(order alternating); loopback; codec on 2 threads per side; bit-exact checked; speedup "
         f"= dense pull / (trainer encode + delta pull), per version (pull alone: without the "
-        f"trainer's encode, which a GPU trainer runs on the device); 2 cores, load average "
+        f"trainer's encode); trainer on {args.device}, worker's copy on {args.worker_device} "
+        f"(the dense pull decodes to host memory, its copy to a GPU not counted); "
+        f"{os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.1f}; run took {time.perf_counter() - started:.0f}s.\n",
         *table(rows, warm)]) + "\n"
-    write_results("transfer_delta" + ("_quick" if args.quick else ""), text)
+    write_results("transfer_delta" + ("_quick" if args.quick else "")
+                  + ("" if args.device == "cpu" else "_" + args.device.split(":")[0]), text)
 
 
 if __name__ == "__main__":

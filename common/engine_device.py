@@ -24,6 +24,11 @@ class EngineDeviceConfig(ServiceConfig):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="the engine's weight and KV dtype (bfloat16 halves the memory "
         "of a GPU model; sampling and logprobs are computed in float32 either way)")
+    held_weights: Literal["host", "device"] = Field(
+        "host", description="where the copy of the pulled weights lives that deltas apply to: "
+        "host memory, or the engine's device (one more copy of the model in device memory; a "
+        "sparse delta then applies there at device speed and a load is a device-to-device "
+        "copy, bench/transfer_delta.py --worker-device)")
 
     @model_validator(mode="after")
     def _device_present(self) -> EngineDeviceConfig:

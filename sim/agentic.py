@@ -206,12 +206,17 @@ def main() -> None:
     parser.add_argument("--turns", default="2-10", help="turns per trajectory, uniform: lo-hi")
     parser.add_argument("--per-request-s", type=float, default=ClusterModel.per_request_s,
                         help="step cost per running turn (GPU-like 0.0005; CPU-like 0.002+)")
+    parser.add_argument("--decode-s", type=float, default=ClusterModel.decode_s,
+                        help="fixed cost of an engine step (tools/step_costs.py measures it)")
+    parser.add_argument("--prefill-token-s", type=float, default=ClusterModel.prefill_token_s,
+                        help="cost of one prefilled token (tools/step_costs.py measures it)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.turns.split("-"))
     workload = dataclasses.replace(AgenticWorkload(), trajectories=args.trajectories,
                                    turn_range=(lo, hi), seed=args.seed)
-    cluster = dataclasses.replace(ClusterModel(), per_request_s=args.per_request_s)
+    cluster = dataclasses.replace(ClusterModel(), per_request_s=args.per_request_s,
+                                  decode_s=args.decode_s, prefill_token_s=args.prefill_token_s)
     results = compare(workload, cluster)
     static = results["pinned-static"].makespan_s
     pinned = results["pinned"].makespan_s

@@ -152,7 +152,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
             return None
         from rlharvest.services.rollout_worker.puller import Puller
 
-        return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl).run
+        return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl,
+                      held_device=cfg.device if cfg.held_weights == "device" else "cpu").run
 
     lending = LentRollout(service, lambda: host.membership, puller,
                           lambda: dual.memory.recent_serving_share, job=cfg.job or None)

@@ -92,7 +92,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         from rlharvest.services.rollout_worker.puller import Puller
 
         return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
-                      tp_size=cfg.tp_size, lease_ttl=cfg.lease_ttl)
+                      tp_size=cfg.tp_size, lease_ttl=cfg.lease_ttl,
+                      held_device=cfg.device if cfg.held_weights == "device" else "cpu")
 
     if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine

@@ -54,7 +54,7 @@ _RETRY_S = 0.5
 class Puller:
     def __init__(self, etcd, service: WorkerService, worker_id: str, job: str, *,
                  tp_rank: int = 0, tp_size: int = 1, lease_ttl: int = 5,
-                 streams: int = 4) -> None:
+                 streams: int = 4, held_device: str = "cpu") -> None:
         self.etcd = etcd
         self.service = service
         self.worker_id = worker_id
@@ -63,6 +63,8 @@ class Puller:
         self.lease_ttl = lease_ttl
         self.streams = streams
         self.held: dict[str, torch.Tensor] = {}  # the tensors of held_version, as pulled
+        # Where ``held`` lives (--held-weights): deltas apply there (delta_codec on a GPU).
+        self.held_device = torch.device(held_device)
         self.held_version: int | None = None
         # Their linear sums: the next delta verifies against them without re-reading held.
         self.held_sums: dict[str, int] = {}
@@ -211,15 +213,17 @@ class Puller:
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
         # The held tensors now are this version (deltas went in place), loaded or not. Sums the
         # agent did not know are computed once here (a pass the fingerprint needs anyway).
-        self.held, self.held_version = result.tensors, result.version
+        self.held = {name: t if t.device == self.held_device else t.to(self.held_device)
+                     for name, t in result.tensors.items()}
+        self.held_version = result.version
         self.held_sums = dict(result.sums)
         missing = sorted(result.tensors.keys() - self.held_sums.keys())
         if missing:  # a full pass: off the event loop, which serves the engine's sessions
             computed = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [tensor_linear_sum(result.tensors[name]) for name in missing])
+                None, lambda: [tensor_linear_sum(self.held[name]) for name in missing])
             self.held_sums.update(zip(missing, computed))
         try:
-            await self.service.load_weights_tensors(result.tensors, result.version)
+            await self.service.load_weights_tensors(self.held, result.version)
         except EngineInputError as exc:
             self._refused.add(result.version)
             log.error("version %d from agent %s does not fit this engine: %s", result.version,

@@ -141,6 +141,55 @@ def linear_sum_change(index: np.ndarray, old: np.ndarray, new: np.ndarray) -> in
         return int(diff.sum(dtype=np.uint64))
 
 
+# The weights as int64 tensors, per device (and per block count for U): the torch twin reads
+# them where the tensor lives.
+_T_ON: dict[torch.device, torch.Tensor] = {}
+_U_ON: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _widened(bits: torch.Tensor) -> torch.Tensor:
+    """Integer bits as int64 holding their unsigned value (int64 is its own 64-bit view)."""
+    wide = bits.to(torch.int64)
+    return wide if bits.element_size() == 8 else wide & ((1 << 8 * bits.element_size()) - 1)
+
+
+def _device_weights(device: torch.device, index: torch.Tensor,
+                    numel: int | None) -> torch.Tensor:
+    """w_i for every position of ``index``, computed on ``device``. With ``numel`` (the
+    tensor's size) the block weights of the whole tensor are cached and nothing waits for the
+    device; without it, the blocks touched are read back first."""
+    table = _T_ON.get(device)
+    if table is None:
+        table = _T_ON[device] = torch.from_numpy(_T.view(np.int64)).to(device)
+    blocks = index >> 16
+    if numel is None:
+        low, high = (int(x) for x in torch.aminmax(blocks))
+        block_weights = torch.from_numpy(
+            _block_weights(np.arange(low, high + 1)).view(np.int64)).to(device)
+        blocks = blocks - low
+    else:
+        count = -(-numel // SUM_BLOCK)
+        if (device, count) not in _U_ON:
+            _U_ON[(device, count)] = torch.from_numpy(
+                _block_weights(np.arange(count)).view(np.int64)).to(device)
+        block_weights = _U_ON[(device, count)]
+    return table[index & (SUM_BLOCK - 1)] * block_weights[blocks]
+
+
+def linear_sum_change_torch(index: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+                            numel: int | None = None) -> int:
+    """``linear_sum_change`` computed where the tensors live (an accelerator holding the
+    weights), so only the sum crosses to the host. Same value bit for bit: int64 add,
+    subtract, multiply and sum wrap modulo 2^64 exactly as uint64 does; ``index`` int64,
+    ``old``/``new`` integer bit views of one width; ``numel``: the tensor's size, when known
+    (saves a round trip to the device)."""
+    if index.numel() == 0:
+        return 0
+    weights = _device_weights(index.device, index, numel)
+    diff = _widened(new) - _widened(old)
+    return int((diff * weights).sum()) & _MASK64
+
+
 def tensor_linear_sum(tensor: torch.Tensor) -> int:
     """S of a tensor's raw bits (see ``linear_sum``)."""
     flat = tensor.detach().cpu().contiguous().reshape(-1)

@@ -6,7 +6,8 @@ comparing two full copies, then re-read the whole target to checksum it, on ever
 first pull. Here the trainer keeps the version it last published (in the serving dtype: bf16
 rounding is what makes RL deltas sparse, ROSE Fig. 11), finds the changed elements itself (a
 compare on the device that holds the weights, ~free on a GPU; here a CPU pass), and encodes
-only those elements, chaining the linear sums from version to version so nobody re-reads an
+only those elements (on an accelerator the gather and the sums run there too, and only the
+changes cross to the host: ``encode_changes_on_device``), chaining the linear sums from version to version so nobody re-reads an
 unchanged element. The agent stores the encodings as the pull plan for the base version.
 
 Pure: no I/O. ``LastPublished.encode_next`` is called on a thread (it reads tensors).
@@ -24,10 +25,22 @@ from rlharvest.services.transfer_agent.bucketing import ParallelMap
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.delta_codec import (
     EncodedTensor,
+    check_positions,
     decode,
     encode_changes,
+    encode_changes_on_device,
     encode_dense,
 )
+
+
+def _device_index(given: Positions | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The changed positions as int64 on the tensors' device: the optimizer's, checked, or
+    the device's own compare."""
+    if given is None:
+        return changed_index(old, new)
+    index = torch.as_tensor(given, dtype=torch.int64).reshape(-1).to(old.device)
+    check_positions(index, new.numel())
+    return index
 
 
 @dataclass(frozen=True)
@@ -44,13 +57,19 @@ class DeltaStats:
         return self.changed / self.numel if self.numel else 0.0
 
 
-def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
-    """Flat positions where the bits of ``new`` differ from ``old`` (same shape and dtype),
-    increasing. Compares integer views, so NaN payloads and -0.0 count as the bits they are."""
+def changed_index(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat positions where the bits of ``new`` differ from ``old`` (same shape, dtype and
+    device), increasing, int64 on their device. Compares integer views, so NaN payloads and
+    -0.0 count as the bits they are."""
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[new.element_size()]
     a = old.detach().contiguous().reshape(-1).view(width)
     b = new.detach().contiguous().reshape(-1).view(width)
-    return torch.nonzero(a != b).reshape(-1).cpu().numpy()
+    return torch.nonzero(a != b).reshape(-1)
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+    """``changed_index`` on the host, as numpy."""
+    return changed_index(old, new).cpu().numpy()
 
 
 def _dense_with_sum(tensor: torch.Tensor) -> EncodedTensor:
@@ -63,39 +82,57 @@ def _dense_with_sum(tensor: torch.Tensor) -> EncodedTensor:
 APPLY_MAX_FRACTION = 0.005
 
 
+def _private_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+Positions = np.ndarray | torch.Tensor
+
+
 class LastPublished:
-    """The last version published to one agent: its tensors (a private copy) and their linear
-    sums where known. ``encode_next`` turns the next version into encodings against it."""
+    """The last version published to one agent: its tensors (a private copy, on the device
+    the weights were published from) and their linear sums where known. ``encode_next`` turns
+    the next version into encodings against it.
+
+    On an accelerator the copy stays there (one more copy of the weights in the serving
+    dtype, in device memory), so the compare, the gather and the sums run at device speed
+    and only the changes cross to the host; a CPU trainer's copy is on the CPU."""
 
     def __init__(self, version: int, tensors: Mapping[str, torch.Tensor],
                  sums: Mapping[str, int | None] | None = None) -> None:
         self.version = version
-        self.tensors = {name: t.detach().cpu().clone(memory_format=torch.contiguous_format)
-                        for name, t in tensors.items()}
+        self.tensors = {name: _private_copy(t) for name, t in tensors.items()}
         self.sums: dict[str, int | None] = dict(sums or {})
 
     def encode_next(self, tensors: Mapping[str, torch.Tensor],
-                    positions: Mapping[str, np.ndarray] | None = None,
+                    positions: Mapping[str, Positions] | None = None,
                     parallel_map: ParallelMap = map,
                     ) -> tuple[dict[str, EncodedTensor], DeltaStats]:
         """Every tensor of the next version: a sparse delta against this one where that is
         smaller, dense where it is not (a new name, a new shape or dtype, a dense change).
         ``positions``: per tensor, the flat positions that may have changed, increasing (from
-        the optimizer step, when it knows them); a tensor without them is compared in full.
+        the optimizer step, when it knows them; numpy, or a tensor on any device); a tensor
+        without them is compared in full, on the device that holds it.
         Tensors encode through ``parallel_map`` (a thread pool's map: numpy releases the GIL)."""
         given = positions or {}
 
         def one(name: str) -> tuple[str, EncodedTensor, int]:
-            new = tensors[name].detach().cpu().contiguous()
             old = self.tensors.get(name)
+            new = tensors[name].detach()
             if old is None or old.shape != new.shape or old.dtype != new.dtype:
                 return name, _dense_with_sum(new), new.numel()
-            index = given.get(name)
-            index = changed_positions(old, new) if index is None else index
-            item = encode_changes(old, new, index, base_sum=self.sums.get(name))
+            new = new.to(old.device).contiguous()
+            if old.device.type == "cpu":
+                index = given.get(name)
+                index = changed_positions(old, new) if index is None else np.asarray(index)
+                item = encode_changes(old, new, index, base_sum=self.sums.get(name))
+            else:
+                index = _device_index(given.get(name), old, new)
+                item = encode_changes_on_device(old, new, index, base_sum=self.sums.get(name))
             if item.target_sum is None:  # too dense for a delta: keep the chain of sums
                 item = replace(item, target_sum=tensor_linear_sum(new))
-            return name, item, index.size
+            return name, item, int(index.numel() if isinstance(index, torch.Tensor)
+                                   else index.size)
 
         encoded: dict[str, EncodedTensor] = {}
         changed = 0
@@ -118,12 +155,15 @@ class LastPublished:
         every tensor, the whole model per publish."""
         for name, item in encoded.items():
             held = self.tensors.get(name)
-            if item.needs_base and held is not None and \
+            new = tensors[name].detach()
+            if held is not None and held.device.type != "cpu" and held.shape == new.shape \
+                    and held.dtype == new.dtype:
+                held.copy_(new)  # a device-to-device copy: cheaper than any apply
+            elif item.needs_base and held is not None and \
                     item.count <= APPLY_MAX_FRACTION * held.numel():
                 decode(item, held, inplace=True, base_sum=item.base_sum)
             else:
-                self.tensors[name] = tensors[name].detach().cpu().clone(
-                    memory_format=torch.contiguous_format)
+                self.tensors[name] = _private_copy(new)
             self.sums[name] = item.target_sum
         for name in set(self.tensors) - set(encoded):  # gone from the model
             del self.tensors[name]

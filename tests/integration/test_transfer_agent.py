@@ -218,6 +218,23 @@ async def test_worker_holding_previous_version_pulls_a_bit_exact_sparse_delta(ag
     assert served.logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a worker that holds "
+                    "its copy on the GPU (run on a GPU node by tools/gpu_fastpaths.sh)")
+async def test_a_gpu_worker_holding_its_copy_on_the_device_applies_the_delta_there(
+        module_stack, agent, etcd):
+    _, endpoint, _ = agent
+    job = "gpu-held"
+    gpu = start_worker(module_stack, "puller-gpu", "--job", job, "--agent-pull", "--device",
+                       "cuda", "--held-weights", "device")
+    await publish(endpoint, job, 1, V1)
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-gpu"), 1), what="version 1")
+    await publish(endpoint, job, 2, V2)
+    await wait_for(lambda: _equals(worker_version(etcd, "puller-gpu"), 2), what="version 2")
+    metrics = scrape(gpu.metrics_port)
+    assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
+    assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
+
+
 async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_sums(agent):
     """Issue 16: the trainer publishes what changed; a worker holding the base gets those very
     encodings in the plan's reply and verifies them in O(changes); a worker without it gets

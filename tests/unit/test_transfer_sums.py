@@ -15,18 +15,27 @@ from rlharvest.services.transfer_agent.checksum import (
     ChecksumMismatchError,
     linear_sum,
     linear_sum_change,
+    linear_sum_change_torch,
     tensor_linear_sum,
 )
 from rlharvest.services.transfer_agent.delta_codec import (
     DeltaCodecError,
     Encoding,
+    check_positions,
     decode,
+    decode_with_torch,
     encode_changes,
+    encode_changes_on_device,
     encode_delta,
     encoded_tensor,
     read_header,
+    undo_delta,
 )
-from rlharvest.services.transfer_agent.delta_publish import LastPublished, changed_positions
+from rlharvest.services.transfer_agent.delta_publish import (
+    LastPublished,
+    changed_index,
+    changed_positions,
+)
 from rlharvest.services.transfer_agent.version_store import VersionStore
 
 WIDTHS = ["u1", "<i2", "<i4", "<i8"]
@@ -52,6 +61,22 @@ def test_a_change_moves_the_linear_sum_by_exactly_its_incremental_update(width, 
                               dtype=np.dtype(width))
     update = linear_sum_change(index, old[index], new[index])
     assert (linear_sum(old) + update) & MASK == linear_sum(new)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(WIDTHS), st.integers(1, 3 * SUM_BLOCK + 7), st.integers(0, 2**32 - 1),
+       st.sampled_from([0.0, 0.001, 0.3, 1.0]))
+def test_the_torch_sum_change_equals_numpys_bit_for_bit(width, n, seed, density):
+    """int64 arithmetic in torch wraps as uint64 does, so the accelerator's sum is the same."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(np.dtype(width))
+    index = np.flatnonzero(rng.random(n) < density)
+    old, new = (rng.integers(info.min, info.max, index.size, endpoint=True,
+                             dtype=np.dtype(width)) for _ in range(2))
+    expected = linear_sum_change(index, old, new)
+    for numel in (None, n):  # the blocks read back, or the tensor's size given
+        assert linear_sum_change_torch(torch.from_numpy(index), torch.from_numpy(old),
+                                       torch.from_numpy(new), numel) == expected
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -93,6 +118,61 @@ def test_encoding_from_known_positions_equals_diffing_and_decodes_bit_exact(enco
     assert from_positions.target_sum == tensor_linear_sum(new)
     assert from_positions.base_sum == tensor_linear_sum(old)
     assert same_bits(decode(from_positions, old, base_sum=tensor_linear_sum(old)), new)
+
+
+@pytest.mark.parametrize(("density", "encoding"), [(0.01, Encoding.COO),
+                                                   (0.3, Encoding.BITMAP),
+                                                   (1.0, Encoding.DENSE)])
+def test_the_device_encoder_writes_the_host_encoders_payload_byte_for_byte(density, encoding):
+    """``encode_changes_on_device`` is device-agnostic torch: run here on CPU tensors, it must
+    give exactly what the numpy encoder gives (the GPU run is in the CUDA test below)."""
+    old, new = _pair(density=density)
+    index = changed_index(old, new)
+    on_device = encode_changes_on_device(old, new, index)
+    on_host = encode_changes(old, new, index.numpy())
+    assert on_device.encoding == encoding
+    assert on_device == on_host
+    with pytest.raises(DeltaCodecError, match="strictly increasing"):
+        check_positions(index.flip(0), new.numel())
+    with pytest.raises(DeltaCodecError, match="strictly increasing"):
+        LastPublished(1, {"x": old}).encode_next({"x": new}, {"x": index.flip(0)})
+
+
+@pytest.mark.parametrize("encoding", [Encoding.COO, Encoding.BITMAP])
+def test_the_torch_decoder_applies_what_the_numpy_decoder_applies(encoding):
+    """``decode_with_torch`` (what a base on a GPU decodes through) on CPU tensors: the same
+    bits as ``decode``, in place and into a copy, and undone by ``undo_delta``."""
+    old, new = _pair(density=0.02)
+    encoded = encode_delta(old, new, encoding=encoding)
+    base_sum = tensor_linear_sum(old)
+    copied = decode_with_torch(encoded, old, base_sum=base_sum)
+    assert same_bits(copied, decode(encoded, old, base_sum=base_sum)) and same_bits(copied, new)
+    held = old.clone()
+    assert decode_with_torch(encoded.payload, held, inplace=True) is not None
+    assert same_bits(held, new)
+    undo_delta(encoded, held)
+    assert same_bits(held, old)
+
+
+def test_the_torch_decoder_checks_everything_before_it_writes():
+    old, new = _pair()
+    encoded = encode_delta(old, new, encoding=Encoding.COO)
+    held = old.clone()
+    with pytest.raises(ChecksumMismatchError, match="not the one it was encoded against"):
+        decode_with_torch(encoded, held, inplace=True, base_sum=tensor_linear_sum(old) ^ 1)
+    damaged = bytearray(encoded.payload)
+    damaged[-1] ^= 0x04  # the last changed value
+    with pytest.raises(ChecksumMismatchError, match="do not lead from the base's sum"):
+        decode_with_torch(bytes(damaged), held, inplace=True, base_sum=tensor_linear_sum(old))
+    header = read_header(encoded.payload)
+    at = header.body_offset + 4  # the first two in-block offsets of the only block
+    repeated = bytearray(encoded.payload)
+    repeated[at + 2:at + 4] = repeated[at:at + 2]
+    with pytest.raises(DeltaCodecError, match="corrupt"):
+        decode_with_torch(bytes(repeated), held, inplace=True)
+    with pytest.raises(DeltaCodecError, match="sparse deltas"):
+        decode_with_torch(encode_delta(old, new, encoding=Encoding.DENSE), held)
+    assert same_bits(held, old)
 
 
 def test_positions_that_did_not_change_cost_bytes_only_and_bad_positions_are_refused():
@@ -204,6 +284,50 @@ def test_advancing_the_record_in_place_equals_copying_the_published_version():
     assert encoded["a"].needs_base
     assert moved.advance(5, denser, encoded).tensors["a"] is not held_a
     assert same_bits(moved.tensors["a"], denser["a"])
+
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: weights "
+                               "held on the accelerator (run on a GPU node by "
+                               "tools/gpu_fastpaths.sh)")
+
+
+@CUDA_ONLY
+def test_a_delta_against_a_base_on_cuda_is_applied_there_and_checked_first():
+    old, new = _pair(density=0.02)
+    for encoding in (Encoding.COO, Encoding.BITMAP):
+        encoded = encode_delta(old, new, encoding=encoding)
+        held = old.cuda()
+        out = decode(encoded, held, inplace=True, base_sum=tensor_linear_sum(old))
+        assert out.is_cuda and out.data_ptr() == held.data_ptr()
+        assert same_bits(held.cpu(), new)
+        undo_delta(encoded, held)
+        assert same_bits(held.cpu(), old)
+    damaged = bytearray(encode_delta(old, new).payload)
+    damaged[-1] ^= 0x04
+    with pytest.raises(ChecksumMismatchError, match="do not lead from the base's sum"):
+        decode(bytes(damaged), held, inplace=True, base_sum=tensor_linear_sum(old))
+    assert same_bits(held.cpu(), old)
+
+
+@CUDA_ONLY
+def test_a_record_held_on_cuda_encodes_what_a_host_record_encodes():
+    tensors = {"a": _pair(seed=1)[0], "b": _pair(numel=3000, seed=2)[0]}
+    on_gpu = LastPublished(1, {n: t.cuda() for n, t in tensors.items()})
+    on_cpu = LastPublished(1, tensors)
+    for version in range(2, 5):
+        nxt = {n: t.clone() for n, t in tensors.items()}
+        nxt["a"].view(torch.int16)[version::100] ^= 3
+        nxt["b"].view(torch.int16)[::3] ^= 1  # a third changed: bitmap
+        positions = {"a": changed_positions(tensors["a"], nxt["a"])}
+        encoded, stats = on_gpu.encode_next({n: t.cuda() for n, t in nxt.items()},
+                                            {"a": torch.from_numpy(positions["a"]).cuda()})
+        expected, expected_stats = on_cpu.encode_next(nxt, positions)
+        assert encoded == expected and stats == expected_stats
+        on_gpu = on_gpu.advance(version, {n: t.cuda() for n, t in nxt.items()}, encoded)
+        on_cpu = on_cpu.advance(version, nxt, expected)
+        assert all(t.is_cuda for t in on_gpu.tensors.values())
+        assert on_gpu.sums == on_cpu.sums
+        tensors = nxt
 
 
 def test_the_store_serves_a_delta_publish_as_published_and_learns_its_sums():
