@@ -417,7 +417,9 @@ def decode_with_torch(payload: EncodedTensor | bytes | bytearray | memoryview,
     """``decode`` of a sparse payload in torch, where ``base`` lives (``decode`` sends a GPU
     worker's copy of the weights here; on CPU tensors it gives the same result): only the
     payload crosses to the device; positions, gather, XOR, the sums' check and the scatter run
-    there. The sums are checked before anything is written."""
+    there. The sums are checked before anything is written. A CPU base stays on numpy's
+    ``decode``: its take/put beat torch's indexing there (apply and undo of a 6.25M-element
+    bf16 tensor at 99% zeros: 5.5 ms vs 7.4 ms; the encode: 3.3 ms vs 4.0 ms)."""
     raw = payload.payload if isinstance(payload, EncodedTensor) else payload
     header = read_header(raw)
     body = memoryview(raw).cast("B")[header.body_offset:]
