@@ -90,9 +90,12 @@ def prefill_times(args: argparse.Namespace) -> dict[int, float]:
 
 
 def fit(points: dict[int, float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x``: (a, b)."""
+    """Least squares ``y = a + b x``: (a, b). A negative slope (a launch-bound step, whose
+    time does not grow with the batch) is fitted as flat: b = 0, a = the mean."""
     xs, ys = list(points), list(points.values())
     slope, intercept = statistics.linear_regression(xs, ys)
+    if slope < 0:
+        return statistics.fmean(ys), 0.0
     return intercept, slope
 
 
@@ -120,9 +123,8 @@ def main() -> None:
                       "decode_s": decode_s, "per_request_s": per_request_s,
                       "prefill_token_s": prefill_token_s,
                       "took_s": round(time.perf_counter() - started, 1)}, indent=1))
-    print(f"python3 -m rlharvest.sim.agentic --decode-s {max(decode_s, 0):.5f} "
-          f"--per-request-s {max(per_request_s, 0):.6f} --prefill-token-s "
-          f"{max(prefill_token_s, 0):.7f}")
+    print(f"python3 -m rlharvest.sim.agentic --decode-s {decode_s:.5f} "
+          f"--per-request-s {per_request_s:.6f} --prefill-token-s {prefill_token_s:.7f}")
 
 
 if __name__ == "__main__":

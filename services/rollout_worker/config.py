@@ -103,6 +103,17 @@ class WorkerConfig(EngineDeviceConfig):
         return self
 
     @model_validator(mode="after")
+    def _placed_weights_on_host(self) -> WorkerConfig:
+        # A placed worker keeps each resident job's pulled weights (placement_follower.py):
+        # on the device that would be a model per job, not the one copy --held-weights buys.
+        if self.placement_node and self.held_weights == "device":
+            raise ValueError("--held-weights device keeps one more copy of the model on the "
+                             "engine's device; a placed worker keeps one per resident job, so "
+                             "it holds them in host memory: drop --held-weights device or "
+                             "--placement-node")
+        return self
+
+    @model_validator(mode="after")
     def _placed_or_one_job(self) -> WorkerConfig:
         if self.placement_node and self.job:
             raise ValueError(f"--placement-node {self.placement_node} and --job {self.job} both "

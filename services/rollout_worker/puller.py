@@ -9,6 +9,7 @@ has and waits."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -126,6 +127,24 @@ class Puller:
         self.held, self.held_version, self.pulling = {}, None, False
         self.held_sums = {}
 
+    def _to_held_device(self, pulled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``pulled`` on the held copy's device. A dense tensor is copied into the held one of
+        its name and form, so the device never holds two copies of the model besides the
+        engine's; one without a held twin is moved (its old tensor dropped first)."""
+        out = {}
+        for name, tensor in pulled.items():
+            if _is_on(tensor, self.held_device):  # a delta applied in place, or already there
+                out[name] = tensor
+                continue
+            old = self.held.pop(name, None)
+            if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype \
+                    and _is_on(old, self.held_device):
+                out[name] = old.copy_(tensor)
+            else:
+                del old
+                out[name] = tensor.to(self.held_device)
+        return out
+
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         """One open channel per agent: a sparse pull then costs no connection set-up."""
         if endpoint not in self._channels:
@@ -213,17 +232,24 @@ class Puller:
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
         # The held tensors now are this version (deltas went in place), loaded or not. Sums the
         # agent did not know are computed once here (a pass the fingerprint needs anyway).
-        self.held = {name: t if t.device == self.held_device else t.to(self.held_device)
-                     for name, t in result.tensors.items()}
+        if self.held_device.type != "cpu":  # dense results go where the held copy lives
+            try:  # off the event loop: a whole model's copy to the device
+                placed = await asyncio.get_running_loop().run_in_executor(
+                    None, self._to_held_device, result.tensors)
+            except BaseException:
+                self.forget()  # part of it may be this version: the next pull is dense
+                raise
+            result = dataclasses.replace(result, tensors=placed)
+        self.held = result.tensors
         self.held_version = result.version
         self.held_sums = dict(result.sums)
         missing = sorted(result.tensors.keys() - self.held_sums.keys())
         if missing:  # a full pass: off the event loop, which serves the engine's sessions
             computed = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [tensor_linear_sum(self.held[name]) for name in missing])
+                None, lambda: [tensor_linear_sum(result.tensors[name]) for name in missing])
             self.held_sums.update(zip(missing, computed))
         try:
-            await self.service.load_weights_tensors(self.held, result.version)
+            await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:
             self._refused.add(result.version)
             log.error("version %d from agent %s does not fit this engine: %s", result.version,
@@ -241,3 +267,8 @@ class Puller:
                  "%.2fs, fingerprint %08x (%s)", result.version, agent, kind,
                  result.payload_bytes, result.dense_bytes, result.rejected_buckets, seconds,
                  fingerprint, result.note)
+
+
+def _is_on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device`` ("cuda" without an index: on any CUDA device)."""
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)

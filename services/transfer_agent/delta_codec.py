@@ -218,6 +218,7 @@ def encode_changes_on_device(old: torch.Tensor, new: torch.Tensor, index: torch.
     ``encode_changes``'s."""
     _check_same_form(old, new)
     numel, itemsize = new.numel(), new.element_size()
+    check_positions(index, numel)  # before any indexing: a bad one would fault the device
     count = int(index.numel())
     encoding = choose_encoding(numel, count, itemsize)
     if encoding == Encoding.DENSE:
@@ -426,13 +427,7 @@ def decode_with_torch(payload: EncodedTensor | bytes | bytearray | memoryview,
     if header.encoding == Encoding.DENSE:
         raise DeltaCodecError("decode_with_torch applies sparse deltas; decode DENSE payloads "
                               "with decode")
-    if base.dtype != header.dtype or tuple(base.shape) != header.shape:
-        raise DeltaCodecError(f"payload is {header.dtype}{header.shape} but the base tensor is "
-                              f"{base.dtype}{tuple(base.shape)}: wrong tensor, or the model "
-                              "changed")
-    if inplace and not base.is_contiguous():
-        raise DeltaCodecError("inplace decode needs a contiguous base tensor; pass "
-                              "inplace=False and copy the result where it belongs")
+    _check_device_base(header, base, inplace)
     target = base.detach() if inplace else base.detach().clone(
         memory_format=torch.contiguous_format)
     bits, index, values = _on_device(header, body, target)
@@ -450,6 +445,16 @@ def decode_with_torch(payload: EncodedTensor | bytes | bytearray | memoryview,
                                     (header.base_sum + moved) & _MASK64)
     bits[index] = new
     return target
+
+
+def _check_device_base(header: PayloadHeader, base: torch.Tensor, inplace: bool) -> None:
+    if base.dtype != header.dtype or tuple(base.shape) != header.shape:
+        raise DeltaCodecError(f"payload is {header.dtype}{header.shape} but the base tensor is "
+                              f"{base.dtype}{tuple(base.shape)}: wrong tensor, or the model "
+                              "changed")
+    if inplace and not base.is_contiguous():  # a view's XOR would land in a temporary copy
+        raise DeltaCodecError("inplace decode needs a contiguous base tensor; pass "
+                              "inplace=False and copy the result where it belongs")
 
 
 def _on_device(header: PayloadHeader, body: memoryview,
@@ -502,6 +507,7 @@ def undo_delta(payload: EncodedTensor | bytes | bytearray | memoryview,
                               "dense entries into fresh tensors instead")
     body = memoryview(raw).cast("B")[header.body_offset:]
     if target.device.type != "cpu":
+        _check_device_base(header, target, inplace=True)
         bits_on, index_on, values_on = _on_device(header, body, target.detach())
         bits_on[index_on] ^= values_on
         return

@@ -25,7 +25,6 @@ from rlharvest.services.transfer_agent.bucketing import ParallelMap
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.delta_codec import (
     EncodedTensor,
-    check_positions,
     decode,
     encode_changes,
     encode_changes_on_device,
@@ -34,13 +33,11 @@ from rlharvest.services.transfer_agent.delta_codec import (
 
 
 def _device_index(given: Positions | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """The changed positions as int64 on the tensors' device: the optimizer's, checked, or
-    the device's own compare."""
+    """The changed positions as int64 on the tensors' device: the optimizer's (the encoder
+    checks them), or the device's own compare."""
     if given is None:
         return changed_index(old, new)
-    index = torch.as_tensor(given, dtype=torch.int64).reshape(-1).to(old.device)
-    check_positions(index, new.numel())
-    return index
+    return torch.as_tensor(given, dtype=torch.int64).reshape(-1).to(old.device)
 
 
 @dataclass(frozen=True)
@@ -96,7 +93,14 @@ class LastPublished:
 
     On an accelerator the copy stays there (one more copy of the weights in the serving
     dtype, in device memory), so the compare, the gather and the sums run at device speed
-    and only the changes cross to the host; a CPU trainer's copy is on the CPU."""
+    and only the changes cross to the host; a CPU trainer's copy is on the CPU. (Our trainer
+    trains on the CPU and snapshots to host memory, so ``Publisher`` hands it host tensors;
+    bench/transfer_delta.py --device cuda drives the device path.)
+
+    ``advance`` trusts that ``tensors`` are what was encoded: on a device it copies them
+    (cheaper than applying), so the record's bits follow the tensors and its sums the
+    encodings; the two agree as long as the positions given to ``encode_next`` were all the
+    changes."""
 
     def __init__(self, version: int, tensors: Mapping[str, torch.Tensor],
                  sums: Mapping[str, int | None] | None = None) -> None:
@@ -124,7 +128,8 @@ class LastPublished:
             new = new.to(old.device).contiguous()
             if old.device.type == "cpu":
                 index = given.get(name)
-                index = changed_positions(old, new) if index is None else np.asarray(index)
+                index = changed_positions(old, new) if index is None else (
+                    index.cpu().numpy() if isinstance(index, torch.Tensor) else index)
                 item = encode_changes(old, new, index, base_sum=self.sums.get(name))
             else:
                 index = _device_index(given.get(name), old, new)

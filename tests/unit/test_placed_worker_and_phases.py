@@ -205,6 +205,8 @@ def test_placement_flags_are_refused_with_one_duration_or_with_the_seed_role() -
                       seed_role=True, instance_cap="auto")
     with pytest.raises(ValueError, match="drop --job"):
         WorkerConfig(placement_node="rollout-1", job="job-a")
+    with pytest.raises(ValueError, match="one per resident job"):
+        WorkerConfig(placement_node="rollout-1", held_weights="device")
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -135,6 +135,10 @@ def test_the_device_encoder_writes_the_host_encoders_payload_byte_for_byte(densi
     with pytest.raises(DeltaCodecError, match="strictly increasing"):
         check_positions(index.flip(0), new.numel())
     with pytest.raises(DeltaCodecError, match="strictly increasing"):
+        encode_changes_on_device(old, new, index.flip(0))
+    with pytest.raises(DeltaCodecError, match="strictly increasing"):
+        encode_changes_on_device(old, new, torch.tensor([new.numel()]))
+    with pytest.raises(DeltaCodecError, match="strictly increasing"):
         LastPublished(1, {"x": old}).encode_next({"x": new}, {"x": index.flip(0)})
 
 
@@ -293,7 +297,7 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @CUDA_ONLY
 def test_a_delta_against_a_base_on_cuda_is_applied_there_and_checked_first():
-    old, new = _pair(density=0.02)
+    old, new = _pair(numel=3 * SUM_BLOCK + 7, density=0.02)  # several blocks, a partial one
     for encoding in (Encoding.COO, Encoding.BITMAP):
         encoded = encode_delta(old, new, encoding=encoding)
         held = old.cuda()
@@ -311,7 +315,7 @@ def test_a_delta_against_a_base_on_cuda_is_applied_there_and_checked_first():
 
 @CUDA_ONLY
 def test_a_record_held_on_cuda_encodes_what_a_host_record_encodes():
-    tensors = {"a": _pair(seed=1)[0], "b": _pair(numel=3000, seed=2)[0]}
+    tensors = {"a": _pair(numel=3 * SUM_BLOCK + 7, seed=1)[0], "b": _pair(numel=3000, seed=2)[0]}
     on_gpu = LastPublished(1, {n: t.cuda() for n, t in tensors.items()})
     on_cpu = LastPublished(1, tensors)
     for version in range(2, 5):
