@@ -90,12 +90,15 @@ def prefill_times(args: argparse.Namespace) -> dict[int, float]:
 
 
 def fit(points: dict[int, float]) -> tuple[float, float]:
-    """Least squares ``y = a + b x``: (a, b). A negative slope (a launch-bound step, whose
-    time does not grow with the batch) is fitted as flat: b = 0, a = the mean."""
+    """Least squares ``y = a + b x`` with both costs >= 0: (a, b). A negative slope (a
+    launch-bound step, whose time does not grow with the batch) is fitted flat (b = 0, a = the
+    mean); a negative intercept, through the origin (a = 0)."""
     xs, ys = list(points), list(points.values())
     slope, intercept = statistics.linear_regression(xs, ys)
     if slope < 0:
         return statistics.fmean(ys), 0.0
+    if intercept < 0:
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return intercept, slope
 
 
