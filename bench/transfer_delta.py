@@ -78,6 +78,10 @@ class Worker:
         result = await pull(self.endpoint, "delta", version=version, held=self.tensors,
                             held_version=self.version, inplace=True, held_sums=self.sums,
                             channel=self.channel)
+        if any(t.is_cuda for t in result.tensors.values()):  # the scatter ends the apply
+            started = time.perf_counter()
+            torch.cuda.synchronize()
+            result.seconds += time.perf_counter() - started
         assert result.delta, result.note
         self.version, self.tensors, self.sums = version, result.tensors, result.sums
         return result
@@ -141,7 +145,7 @@ async def run(mb: int, rounds: int, device: str,
                 torch.randn(numel, generator=gen).to(torch.bfloat16) for i in range(n_tensors)}
         await publish(endpoint, "delta", 1, base)
         # The trainer's weights and its record of v on ``device``: on a GPU the compare, the
-        # gather and the sums run there (``encode_changes_on_device``); the worker is a CPU one.
+        # gather and the sums run there (``encode_changes_on_device``).
         trainer = LastPublished(1, {name: t.to(device) for name, t in base.items()})
         worker = Worker(endpoint)
         first = await pull(endpoint, "delta", version=1)
@@ -216,8 +220,10 @@ def main() -> None:
         f"{os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.1f}; run took {time.perf_counter() - started:.0f}s.\n",
         *table(rows, warm)]) + "\n"
-    write_results("transfer_delta" + ("_quick" if args.quick else "")
-                  + ("" if args.device == "cpu" else "_" + args.device.split(":")[0]), text)
+    where = "" if args.device == "cpu" else "_" + args.device.split(":")[0]
+    if args.worker_device != args.device:
+        where += "_worker_" + args.worker_device.split(":")[0]
+    write_results("transfer_delta" + ("_quick" if args.quick else "") + where, text)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ class EngineDeviceConfig(ServiceConfig):
         "sparse delta then applies there at device speed and a load is a device-to-device "
         "copy, bench/transfer_delta.py --worker-device)")
 
+    @property
+    def held_device(self) -> str:
+        """Where the puller keeps the pulled weights (``held_weights``)."""
+        return self.device if self.held_weights == "device" else "cpu"
+
     @model_validator(mode="after")
     def _device_present(self) -> EngineDeviceConfig:
         # Checked with the config, so a GPU flag on a machine without one exits 2 at once

@@ -12,32 +12,22 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from transfer_delta import ENCODE_POOL, next_version  # noqa: E402  (the bench's own versions)
 
 from rlharvest.services.transfer_agent.delta_codec import (  # noqa: E402
     decode_with_torch,
     undo_delta,
 )
 from rlharvest.services.transfer_agent.delta_publish import LastPublished  # noqa: E402
-
-
-def version(base: dict[str, torch.Tensor], zeros: float, seed: int):
-    gen = np.random.default_rng(seed)
-    out, positions = {}, {}
-    for name, t in base.items():
-        new = t.clone()
-        index = torch.from_numpy(np.unique(gen.integers(0, t.numel(), int(t.numel() * (1 - zeros)))))
-        index = index.to(t.device)
-        new.view(torch.int16)[index] ^= 1
-        out[name], positions[name] = new, index
-    return out, positions
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: to check the tool here
@@ -66,11 +56,10 @@ def main() -> None:
             for i in range(16)}
     record = LastPublished(1, base)
     record.encode_next(base)  # learns the sums (one full pass), as the bench's warm-up does
-    pool = ThreadPoolExecutor(2)
     for zeros in (0.99, 0.999):
-        new, positions = version(base, zeros, seed=int(zeros * 1000))
+        new, positions = next_version(base, zeros, seed=int(zeros * 1000))
         serial = timed(lambda: record.encode_next(new, positions))
-        threaded = timed(lambda: record.encode_next(new, positions, pool.map))
+        threaded = timed(lambda: record.encode_next(new, positions, ENCODE_POOL.map))
         derived = timed(lambda: record.encode_next(new))
         encoded, stats = record.encode_next(new, positions)
         print(f"== {zeros:.1%} zeros, {stats.changed} changes: encode {serial * 1e3:.1f} ms on "

@@ -153,7 +153,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         from rlharvest.services.rollout_worker.puller import Puller
 
         return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl,
-                      held_device=cfg.device if cfg.held_weights == "device" else "cpu").run
+                      held_device=cfg.held_device).run
 
     lending = LentRollout(service, lambda: host.membership, puller,
                           lambda: dual.memory.recent_serving_share, job=cfg.job or None)

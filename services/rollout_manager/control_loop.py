@@ -421,9 +421,8 @@ class RolloutControl:
 
     def _remote_produced(self, worker_id: str, report: ApplyReport) -> None:
         tags = report.tags[report.accepted.counts > 0]  # the steps it produced tokens of
-        for key in np.unique(tags).tolist():  # the rows' steps (label: a step's key)
-            if self.steps.live_step(key) is not None:
-                self.remote.produced(key, worker_id)
+        keys = np.unique(tags).tolist()  # the rows' steps (label: a step's key)
+        self.remote.produced([k for k in keys if self.steps.live_step(k) is not None], worker_id)
 
     def _note_busy(self, worker_id: str) -> None:
         # The stall clock of a worker that was idle starts when it gets work, not when it last

@@ -27,7 +27,7 @@ Pure and synchronous (an injected clock); the control loop reports what happens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -65,13 +65,15 @@ class RemoteTiming:
         return self._count
 
     def step_opened(self, key: int) -> None:
-        now = self._clock()
-        self._open[key] = _Open(started_at=now, count_since=now)
+        self._open[key] = self._opened()
 
     def scope_opened(self, key: Hashable) -> None:
         """An agentic step began: until ``scope_closed``, every remote token counts for it."""
+        self._scopes[key] = self._opened()
+
+    def _opened(self) -> _Open:
         now = self._clock()
-        self._scopes[key] = _Open(started_at=now, count_since=now)
+        return _Open(started_at=now, count_since=now)
 
     def active_changed(self, count: int, available: int | None = None) -> None:
         """``count`` remote instances are active now, of ``available`` (default: ``count``)."""
@@ -88,17 +90,16 @@ class RemoteTiming:
             step.count_since = now
         self._count = count
 
-    def produced(self, key: int, instance: str) -> None:
-        """A remote instance's tokens of step ``key`` were accepted now."""
-        step = self._open.get(key)
-        if step is None:
+    def produced(self, keys: Iterable[int], instance: str) -> None:
+        """A remote instance's tokens of steps ``keys`` (one worker event's) were accepted
+        now. Open scopes count them once per event, however many of its steps are open."""
+        steps = [step for key in keys if (step := self._open.get(key)) is not None]
+        if not steps:
             return
         now = self._clock()
-        step.first.setdefault(instance, now)
-        step.last[instance] = now
-        for scope in self._scopes.values():  # per worker event: usually none open
-            scope.first.setdefault(instance, now)
-            scope.last[instance] = now
+        for step in (*steps, *self._scopes.values()):  # scopes: usually none open
+            step.first.setdefault(instance, now)
+            step.last[instance] = now
 
     def step_closed(self, key: int) -> RemoteStepTimings | None:
         """The step ended; its timings (None for a step never opened or already closed)."""

@@ -93,7 +93,7 @@ async def build(host: Host[WorkerConfig]) -> Parts:
 
         return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
                       tp_size=cfg.tp_size, lease_ttl=cfg.lease_ttl,
-                      held_device=cfg.device if cfg.held_weights == "device" else "cpu")
+                      held_device=cfg.held_device)
 
     if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine

@@ -620,7 +620,8 @@ class TrainerLoop:
 
         waited = 0.0
         # Placed (WEAVE): one phase at a time, so the groups train once the rollout phase ended
-        # and the training permit is held; else each trains as soon as it is played.
+        # and the training permit is held; else each trains as soon as it is played (the
+        # last one once the step's scope on the manager ended).
         held: list[RewardedGroup] = []
         # Tail batching's short round (RollPacker): every episode of the round plays R
         # trajectories; the first P0 groups to end R0 of them train, and the rest (the tail)
@@ -646,7 +647,9 @@ class TrainerLoop:
                 waited += self._clock() - idle_since
                 trained.append(g)
                 self._count_played(spec, trajectories, progress)
-                if self.placed is not None:
+                # The last group trains after the step's scope ends: the manager's timings
+                # (Algorithm 1's inputs) measure the rollout, as a SubmitStep step's do.
+                if self.placed is not None or len(trained) == spec.train_groups:
                     held.append(rewarded_group(g, trajectories))
                 else:
                     await self._run(train.add_groups, [rewarded_group(g, trajectories)])
@@ -661,6 +664,7 @@ class TrainerLoop:
         if self.placed is not None:
             await self.placed.end_rollout()
             await self.placed.train()
+        if held:
             await self._run(train.add_groups, held)
             progress.groups_trained = train.groups_received
         phases = {"rollout": rollout_s, "rewards": 0.0}

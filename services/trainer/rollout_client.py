@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 import torch
 
-from rlharvest.common import keys, registry, rpc
+from rlharvest.common import aio, keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.retry import Backoff
 from rlharvest.services.trainer import metrics
@@ -78,11 +78,10 @@ def _raise_stream_error(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:
 
 @dataclass
 class StepScope:
-    """An agentic step held open on the manager: the seed workers its window holds, and once
-    the step's turns played, the remote timings the manager measured (Algorithm 1's inputs;
-    None if the manager could not give them)."""
+    """An agentic step held open on the manager: once the step's turns played, the remote
+    timings the manager measured (Algorithm 1's inputs; None if the manager could not give
+    them)."""
 
-    seed_worker_ids: list[str]
     remote: mpb.RemoteTimings | None = None
 
 
@@ -114,7 +113,7 @@ async def hold_agentic_step(endpoint: str, step_id: str,
             _raise_stream_error(exc, f"HoldSeedWindow at {endpoint} failed")
         if opened is grpc.aio.EOF:
             raise RolloutStreamError(f"HoldSeedWindow at {endpoint} ended before it opened")
-        scope = StepScope(list(opened.seed_worker_ids))
+        scope = StepScope()
         try:
             yield scope
             played.set_result(True)
@@ -128,7 +127,7 @@ async def hold_agentic_step(endpoint: str, step_id: str,
 async def _scope_timings(call, endpoint: str) -> mpb.RemoteTimings | None:
     """The manager's last event of a step scope: advisory (Algorithm 1 skips a step without)."""
     try:
-        last = await asyncio.wait_for(call.read(), SCOPE_END_TIMEOUT_S)
+        last = await aio.wait_for(call.read(), SCOPE_END_TIMEOUT_S)
     except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:  # not TimeoutError on 3.10
         log.warning("no remote timings for the step from %s: %s", endpoint, exc)
         return None

@@ -142,7 +142,7 @@ def linear_sum_change(index: np.ndarray, old: np.ndarray, new: np.ndarray) -> in
 
 
 # The weights as int64 tensors, per device (and per block count for U): the torch twin reads
-# them where the tensor lives.
+# them where the tensor lives. Two codec threads may build one twice: both copies are equal.
 _T_ON: dict[torch.device, torch.Tensor] = {}
 _U_ON: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -153,41 +153,29 @@ def _widened(bits: torch.Tensor) -> torch.Tensor:
     return wide if bits.element_size() == 8 else wide & ((1 << 8 * bits.element_size()) - 1)
 
 
-def _device_weights(device: torch.device, index: torch.Tensor,
-                    numel: int | None) -> torch.Tensor:
-    """w_i for every position of ``index``, computed on ``device``. With ``numel`` (the
-    tensor's size) the block weights of the whole tensor are cached and nothing waits for the
-    device; without it, the blocks touched are read back first."""
-    table = _T_ON.get(device)
-    if table is None:
-        table = _T_ON[device] = torch.from_numpy(_T.view(np.int64)).to(device)
-    blocks = index >> 16
-    if numel is None:
-        low, high = (int(x) for x in torch.aminmax(blocks))
-        block_weights = torch.from_numpy(
-            _block_weights(np.arange(low, high + 1)).view(np.int64)).to(device)
-        blocks = blocks - low
-    else:
-        count = -(-numel // SUM_BLOCK)
-        if (device, count) not in _U_ON:
-            _U_ON[(device, count)] = torch.from_numpy(
-                _block_weights(np.arange(count)).view(np.int64)).to(device)
-        block_weights = _U_ON[(device, count)]
-    return table[index & (SUM_BLOCK - 1)] * block_weights[blocks]
+def _device_weights(index: torch.Tensor, numel: int) -> torch.Tensor:
+    """w_i for every position of ``index`` (into a tensor of ``numel`` elements), computed on
+    its device from tables cached there: nothing waits for the device."""
+    device = index.device
+    if device not in _T_ON:
+        _T_ON[device] = torch.from_numpy(_T.view(np.int64)).to(device)
+    count = -(-numel // SUM_BLOCK)
+    if (device, count) not in _U_ON:
+        _U_ON[(device, count)] = torch.from_numpy(
+            _block_weights(np.arange(count)).view(np.int64)).to(device)
+    return _T_ON[device][index & (SUM_BLOCK - 1)] * _U_ON[(device, count)][index >> 16]
 
 
 def linear_sum_change_torch(index: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
-                            numel: int | None = None) -> int:
+                            numel: int) -> int:
     """``linear_sum_change`` computed where the tensors live (an accelerator holding the
     weights), so only the sum crosses to the host. Same value bit for bit: int64 add,
-    subtract, multiply and sum wrap modulo 2^64 exactly as uint64 does; ``index`` int64,
-    ``old``/``new`` integer bit views of one width; ``numel``: the tensor's size, when known
-    (saves a round trip to the device)."""
+    subtract, multiply and sum wrap modulo 2^64 exactly as uint64 does; ``index`` int64 into a
+    tensor of ``numel`` elements, ``old``/``new`` integer bit views of one width."""
     if index.numel() == 0:
         return 0
-    weights = _device_weights(index.device, index, numel)
     diff = _widened(new) - _widened(old)
-    return int((diff * weights).sum()) & _MASK64
+    return int((diff * _device_weights(index, numel)).sum()) & _MASK64
 
 
 def tensor_linear_sum(tensor: torch.Tensor) -> int:

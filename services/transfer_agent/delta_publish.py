@@ -136,8 +136,7 @@ class LastPublished:
                 item = encode_changes_on_device(old, new, index, base_sum=self.sums.get(name))
             if item.target_sum is None:  # too dense for a delta: keep the chain of sums
                 item = replace(item, target_sum=tensor_linear_sum(new))
-            return name, item, int(index.numel() if isinstance(index, torch.Tensor)
-                                   else index.size)
+            return name, item, len(index)
 
         encoded: dict[str, EncodedTensor] = {}
         changed = 0

@@ -24,10 +24,10 @@ def test_worked_example_of_two_instances_and_a_preemption():
     timing.active_changed(2)
     timing.step_opened(7)
     clock.now = 1.0
-    timing.produced(7, "a")
-    timing.produced(7, "b")
+    timing.produced([7], "a")
+    timing.produced([7], "b")
     clock.now = 4.0
-    timing.produced(7, "a")  # a works 1 -> 4
+    timing.produced([7], "a")  # a works 1 -> 4
     timing.active_changed(1, 3)  # b preempted at 4 after working 1 -> 1; 2 more stand by
     clock.now = 10.0
     got = timing.step_closed(7)
@@ -55,9 +55,9 @@ def test_tokens_of_another_or_a_closed_step_are_ignored_and_a_step_closes_once()
     clock = Clock()
     timing = RemoteTiming(clock)
     timing.step_opened(1)
-    timing.produced(2, "a")
+    timing.produced([2], "a")
     assert timing.step_closed(1) is not None
-    timing.produced(1, "a")
+    timing.produced([1], "a")
     assert timing.step_closed(1) is None
     with pytest.raises(ValueError, match="0 <= active <= available"):
         timing.active_changed(-1)
@@ -88,14 +88,14 @@ def test_a_scope_measures_every_turn_of_an_agentic_step_over_its_own_lifetime():
     timing = RemoteTiming(clock)
     timing.active_changed(2)
     timing.step_opened(1)  # a turn of an earlier step
-    timing.produced(1, "a")
+    timing.produced([1], "a")
     timing.step_closed(1)
     clock.now = 1.0
     timing.scope_opened(("seed-window", "s1"))
     for key, at, instance in ((2, 2.0, "a"), (3, 3.0, "b"), (4, 5.0, "a"), (5, 6.0, "b")):
         clock.now = at
         timing.step_opened(key)  # each turn a step of its own
-        timing.produced(key, instance)
+        timing.produced([key], instance)
         assert timing.step_closed(key) is not None
     clock.now = 7.0
     timing.active_changed(1)
@@ -121,7 +121,7 @@ def test_the_mean_count_lies_between_the_counts_and_an_instance_never_waits_past
         clock.now += dt
         timing.active_changed(count)
         counts.append(count)
-        timing.produced(0, instance)
+        timing.produced([0], instance)
     clock.now += 1.0
     got = timing.step_closed(0)
     assert got is not None
