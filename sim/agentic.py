@@ -9,12 +9,22 @@ turn's prefill is what dominates agentic rollout. Each worker has a prefix cache
 is cached prefills only what the last turn added. Trajectories start together. A trajectory's
 next turn arrives ``env_s`` after its last one finished, with the environment's reply appended.
 
+Serving GPUs (``ClusterModel.serving``, ROSE's end-to-end setup behind Table 3) are co-executors
+lent to the rollout. Their serving traffic comes in bursts (``serving_period_s``, staggered over
+the GPUs). Outside a burst one admits ``serving_slots`` turns. In a burst it admits
+``burst_slots``, and its serving steps interleave with the rollout's (each rollout step takes
+``burst_step_factor`` times as long). When a burst starts, it reclaims memory as our co-executor
+does (``memory_sharing``): it aborts the turns beyond its cap newest first, which go back to the
+manager with every token they sampled, and it drops its prefix cache. The manager sees its cap as
+its capacity and ranks it after the dedicated workers (``TurnRouter``).
+
 Pure and deterministic: a workload in, a result out.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -61,6 +71,30 @@ class ClusterModel:
     per_request_s: float = 0.0005
     prefill_token_s: float = 0.0002
     cache_tokens: int = 200_000  # KV tokens a worker's prefix cache keeps
+    serving: int = 0  # serving GPUs lent to the rollout (co-executors)
+    serving_slots: int = 16  # turns one admits between serving bursts
+    burst_slots: int = 2  # ... and during one
+    serving_period_s: float = 120.0  # a burst starts every period on each serving GPU
+    burst_fraction: float = 0.5  # of the period
+    burst_step_factor: float = 2.0  # serving steps share the GPU during a burst
+
+    def in_burst(self, serving_index: int, now: float) -> bool:
+        """Serving GPU ``serving_index``'s traffic is bursting at ``now`` (staggered phases)."""
+        phase = (now / self.serving_period_s + serving_index / max(1, self.serving)) % 1.0
+        return phase < self.burst_fraction
+
+    def serving_cap(self, serving_index: int, now: float) -> int:
+        return self.burst_slots if self.in_burst(serving_index, now) else self.serving_slots
+
+    def next_serving_change(self, now: float) -> float:
+        """The next time any serving GPU's burst starts or ends."""
+        out = float("inf")
+        for i in range(self.serving):
+            offset = i / self.serving
+            for edge in (0.0, self.burst_fraction):
+                k = (now / self.serving_period_s + offset - edge) // 1.0 + 1
+                out = min(out, (k + edge - offset) * self.serving_period_s)
+        return out
 
 
 @dataclass
@@ -69,6 +103,7 @@ class AgenticResult:
     prefill_tokens: int
     cached_tokens: int
     turns: int
+    aborted: int = 0  # turns a serving burst sent back to the manager
 
     @property
     def hit_rate(self) -> float:
@@ -85,6 +120,11 @@ class _Turn:
     generated: int = 0
     prefill: int = 0  # tokens still to prefill (set at admission)
 
+    @property
+    def context(self) -> int:
+        """Its prompt and what it sampled so far (an aborted turn resumes from here)."""
+        return self.history + self.generated
+
 
 @dataclass
 class _Worker:
@@ -93,6 +133,13 @@ class _Worker:
     queued: list[_Turn] = field(default_factory=list)
     cache: OrderedDict[int, int] = field(default_factory=OrderedDict)  # trajectory -> tokens
     busy_until: float = 0.0
+    serving_index: int | None = None  # a serving GPU's index; None: a dedicated worker
+    bursting: bool = False  # its serving burst has taken its memory back
+
+    def cap(self, cluster: ClusterModel, now: float) -> int:
+        if self.serving_index is None:
+            return cluster.slots
+        return cluster.serving_cap(self.serving_index, now)
 
 
 def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
@@ -102,19 +149,35 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
     now = 0.0
     router = TurnRouter(mode, ttl_s=1e9, clock=lambda: now)
     workers = [_Worker(f"w{i}") for i in range(cluster.workers)]
+    workers += [_Worker(f"s{i}", serving_index=i) for i in range(cluster.serving)]
     arrivals: list[tuple[float, _Turn]] = [
         (0.0, _Turn(t, 0, workload.prompt_tokens, outputs[t][0]))
         for t in range(workload.trajectories)]
     waiting: list[_Turn] = []
     result = AgenticResult(0.0, 0, 0, 0)
+    # Placement changes only when a turn arrives or comes back, one finishes or a serving cap
+    # moves: the held turns are tried again only then.
+    changed, cap_change = True, cluster.next_serving_change(now)
     while arrivals or waiting or any(w.running or w.queued for w in workers):
         arrivals.sort(key=lambda a: a[0])
         while arrivals and arrivals[0][0] <= now:
             waiting.append(arrivals.pop(0)[1])
-        waiting = _dispatch(waiting, workers, router, cluster)
+            changed = True
         for worker in workers:
-            if worker.busy_until <= now and (worker.running or worker.queued):
+            if worker.busy_until <= now:
+                aborted = _reclaim(worker, now, cluster, result)
+                waiting += aborted
+                changed = changed or bool(aborted)
+        if now >= cap_change:
+            changed, cap_change = True, cluster.next_serving_change(now)
+        if waiting and changed:
+            waiting = _dispatch(waiting, workers, router, cluster, now)
+        changed = False
+        for worker in workers:
+            if worker.busy_until <= now and (worker.running or worker.queued) and (
+                    worker.running or worker.cap(cluster, now)):
                 finished = _step(worker, now, cluster, result)
+                changed = changed or bool(finished)
                 for turn in finished:
                     turns = len(outputs[turn.trajectory])
                     router.finished(str(turn.trajectory), worker.name, turn.index == turns - 1)
@@ -127,6 +190,8 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
         upcoming = [w.busy_until for w in workers if (w.running or w.queued)
                     and w.busy_until > now]
         upcoming += [a[0] for a in arrivals]
+        if cluster.serving and (waiting or any(w.queued for w in workers)):
+            upcoming.append(cluster.next_serving_change(now))
         if not upcoming:
             if waiting and not any(w.running or w.queued for w in workers):
                 raise RuntimeError("turns wait with every worker idle: the router held them")
@@ -136,20 +201,24 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
     return result
 
 
-def _loads(workers: list[_Worker], cluster: ClusterModel) -> list[InstanceLoad]:
-    return [InstanceLoad(w.name, cluster.slots,
+def _loads(workers: list[_Worker], cluster: ClusterModel, now: float) -> list[InstanceLoad]:
+    """The manager's view. A dedicated worker's cap is its batching plateau; a co-executor's
+    is what its admission takes now (no plateau: its capacity is the cap)."""
+    return [InstanceLoad(w.name, w.cap(cluster, now),
                          queued=tuple(f"q{id(t)}" for t in w.queued),
-                         running=tuple(f"r{id(t)}" for t in w.running), plateau=cluster.slots)
+                         running=tuple(f"r{id(t)}" for t in w.running),
+                         plateau=None if w.serving_index is not None else cluster.slots,
+                         serving=w.serving_index is not None)
             for w in workers]
 
 
 def _dispatch(waiting: list[_Turn], workers: list[_Worker], router: TurnRouter,
-              cluster: ClusterModel) -> list[_Turn]:
+              cluster: ClusterModel, now: float) -> list[_Turn]:
     """The manager's own turn placement (``TurnRouter.dispatch``); returns the turns held."""
     by_name = {w.name: w for w in workers}
     by_id = {str(id(turn)): turn for turn in waiting}
     placed = router.dispatch(list(by_id), lambda key: str(by_id[key].trajectory),
-                             _loads(workers, cluster), cluster.theta, select_instance)
+                             _loads(workers, cluster, now), cluster.theta, select_instance)
     for command in placed:
         by_name[command.worker_id].queued.append(by_id.pop(command.request_id))
     return list(by_id.values())
@@ -160,12 +229,13 @@ def _step(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticRes
     """One engine step from ``now``: admits queued turns into free slots (their prefill minus
     what the worker's cache holds of their history), decodes every running turn."""
     admitted: list[_Turn] = []
-    while worker.queued and len(worker.running) + len(admitted) < cluster.slots:
+    cap = worker.cap(cluster, now)
+    while worker.queued and len(worker.running) + len(admitted) < cap:
         turn = worker.queued.pop(0)
-        cached = min(worker.cache.get(turn.trajectory, 0), turn.history - 1)
+        cached = min(worker.cache.get(turn.trajectory, 0), turn.context - 1)
         if cached:
             worker.cache.move_to_end(turn.trajectory)
-        turn.prefill = turn.history - cached
+        turn.prefill = turn.context - cached
         result.prefill_tokens += turn.prefill
         result.cached_tokens += cached
         admitted.append(turn)
@@ -173,6 +243,8 @@ def _step(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticRes
     worker.running += admitted
     batch = len(worker.running)
     duration = cluster.decode_s + cluster.per_request_s * batch + cluster.prefill_token_s * prefill
+    if worker.serving_index is not None and cluster.in_burst(worker.serving_index, now):
+        duration *= cluster.burst_step_factor
     worker.busy_until = now + duration
     finished = []
     for turn in list(worker.running):
@@ -182,6 +254,26 @@ def _step(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticRes
             finished.append(turn)
             result.turns += 1
     return finished
+
+
+def _reclaim(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticResult
+             ) -> list[_Turn]:
+    """A serving burst takes a co-executor's memory back: the turns beyond its cap are aborted
+    (newest first) and go back to the manager with their tokens; its prefix cache is dropped."""
+    if worker.serving_index is None:
+        return []
+    burst = cluster.in_burst(worker.serving_index, now)
+    if burst and not worker.bursting:
+        worker.cache.clear()
+    worker.bursting = burst
+    if not burst:
+        return []
+    cap = cluster.serving_cap(worker.serving_index, now)
+    aborted: list[_Turn] = []
+    while len(worker.running) > cap:
+        aborted.append(worker.running.pop())
+    result.aborted += len(aborted)
+    return aborted
 
 
 def _remember(worker: _Worker, turn: _Turn, capacity: int) -> None:
@@ -210,20 +302,37 @@ def main() -> None:
                         help="fixed cost of an engine step (tools/step_costs.py measures it)")
     parser.add_argument("--prefill-token-s", type=float, default=ClusterModel.prefill_token_s,
                         help="cost of one prefilled token (tools/step_costs.py measures it)")
+    parser.add_argument("--serving", type=int, default=0,
+                        help="serving GPUs lent to the rollout (co-executors with serving bursts)")
+    parser.add_argument("--workers", type=int, default=ClusterModel.workers,
+                        help="dedicated rollout GPUs (and serving GPUs with --serving N)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="workloads drawn (seed, seed+1, ...): the makespan is the longest "
+                        "trajectory's, so one draw is noisy; prints median ratios and spread")
     args = parser.parse_args()
     lo, hi = (int(x) for x in args.turns.split("-"))
-    workload = dataclasses.replace(AgenticWorkload(), trajectories=args.trajectories,
-                                   turn_range=(lo, hi), seed=args.seed)
     cluster = dataclasses.replace(ClusterModel(), per_request_s=args.per_request_s,
-                                  decode_s=args.decode_s, prefill_token_s=args.prefill_token_s)
-    results = compare(workload, cluster)
-    static = results["pinned-static"].makespan_s
-    pinned = results["pinned"].makespan_s
-    for mode, r in results.items():
-        print(f"{mode:18s} makespan {r.makespan_s:7.1f} s  vs pinned-static (the paper's "
-              f"baseline) {static / r.makespan_s:.2f}x, vs pinned {pinned / r.makespan_s:.2f}x"
-              f"  prefill {r.prefill_tokens:>8d} tokens, cache hit rate {r.hit_rate:.0%}")
+                                  decode_s=args.decode_s, prefill_token_s=args.prefill_token_s,
+                                  workers=args.workers, serving=args.serving)
+    runs = [compare(dataclasses.replace(AgenticWorkload(), trajectories=args.trajectories,
+                                        turn_range=(lo, hi), seed=args.seed + k), cluster)
+            for k in range(args.seeds)]
+    for mode in runs[0]:
+        print(f"{mode:18s} makespan {statistics.median(r[mode].makespan_s for r in runs):7.1f} s"
+              f"  vs pinned-static (the paper's baseline) {_ratio(runs, 'pinned-static', mode)}, "
+              f"vs pinned {_ratio(runs, 'pinned', mode)}  prefill "
+              f"{statistics.median(r[mode].prefill_tokens for r in runs):>9.0f} tokens, cache hit "
+              f"rate {statistics.median(r[mode].hit_rate for r in runs):.0%}, "
+              f"{statistics.median(r[mode].aborted for r in runs):.0f} turns aborted by bursts")
+
+
+def _ratio(runs: list[dict[str, AgenticResult]], base: str, mode: str) -> str:
+    """How much faster ``mode`` ran than ``base``: the median over the draws [spread]."""
+    ratios = sorted(r[base].makespan_s / r[mode].makespan_s for r in runs)
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ class InstanceLoad:
     # Requests on the instance that this manager did not send (another manager's, serving
     # traffic): only a kv_memory worker's load report shows them (kv_memory_load).
     unmanaged: int = 0
+    # A serving GPU's co-executor (kind "serving"): its capacity is what its serving SLOs admit
+    # now, and ROSE's turn router ranks it after every dedicated worker (§4.3).
+    serving: bool = False
 
     @property
     def assigned(self) -> int:

@@ -464,4 +464,4 @@ class RolloutControl:
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged)
+                            plateau, unmanaged, serving=w.kind == "serving")

@@ -21,9 +21,12 @@ The cap is the batching profile's plateau B (App. A: past B a worker's throughpu
 or the worker's capacity before a profile exists. An affinity entry is dropped after the
 trajectory's last turn, or after ``ttl_s`` without a turn (a trajectory the client abandoned).
 
-Deviation: ROSE also ranks dedicated workers before co-executors when the affinity worker is
-full. Here a co-executor is one more eligible instance, and its admission refuses what its SLOs
-cannot take (RESOURCE_EXHAUSTED); the manager then places the turn elsewhere.
+Co-executors (serving GPUs, ``InstanceLoad.serving``) come after every dedicated worker, as
+ROSE ranks them: a turn goes home to one only while its admission holds (under its cap, which
+is what its serving SLOs admit now), and is otherwise placed on the least loaded dedicated
+worker under its cap, then the least loaded co-executor under its cap. A co-executor's own
+admission still refuses what its SLOs cannot take (RESOURCE_EXHAUSTED); the manager then places
+the turn elsewhere.
 
 Pure: no I/O, an injected clock.
 """
@@ -84,23 +87,20 @@ class TurnRouter:
         """Where to send the trajectory's next turn (None: hold it)."""
         home = self.home(trajectory_id) if self.mode is not TurnRouting.TURNWISE else None
         by_id = {i.worker_id: i for i in instances}
-        if home is not None and home in by_id:
-            if self._pinned or _home_has_room(by_id[home], theta):
-                self.counts.affinity += 1
-                return home
+        at_home = by_id.get(home) if home is not None else None
+        if at_home is not None and (self._pinned or _home_first(at_home, instances, theta)):
+            self.counts.affinity += 1
+            return at_home.worker_id
         if self.mode is TurnRouting.PINNED_STATIC and instances:
             if home is None:
                 self.counts.first += 1
             else:  # its worker is gone
                 self.counts.moved += 1
             return min(instances, key=lambda i: (i.assigned, i.worker_id)).worker_id
-        if self.mode is TurnRouting.AFFINITY:
-            # Only a worker under its cap takes it; with none, it waits for a slot (at home
-            # then, most likely) instead of queueing behind a full worker without its history.
-            instances = [i for i in instances if _under_cap(i, theta)]
-            if not instances:
-                return None
-        target = fallback(instances, theta)
+        # Only a worker under its cap takes it in affinity mode; with none, it waits for a slot
+        # (at home then, most likely) instead of queueing behind a full worker without its
+        # history.
+        target = _tiered(instances, theta, fallback, hold=self.mode is TurnRouting.AFFINITY)
         if target is not None:
             if home is None:
                 self.counts.first += 1
@@ -128,12 +128,20 @@ class TurnRouter:
                  instances: Sequence[InstanceLoad], theta: int,
                  fallback: SelectFn) -> list[Dispatch]:
         """Places the waiting turns (``order``, then ``select`` each). Unlike Algorithm 2's
-        FIFO hold, a turn held here does not hold the turns behind it: their homes differ."""
+        FIFO hold, a turn held here does not hold the turns behind it: their homes differ. A
+        turn without a home that is held holds the other homeless ones, though: their choice
+        depends only on the loads, which placing turns only raises (thousands of first turns
+        wait at a step's start; each would scan every worker again)."""
         by_id = {i.worker_id: i for i in instances}
         out: list[Dispatch] = []
+        homeless_held = False
         for request_id in self.order(request_ids, trajectory_of, instances, theta):
             trajectory_id = trajectory_of(request_id)
+            homeless = self.mode is TurnRouting.TURNWISE or self.home(trajectory_id) is None
+            if homeless and homeless_held:
+                continue
             target = self.select(trajectory_id, list(by_id.values()), theta, fallback)
+            homeless_held = homeless_held or (homeless and target is None)
             if target is not None:
                 by_id[target] = queue_on(by_id[target], request_id)
                 self.dispatched(trajectory_id, target)
@@ -170,10 +178,42 @@ def _cap(instance: InstanceLoad) -> int:
     return max(1, instance.plateau if instance.plateau is not None else instance.capacity)
 
 
+def _home_first(home: InstanceLoad, instances: Sequence[InstanceLoad], theta: int) -> bool:
+    """Affinity's first choice. A dedicated home while it has room (up to Θ beyond its cap). A
+    co-executor home only while its admission holds and no dedicated worker is under its cap:
+    §4.3 moves a trajectory's turns "back to rollout GPUs once capacity becomes available". A
+    co-executor's rollout steps share its GPU with serving and a burst aborts them, so with a
+    dedicated slot free, one full prefill there costs less than decoding the turn at the
+    co-executor's pace (sim/agentic.py with serving GPUs: 1.30–1.40x of pinned this way, 1.09–1.23x
+    going home to the co-executor first)."""
+    if not home.serving:
+        return _home_has_room(home, theta)
+    return _under_cap(home, theta) and not any(
+        not i.serving and _under_cap(i, theta) for i in instances)
+
+
+def _tiered(instances: Sequence[InstanceLoad], theta: int, fallback: SelectFn,
+            hold: bool) -> str | None:
+    """ROSE §4.3's fallback: the least loaded dedicated worker under its cap, else the least
+    loaded co-executor whose admission holds (under its cap: what its serving SLOs admit now).
+    With neither, ``hold`` waits in the manager; otherwise Algorithm 2 may queue the turn on a
+    dedicated worker (turnwise, pinned's first turn: a turn is placed like any request)."""
+    for serving in (False, True):
+        room = [i for i in instances if i.serving is serving and _under_cap(i, theta)]
+        if room:
+            return fallback(room, theta)
+    if hold:
+        return None
+    return fallback([i for i in instances if not i.serving] or list(instances), theta)
+
+
 def _home_has_room(instance: InstanceLoad, theta: int) -> bool:
     """The history's worker takes the turn while fewer than Θ wait beyond its cap: waiting
     there for a slot costs less than prefilling the whole history elsewhere, and a turn queued
-    on the worker starts at its next engine step, not at the manager's next tick."""
+    on the worker starts at its next engine step, not at the manager's next tick. A co-executor
+    takes it only while its admission holds (ROSE §4.3: "would not violate serving SLOs")."""
+    if instance.serving:
+        return _under_cap(instance, theta)
     return instance.assigned < _cap(instance) + theta
 
 

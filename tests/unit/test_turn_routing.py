@@ -186,3 +186,67 @@ def test_a_turn_waiting_for_room_does_not_hold_the_plain_requests_behind_it():
     # (Algorithm 2 allows Θ pending), so it goes, although it came after the turn.
     assert dispatched == [Dispatch("p0", "a")]
     assert control.tracker.get("t1").worker_id is None
+
+
+S = InstanceLoad("s", capacity=2, serving=True)  # a co-executor: its cap is what it admits now
+S2 = InstanceLoad("s2", capacity=2, serving=True)
+
+
+def test_a_turn_spills_onto_a_co_executor_only_when_every_dedicated_worker_is_at_its_cap():
+    for mode in (TurnRouting.TURNWISE, TurnRouting.AFFINITY):
+        r, _ = router(mode)
+        # The co-executor is emptier, but a dedicated worker has a free slot (ROSE §4.3).
+        assert r.select("t", [busy(A, 3), S], 2, select_instance) == "a"
+        assert r.select("u", [busy(A, 4), S], 2, select_instance) == "s"
+        assert r.select("v", [busy(A, 4), busy(S, 2), S2], 2, select_instance) == "s2"
+    affinity, _ = router()
+    assert affinity.select("w", [busy(A, 4), busy(S, 2)], 2, select_instance) is None  # waits
+    turnwise, _ = router(TurnRouting.TURNWISE)
+    # Turnwise places a turn like any request: Algorithm 2 may queue it on a dedicated worker
+    # (Θ pending), never beyond a co-executor's admission.
+    assert turnwise.select("w", [busy(A, 4), busy(S, 2)], 2, select_instance) == "a"
+
+
+def test_a_turn_whose_history_is_on_a_co_executor_moves_back_to_a_free_dedicated_slot():
+    r, _ = router()
+    r.finished("t", "s", last_turn=False)
+    # §4.3: turns "migrate back to rollout GPUs once capacity becomes available".
+    assert r.select("t", [busy(A, 3), S], 2, select_instance) == "a"
+    assert r.counts.moved == 1
+    # With every dedicated worker at its cap, its co-executor takes it while it admits.
+    assert r.select("t", [busy(A, 4), busy(S, 1), S2], 2, select_instance) == "s"
+    assert r.counts.affinity == 1
+    # A co-executor at its cap (a serving burst) does not queue it: another one, else wait.
+    assert r.select("t", [busy(A, 4), busy(S, 2), S2], 2, select_instance) == "s2"
+    assert r.select("t", [busy(A, 4), busy(S, 2)], 2, select_instance) is None
+    # A dedicated home keeps its turns while fewer than Θ wait there, co-executor or not.
+    r.finished("u", "a", last_turn=False)
+    assert r.select("u", [busy(A, 4, queued=1), S], 2, select_instance) == "a"
+    pinned, _ = router(TurnRouting.PINNED)
+    pinned.dispatched("t", "s")
+    assert pinned.select("t", [A, busy(S, 2)], 2, select_instance) == "s"  # pinned stays
+
+
+def test_the_manager_marks_a_co_executor_as_serving_in_algorithm_2s_view():
+    control = RolloutControl(ControlConfig(theta=2), Clock())
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    control.worker_joined("s", 0, capacity=4, kind="serving")
+    assert {i.worker_id: i.serving for i in control._loads(0)} == {"a": False, "s": True}
+
+
+def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pinning_waits_out():
+    from rlharvest.sim.agentic import AgenticWorkload, ClusterModel, simulate
+
+    # ROSE's Table 3 setting, scaled to 4 dedicated and 4 serving GPUs (the measured H100 step
+    # costs): twice the slots' worth of trajectories spill onto serving GPUs, whose bursts
+    # shrink what they admit, slow their rollout steps and abort what is beyond their cap.
+    cluster = ClusterModel(workers=4, slots=16, serving=4, serving_slots=16, decode_s=0.024,
+                           per_request_s=0.0, prefill_token_s=0.0000282)
+    workload = AgenticWorkload(trajectories=256)
+    pinned, turnwise, affinity = (simulate(mode, workload, cluster) for mode in (
+        TurnRouting.PINNED, TurnRouting.TURNWISE, TurnRouting.AFFINITY))
+    assert pinned.turns == turnwise.turns == affinity.turns  # every turn ran to its end
+    assert pinned.aborted > 0  # bursts took slots back; the turns resumed with their tokens
+    assert turnwise.makespan_s < pinned.makespan_s
+    assert affinity.makespan_s < min(turnwise.makespan_s, pinned.makespan_s / 1.15)
+    assert affinity.hit_rate > 2 * turnwise.hit_rate
