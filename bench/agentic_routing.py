@@ -15,11 +15,17 @@ Configurations, interleaved over rounds, fresh prompts each run:
 - ``turnwise+affinity``: to the worker holding the history while it is under its cap, else as
   turnwise (the default).
 
+With ``--coexec N`` (ROSE's end-to-end setting behind Table 3), N co-executors join the pool
+(serving and rollout model ``small``, 4 rollout requests, prefix cache in the shared pool), the
+manager borrows them, and each serves a bursty synthetic trace through its OpenAI-compatible API
+for the whole run. Turns beyond the dedicated workers' caps spill onto them; their serving
+traffic shares their core and takes their KV memory back.
+
 Reported per configuration: rollout seconds (medians), the speed-up of each over pinned (median
 [spread]), prefix-cache hits of the workers and prefill tokens they skipped, and how the manager
 routed the turns.
 
-    python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0]
+    python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0] [--coexec 0] [--serving-rps 2]
 """
 
 from __future__ import annotations
@@ -39,13 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlharvest.common import rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
+from rlharvest.services import loadgen  # noqa: E402
 from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
 from rlharvest.services.trainer.environments.runner import PlayConfig, generate_turn  # noqa: E402
+from rlharvest.sim.serving_trace import synthetic  # noqa: E402
 from tests.integration.test_manager import scrape  # noqa: E402
 
 from bench.coexec_serving import wait_http  # noqa: E402
 from bench.manager_preemption import wait_healthy  # noqa: E402
 
+SERVED = "served"
 MODES = ("pinned", "pinned-static", "turnwise", "turnwise+affinity")
 PROMPT, REPLY = 300, 150
 HIT_METRICS = ("rlh_worker_prefix_cache_hits_total", "rlh_worker_prefix_cache_saved_tokens_total")
@@ -96,11 +105,40 @@ def start_workers(stack: LocalStack, count: int) -> list[tuple[ServiceProcess, i
     return workers
 
 
-def start_manager(stack: LocalStack, mode: str, name: str) -> tuple[ServiceProcess, str, int]:
+def start_coexecs(stack: LocalStack, count: int) -> list[tuple[ServiceProcess, int, str]]:
+    """Co-executors lent to the rollout; each one's process, metrics port and serving URL."""
+    coexecs = []
+    for i in range(count):
+        metrics, http = free_port(), free_port()
+        proc = stack.start("coexecutor", f"c{i}", [
+            "--coexec-id", f"c{i}", "--port", str(free_port()), "--metrics-port", str(metrics),
+            "--http-port", str(http), "--lease-ttl", "2", "--torch-threads", "1",
+            "--serving-model", "small", "--model", "small", "--served-model-name", SERVED,
+            "--max-running", "4", "--max-len", "1024", "--total-pages", "1024",
+            "--page-tokens", "16", "--prefix-cache", "--drain-timeout", "1", "--json-logs"])
+        coexecs.append((proc, metrics, f"http://127.0.0.1:{http}"))
+    for proc, metrics, _ in coexecs:
+        wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
+    return coexecs
+
+
+async def serve_bursts(urls: list[str], rps: float, seed: int) -> None:
+    """Bursty serving traffic on every co-executor until cancelled (the run's end)."""
+    async def one(url: str, k: int) -> None:
+        for lap in range(1000):
+            trace = [loadgen.fit_to_context(r, 512) for r in synthetic(
+                60.0, rps, seed=seed + 1000 * k + lap, max_tokens=512, prompt_median=128,
+                output_median=48, peak_to_mean=1.9)]
+            await loadgen.replay(url, SERVED, trace, max_seconds=60.0)
+    await asyncio.gather(*(one(url, k) for k, url in enumerate(urls)))
+
+
+def start_manager(stack: LocalStack, mode: str, name: str,
+                  coexecs: int = 0) -> tuple[ServiceProcess, str, int]:
     port, metrics = free_port(), free_port()
     proc = stack.start("rollout_manager", name, [
         "--port", str(port), "--metrics-port", str(metrics), "--lease-ttl", "2",
-        "--turn-routing", mode, "--json-logs"])
+        "--turn-routing", mode, "--max-serving-workers", str(coexecs), "--json-logs"])
     wait_http(f"http://127.0.0.1:{metrics}/healthz", proc)
     # The last configuration's manager may still hold the job's leadership (its lease runs
     # out after --lease-ttl): a standby refuses Generate.
@@ -117,18 +155,25 @@ def hits(workers: list[tuple[ServiceProcess, int]]) -> tuple[float, float]:
     return tuple(sum(s.get(name, 0.0) for s in samples) for name in HIT_METRICS)  # type: ignore
 
 
-async def one_run(stack: LocalStack, workers, mode: str, tag: str,
+async def one_run(stack: LocalStack, workers, coexecs, mode: str, tag: str, round_: int,
                   args: argparse.Namespace) -> dict:
-    proc, endpoint, metrics = start_manager(stack, mode, f"m-{tag}")
+    proc, endpoint, metrics = start_manager(stack, mode, f"m-{tag}", len(coexecs))
+    serving = None
     try:
-        await wait_healthy(endpoint, len(workers))
+        await wait_healthy(endpoint, len(workers) + len(coexecs))
         before = hits(workers)
+        if coexecs:
+            serving = asyncio.ensure_future(serve_bursts([c[2] for c in coexecs],
+                                                         args.serving_rps, seed=round_))  # same per round
         seconds = await run_trajectories(endpoint, tag, args.trajectories, args.turns,
                                          env_s=args.env_ms / 1000)
         after = hits(workers)
         routed = {o: scrape(metrics).get(f'rlh_manager_turns_routed{{outcome="{o}"}}', 0.0)
                   for o in ("affinity", "moved", "first")}
     finally:
+        if serving is not None:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
         proc.terminate()
     return {"seconds": seconds, "hits": after[0] - before[0], "saved": after[1] - before[1],
             "routed": routed}
@@ -140,17 +185,20 @@ async def bench(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     try:
         workers = start_workers(stack, args.workers)
+        coexecs = start_coexecs(stack, args.coexec)
         for r in range(args.rounds):
             shift = r % len(MODES)
             for i, mode in enumerate(MODES[shift:] + MODES[:shift]):
-                runs[mode].append(await one_run(stack, workers, mode, f"r{r}m{i}", args))
+                runs[mode].append(await one_run(stack, workers, coexecs, mode, f"r{r}m{i}",
+                                                r, args))
             print(f"  round {r} done", flush=True)
     finally:
         stack.stop()
     turns = args.trajectories * args.turns
     print(f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
           f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
-          f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds")
+          f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds, {args.coexec} co-executors "
+          f"serving {args.serving_rps} req/s in bursts")
     baselines = {b: [run["seconds"] for run in runs[b]] for b in ("pinned", "pinned-static")}
     for mode in MODES:
         secs = [run["seconds"] for run in runs[mode]]
@@ -175,6 +223,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--env-ms", type=float, default=0.0,
                         help="the environment's time between turns (mean; 0.5-1.5x of it)")
+    parser.add_argument("--coexec", type=int, default=0,
+                        help="co-executors (serving GPUs) lent to the rollout, serving bursts")
+    parser.add_argument("--serving-rps", type=float, default=2.0,
+                        help="each co-executor's serving traffic, mean (bursts to 1.9x)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.trajectories, args.turns = 1, 6, 3
