@@ -45,6 +45,10 @@ class InstanceLoad:
     # A serving GPU's co-executor (kind "serving"): its capacity is what its serving SLOs admit
     # now, and ROSE's turn router ranks it after every dedicated worker (§4.3).
     serving: bool = False
+    # It refused a request for memory (RESOURCE_EXHAUSTED) within ControlConfig.refusal_hold_s:
+    # it has no room for now, whatever its counts say (a co-executor's KV budget shrinks with
+    # serving bursts, which the manager does not see).
+    refusing: bool = False
 
     @property
     def assigned(self) -> int:
@@ -61,7 +65,7 @@ class InstanceLoad:
 
     @property
     def free_slots(self) -> int:
-        return 0 if self.pending else max(0, self.capacity - self.executing)
+        return 0 if self.pending or self.refusing else max(0, self.capacity - self.executing)
 
 
 def kv_memory_load(slots: int, reported_pending: int, reported_executing: int,
@@ -88,7 +92,8 @@ SelectFn = Callable[[Sequence["InstanceLoad"], int], "str | None"]
 
 def select_instance(instances: Sequence[InstanceLoad], theta: int) -> str | None:
     """SELECTINSTANCE (lines 1-12): join the shortest queue among instances with fewer than Θ
-    pending requests; None means hold the request until a completion (delayed dispatch).
+    pending requests; None means hold the request until a completion (delayed dispatch). An
+    instance that just refused a request for memory (``refusing``) has no room either.
 
     Ties on m_pending (the paper leaves them open) go to the instance with the most free batch
     slots, so that an empty step spreads over workers instead of filling one, then to the id.
@@ -96,7 +101,7 @@ def select_instance(instances: Sequence[InstanceLoad], theta: int) -> str | None
     if theta < 1:
         raise ValueError(f"theta={theta}: at least one pending request per instance must be "
                          "allowed, or nothing is ever dispatched")
-    candidates = [i for i in instances if i.pending < theta]
+    candidates = [i for i in instances if i.pending < theta and not i.refusing]
     if not candidates:
         return None
     return min(candidates, key=lambda i: (i.pending, -i.free_slots, i.worker_id)).worker_id

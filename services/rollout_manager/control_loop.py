@@ -39,7 +39,7 @@ from rlharvest.services.rollout_manager.commands import (
     Migrate,
     Release,
 )
-from rlharvest.services.rollout_manager.failure import FailureConfig, FailurePolicy
+from rlharvest.services.rollout_manager.failure import NO_ROOM, FailureConfig, FailurePolicy
 from rlharvest.services.rollout_manager.remote_timing import RemoteTiming
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
@@ -71,6 +71,11 @@ class ControlConfig:
     # The recompute baseline of RLBoost §6.4.3 (Fig. 14) only: a request released by a lost
     # worker restarts from its prompt instead of resuming from its last token.
     recompute_on_loss: bool = False
+    # A worker that refuses a request for memory (RESOURCE_EXHAUSTED: a co-executor whose
+    # serving burst took its KV budget back) gets no new request for this long. Without it the
+    # manager sent the request back every tick (thousands of refusals a run in
+    # bench/agentic_routing.py --coexec 1).
+    refusal_hold_s: float = 0.25
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: StepLimits = field(default_factory=StepLimits)
 
@@ -295,6 +300,8 @@ class RolloutControl:
         if req.done or req.worker_id != worker_id:
             return []  # about an assignment the request already left
         decided = self.failure.refused(request_id, worker_id, code, message)
+        if code == NO_ROOM:
+            self.pool.get(worker_id).refused_room_at = self._clock()
         return self._apply([decided]) if decided is not None else []
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -463,5 +470,7 @@ class RolloutControl:
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
+        refusing = (w.refused_room_at is not None
+                     and self._clock() - w.refused_room_at < self.config.refusal_hold_s)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged, serving=w.kind == "serving")
+                            plateau, unmanaged, serving=w.kind == "serving", refusing=refusing)

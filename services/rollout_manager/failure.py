@@ -33,6 +33,10 @@ RETRYABLE_REFUSALS = frozenset(code.value[0] for code in (
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
+# The worker had no memory for the request (a co-executor's KV budget): it gets no new request
+# for ControlConfig.refusal_hold_s.
+NO_ROOM = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
 # The worker's answer to an abort of a request it does not hold: the request had already left
 # it (finished, or aborted before). It refuses no add, so it says nothing about the request the
 # manager tracks under that id now (a client that retries a step reuses its request ids, and an

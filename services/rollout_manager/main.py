@@ -38,6 +38,7 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
     return RolloutControl(ControlConfig(
         theta=_NEVER_HOLD if baseline else cfg.theta, continuous_lb=not baseline,
         recompute_on_loss=cfg.recompute_on_loss, max_moves_per_tick=cfg.max_moves_per_round,
+        refusal_hold_s=cfg.refusal_hold_s,
         failure=FailureConfig(stall_timeout_s=cfg.stall_timeout_s,
                               no_worker_timeout_s=cfg.no_worker_timeout_s),
         limits=StepLimits(max_requests=cfg.max_step_requests, max_prompt_tokens=cfg.max_prompt_tokens,

@@ -88,15 +88,20 @@ class TurnRouter:
         home = self.home(trajectory_id) if self.mode is not TurnRouting.TURNWISE else None
         by_id = {i.worker_id: i for i in instances}
         at_home = by_id.get(home) if home is not None else None
+        if at_home is not None and self._pinned and at_home.refusing:
+            return None  # pinned: it waits for its worker, which has no memory for it now
         if at_home is not None and (self._pinned or _home_first(at_home, instances, theta)):
             self.counts.affinity += 1
             return at_home.worker_id
-        if self.mode is TurnRouting.PINNED_STATIC and instances:
+        if self.mode is TurnRouting.PINNED_STATIC:
+            open_ = [i for i in instances if not i.refusing]
+            if not open_:
+                return None
             if home is None:
                 self.counts.first += 1
             else:  # its worker is gone
                 self.counts.moved += 1
-            return min(instances, key=lambda i: (i.assigned, i.worker_id)).worker_id
+            return min(open_, key=lambda i: (i.assigned, i.worker_id)).worker_id
         # Only a worker under its cap takes it in affinity mode; with none, it waits for a slot
         # (at home then, most likely) instead of queueing behind a full worker without its
         # history.
@@ -212,11 +217,12 @@ def _home_has_room(instance: InstanceLoad, theta: int) -> bool:
     there for a slot costs less than prefilling the whole history elsewhere, and a turn queued
     on the worker starts at its next engine step, not at the manager's next tick. A co-executor
     takes it only while its admission holds (ROSE §4.3: "would not violate serving SLOs")."""
-    if instance.serving:
+    if instance.serving or instance.refusing:
         return _under_cap(instance, theta)
     return instance.assigned < _cap(instance) + theta
 
 
 def _under_cap(instance: InstanceLoad, theta: int) -> bool:
-    """Room for one more turn: below its cap and the pending bound Θ."""
-    return instance.assigned < _cap(instance) and instance.pending < theta
+    """Room for one more turn: below its cap and the pending bound Θ, and no refusal for
+    memory just now."""
+    return instance.assigned < _cap(instance) and instance.pending < theta and not instance.refusing

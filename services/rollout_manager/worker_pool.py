@@ -45,6 +45,7 @@ class WorkerView:
     reported_executing: int = 0
     assigned_at_report: int = 0
     kv_capacity_tokens: int = 0  # Load.kv_capacity_tokens of its last report; 0: none yet
+    refused_room_at: float | None = None  # when it last refused a request for memory
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""

@@ -148,9 +148,10 @@ def test_the_managers_routing_flag_reaches_its_core():
 
     for mode in TurnRouting:
         cfg = load_config(ManagerConfig, flags={"turn_routing": mode.value,
-                                                "trajectory_ttl_s": "30"})
+                                                "trajectory_ttl_s": "30", "refusal_hold_s": "0.5"})
         control = build_control(cfg)
         assert control.router.mode is mode and control.router.ttl_s == 30
+        assert control.config.refusal_hold_s == 0.5
 
 
 def test_a_lost_workers_turn_resumes_elsewhere_with_its_tokens_and_its_home_moves_there():
@@ -250,3 +251,39 @@ def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pi
     assert turnwise.makespan_s < pinned.makespan_s
     assert affinity.makespan_s < min(turnwise.makespan_s, pinned.makespan_s / 1.15)
     assert affinity.hit_rate > 2 * turnwise.hit_rate
+
+
+def test_a_worker_that_refused_a_request_for_memory_gets_none_until_its_hold_ends():
+    import grpc
+
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
+    control.worker_joined("s", 0, capacity=4, kind="serving")
+    control.add_step("x", [request("r0")], 0)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "s")]
+    # Its serving burst took the KV budget back: it refuses the add for memory.
+    control.command_refused("s", "r0", grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "no pages")
+    for _ in range(3):  # before: sent back to it every tick, refused every tick
+        clock.advance(0.05)
+        assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    clock.advance(0.05)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    assert {i.worker_id: i.refusing for i in control._loads(0)} == {"a": False, "s": True}
+    clock.advance(0.1)  # the hold is over: it takes requests again (it is the emptier)
+    control.add_step("y", [request("r1")], 0)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r1", "s")]
+
+
+def test_a_refusing_worker_holds_its_pinned_turns_and_binds_no_new_ones():
+    refusing = replace(S, refusing=True)
+    pinned, _ = router(TurnRouting.PINNED)
+    pinned.dispatched("t", "s")
+    assert pinned.select("t", [A, refusing], 2, select_instance) is None  # waits for it
+    assert pinned.select("t", [A, S], 2, select_instance) == "s"
+    static, _ = router(TurnRouting.PINNED_STATIC)
+    assert static.select("u", [busy(A, 4, queued=3), refusing], 2, select_instance) == "a"
+    assert static.select("u", [refusing], 2, select_instance) is None
+    affinity, _ = router()
+    affinity.finished("v", "a", last_turn=False)
+    assert affinity.select("v", [replace(A, refusing=True), S], 2, select_instance) == "s"
