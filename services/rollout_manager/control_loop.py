@@ -39,7 +39,7 @@ from rlharvest.services.rollout_manager.commands import (
     Migrate,
     Release,
 )
-from rlharvest.services.rollout_manager.failure import NO_ROOM, FailureConfig, FailurePolicy
+from rlharvest.services.rollout_manager.failure import HOLD_AFTER, FailureConfig, FailurePolicy
 from rlharvest.services.rollout_manager.remote_timing import RemoteTiming
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
@@ -72,7 +72,9 @@ class ControlConfig:
     # worker restarts from its prompt instead of resuming from its last token.
     recompute_on_loss: bool = False
     # A worker that refuses a request for memory (RESOURCE_EXHAUSTED: a co-executor whose
-    # serving burst took its KV budget back) gets no new request for this long. Without it the
+    # serving burst took its KV budget back) or because it still holds it (ALREADY_EXISTS: a
+    # migration's abort there is queued behind its engine step), or a co-executor that gives
+    # one up on its own, gets no new request for this long. Without it the
     # manager sent the request back every tick (thousands of refusals a run in
     # bench/agentic_routing.py --coexec 1).
     refusal_hold_s: float = 0.25
@@ -245,6 +247,10 @@ class RolloutControl:
             self.pool.note_progress(worker_id)
             if self.pool.get(worker_id).kind in CAPPED_KINDS:
                 self._remote_produced(worker_id, report)
+        if report.aborted and self.pool.get(worker_id).kind == "serving":
+            # A co-executor gives requests up on its own to take memory back for serving
+            # (memory_sharing.py): like a refusal for memory, it has no room for now.
+            self.pool.get(worker_id).refused_room_at = self._clock()
         for dropped in report.dropped:
             if dropped.reason in ("position", "version"):
                 # The assignee and the manager disagree about this request: take it off that
@@ -300,7 +306,7 @@ class RolloutControl:
         if req.done or req.worker_id != worker_id:
             return []  # about an assignment the request already left
         decided = self.failure.refused(request_id, worker_id, code, message)
-        if code == NO_ROOM:
+        if code in HOLD_AFTER:
             self.pool.get(worker_id).refused_room_at = self._clock()
         return self._apply([decided]) if decided is not None else []
 

@@ -33,9 +33,12 @@ RETRYABLE_REFUSALS = frozenset(code.value[0] for code in (
     grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.RESOURCE_EXHAUSTED))
 
-# The worker had no memory for the request (a co-executor's KV budget): it gets no new request
-# for ControlConfig.refusal_hold_s.
-NO_ROOM = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+# Refusals after which the worker gets no new request for ControlConfig.refusal_hold_s: it had
+# no memory for the request (a co-executor's KV budget), or it still holds the request (a
+# migration's abort there has not run yet: sent straight back, the request bounced off it every
+# tick until its engine step ended).
+HOLD_AFTER = frozenset(code.value[0] for code in (
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS))
 
 # The worker's answer to an abort of a request it does not hold: the request had already left
 # it (finished, or aborted before). It refuses no add, so it says nothing about the request the

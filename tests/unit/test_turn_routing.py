@@ -287,3 +287,38 @@ def test_a_refusing_worker_holds_its_pinned_turns_and_binds_no_new_ones():
     affinity, _ = router()
     affinity.finished("v", "a", last_turn=False)
     assert affinity.select("v", [replace(A, refusing=True), S], 2, select_instance) == "s"
+
+
+def test_a_co_executor_that_gives_a_request_up_for_memory_is_held_like_a_refusal():
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
+    control.worker_joined("s", 0, capacity=4, kind="serving")
+    control.add_step("x", [request("r0", max_tokens=8)], 0)
+    control.tick()
+    # It streams two tokens, then aborts the request to give its pages to serving.
+    control.step_deltas("s", [TokenDelta("r0", 0, (5, 6), (0.0, 0.0), 0, True, "abort")])
+    assert control.tracker.get("r0").token_ids == [5, 6]  # kept, to resume elsewhere
+    clock.advance(0.1)
+    assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+    clock.advance(0.2)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "s")]
+
+
+def test_a_worker_that_still_holds_a_migrated_request_is_not_sent_it_every_tick():
+    import grpc
+
+    clock = Clock()
+    control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    control.add_step("x", [request("r0")], 0)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    control.tracker.release("r0")  # migrated away (its abort on a is queued behind a step)...
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    # ... and sent straight back: a still holds it until its abort runs.
+    control.command_refused("a", "r0", grpc.StatusCode.ALREADY_EXISTS.value[0], "already running")
+    assert control.tracker.get("r0").worker_id is None
+    for _ in range(4):  # before: dispatched to a and refused again every tick
+        clock.advance(0.05)
+        assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+    clock.advance(0.1)
+    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
