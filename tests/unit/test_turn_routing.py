@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import grpc
+
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, select_instance
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.commands import Dispatch
@@ -253,26 +255,34 @@ def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pi
     assert affinity.hit_rate > 2 * turnwise.hit_rate
 
 
-def test_a_worker_that_refused_a_request_for_memory_gets_none_until_its_hold_ends():
-    import grpc
+def dispatched(control: RolloutControl) -> list[Dispatch]:
+    return [c for c in control.tick() if isinstance(c, Dispatch)]
 
+
+def one_request_on(worker: str, kind: str) -> tuple[RolloutControl, Clock]:
+    """A manager with one worker, holding 0.25 s after a refusal, and r0 dispatched to it."""
     clock = Clock()
     control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
-    control.worker_joined("s", 0, capacity=4, kind="serving")
-    control.add_step("x", [request("r0")], 0)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "s")]
+    control.worker_joined(worker, 0, capacity=4, kind=kind)
+    control.add_step("x", [request("r0", max_tokens=8)], 0)
+    assert dispatched(control) == [Dispatch("r0", worker)]
+    return control, clock
+
+
+def test_a_worker_that_refused_a_request_for_memory_gets_none_until_its_hold_ends():
+    control, clock = one_request_on("s", "serving")
     # Its serving burst took the KV budget back: it refuses the add for memory.
     control.command_refused("s", "r0", grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "no pages")
     for _ in range(3):  # before: sent back to it every tick, refused every tick
         clock.advance(0.05)
-        assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+        assert not dispatched(control)
     control.worker_joined("a", 0, capacity=4, kind="gpu")
     clock.advance(0.05)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    assert dispatched(control) == [Dispatch("r0", "a")]
     assert {i.worker_id: i.refusing for i in control._loads(0)} == {"a": False, "s": True}
     clock.advance(0.1)  # the hold is over: it takes requests again (it is the emptier)
     control.add_step("y", [request("r1")], 0)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r1", "s")]
+    assert dispatched(control) == [Dispatch("r1", "s")]
 
 
 def test_a_refusing_worker_holds_its_pinned_turns_and_binds_no_new_ones():
@@ -290,35 +300,25 @@ def test_a_refusing_worker_holds_its_pinned_turns_and_binds_no_new_ones():
 
 
 def test_a_co_executor_that_gives_a_request_up_for_memory_is_held_like_a_refusal():
-    clock = Clock()
-    control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
-    control.worker_joined("s", 0, capacity=4, kind="serving")
-    control.add_step("x", [request("r0", max_tokens=8)], 0)
-    control.tick()
+    control, clock = one_request_on("s", "serving")
     # It streams two tokens, then aborts the request to give its pages to serving.
     control.step_deltas("s", [TokenDelta("r0", 0, (5, 6), (0.0, 0.0), 0, True, "abort")])
     assert control.tracker.get("r0").token_ids == [5, 6]  # kept, to resume elsewhere
     clock.advance(0.1)
-    assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+    assert not dispatched(control)
     clock.advance(0.2)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "s")]
+    assert dispatched(control) == [Dispatch("r0", "s")]
 
 
 def test_a_worker_that_still_holds_a_migrated_request_is_not_sent_it_every_tick():
-    import grpc
-
-    clock = Clock()
-    control = RolloutControl(ControlConfig(theta=2, refusal_hold_s=0.25), clock)
-    control.worker_joined("a", 0, capacity=4, kind="gpu")
-    control.add_step("x", [request("r0")], 0)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    control, clock = one_request_on("a", "gpu")
     control.tracker.release("r0")  # migrated away (its abort on a is queued behind a step)...
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    assert dispatched(control) == [Dispatch("r0", "a")]
     # ... and sent straight back: a still holds it until its abort runs.
     control.command_refused("a", "r0", grpc.StatusCode.ALREADY_EXISTS.value[0], "already running")
     assert control.tracker.get("r0").worker_id is None
     for _ in range(4):  # before: dispatched to a and refused again every tick
         clock.advance(0.05)
-        assert not [c for c in control.tick() if isinstance(c, Dispatch)]
+        assert not dispatched(control)
     clock.advance(0.1)
-    assert [c for c in control.tick() if isinstance(c, Dispatch)] == [Dispatch("r0", "a")]
+    assert dispatched(control) == [Dispatch("r0", "a")]
