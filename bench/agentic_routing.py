@@ -48,6 +48,7 @@ from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
 from rlharvest.services import loadgen  # noqa: E402
 from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
 from rlharvest.services.trainer.environments.runner import PlayConfig, generate_turn  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 from rlharvest.sim.serving_trace import synthetic  # noqa: E402
 from tests.integration.test_manager import scrape  # noqa: E402
 
@@ -204,9 +205,7 @@ async def bench(args: argparse.Namespace) -> None:
         secs = [run["seconds"] for run in runs[mode]]
         versus = []
         for name, base in baselines.items():
-            ratios = sorted(b / s for b, s in zip(base, secs))
-            versus.append(f"vs {name} {statistics.median(ratios):.2f}x "
-                          f"[{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            versus.append(f"vs {name} {spread([b / s for b, s in zip(base, secs)])}")
         last = runs[mode][-1]
         print(f"  {mode:18s} {statistics.median(secs):6.2f} s   {', '.join(versus)}   cache hits "
               f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,8 +40,7 @@ from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.launcher import LocalStack
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 
 COMMON = ["--lease-ttl", "2", "--json-logs"]
 

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 
 from rlharvest.services.placement_scheduler.inter_group import Objective  # noqa: E402
 from rlharvest.services.placement_scheduler.model import H20, H800, Job, PoolSpec  # noqa: E402

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 
 from rlharvest.common.tiny_model import build_model  # noqa: E402
 from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer  # noqa: E402

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 
 CONFIGS = {"1x1": (1, 1), "1x2": (1, 2), "2x1": (2, 1)}
 

@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import os
 import statistics
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -40,8 +39,7 @@ from rlharvest.services.transfer_agent.delta_codec import (
     encode_dense,
 )
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 
 LINKS_GBPS = (1, 20, 100)  # WEAVE/ROSE cross-cluster Ethernet is 20 Gbps
 ZERO_FRACTIONS = (0.9, 0.99, 0.999)

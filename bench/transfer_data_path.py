@@ -35,7 +35,7 @@ import torch
 from rlharvest.common.local_etcd import free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 from transfer_harness import local_stack, start_agent, write_results  # noqa: E402
 
 CHUNK = 16 << 20

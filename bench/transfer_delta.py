@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ratios import spread  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 from transfer_harness import local_stack, start_agent, write_results  # noqa: E402
 
 from rlharvest.services.transfer_agent.client import (  # noqa: E402

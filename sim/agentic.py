@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, select_instance
 from rlharvest.services.rollout_manager.turn_routing import TurnRouter, TurnRouting
+from rlharvest.sim.ratios import spread
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
                     and w.busy_until > now]
         upcoming += [a[0] for a in arrivals]
         if cluster.serving and (waiting or any(w.queued for w in workers)):
-            upcoming.append(cluster.next_serving_change(now))
+            upcoming.append(cap_change)
         if not upcoming:
             if waiting and not any(w.running or w.queued for w in workers):
                 raise RuntimeError("turns wait with every worker idle: the router held them")
@@ -320,8 +321,8 @@ def main() -> None:
             for k in range(args.seeds)]
     for mode in runs[0]:
         print(f"{mode:18s} makespan {statistics.median(r[mode].makespan_s for r in runs):7.1f} s"
-              f"  vs pinned-static (the paper's baseline) {_ratio(runs, 'pinned-static', mode)}, "
-              f"vs pinned {_ratio(runs, 'pinned', mode)}  prefill "
+              f"  vs pinned-static (the paper's baseline) {_ratio(runs, 'pinned-static', mode)},"
+              f" vs pinned {_ratio(runs, 'pinned', mode)}  prefill "
               f"{statistics.median(r[mode].prefill_tokens for r in runs):>9.0f} tokens, cache hit "
               f"rate {statistics.median(r[mode].hit_rate for r in runs):.0%}, "
               f"{statistics.median(r[mode].aborted for r in runs):.0f} turns aborted by bursts")
@@ -329,10 +330,7 @@ def main() -> None:
 
 def _ratio(runs: list[dict[str, AgenticResult]], base: str, mode: str) -> str:
     """How much faster ``mode`` ran than ``base``: the median over the draws [spread]."""
-    ratios = sorted(r[base].makespan_s / r[mode].makespan_s for r in runs)
-    if len(ratios) == 1:
-        return f"{ratios[0]:.2f}x"
-    return f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]"
+    return spread([r[base].makespan_s / r[mode].makespan_s for r in runs])
 
 
 if __name__ == "__main__":

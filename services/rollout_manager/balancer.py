@@ -45,9 +45,9 @@ class InstanceLoad:
     # A serving GPU's co-executor (kind "serving"): its capacity is what its serving SLOs admit
     # now, and ROSE's turn router ranks it after every dedicated worker (§4.3).
     serving: bool = False
-    # It refused a request for memory (RESOURCE_EXHAUSTED) within ControlConfig.refusal_hold_s:
-    # it has no room for now, whatever its counts say (a co-executor's KV budget shrinks with
-    # serving bursts, which the manager does not see).
+    # It refused a request (for memory, or because it still held it) or gave one up for memory
+    # within ControlConfig.refusal_hold_s: no room for now, whatever its counts say (a
+    # co-executor's KV budget shrinks with serving bursts, which the manager does not see).
     refusing: bool = False
 
     @property
@@ -93,7 +93,7 @@ SelectFn = Callable[[Sequence["InstanceLoad"], int], "str | None"]
 def select_instance(instances: Sequence[InstanceLoad], theta: int) -> str | None:
     """SELECTINSTANCE (lines 1-12): join the shortest queue among instances with fewer than Θ
     pending requests; None means hold the request until a completion (delayed dispatch). An
-    instance that just refused a request for memory (``refusing``) has no room either.
+    instance that just refused a request (``refusing``) has no room either.
 
     Ties on m_pending (the paper leaves them open) go to the instance with the most free batch
     slots, so that an empty step spreads over workers instead of filling one, then to the id.

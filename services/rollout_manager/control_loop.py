@@ -56,6 +56,7 @@ from rlharvest.services.rollout_manager.tracker import (
 )
 from rlharvest.services.rollout_manager.worker_pool import (
     CAPPED_KINDS,
+    SERVING_KIND,
     WorkerPool,
     WorkerState,
     WorkerView,
@@ -74,9 +75,9 @@ class ControlConfig:
     # A worker that refuses a request for memory (RESOURCE_EXHAUSTED: a co-executor whose
     # serving burst took its KV budget back) or because it still holds it (ALREADY_EXISTS: a
     # migration's abort there is queued behind its engine step), or a co-executor that gives
-    # one up on its own, gets no new request for this long. Without it the
-    # manager sent the request back every tick (thousands of refusals a run in
-    # bench/agentic_routing.py --coexec 1).
+    # one up on its own, gets no new request for this long. Without it the manager sent the
+    # request back every tick (thousands of refusals a run in bench/agentic_routing.py
+    # --coexec 1).
     refusal_hold_s: float = 0.25
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: StepLimits = field(default_factory=StepLimits)
@@ -247,10 +248,10 @@ class RolloutControl:
             self.pool.note_progress(worker_id)
             if self.pool.get(worker_id).kind in CAPPED_KINDS:
                 self._remote_produced(worker_id, report)
-        if report.aborted and self.pool.get(worker_id).kind == "serving":
+        if report.aborted and self.pool.get(worker_id).kind == SERVING_KIND:
             # A co-executor gives requests up on its own to take memory back for serving
             # (memory_sharing.py): like a refusal for memory, it has no room for now.
-            self.pool.get(worker_id).refused_room_at = self._clock()
+            self.pool.note_refusal(worker_id)
         for dropped in report.dropped:
             if dropped.reason in ("position", "version"):
                 # The assignee and the manager disagree about this request: take it off that
@@ -307,7 +308,7 @@ class RolloutControl:
             return []  # about an assignment the request already left
         decided = self.failure.refused(request_id, worker_id, code, message)
         if code in HOLD_AFTER:
-            self.pool.get(worker_id).refused_room_at = self._clock()
+            self.pool.note_refusal(worker_id)
         return self._apply([decided]) if decided is not None else []
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -434,8 +435,9 @@ class RolloutControl:
 
     def _remote_produced(self, worker_id: str, report: ApplyReport) -> None:
         tags = report.tags[report.accepted.counts > 0]  # the steps it produced tokens of
-        keys = np.unique(tags).tolist()  # the rows' steps (label: a step's key)
-        self.remote.produced([k for k in keys if self.steps.live_step(k) is not None], worker_id)
+        # The rows' steps (label: a step's key); RemoteTiming opens and closes with the live
+        # steps, so it ignores the keys of steps that ended.
+        self.remote.produced(np.unique(tags).tolist(), worker_id)
 
     def _note_busy(self, worker_id: str) -> None:
         # The stall clock of a worker that was idle starts when it gets work, not when it last
@@ -476,7 +478,6 @@ class RolloutControl:
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
-        refusing = (w.refused_room_at is not None
-                     and self._clock() - w.refused_room_at < self.config.refusal_hold_s)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged, serving=w.kind == "serving", refusing=refusing)
+                            plateau, unmanaged, serving=w.kind == SERVING_KIND,
+                            refusing=w.refusing(self._clock(), self.config.refusal_hold_s))

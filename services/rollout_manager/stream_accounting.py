@@ -33,12 +33,13 @@ from rlharvest.services.rollout_manager.stream_scaling import (
     ScaleDown,
     WorkerKV,
 )
+from rlharvest.services.rollout_manager.worker_pool import SERVING_KIND
 
 # Worker kinds that are never lent to training: serving co-executors borrowed from the serving
 # fleet (ROSE §5); they serve on after the job gives them back, not train.
 # Seed workers (the trainer's own engine, RLBoost §4.1) are lent by their seeding window
 # (seed_window.py), never by this policy.
-NOT_LENDABLE_KINDS = frozenset({"serving", "seed"})
+NOT_LENDABLE_KINDS = frozenset({SERVING_KIND, "seed"})
 
 
 class RequestLike(Protocol):

@@ -89,7 +89,7 @@ class TurnRouter:
         by_id = {i.worker_id: i for i in instances}
         at_home = by_id.get(home) if home is not None else None
         if at_home is not None and self._pinned and at_home.refusing:
-            return None  # pinned: it waits for its worker, which has no memory for it now
+            return None  # pinned: it waits for its worker, which refuses new requests now
         if at_home is not None and (self._pinned or _home_first(at_home, instances, theta)):
             self.counts.affinity += 1
             return at_home.worker_id
@@ -223,6 +223,6 @@ def _home_has_room(instance: InstanceLoad, theta: int) -> bool:
 
 
 def _under_cap(instance: InstanceLoad, theta: int) -> bool:
-    """Room for one more turn: below its cap and the pending bound Θ, and no refusal for
-    memory just now."""
+    """Room for one more turn: below its cap and the pending bound Θ, and no refusal just
+    now."""
     return instance.assigned < _cap(instance) and instance.pending < theta and not instance.refusing

@@ -45,7 +45,9 @@ class WorkerView:
     reported_executing: int = 0
     assigned_at_report: int = 0
     kv_capacity_tokens: int = 0  # Load.kv_capacity_tokens of its last report; 0: none yet
-    refused_room_at: float | None = None  # when it last refused a request for memory
+    # When it last refused a request for memory or because it still held it, or (a
+    # co-executor) gave one up for memory: ControlConfig.refusal_hold_s counts from here.
+    refused_at: float | None = None
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""
@@ -53,6 +55,11 @@ class WorkerView:
     # before a link break), which a waiting request of the same id goes back to: adopted there
     # with every token it produced meanwhile (session_hub.py on the worker).
     kept: set[str] = field(default_factory=set)
+
+    def refusing(self, now: float, hold_s: float) -> bool:
+        """It refused within the last ``hold_s``: no room for a new request, whatever its
+        counts say."""
+        return self.refused_at is not None and now - self.refused_at < hold_s
 
     def eligible_for(self, weight_version: int) -> bool:
         """May take requests of ``weight_version`` (on-policy: only the exact version)."""
@@ -62,6 +69,8 @@ class WorkerView:
 # Kinds the instance cap counts: the preemptible remote instances RLBoost's N_prem bounds. Dedicated
 # workers are paid for whether used or not, and the seed role is the trainer itself.
 CAPPED_KINDS = frozenset({"spot"})
+# A serving GPU's co-executor lent to the job (ROSE §4.1): the turn router ranks it last.
+SERVING_KIND = "serving"
 
 
 class WorkerPool:
@@ -143,6 +152,9 @@ class WorkerPool:
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()
+
+    def note_refusal(self, worker_id: str) -> None:
+        self.get(worker_id).refused_at = self._clock()
 
     def mark_draining(self, worker_id: str, deadline: float) -> None:
         """A drain notice (SIGTERM, spot notice) wins over a loan to training."""

@@ -127,16 +127,18 @@ class Puller:
         self.held, self.held_version, self.pulling = {}, None, False
         self.held_sums = {}
 
-    def _to_held_device(self, pulled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``pulled`` on the held copy's device. A dense tensor is copied into the held one of
-        its name and form, so the device never holds two copies of the model besides the
-        engine's; one without a held twin is moved (its old tensor dropped first)."""
+    def _to_held_device(self, pulled: dict[str, torch.Tensor],
+                        held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``pulled`` on the held copy's device. A dense tensor is copied into the tensor of its
+        name and form in ``held`` (the held copy when the pull began: runs in a thread, while
+        ``forget`` may replace ``self.held``), so the device never holds two copies of the model
+        besides the engine's; one without a held twin is moved (its old tensor dropped first)."""
         out = {}
         for name, tensor in pulled.items():
             if _is_on(tensor, self.held_device):  # a delta applied in place, or already there
                 out[name] = tensor
                 continue
-            old = self.held.pop(name, None)
+            old = held.pop(name, None)
             if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype \
                     and _is_on(old, self.held_device):
                 out[name] = old.copy_(tensor)
@@ -231,23 +233,25 @@ class Puller:
 
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
         # The held tensors now are this version (deltas went in place), loaded or not. Sums the
-        # agent did not know are computed once here (a pass the fingerprint needs anyway).
+        # agent did not know are computed once here (a pass the fingerprint needs anyway), from
+        # the pulled host tensors: after the copy to the device, the sum would copy them back.
+        sums = dict(result.sums)
+        missing = sorted(result.tensors.keys() - sums.keys())
+        if missing:  # a full pass: off the event loop, which serves the engine's sessions
+            computed = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [tensor_linear_sum(result.tensors[name]) for name in missing])
+            sums.update(zip(missing, computed))
         if self.held_device.type != "cpu":  # dense results go where the held copy lives
             try:  # off the event loop: a whole model's copy to the device
                 placed = await asyncio.get_running_loop().run_in_executor(
-                    None, self._to_held_device, result.tensors)
+                    None, self._to_held_device, result.tensors, self.held)
             except BaseException:
                 self.forget()  # part of it may be this version: the next pull is dense
                 raise
             result = dataclasses.replace(result, tensors=placed)
         self.held = result.tensors
         self.held_version = result.version
-        self.held_sums = dict(result.sums)
-        missing = sorted(result.tensors.keys() - self.held_sums.keys())
-        if missing:  # a full pass: off the event loop, which serves the engine's sessions
-            computed = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [tensor_linear_sum(result.tensors[name]) for name in missing])
-            self.held_sums.update(zip(missing, computed))
+        self.held_sums = sums
         try:
             await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:

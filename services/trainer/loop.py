@@ -647,14 +647,15 @@ class TrainerLoop:
                 waited += self._clock() - idle_since
                 trained.append(g)
                 self._count_played(spec, trajectories, progress)
+                last = len(trained) == spec.train_groups
                 # The last group trains after the step's scope ends: the manager's timings
                 # (Algorithm 1's inputs) measure the rollout, as a SubmitStep step's do.
-                if self.placed is not None or len(trained) == spec.train_groups:
+                if self.placed is not None or last:
                     held.append(rewarded_group(g, trajectories))
                 else:
                     await self._run(train.add_groups, [rewarded_group(g, trajectories)])
                     progress.groups_trained = train.groups_received
-                if len(trained) == spec.train_groups:
+                if last:
                     break
             for tail in playing:  # a short round's tail (none otherwise)
                 tail.cancel()

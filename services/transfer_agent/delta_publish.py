@@ -128,8 +128,8 @@ class LastPublished:
             new = new.to(old.device).contiguous()
             if old.device.type == "cpu":
                 index = given.get(name)
-                index = changed_positions(old, new) if index is None else (
-                    index.cpu().numpy() if isinstance(index, torch.Tensor) else index)
+                index = changed_positions(old, new) if index is None else np.asarray(
+                    index.cpu().numpy() if isinstance(index, torch.Tensor) else index).reshape(-1)
                 item = encode_changes(old, new, index, base_sum=self.sums.get(name))
             else:
                 index = _device_index(given.get(name), old, new)

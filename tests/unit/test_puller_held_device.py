@@ -19,10 +19,9 @@ def _puller() -> Puller:
 def test_dense_results_are_copied_into_the_held_tensors_of_their_form_on_the_device():
     puller = _puller()
     held = {"a": torch.empty(4, device="meta"), "b": torch.empty(2, device="meta")}
-    puller.held = dict(held)
     already = torch.empty(2, device="meta")  # a delta applied in place lives there already
     placed = puller._to_held_device({"a": torch.ones(4), "b": torch.ones(3),
-                                     "c": torch.ones(1), "d": already})
+                                     "c": torch.ones(1), "d": already}, dict(held))
     assert placed["a"] is held["a"]  # no second copy of the model on the device
     assert placed["b"] is not held["b"] and placed["b"].shape == (3,) and placed["b"].is_meta
     assert placed["c"].is_meta and placed["d"] is already
@@ -32,7 +31,7 @@ async def test_a_failure_placing_a_pull_forgets_the_held_version():
     puller = _puller()
     puller.held, puller.held_version, puller.held_sums = {"a": torch.empty(4)}, 3, {"a": 7}
 
-    def out_of_memory(_):
+    def out_of_memory(*_):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     puller._to_held_device = out_of_memory  # type: ignore[method-assign]

@@ -322,3 +322,21 @@ def test_a_worker_that_still_holds_a_migrated_request_is_not_sent_it_every_tick(
         assert not dispatched(control)
     clock.advance(0.1)
     assert dispatched(control) == [Dispatch("r0", "a")]
+
+
+def test_a_held_first_turn_holds_the_other_first_turns_but_not_a_turn_going_home():
+    r, _ = router(TurnRouting.TURNWISE)
+    calls: list[int] = []
+
+    def counting(instances, theta):
+        calls.append(len(instances))
+        return select_instance(instances, theta)
+
+    full = [busy(A, 4, queued=2), busy(B, 4, queued=2)]  # Θ pending on both: nothing fits
+    assert r.dispatch([f"t{i}" for i in range(100)], lambda rid: rid, full, 2, counting) == []
+    assert len(calls) == 1  # tried once, not once per waiting turn
+    pinned, _ = router(TurnRouting.PINNED)
+    pinned.dispatched("home", "a")
+    # FIFO order: the pinned turn comes after two first turns that are held.
+    placed = pinned.dispatch(["t0", "t1", "home"], lambda rid: rid, full, 2, counting)
+    assert placed == [Dispatch("home", "a")]  # the held first turns did not hold it

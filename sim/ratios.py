@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: how a repeated ratio is printed (median and spread)."""
+"""Shared by the benchmarks and the simulators: how a repeated ratio is printed (median and
+spread)."""
 
 from __future__ import annotations
 
