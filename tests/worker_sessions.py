@@ -78,6 +78,7 @@ class Completion:
 class Collected:
     completions: dict[str, Completion] = field(default_factory=dict)
     errors: dict[str, tuple[grpc.StatusCode, str]] = field(default_factory=dict)
+    refused_handles: dict[str, int] = field(default_factory=dict)  # CommandError.handle
     step_messages: int = 0
     max_deltas_per_message: int = 0
     loads: list[common_pb2.Load] = field(default_factory=list)
@@ -95,6 +96,7 @@ class Collected:
         elif which == "error":
             self.errors[event.error.request_id] = (status_code(event.error.code),
                                                    event.error.message)
+            self.refused_handles[event.error.request_id] = event.error.handle
         elif which == "draining":
             self.draining = True
 

@@ -62,14 +62,16 @@ class StepOutputs(_message.Message):
     def __init__(self, step: _Optional[int] = ..., batch: _Optional[_Union[_common_pb2.DeltaBatch, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., stats: _Optional[_Union[EngineStepStats, _Mapping]] = ...) -> None: ...
 
 class CommandError(_message.Message):
-    __slots__ = ("request_id", "code", "message")
+    __slots__ = ("request_id", "code", "message", "handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    handle: int
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., handle: _Optional[int] = ...) -> None: ...
 
 class Draining(_message.Message):
     __slots__ = ("deadline_unix", "reason")

@@ -139,7 +139,7 @@ class SessionCommands:
             self._drop_kept(msg.request_id, "mismatched")
             return self._hub.refuse(session, msg.request_id, FailedPrecondition(
                 f"request {msg.request_id!r} is kept here with tokens its add does not "
-                "continue; dropped it, send the add again"))
+                "continue; dropped it, send the add again"), msg.handle)
         request = EngineRequest(request_id=msg.request_id,
                                 prompt_token_ids=list(msg.prompt_token_ids),
                                 sampling=sampling_from_proto(msg.sampling),
@@ -147,7 +147,7 @@ class SessionCommands:
         view = WorkerView(self._engine.weight_version, self._hub.held_ids(), self._hub.draining)
         refusal = self._admission.admit(request, msg.weight_version, view)
         if refusal is not None:
-            return self._hub.refuse(session, request.request_id, refusal)
+            return self._hub.refuse(session, request.request_id, refusal, msg.handle)
         self._hub.hold(session, request.request_id, len(request.generated_token_ids),
                        msg.weight_version, identity, msg.handle)
         self._loop.between_steps(partial(self._start, request))
@@ -208,7 +208,7 @@ class SessionCommands:
             self._engine.add(request)
         except EngineInputError as exc:
             self._hub.release(rid)
-            return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)))
+            return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)), held.handle)
         metrics.REQUESTS_ADDED.labels(str(bool(request.generated_token_ids)).lower()).inc()
 
     async def _abort_held(self, rid: str, arrived_at_step: int | None = None) -> None:

@@ -323,11 +323,13 @@ class SessionHub:
             held.session.push(event)
             self._maybe_end(held.session)
 
-    def refuse(self, session: Session, request_id: str, error: ServiceError) -> None:
-        """A refused command: a ``CommandError`` to its session (never dropped)."""
+    def refuse(self, session: Session, request_id: str, error: ServiceError,
+               handle: int = 0) -> None:
+        """A refused command (an add's names its ``handle``): a ``CommandError`` to its session
+        (never dropped)."""
         metrics.COMMAND_ERRORS.labels(error.code.name).inc()
         session.push(pb.WorkerEvent(error=pb.CommandError(
-            request_id=request_id, code=error.code.value[0], message=str(error))))
+            request_id=request_id, code=error.code.value[0], message=str(error), handle=handle)))
 
     # ---- steps (the pump's sink) ---------------------------------------------------------------
 

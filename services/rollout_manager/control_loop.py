@@ -299,13 +299,14 @@ class RolloutControl:
         return [w for w in worker_ids if self.pool.return_from_training(w)]
 
     def command_refused(self, worker_id: str, request_id: str, code: int,
-                        message: str) -> list[Command]:
-        """The worker refused a command about the request (``code``: a gRPC status value)."""
+                        message: str, handle: int = 0) -> list[Command]:
+        """The worker refused a command about the request (``code``: a gRPC status value; an
+        add's refusal names the dispatch by its ``handle``)."""
         if request_id not in self.tracker:
             return []
         req = self.tracker.get(request_id)
-        if req.done or req.worker_id != worker_id:
-            return []  # about an assignment the request already left
+        if req.done or req.worker_id != worker_id or (handle and handle != req.handle):
+            return []  # about an assignment the request already left (maybe for this worker)
         decided = self.failure.refused(request_id, worker_id, code, message)
         if code in HOLD_AFTER:
             self.pool.note_refusal(worker_id)

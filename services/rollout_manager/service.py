@@ -221,7 +221,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         elif which == "error":
             error = event.error
             self._execute(self._control.command_refused(worker_id, error.request_id, error.code,
-                                                        error.message))
+                                                        error.message, error.handle))
             self._wake.set()
         elif which == "kept":
             self._execute(self._control.worker_keeps(worker_id, list(event.kept.request_ids)))

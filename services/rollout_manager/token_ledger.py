@@ -9,8 +9,9 @@ its rows (bench/manager_relay.py). Pure and synchronous, like the tracker that o
 * Per-request state is one row of an int64 table (``_COLUMNS``), so a batch reads everything it
   checks with one gather.
 * A request holds a *slot* (its table row) while tracked. The handle a worker echoes is
-  ``generation << 32 | slot``: a slot is reused after its request is removed, and the generation
-  makes a late row for the old request miss instead of landing on the new one.
+  ``generation << 32 | slot``, and the generation moves on at every removal and every assignment:
+  a late row for a slot's old request, or for an earlier dispatch of the same request (an abort's
+  final row that crossed a re-add to the same worker), misses instead of landing on this one.
 * Tokens live in an arena, each request in a region of ``room`` tokens at ``base``; a request that
   outgrows its region moves to one twice the size at the arena's top (rare: doubling). The arena is
   compacted when more than half of it is dead regions.
@@ -127,9 +128,13 @@ class TokenLedger:
         base, n = int(self.table[slot, BASE]), int(self.table[slot, LENGTH])
         return self._logprobs[base:base + n].tolist()
 
-    def assign(self, slot: int, worker: int) -> None:
-        self.table[slot, OWNER] = worker
-        self.table[slot, FRESH] = 1
+    def assign(self, slot: int, worker: int) -> int:
+        """Put the request on ``worker`` under a new handle (this dispatch's), returned."""
+        self._generation[slot] += 1
+        handle = self._generation[slot] << _SHIFT | slot
+        row = self.table[slot]
+        row[HANDLE], row[OWNER], row[FRESH] = handle, worker, 1
+        return handle
 
     def unassign(self, slot: int) -> None:
         self.table[slot, OWNER] = NO_WORKER

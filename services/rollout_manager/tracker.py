@@ -142,7 +142,8 @@ class TrackedRequest:
     weight_version: int
     created_at: float
     ledger: TokenLedger = field(repr=False, compare=False)
-    handle: int = 0
+    handle: int = 0  # its current dispatch's (TokenLedger.assign), or its add's until the first
+    added_as: int = 0  # its handle when added: a lower one names the slot's earlier request
     no_worker_timeout_s: float | None = None
     state: RequestState = RequestState.WAITING
     worker_id: str | None = None
@@ -261,6 +262,7 @@ class RequestTracker:
             req = self._requests[new.request_id] = TrackedRequest(
                 new.request_id, new.group_id, tuple(new.prompt_token_ids), new.sampling,
                 new.weight_version, created_at=now, ledger=self.ledger, handle=handle,
+                added_as=handle,
                 no_worker_timeout_s=new.no_worker_timeout_s, trajectory_id=new.trajectory_id,
                 last_turn=new.last_turn)
             self._by_slot[req.slot] = req
@@ -445,7 +447,7 @@ class RequestTracker:
     def _attach(self, req: TrackedRequest, worker_id: str) -> None:
         req.worker_id = worker_id
         req.state = RequestState.PENDING
-        self.ledger.assign(req.slot, self._worker_number(worker_id))
+        req.handle = self.ledger.assign(req.slot, self._worker_number(worker_id))
         self._by_worker.setdefault(worker_id, {})[req.request_id] = None
         self._context[worker_id] = self._context.get(worker_id, 0) + req.context_length
 
@@ -495,10 +497,11 @@ class RequestTracker:
         for row in applied.dropped.tolist():  # rare: say why, one by one
             handle = int(rows.requests[row])
             named = by_slot.get(handle & MASK)
-            if named is not None and named.handle != handle:
+            if named is not None and handle < named.added_as:
                 named = None  # a late row of a forgotten request whose slot was reused
             n = int(rows.counts[row])
-            reason = self._refusal(named, worker_id, rows, row)
+            reason = "stale" if named is not None and named.handle != handle else \
+                self._refusal(named, worker_id, rows, row)  # else of an earlier dispatch
             report.dropped.append(DroppedDelta(named.request_id if named else f"#{handle}",
                                                worker_id, reason, n, row))
             if reason == "stale":

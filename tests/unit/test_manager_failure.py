@@ -235,6 +235,24 @@ def test_a_refusal_about_an_assignment_the_request_left_is_ignored():
     assert control.tracker.get("r0").worker_id == "v"
 
 
+def test_a_refusal_of_an_earlier_dispatch_to_the_same_worker_leaves_the_current_one_running():
+    # r0 went to w, moved to v and came back to w before w's refusal of the first add arrived:
+    # the refusal names the first dispatch's handle and leaves the second alone.
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    first = control.tracker.resume_payload("r0").handle
+    control.tracker.move("r0", "v")
+    control.tracker.move("r0", "w")
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert control.command_refused("w", "r0", code, "no pages", first) == []
+    assert control.tracker.get("r0").worker_id == "w"
+    current = control.tracker.resume_payload("r0").handle
+    assert control.command_refused("w", "r0", code, "no pages", current) == [
+        Release("r0", "w", "refused", abort=False)]
+
+
 # ---- starvation -------------------------------------------------------------------------------
 
 def test_requests_without_any_eligible_worker_fail_at_the_deadline_with_a_clear_reason():

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlharvest.common import delta_batch
 from rlharvest.services.rollout_manager.tracker import (
     NewRequest,
     RequestState,
@@ -181,6 +182,25 @@ def test_an_abort_from_the_assignee_sends_the_request_back_to_wait_with_its_toke
                                                                  reason="abort")])
     assert report.aborted == ["a"]
     assert t.get("a").state is RequestState.WAITING and t.get("a").token_ids == [7]
+
+
+def test_an_abort_of_an_earlier_dispatch_to_the_same_worker_leaves_the_request_running_there():
+    # Migrated off w1 and back before w1's abort confirmation came: the confirmation names the
+    # first dispatch, and the request stays on w1, whose rows of the second dispatch count.
+    t = tracker()
+    t.add_step([req("a")])
+    t.assign("a", "w1")
+    first = t.resume_payload("a").handle
+    t.move("a", "w2")
+    t.move("a", "w1")
+    second = t.resume_payload("a").handle
+    assert second not in (first, 0)
+    late = delta_batch.build([(first, 0, [7], [-0.5], ""), (first, 1, [], [], "abort")], 3)
+    report = t.apply_outputs("w1", late)
+    assert report.aborted == [] and [d.reason for d in report.dropped] == ["stale", "stale"]
+    assert t.get("a").worker_id == "w1" and t.counters.tokens_dropped_stale == 1
+    t.apply_outputs("w1", delta_batch.build([(second, 0, [9], [-0.5], "")], 3))
+    assert t.get("a").token_ids == [9]
 
 
 # ---- resume -----------------------------------------------------------------------------------

@@ -86,10 +86,11 @@ def run_script(script) -> None:
         if op == "add" or not handles:
             cap = int(rng.integers(1, 30))
             resume = [int(t) for t in rng.integers(8, VOCAB, int(rng.integers(0, cap)))]
-            handle = ledger.add(cap, 0, [STOP], resume, [t / 10 for t in resume])
+            added = ledger.add(cap, 0, [STOP], resume, [t / 10 for t in resume])
+            handle = ledger.assign(added & MASK, 0)
+            removed.append(added)  # a row under the name it had before its dispatch misses
             models[handle] = Model(cap, 0, tokens=list(resume),
                                    logprobs=[t / 10 for t in resume], high=len(resume))
-            ledger.assign(handle & MASK, 0)
             models[handle].owner = 0
             # Every request labelled again as one step: tags and indices must follow each row.
             ordered = sorted(models)
@@ -113,8 +114,9 @@ def run_script(script) -> None:
             models[handle].owner = worker
             if worker < 0:
                 ledger.unassign(handle & MASK)
-            else:
-                ledger.assign(handle & MASK, worker)
+            else:  # a new dispatch, a new name: the old one's rows miss from here on
+                models[ledger.assign(handle & MASK, worker)] = models.pop(handle)
+                removed.append(handle)
         else:
             pool = handles + removed[-2:] + [MASK, 7 << 20]  # and handles past the table
             rows = []
@@ -152,7 +154,7 @@ def test_a_late_row_for_a_removed_request_misses_the_request_that_reuses_its_slo
     ledger.remove(old)
     new = ledger.add(10, 0, [])
     assert new & MASK == old & MASK and new != old
-    ledger.assign(new & MASK, 0)
+    new = ledger.assign(new & MASK, 0)
     got = ledger.apply(0, delta_batch.build([(old, 0, [5], [0.0], "")], 0), VOCAB)
     assert got.dropped.tolist() == [0] and ledger.tokens(new & MASK) == []
 
@@ -160,8 +162,8 @@ def test_a_late_row_for_a_removed_request_misses_the_request_that_reuses_its_slo
 def test_a_request_named_twice_in_a_batch_takes_its_rows_in_order():
     ledger = TokenLedger()
     a, b = ledger.add(10, 0, []), ledger.add(10, 0, [])
-    ledger.assign(a & MASK, 0)
-    ledger.assign(b & MASK, 0)
+    a = ledger.assign(a & MASK, 0)
+    b = ledger.assign(b & MASK, 0)
     rows = delta_batch.build([(a, 0, [1], [0.0], ""), (b, 0, [2], [0.0], ""),
                               (a, 1, [3], [0.0], ""), (a, 1, [4], [0.0], "")], 0)
     got = ledger.apply(0, rows, VOCAB)
@@ -172,8 +174,8 @@ def test_a_request_named_twice_in_a_batch_takes_its_rows_in_order():
 def test_rows_naming_no_request_past_the_table_are_refused_however_many():
     ledger = TokenLedger(slots=2)
     a, b = ledger.add(10, 0, []), ledger.add(10, 0, [])
-    ledger.assign(a & MASK, 0)
-    ledger.assign(b & MASK, 0)
+    a = ledger.assign(a & MASK, 0)
+    b = ledger.assign(b & MASK, 0)
     # Two slots past the table and the table's last slot all map onto one mark.
     rows = delta_batch.build([(MASK, 0, [1], [0.0], ""), (5000, 0, [1], [0.0], ""),
                               (b, 0, [2], [0.0], ""), (MASK, 0, [1], [0.0], ""),
@@ -186,8 +188,8 @@ def test_rows_naming_no_request_past_the_table_are_refused_however_many():
 def test_a_row_after_its_requests_end_in_the_same_batch_is_refused():
     ledger = TokenLedger()
     a, b = ledger.add(10, 0, [STOP]), ledger.add(10, 0, [])
-    ledger.assign(a & MASK, 0)
-    ledger.assign(b & MASK, 0)
+    a = ledger.assign(a & MASK, 0)
+    b = ledger.assign(b & MASK, 0)
     rows = delta_batch.build([(a, 0, [STOP], [0.0], ""), (b, 0, [], [], "abort"),
                               (a, 1, [5], [0.0], ""), (b, 0, [4], [0.0], "")], 0)
     got = ledger.apply(0, rows, VOCAB)
@@ -199,7 +201,7 @@ def test_a_row_after_its_requests_end_in_the_same_batch_is_refused():
 def test_negative_ids_are_refused_before_the_vocabulary_is_known():
     ledger = TokenLedger()
     a = ledger.add(10, 0, [])
-    ledger.assign(a & MASK, 0)
+    a = ledger.assign(a & MASK, 0)
     got = ledger.apply(0, delta_batch.build([(a, 0, [-1], [0.0], "")], 0), 2**63)
     assert got.dropped.tolist() == [0] and not got.ended and ledger.tokens(a & MASK) == []
 

@@ -25,7 +25,7 @@ from rlharvest.common.worker_core.session_hub import RoutedStep, SessionHub
 from prometheus_client import REGISTRY
 from rlharvest.services.rollout_worker.admission import RolloutAdmission
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-from tests.worker_sessions import InProcessSession, abort, add, deltas_of
+from tests.worker_sessions import InProcessSession, abort, add, deltas_of, handle_of
 
 PROMPT = [1, 5, 9, 13, 17]
 
@@ -131,6 +131,12 @@ async def test_command_errors_come_back_and_the_session_goes_on():
                          "never-added": grpc.StatusCode.NOT_FOUND,
                          "ok": grpc.StatusCode.ALREADY_EXISTS}  # the duplicate
         assert "100000" in got.errors["vocab"][1] and "42" in got.errors["version"][1]
+        # An add's refusal names its dispatch (the manager ignores one about an earlier one).
+        # ("" last names the command with neither add nor abort; an abort names no dispatch.)
+        named = ("ok", "empty", "vocab", "zero", "version")
+        assert got.refused_handles == {**{r: handle_of(r) for r in named}, "": 0,
+                                       "never-added": 0}
+        assert len(set(got.refused_handles.values())) == len(named) + 1
         await session.read_until(lambda c: "ok" in c.completions
                                  and c.completions["ok"].finish_reason == "length")
         assert core.hub.holder("empty") is None  # an engine refusal frees the id
