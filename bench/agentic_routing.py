@@ -25,7 +25,9 @@ Reported per configuration: rollout seconds (medians), the speed-up of each over
 [spread]), prefix-cache hits of the workers and prefill tokens they skipped, and how the manager
 routed the turns.
 
-    python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0] [--coexec 0] [--serving-rps 2]
+    python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0] [--coexec 0] [--serving-rps 2] [--no-write]
+
+A full run writes ``bench/results/agentic_routing[_coexec].md``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from bench.manager_preemption import wait_healthy  # noqa: E402
 SERVED = "served"
 MODES = ("pinned", "pinned-static", "turnwise", "turnwise+affinity")
 PROMPT, REPLY = 300, 150
+RESULTS = Path(__file__).resolve().parent / "results"
 HIT_METRICS = ("rlh_worker_prefix_cache_hits_total", "rlh_worker_prefix_cache_saved_tokens_total")
 
 
@@ -195,11 +198,20 @@ async def bench(args: argparse.Namespace) -> None:
             print(f"  round {r} done", flush=True)
     finally:
         stack.stop()
+    lines = report(runs, args)
+    print("\n".join(lines))
+    if not (args.quick or args.no_write):
+        path = RESULTS / ("agentic_routing_coexec.md" if args.coexec else "agentic_routing.md")
+        path.write_text(f"# Agentic routing (issue 18)\n\n`python {' '.join(sys.argv)}`, "
+                        f"{time.strftime('%Y-%m-%d')}\n\n```\n" + "\n".join(lines) + "\n```\n")
+
+
+def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
     turns = args.trajectories * args.turns
-    print(f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
-          f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
-          f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds, {args.coexec} co-executors "
-          f"serving {args.serving_rps} req/s in bursts")
+    lines = [f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
+             f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
+             f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds, {args.coexec} "
+             f"co-executors serving {args.serving_rps} req/s in bursts"]
     baselines = {b: [run["seconds"] for run in runs[b]] for b in ("pinned", "pinned-static")}
     for mode in MODES:
         secs = [run["seconds"] for run in runs[mode]]
@@ -207,10 +219,12 @@ async def bench(args: argparse.Namespace) -> None:
         for name, base in baselines.items():
             versus.append(f"vs {name} {spread([b / s for b, s in zip(base, secs)])}")
         last = runs[mode][-1]
-        print(f"  {mode:18s} {statistics.median(secs):6.2f} s   {', '.join(versus)}   cache hits "
-              f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "
-              f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}   "
-              f"routed (last run) {last['routed']}")
+        lines.append(
+            f"  {mode:18s} {statistics.median(secs):6.2f} s   {', '.join(versus)}   cache hits "
+            f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "
+            f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}   "
+            f"routed (last run, refused re-dispatches included) {last['routed']}")
+    return lines
 
 
 def main() -> None:
@@ -226,6 +240,7 @@ def main() -> None:
                         help="co-executors (serving GPUs) lent to the rollout, serving bursts")
     parser.add_argument("--serving-rps", type=float, default=2.0,
                         help="each co-executor's serving traffic, mean (bursts to 1.9x)")
+    parser.add_argument("--no-write", action="store_true", help="do not write bench/results")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.trajectories, args.turns = 1, 6, 3

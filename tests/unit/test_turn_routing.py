@@ -136,11 +136,24 @@ def test_the_simulated_cluster_keeps_histories_where_turns_run_and_beats_turnwis
     assert under["turnwise+affinity"].prefill_tokens < under["turnwise"].prefill_tokens
     assert under["turnwise+affinity"].makespan_s < under["turnwise"].makespan_s
     # Over capacity turns wait at home up to Θ and move only to a worker with a free slot: the
-    # histories stay found as under pinning, and the idle slots pinning leaves get used.
+    # histories stay found as under pinning, and no trajectory finishes later than pinned.
     over = compare(AgenticWorkload(trajectories=24, turn_range=(2, 5)), cluster)
     assert over["turnwise+affinity"].turns == over["turnwise"].turns == over["pinned"].turns
     assert over["turnwise"].hit_rate < over["turnwise+affinity"].hit_rate
-    assert over["turnwise+affinity"].makespan_s < over["pinned"].makespan_s
+    assert over["turnwise+affinity"].makespan_s <= over["pinned"].makespan_s
+    assert over["turnwise+affinity"].makespan_s < over["turnwise"].makespan_s
+
+
+def test_a_first_turn_queues_like_any_request_when_no_worker_is_under_its_cap():
+    # It has no history to lose: held in the manager, it would wait while the started
+    # trajectories' later turns take every freed slot. A turn with a history still waits.
+    r, _ = router()
+    r.finished("t", "a", last_turn=False)
+    full = [busy(A, 4), busy(B, 4, queued=1)]
+    assert r.select("new", full, 2, select_instance) == "a"  # Algorithm 2: fewest pending
+    assert r.counts.first == 1
+    far = [busy(A, 4, queued=2), busy(B, 4)]
+    assert r.select("t", far, 2, select_instance) is None  # home a is Θ beyond its cap
 
 
 def test_the_managers_routing_flag_reaches_its_core():
@@ -178,16 +191,19 @@ def test_a_lost_workers_turn_resumes_elsewhere_with_its_tokens_and_its_home_move
 def test_a_turn_waiting_for_room_does_not_hold_the_plain_requests_behind_it():
     clock = Clock()
     control = RolloutControl(ControlConfig(theta=2), clock)
-    control.worker_joined("a", 0, capacity=1, kind="gpu")
-    control.add_step("busy", [request("b0")], 0)
-    control.tick()  # b0 fills a's one slot
+    for worker in ("a", "b"):
+        control.worker_joined(worker, 0, capacity=1, kind="gpu")
+    control.add_step("busy", [request(f"b{i}") for i in range(5)], 0)
+    control.tick()  # a: 1 running + 2 queued (Θ beyond its cap), b: 1 + 1
+    assert control.tracker.assigned_count("a") == 3
+    control.router.finished("traj", "a", last_turn=False)  # the history is on a
     turn = replace(request("t1"), trajectory_id="traj", turn=1)
     control.add_step("turn", [turn], 0)
     control.add_step("plain", [request("p0")], 0)
     dispatched = [c for c in control.tick() if isinstance(c, Dispatch)]
-    # The turn has no home and a is full: it waits for a slot. The plain request may queue
-    # (Algorithm 2 allows Θ pending), so it goes, although it came after the turn.
-    assert dispatched == [Dispatch("p0", "a")]
+    # The turn's home is Θ beyond its cap and b is at its cap: it waits for a slot. The plain
+    # request may queue on b (Algorithm 2 allows Θ pending), so it goes, although it came after.
+    assert dispatched == [Dispatch("p0", "b")]
     assert control.tracker.get("t1").worker_id is None
 
 
@@ -203,11 +219,14 @@ def test_a_turn_spills_onto_a_co_executor_only_when_every_dedicated_worker_is_at
         assert r.select("u", [busy(A, 4), S], 2, select_instance) == "s"
         assert r.select("v", [busy(A, 4), busy(S, 2), S2], 2, select_instance) == "s2"
     affinity, _ = router()
-    assert affinity.select("w", [busy(A, 4), busy(S, 2)], 2, select_instance) is None  # waits
-    turnwise, _ = router(TurnRouting.TURNWISE)
-    # Turnwise places a turn like any request: Algorithm 2 may queue it on a dedicated worker
-    # (Θ pending), never beyond a co-executor's admission.
-    assert turnwise.select("w", [busy(A, 4), busy(S, 2)], 2, select_instance) == "a"
+    affinity.finished("w", "a", last_turn=False)
+    # With every cap reached, a turn with a history waits (here its home is Θ beyond its cap).
+    assert affinity.select("w", [busy(A, 4, queued=2), busy(S, 2)], 2, select_instance) is None
+    for mode in (TurnRouting.TURNWISE, TurnRouting.AFFINITY):
+        r, _ = router(mode)
+        # A turn placed like any request (turnwise; affinity's first turn): Algorithm 2 may queue
+        # it on a dedicated worker (Θ pending), never beyond a co-executor's admission.
+        assert r.select("x", [busy(A, 4), busy(S, 2)], 2, select_instance) == "a"
 
 
 def test_a_turn_whose_history_is_on_a_co_executor_moves_back_to_a_free_dedicated_slot():
