@@ -49,6 +49,9 @@ class InstanceLoad:
     # within ControlConfig.refusal_hold_s: no room for now, whatever its counts say (a
     # co-executor's KV budget shrinks with serving bursts, which the manager does not see).
     refusing: bool = False
+    # A co-executor's KV room for rollout, in tokens (its last load report's capacity less use,
+    # less the context of the requests sent to it since); None: not known or not limited.
+    room_tokens: int | None = None
 
     @property
     def assigned(self) -> int:
@@ -135,9 +138,11 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
     return out
 
 
-def queue_on(load: InstanceLoad, request_id: str) -> InstanceLoad:
-    """``load`` once ``request_id`` is dispatched to it (the tail of its queue)."""
-    return replace(load, queued=load.queued + (request_id,))
+def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLoad:
+    """``load`` once ``request_id`` (of ``tokens`` of KV) is dispatched to it (the tail of its
+    queue)."""
+    room = None if load.room_tokens is None else load.room_tokens - tokens
+    return replace(load, queued=load.queued + (request_id,), room_tokens=room)
 
 
 def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:

@@ -273,11 +273,14 @@ class RolloutControl:
         self.steps.sample(self.pool.get(worker_id).kind, sample[0], sample[1], context)
 
     def worker_load(self, worker_id: str, pending: int, executing: int,
-                    kv_capacity_tokens: int | None = None) -> None:
+                    kv_capacity_tokens: int | None = None,
+                    kv_used_tokens: int | None = None) -> None:
         """The worker's own queue and batch as it last reported them (read for kv_memory), and
-        its KV capacity (read by stream-trainer scaling); None keeps the capacity known."""
+        its KV capacity and use (read by stream-trainer scaling, and for a co-executor by the
+        turn router: the room its rollout budget leaves); None keeps what is known."""
         self.pool.report_load(worker_id, pending, executing,
-                              self.tracker.assigned_count(worker_id), kv_capacity_tokens)
+                              self.tracker.assigned_count(worker_id), kv_capacity_tokens,
+                              kv_used_tokens)
 
     def lend_to_training(self, worker_ids: Sequence[str],
                          cause: MigrationCause = "scale_down") -> list[Command]:
@@ -342,7 +345,7 @@ class RolloutControl:
             if turns:
                 out += self._apply(self.router.dispatch(
                     turns, self._trajectory_of, self._loads(version), self.config.theta,
-                    self._select))
+                    self._select, self._kv_need))
                 ids = [r for r in ids if not self._trajectory_of(r)]
             out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
                                                 self._select))
@@ -462,6 +465,11 @@ class RolloutControl:
     def _held_versions(self) -> set[int]:
         return {w.weight_version for w in self.pool.all()}
 
+    def _kv_need(self, request_id: str) -> int:
+        """The KV tokens a request takes where it lands: its context and the next token (what a
+        co-executor's admission checks against its rollout budget)."""
+        return self.tracker.get(request_id).context_length + 1
+
     def _loads(self, weight_version: int) -> list[InstanceLoad]:
         """Algorithm 2's view of the workers eligible for ``weight_version``."""
         return [self._load(w) for w in self.pool.eligible(weight_version)]
@@ -479,6 +487,15 @@ class RolloutControl:
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
+        serving = w.kind == SERVING_KIND
+        room = None
+        if serving and w.kv_capacity_tokens > 0:
+            # What its rollout KV budget leaves as of its last report, less what the requests
+            # sent since will take (queued ones hold no pages there yet): a turn that does not
+            # fit would only be refused (RESOURCE_EXHAUSTED) and hold the co-executor.
+            room = w.kv_capacity_tokens - w.kv_used_tokens - sum(
+                r.context_length + 1 for r in requests if r.state is RequestState.PENDING)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged, serving=w.kind == SERVING_KIND,
-                            refusing=w.refusing(self._clock(), self.config.refusal_hold_s))
+                            plateau, unmanaged, serving=serving,
+                            refusing=w.refusing(self._clock(), self.config.refusal_hold_s),
+                            room_tokens=room)

@@ -216,7 +216,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             await self._on_step(worker_id, event.step)
         elif which == "load":
             self._control.worker_load(worker_id, event.load.pending, event.load.executing,
-                                      event.load.kv_capacity_tokens)
+                                      event.load.kv_capacity_tokens, event.load.kv_used_tokens)
             self._count_preemptions(worker_id, event.load.preemptions)
         elif which == "error":
             error = event.error
@@ -243,7 +243,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             rows = delta_batch.empty()
         report = control.step_outputs(worker_id, rows)
         load = step.load
-        control.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens)
+        control.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens,
+                            load.kv_used_tokens)
         self._count_preemptions(worker_id, load.preemptions)  # before this event's completions
         control.engine_step(worker_id, step.stats)
         tokens = report.accepted_tokens

@@ -86,16 +86,23 @@ class TurnRouter:
         return entry[0]
 
     def select(self, trajectory_id: str, instances: Sequence[InstanceLoad], theta: int,
-               fallback: SelectFn) -> str | None:
-        """Where to send the trajectory's next turn (None: hold it)."""
+               fallback: SelectFn, need_tokens: int = 0) -> str | None:
+        """Where to send the trajectory's next turn (None: hold it). ``need_tokens``: its KV
+        (history and the next token), which a co-executor's reported room must hold."""
         home = self.home(trajectory_id) if self.mode is not TurnRouting.TURNWISE else None
-        by_id = {i.worker_id: i for i in instances}
-        at_home = by_id.get(home) if home is not None else None
-        if at_home is not None and self._pinned and at_home.refusing:
+        at_home = next((i for i in instances if i.worker_id == home), None) \
+            if home is not None else None
+        # A co-executor whose reported KV room cannot hold the turn would refuse it: it is no
+        # candidate, and a turn at home there waits as it would for a full home.
+        roomy = [i for i in instances if fits(i, need_tokens)]
+        home_fits = at_home is not None and fits(at_home, need_tokens)
+        if at_home is not None and self._pinned and (at_home.refusing or not home_fits):
             return None  # pinned: it waits for its worker, which refuses new requests now
-        if at_home is not None and (self._pinned or _home_first(at_home, instances, theta)):
+        if at_home is not None and home_fits and (
+                self._pinned or _home_first(at_home, roomy, theta)):
             self.counts.affinity += 1
-            return at_home.worker_id
+            return home
+        instances = roomy
         if self.mode is TurnRouting.PINNED_STATIC:
             open_ = [i for i in instances if not i.refusing]
             if not open_:
@@ -138,13 +145,14 @@ class TurnRouter:
         return first + rest
 
     def dispatch(self, request_ids: Sequence[str], trajectory_of: Callable[[str], str],
-                 instances: Sequence[InstanceLoad], theta: int,
-                 fallback: SelectFn) -> list[Dispatch]:
+                 instances: Sequence[InstanceLoad], theta: int, fallback: SelectFn,
+                 need_of: Callable[[str], int] = lambda _: 0) -> list[Dispatch]:
         """Places the waiting turns (``order``, then ``select`` each). Unlike Algorithm 2's
         FIFO hold, a turn held here does not hold the turns behind it: their homes differ. A
         turn without a home that is held holds the other homeless ones, though: their choice
         depends only on the loads, which placing turns only raises (thousands of first turns
-        wait at a step's start; each would scan every worker again)."""
+        wait at a step's start; each would scan every worker again). ``need_of``: a turn's KV
+        tokens (``select``'s ``need_tokens``)."""
         by_id = {i.worker_id: i for i in instances}
         out: list[Dispatch] = []
         homeless_held = False
@@ -153,10 +161,13 @@ class TurnRouter:
             homeless = self.mode is TurnRouting.TURNWISE or self.home(trajectory_id) is None
             if homeless and homeless_held:
                 continue
-            target = self.select(trajectory_id, list(by_id.values()), theta, fallback)
-            homeless_held = homeless_held or (homeless and target is None)
+            need = need_of(request_id)
+            target = self.select(trajectory_id, list(by_id.values()), theta, fallback, need)
+            # Homeless turns differ in size: a small one may fit where a big one did not.
+            homeless_held = homeless_held or (homeless and target is None and not any(
+                i.room_tokens is not None for i in by_id.values()))
             if target is not None:
-                by_id[target] = queue_on(by_id[target], request_id)
+                by_id[target] = queue_on(by_id[target], request_id, need)
                 self.dispatched(trajectory_id, target)
                 out.append(Dispatch(request_id, target))
         return out
@@ -184,6 +195,12 @@ class TurnRouter:
         for trajectory_id in old:
             del self._home[trajectory_id]
         return len(old)
+
+
+def fits(instance: InstanceLoad, need_tokens: int) -> bool:
+    """Room for a turn of ``need_tokens`` in what the instance reported it has (a co-executor's
+    rollout KV budget); an instance that reports none fits any."""
+    return instance.room_tokens is None or need_tokens <= instance.room_tokens
 
 
 def _cap(instance: InstanceLoad) -> int:

@@ -45,6 +45,7 @@ class WorkerView:
     reported_executing: int = 0
     assigned_at_report: int = 0
     kv_capacity_tokens: int = 0  # Load.kv_capacity_tokens of its last report; 0: none yet
+    kv_used_tokens: int = 0  # Load.kv_used_tokens of the same report
     # When it last refused a request for memory or because it still held it, or (a
     # co-executor) gave one up for memory: ControlConfig.refusal_hold_s counts from here.
     refused_at: float | None = None
@@ -141,7 +142,8 @@ class WorkerPool:
         self.get(worker_id).weight_version = weight_version
 
     def report_load(self, worker_id: str, pending: int, executing: int, assigned: int,
-                    kv_capacity_tokens: int | None = None) -> None:
+                    kv_capacity_tokens: int | None = None,
+                    kv_used_tokens: int | None = None) -> None:
         """The worker's own counts as of its latest load report, and the manager's then."""
         view = self._workers.get(worker_id)
         if view is not None:
@@ -149,6 +151,8 @@ class WorkerPool:
             view.assigned_at_report = assigned
             if kv_capacity_tokens is not None:
                 view.kv_capacity_tokens = max(kv_capacity_tokens, 0)
+            if kv_used_tokens is not None:
+                view.kv_used_tokens = max(kv_used_tokens, 0)
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()

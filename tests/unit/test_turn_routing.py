@@ -256,6 +256,41 @@ def test_the_manager_marks_a_co_executor_as_serving_in_algorithm_2s_view():
     assert {i.worker_id: i.serving for i in control._loads(0)} == {"a": False, "s": True}
 
 
+def test_a_co_executor_takes_only_the_turns_its_reported_kv_room_holds():
+    # Its rollout KV budget leaves room for 500 tokens: a 600-token history would be refused.
+    roomy = replace(S, room_tokens=500)
+    full = busy(A, 4, queued=2)  # Θ beyond its cap: not even a first turn queues there
+    r, _ = router()
+    assert r.select("big", [full, roomy], 2, select_instance, need_tokens=600) is None
+    assert r.select("small", [full, roomy], 2, select_instance, need_tokens=400) == "s"
+    # Two in one tick: the first takes the room the second would need.
+    placed = r.dispatch(["t1", "t2"], lambda rid: rid, [full, roomy], 2, select_instance,
+                        need_of=lambda rid: 300)
+    assert placed == [Dispatch("t1", "s")]
+    # A turn at home on a co-executor without room waits, as for a full home; pinned too.
+    for mode in (TurnRouting.AFFINITY, TurnRouting.PINNED):
+        r, _ = router(mode)
+        r.finished("h", "s", last_turn=False)
+        r.dispatched("h", "s")
+        assert r.select("h", [full, roomy], 2, select_instance, need_tokens=600) is None
+        assert r.select("h", [full, roomy], 2, select_instance, need_tokens=400) == "s"
+
+
+def test_the_manager_reads_a_co_executors_kv_room_from_its_load_report():
+    control = RolloutControl(ControlConfig(theta=2), Clock())
+    control.worker_joined("s", 0, capacity=4, kind="serving")
+    control.worker_joined("a", 0, capacity=4, kind="gpu")
+    control.worker_load("s", 0, 0, kv_capacity_tokens=2048, kv_used_tokens=512)
+    control.worker_load("a", 0, 0, kv_capacity_tokens=4096, kv_used_tokens=0)
+    loads = {i.worker_id: i for i in control._loads(0)}
+    assert loads["s"].room_tokens == 1536 and loads["a"].room_tokens is None
+    # A request sent since the report holds no pages there yet: its context counts against it.
+    turn = replace(request("t", prompt=(1,) * 99), trajectory_id="traj", turn=0)
+    control.add_step("turns", [turn], 0)
+    control.tracker.assign("t", "s")
+    assert {i.worker_id: i for i in control._loads(0)}["s"].room_tokens == 1536 - 100
+
+
 def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pinning_waits_out():
     from rlharvest.sim.agentic import AgenticWorkload, ClusterModel, simulate
 
