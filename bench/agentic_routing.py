@@ -61,6 +61,7 @@ SERVED = "served"
 MODES = ("pinned", "pinned-static", "turnwise", "turnwise+affinity")
 PROMPT, REPLY = 300, 150
 RESULTS = Path(__file__).resolve().parent / "results"
+REFUSED = 'rlh_worker_command_errors_total{code="RESOURCE_EXHAUSTED"}'
 HIT_METRICS = ("rlh_worker_prefix_cache_hits_total", "rlh_worker_prefix_cache_saved_tokens_total")
 
 
@@ -154,6 +155,12 @@ def start_manager(stack: LocalStack, mode: str, name: str,
     return proc, f"127.0.0.1:{port}", metrics
 
 
+def refusals(coexecs: list[tuple[ServiceProcess, int, str]]) -> float:
+    """Rollout requests the co-executors refused for memory so far (the manager re-places
+    each; its routed counts include the re-placements)."""
+    return sum(scrape(metrics).get(REFUSED, 0.0) for _, metrics, _ in coexecs)
+
+
 def hits(workers: list[tuple[ServiceProcess, int]]) -> tuple[float, float]:
     samples = [scrape(metrics) for _, metrics in workers]
     return tuple(sum(s.get(name, 0.0) for s in samples) for name in HIT_METRICS)  # type: ignore
@@ -166,12 +173,14 @@ async def one_run(stack: LocalStack, workers, coexecs, mode: str, tag: str, roun
     try:
         await wait_healthy(endpoint, len(workers) + len(coexecs))
         before = hits(workers)
+        refused_before = refusals(coexecs)
         if coexecs:
             serving = asyncio.ensure_future(serve_bursts([c[2] for c in coexecs],
                                                          args.serving_rps, seed=round_))  # same per round
         seconds = await run_trajectories(endpoint, tag, args.trajectories, args.turns,
                                          env_s=args.env_ms / 1000)
         after = hits(workers)
+        refused = refusals(coexecs) - refused_before
         routed = {o: scrape(metrics).get(f'rlh_manager_turns_routed{{outcome="{o}"}}', 0.0)
                   for o in ("affinity", "moved", "first")}
     finally:
@@ -180,7 +189,7 @@ async def one_run(stack: LocalStack, workers, coexecs, mode: str, tag: str, roun
             await asyncio.gather(serving, return_exceptions=True)
         proc.terminate()
     return {"seconds": seconds, "hits": after[0] - before[0], "saved": after[1] - before[1],
-            "routed": routed}
+            "routed": routed, "refused": refused}
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -222,8 +231,9 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
         lines.append(
             f"  {mode:18s} {statistics.median(secs):6.2f} s   {', '.join(versus)}   cache hits "
             f"{statistics.median(run['hits'] for run in runs[mode]):.0f}/{turns}, prefill "
-            f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}   "
-            f"routed (last run, refused re-dispatches included) {last['routed']}")
+            f"tokens skipped {statistics.median(run['saved'] for run in runs[mode]):.0f}, "
+            f"refused by co-executors {statistics.median(run['refused'] for run in runs[mode]):.0f}"
+            f"   routed (last run, re-placements included) {last['routed']}")
     return lines
 
 

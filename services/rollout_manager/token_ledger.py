@@ -31,6 +31,9 @@ from rlharvest.common.delta_batch import Rows, spans
 NO_WORKER = -1
 _SHIFT = 32
 MASK = (1 << _SHIFT) - 1
+# A slot whose generation reaches this is not reused: its next handles could pass 2**63 after
+# as many dispatches again (each dispatch moves the generation on). One table row per 2**30.
+_RETIRE = 1 << 30
 _FIRST_ROOM = 256  # tokens of a new request's region (or its max_tokens, if fewer)
 (HANDLE, OWNER, VERSION, LENGTH, CAP, BASE, ROOM, HIGH, FRESH, TAG, INDEX, STOPS) = range(12)
 _COLUMNS = STOPS + 2  # two stop ids to begin with; the table widens for more
@@ -108,7 +111,8 @@ class TokenLedger:
         self._dead += int(self.table[slot, ROOM])
         self.table[slot] = -1
         self._generation[slot] += 1
-        self._free_slots.append(slot)
+        if self._generation[slot] < _RETIRE:
+            self._free_slots.append(slot)  # else retired: its handles would outgrow int64
 
     def truncate(self, slot: int) -> None:
         """Forget the tokens (the recompute baseline); positions below the old length that come

@@ -149,23 +149,23 @@ class TurnRouter:
                  need_of: Callable[[str], int] = lambda _: 0) -> list[Dispatch]:
         """Places the waiting turns (``order``, then ``select`` each). Unlike Algorithm 2's
         FIFO hold, a turn held here does not hold the turns behind it: their homes differ. A
-        turn without a home that is held holds the other homeless ones, though: their choice
-        depends only on the loads, which placing turns only raises (thousands of first turns
-        wait at a step's start; each would scan every worker again). ``need_of``: a turn's KV
+        turn without a home that is held holds the other homeless ones at least its size,
+        though: their choice depends only on the loads and the room, which placing turns only
+        raises and lowers (thousands of first turns wait at a step's start; each would scan
+        every worker again). ``need_of``: a turn's KV
         tokens (``select``'s ``need_tokens``)."""
         by_id = {i.worker_id: i for i in instances}
         out: list[Dispatch] = []
-        homeless_held = False
+        held_need: int | None = None  # the smallest KV need of a homeless turn held so far
         for request_id in self.order(request_ids, trajectory_of, instances, theta):
             trajectory_id = trajectory_of(request_id)
             homeless = self.mode is TurnRouting.TURNWISE or self.home(trajectory_id) is None
-            if homeless and homeless_held:
-                continue
             need = need_of(request_id)
+            if homeless and held_need is not None and need >= held_need:
+                continue  # fits wherever a smaller one fits, and that one found no place
             target = self.select(trajectory_id, list(by_id.values()), theta, fallback, need)
-            # Homeless turns differ in size: a small one may fit where a big one did not.
-            homeless_held = homeless_held or (homeless and target is None and not any(
-                i.room_tokens is not None for i in by_id.values()))
+            if homeless and target is None:
+                held_need = need if held_need is None else min(held_need, need)
             if target is not None:
                 by_id[target] = queue_on(by_id[target], request_id, need)
                 self.dispatched(trajectory_id, target)

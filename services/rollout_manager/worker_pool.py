@@ -46,6 +46,9 @@ class WorkerView:
     assigned_at_report: int = 0
     kv_capacity_tokens: int = 0  # Load.kv_capacity_tokens of its last report; 0: none yet
     kv_used_tokens: int = 0  # Load.kv_used_tokens of the same report
+    # KV tokens of the requests sent to it since that report (a co-executor takes their pages
+    # at the add, so the next report counts them in its use).
+    kv_sent_tokens: int = 0
     # When it last refused a request for memory or because it still held it, or (a
     # co-executor) gave one up for memory: ControlConfig.refusal_hold_s counts from here.
     refused_at: float | None = None
@@ -153,6 +156,7 @@ class WorkerPool:
                 view.kv_capacity_tokens = max(kv_capacity_tokens, 0)
             if kv_used_tokens is not None:
                 view.kv_used_tokens = max(kv_used_tokens, 0)
+                view.kv_sent_tokens = 0
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()

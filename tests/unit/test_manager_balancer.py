@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlharvest.common import delta_batch
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
     continuous_lb,
@@ -284,13 +285,15 @@ def token_at(request_id: str, position: int, version: int) -> int:
 
 
 class FakeWorkers:
-    """Workers as the manager sees them through commands and step outputs (not our code)."""
+    """Workers as the manager sees them through commands and step outputs (not our code). Each
+    names a request's rows by the handle of the add that brought it there, as a worker does."""
 
     def __init__(self, control: RolloutControl) -> None:
         self.control = control
         self.version: dict[str, int] = {}
-        self.position: dict[str, dict[str, int]] = defaultdict(dict)  # worker -> request -> pos
-        self.late: dict[str, dict[str, int]] = defaultdict(dict)  # aborted, one step still due
+        # worker -> request -> (next position, the handle of its dispatch there)
+        self.position: dict[str, dict[str, tuple[int, int]]] = defaultdict(dict)
+        self.late: dict[str, dict[str, tuple[int, int]]] = defaultdict(dict)  # one step due
         self.finished: list[str] = []
 
     def execute(self, commands) -> None:
@@ -302,37 +305,37 @@ class FakeWorkers:
                 assert self.control.pool.get(dst).eligible_for(r.weight_version)
                 if isinstance(c, Migrate):
                     self._abort(c.src, c.request_id)
-                self.position[dst][c.request_id] = len(
-                    self.control.tracker.resume_payload(c.request_id).generated_token_ids)
+                payload = self.control.tracker.resume_payload(c.request_id)
+                self.position[dst][c.request_id] = (len(payload.generated_token_ids),
+                                                    payload.handle)
             elif isinstance(c, Release):
                 self._abort(c.worker_id, c.request_id)
             elif isinstance(c, Fail):
                 raise AssertionError(f"request failed: {c.reason}")
 
     def _abort(self, worker: str, request_id: str) -> None:
-        pos = self.position[worker].pop(request_id, None)
-        if pos is not None:
-            self.late[worker][request_id] = pos
+        held = self.position[worker].pop(request_id, None)
+        if held is not None:
+            self.late[worker][request_id] = held
 
     def step(self, worker: str, tokens: int) -> None:
-        deltas = []
+        rows = []
         late = self.late.pop(worker, {})
         late_rows: set[tuple[int, int]] = set()  # (handle, position) sent after a move
         for held in (self.position[worker], late):
-            for rid, pos in list(held.items()):
+            for rid, (pos, handle) in list(held.items()):
                 r = self.control.tracker.get(rid)
                 n = min(tokens, r.sampling.max_tokens - pos)
-                ids = tuple(token_at(rid, p, self.version[worker]) for p in range(pos, pos + n))
+                ids = [token_at(rid, p, self.version[worker]) for p in range(pos, pos + n)]
                 done = pos + n >= r.sampling.max_tokens
-                deltas.append(TokenDelta(rid, pos, ids, (0.0,) * n, self.version[worker], done,
-                                         "length" if done else ""))
+                rows.append((handle, pos, ids, [0.0] * n, "length" if done else ""))
                 if held is late:
-                    late_rows.add((r.handle, pos))
-                if held is self.position[worker]:
-                    held[rid] = pos + n
+                    late_rows.add((handle, pos))
+                else:
+                    held[rid] = (pos + n, handle)
                     if done:
                         del held[rid]
-        report = self.control.step_deltas(worker, deltas)
+        report = self.control.step_outputs(worker, delta_batch.build(rows, self.version[worker]))
         # A worker the request has left may still send its in-flight step: never appended.
         accepted = zip(report.accepted.requests.tolist(), report.accepted.positions.tolist())
         assert not late_rows & set(accepted), "stale tokens appended"

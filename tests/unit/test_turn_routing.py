@@ -267,6 +267,11 @@ def test_a_co_executor_takes_only_the_turns_its_reported_kv_room_holds():
     placed = r.dispatch(["t1", "t2"], lambda rid: rid, [full, roomy], 2, select_instance,
                         need_of=lambda rid: 300)
     assert placed == [Dispatch("t1", "s")]
+    # A first turn held for its size does not hold a smaller one behind it.
+    r, _ = router()
+    sizes = {"big": 600, "small": 400}
+    assert r.dispatch(["big", "small"], lambda rid: rid, [full, roomy], 2, select_instance,
+                      need_of=sizes.__getitem__) == [Dispatch("small", "s")]
     # A turn at home on a co-executor without room waits, as for a full home; pinned too.
     for mode in (TurnRouting.AFFINITY, TurnRouting.PINNED):
         r, _ = router(mode)
@@ -284,11 +289,15 @@ def test_the_manager_reads_a_co_executors_kv_room_from_its_load_report():
     control.worker_load("a", 0, 0, kv_capacity_tokens=4096, kv_used_tokens=0)
     loads = {i.worker_id: i for i in control._loads(0)}
     assert loads["s"].room_tokens == 1536 and loads["a"].room_tokens is None
-    # A request sent since the report holds no pages there yet: its context counts against it.
+    control.worker_lost("a", "gone")
+    # A turn sent since the report counts against the room until the next report, which
+    # counts its pages in the co-executor's use (it takes them at the add).
     turn = replace(request("t", prompt=(1,) * 99), trajectory_id="traj", turn=0)
     control.add_step("turns", [turn], 0)
-    control.tracker.assign("t", "s")
+    assert dispatched(control) == [Dispatch("t", "s")]
     assert {i.worker_id: i for i in control._loads(0)}["s"].room_tokens == 1536 - 100
+    control.worker_load("s", 1, 0, kv_capacity_tokens=2048, kv_used_tokens=512 + 112)
+    assert {i.worker_id: i for i in control._loads(0)}["s"].room_tokens == 2048 - 624
 
 
 def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pinning_waits_out():
