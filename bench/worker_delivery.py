@@ -4,7 +4,8 @@ Both sides run the same requests (same model, batch, seeds, lengths) on a TorchE
 same thread count; the gRPC side adds a real worker process, protobuf encoding and loopback
 transport. Prints tokens/s of each and the ratio (issue target: >= 0.9). A second worker with
 ``--keep-requests-s 0`` runs interleaved too: what recording every request's tokens for a
-successor manager (the default) costs delivery.
+successor manager (the default) costs delivery. A third runs its engine in a process of its own
+(``--engine-process``, vLLM v1's engine-core split), also interleaved.
 
     python bench/worker_delivery.py [--quick] [--batch 32] [--tokens 128]
            [--device cuda --dtype bfloat16 --model qwen3-0.6b]   # on a GPU node
@@ -29,6 +30,7 @@ from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
+from rlharvest.sim.ratios import spread  # noqa: E402
 from tests.integration.worker_client import WorkerSession, start_worker  # noqa: E402
 from tests.worker_sessions import add  # noqa: E402
 
@@ -95,15 +97,20 @@ def main() -> None:
         unkept = start_worker(stack, "bench-worker-unkept", "--max-running", str(args.batch),
                               "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags,
                               "--keep-requests-s", "0")
-        for w in (worker, unkept):
+        # The engine in a process of its own, the gRPC process keeping a proxy (issue 16).
+        split = start_worker(stack, "bench-worker-split", "--max-running", str(args.batch),
+                             "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags,
+                             "--engine-process")
+        for w in (worker, unkept, split):
             asyncio.run(over_grpc(w.endpoint, args.batch, 8))  # warm-up
         in_process(args.model, args.batch, 8, args.threads, args.device, args.dtype)
-        local, remote, plain = [], [], []
+        local, remote, plain, apart = [], [], [], []
         for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
             local.append(in_process(args.model, args.batch, args.tokens, args.threads,
                                     args.device, args.dtype)[0])
             remote.append(asyncio.run(over_grpc(worker.endpoint, args.batch, args.tokens))[0])
             plain.append(asyncio.run(over_grpc(unkept.endpoint, args.batch, args.tokens))[0])
+            apart.append(asyncio.run(over_grpc(split.endpoint, args.batch, args.tokens))[0])
     finally:
         stack.stop()
     keeping = sorted(k / p for k, p in zip(remote, plain))
@@ -118,6 +125,9 @@ def main() -> None:
           "(target >= 0.9)")
     print(f"keeping tokens for a successor / not: median {statistics.median(keeping):.3f} "
           f"[{keeping[0]:.3f}-{keeping[-1]:.3f}] over {len(keeping)} interleaved rounds")
+    print(f"engine in its own process (--engine-process): {statistics.median(apart):.0f} "
+          f"tokens/s; / in-process {spread([a / loc for a, loc in zip(apart, local)], 3)}, "
+          f"/ one-process gRPC {spread([a / r for a, r in zip(apart, remote)], 3)}")
 
 if __name__ == "__main__":
     main()

@@ -85,6 +85,10 @@ class WorkerConfig(EngineDeviceConfig):
                           "engine and keep pulling the job's versions, but join the managers "
                           "only on SIGUSR1 — a replacement for a preempted spot worker then "
                           "costs no process start, import or dense pull (needs --agent-pull)")
+    engine_process: bool = Field(False, description="run the engine in its own process (vLLM "
+                                 "v1's engine-core split): the model's Python and the gRPC "
+                                 "send path stop sharing one GIL (issue 16; not with "
+                                 "--placement-node, which reads the engine's weights)")
     tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -93,6 +97,14 @@ class WorkerConfig(EngineDeviceConfig):
     @model_validator(mode="after")
     def _prefix_cache_usable(self) -> WorkerConfig:
         check_prefix_cache(self.prefix_cache, self.kv_pages)
+        return self
+
+    @model_validator(mode="after")
+    def _engine_process_usable(self) -> WorkerConfig:
+        if self.engine_process and self.placement_node:
+            raise ValueError("--engine-process keeps the weights in the engine's process, and "
+                             "--placement-node keeps each job's weights beside the engine's: "
+                             "use one of them")
         return self
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rlharvest.common.cli import service_app
@@ -48,6 +49,16 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     return engine
 
 
+def start_engine(cfg: WorkerConfig) -> Engine:
+    """The engine the worker serves: built here, or in a process of its own behind a proxy
+    (``--engine-process``; the child builds it from the same config)."""
+    if not cfg.engine_process:
+        return build_engine(cfg)
+    from rlharvest.common.worker_core.engine_process import EngineProcess
+
+    return EngineProcess(partial(build_engine, cfg))
+
+
 def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: WorkerService,
                     puller: Callable[[str], Any]) -> NodeFollower:
     cfg = host.config
@@ -65,7 +76,7 @@ def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: Wo
 
 async def build(host: Host[WorkerConfig]) -> Parts:
     cfg = host.config
-    engine = build_engine(cfg)
+    engine = start_engine(cfg)
 
     reporting: list[asyncio.Task] = []
 
@@ -120,6 +131,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
 
     def close() -> None:
         service.close()
+        if (close_engine := getattr(engine, "close", None)) is not None:
+            close_engine()  # an engine process exits with the worker
         log.info("worker %s stopped (%s)", cfg.worker_id, outcome[0])
 
     info = {
