@@ -6,11 +6,20 @@ for the loop to pick up its step. vLLM v1 splits the two: an engine core process
 its client process talks to the world. Here ``EngineProcess`` is that client: an ``Engine`` whose
 every call is one message to a child process that owns the real engine, over a pipe.
 
-* The pump calls the engine only between steps, and one call at a time (engine.py), so the proxy
-  is a strict request/reply: no call is in flight while another is sent.
-* Every reply carries the engine's state after the call (weight version, whether it has work,
-  its load, what the last step prefilled): the pump reads those once or twice per step, and the
-  state changes only through calls, so reading a copy costs no round trip and is never stale.
+* The child runs one step ahead of its caller: it computes step N+1 while the worker routes and
+  sends step N (``step`` returns N+1 at once when it is done), and never more than one, so an
+  abort lands at most one step late. The worker's calls between two of its steps (adds, aborts,
+  a weight load and the aborts it brings) reach the child between two of its own steps, all of
+  them between the same two: after a call the child holds until the next ``step``. A call made
+  while the child steps waits for that step to end.
+* Every message carries the engine's state after it (weight version, whether it has work, its
+  load): the pump reads those every step, and the newest message's state is never stale, so
+  reading them costs no round trip. A step's own facts (its prefill tokens) come with its
+  outputs. Steps computed ahead wait in order; ``has_work`` is true while one does.
+* Semantics the worker keeps: a step computed before a call is handed out after it. Its tokens
+  of a request the call ended are dropped by the hub (it routes only held requests), and a
+  weight load ends every request it holds (the admission's ``on_weight_swap``), so no token of
+  the old weights is taken for the new version's.
 * Tensors for ``load_weights`` cross through shared memory (``torch.multiprocessing``).
 * The child is spawned, not forked (the parent runs gRPC's threads). It exits when the pipe
   closes: its parent died (even by SIGKILL) or closed it. A child that dies makes the next call
@@ -24,6 +33,7 @@ every call is one message to a child process that owns the real engine, over a p
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -38,39 +48,66 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_CALLS = frozenset({"add", "abort", "step", "load_weights"})
+_CALLS = frozenset({"add", "abort", "load_weights"})
+_REPLY, _STEP = 0, 1  # a call's answer; a step's outputs
+_AHEAD = 1  # steps the child may run beyond those its caller took (2 measured no better)
 
 
 class EngineProcessError(RuntimeError):
     """The engine's process died or broke the protocol."""
 
 
-def _state(engine: Engine) -> tuple[int, bool, EngineLoad, int]:
-    return (engine.weight_version, engine.has_work(), engine.load(),
-            engine.last_step_prefill_tokens)
+def _state(engine: Engine) -> tuple[int, bool, EngineLoad]:
+    return engine.weight_version, engine.has_work(), engine.load()
 
 
 def _serve(factory: Callable[[], Engine], conn: Connection) -> None:
-    """The child: build the engine, then answer calls until the pipe closes."""
+    """The child: build the engine, then step one ahead of the parent and answer its calls
+    between steps (see the module doc)."""
     try:
         engine = factory()
     except BaseException as exc:  # tell the parent why, then go
-        conn.send((False, EngineProcessError(f"the engine could not be built: {exc!r}"), None))
+        conn.send((_REPLY, False, EngineProcessError(f"the engine could not be built: {exc!r}"),
+                   None))
         return
-    conn.send((True, (engine.vocab_size, engine.batch_admission), _state(engine)))
+    conn.send((_REPLY, True, (engine.vocab_size, engine.batch_admission), _state(engine)))
+    lead, hold = 0, True  # steps sent beyond those asked for; hold: a call came, await a step
     while True:
-        try:
-            op, args = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if op == "close":
-            return
-        try:
-            value = getattr(engine, op)(*args) if op in _CALLS else None
-        except Exception as exc:  # the caller's to handle (EngineInputError, KeyError, ...)
-            conn.send((False, exc, _state(engine)))
-            continue
-        conn.send((True, value, _state(engine)))
+        if hold or lead >= _AHEAD or not engine.has_work() or conn.poll():
+            try:
+                op, args = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                return
+            if op == "close":
+                return
+            if op == "step":  # the parent took a step: one more may run ahead of it
+                lead, hold = max(lead - 1, -1), False
+            else:
+                hold = True  # the calls of one mutation all land between the same two steps
+                _answer(engine, conn, op, args)
+        elif _step(engine, conn):
+            lead += 1
+        else:
+            return  # a broken engine: the parent raises its error and stops the worker
+
+
+def _answer(engine: Engine, conn: Connection, op: str, args: tuple) -> None:
+    try:
+        value = getattr(engine, op)(*args) if op in _CALLS else None
+    except Exception as exc:  # the caller's to handle (EngineInputError, KeyError, ...)
+        conn.send((_REPLY, False, exc, _state(engine)))
+        return
+    conn.send((_REPLY, True, value, _state(engine)))
+
+
+def _step(engine: Engine, conn: Connection) -> bool:
+    try:
+        outputs = engine.step()
+    except Exception as exc:
+        conn.send((_STEP, False, exc, _state(engine)))
+        return False
+    conn.send((_STEP, True, (outputs, engine.last_step_prefill_tokens), _state(engine)))
+    return True
 
 
 class EngineProcess:
@@ -88,7 +125,9 @@ class EngineProcess:
         if not self._conn.poll(start_timeout_s):
             self.close()
             raise EngineProcessError(f"the engine process did not start in {start_timeout_s}s")
-        self._vocab_size, self._admission = self._reply()
+        self._steps: deque[tuple[list[RequestOutput], int]] = deque()
+        self._prefill_tokens = 0
+        self._vocab_size, self._admission = self._read()[1]
 
     # ---- Engine --------------------------------------------------------------------------------
 
@@ -109,7 +148,7 @@ class EngineProcess:
         return self._prefill_tokens
 
     def has_work(self) -> bool:
-        return self._has_work
+        return bool(self._steps) or self._work
 
     def load(self) -> EngineLoad:
         # The pump reads the load at every step and every idle heartbeat: an idle worker whose
@@ -125,7 +164,13 @@ class EngineProcess:
         return self._call("abort", request_id)
 
     def step(self) -> list[RequestOutput]:
-        return self._call("step")
+        """The next step's outputs: computed while the caller handled the last one, most often
+        (the child runs one step ahead)."""
+        self._send("step", ())
+        while not self._steps:
+            self._read()
+        outputs, self._prefill_tokens = self._steps.popleft()
+        return outputs
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self._call("load_weights", dict(tensors), version)
@@ -149,22 +194,32 @@ class EngineProcess:
         self._conn.close()
 
     def _call(self, op: str, *args: Any) -> Any:
+        self._send(op, args)
+        while True:
+            kind, value = self._read()
+            if kind == _REPLY:
+                return value
+
+    def _send(self, op: str, args: tuple) -> None:
         try:
             self._conn.send((op, args))
         except (OSError, ValueError) as exc:
             raise self._died(exc) from exc
-        return self._reply()
 
-    def _reply(self) -> Any:
+    def _read(self) -> tuple[int, Any]:
+        """The next message. A step's outputs wait in order for ``step``; the state is always
+        the newest one's (every message carries the engine's state after it)."""
         try:
-            ok, value, state = self._conn.recv()
+            kind, ok, value, state = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise self._died(exc) from exc
         if state is not None:
-            self._version, self._has_work, self._load, self._prefill_tokens = state
+            self._version, self._work, self._load = state
         if not ok:
             raise value
-        return value
+        if kind == _STEP:
+            self._steps.append(value)
+        return kind, value
 
     def _died(self, exc: BaseException) -> EngineProcessError:
         self._proc.join(1.0)

@@ -22,6 +22,20 @@ def tiny(seed: int = 0) -> TorchEngine:
     return TorchEngine("tiny", seed=seed, max_running=4, max_len=128)
 
 
+class FailingEngine(TorchEngine):
+    """The tiny engine, whose device is lost at its second step."""
+
+    def step(self):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps == 2:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def failing() -> TorchEngine:
+    return FailingEngine("tiny", seed=0, max_running=4, max_len=128)
+
+
 def broken() -> TorchEngine:
     raise RuntimeError("no such model")
 
@@ -60,6 +74,32 @@ def test_an_engine_process_generates_the_tokens_the_engine_does_in_process(proc)
     assert not proc.has_work()
 
 
+def test_calls_between_steps_land_between_the_childs_steps_and_no_token_is_lost(proc):
+    # The child runs one step ahead of its caller: an add or abort made between two of the
+    # caller's steps lands after the step the child ran meanwhile. Tokens depend only on
+    # (seed, position), so every request still gets its exact sequence.
+    batch = requests(4)
+    full = run(tiny(), batch)
+    got: dict[str, list[int]] = defaultdict(list)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for output in proc.step():
+                got[output.request_id] += output.new_token_ids
+
+    proc.add(batch[0])
+    proc.add(batch[1])
+    steps(3)
+    proc.add(batch[2])
+    proc.add(batch[3])
+    steps(2)
+    assert proc.abort("r1").finish_reason == "abort"
+    while proc.has_work():
+        steps(1)
+    assert {r: got[r] for r in ("r0", "r2", "r3")} == {r: full[r] for r in ("r0", "r2", "r3")}
+    assert 5 <= len(got["r1"]) < len(full["r1"]) and got["r1"] == full["r1"][:len(got["r1"])]
+
+
 def test_a_refusal_in_the_child_reaches_the_caller_as_the_engines_own_error(proc):
     with pytest.raises(EngineInputError, match="empty"):
         proc.add(EngineRequest("bad", [], SamplingParams()))
@@ -80,6 +120,19 @@ def test_a_child_that_dies_makes_the_next_call_fail_with_its_exit_code(proc):
     os.kill(proc.pid, signal.SIGKILL)
     with pytest.raises(EngineProcessError, match="exit code -9"):
         proc.step()
+
+
+def test_an_engine_step_that_raises_reaches_the_caller_and_ends_the_child():
+    engine = EngineProcess(failing)
+    try:
+        engine.add(requests(1)[0])
+        assert len(engine.step()) == 1
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+        engine._proc.join(10)
+        assert engine._proc.exitcode == 0  # it stopped on its own, nothing left stepping
+    finally:
+        engine.close()
 
 
 def test_an_engine_that_cannot_be_built_fails_the_start_with_the_reason():
