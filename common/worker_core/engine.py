@@ -9,7 +9,7 @@ implementation is ``services/rollout_worker/torch_engine.TorchEngine``; vLLM is 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from rlharvest.common.engine_types import EngineLoad, EngineRequest, RequestOutput
 
@@ -57,3 +57,16 @@ class Engine(Protocol):
         """Replace weights in place (names as in the model's state_dict; any subset) and set the
         version. All tensors are validated first: on EngineInputError nothing was changed.
         Requests in flight keep KV computed by the old weights: the caller aborts them."""
+
+
+@runtime_checkable
+class SelfTimed(Protocol):
+    """An engine whose ``step`` may hand out a step computed earlier (``EngineProcess``: in
+    another process, ahead of its caller), so the caller's clock around ``step`` does not time
+    it: it says what the step it returned took and which weight version computed it."""
+
+    @property
+    def last_step_seconds(self) -> float: ...
+
+    @property
+    def last_step_weight_version(self) -> int: ...

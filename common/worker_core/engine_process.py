@@ -33,6 +33,8 @@ every call is one message to a child process that owns the real engine, over a p
 from __future__ import annotations
 
 import logging
+import signal
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,7 +65,10 @@ def _state(engine: Engine) -> tuple[int, bool, EngineLoad]:
 
 def _serve(factory: Callable[[], Engine], conn: Connection) -> None:
     """The child: build the engine, then step one ahead of the parent and answer its calls
-    between steps (see the module doc)."""
+    between steps (see the module doc). Signals are the worker's to act on: it drains on
+    SIGTERM while this engine runs on, and this exits when the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = factory()
     except BaseException as exc:  # tell the parent why, then go
@@ -101,12 +106,15 @@ def _answer(engine: Engine, conn: Connection, op: str, args: tuple) -> None:
 
 
 def _step(engine: Engine, conn: Connection) -> bool:
+    started = time.perf_counter()
     try:
         outputs = engine.step()
     except Exception as exc:
-        conn.send((_STEP, False, exc, _state(engine)))
+        conn.send((_STEP, False, exc, None))
         return False
-    conn.send((_STEP, True, (outputs, engine.last_step_prefill_tokens), _state(engine)))
+    seconds = time.perf_counter() - started  # the step's own time (SelfTimed)
+    conn.send((_STEP, True, (outputs, seconds, engine.last_step_prefill_tokens,
+                             engine.weight_version), _state(engine)))
     return True
 
 
@@ -125,8 +133,9 @@ class EngineProcess:
         if not self._conn.poll(start_timeout_s):
             self.close()
             raise EngineProcessError(f"the engine process did not start in {start_timeout_s}s")
-        self._steps: deque[tuple[list[RequestOutput], int]] = deque()
-        self._prefill_tokens = 0
+        self._steps: deque[tuple[list[RequestOutput], float, int, int]] = deque()
+        self._broken: EngineProcessError | None = None
+        self._seconds, self._prefill_tokens, self._step_version = 0.0, 0, 0
         self._vocab_size, self._admission = self._read()[1]
 
     # ---- Engine --------------------------------------------------------------------------------
@@ -146,6 +155,17 @@ class EngineProcess:
     @property
     def last_step_prefill_tokens(self) -> int:
         return self._prefill_tokens
+
+    @property
+    def last_step_seconds(self) -> float:
+        """The last step handed out, timed in the child (SelfTimed)."""
+        return self._seconds
+
+    @property
+    def last_step_weight_version(self) -> int:
+        """The version that computed the last step handed out: a step computed before a weight
+        load is handed out after it (SelfTimed)."""
+        return self._step_version
 
     def has_work(self) -> bool:
         return bool(self._steps) or self._work
@@ -169,7 +189,7 @@ class EngineProcess:
         self._send("step", ())
         while not self._steps:
             self._read()
-        outputs, self._prefill_tokens = self._steps.popleft()
+        outputs, self._seconds, self._prefill_tokens, self._step_version = self._steps.popleft()
         return outputs
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -209,16 +229,22 @@ class EngineProcess:
     def _read(self) -> tuple[int, Any]:
         """The next message. A step's outputs wait in order for ``step``; the state is always
         the newest one's (every message carries the engine's state after it)."""
+        if self._broken is not None:
+            raise self._broken
         try:
             kind, ok, value, state = self._conn.recv()
         except (EOFError, OSError) as exc:
             raise self._died(exc) from exc
         if state is not None:
             self._version, self._work, self._load = state
-        if not ok:
-            raise value
-        if kind == _STEP:
+        if ok and kind == _STEP:
             self._steps.append(value)
+        elif not ok and kind == _STEP:  # the engine is broken: every call raises from now on,
+            # not only the one that read it (whose own handler must not take it for its error)
+            self._broken = EngineProcessError(f"the engine failed a step: {value!r}")
+            raise self._broken from value
+        elif not ok:
+            raise value
         return kind, value
 
     def _died(self, exc: BaseException) -> EngineProcessError:

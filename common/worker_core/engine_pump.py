@@ -22,7 +22,7 @@ from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import EngineLoad, RequestOutput
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core import metrics
-from rlharvest.common.worker_core.engine import Engine
+from rlharvest.common.worker_core.engine import Engine, SelfTimed
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,6 +62,7 @@ class EnginePump(Generic[R]):
     def __init__(self, engine: Engine, sink: StepSink[R], *, step_delay_s: float = 0.0,
                  heartbeat_s: float = 1.0) -> None:
         self._engine = engine
+        self._self_timed = isinstance(engine, SelfTimed)
         self._sink = sink
         self._step_delay_s = step_delay_s
         self._heartbeat_s = heartbeat_s
@@ -78,7 +79,7 @@ class EnginePump(Generic[R]):
         """Step while there is work, forever. An exception from the engine or a mutation ends
         it: a broken engine must not look like a healthy worker."""
         loop = asyncio.get_running_loop()
-        running: asyncio.Future[tuple[list[RequestOutput], float, int]] | None = None
+        running: asyncio.Future[tuple[list[RequestOutput], float, int, int]] | None = None
         while True:
             if running is None:
                 await self._apply_mutations()
@@ -155,18 +156,25 @@ class EnginePump(Generic[R]):
     # ---- one step ------------------------------------------------------------------------------
 
     def _launch(self, loop: asyncio.AbstractEventLoop
-                ) -> asyncio.Future[tuple[list[RequestOutput], float, int]]:
+                ) -> asyncio.Future[tuple[list[RequestOutput], float, int, int]]:
         return loop.run_in_executor(self._executor, self._timed_step)
 
-    def _timed_step(self) -> tuple[list[RequestOutput], float, int]:
-        """In the engine thread: the step, its wall time and what it prefilled."""
+    def _timed_step(self) -> tuple[list[RequestOutput], float, int, int]:
+        """In the engine thread: the step, its wall time, what it prefilled and the weight
+        version that computed it. An engine that hands out steps it computed earlier (in another
+        process, ahead of its caller) times them itself (``SelfTimed``)."""
+        engine = self._engine
         started = time.perf_counter()
-        outputs = self._engine.step()
+        outputs = engine.step()
         duration_s = time.perf_counter() - started
-        return outputs, duration_s, self._engine.last_step_prefill_tokens
+        if self._self_timed:
+            assert isinstance(engine, SelfTimed)
+            return (outputs, engine.last_step_seconds, engine.last_step_prefill_tokens,
+                    engine.last_step_weight_version)
+        return outputs, duration_s, engine.last_step_prefill_tokens, engine.weight_version
 
-    def _record(self, outputs: list[RequestOutput], duration_s: float,
-                prefill_tokens: int) -> EngineStep:
+    def _record(self, outputs: list[RequestOutput], duration_s: float, prefill_tokens: int,
+                weight_version: int) -> EngineStep:
         batch_size = decode_tokens = 0
         for out in outputs:
             if out.new_token_ids:
@@ -180,8 +188,7 @@ class EnginePump(Generic[R]):
         self._token_counts.append((time.monotonic(), decode_tokens))
         stats = pb.EngineStepStats(batch_size=batch_size, duration_s=duration_s,
                                    decode_tokens=decode_tokens, prefill_tokens=prefill_tokens)
-        return EngineStep(self.steps, outputs, self._engine.weight_version, self.snapshot_load(),
-                          stats)
+        return EngineStep(self.steps, outputs, weight_version, self.snapshot_load(), stats)
 
     async def _apply_mutations(self) -> None:
         while self._mutations:

@@ -205,7 +205,9 @@ class SessionCommands:
         if held is None or (held.session.closed and not self._hub.is_kept(rid)):
             return
         try:
-            self._engine.add(request)
+            # In the engine's thread, as its steps run: an engine in another process answers
+            # after the step it is computing, and the event loop must not wait for that.
+            await self._loop.in_engine_thread(self._engine.add, request)
         except EngineInputError as exc:
             self._hub.release(rid)
             return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)), held.handle)
@@ -213,13 +215,13 @@ class SessionCommands:
 
     async def _abort_held(self, rid: str, arrived_at_step: int | None = None) -> None:
         if self._hub.holder(rid) is not None:  # else it finished meanwhile: its final delta went
-            self._end(rid)
+            await self._end(rid)
             if arrived_at_step is not None:  # a manager's abort (a migration), not a drain's
                 metrics.ABORT_WAIT_STEPS.observe(self._loop.steps - arrived_at_step)
 
-    def _end(self, rid: str) -> None:
+    async def _end(self, rid: str) -> None:
         try:
-            final = self._engine.abort(rid)
+            final = await self._loop.in_engine_thread(self._engine.abort, rid)
         except KeyError:  # held but not started in the engine yet: confirm all the same
             final = RequestOutput(rid, [], [], finished=True, finish_reason="abort")
         self._hub.end(final, self._engine.weight_version, self._loop.snapshot_load())
@@ -232,7 +234,7 @@ class SessionCommands:
 
     async def _abort_in_engine(self, rid: str) -> None:
         try:
-            self._engine.abort(rid)
+            await self._loop.in_engine_thread(self._engine.abort, rid)
         except KeyError:  # it had not started, or finished meanwhile
             pass
 
@@ -242,7 +244,7 @@ class SessionCommands:
         await self._loop.in_engine_thread(self._engine.load_weights, tensors, version)
         ended = self._admission.on_weight_swap(version, self._hub.held_versions())
         for rid in ended:
-            self._end(rid)
+            await self._end(rid)
         self._loop.snapshot_load()  # GetInfo and /healthz report the new version at once
         metrics.WEIGHT_VERSION.set(version)
         log.info("loaded weights version %d from %s (%d tensors; %d requests of the old version "

@@ -116,6 +116,16 @@ def test_weights_loaded_across_the_pipe_change_what_it_generates(proc):
     assert run(proc, requests()) != run(tiny(), requests())
 
 
+def test_a_step_computed_before_a_weight_load_says_its_own_version_and_time(proc):
+    proc.add(requests(1)[0])
+    proc.step()
+    assert proc._conn.poll(10)  # the child ran the next step ahead: it waits in the pipe
+    proc.load_weights(tiny(seed=1).weights(), 7)
+    assert proc.weight_version == 7
+    assert proc.step() and proc.last_step_weight_version == 0  # computed by the old weights
+    assert 0 < proc.last_step_seconds < 5
+
+
 def test_a_child_that_dies_makes_the_next_call_fail_with_its_exit_code(proc):
     os.kill(proc.pid, signal.SIGKILL)
     with pytest.raises(EngineProcessError, match="exit code -9"):
@@ -127,8 +137,10 @@ def test_an_engine_step_that_raises_reaches_the_caller_and_ends_the_child():
     try:
         engine.add(requests(1)[0])
         assert len(engine.step()) == 1
-        with pytest.raises(RuntimeError, match="device lost"):
+        with pytest.raises(EngineProcessError, match="device lost"):
             engine.step()
+        with pytest.raises(EngineProcessError, match="device lost"):  # broken from then on
+            engine.add(requests(2)[1])
         engine._proc.join(10)
         assert engine._proc.exitcode == 0  # it stopped on its own, nothing left stepping
     finally:
