@@ -70,6 +70,7 @@ class EnginePump(Generic[R]):
         self._mutations: deque[Callable[[], Awaitable[object]]] = deque()
         self._wakeup = asyncio.Event()
         self._token_counts: deque[tuple[float, int]] = deque()
+        self._token_sum = 0  # of the counts in the window: kept, not summed every step
         self.steps = 0  # engine steps run so far
         self.last_load = common_pb2.Load()  # as of the last step boundary; readable any time
         self._last_prefix = EngineLoad(0, 0, 0, 0, 0)  # prefix-cache totals at the last snapshot
@@ -186,6 +187,7 @@ class EnginePump(Generic[R]):
         metrics.TOKENS_GENERATED.inc(decode_tokens)
         metrics.PREFILL_TOKENS.inc(prefill_tokens)
         self._token_counts.append((time.monotonic(), decode_tokens))
+        self._token_sum += decode_tokens
         stats = pb.EngineStepStats(batch_size=batch_size, duration_s=duration_s,
                                    decode_tokens=decode_tokens, prefill_tokens=prefill_tokens)
         return EngineStep(self.steps, outputs, weight_version, self.snapshot_load(), stats)
@@ -205,7 +207,7 @@ class EnginePump(Generic[R]):
         now = time.monotonic()
         counts = self._token_counts
         while counts and counts[0][0] < now - _TOKEN_RATE_WINDOW_S:
-            counts.popleft()
+            self._token_sum -= counts.popleft()[1]
         if len(counts) < 2:
             return 0.0
-        return sum(n for _, n in counts) / max(now - counts[0][0], 1e-3)
+        return self._token_sum / max(now - counts[0][0], 1e-3)

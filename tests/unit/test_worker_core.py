@@ -104,6 +104,22 @@ async def test_every_step_message_carries_the_steps_true_stats():
     assert {s[0].stats.batch_size for s in steps.values()} >= {1, 2}
 
 
+async def test_the_load_reports_rate_is_the_windows_tokens_kept_as_a_running_sum():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("a", PROMPT, max_tokens=40), add("b", PROMPT, max_tokens=40))
+        await session.finish(["a", "b"])
+        rate = core.pump.snapshot_load().tokens_per_second
+        counts = core.pump._token_counts
+        assert core.pump._token_sum == sum(n for _, n in counts) == 80  # all within the window
+        assert rate > 0
+        steps = len(counts)
+        counts.appendleft((counts[0][0] - 60.0, 7))  # a step older than the window
+        core.pump._token_sum += 7
+        core.pump.snapshot_load()  # drops it, and its tokens from the sum
+        assert core.pump._token_sum == 80 and len(counts) == steps
+
+
 async def test_a_slow_reader_slows_the_pump():
     async with running_core(session_queue=1) as core:
         session = core.session()
