@@ -269,7 +269,7 @@ def _reclaim(worker: _Worker, now: float, cluster: ClusterModel, result: Agentic
     worker.bursting = burst
     if not burst:
         return []
-    cap = cluster.serving_cap(worker.serving_index, now)
+    cap = worker.cap(cluster, now)
     aborted: list[_Turn] = []
     while len(worker.running) > cap:
         aborted.append(worker.running.pop())

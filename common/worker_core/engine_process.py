@@ -32,7 +32,6 @@ every call is one message to a child process that owns the real engine, over a p
 
 from __future__ import annotations
 
-import logging
 import signal
 import time
 from collections import deque
@@ -47,8 +46,6 @@ if TYPE_CHECKING:
     import torch
 
     from rlharvest.common.worker_core.engine import Engine
-
-log = logging.getLogger(__name__)
 
 _CALLS = frozenset({"add", "abort", "load_weights"})
 _REPLY, _STEP = 0, 1  # a call's answer; a step's outputs

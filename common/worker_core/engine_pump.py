@@ -26,6 +26,8 @@ from rlharvest.common.worker_core.engine import Engine, SelfTimed
 
 T = TypeVar("T")
 R = TypeVar("R")
+# A step as the engine thread hands it over: outputs, seconds, prefill tokens, weight version.
+TimedStep = tuple[list[RequestOutput], float, int, int]
 
 _TOKEN_RATE_WINDOW_S = 5.0
 
@@ -62,7 +64,7 @@ class EnginePump(Generic[R]):
     def __init__(self, engine: Engine, sink: StepSink[R], *, step_delay_s: float = 0.0,
                  heartbeat_s: float = 1.0) -> None:
         self._engine = engine
-        self._self_timed = isinstance(engine, SelfTimed)
+        self._timing = engine if isinstance(engine, SelfTimed) else None
         self._sink = sink
         self._step_delay_s = step_delay_s
         self._heartbeat_s = heartbeat_s
@@ -80,7 +82,7 @@ class EnginePump(Generic[R]):
         """Step while there is work, forever. An exception from the engine or a mutation ends
         it: a broken engine must not look like a healthy worker."""
         loop = asyncio.get_running_loop()
-        running: asyncio.Future[tuple[list[RequestOutput], float, int, int]] | None = None
+        running: asyncio.Future[TimedStep] | None = None
         while True:
             if running is None:
                 await self._apply_mutations()
@@ -156,22 +158,21 @@ class EnginePump(Generic[R]):
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _launch(self, loop: asyncio.AbstractEventLoop
-                ) -> asyncio.Future[tuple[list[RequestOutput], float, int, int]]:
+    def _launch(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[TimedStep]:
         return loop.run_in_executor(self._executor, self._timed_step)
 
-    def _timed_step(self) -> tuple[list[RequestOutput], float, int, int]:
+    def _timed_step(self) -> TimedStep:
         """In the engine thread: the step, its wall time, what it prefilled and the weight
         version that computed it. An engine that hands out steps it computed earlier (in another
         process, ahead of its caller) times them itself (``SelfTimed``)."""
-        engine = self._engine
+        engine, timing = self._engine, self._timing
+        if timing is not None:
+            outputs = engine.step()
+            return (outputs, timing.last_step_seconds, engine.last_step_prefill_tokens,
+                    timing.last_step_weight_version)
         started = time.perf_counter()
         outputs = engine.step()
         duration_s = time.perf_counter() - started
-        if self._self_timed:
-            assert isinstance(engine, SelfTimed)
-            return (outputs, engine.last_step_seconds, engine.last_step_prefill_tokens,
-                    engine.last_step_weight_version)
         return outputs, duration_s, engine.last_step_prefill_tokens, engine.weight_version
 
     def _record(self, outputs: list[RequestOutput], duration_s: float, prefill_tokens: int,

@@ -220,9 +220,8 @@ class SessionCommands:
                 metrics.ABORT_WAIT_STEPS.observe(self._loop.steps - arrived_at_step)
 
     async def _end(self, rid: str) -> None:
-        try:
-            final = await self._loop.in_engine_thread(self._engine.abort, rid)
-        except KeyError:  # held but not started in the engine yet: confirm all the same
+        final = await self._abort_in_engine(rid)
+        if final is None:  # held but not started in the engine yet: confirm all the same
             final = RequestOutput(rid, [], [], finished=True, finish_reason="abort")
         self._hub.end(final, self._engine.weight_version, self._loop.snapshot_load())
 
@@ -232,11 +231,13 @@ class SessionCommands:
         self._hub.release(rid, "abort")
         await self._abort_in_engine(rid)
 
-    async def _abort_in_engine(self, rid: str) -> None:
+    async def _abort_in_engine(self, rid: str) -> RequestOutput | None:
+        """The engine's final output of ``rid``; None when it had not started or finished
+        meanwhile."""
         try:
-            await self._loop.in_engine_thread(self._engine.abort, rid)
-        except KeyError:  # it had not started, or finished meanwhile
-            pass
+            return await self._loop.in_engine_thread(self._engine.abort, rid)
+        except KeyError:
+            return None
 
     async def _swap(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
                     source: str) -> int:

@@ -124,16 +124,29 @@ class RoundRobinSelect:
         return ordered[(self._turn - 1) % len(ordered)].worker_id
 
 
+def fits(instance: InstanceLoad, need_tokens: int) -> bool:
+    """Room for a request of ``need_tokens`` of KV in what the instance reported it has (a
+    co-executor's rollout budget, ``room_tokens``); an instance that reports none fits any."""
+    return instance.room_tokens is None or need_tokens <= instance.room_tokens
+
+
 def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
-                     theta: int, select: SelectFn = select_instance) -> list[Dispatch]:
-    """SELECTINSTANCE for each waiting request in order, until one has to be held."""
+                     theta: int, select: SelectFn = select_instance,
+                     need_of: Callable[[str], int] | None = None) -> list[Dispatch]:
+    """SELECTINSTANCE for each waiting request in order, until one has to be held. With
+    ``need_of`` (a request's KV tokens), an instance whose reported room cannot hold a request
+    is no candidate for it: it would only refuse it."""
     by_id = {i.worker_id: i for i in instances}
+    limited = need_of is not None and any(i.room_tokens is not None for i in instances)
     out: list[Dispatch] = []
     for request_id in request_ids:
-        target = select(list(by_id.values()), theta)
+        need = need_of(request_id) if need_of is not None and limited else 0
+        candidates = [i for i in by_id.values() if fits(i, need)] if limited else \
+            list(by_id.values())
+        target = select(candidates, theta)
         if target is None:
             break  # every instance has Θ pending: the rest wait for a completion (line 12)
-        by_id[target] = queue_on(by_id[target], request_id)
+        by_id[target] = queue_on(by_id[target], request_id, need)
         out.append(Dispatch(request_id, target))
     return out
 

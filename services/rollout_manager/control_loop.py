@@ -348,7 +348,7 @@ class RolloutControl:
                     self._select, self._kv_need))
                 ids = [r for r in ids if not self._trajectory_of(r)]
             out += self._apply(dispatch_waiting(ids, self._loads(version), self.config.theta,
-                                                self._select))
+                                                self._select, self._kv_need))
         if any(w.kept for w in self.pool.all()):
             out += self._drop_stale_kept()
         if self.config.continuous_lb:
@@ -422,11 +422,11 @@ class RolloutControl:
             if isinstance(c, Dispatch):
                 self._note_busy(c.worker_id)
                 self.tracker.assign(c.request_id, c.worker_id)
-                self._note_sent(c.worker_id, c.request_id)
+                self.pool.note_sent(c.worker_id, self._kv_need(c.request_id))
             elif isinstance(c, Migrate):
                 self._note_busy(c.dst)
                 self.tracker.move(c.request_id, c.dst)
-                self._note_sent(c.dst, c.request_id)
+                self.pool.note_sent(c.dst, self._kv_need(c.request_id))
             elif isinstance(c, Release):
                 self.tracker.release(c.request_id)
             elif isinstance(c, Fail):
@@ -444,11 +444,6 @@ class RolloutControl:
         # The rows' steps (label: a step's key); RemoteTiming opens and closes with the live
         # steps, so it ignores the keys of steps that ended.
         self.remote.produced(np.unique(tags).tolist(), worker_id)
-
-    def _note_sent(self, worker_id: str, request_id: str) -> None:
-        w = self.pool.get(worker_id)
-        if w.kind == SERVING_KIND:  # its room in the turn router until its next load report
-            w.kv_sent_tokens += self._kv_need(request_id)
 
     def _note_busy(self, worker_id: str) -> None:
         # The stall clock of a worker that was idle starts when it gets work, not when it last
@@ -494,14 +489,7 @@ class RolloutControl:
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
-        serving = w.kind == SERVING_KIND
-        room = None
-        if serving and w.kv_capacity_tokens > 0:
-            # What its rollout KV budget leaves as of its last report, less what the requests
-            # sent since will take: a turn that does not fit would only be refused
-            # (RESOURCE_EXHAUSTED) and hold the co-executor.
-            room = w.kv_capacity_tokens - w.kv_used_tokens - w.kv_sent_tokens
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged, serving=serving,
+                            plateau, unmanaged, serving=w.kind == SERVING_KIND,
                             refusing=w.refusing(self._clock(), self.config.refusal_hold_s),
-                            room_tokens=room)
+                            room_tokens=w.rollout_room_tokens)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, queue_on
+from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, fits, queue_on
 from rlharvest.services.rollout_manager.commands import Dispatch
 
 
@@ -195,12 +195,6 @@ class TurnRouter:
         for trajectory_id in old:
             del self._home[trajectory_id]
         return len(old)
-
-
-def fits(instance: InstanceLoad, need_tokens: int) -> bool:
-    """Room for a turn of ``need_tokens`` in what the instance reported it has (a co-executor's
-    rollout KV budget); an instance that reports none fits any."""
-    return instance.room_tokens is None or need_tokens <= instance.room_tokens
 
 
 def _cap(instance: InstanceLoad) -> int:

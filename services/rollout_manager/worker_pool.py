@@ -60,6 +60,14 @@ class WorkerView:
     # with every token it produced meanwhile (session_hub.py on the worker).
     kept: set[str] = field(default_factory=set)
 
+    @property
+    def rollout_room_tokens(self) -> int | None:
+        """A co-executor's KV room for rollout: what its budget left at its last load report,
+        less the requests sent to it since; None for any other worker, or before a report."""
+        if self.kind != SERVING_KIND or self.kv_capacity_tokens <= 0:
+            return None
+        return self.kv_capacity_tokens - self.kv_used_tokens - self.kv_sent_tokens
+
     def refusing(self, now: float, hold_s: float) -> bool:
         """It refused within the last ``hold_s``: no room for a new request, whatever its
         counts say."""
@@ -160,6 +168,10 @@ class WorkerPool:
 
     def note_progress(self, worker_id: str) -> None:
         self.get(worker_id).last_progress_at = self._clock()
+
+    def note_sent(self, worker_id: str, kv_tokens: int) -> None:
+        """A request of ``kv_tokens`` went to the worker: its room until the next load report."""
+        self.get(worker_id).kv_sent_tokens += kv_tokens
 
     def note_refusal(self, worker_id: str) -> None:
         self.get(worker_id).refused_at = self._clock()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -81,6 +82,19 @@ def test_dispatch_never_exceeds_theta_pending_and_always_joins_a_shortest_queue(
                                           chosen.queued + (d.request_id,), chosen.running)
     if len(dispatches) < waiting:
         assert all(i.pending >= theta for i in loads.values())
+
+
+def test_a_request_goes_only_where_the_reported_kv_room_holds_it_else_it_waits():
+    # A co-executor (room 1000 tokens) and a full dedicated worker: a request the room cannot
+    # hold would only be refused there, so it waits (FIFO: the ones behind it too).
+    full = inst("a", capacity=1, running=1, queued=1)
+    coexec = replace(inst("s", capacity=4), room_tokens=1000)
+    need = {"small": 600, "second": 600, "big": 1200}.__getitem__
+    assert dispatch_waiting(["small", "second"], [full, coexec], 1, need_of=need) == [
+        Dispatch("small", "s")]  # the first took 600 of the 1000
+    assert dispatch_waiting(["big", "small"], [full, coexec], 1, need_of=need) == []
+    # Without sizes (a plain caller), the room is not consulted.
+    assert dispatch_waiting(["big"], [full, coexec], 1) == [Dispatch("big", "s")]
 
 
 # ---- CONTINUOUSLB: pending requests ------------------------------------------------------------
