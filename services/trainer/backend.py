@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from rlharvest.services.trainer.device import module_device, pin_deepspeed_accelerator
 from rlharvest.services.transfer_agent.flat_shards import flat_shard, flat_shards
 
 BackendName = Literal["torch", "deepspeed"]
@@ -71,10 +72,10 @@ class TrainBackend(Protocol):
     def load(self, path: Path) -> None:
         """Read back what ``save`` wrote, in place."""
 
-    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        """A detached CPU copy of the whole model's weights: what a version IS, independent of
-        later updates. Collective under ZeRO-3 (every rank must call it); ``keep=False``: join
-        the gather, copy nothing (a follower rank), return {}."""
+    def weights(self, keep: bool = True, where: Where | None = None) -> dict[str, torch.Tensor]:
+        """A detached copy of the whole model's weights: what a version IS, independent of later
+        updates; on the CPU, or ``where`` says. Collective under ZeRO-3 (every rank must call
+        it); ``keep=False``: join the gather, copy nothing (a follower rank), return {}."""
 
     @property
     def weights_are_sharded(self) -> bool:
@@ -87,8 +88,21 @@ class TrainBackend(Protocol):
         ZeRO-3 it is the partition this rank holds, so only this rank's own (rank, size)."""
 
 
-def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True).contiguous()
+@dataclass(frozen=True)
+class Where:
+    """Where a copy of the weights goes: a device, and the dtype its floating tensors take
+    there (None: the model's). A GPU trainer that publishes deltas keeps its copy on the GPU
+    in the serving dtype: the delta is found and encoded there (delta_publish.LastPublished)
+    and a bf16 copy costs half the fp32 model's memory, not all of it."""
+
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype | None = None
+
+
+def snapshot(model: torch.nn.Module, where: Where | None = None) -> dict[str, torch.Tensor]:
+    where = where or Where()
+    return {name: t.detach().to(where.device, dtype=where.dtype if where.dtype is not None and
+                                t.is_floating_point() else t.dtype, copy=True).contiguous()
             for name, t in model.state_dict().items()}
 
 
@@ -157,8 +171,8 @@ class TorchBackend:
         self._model.load_state_dict(payload["model"])
         self._optimizer.load_state_dict(payload["optimizer"])
 
-    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        return snapshot(self._model) if keep else {}
+    def weights(self, keep: bool = True, where: Where | None = None) -> dict[str, torch.Tensor]:
+        return snapshot(self._model, where) if keep else {}
 
     @property
     def weights_are_sharded(self) -> bool:
@@ -221,10 +235,12 @@ class DeepSpeedBackend:
         if config.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {config.zero_stage}")
         ensure_single_process_dist_env()
+        device = module_device(model)
+        pin_deepspeed_accelerator(device)  # else on a GPU node it moves a CPU model to a GPU
         import deepspeed  # late: importing it probes accelerators and costs ~1 s
 
         if not torch.distributed.is_initialized():
-            backend = "gloo" if not torch.cuda.is_available() else "nccl"
+            backend = "nccl" if device.type == "cuda" else "gloo"
             if not _init_restarted_group(backend):
                 deepspeed.init_distributed(dist_backend=backend)
         ds_config = {
@@ -313,16 +329,16 @@ class DeepSpeedBackend:
     def weights_are_sharded(self) -> bool:
         return self._stage == 3
 
-    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
+    def weights(self, keep: bool = True, where: Where | None = None) -> dict[str, torch.Tensor]:
         if self._stage < 3:  # every rank holds every parameter
-            return snapshot(self._engine.module) if keep else {}
+            return snapshot(self._engine.module, where) if keep else {}
         import deepspeed
 
         # ZeRO-3: each rank holds a slice; gather them all (on every rank: a collective), copy,
         # and let the context re-partition. Buffers are never partitioned.
         with deepspeed.zero.GatheredParameters(list(self._engine.module.parameters()),
                                                modifier_rank=None):
-            return snapshot(self._engine.module) if keep else {}
+            return snapshot(self._engine.module, where) if keep else {}
 
     def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
                                                            dict[str, tuple[int, ...]]]:

@@ -130,6 +130,9 @@ class TrainerConfig(ServiceConfig):
     top_p: float = Field(1.0, gt=0, le=1)
     backend: Literal["deepspeed", "torch"] = Field("deepspeed", description="where gradients "
                                                    "accumulate; torch is the plain reference")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where the model trains: cpu, or "
+                                           "cuda (each rank its own GPU, cuda:LOCAL_RANK); the "
+                                           "seed role's engine runs there too")
     zero_stage: int = Field(0, ge=0, le=3)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(1e-2, gt=0)
@@ -228,6 +231,15 @@ class TrainerConfig(ServiceConfig):
     shutdown_grace: float = Field(5.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _device_present(self) -> TrainerConfig:
+        # Checked with the config: a GPU flag on a machine without one exits 2 at once.
+        if self.device != "cpu":
+            from rlharvest.common.engine_device import resolve
+
+            resolve(self.device, "float32")
+        return self
 
     @model_validator(mode="after")
     def _placement_fits(self) -> TrainerConfig:

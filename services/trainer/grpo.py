@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from rlharvest.services.trainer.device import module_device
+
 Aggregation = Literal["token", "sequence"]
 
 
@@ -81,12 +83,13 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the BOS) to condition on")
-    ids, attention = pad_sequences(prompts, completions, pad_id)
+    device = module_device(model)  # the batch goes where the model is (--device)
+    ids, attention = (t.to(device) for t in pad_sequences(prompts, completions, pad_id))
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     logp_all = F.log_softmax(logits[:, :-1], dim=-1)  # position j predicts token j + 1
     token_logp = logp_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     width = max((len(c) for c in completions), default=0)
-    mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    mask = torch.zeros((len(prompts), width), dtype=torch.float32, device=device)
     rows = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         # token at position len(p) + t is predicted at row position len(p) + t - 1

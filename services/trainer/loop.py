@@ -46,11 +46,12 @@ from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.tiny_model import build_model
 from rlharvest.services.trainer import (
     checkpoint, metrics, rollout_client, tail_reports, warmup_profile)
-from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
+from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, Where, make_backend
 from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards, delayed
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
+from rlharvest.services.trainer.device import module_device, rank_device
 from rlharvest.services.trainer.environments.interface import load_environment, takes_task
 from rlharvest.services.trainer.environments.runner import (
     PlayConfig,
@@ -198,6 +199,11 @@ class TrainerLoop:
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes,
                                                     cfg.publish_deltas, publish_dtype)
                            if cfg.publish else None)
+        # A GPU trainer's deltas are found and encoded on the GPU (ROSE §4.2: only what changed
+        # crosses to the host); its version copy is made there, in the serving dtype.
+        model_device = module_device(self._model)
+        self._publish_where = Where(model_device, publish_dtype) \
+            if model_device.type != "cpu" and cfg.publish_deltas else None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
         # RollPacker §4.4's handoff on this machine: lent workers' threads join training.
         self._lent = LentCapacity(cfg.torch_threads or torch.get_num_threads(),
@@ -761,7 +767,7 @@ class TrainerLoop:
             await self._start_shard_publish(version)
             return
         assert self._publisher is not None
-        tensors = self._ranks.weights()  # every rank joins under ZeRO-3; between steps
+        tensors = self._ranks.weights(where=self._publish_where)  # all join under ZeRO-3
         if self._seed is not None:  # the trainer's own engine: in memory, before the next step
             await self._seed.load(tensors, version)
         publisher = self._publisher
@@ -965,8 +971,11 @@ def build_trainee(cfg: TrainerConfig) -> tuple[TrainBackend, torch.nn.Module | N
     """What every rank trains with: the model in its backend, and the frozen reference model
     when the loss has a KL term. Every rank builds the same (same preset or checkpoint, seed)."""
     check_world(cfg.backend)
-    model = build_model(cfg.model, cfg.model_seed).train()
-    ref_model = build_model(cfg.model, cfg.model_seed).eval() if cfg.beta > 0 else None
+    device = rank_device(cfg.device)
+    # Module.to: transformers' own annotation of ``to`` does not take a device.
+    model = torch.nn.Module.to(build_model(cfg.model, cfg.model_seed), device).train()
+    ref_model = torch.nn.Module.to(build_model(cfg.model, cfg.model_seed), device).eval() \
+        if cfg.beta > 0 else None
     backend = make_backend(cfg.backend, model, OptimConfig(
         lr=cfg.lr, optimizer=cfg.optimizer, weight_decay=cfg.weight_decay,
         grad_clip=cfg.grad_clip, zero_stage=cfg.zero_stage))

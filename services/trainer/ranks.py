@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 
 from rlharvest.common.service_host import launch_rank
 from rlharvest.services.trainer import metrics
-from rlharvest.services.trainer.backend import TrainBackend
+from rlharvest.services.trainer.backend import TrainBackend, Where
 from rlharvest.services.trainer.shard_publish import RankPublisher, ShardTarget
 from rlharvest.services.trainer.grpo import (
     LossConfig,
@@ -91,9 +91,10 @@ def micro_batch_loss(module: torch.nn.Module, batch: MicroBatch,
     outputs = [s.completion_ids for s in batch.samples]
     logprobs, mask = completion_logprobs(module, prompts, outputs, batch.pad_id)
     old = logprobs.detach().clone()
+    device = logprobs.device  # the model's: every tensor of the loss is made there
     for i, s in enumerate(batch.samples):
         if s.rollout_logprobs is not None:
-            old[i, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs)
+            old[i, :len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, device=device)
     ref = None
     if batch.loss.beta > 0:
         if ref_model is None:
@@ -102,8 +103,10 @@ def micro_batch_loss(module: torch.nn.Module, batch: MicroBatch,
             ref, _ = completion_logprobs(ref_model, prompts, outputs, batch.pad_id)
     for i, s in enumerate(batch.samples):
         if s.loss_mask is not None:
-            mask[i, :len(s.loss_mask)] *= torch.tensor(s.loss_mask, dtype=mask.dtype)
-    advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
+            mask[i, :len(s.loss_mask)] *= torch.tensor(s.loss_mask, dtype=mask.dtype,
+                                                       device=device)
+    advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32,
+                              device=device)
     token_loss = per_token_loss(logprobs, old, advantages, batch.loss, ref)
     return aggregate_loss(token_loss, mask, batch.loss.aggregation, batch.denominator)
 
@@ -133,8 +136,9 @@ class Ranks(Protocol):
     def discard(self) -> None:
         """Forget the pending gradients on every rank."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights (a CPU copy), gathered from every rank under ZeRO-3."""
+    def weights(self, *, where: Where | None = None) -> dict[str, torch.Tensor]:
+        """The whole model's weights (a copy, on the CPU unless ``where`` says), gathered from
+        every rank under ZeRO-3."""
 
     def save(self, path: Path) -> None:
         """Every rank writes its part of the weights and optimizer state under ``path``."""
@@ -172,8 +176,9 @@ class LocalRanks:
         if zero_grad is not None:
             zero_grad(set_to_none=True)
 
-    def weights(self, keep: bool = True) -> dict[str, torch.Tensor]:
-        return self.backend.weights(keep)
+    def weights(self, keep: bool = True, *,
+                where: Where | None = None) -> dict[str, torch.Tensor]:
+        return self.backend.weights(keep, where)
 
     def save(self, path: Path) -> None:
         self.backend.save(path)
@@ -218,7 +223,7 @@ class Discard:
 
 @dataclass(frozen=True)
 class Weights:
-    pass
+    where: Where | None = None  # rank 0's copy; the others only join the gather
 
 
 @dataclass(frozen=True)
@@ -271,7 +276,8 @@ Result = float | dict[str, torch.Tensor]
 
 def _run(local: LocalRanks, rank: int, command: Command) -> Result:
     if isinstance(command, Weights):
-        return local.weights(keep=rank == 0)  # rank 0 publishes; the others only gather
+        # rank 0 publishes; the others only join the gather
+        return local.weights(keep=rank == 0, where=command.where)
     if isinstance(command, Backward):
         return local.backward(command.shares[rank])
     if isinstance(command, Step):
@@ -313,10 +319,10 @@ class LeaderRanks:
     def discard(self) -> None:
         self._command(Discard())
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self, *, where: Where | None = None) -> dict[str, torch.Tensor]:
         if not self._local.backend.weights_are_sharded:
-            return self._local.weights()  # rank 0 holds every parameter: no one else copies
-        mine = self._command(Weights())[0]
+            return self._local.weights(where=where)  # rank 0 holds them all: no one else copies
+        mine = self._command(Weights(where))[0]
         assert isinstance(mine, dict)
         return mine
 

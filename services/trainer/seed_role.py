@@ -49,12 +49,13 @@ def _agentic_cache(cfg: TrainerConfig) -> dict:
 class SeedRole:
     def __init__(self, cfg: TrainerConfig, etcd, endpoint: str) -> None:
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+        from rlharvest.services.trainer.device import rank_device
 
         self.worker_id = f"{cfg.trainer_id}-seed"
         self._etcd, self._cfg = etcd, cfg
         self._engine = TorchEngine(model=cfg.model, seed=cfg.model_seed,
                                    max_running=cfg.seed_max_running, max_len=cfg.seed_max_len,
-                                   **_agentic_cache(cfg))
+                                   device=rank_device(cfg.device), **_agentic_cache(cfg))
         self.service = WorkerService(
             self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
             kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,

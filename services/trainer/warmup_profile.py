@@ -30,18 +30,20 @@ import torch
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from rlharvest.services.trainer.device import module_device
 
 log = logging.getLogger(__name__)
 
 FORWARD_BACKWARD_FLOPS = 3.0  # backward costs about twice the forward
 
 
-def measure_rollout(model: str, batch: int, prompt_tokens: int,
-                    decode_steps: int = 8) -> tuple[float, float]:
-    """(prefill seconds of the whole batch, seconds of one decode step of it)."""
+def measure_rollout(model: str, batch: int, prompt_tokens: int, decode_steps: int = 8,
+                    device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(prefill seconds of the whole batch, seconds of one decode step of it), the engine on
+    ``device`` (the trainer's)."""
     engine = TorchEngine(model=model, seed=0, max_running=batch,
                          max_len=prompt_tokens + decode_steps + 1,
-                         prefill_token_budget=batch * prompt_tokens)
+                         prefill_token_budget=batch * prompt_tokens, device=device)
     for i in range(batch):  # token ids below any vocabulary's size; no stop token: full length
         engine.add(EngineRequest(f"warmup-{i}", [1 + (i + k) % 7 for k in range(prompt_tokens)],
                                  SamplingParams(temperature=1.0, max_tokens=decode_steps)))
@@ -58,7 +60,7 @@ def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: 
                                sample_sequences: int = 16, sample_tokens: int = 256) -> float:
     """Training tokens per second of forward + backward, estimated from forward passes."""
     rows, length = min(sequences, sample_sequences), max(min(tokens, sample_tokens), 2)
-    ids = torch.ones(rows, length, dtype=torch.long, device=_device_of(policy))
+    ids = torch.ones(rows, length, dtype=torch.long, device=module_device(policy))
     policy(ids)  # warm: allocations and kernels of the first call
     times = []
     for _ in range(3):
@@ -71,7 +73,8 @@ def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: 
 def measure_profile(model: str, policy: torch.nn.Module, batch: int, prompt_tokens: int,
                     max_response_tokens: int, decode_steps: int = 8) -> JobProfile:
     prompt_tokens = max(prompt_tokens, 1)
-    prefill_s, decode_s = measure_rollout(model, batch, prompt_tokens, decode_steps)
+    prefill_s, decode_s = measure_rollout(model, batch, prompt_tokens, decode_steps,
+                                          module_device(policy))
     train = measure_train_tokens_per_s(policy, batch, prompt_tokens + max_response_tokens)
     profile = JobProfile(batch_size=batch, prompt_tokens=prompt_tokens,
                          max_response_tokens=max_response_tokens, decode_s_per_token=decode_s,
@@ -81,8 +84,3 @@ def measure_profile(model: str, policy: torch.nn.Module, batch: int, prompt_toke
              prefill_s, decode_s, batch, train, profile.worst_case_rollout_s(),
              profile.worst_case_train_s())
     return profile
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    param = next(module.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")

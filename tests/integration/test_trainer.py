@@ -580,3 +580,25 @@ async def test_tail_batching_defers_the_episodes_whose_trajectories_run_longest(
     assert metric(text, 'rlh_trainer_rounds_total{kind="long"}') == 1
     # Trained: 2 episodes x 2 trajectories per step; the cancelled ones are not counted.
     assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 12
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer (run on a "
+                    "GPU node by tools/gpu_fastpaths.sh)")
+async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a_delta(
+        stack, etcd_client):
+    """``--device cuda``: DeepSpeed trains on the GPU (its accelerator follows the flag), every
+    tensor of the loss is made there, and each version after the first is found, encoded and
+    published as a bf16 delta from the GPU; the CPU workers pull and serve every version."""
+    await start_job(stack, 1)
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--device", "cuda", "--backend", "deepspeed", "--steps", "3",
+        "--publish-dtype", "bfloat16", "--lr", "1e-4", "--prompts-per-step", "2",
+        "--samples-per-prompt", "2")
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2, 3] and all(s.tokens for s in st.steps)
+    deadline = time.monotonic() + 60
+    while set((await worker_versions(etcd_client)).values()) != {st.weight_version}:
+        assert time.monotonic() < deadline, await worker_versions(etcd_client)
+        await asyncio.sleep(0.2)
+    changed = metric(scrape(metrics_port), "rlh_trainer_publish_changed_fraction")
+    assert 0 < changed < 1, changed  # version 3 went as a delta, not dense

@@ -277,13 +277,19 @@ async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_s
     assert weights_fingerprint(third.tensors) == weights_fingerprint(v3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer's publish (run on a GPU "
+    "node by tools/gpu_fastpaths.sh)"))])
 async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_base_is_gone(
-        agent):
+        agent, device):
+    """On a GPU trainer (``--device cuda``) the weights come as device tensors: the record of
+    the last version stays there and each delta is found and encoded there."""
     _, endpoint, _ = agent
-    job = "job-publisher"
+    job = f"job-publisher-{device}"
     publisher = Publisher(None, job, endpoint, 1 << 20, deltas=True, dtype=torch.bfloat16)
-    v1 = version_of(4)
+    v1 = {name: t.to(device) for name, t in version_of(4).items()}
     await publisher.publish(1, v1)
+    assert {t.device.type for t in publisher._last[1].tensors.values()} == {device}
     assert trainer_metrics.PUBLISH_CHANGED._value.get() == 1.0  # a first publish is all new
     first = await pull(endpoint, job, version=1)
     assert {t.dtype for t in first.tensors.values()} == {torch.bfloat16}
@@ -297,7 +303,7 @@ async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_
     delta = await pull(endpoint, job, version=2, held=held, held_version=1, inplace=True,
                        held_sums=first.sums)
     assert delta.delta and delta.payload_bytes < delta.dense_bytes / 100
-    bf16 = {n: t.to(torch.bfloat16) for n, t in v2.items()}
+    bf16 = {n: t.to(torch.bfloat16).cpu() for n, t in v2.items()}
     assert weights_fingerprint(delta.tensors) == weights_fingerprint(bf16)
     # As after an agent restart: the publisher's base is one the agent does not hold.
     publisher._last = (endpoint, LastPublished(99, publisher._last[1].tensors))

@@ -1,0 +1,56 @@
+"""Where the trainer's model trains: the CPU, or each rank's own GPU.
+
+``--device cuda`` puts rank r's model on ``cuda:LOCAL_RANK`` (torchrun numbers a node's ranks
+from 0, one GPU each, as DeepSpeed and veRL expect). Every tensor a step builds (token ids,
+masks, old logprobs, advantages) is made where the model is (``module_device``), so the loss
+code never names a device. DeepSpeed picks its accelerator once per process, and on a node
+with GPUs it would move a CPU trainer's model to one: ``pin_deepspeed_accelerator`` makes it
+follow this setting instead, before DeepSpeed is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlharvest.common.engine_device import resolve
+
+
+def rank_device(name: str) -> torch.device:
+    """This rank's device for ``--device name`` ("cpu" or "cuda"); ValueError when this
+    machine cannot give it (no CUDA, or fewer GPUs than the node's ranks)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    where, _ = resolve(f"cuda:{local}", "float32")
+    torch.cuda.set_device(where)  # NCCL and DeepSpeed use the current device as this rank's
+    return where
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: a DeepSpeed engine says so itself; a plain module, where its
+    first parameter lives (the CPU for one without parameters)."""
+    device = getattr(module, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def pin_deepspeed_accelerator(device: torch.device) -> None:
+    """Make DeepSpeed's accelerator this trainer's device type (``DS_ACCELERATOR``), or say
+    why it cannot be: DeepSpeed moves the model to its accelerator at ``initialize``, and one
+    chosen earlier in this process (it caches its choice) would put it elsewhere."""
+    wanted = "cuda" if device.type == "cuda" else "cpu"
+    os.environ["DS_ACCELERATOR"] = wanted
+    from deepspeed.accelerator import get_accelerator
+
+    chosen = get_accelerator().device_name()
+    if chosen != wanted:
+        raise RuntimeError(f"DeepSpeed already chose the {chosen!r} accelerator in this process; "
+                           f"the trainer trains on {device} (--device): start it in a process "
+                           "of its own")
+
