@@ -582,16 +582,26 @@ async def test_tail_batching_defers_the_episodes_whose_trajectories_run_longest(
     assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 12
 
 
+def _has_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer (run on a "
                     "GPU node by tools/gpu_fastpaths.sh)")
+@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
+    not _has_deepspeed(), reason="DeepSpeed is not installed on this GPU node"))])
 async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a_delta(
-        stack, etcd_client):
-    """``--device cuda``: DeepSpeed trains on the GPU (its accelerator follows the flag), every
-    tensor of the loss is made there, and each version after the first is found, encoded and
-    published as a bf16 delta from the GPU; the CPU workers pull and serve every version."""
+        stack, etcd_client, backend):
+    """``--device cuda``: the model trains on the GPU (DeepSpeed's accelerator follows the
+    flag), every tensor of the loss is made there, and each version after the first is found,
+    encoded and published as a bf16 delta from the GPU; the CPU workers pull every version."""
     await start_job(stack, 1)
     trainer, metrics_port = await start_trainer(
-        stack, "trainer", "--device", "cuda", "--backend", "deepspeed", "--steps", "3",
+        stack, "trainer", "--device", "cuda", "--backend", backend, "--steps", "3",
         "--publish-dtype", "bfloat16", "--lr", "1e-4", "--prompts-per-step", "2",
         "--samples-per-prompt", "2")
     st = await wait_trainer(trainer, lambda s: s.state == "done")
