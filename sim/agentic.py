@@ -18,6 +18,13 @@ does (``memory_sharing``): it aborts the turns beyond its cap newest first, whic
 manager with every token they sampled, and it drops its prefix cache. The manager sees its cap as
 its capacity and ranks it after the dedicated workers (``TurnRouter``).
 
+With ``serving_kv_tokens`` a co-executor's KV memory for rollout is counted in tokens too, as our
+co-executor reports it (``InstanceLoad.room_tokens``): outside a burst it holds that many, in
+one ``burst_kv_tokens``. Every turn sent to it holds its context from the add (its pages are
+taken then) and one more token per step. The router sends it only turns whose context fits its
+room (``balancer.fits``), and when its turns outgrow the room, or a burst shrinks it, it aborts
+the newest ones. Without it (0) the slots alone bound it.
+
 Pure and deterministic: a workload in, a result out.
 """
 
@@ -78,6 +85,15 @@ class ClusterModel:
     serving_period_s: float = 120.0  # a burst starts every period on each serving GPU
     burst_fraction: float = 0.5  # of the period
     burst_step_factor: float = 2.0  # serving steps share the GPU during a burst
+    serving_kv_tokens: int = 0  # a co-executor's KV tokens for rollout; 0: the slots alone
+    burst_kv_tokens: int = 0  # ... and during a burst
+
+    def serving_kv(self, serving_index: int, now: float) -> int | None:
+        """Serving GPU ``serving_index``'s KV tokens for rollout now; None when not limited."""
+        if not self.serving_kv_tokens:
+            return None
+        return self.burst_kv_tokens if self.in_burst(serving_index, now) \
+            else self.serving_kv_tokens
 
     def in_burst(self, serving_index: int, now: float) -> bool:
         """Serving GPU ``serving_index``'s traffic is bursting at ``now`` (staggered phases)."""
@@ -141,6 +157,15 @@ class _Worker:
         if self.serving_index is None:
             return cluster.slots
         return cluster.serving_cap(self.serving_index, now)
+
+    def kv_room(self, cluster: ClusterModel, now: float) -> int | None:
+        """A co-executor's KV tokens not held by its turns (running or sent); None: unlimited."""
+        if self.serving_index is None:
+            return None
+        kv = cluster.serving_kv(self.serving_index, now)
+        if kv is None:
+            return None
+        return kv - sum(t.context for t in self.running) - sum(t.context for t in self.queued)
 
 
 def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
@@ -209,7 +234,8 @@ def _loads(workers: list[_Worker], cluster: ClusterModel, now: float) -> list[In
                          queued=tuple(f"q{id(t)}" for t in w.queued),
                          running=tuple(f"r{id(t)}" for t in w.running),
                          plateau=None if w.serving_index is not None else cluster.slots,
-                         serving=w.serving_index is not None)
+                         serving=w.serving_index is not None,
+                         room_tokens=w.kv_room(cluster, now))
             for w in workers]
 
 
@@ -219,7 +245,8 @@ def _dispatch(waiting: list[_Turn], workers: list[_Worker], router: TurnRouter,
     by_name = {w.name: w for w in workers}
     by_id = {str(id(turn)): turn for turn in waiting}
     placed = router.dispatch(list(by_id), lambda key: str(by_id[key].trajectory),
-                             _loads(workers, cluster, now), cluster.theta, select_instance)
+                             _loads(workers, cluster, now), cluster.theta, select_instance,
+                             need_of=lambda key: by_id[key].context + 1)
     for command in placed:
         by_name[command.worker_id].queued.append(by_id.pop(command.request_id))
     return list(by_id.values())
@@ -259,20 +286,24 @@ def _step(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticRes
 
 def _reclaim(worker: _Worker, now: float, cluster: ClusterModel, result: AgenticResult
              ) -> list[_Turn]:
-    """A serving burst takes a co-executor's memory back: the turns beyond its cap are aborted
-    (newest first) and go back to the manager with their tokens; its prefix cache is dropped."""
+    """A serving burst takes a co-executor's memory back: the turns beyond its cap, and those
+    its KV room no longer holds (sent ones first, then the newest running), are aborted and go
+    back to the manager with their tokens; its prefix cache is dropped."""
     if worker.serving_index is None:
         return []
     burst = cluster.in_burst(worker.serving_index, now)
     if burst and not worker.bursting:
         worker.cache.clear()
     worker.bursting = burst
-    if not burst:
-        return []
-    cap = worker.cap(cluster, now)
     aborted: list[_Turn] = []
-    while len(worker.running) > cap:
-        aborted.append(worker.running.pop())
+    room = worker.kv_room(cluster, now)
+    while room is not None and room < 0 and (worker.queued or worker.running):
+        aborted.append(worker.queued.pop() if worker.queued else worker.running.pop())
+        room = worker.kv_room(cluster, now)
+    if burst:
+        cap = worker.cap(cluster, now)
+        while len(worker.running) > cap:
+            aborted.append(worker.running.pop())
     result.aborted += len(aborted)
     return aborted
 
@@ -305,6 +336,10 @@ def main() -> None:
                         help="cost of one prefilled token (tools/step_costs.py measures it)")
     parser.add_argument("--serving", type=int, default=0,
                         help="serving GPUs lent to the rollout (co-executors with serving bursts)")
+    parser.add_argument("--serving-kv-tokens", type=int, default=0,
+                        help="a serving GPU's KV tokens for rollout (0: its slots alone bound it)")
+    parser.add_argument("--burst-kv-tokens", type=int, default=0,
+                        help="... during one of its serving bursts")
     parser.add_argument("--workers", type=int, default=ClusterModel.workers,
                         help="dedicated rollout GPUs (and serving GPUs with --serving N)")
     parser.add_argument("--seed", type=int, default=0)
@@ -315,7 +350,9 @@ def main() -> None:
     lo, hi = (int(x) for x in args.turns.split("-"))
     cluster = dataclasses.replace(ClusterModel(), per_request_s=args.per_request_s,
                                   decode_s=args.decode_s, prefill_token_s=args.prefill_token_s,
-                                  workers=args.workers, serving=args.serving)
+                                  workers=args.workers, serving=args.serving,
+                                  serving_kv_tokens=args.serving_kv_tokens,
+                                  burst_kv_tokens=args.burst_kv_tokens)
     runs = [compare(dataclasses.replace(AgenticWorkload(), trajectories=args.trajectories,
                                         turn_range=(lo, hi), seed=args.seed + k), cluster)
             for k in range(args.seeds)]

@@ -12,7 +12,7 @@ export PYTHONPATH="$PYTHONPATH:$PWD"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -n 1; } | tee "$OUT/node.txt"
 if [ -z "${RLH_SKIP_DELTA:-}" ]; then
-  timeout 360 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_transfer_sums.py \
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_transfer_sums.py \
       tests/integration/test_transfer_agent.py tests/integration/test_trainer.py -k "cuda or gpu or sums" 2>&1 | tail -n 30 \
       | tee "$OUT/delta_tests.txt"
   timeout 120 python3 tools/gpu_delta_profile.py 2>&1 | tee "$OUT/delta_profile.txt"

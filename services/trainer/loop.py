@@ -196,6 +196,7 @@ class TrainerLoop:
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
                                    config=cfg.model_dump(mode="json"))
         publish_dtype = None if cfg.publish_dtype == "model" else getattr(torch, cfg.publish_dtype)
+        self._publish_dtype: torch.dtype | None = publish_dtype
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes,
                                                     cfg.publish_deltas, publish_dtype)
                            if cfg.publish else None)
@@ -245,7 +246,7 @@ class TrainerLoop:
                 if publish and self._publisher is not None:
                     await self._start_publish(self._version)
                 if self._seed is not None and self._seed.weight_version != self._version:
-                    await self._seed.load(self._ranks.weights(), self._version)
+                    await self._seed.load(self._as_served(self._ranks.weights()), self._version)
         self._sync_status()
 
     async def run(self) -> None:
@@ -769,7 +770,7 @@ class TrainerLoop:
         assert self._publisher is not None
         tensors = self._ranks.weights(where=self._publish_where)  # all join under ZeRO-3
         if self._seed is not None:  # the trainer's own engine: in memory, before the next step
-            await self._seed.load(tensors, version)
+            await self._seed.load(self._as_served(tensors), version)
         publisher = self._publisher
 
         async def publish() -> float:
@@ -787,6 +788,14 @@ class TrainerLoop:
 
         task = asyncio.get_running_loop().create_task(publish(), name=f"publish v{version}")
         self._pending_publish = lambda: task
+
+    def _as_served(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights as the workers serve them (in the publish dtype): the seed engine rolls
+        out the same policy as they do, wherever the trainer snapshotted them."""
+        dtype = self._publish_dtype
+        if dtype is None:
+            return tensors
+        return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
 
     async def _start_shard_publish(self, version: int) -> None:
         """Every rank copies its shard now and sends it on its own thread; the next step asks
@@ -972,6 +981,7 @@ def build_trainee(cfg: TrainerConfig) -> tuple[TrainBackend, torch.nn.Module | N
     when the loss has a KL term. Every rank builds the same (same preset or checkpoint, seed)."""
     check_world(cfg.backend)
     device = rank_device(cfg.device)
+    log.info("training on %s", device)
     # Module.to: transformers' own annotation of ``to`` does not take a device.
     model = torch.nn.Module.to(build_model(cfg.model, cfg.model_seed), device).train()
     ref_model = torch.nn.Module.to(build_model(cfg.model, cfg.model_seed), device).eval() \

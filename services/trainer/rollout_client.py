@@ -202,9 +202,10 @@ class Publisher:
         self.last_stats = stats
         metrics.PUBLISH_CHANGED.set(stats.changed_fraction)
         metrics.PUBLISH_PAYLOAD.set(stats.payload_bytes / max(stats.dense_bytes, 1))
-        log.info("version %d: %.3f%% of the elements changed; sent %.2f of %.2f MB",
-                 version, 100 * stats.changed_fraction, stats.payload_bytes / 1e6,
-                 stats.dense_bytes / 1e6)
+        where = next(iter(tensors.values())).device if tensors else "cpu"
+        log.info("version %d: %.3f%% of the elements changed; sent %.2f of %.2f MB (encoded "
+                 "on %s)", version, 100 * stats.changed_fraction, stats.payload_bytes / 1e6,
+                 stats.dense_bytes / 1e6, where)
         return agent
 
     async def _publish_against(self, agent: str, version: int,

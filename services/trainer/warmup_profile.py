@@ -30,7 +30,7 @@ import torch
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-from rlharvest.services.trainer.device import module_device
+from rlharvest.services.trainer.device import module_device, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ def measure_rollout(model: str, batch: int, prompt_tokens: int, decode_steps: in
     engine = TorchEngine(model=model, seed=0, max_running=batch,
                          max_len=prompt_tokens + decode_steps + 1,
                          prefill_token_budget=batch * prompt_tokens, device=device)
+    # Untimed: a device's first steps pay its one-off setup (CUDA context, cuBLAS handles).
+    # Every step's tokens are read back to the host, so a step's wall time is its device time.
+    engine.add(EngineRequest("warmup", [1, 2], SamplingParams(temperature=1.0, max_tokens=2)))
+    while engine.has_work():
+        engine.step()
     for i in range(batch):  # token ids below any vocabulary's size; no stop token: full length
         engine.add(EngineRequest(f"warmup-{i}", [1 + (i + k) % 7 for k in range(prompt_tokens)],
                                  SamplingParams(temperature=1.0, max_tokens=decode_steps)))
@@ -60,12 +65,15 @@ def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: 
                                sample_sequences: int = 16, sample_tokens: int = 256) -> float:
     """Training tokens per second of forward + backward, estimated from forward passes."""
     rows, length = min(sequences, sample_sequences), max(min(tokens, sample_tokens), 2)
-    ids = torch.ones(rows, length, dtype=torch.long, device=module_device(policy))
+    device = module_device(policy)
+    ids = torch.ones(rows, length, dtype=torch.long, device=device)
     policy(ids)  # warm: allocations and kernels of the first call
     times = []
     for _ in range(3):
+        synchronize(device)  # on a GPU, time the kernels, not their launch
         started = time.perf_counter()
         policy(ids)
+        synchronize(device)
         times.append(time.perf_counter() - started)
     return rows * length / (FORWARD_BACKWARD_FLOPS * max(statistics.median(times), 1e-6))
 

@@ -155,11 +155,12 @@ def _header(encoding: Encoding, dtype: torch.dtype, shape: tuple[int, ...], coun
 
 
 def encode_dense(new: torch.Tensor, *, checksum: int | None = None,
-                 target_sum: int | None = None) -> EncodedTensor:
+                 target_sum: int | None = None, bits: np.ndarray | None = None) -> EncodedTensor:
     """The full tensor; decodes without a base (first pull, evicted base, dense delta).
     ``checksum``: the tensor's CRC when the caller already verified it (saves a pass);
-    ``target_sum``: its linear sum when known, handed on so the receiver can verify deltas."""
-    bits = _bits(new)
+    ``target_sum``: its linear sum when known, handed on so the receiver can verify deltas;
+    ``bits``: its host bits (``_bits``) when the caller has them (a GPU tensor's host copy)."""
+    bits = _bits(new) if bits is None else bits
     shape = tuple(new.shape)
     checksum = bytes_checksum(bits.data) if checksum is None else checksum
     header = _header(Encoding.DENSE, new.dtype, shape, bits.size, checksum)
@@ -221,8 +222,9 @@ def encode_changes_on_device(old: torch.Tensor, new: torch.Tensor, index: torch.
     check_positions(index, numel)  # before any indexing: a bad one would fault the device
     count = int(index.numel())
     encoding = choose_encoding(numel, count, itemsize)
-    if encoding == Encoding.DENSE:
-        return encode_dense(new)
+    if encoding == Encoding.DENSE:  # one copy to the host, for the bytes and the sum alike
+        bits = _bits(new)
+        return encode_dense(new, target_sum=linear_sum(bits), bits=bits)
     width = _BITS_TORCH[itemsize]
     old_values = old.detach().contiguous().reshape(-1).view(width)[index]
     new_values = new.detach().contiguous().reshape(-1).view(width)[index]

@@ -70,7 +70,8 @@ def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
 
 
 def _dense_with_sum(tensor: torch.Tensor) -> EncodedTensor:
-    return encode_dense(tensor, target_sum=tensor_linear_sum(tensor))
+    host = tensor.detach().cpu()  # a GPU trainer's tensor crosses to the host once, not twice
+    return encode_dense(host, target_sum=tensor_linear_sum(host))
 
 
 # Applying a delta costs ~60 ns per changed element (gather, XOR, scatter, sum check); copying
@@ -93,9 +94,9 @@ class LastPublished:
 
     On an accelerator the copy stays there (one more copy of the weights in the serving
     dtype, in device memory), so the compare, the gather and the sums run at device speed
-    and only the changes cross to the host; a CPU trainer's copy is on the CPU. (Our trainer
-    trains on the CPU and snapshots to host memory, so ``Publisher`` hands it host tensors;
-    bench/transfer_delta.py --device cuda drives the device path.)
+    and only the changes cross to the host; a CPU trainer's copy is on the CPU. (A trainer run
+    with ``--device cuda`` snapshots each version on its GPU in the serving dtype, so
+    ``Publisher`` hands it device tensors; bench/transfer_delta.py --device cuda times it.)
 
     ``advance`` trusts that ``tensors`` are what was encoded: on a device it copies them
     (cheaper than applying), so the record's bits follow the tensors and its sums the

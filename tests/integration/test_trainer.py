@@ -5,6 +5,7 @@ SIGKILLed trainer resumes from its last checkpoint with the workers converging t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -582,18 +583,12 @@ async def test_tail_batching_defers_the_episodes_whose_trajectories_run_longest(
     assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 12
 
 
-def _has_deepspeed() -> bool:
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer (run on a "
                     "GPU node by tools/gpu_fastpaths.sh)")
 @pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
-    not _has_deepspeed(), reason="DeepSpeed is not installed on this GPU node"))])
+    # Not imported here: importing DeepSpeed fixes its accelerator for this whole process.
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed on this GPU node"))])
 async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a_delta(
         stack, etcd_client, backend):
     """``--device cuda``: the model trains on the GPU (DeepSpeed's accelerator follows the
@@ -612,3 +607,5 @@ async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a
         await asyncio.sleep(0.2)
     changed = metric(scrape(metrics_port), "rlh_trainer_publish_changed_fraction")
     assert 0 < changed < 1, changed  # version 3 went as a delta, not dense
+    log = trainer.process.log_tail(2000)
+    assert "training on cuda:" in log and "(encoded on cuda:" in log, log

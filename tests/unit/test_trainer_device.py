@@ -96,3 +96,14 @@ def test_a_publish_snapshot_takes_the_serving_dtype_and_is_a_copy() -> None:
     assert not torch.equal(copy["weight"], model.weight.detach().to(torch.bfloat16))
     assert copy["steps"].tolist() == [0, 1, 2, 3]
     assert snapshot(model)["weight"].dtype == torch.float32  # by default: as the model holds it
+
+
+def test_the_seed_engine_gets_the_weights_as_the_workers_serve_them() -> None:
+    from rlharvest.services.trainer.loop import TrainerLoop
+
+    weights = {"w": torch.tensor([1.0 + 2**-12, 3.0]), "ids": torch.arange(3)}
+    served = TrainerLoop._as_served(SimpleNamespace(_publish_dtype=torch.bfloat16), weights)
+    assert served["w"].dtype == torch.bfloat16 and served["w"].tolist() == [1.0, 3.0]
+    assert served["ids"] is weights["ids"]
+    as_is = TrainerLoop._as_served(SimpleNamespace(_publish_dtype=None), weights)
+    assert as_is is weights  # --publish-dtype model: the trainer's own bits

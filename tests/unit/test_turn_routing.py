@@ -318,6 +318,27 @@ def test_with_bursting_serving_gpus_turn_wise_routing_escapes_the_bursts_that_pi
     assert affinity.hit_rate > 2 * turnwise.hit_rate
 
 
+def test_a_simulated_co_executor_takes_only_turns_its_kv_room_holds_and_gives_back_the_rest():
+    from rlharvest.sim.agentic import AgenticWorkload, ClusterModel, simulate
+
+    workload = AgenticWorkload(trajectories=48, turn_range=(2, 4))
+    base = ClusterModel(workers=2, slots=8, serving=2, serving_slots=8, burst_slots=8,
+                        serving_period_s=20.0)
+    alone = simulate(TurnRouting.AFFINITY, workload, replace(base, serving=0))
+    # Room for no turn (every prompt is 600 tokens): the co-executors never get one.
+    none_fit = simulate(TurnRouting.AFFINITY, workload, replace(
+        base, serving_kv_tokens=500, burst_kv_tokens=500))
+    assert none_fit == alone
+    # Room for a few turns outside bursts, for one in them: turns run there, and a burst (or
+    # turns outgrowing the room) aborts what no longer fits; every turn still ends once.
+    roomy, tight = (simulate(TurnRouting.AFFINITY, workload, replace(
+        base, serving_kv_tokens=kv, burst_kv_tokens=burst)) for kv, burst in (
+        (10**9, 10**9), (6000, 1200)))
+    assert roomy.aborted == 0 and tight.aborted > 0
+    assert roomy.turns == tight.turns == alone.turns
+    assert roomy.makespan_s < alone.makespan_s  # the lent GPUs took turns
+
+
 def dispatched(control: RolloutControl) -> list[Dispatch]:
     return [c for c in control.tick() if isinstance(c, Dispatch)]
 
