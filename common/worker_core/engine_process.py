@@ -20,7 +20,12 @@ every call is one message to a child process that owns the real engine, over a p
   of a request the call ended are dropped by the hub (it routes only held requests), and a
   weight load ends every request it holds (the admission's ``on_weight_swap``), so no token of
   the old weights is taken for the new version's.
-* Tensors for ``load_weights`` cross through shared memory (``torch.multiprocessing``).
+* Tensors for ``load_weights`` cross through shared memory (``torch.multiprocessing``). A CPU
+  tensor moves into shared memory the first time it is sent, so a held copy that the puller
+  updates in place crosses again with no copy at all; but each one then holds two file
+  descriptors for as long as it lives (torch's file_descriptor strategy): 800 for a model of
+  400 tensors, near the usual soft limit of 1024. So the worker raises its soft limit toward
+  the hard one first (``raise_fd_limit``), as vLLM does at start; the child inherits it.
 * The child is spawned, not forked (the parent runs gRPC's threads). It exits when the pipe
   closes: its parent died (even by SIGKILL) or closed it. A child that dies makes the next call
   raise (the load, read at every idle heartbeat, checks that the child lives), which ends the
@@ -115,12 +120,32 @@ def _step(engine: Engine, conn: Connection) -> bool:
     return True
 
 
+_FD_TARGET = 65536  # vLLM's target too
+
+
+def raise_fd_limit(target: int = _FD_TARGET) -> int:
+    """Raise this process's soft limit of open files toward ``target``, never past the hard
+    limit; returns the soft limit it has now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):  # not allowed here: weights of many tensors may not cross
+        return soft
+    return want
+
+
 class EngineProcess:
     """``Engine`` over a child process that owns the real one (see the module doc)."""
 
     def __init__(self, factory: Callable[[], Engine], *, start_timeout_s: float = 300.0) -> None:
         import torch.multiprocessing as mp  # its reducers move tensors through shared memory
 
+        raise_fd_limit()  # before the spawn: the child inherits it
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(factory, child), name="engine-core",

@@ -5,7 +5,10 @@ a child that dies makes the next call fail loudly instead of hanging."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
+import subprocess
+import sys
 from collections import defaultdict
 
 import pytest
@@ -164,3 +167,25 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_worker_raises_its_open_file_limit_for_the_weights_and_the_child_inherits_it():
+    # In a process of its own: the limit is per process and this one's must stay as it was.
+    script = (
+        "import resource\n"
+        "from rlharvest.common.worker_core.engine_process import EngineProcess\n"
+        "from tests.unit.test_engine_process import tiny\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "proc = EngineProcess(tiny)\n"
+        "mine = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "child = [l for l in open(f'/proc/{proc.pid}/limits') if l.startswith('Max open files')]\n"
+        "proc.close()\n"
+        "print(hard, mine, child[0].split()[3])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    hard, mine, child = out.stdout.split()
+    expected = 65536 if hard == str(resource.RLIM_INFINITY) else min(65536, int(hard))
+    assert int(mine) == int(child) == expected > 256
