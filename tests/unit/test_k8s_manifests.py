@@ -29,6 +29,7 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 import pytest
+import torch
 import yaml
 from torch.distributed.run import get_args_parser as torchrun_parser
 
@@ -317,11 +318,15 @@ def effective_config(docs: list[dict], workload: dict, container: dict,
         config_file = tmp_path / workload["metadata"]["name"] / Path(config_path).name
         config_file.parent.mkdir(parents=True, exist_ok=True)
         config_file.write_text(mounted_file(docs, workload, container, config_path))
+    gpus = int(container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
     with pytest.MonkeyPatch.context() as mp:
         for name in [n for n in os.environ if n.upper().startswith("RLH_")]:
             mp.delenv(name)
         for name, value in pod_env(workload, container).items():
             mp.setenv(name, value)
+        if gpus:  # the pod's node has the GPUs its limits ask for; this machine may have none
+            mp.setattr(torch.cuda, "is_available", lambda: True)
+            mp.setattr(torch.cuda, "device_count", lambda: gpus)
         return load_config(model, config_file, parse_flags(model, args))
 
 
@@ -628,6 +633,26 @@ def test_gpu_overlay_gives_the_gpu_roles_their_gpus():
     launch = torchrun_parser().parse_args(trainer["command"][1:] + trainer["args"])
     assert int(launch.nproc_per_node) == GPU_ROLES["trainer"]
     assert launch.max_restarts > 0
+
+
+def test_gpu_overlay_runs_the_gpu_roles_on_their_gpus(tmp_path: Path):
+    """A GPU limit alone leaves the engines and the trainer on the CPU: each GPU role's config
+    names the device (engines in bf16, the serving dtype)."""
+    docs = rendered("gpu")
+    seen = set()
+    for workload, container, _ in service_containers(docs):
+        name = workload["metadata"]["name"]
+        if name not in GPU_ROLES:
+            continue
+        cfg = effective_config(docs, workload, container, tmp_path)
+        assert getattr(cfg, "device") == "cuda", f"{name} runs on {getattr(cfg, 'device')}"
+        if hasattr(cfg, "dtype"):
+            assert getattr(cfg, "dtype") == "bfloat16", name
+        seen.add(name)
+    assert seen == set(GPU_ROLES)
+    for workload, container, _ in service_containers(rendered("base")):
+        cfg = effective_config(rendered("base"), workload, container, tmp_path)
+        assert getattr(cfg, "device", "cpu") == "cpu", "GPUs are the overlay's"
     # the spot workers still only go to spot nodes, and still tolerate their taints
     base_spot = pod_spec(find(rendered("base"), "Deployment", "rollout-worker-spot"))
     gpu_spot = pod_spec(find(docs, "Deployment", "rollout-worker-spot"))
