@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,6 +54,36 @@ def in_process(model: str, batch: int, tokens: int, threads: int, device: str = 
 
 
 _RUNS = iter(range(1 << 30))
+
+
+class CpuShares:
+    """CPU seconds per wall second of a worker's processes (its own and its engine child's)
+    and of this client, over one run: where a round's time went on a small machine."""
+
+    def __init__(self, worker_pid: int) -> None:
+        worker = psutil.Process(worker_pid)
+        # The engine's process is the spawned child (multiprocessing's resource tracker is
+        # another child, idle).
+        engines = [c for c in worker.children() if "spawn_main" in " ".join(c.cmdline())]
+        self._procs = [worker, *engines]
+        self.shares: dict[str, list[float]] = {}
+
+    def measure(self, run):  # run: a zero-argument callable returning the run's result
+        before = [p.cpu_times() for p in self._procs], time.process_time(), time.perf_counter()
+        result = run()
+        wall = time.perf_counter() - before[2]
+        names = ["gRPC process", *["engine process"] * (len(self._procs) - 1)]
+        for name, proc, then in zip(names, self._procs, before[0]):
+            now = proc.cpu_times()
+            self._add(name, (now.user + now.system - then.user - then.system) / wall)
+        self._add("client", (time.process_time() - before[1]) / wall)
+        return result
+
+    def _add(self, name: str, share: float) -> None:
+        self.shares.setdefault(name, []).append(share)
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {statistics.median(v):.2f}" for name, v in self.shares.items())
 
 
 async def over_grpc(endpoint: str, batch: int, tokens: int) -> tuple[float, int]:
@@ -105,12 +136,14 @@ def main() -> None:
             asyncio.run(over_grpc(w.endpoint, args.batch, 8))  # warm-up
         in_process(args.model, args.batch, 8, args.threads, args.device, args.dtype)
         local, remote, plain, apart = [], [], [], []
+        cpu = CpuShares(split.process.process.pid)
         for _ in range(args.repeats):  # interleave so machine noise hits both sides alike
             local.append(in_process(args.model, args.batch, args.tokens, args.threads,
                                     args.device, args.dtype)[0])
             remote.append(asyncio.run(over_grpc(worker.endpoint, args.batch, args.tokens))[0])
             plain.append(asyncio.run(over_grpc(unkept.endpoint, args.batch, args.tokens))[0])
-            apart.append(asyncio.run(over_grpc(split.endpoint, args.batch, args.tokens))[0])
+            apart.append(cpu.measure(lambda: asyncio.run(
+                over_grpc(split.endpoint, args.batch, args.tokens)))[0])
     finally:
         stack.stop()
     keeping = sorted(k / p for k, p in zip(remote, plain))
@@ -128,6 +161,7 @@ def main() -> None:
     print(f"engine in its own process (--engine-process): {statistics.median(apart):.0f} "
           f"tokens/s; / in-process {spread([a / loc for a, loc in zip(apart, local)], 3)}, "
           f"/ one-process gRPC {spread([a / r for a, r in zip(apart, remote)], 3)}")
+    print(f"  its CPU per wall second (median over its runs): {cpu.summary()}")
 
 if __name__ == "__main__":
     main()
