@@ -1,7 +1,7 @@
 """Where the trainer's model trains: the CPU, or each rank's own GPU.
 
 ``--device cuda`` puts rank r's model on ``cuda:LOCAL_RANK`` (torchrun numbers a node's ranks
-from 0, one GPU each, as DeepSpeed and veRL expect), or on the one GPU a rank sees. Every tensor a step builds (token ids,
+from 0, one GPU each, as DeepSpeed and veRL expect). Every tensor a step builds (token ids,
 masks, old logprobs, advantages) is made where the model is (``module_device``), so the loss
 code never names a device. DeepSpeed picks its accelerator once per process, and on a node
 with GPUs it would move a CPU trainer's model to one: ``pin_deepspeed_accelerator`` makes it
@@ -24,9 +24,9 @@ def rank_device(name: str) -> torch.device:
         return torch.device("cpu")
     if name != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
-    # A launcher that shows each rank only its own GPU (CUDA_VISIBLE_DEVICES per rank) numbers
-    # it 0 whatever the rank's LOCAL_RANK.
-    local = int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.device_count() > 1 else 0
+    # LOCAL_RANK names the GPU, as DeepSpeed takes it (engine.py, _set_distributed_vars): a
+    # launcher that shows each rank only its own GPU must number them all 0.
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     where, _ = resolve(f"cuda:{local}", "float32")
     torch.cuda.set_device(where)  # NCCL and DeepSpeed use the current device as this rank's
     return where
