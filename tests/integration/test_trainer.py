@@ -583,20 +583,25 @@ async def test_tail_batching_defers_the_episodes_whose_trajectories_run_longest(
     assert metric(text, 'rlh_trainer_trajectories_total{outcome="played"}') == 12
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer (run on a "
-                    "GPU node by tools/gpu_fastpaths.sh)")
-@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed", marks=pytest.mark.skipif(
-    # Not imported here: importing DeepSpeed fixes its accelerator for this whole process.
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed on this GPU node"))])
-async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a_delta(
-        stack, etcd_client, backend):
+_NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer "
+                             "(run on a GPU node by tools/gpu_fastpaths.sh)")
+# Not imported to check: importing DeepSpeed fixes its accelerator for this whole process.
+_NO_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                   reason="DeepSpeed is not installed on this GPU node")
+
+
+@pytest.mark.parametrize(("device", "backend"), [
+    ("cpu", "torch"),  # the same run on this machine: the test's own checks are proven here
+    pytest.param("cuda", "torch", marks=_NO_GPU),
+    pytest.param("cuda", "deepspeed", marks=[_NO_GPU, _NO_DEEPSPEED])])
+async def test_a_trainer_on_its_device_publishes_each_version_as_a_delta_encoded_there(
+        stack, etcd_client, device, backend):
     """``--device cuda``: the model trains on the GPU (DeepSpeed's accelerator follows the
     flag), every tensor of the loss is made there, and each version after the first is found,
     encoded and published as a bf16 delta from the GPU; the CPU workers pull every version."""
     await start_job(stack, 1)
     trainer, metrics_port = await start_trainer(
-        stack, "trainer", "--device", "cuda", "--backend", backend, "--steps", "3",
+        stack, "trainer", "--device", device, "--backend", backend, "--steps", "3",
         "--publish-dtype", "bfloat16", "--lr", "1e-4", "--prompts-per-step", "2",
         "--samples-per-prompt", "2")
     st = await wait_trainer(trainer, lambda s: s.state == "done")
@@ -608,4 +613,4 @@ async def test_a_gpu_trainer_trains_there_and_its_workers_pull_each_version_as_a
     changed = metric(scrape(metrics_port), "rlh_trainer_publish_changed_fraction")
     assert 0 < changed < 1, changed  # version 3 went as a delta, not dense
     log = trainer.process.log_tail(2000)
-    assert "training on cuda:" in log and "(encoded on cuda:" in log, log
+    assert f"training on {device}" in log and f"(encoded on {device}" in log, log
