@@ -201,10 +201,13 @@ class TrainerLoop:
                                                     cfg.publish_deltas, publish_dtype)
                            if cfg.publish else None)
         # A GPU trainer's deltas are found and encoded on the GPU (ROSE §4.2: only what changed
-        # crosses to the host); its version copy is made there, in the serving dtype.
+        # crosses to the host); its version copy is made there, in the serving dtype. Not under
+        # ZeRO-3: a model partitioned because it does not fit one GPU would not fit there whole,
+        # twice (the version and the record of the last), so it goes to host memory.
         model_device = module_device(self._model)
         self._publish_where = Where(model_device, publish_dtype) \
-            if model_device.type != "cpu" and cfg.publish_deltas else None
+            if model_device.type != "cpu" and cfg.publish_deltas \
+            and not self._backend.weights_are_sharded else None
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="train")
         # RollPacker §4.4's handoff on this machine: lent workers' threads join training.
         self._lent = LentCapacity(cfg.torch_threads or torch.get_num_threads(),
