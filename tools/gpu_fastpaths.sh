@@ -15,11 +15,13 @@ if [ -z "${RLH_SKIP_DELTA:-}" ]; then
   timeout 480 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_transfer_sums.py \
       tests/integration/test_transfer_agent.py tests/integration/test_trainer.py -k "cuda or gpu or sums" 2>&1 | tail -n 30 \
       | tee "$OUT/delta_tests.txt"
-  timeout 120 python3 tools/gpu_delta_profile.py 2>&1 | tee "$OUT/delta_profile.txt"
-  for worker in ${RLH_DELTA_WORKERS:-cuda cpu}; do  # where the worker holds its copy
-    timeout "${RLH_DELTA_TIMEOUT:-180}" python3 bench/transfer_delta.py --device cuda \
-        --worker-device "$worker" 2>&1 | tee "$OUT/transfer_delta_cuda_$worker.txt"
-  done
+  if [ -z "${RLH_SKIP_DELTA_BENCH:-}" ]; then  # the tests above only, when set
+    timeout 120 python3 tools/gpu_delta_profile.py 2>&1 | tee "$OUT/delta_profile.txt"
+    for worker in ${RLH_DELTA_WORKERS:-cuda cpu}; do  # where the worker holds its copy
+      timeout "${RLH_DELTA_TIMEOUT:-180}" python3 bench/transfer_delta.py --device cuda \
+          --worker-device "$worker" 2>&1 | tee "$OUT/transfer_delta_cuda_$worker.txt"
+    done
+  fi
 fi
 if [ -z "${RLH_SKIP_STEP_COSTS:-}" ]; then
   for preset in qwen3-8b qwen3-0.6b; do
