@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -64,7 +65,11 @@ class CpuShares:
         worker = psutil.Process(worker_pid)
         # The engine's process is the spawned child (multiprocessing's resource tracker is
         # another child, idle).
-        engines = [c for c in worker.children() if "spawn_main" in " ".join(c.cmdline())]
+        engines = []
+        for child in worker.children():
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(child.cmdline()):
+                    engines.append(child)
         self._procs = [worker, *engines]
         self.shares: dict[str, list[float]] = {}
 

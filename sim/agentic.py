@@ -23,7 +23,9 @@ co-executor reports it (``InstanceLoad.room_tokens``): outside a burst it holds 
 one ``burst_kv_tokens``. Every turn sent to it holds its context from the add (its pages are
 taken then) and one more token per step. The router sends it only turns whose context fits its
 room (``balancer.fits``), and when its turns outgrow the room, or a burst shrinks it, it aborts
-the newest ones. Without it (0) the slots alone bound it.
+the newest ones. Without it (0) the slots alone bound it. A pinned turn that outgrew its
+co-executor's room can go back only there: give the router the manager's entry lifetime
+(``trajectory_ttl_s``, 120 s), after which it is placed again.
 
 Pure and deterministic: a workload in, a result out.
 """
@@ -86,14 +88,25 @@ class ClusterModel:
     burst_fraction: float = 0.5  # of the period
     burst_step_factor: float = 2.0  # serving steps share the GPU during a burst
     serving_kv_tokens: int = 0  # a co-executor's KV tokens for rollout; 0: the slots alone
-    burst_kv_tokens: int = 0  # ... and during a burst
+    burst_kv_tokens: int = 0  # ... and during a burst; 0: as outside one
+    # How long the router keeps a trajectory's home (the manager's --trajectory-ttl-s is 120);
+    # by default forever, so pinned means pinned. With a KV room give the manager's: a pinned
+    # turn that outgrew its co-executor's room is placed again only once its entry ends.
+    trajectory_ttl_s: float = 1e9
 
     def serving_kv(self, serving_index: int, now: float) -> int | None:
         """Serving GPU ``serving_index``'s KV tokens for rollout now; None when not limited."""
         if not self.serving_kv_tokens:
             return None
-        return self.burst_kv_tokens if self.in_burst(serving_index, now) \
-            else self.serving_kv_tokens
+        return self.burst_kv_tokens if self.burst_kv_tokens and \
+            self.in_burst(serving_index, now) else self.serving_kv_tokens
+
+    @property
+    def stall_limit_s(self) -> float:
+        """How long turns may wait with nothing running anywhere before the run is stuck: a
+        burst ends within a period, and a home within its TTL when that is finite."""
+        ttl = self.trajectory_ttl_s if self.trajectory_ttl_s < 1e6 else 0.0
+        return ttl + 2 * self.serving_period_s
 
     def in_burst(self, serving_index: int, now: float) -> bool:
         """Serving GPU ``serving_index``'s traffic is bursting at ``now`` (staggered phases)."""
@@ -173,7 +186,7 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
     """Runs every trajectory to its last turn under ``mode``; the makespan and prefill totals."""
     outputs = workload.draw()
     now = 0.0
-    router = TurnRouter(mode, ttl_s=1e9, clock=lambda: now)
+    router = TurnRouter(mode, ttl_s=cluster.trajectory_ttl_s, clock=lambda: now)
     workers = [_Worker(f"w{i}") for i in range(cluster.workers)]
     workers += [_Worker(f"s{i}", serving_index=i) for i in range(cluster.serving)]
     arrivals: list[tuple[float, _Turn]] = [
@@ -184,6 +197,7 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
     # Placement changes only when a turn arrives or comes back, one finishes or a serving cap
     # moves: the held turns are tried again only then.
     changed, cap_change = True, cluster.next_serving_change(now)
+    stalled_since: float | None = None
     while arrivals or waiting or any(w.running or w.queued for w in workers):
         arrivals.sort(key=lambda a: a[0])
         while arrivals and arrivals[0][0] <= now:
@@ -213,13 +227,20 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
                         nxt = _Turn(turn.trajectory, turn.index + 1, history,
                                     outputs[turn.trajectory][turn.index + 1])
                         arrivals.append((worker.busy_until + workload.env_s, nxt))
+        idle = not arrivals and not any(w.running or w.queued for w in workers)
+        stalled_since = (stalled_since if stalled_since is not None else now) \
+            if waiting and idle else None
+        if stalled_since is not None and now - stalled_since > cluster.stall_limit_s:
+            raise RuntimeError(f"{len(waiting)} turns wait with every worker idle: the router "
+                               "holds them (a home that can never take them? see "
+                               "ClusterModel.trajectory_ttl_s)")
         upcoming = [w.busy_until for w in workers if (w.running or w.queued)
                     and w.busy_until > now]
         upcoming += [a[0] for a in arrivals]
         if cluster.serving and (waiting or any(w.queued for w in workers)):
             upcoming.append(cap_change)
         if not upcoming:
-            if waiting and not any(w.running or w.queued for w in workers):
+            if waiting and idle:
                 raise RuntimeError("turns wait with every worker idle: the router held them")
             continue
         now = min(upcoming)
@@ -339,7 +360,10 @@ def main() -> None:
     parser.add_argument("--serving-kv-tokens", type=int, default=0,
                         help="a serving GPU's KV tokens for rollout (0: its slots alone bound it)")
     parser.add_argument("--burst-kv-tokens", type=int, default=0,
-                        help="... during one of its serving bursts")
+                        help="... during one of its serving bursts (0: as outside one)")
+    parser.add_argument("--trajectory-ttl-s", type=float, default=ClusterModel.trajectory_ttl_s,
+                        help="how long a trajectory's home lasts (the manager's default: 120; "
+                        "give it with a KV room: a pinned turn that outgrew its home waits it out)")
     parser.add_argument("--workers", type=int, default=ClusterModel.workers,
                         help="dedicated rollout GPUs (and serving GPUs with --serving N)")
     parser.add_argument("--seed", type=int, default=0)
@@ -352,7 +376,8 @@ def main() -> None:
                                   decode_s=args.decode_s, prefill_token_s=args.prefill_token_s,
                                   workers=args.workers, serving=args.serving,
                                   serving_kv_tokens=args.serving_kv_tokens,
-                                  burst_kv_tokens=args.burst_kv_tokens)
+                                  burst_kv_tokens=args.burst_kv_tokens,
+                                  trajectory_ttl_s=args.trajectory_ttl_s)
     runs = [compare(dataclasses.replace(AgenticWorkload(), trajectories=args.trajectories,
                                         turn_range=(lo, hi), seed=args.seed + k), cluster)
             for k in range(args.seeds)]

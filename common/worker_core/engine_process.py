@@ -37,6 +37,7 @@ every call is one message to a child process that owns the real engine, over a p
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections import deque
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
     from rlharvest.common.worker_core.engine import Engine
 
+log = logging.getLogger(__name__)
 _CALLS = frozenset({"add", "abort", "load_weights"})
 _REPLY, _STEP = 0, 1  # a call's answer; a step's outputs
 _AHEAD = 1  # steps the child may run beyond those its caller took (2 measured no better)
@@ -150,7 +152,9 @@ def raise_fd_limit(target: int = _FD_TARGET) -> int:
         return soft
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):  # not allowed here: weights of many tensors may not cross
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d (%s): a weight load of "
+                    "more than %d tensors will fail", soft, want, exc, soft // 2)
         return soft
     return want
 

@@ -169,6 +169,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_NOFILE)[1] != resource.RLIM_INFINITY
+                    and resource.getrlimit(resource.RLIMIT_NOFILE)[1] <= 256,
+                    reason="a hard open-file limit of 256 or less leaves nothing to raise")
 def test_the_worker_raises_its_open_file_limit_for_the_weights_and_the_child_inherits_it():
     # In a process of its own: the limit is per process and this one's must stay as it was.
     script = (

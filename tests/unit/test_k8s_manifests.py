@@ -633,6 +633,13 @@ def test_gpu_overlay_gives_the_gpu_roles_their_gpus():
     launch = torchrun_parser().parse_args(trainer["command"][1:] + trainer["args"])
     assert int(launch.nproc_per_node) == GPU_ROLES["trainer"]
     assert launch.max_restarts > 0
+    # the spot workers still only go to spot nodes, and still tolerate their taints
+    base_spot = pod_spec(find(rendered("base"), "Deployment", "rollout-worker-spot"))
+    gpu_spot = pod_spec(find(docs, "Deployment", "rollout-worker-spot"))
+    assert gpu_spot["affinity"] == base_spot["affinity"]
+    assert all(t in gpu_spot["tolerations"] for t in base_spot["tolerations"])
+    for workload, container, _ in service_containers(rendered("base")):
+        assert "nvidia.com/gpu" not in str(container.get("resources")), "GPUs are the overlay's"
 
 
 def test_gpu_overlay_runs_the_gpu_roles_on_their_gpus(tmp_path: Path):
@@ -648,18 +655,13 @@ def test_gpu_overlay_runs_the_gpu_roles_on_their_gpus(tmp_path: Path):
         assert getattr(cfg, "device") == "cuda", f"{name} runs on {getattr(cfg, 'device')}"
         if hasattr(cfg, "dtype"):
             assert getattr(cfg, "dtype") == "bfloat16", name
+        if hasattr(cfg, "publish_dtype"):  # the trainer publishes what the engines serve
+            assert getattr(cfg, "publish_dtype") == "bfloat16", name
         seen.add(name)
     assert seen == set(GPU_ROLES)
     for workload, container, _ in service_containers(rendered("base")):
         cfg = effective_config(rendered("base"), workload, container, tmp_path)
         assert getattr(cfg, "device", "cpu") == "cpu", "GPUs are the overlay's"
-    # the spot workers still only go to spot nodes, and still tolerate their taints
-    base_spot = pod_spec(find(rendered("base"), "Deployment", "rollout-worker-spot"))
-    gpu_spot = pod_spec(find(docs, "Deployment", "rollout-worker-spot"))
-    assert gpu_spot["affinity"] == base_spot["affinity"]
-    assert all(t in gpu_spot["tolerations"] for t in base_spot["tolerations"])
-    for workload, container, _ in service_containers(rendered("base")):
-        assert "nvidia.com/gpu" not in str(container.get("resources")), "GPUs are the overlay's"
 
 
 def test_tls_overlay_mounts_the_certificates_in_every_service():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import grpc
+import pytest
 
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, select_instance
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
@@ -337,6 +338,14 @@ def test_a_simulated_co_executor_takes_only_turns_its_kv_room_holds_and_gives_ba
     assert roomy.aborted == 0 and tight.aborted > 0
     assert roomy.turns == tight.turns == alone.turns
     assert roomy.makespan_s < alone.makespan_s  # the lent GPUs took turns
+    # A pinned turn that outgrew its co-executor's room can go back only there: with homes
+    # kept forever the run is stuck, and says so instead of spinning; with the manager's
+    # entry lifetime it is placed again once its entry ends, and every turn ends.
+    stuck = replace(base, serving_kv_tokens=6000, burst_kv_tokens=1200)
+    with pytest.raises(RuntimeError, match="every worker idle"):
+        simulate(TurnRouting.PINNED, AgenticWorkload(), stuck)
+    ends = simulate(TurnRouting.PINNED, AgenticWorkload(), replace(stuck, trajectory_ttl_s=120))
+    assert ends.turns == sum(len(turns) for turns in AgenticWorkload().draw().values())
 
 
 def dispatched(control: RolloutControl) -> list[Dispatch]:
