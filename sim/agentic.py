@@ -16,7 +16,8 @@ the GPUs). Outside a burst one admits ``serving_slots`` turns. In a burst it adm
 ``burst_step_factor`` times as long). When a burst starts, it reclaims memory as our co-executor
 does (``memory_sharing``): it aborts the turns beyond its cap newest first, which go back to the
 manager with every token they sampled, and it drops its prefix cache. The manager sees its cap as
-its capacity and ranks it after the dedicated workers (``TurnRouter``).
+its capacity and ranks it after the dedicated workers (``TurnRouter``), and sends a co-executor
+that gave turns up nothing for ``refusal_hold_s``, as the manager does.
 
 With ``serving_kv_tokens`` a co-executor's KV memory for rollout is counted in tokens too, as our
 co-executor reports it (``InstanceLoad.room_tokens``): outside a burst it holds that many, in
@@ -93,6 +94,9 @@ class ClusterModel:
     # by default forever, so pinned means pinned. With a KV room give the manager's: a pinned
     # turn that outgrew its co-executor's room is placed again only once its entry ends.
     trajectory_ttl_s: float = 1e9
+    # A co-executor that gave turns up for memory gets none for this long (the manager's
+    # ControlConfig.refusal_hold_s).
+    refusal_hold_s: float = 0.25
 
     def serving_kv(self, serving_index: int, now: float) -> int | None:
         """Serving GPU ``serving_index``'s KV tokens for rollout now; None when not limited."""
@@ -165,6 +169,7 @@ class _Worker:
     busy_until: float = 0.0
     serving_index: int | None = None  # a serving GPU's index; None: a dedicated worker
     bursting: bool = False  # its serving burst has taken its memory back
+    gave_up_at: float = -1e9  # when it last gave turns up for memory
 
     def cap(self, cluster: ClusterModel, now: float) -> int:
         if self.serving_index is None:
@@ -256,7 +261,8 @@ def _loads(workers: list[_Worker], cluster: ClusterModel, now: float) -> list[In
                          running=tuple(f"r{id(t)}" for t in w.running),
                          plateau=None if w.serving_index is not None else cluster.slots,
                          serving=w.serving_index is not None,
-                         room_tokens=w.kv_room(cluster, now))
+                         room_tokens=w.kv_room(cluster, now),
+                         refusing=now - w.gave_up_at < cluster.refusal_hold_s)
             for w in workers]
 
 
@@ -326,6 +332,8 @@ def _reclaim(worker: _Worker, now: float, cluster: ClusterModel, result: Agentic
         while len(worker.running) > cap:
             aborted.append(worker.running.pop())
     result.aborted += len(aborted)
+    if aborted:
+        worker.gave_up_at = now
     return aborted
 
 
