@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 
 import aetcd
 import grpc
 from prometheus_client import Counter
 
 from rlharvest.common import registry
+from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import PhaseRun
 from rlharvest.services.placement_scheduler.model import Pool
 from rlharvest.services.rollout_manager.status_client import manager_status
@@ -77,26 +79,50 @@ async def report_until_migrated(run: PhaseRun, etcd: aetcd.Client, manager: Call
                                 interval_s: float) -> None:
     """Report the rollout's progress every ``interval_s`` until the scheduler migrates its
     tail (or the caller cancels this at the rollout's end). A report that fails is logged and
-    tried again next time: the rollout never waits on it."""
+    tried again next time: the rollout never waits on it. A cancel that lands while a report
+    is on its way lets that report finish on its own: the scheduler may migrate the tail in
+    it, and the migration is counted and logged whoever awaits it."""
     job = run.job.spec.job_id
     while True:
         await asyncio.sleep(interval_s)
         done = min(finished(), total)
+        report = asyncio.ensure_future(_report_once(run, etcd, manager(), total, done))
+        _IN_FLIGHT.add(report)
+        report.add_done_callback(partial(_reported, run=run, done=done, total=total))
         try:
-            # The permit as it is now: a rollout started on a tail's freed nodes has since been
-            # handed the rest (asking again for a running phase returns its permit).
-            permit = await run.job.client.acquire(job, Pool.ROLLOUT, run.iteration, wait_s=0.0)
-            run.node_ids = [*permit.node_ids, *permit.pending_node_ids]
-            by_node = open_by_node(total - done,
-                                   await assigned_by_node(etcd, manager(), job), run.node_ids)
-            migration = await run.report_progress(total, done, by_node)
+            migration = await asyncio.shield(report)
         except (OSError, aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
             log.warning("placement: progress report of job %s failed (%r); next in %.1f s", job,
                         exc, interval_s)
             continue
         if migration is not None:
-            TAIL_MIGRATIONS.inc()
-            log.info("placement: rollout #%d of job %s is tail-bound at %d/%d; its tail keeps "
-                     "%s, %s go to the next job", run.iteration, job, done, total,
-                     ",".join(migration.keep_node_ids), ",".join(migration.freed_node_ids))
             return
+
+
+# Reports a cancelled reporter left running: referenced until they end (the loop keeps only
+# weak references to tasks).
+_IN_FLIGHT: set[asyncio.Future] = set()
+
+
+async def _report_once(run: PhaseRun, etcd: aetcd.Client, manager: str, total: int,
+                       done: int) -> pb.TailMigration | None:
+    job = run.job.spec.job_id
+    # The permit as it is now: a rollout started on a tail's freed nodes has since been handed
+    # the rest (asking again for a running phase returns its permit).
+    permit = await run.job.client.acquire(job, Pool.ROLLOUT, run.iteration, wait_s=0.0)
+    run.node_ids = [*permit.node_ids, *permit.pending_node_ids]
+    by_node = open_by_node(total - done, await assigned_by_node(etcd, manager, job),
+                           run.node_ids)
+    return await run.report_progress(total, done, by_node)
+
+
+def _reported(task: asyncio.Future, run: PhaseRun, done: int, total: int) -> None:
+    _IN_FLIGHT.discard(task)
+    if task.cancelled() or task.exception() is not None:  # the awaiting reporter logs it
+        return
+    migration = task.result()
+    if migration is not None:
+        TAIL_MIGRATIONS.inc()
+        log.info("placement: rollout #%d of job %s is tail-bound at %d/%d; its tail keeps "
+                 "%s, %s go to the next job", run.iteration, run.job.spec.job_id, done, total,
+                 ",".join(migration.keep_node_ids), ",".join(migration.freed_node_ids))

@@ -266,6 +266,44 @@ def test_open_requests_per_node_always_add_up_to_the_open_count(open_requests, a
     assert by_node == expected and sum(by_node.values()) == open_requests
 
 
+async def test_a_migration_granted_while_the_rollout_ends_is_still_counted(monkeypatch) -> None:
+    """The rollout's end cancels its reporter; a report already on its way finishes on its own,
+    and a migration the scheduler granted in it is counted (the scheduler counted it too)."""
+    from types import SimpleNamespace
+
+    from rlharvest.common.pb import placement_scheduler_pb2 as pb
+
+    granted, answered = asyncio.Event(), asyncio.Event()
+
+    async def report_progress(total, done, by_node):
+        granted.set()  # the scheduler has it: the reply is on its way
+        await answered.wait()
+        return pb.TailMigration(keep_node_ids=["r1"], freed_node_ids=["r2"])
+
+    async def acquire(*_args, **_kwargs):
+        return SimpleNamespace(node_ids=["r1", "r2"], pending_node_ids=[])
+
+    async def nothing_assigned(*_args):
+        return {}
+
+    monkeypatch.setattr(tail_reports, "assigned_by_node", nothing_assigned)
+    run = SimpleNamespace(job=SimpleNamespace(spec=SimpleNamespace(job_id="j"),
+                                              client=SimpleNamespace(acquire=acquire)),
+                          iteration=3, node_ids=[], report_progress=report_progress)
+    before = tail_reports.TAIL_MIGRATIONS._value.get()
+    reporter = asyncio.ensure_future(tail_reports.report_until_migrated(
+        run, None, lambda: "manager", 8, lambda: 7, 0.001))
+    await granted.wait()
+    reporter.cancel()  # the rollout ended
+    with pytest.raises(asyncio.CancelledError):
+        await reporter
+    answered.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert tail_reports.TAIL_MIGRATIONS._value.get() == before + 1
+    assert not tail_reports._IN_FLIGHT
+
+
 # --- the measured warm-up profile (services/trainer/warmup_profile.py) --------------------------
 def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -> None:
     from rlharvest.common.tiny_model import build_model
