@@ -183,7 +183,7 @@ class _Worker:
         kv = cluster.serving_kv(self.serving_index, now)
         if kv is None:
             return None
-        return kv - sum(t.context for t in self.running) - sum(t.context for t in self.queued)
+        return kv - sum(t.context for t in (*self.running, *self.queued))
 
 
 def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
@@ -235,18 +235,18 @@ def simulate(mode: TurnRouting, workload: AgenticWorkload = AgenticWorkload(),
         idle = not arrivals and not any(w.running or w.queued for w in workers)
         stalled_since = (stalled_since if stalled_since is not None else now) \
             if waiting and idle else None
-        if stalled_since is not None and now - stalled_since > cluster.stall_limit_s:
-            raise RuntimeError(f"{len(waiting)} turns wait with every worker idle: the router "
-                               "holds them (a home that can never take them? see "
-                               "ClusterModel.trajectory_ttl_s)")
         upcoming = [w.busy_until for w in workers if (w.running or w.queued)
                     and w.busy_until > now]
         upcoming += [a[0] for a in arrivals]
         if cluster.serving and (waiting or any(w.queued for w in workers)):
             upcoming.append(cap_change)
+        # Stuck: nothing will happen, or only serving caps move and have for too long.
+        if stalled_since is not None and (
+                not upcoming or now - stalled_since > cluster.stall_limit_s):
+            raise RuntimeError(f"{len(waiting)} turns wait with every worker idle: the router "
+                               "holds them (a home that can never take them? see "
+                               "ClusterModel.trajectory_ttl_s)")
         if not upcoming:
-            if waiting and idle:
-                raise RuntimeError("turns wait with every worker idle: the router held them")
             continue
         now = min(upcoming)
     result.makespan_s = max(w.busy_until for w in workers)
@@ -325,8 +325,9 @@ def _reclaim(worker: _Worker, now: float, cluster: ClusterModel, result: Agentic
     aborted: list[_Turn] = []
     room = worker.kv_room(cluster, now)
     while room is not None and room < 0 and (worker.queued or worker.running):
-        aborted.append(worker.queued.pop() if worker.queued else worker.running.pop())
-        room = worker.kv_room(cluster, now)
+        turn = worker.queued.pop() if worker.queued else worker.running.pop()
+        aborted.append(turn)
+        room += turn.context
     if burst:
         cap = worker.cap(cluster, now)
         while len(worker.running) > cap:

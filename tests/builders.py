@@ -151,3 +151,13 @@ class PolicyProgress:
         self.delivered += 1
         if ok:
             self.succeeded[rid] = self.delivered
+
+
+def drain_tokens(engine) -> dict[str, list[int]]:
+    """Step an engine (in-process, or any ``Engine``) until it has no work: each request's
+    tokens, in order."""
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens

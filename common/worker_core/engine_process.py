@@ -141,22 +141,20 @@ def _rows(columns: Columns) -> list[RequestOutput]:
 _FD_TARGET = 65536  # vLLM's target too
 
 
-def raise_fd_limit(target: int = _FD_TARGET) -> int:
+def raise_fd_limit(target: int = _FD_TARGET) -> None:
     """Raise this process's soft limit of open files toward ``target``, never past the hard
-    limit; returns the soft limit it has now."""
+    limit (a warning when not allowed)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft == resource.RLIM_INFINITY or soft >= want:
-        return soft
+        return
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ValueError, OSError) as exc:
         log.warning("could not raise the open-file limit from %d to %d (%s): a weight load of "
                     "more than %d tensors will fail", soft, want, exc, soft // 2)
-        return soft
-    return want
 
 
 class EngineProcess:

@@ -137,13 +137,14 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
     ``need_of`` (a request's KV tokens), an instance whose reported room cannot hold a request
     is no candidate for it: it would only refuse it."""
     by_id = {i.worker_id: i for i in instances}
-    limited = need_of is not None and any(i.room_tokens is not None for i in instances)
+    # Sizes matter only where some instance reports its room (need 0 fits everywhere).
+    if not any(i.room_tokens is not None for i in instances):
+        need_of = None
     out: list[Dispatch] = []
     for request_id in request_ids:
-        need = need_of(request_id) if need_of is not None and limited else 0
-        candidates = [i for i in by_id.values() if fits(i, need)] if limited else \
-            list(by_id.values())
-        target = select(candidates, theta)
+        need = need_of(request_id) if need_of is not None else 0
+        target = select(list(by_id.values()) if need_of is None else
+                        [i for i in by_id.values() if fits(i, need)], theta)
         if target is None:
             break  # every instance has Θ pending: the rest wait for a completion (line 12)
         by_id[target] = queue_on(by_id[target], request_id, need)

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -792,13 +792,10 @@ class TrainerLoop:
         task = asyncio.get_running_loop().create_task(publish(), name=f"publish v{version}")
         self._pending_publish = lambda: task
 
-    def _as_served(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _as_served(self, tensors: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The weights as the workers serve them (in the publish dtype): the seed engine rolls
         out the same policy as they do, wherever the trainer snapshotted them."""
-        dtype = self._publish_dtype
-        if dtype is None:
-            return tensors
-        return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+        return rollout_client.as_served(tensors, self._publish_dtype)
 
     async def _start_shard_publish(self, version: int) -> None:
         """Every rank copies its shard now and sends it on its own thread; the next step asks

@@ -146,6 +146,15 @@ PUBLISH_RETRYABLE = (grpc.aio.AioRpcError, LookupError, TimeoutError, Connection
 PUBLISH_BACKOFF = Backoff(first_s=0.5, max_s=2.0, jitter=0.0)
 
 
+def as_served(tensors: Mapping[str, torch.Tensor],
+              dtype: torch.dtype | None) -> Mapping[str, torch.Tensor]:
+    """The weights in the serving dtype workers get them in (floating tensors only; None: as
+    they are)."""
+    if dtype is None:
+        return tensors
+    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+
+
 class Publisher:
     """Hands each new version to the node's transfer agent (its client, not a second path).
     With ``deltas``, each version goes as what changed since the last one this agent took
@@ -182,10 +191,7 @@ class Publisher:
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
         agent = await self.endpoint()
-        if self._dtype is not None:
-            dtype = self._dtype
-            tensors = {name: t.to(dtype) if t.is_floating_point() else t
-                       for name, t in tensors.items()}
+        tensors = as_served(tensors, self._dtype)
         if not self._deltas:
             await self._client.publish(agent, self._job, version, dict(tensors),
                                        bucket_bytes=self._bucket_bytes)

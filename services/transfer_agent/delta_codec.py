@@ -50,6 +50,7 @@ from rlharvest.services.transfer_agent.checksum import (
     linear_sum,
     linear_sum_change,
     linear_sum_change_torch,
+    tensor_linear_sum,
 )
 
 
@@ -155,18 +156,24 @@ def _header(encoding: Encoding, dtype: torch.dtype, shape: tuple[int, ...], coun
 
 
 def encode_dense(new: torch.Tensor, *, checksum: int | None = None,
-                 target_sum: int | None = None, bits: np.ndarray | None = None) -> EncodedTensor:
+                 target_sum: int | None = None) -> EncodedTensor:
     """The full tensor; decodes without a base (first pull, evicted base, dense delta).
     ``checksum``: the tensor's CRC when the caller already verified it (saves a pass);
-    ``target_sum``: its linear sum when known, handed on so the receiver can verify deltas;
-    ``bits``: its host bits (``_bits``) when the caller has them (a GPU tensor's host copy)."""
-    bits = _bits(new) if bits is None else bits
+    ``target_sum``: its linear sum when known, handed on so the receiver can verify deltas."""
+    bits = _bits(new)
     shape = tuple(new.shape)
     checksum = bytes_checksum(bits.data) if checksum is None else checksum
     header = _header(Encoding.DENSE, new.dtype, shape, bits.size, checksum)
     payload = b"".join([header, bits.data])
     return EncodedTensor(Encoding.DENSE, new.dtype, shape, bits.size, checksum, payload,
                          target_sum)
+
+
+def encode_dense_with_sum(new: torch.Tensor) -> EncodedTensor:
+    """``encode_dense`` with the tensor's linear sum (the chain later deltas verify against),
+    both from one host copy: a GPU tensor crosses to the host once, not twice."""
+    host = new.detach().cpu()
+    return encode_dense(host, target_sum=tensor_linear_sum(host))
 
 
 def encode_delta(old: torch.Tensor, new: torch.Tensor, *, encoding: Encoding | None = None,
@@ -222,9 +229,8 @@ def encode_changes_on_device(old: torch.Tensor, new: torch.Tensor, index: torch.
     check_positions(index, numel)  # before any indexing: a bad one would fault the device
     count = int(index.numel())
     encoding = choose_encoding(numel, count, itemsize)
-    if encoding == Encoding.DENSE:  # one copy to the host, for the bytes and the sum alike
-        bits = _bits(new)
-        return encode_dense(new, target_sum=linear_sum(bits), bits=bits)
+    if encoding == Encoding.DENSE:
+        return encode_dense_with_sum(new)
     width = _BITS_TORCH[itemsize]
     old_values = old.detach().contiguous().reshape(-1).view(width)[index]
     new_values = new.detach().contiguous().reshape(-1).view(width)[index]

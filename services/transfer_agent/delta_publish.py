@@ -28,7 +28,7 @@ from rlharvest.services.transfer_agent.delta_codec import (
     decode,
     encode_changes,
     encode_changes_on_device,
-    encode_dense,
+    encode_dense_with_sum,
 )
 
 
@@ -67,11 +67,6 @@ def changed_index(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 def changed_positions(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
     """``changed_index`` on the host, as numpy."""
     return changed_index(old, new).cpu().numpy()
-
-
-def _dense_with_sum(tensor: torch.Tensor) -> EncodedTensor:
-    host = tensor.detach().cpu()  # a GPU trainer's tensor crosses to the host once, not twice
-    return encode_dense(host, target_sum=tensor_linear_sum(host))
 
 
 # Applying a delta costs ~60 ns per changed element (gather, XOR, scatter, sum check); copying
@@ -125,7 +120,7 @@ class LastPublished:
             old = self.tensors.get(name)
             new = tensors[name].detach()
             if old is None or old.shape != new.shape or old.dtype != new.dtype:
-                return name, _dense_with_sum(new), new.numel()
+                return name, encode_dense_with_sum(new), new.numel()
             new = new.to(old.device).contiguous()
             if old.device.type == "cpu":
                 index = given.get(name)

@@ -13,7 +13,7 @@ from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, check_servable
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-from tests.builders import decoder_of
+from tests.builders import decoder_of, drain_tokens
 
 VOCAB = 320
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -89,21 +89,13 @@ def request(rid: str, seed: int, generated: list[int] | None = None) -> EngineRe
                                                      seed=seed), list(generated or []))
 
 
-def drain(engine: TorchEngine) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return tokens
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama-biases"])
 def test_batching_and_resume_from_a_checkpoint_directory_keep_every_token(checkpoints, name):
     alone = {}
     for seed in range(4):
         eng = TorchEngine(checkpoints[name], max_running=4, max_len=64)
         eng.add(request(f"r{seed}", seed))
-        alone.update(drain(eng))
+        alone.update(drain_tokens(eng))
     assert len({tuple(t) for t in alone.values()}) == 4, "completions should differ by seed"
     # Continuous batching: two start, two join after three steps; each equals its run alone.
     batched = TorchEngine(checkpoints[name], max_running=4, max_len=64)
@@ -113,13 +105,13 @@ def test_batching_and_resume_from_a_checkpoint_directory_keep_every_token(checkp
         for out in batched.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
     batched.add(request("r2", 2)), batched.add(request("r3", 3))
-    for rid, tokens in drain(batched).items():
+    for rid, tokens in drain_tokens(batched).items():
         got.setdefault(rid, []).extend(tokens)
     assert got == alone
     # Resume: a fresh engine given the first 7 tokens continues with the uninterrupted rest.
     resumed = TorchEngine(checkpoints[name], max_running=4, max_len=64)
     resumed.add(request("r1", 1, alone["r1"][:7]))
-    assert alone["r1"][:7] + drain(resumed)["r1"] == alone["r1"]
+    assert alone["r1"][:7] + drain_tokens(resumed)["r1"] == alone["r1"]
 
 
 def test_a_weight_load_reaches_the_fused_biases(checkpoints):
@@ -139,7 +131,7 @@ def test_a_weight_load_reaches_the_fused_biases(checkpoints):
 
 def drain_one(engine: TorchEngine, rid: str) -> list[int]:
     engine.add(request(rid, 5))
-    return drain(engine)[rid]
+    return drain_tokens(engine)[rid]
 
 
 @pytest.mark.parametrize("config, message", [

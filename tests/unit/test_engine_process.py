@@ -17,6 +17,7 @@ import torch
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, SamplingParams
 from rlharvest.common.worker_core.engine_process import EngineProcess, EngineProcessError
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+from tests.builders import drain_tokens
 
 
 def tiny(seed: int = 0) -> TorchEngine:
@@ -51,11 +52,7 @@ def requests(n: int = 6) -> list[EngineRequest]:
 def run(engine, batch: list[EngineRequest]) -> dict[str, list[int]]:
     for request in batch:
         engine.add(request)
-    out: dict[str, list[int]] = defaultdict(list)
-    while engine.has_work():
-        for output in engine.step():
-            out[output.request_id] += output.new_token_ids
-    return dict(out)
+    return drain_tokens(engine)
 
 
 @pytest.fixture
