@@ -46,6 +46,15 @@ def _agentic_cache(cfg: TrainerConfig) -> dict:
     return {"kv_pages": pages, "page_tokens": page_tokens, "prefix_cache": True}
 
 
+def served_dtype(cfg: TrainerConfig) -> torch.dtype:
+    """The seed engine's dtype: the one the workers serve in (``--publish-dtype``), so that a
+    request handed over mid-flight goes on in the precision it began in, and the seed's own
+    tokens are sampled as a worker's would be; the model's own (fp32) when it publishes that."""
+    import torch
+
+    return torch.float32 if cfg.publish_dtype == "model" else getattr(torch, cfg.publish_dtype)
+
+
 class SeedRole:
     def __init__(self, cfg: TrainerConfig, etcd, endpoint: str) -> None:
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine
@@ -53,9 +62,10 @@ class SeedRole:
 
         self.worker_id = f"{cfg.trainer_id}-seed"
         self._etcd, self._cfg = etcd, cfg
+        self.dtype, self.device = served_dtype(cfg), rank_device(cfg.device)
         self._engine = TorchEngine(model=cfg.model, seed=cfg.model_seed,
                                    max_running=cfg.seed_max_running, max_len=cfg.seed_max_len,
-                                   device=rank_device(cfg.device), **_agentic_cache(cfg))
+                                   device=self.device, dtype=self.dtype, **_agentic_cache(cfg))
         self.service = WorkerService(
             self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
             kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,
@@ -82,8 +92,9 @@ class SeedRole:
             "max_len": self._cfg.seed_max_len, "weight_version": engine.weight_version,
             "draining": False, "admission": engine.batch_admission,
             "vocab_size": engine.vocab_size}, ttl=self._cfg.lease_ttl)
-        log.info("seed worker %s joined job %s at %s (version %d)", self.worker_id,
-                 self._cfg.job, self._endpoint, engine.weight_version)
+        log.info("seed worker %s joined job %s at %s (version %d, serving %s on %s)",
+                 self.worker_id, self._cfg.job, self._endpoint, engine.weight_version,
+                 str(self.dtype).removeprefix("torch."), self.device)
         try:
             await self.service.run_engine()
         finally:

@@ -475,14 +475,16 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     (spot) workers with every token — none regenerated, even with a spot worker SIGKILLed
     mid-step — and every step trains on-policy. The spot workers run 4 requests at a time,
     slowly, so work waits in the manager; the seed engine's steps take 20 ms, so at the close
-    after 0.1 s its requests are a few tokens into responses of ~40 and surely mid-flight."""
-    flags = ("--step-delay-s", "0.03", "--max-running", "4")
+    after 0.1 s its requests are a few tokens into responses of ~40 and surely mid-flight.
+    The workers serve bf16 and the trainer publishes it: the seed engine serves bf16 too, so
+    the requests it hands over go on in the precision they began in."""
+    flags = ("--step-delay-s", "0.03", "--max-running", "4", "--dtype", "bfloat16")
     manager = await start_job(stack, 2, *flags, spot=True)
     trainer, _ = await start_trainer(
         stack, "trainer", "--backend", "torch", "--steps", "2", "--seed-role",
         "--instance-cap", "auto", "--seed-window-init-s", "0.1", "--seed-max-running", "8",
         "--max-new-tokens", "64", "--bench-length-median", "40",
-        "--bench-seed-step-delay-s", "0.02")
+        "--bench-seed-step-delay-s", "0.02", "--publish-dtype", "bfloat16")
     held = await preempt_once_it_holds_requests(stack, manager, "w1", "w1-again", *flags)
     assert held > 0
     st = await wait_trainer(trainer, lambda s: s.state == "done")
@@ -503,6 +505,7 @@ async def test_the_seed_role_hands_its_requests_over_and_a_sigkilled_spot_worker
     aborts = metric(seed_text, "rlh_worker_abort_wait_steps_count")
     assert aborts >= 1
     assert metric(seed_text, 'rlh_worker_abort_wait_steps_bucket{le="1.0"}') == aborts
+    assert "serving bfloat16 on cpu" in trainer.process.log_tail(100_000)
 
 
 async def test_agentic_turns_start_on_the_seed_engine_and_move_on_with_their_tokens(
