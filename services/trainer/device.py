@@ -17,6 +17,12 @@ import torch
 from rlharvest.common.engine_device import resolve
 
 
+def served_dtype(publish_dtype: str) -> torch.dtype:
+    """The dtype the workers serve in, for the trainer's own engines (seed role, placement
+    profile): ``--publish-dtype``'s, or the model's own (fp32) with ``model``."""
+    return torch.float32 if publish_dtype == "model" else getattr(torch, publish_dtype)
+
+
 def rank_device(name: str) -> torch.device:
     """This rank's device for ``--device name`` ("cpu" or "cuda"); ValueError when this
     machine cannot give it (no CUDA, or fewer GPUs than the node's ranks)."""

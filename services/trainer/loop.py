@@ -51,7 +51,7 @@ from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards,
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
-from rlharvest.services.trainer.device import module_device, rank_device
+from rlharvest.services.trainer.device import module_device, rank_device, served_dtype
 from rlharvest.services.trainer.environments.interface import load_environment, takes_task
 from rlharvest.services.trainer.environments.runner import (
     PlayConfig,
@@ -378,12 +378,13 @@ class TrainerLoop:
             # and samples max_new_tokens (the environment's own time is not measured).
             profile = warmup_profile.measure_profile(
                 cfg.model, self._model, batch, cfg.env_context,
-                cfg.env_max_turns * cfg.max_new_tokens)
+                cfg.env_max_turns * cfg.max_new_tokens, served=served_dtype(cfg.publish_dtype))
             return dataclasses.replace(profile, prefill_s=profile.prefill_s * cfg.env_max_turns)
         peeked = self._spec(tuple(self._data.peek(cfg.prompts_per_step)), cfg.samples_per_prompt)
         longest = max([self._setup.longest_prompt, *(len(p) for p in peeked.prompts)])
         return warmup_profile.measure_profile(cfg.model, self._model, batch, longest,
-                                              cfg.max_new_tokens)
+                                              cfg.max_new_tokens,
+                                              served=served_dtype(cfg.publish_dtype))
 
     def _report_tail(self, tasks: TaskGroup, manager: Callable[[], str], total: int,
                      finished: Callable[[], int]) -> asyncio.Task | None:

@@ -46,23 +46,16 @@ def _agentic_cache(cfg: TrainerConfig) -> dict:
     return {"kv_pages": pages, "page_tokens": page_tokens, "prefix_cache": True}
 
 
-def served_dtype(cfg: TrainerConfig) -> torch.dtype:
-    """The seed engine's dtype: the one the workers serve in (``--publish-dtype``), so that a
-    request handed over mid-flight goes on in the precision it began in, and the seed's own
-    tokens are sampled as a worker's would be; the model's own (fp32) when it publishes that."""
-    import torch
-
-    return torch.float32 if cfg.publish_dtype == "model" else getattr(torch, cfg.publish_dtype)
-
-
 class SeedRole:
     def __init__(self, cfg: TrainerConfig, etcd, endpoint: str) -> None:
         from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-        from rlharvest.services.trainer.device import rank_device
+        from rlharvest.services.trainer.device import rank_device, served_dtype
 
         self.worker_id = f"{cfg.trainer_id}-seed"
         self._etcd, self._cfg = etcd, cfg
-        self.dtype, self.device = served_dtype(cfg), rank_device(cfg.device)
+        # The workers' dtype: a request handed over mid-flight goes on in the precision it began
+        # in, and the seed's own tokens are sampled as a worker's would be.
+        self.dtype, self.device = served_dtype(cfg.publish_dtype), rank_device(cfg.device)
         self._engine = TorchEngine(model=cfg.model, seed=cfg.model_seed,
                                    max_running=cfg.seed_max_running, max_len=cfg.seed_max_len,
                                    device=self.device, dtype=self.dtype, **_agentic_cache(cfg))

@@ -319,6 +319,26 @@ def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -
         profile.prefill_s + 32 * profile.decode_s_per_token)
 
 
+def test_a_measured_profile_decodes_in_the_dtype_the_workers_serve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlharvest.common.tiny_model import build_model
+    from rlharvest.services.trainer import warmup_profile
+
+    built: list[torch.dtype] = []
+
+    class Recorded(warmup_profile.TorchEngine):  # the real engine, its dtype noted
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            built.append(next(self._model.parameters()).dtype)
+
+    monkeypatch.setattr(warmup_profile, "TorchEngine", Recorded)
+    warmup_profile.measure_profile("tiny", build_model(seed=0), batch=2, prompt_tokens=4,
+                                   max_response_tokens=8, served=torch.bfloat16)
+    warmup_profile.measure_profile("tiny", build_model(seed=0), batch=2, prompt_tokens=4,
+                                   max_response_tokens=8)
+    assert built == [torch.bfloat16, torch.float32]
+
+
 def test_a_placed_trainer_takes_both_durations_or_measures_its_profile() -> None:
     from rlharvest.services.placement_scheduler.model import JobProfile
     from rlharvest.services.trainer.main import placement_spec
