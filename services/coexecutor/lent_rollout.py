@@ -35,6 +35,7 @@ class LentRollout:
         self._recent_share = recent_share
         self.job = job
         self._pulling: asyncio.Task | None = None
+        self._unwritten: set[str] = set()  # fields whose last write to the record failed
         metrics.LENT.set(job is not None)
 
     def lent(self) -> bool:
@@ -66,18 +67,24 @@ class LentRollout:
         if membership is None:
             return
         share = round(self._recent_share(), 3)
+        info, unwritten = membership.info, self._unwritten
         changes: dict = {}
-        if membership.info.get("job") != (self.job or ""):
+        if "job" in unwritten or info.get("job") != (self.job or ""):
             changes["job"] = self.job or ""
-        if abs(membership.info.get("serving_kv_recent", 0.0) - share) >= _SHARE_STEP:
+        if ("serving_kv_recent" in unwritten
+                or abs(info.get("serving_kv_recent", 0.0) - share) >= _SHARE_STEP):
             changes["serving_kv_recent"] = share
         if not changes:
             return
         try:
             await membership.update(**changes)
         except Exception as exc:  # etcd hiccup: the record catches up at the next settle
-            membership.info.update({k: None for k in changes})  # differs, so it is written again
+            # ``info`` already holds the values (any later write of the record carries them);
+            # these fields are written again at the next settle even where they look current.
+            unwritten.update(changes)
             log.warning("could not update the member record (%r); trying again", exc)
+        else:
+            unwritten.difference_update(changes)
 
     async def close(self) -> None:
         await self._stop_pulling()
