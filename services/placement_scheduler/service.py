@@ -161,20 +161,25 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 result = change(control)
             except Refusal as exc:
                 await errors.abort(context, exc)
-            await self._persist(context)
-        self._notify()
+            changed = await self._persist(context)
+        # Only a change wakes the long-polls: a permit asked for and not granted changes
+        # nothing, and waking its own poll (and every other) for it had each spin until its
+        # deadline, thousands of acquires a second.
+        if changed:
+            self._notify()
         return result
 
-    async def _persist(self, context: grpc.aio.ServicerContext | None = None) -> None:
-        """Write the changed records; on failure put the state back as etcd holds it."""
+    async def _persist(self, context: grpc.aio.ServicerContext | None = None) -> bool:
+        """Write the changed records (False: none had changed); on failure put the state back
+        as etcd holds it."""
         control, store = self.control, self._store
         assert control is not None and store is not None
         leases = {j: r.lease_id for j, r in control.jobs.items()}
         started = time.perf_counter()
         try:
-            await retry(lambda: store.save(control.records(), leases), retry_if=_may_retry_write,
-                        attempts=_WRITE_ATTEMPTS, backoff=_WRITE_BACKOFF,
-                        what="etcd write of the placement state")
+            written = await retry(lambda: store.save(control.records(), leases),
+                                  retry_if=_may_retry_write, attempts=_WRITE_ATTEMPTS,
+                                  backoff=_WRITE_BACKOFF, what="etcd write of the placement state")
         except DeposedError as exc:
             self._fatal(exc)
             error: Exception = exc
@@ -184,7 +189,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         else:
             metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
             self._update_gauges()
-            return
+            return written
         # Roll back to what etcd holds so memory never runs ahead of it.
         rebuilt = new_control(self._cfg)
         rebuilt.restore(store.persisted)

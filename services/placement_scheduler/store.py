@@ -75,10 +75,11 @@ class PlacementStore:
         return info.TTL > 0
 
     async def save(self, records: Mapping[str, Mapping[str, Any]],
-                   leases: Mapping[str, int]) -> None:
+                   leases: Mapping[str, int]) -> bool:
         """Make etcd hold exactly ``records`` and one liveness key per job in ``leases`` (job id
-        -> its client's lease; 0 = untracked), in one fenced transaction. On DeposedError or any
-        etcd error nothing was written."""
+        -> its client's lease; 0 = untracked), in one fenced transaction; False when it held
+        them already (nothing written). On DeposedError or any etcd error nothing was
+        written."""
         tx = self._etcd.transactions
         encoded = {name: json.dumps(r, sort_keys=True).encode() for name, r in records.items()}
         ops: list[Any] = []
@@ -94,7 +95,7 @@ class PlacementStore:
         for job_id in self._alive.keys() - wanted.keys():
             ops.append(tx.delete(keys.placement_alive_key(job_id).encode()))
         if not ops:
-            return
+            return False
         if len(ops) > MAX_TXN_OPS:
             raise RuntimeError(f"one change touches {len(ops)} etcd keys, more than etcd's "
                                f"{MAX_TXN_OPS} per transaction; raise --max-txn-ops")
@@ -105,3 +106,4 @@ class PlacementStore:
                                "no longer leads; its writes were refused")
         self._persisted = encoded
         self._alive = dict(wanted)
+        return True

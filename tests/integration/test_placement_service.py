@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import psutil
 import pytest
 
 from rlharvest.common import registry
@@ -182,6 +183,33 @@ async def test_restarted_scheduler_keeps_places_and_the_held_permit(stack, etcd_
         assert (await a.client.release("job-a", Pool.ROLLOUT, 0)).already_released
         granted = await b.client.acquire("job-b", Pool.ROLLOUT, 0)
         assert list(granted.node_ids) == list(held.node_ids)
+        await b.client.release("job-b", Pool.ROLLOUT, 0)
+        a.next_phase = b.next_phase = (Pool.TRAIN, 0)
+
+
+async def test_a_permit_waited_for_is_granted_when_released_without_spinning_meanwhile(
+        stack, etcd_client):
+    """AcquirePermit long-polls: a job waiting for its turn costs the scheduler nothing until
+    something changes (its not-granted ask changes nothing, so it wakes nobody, not even
+    itself), and is granted at once when the holder releases."""
+    sched = start_scheduler(stack, "sched-a")
+    cpu = psutil.Process(sched.process.process.pid)
+    async with PlacementJob(JobSpec("job-a", **SPEC), stack.etcd.endpoint) as a, \
+            PlacementJob(JobSpec("job-b", **SPEC), stack.etcd.endpoint) as b:
+        await a.client.acquire("job-a", Pool.ROLLOUT, 0)
+        before = sum(cpu.cpu_times()[:2])
+        reply = await b.client._call("AcquirePermit", pb.AcquirePermitRequest(
+            job_id="job-b", phase=pb.PHASE_ROLLOUT, iteration=0, wait_s=2.0))
+        spent = sum(cpu.cpu_times()[:2]) - before
+        assert not reply.granted
+        # A poll that woke itself asked again at once until its deadline: ~a core for 2 s.
+        assert spent < 0.5, f"the scheduler used {spent:.2f} CPU-s while job-b waited 2 s"
+        waiting = asyncio.create_task(b.client._call("AcquirePermit", pb.AcquirePermitRequest(
+            job_id="job-b", phase=pb.PHASE_ROLLOUT, iteration=0, wait_s=20.0)))
+        await asyncio.sleep(0.3)
+        released = time.monotonic()
+        assert (await a.client.release("job-a", Pool.ROLLOUT, 0)).released
+        assert (await waiting).granted and time.monotonic() - released < 2.0
         await b.client.release("job-b", Pool.ROLLOUT, 0)
         a.next_phase = b.next_phase = (Pool.TRAIN, 0)
 
