@@ -381,7 +381,11 @@ class DualEngine:
         return [out for rid in stalled if (out := self._abort_rollout(rid, "stall")) is not None]
 
     def _expire(self, now: float) -> list[RequestOutput]:
-        return [out for rid in self.pool.expired(now)
+        """Free the parked prefixes whose lease ran out. An active request's pages are in use
+        even while it waits for a slot (no output renews them then): ``_stalled`` is its rule,
+        and a lease would bounce every request queued longer than ``lease_s`` behind a full
+        batch back to its manager."""
+        return [out for rid in self.pool.expired(now) if rid not in self._rollout
                 if (out := self._abort_rollout(rid, "lease")) is not None]
 
     def _abort_rollout(self, rid: str, cause: str) -> RequestOutput | None:

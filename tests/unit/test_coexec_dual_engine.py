@@ -283,6 +283,24 @@ def test_parked_prefixes_expire_on_their_lease_and_a_weight_load_frees_them():
     engine.pool.check()
 
 
+def test_a_rollout_request_queued_behind_a_full_batch_outlives_the_page_lease():
+    """The lease frees pages nobody uses (parked prefixes); a request waiting for a slot while
+    rollout steps run is in use though it has no output to renew its pages with."""
+    now = [0.0]
+    engine, _ = dual(lease_s=10.0, clock=lambda: now[0])
+    for i in range(9):  # the rollout engine runs 8: the 9th waits ~30 steps, 15 s, for a slot
+        engine.add(request(f"r{i}", max_tokens=30, seed=i))
+    ends: dict[str, str] = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                ends[out.request_id] = out.finish_reason
+        now[0] += 0.5  # each step takes 0.5 s
+    assert ends == {f"r{i}": "length" for i in range(9)}, ends
+    assert engine.stats.aborts.get("lease", 0) == 0
+    engine.pool.check()
+
+
 def test_a_turn_sent_again_under_its_parked_id_replaces_that_table():
     engine, _ = dual(paged=True, prefix_reuse=True)
     first = turns(engine, trajectories=1, count=1)["t0.0"]
