@@ -522,9 +522,10 @@ class PlacementControl:
             raise Refusal("invalid", str(exc)) from None
         if plan is None:
             return None
-        queues.shrink(job_id, plan.keep_node_ids)
+        now = self.clock()
+        self._now_whole(queues.shrink(job_id, plan.keep_node_ids), now)
         record.tail_freed += list(plan.freed_node_ids)
-        record.tail_at = self.clock()
+        record.tail_at = now
         self.stats.tail_migrations += 1
         return plan
 

@@ -157,10 +157,11 @@ class PhaseQueues:
             self._next[job_id] = _NextPhase(Pool.ROLLOUT, nxt.iteration + 1)
         return self._pass_turn(nxt.held)
 
-    def shrink(self, job_id: str, keep_node_ids: Sequence[str]) -> list[str]:
+    def shrink(self, job_id: str, keep_node_ids: Sequence[str]) -> list[Permit]:
         """Long-tail migration: the job's running rollout keeps only ``keep_node_ids``; its turn
-        on the other nodes passes on so the next job's rollout can start there. Returns the freed
-        nodes."""
+        on the other nodes passes on so the next job's rollout can start there. Returns permits
+        that grew because they were waiting on the freed nodes (as ``release`` does: a second
+        shrink can hand a partly started rollout its last node)."""
         nxt = self._next[self._known(job_id)]
         keep = [n for n in nxt.held if n in set(keep_node_ids)]
         if nxt.phase is not Pool.ROLLOUT or nxt.status != RUNNING or not keep or nxt.pending \
@@ -169,8 +170,7 @@ class PhaseQueues:
                                  f"non-empty subset of its nodes {nxt.held}; got {keep_node_ids}")
         freed = [n for n in nxt.held if n not in keep]
         nxt.held, nxt.tail = keep, True
-        self._pass_turn(freed)
-        return freed
+        return self._pass_turn(freed)
 
     def drop_train_nodes(self, node_ids: Sequence[str]) -> None:
         """The group's training pool shrank: every member trains on the remaining nodes. Only

@@ -285,6 +285,28 @@ def test_waiting_for_a_migrated_tails_nodes_is_not_counted_as_phase_time() -> No
     assert ctl.scheduler.group_of("B").jobs["B"].t_roll == 10.0  # no drift was recorded
 
 
+def test_a_rollout_made_whole_by_a_second_tail_shrink_is_timed_from_then() -> None:
+    clock = Clock(START)
+    ctl = control(clock, rollout=4)
+    ctl.submit(spec("A", nodes=4))
+    ctl.submit(spec("B", nodes=2))  # on r1, r2; t_roll 10 s, drift past 12.5 s is measured
+    assert ctl.acquire("A", Pool.ROLLOUT, 0) is not None
+    clock.advance(5)
+    first = ctl.progress("A", 0, total=100, finished=90, requests_per_node=8,
+                         unfinished_by_node={"r1": 5, "r2": 0, "r3": 5, "r4": 0})
+    assert first is not None and first.keep_node_ids == ("r1", "r3")
+    assert ctl.acquire("B", Pool.ROLLOUT, 0).pending_node_ids == ("r1",)
+    clock.advance(5)  # B waits for r1 on A's tail
+    second = ctl.progress("A", 0, total=100, finished=97, requests_per_node=8,
+                          unfinished_by_node={"r1": 0, "r3": 3})
+    assert second is not None and second.freed_node_ids == ("r1",)
+    assert ctl.acquire("B", Pool.ROLLOUT, 0).pending_node_ids == ()  # whole now
+    clock.advance(9)  # B's rollout on both nodes: 9 s, within its estimate (14 s from its grant)
+    outcome = ctl.release("B", Pool.ROLLOUT, 0)
+    assert outcome.released and not outcome.evicted and not outcome.message, outcome
+    assert ctl.scheduler.group_of("B").jobs["B"].t_roll == 10.0  # no drift was recorded
+
+
 def test_the_training_pool_shrinks_after_a_leave_only_between_training_phases() -> None:
     clock = Clock(START)
     ctl = control(clock, rollout=2, train=2)
