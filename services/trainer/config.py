@@ -172,8 +172,11 @@ class TrainerConfig(ServiceConfig):
         "bench/README.md: trainer_learnability --publish-dtype)")
     publish_deltas: bool = Field(True, description="publish each version as what changed "
                                  "since the last one published to the same agent (a sparse "
-                                 "delta per tensor where smaller; costs one host copy of the "
-                                 "model); off: every version dense")
+                                 "delta per tensor where smaller; costs one copy of the model "
+                                 "in the publish dtype, on the training device: with --device "
+                                 "cuda in GPU memory, next to the version's own snapshot, "
+                                 "except under ZeRO-3, in host memory); "
+                                 "off: every version dense")
     # shards is the default because it measured faster on 2 ranks (bench/trainer_publish.py:
     # the version held 1.27x sooner at ZeRO-2, 1.56x at ZeRO-3, where it also blocks the
     # trainer 7x less: no gather). One rank always publishes the whole model.
