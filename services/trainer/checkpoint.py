@@ -5,7 +5,9 @@ backend writes them (``write_weights``: a DeepSpeed checkpoint of all ranks, or 
 and ``state.pt``, the control state, written last. It is assembled under a temporary name and
 renamed into place, so a crash of any rank mid-save leaves either the previous checkpoints or the
 new one, never a half-written ``step-*``; leftovers of an interrupted save are ignored and swept
-by the next save. The newest ``keep_last`` checkpoints are kept. With ranks on several nodes the
+by the next save. Saving a step again (a trainer stopped twice with no step between) moves the
+old one aside (``.old-step-<n>``) and deletes it only once the new one is in place: a crash
+between the two renames leaves the old one, which counts as that step's checkpoint. The newest ``keep_last`` checkpoints are kept. With ranks on several nodes the
 root must be a shared file system (every rank writes into the same temporary directory).
 """
 
@@ -24,6 +26,7 @@ import torch
 
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
+_ASIDE_PREFIX = ".old-"
 
 
 @dataclass
@@ -35,12 +38,18 @@ class TrainerState:
 
 
 def capture_rng_states() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # a GPU trainer's generators
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
     random.setstate(states["python"])
     torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -69,8 +78,10 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, write_weights:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
+    aside = root_path / f"{_ASIDE_PREFIX}{final.name}"
     if final.exists():  # re-saving the same step (e.g. after a resume) replaces it
-        shutil.rmtree(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(root_path)
     _prune(root_path, keep_last)
@@ -78,19 +89,26 @@ def save_checkpoint(root: str | os.PathLike, state: TrainerState, write_weights:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
+    kept = list_checkpoints(root)
+    for old in kept[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
-    for leftover in root.glob(f"{_TMP_PREFIX}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*root.glob(f"{_TMP_PREFIX}*"), *root.glob(f"{_ASIDE_PREFIX}*")]:
+        if leftover not in kept:  # an aside whose step was saved again, or a dead save's
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first: ``step-<n>``, or its ``.old-`` copy where a save of
+    the same step crashed between moving it aside and renaming the new one in."""
     root_path = Path(root)
     if not root_path.is_dir():
         return []
-    found = [p for p in root_path.glob(f"{_PREFIX}*") if (p / "state.pt").is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+    by_step: dict[int, Path] = {}
+    for prefix in (_ASIDE_PREFIX + _PREFIX, _PREFIX):  # the step's own directory wins
+        for path in root_path.glob(f"{prefix}*"):
+            if (path / "state.pt").is_file():
+                by_step[int(path.name[len(prefix):])] = path
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def load_checkpoint(path: str | os.PathLike, read_weights: WeightsIO,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import torch
@@ -74,3 +75,20 @@ def test_an_interrupted_save_is_invisible_and_swept_by_the_next_save(tmp_path):
 
 def test_no_checkpoint_means_a_fresh_start(tmp_path):
     assert load_latest(tmp_path / "missing", _trained(0).load) is None
+
+
+def test_a_step_saved_again_keeps_its_old_checkpoint_until_the_new_one_is_in_place(tmp_path):
+    backend = _trained(0)
+    save_checkpoint(tmp_path, TrainerState(1, 1, {}), backend.save)
+    save_checkpoint(tmp_path, TrainerState(2, 2, {"at": "first"}), backend.save)
+    # A crash while saving step 2 again, between moving the old one aside and renaming the new
+    # one in: the old one is step 2's checkpoint, not lost.
+    os.replace(tmp_path / "step-000000002", tmp_path / ".old-step-000000002")
+    assert load_latest(tmp_path, backend.load).data_position == {"at": "first"}
+    save_checkpoint(tmp_path, TrainerState(2, 2, {"at": "again"}), backend.save)
+    assert load_latest(tmp_path, backend.load).data_position == {"at": "again"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000002"]
+    save_checkpoint(tmp_path, TrainerState(2, 2, {"at": "third"}), backend.save)  # no crash
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000001", "step-000000002"]
+    assert load_latest(tmp_path, backend.load).data_position == {"at": "third"}
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())
