@@ -165,6 +165,8 @@ def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     Pending case: move one request from the instance with the most pending to one with none.
     Deviation: the destination must also have a free batch slot. Moving a request into a queue
     gains nothing, and when the source has one pending request it would bounce back and forth.
+    In both cases an instance holding none of this manager's requests (only ``unmanaged``
+    ones) is no source: there is nothing on it the manager can move.
 
     Executing case (nothing pending anywhere, some instance idle): move max(m_exec_j - B, 0)
     requests from the busiest instance j, where B is j's batching plateau, capped by the idle
@@ -181,9 +183,13 @@ def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
 def _migrate_pending(instances: Sequence[InstanceLoad],
                      overloaded: Sequence[InstanceLoad]) -> list[Migrate]:
     receivers = [i for i in instances if i.pending == 0 and i.free_slots > 0]
-    if not receivers:
+    # A kv_memory worker's pending may be all unmanaged (another manager's requests): nothing of
+    # ours to move there, so it is no source. With no source left nothing moves, which also
+    # ends rebalance's loop instead of picking the same worker again.
+    sources = [i for i in overloaded if i.queued or i.running]
+    if not receivers or not sources:
         return []
-    src = max(overloaded, key=lambda i: (i.pending, i.worker_id))
+    src = max(sources, key=lambda i: (i.pending, i.worker_id))
     dst = max(receivers, key=lambda i: (i.free_slots, i.worker_id))
     # The newest queued request is last in the source's FIFO queue; a source whose capacity we
     # underestimate may have no queued one, and then its newest running request goes.
@@ -196,7 +202,11 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     if not idle:
         return []
     dst = max(idle, key=lambda i: (i.capacity, i.worker_id))
-    src = max(instances, key=lambda i: (i.executing, i.worker_id))
+    # As in the pending case, a worker running only unmanaged requests has nothing to give.
+    sources = [i for i in instances if i.queued or i.running]
+    if not sources:
+        return []
+    src = max(sources, key=lambda i: (i.executing, i.worker_id))
     if src.plateau is None or src is dst:
         return []
     count = min(max(src.executing - src.plateau, 0), dst.capacity)

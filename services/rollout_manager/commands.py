@@ -71,4 +71,12 @@ class Abort:
     worker_id: str
 
 
-Command = Union[Dispatch, Migrate, Release, Fail, Abort]
+@dataclass(frozen=True)
+class Forget:
+    """The core forgot a lost worker that held nothing (FailureConfig.forget_lost_after_s):
+    the service drops what it keeps about it too. The same id joining later is a new worker."""
+
+    worker_id: str
+
+
+Command = Union[Dispatch, Migrate, Release, Fail, Abort, Forget]

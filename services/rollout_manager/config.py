@@ -51,6 +51,10 @@ class ManagerConfig(ServiceConfig):
     rebalance_interval_s: float = Field(0.05, gt=0, description="period of CONTINUOUSLB")
     max_moves_per_round: int = Field(64, ge=1, description="migrations per CONTINUOUSLB round")
     stall_timeout_s: float = Field(30.0, gt=0, description="no token this long while busy = lost")
+    forget_lost_after_s: float = Field(300.0, ge=0, description="a lost worker is forgotten "
+                                       "this long after its loss (its status entry and "
+                                       "per-worker metrics go); spot workers return under new "
+                                       "ids, so lost ones would pile up")
     refusal_hold_s: float = Field(0.25, ge=0, description="a worker that refused a request "
                                   "(RESOURCE_EXHAUSTED, ALREADY_EXISTS) or a co-executor that "
                                   "gave one up for memory gets no new one for this long")

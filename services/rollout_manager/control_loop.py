@@ -35,6 +35,7 @@ from rlharvest.services.rollout_manager.commands import (
     Command,
     Dispatch,
     Fail,
+    Forget,
     MigrationCause,
     Migrate,
     Release,
@@ -196,6 +197,13 @@ class RolloutControl:
                 self.tracker.restart_from_prompt(request_id)
         return released
 
+    def _forget(self, worker_id: str) -> Forget:
+        """A lost worker that holds nothing leaves every record (a spot worker comes back
+        under a new id, so they would pile up); a later join of its id starts afresh."""
+        self.pool.forget(worker_id)
+        self.tracker.forget_worker(worker_id)
+        return Forget(worker_id)
+
     def worker_keeps(self, worker_id: str, request_ids: Sequence[str]) -> list[Command]:
         """A worker's new session says it still runs these requests of a session that broke.
         Those this manager has waiting for the worker's version go back to it at the next
@@ -252,10 +260,13 @@ class RolloutControl:
             # A co-executor gives requests up on its own to take memory back for serving
             # (memory_sharing.py): like a refusal for memory, it has no room for now.
             self.pool.note_refusal(worker_id)
+        released: set[str] = set()
         for dropped in report.dropped:
-            if dropped.reason in ("position", "version"):
+            if dropped.reason in ("position", "version") and dropped.request_id not in released:
                 # The assignee and the manager disagree about this request: take it off that
-                # worker (tokens kept) rather than risk a gap or an off-policy token.
+                # worker (tokens kept) rather than risk a gap or an off-policy token. Once: a
+                # batch may name a request in several refused rows, all judged before this.
+                released.add(dropped.request_id)
                 self.tracker.release(dropped.request_id)
                 self._outbox.append(Release(dropped.request_id, worker_id, "protocol"))
         return report
@@ -325,6 +336,8 @@ class RolloutControl:
         out, self._outbox = self._outbox, []
         for loss in self.failure.detect_losses(self.pool.all(), self._busy):
             out += self.worker_lost(loss.worker_id, loss.reason)
+        for worker_id in self.failure.to_forget(self.pool.all(), self._busy):
+            out.append(self._forget(worker_id))
         for w in list(self.pool.all()):
             if w.state is WorkerState.DRAINING and self._busy(w.worker_id):
                 out += self._evacuate(w.worker_id, "drain", keep_without_room=True)

@@ -50,11 +50,18 @@ NOTHING_TO_ABORT = grpc.StatusCode.NOT_FOUND.value[0]
 class FailureConfig:
     stall_timeout_s: float = 60.0
     no_worker_timeout_s: float = 600.0
+    # A lost worker that holds nothing is forgotten this long after its loss. Spot workers come
+    # back under new ids (hostname-pid), so without it the lost ones pile up in the manager and
+    # its status. Minutes, not seconds: GetStatus and rlh_manager_workers{state="lost"} show a
+    # loss, and its reason, to whoever polls them every few seconds or looks after an incident.
+    forget_lost_after_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.stall_timeout_s <= 0 or self.no_worker_timeout_s < 0:
-            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0 and "
-                             f"no_worker_timeout_s={self.no_worker_timeout_s} >= 0")
+        if self.stall_timeout_s <= 0 or self.no_worker_timeout_s < 0 or \
+                self.forget_lost_after_s < 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s} must be > 0, and "
+                             f"no_worker_timeout_s={self.no_worker_timeout_s} and "
+                             f"forget_lost_after_s={self.forget_lost_after_s} >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,15 @@ class FailurePolicy:
                     w.worker_id, f"no token for {now - w.last_progress_at:.1f}s while it had "
                     f"requests (stall_timeout_s={self._config.stall_timeout_s})"))
         return losses
+
+    def to_forget(self, workers: Iterable[WorkerView],
+                  busy: Callable[[str], bool]) -> list[str]:
+        """Lost workers to forget now: lost for ``forget_lost_after_s`` and holding nothing."""
+        now = self._clock()
+        return [w.worker_id for w in workers
+                if w.state is WorkerState.LOST and w.lost_at is not None
+                and now - w.lost_at >= self._config.forget_lost_after_s
+                and not busy(w.worker_id)]
 
     @staticmethod
     def release_all(worker_id: str, request_ids: Iterable[str],

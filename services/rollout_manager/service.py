@@ -27,6 +27,7 @@ from rlharvest.services.rollout_manager.commands import (
     Command,
     Dispatch,
     Fail,
+    Forget,
     Migrate,
     Release,
 )
@@ -295,6 +296,17 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._notify_failed(c.request_id, c.cancelled)
             elif isinstance(c, Abort):
                 self._abort(c.worker_id, c.request_id)
+            elif isinstance(c, Forget):
+                self._forget(c.worker_id)
+
+    def _forget(self, worker_id: str) -> None:
+        """Drop what the service keeps about a worker the core forgot (its link went at the
+        loss)."""
+        self._endpoints.pop(worker_id, None)
+        self._preemptions.forget(worker_id)
+        # Else the last values of its series stay exported for as long as the manager runs.
+        metrics.ASSIGNED.remove(worker_id)
+        metrics.PENDING.remove(worker_id)
 
     def _send(self, worker_id: str, request_id: str) -> None:
         link = self._links.get(worker_id)
@@ -561,7 +573,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             req = tracker.get(rid)
             if req.generated:
                 replay.add(index, 0, req.token_ids, req.logprobs)
-        self._step_streams[old_stream.step.key] = stream
+        if not journal.ended:  # an ended step's cleanup ran already: nothing would remove it
+            self._step_streams[old_stream.step.key] = stream
         if len(replay):
             stream.replay(replay.build())
         if journal.ended:
@@ -603,6 +616,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._abandon_now(journal.stream)
 
     def _abandon_now(self, stream: ClientStream) -> None:
+        # Nobody reads this stream any more: a worker's read loop waiting in put_rows for the
+        # client to make room must go on now (its rows are dropped), not until the stall
+        # timeout declares that worker lost.
+        stream.detach()
         commands = self._control.abandon_step(stream.step)
         if self.accepting:
             self._execute(commands)

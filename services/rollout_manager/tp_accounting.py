@@ -69,6 +69,10 @@ class PreemptionTally:
         self.seen += new
         return new
 
+    def forget(self, worker_id: str) -> None:
+        """The worker is gone for good: the same id reporting again is a new baseline."""
+        self._last.pop(worker_id, None)
+
     def open(self, step: object) -> None:
         """``step`` (any hashable key) starts now."""
         self._open[step] = self.seen

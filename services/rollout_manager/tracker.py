@@ -242,6 +242,8 @@ class RequestTracker:
         self.ledger = TokenLedger()
         self._by_slot: dict[int, TrackedRequest] = {}
         self._worker_index: dict[str, int] = {}  # the ledger names workers by number
+        # Never reused: a forgotten worker's number must not name a live one.
+        self._next_worker_number = 0
 
     @property
     def _vocab_limit(self) -> int:
@@ -513,7 +515,20 @@ class RequestTracker:
         return report
 
     def _worker_number(self, worker_id: str) -> int:
-        return self._worker_index.setdefault(worker_id, len(self._worker_index))
+        number = self._worker_index.get(worker_id)
+        if number is None:
+            number = self._worker_index[worker_id] = self._next_worker_number
+            self._next_worker_number += 1
+        return number
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop what is kept about a worker that holds no request (one the manager forgets);
+        rows sent under its old number are refused as any other worker's."""
+        if worker_id in self._by_worker:
+            raise ValueError(f"worker {worker_id!r} still holds {self.assigned_count(worker_id)} "
+                             "requests; release them before forgetting it")
+        self._worker_index.pop(worker_id, None)
+        self._context.pop(worker_id, None)
 
     @staticmethod
     def _refusal(req: TrackedRequest | None, worker_id: str, rows: Rows, row: int) -> str:

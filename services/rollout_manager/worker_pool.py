@@ -55,6 +55,7 @@ class WorkerView:
     state: WorkerState = WorkerState.HEALTHY
     drain_deadline: float | None = None
     lost_reason: str = ""
+    lost_at: float | None = None  # when it was marked lost: the manager forgets it a while after
     # Requests it still runs from a session that broke (a dead manager's, or this manager's
     # before a link break), which a waiting request of the same id goes back to: adopted there
     # with every token it produced meanwhile (session_hub.py on the worker).
@@ -210,11 +211,13 @@ class WorkerPool:
             return False
         w.state = WorkerState.LOST
         w.lost_reason = reason
+        w.lost_at = self._clock()
         w.kept.clear()
         return True
 
     def forget(self, worker_id: str) -> None:
-        """Drop a lost worker's record once nothing refers to it."""
+        """Drop a lost worker's record once nothing refers to it; the same id joining later is
+        a new worker."""
         if self.get(worker_id).state is not WorkerState.LOST:
             raise ValueError(f"worker {worker_id!r} is not lost; mark it lost before forgetting it")
         del self._workers[worker_id]

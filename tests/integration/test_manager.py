@@ -285,6 +285,21 @@ async def test_the_instance_cap_in_etcd_holds_later_spot_workers_as_standby(stac
         await asyncio.sleep(0.1)
 
 
+async def test_a_sigkilled_worker_leaves_the_status_and_the_metrics_after_the_forget_grace(
+        stack):
+    manager = start_manager(stack, "--forget-lost-after-s", "1")
+    worker = launch_worker(stack, "spot-1", "--kind", "spot", "--max-running", "4")
+    wait_serving(worker, 120)
+    await wait_workers(manager.endpoint, 1)
+    assert 'rlh_manager_assigned_requests{worker="spot-1"}' in scrape(manager.metrics_port)
+    worker.process.kill()
+    deadline = time.monotonic() + 30
+    while (await status(manager.endpoint)).workers:  # lost, then forgotten a second later
+        assert time.monotonic() < deadline, await status(manager.endpoint)
+        await asyncio.sleep(0.2)
+    assert not [k for k in scrape(manager.metrics_port) if 'worker="spot-1"' in k]
+
+
 # ---- RollPacker's short round (tail batching): the acceptance rule on the real stack ----------
 
 def short_round(lengths: dict[str, int], responses: int, p0: int, r0: int) -> mpb.SubmitStepRequest:

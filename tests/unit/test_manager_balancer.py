@@ -124,6 +124,27 @@ def test_rebalance_respects_its_move_budget():
     assert len(rebalance(loads, max_moves=4)) == 4
 
 
+def test_a_worker_pending_only_unmanaged_requests_is_skipped_as_a_migration_source():
+    # A kv_memory worker whose pending requests are all another manager's: nothing to move.
+    foreign = InstanceLoad("a", capacity=4, unmanaged=6)
+    assert foreign.pending == 2
+    assert rebalance([foreign, inst("b", capacity=8, running=1)], max_moves=64) == []
+
+
+def test_pending_migration_moves_only_our_requests_then_stops_before_the_unmanaged_ones():
+    # Three pending on "a", one of them ours: it moves, and the two unmanaged ones stay.
+    loads = [InstanceLoad("a", capacity=4, queued=("q1",), unmanaged=6),
+             inst("b", capacity=8, running=1)]
+    assert rebalance(loads, max_moves=64) == [Migrate("q1", "a", "b", "pending")]
+
+
+def test_a_busier_overloaded_worker_of_only_unmanaged_requests_does_not_hide_ours():
+    loads = [InstanceLoad("foreign", capacity=2, unmanaged=9), inst("a", capacity=2, running=2,
+                                                                     queued=1),
+             inst("c", capacity=4)]
+    assert continuous_lb(loads) == [Migrate("a-q0", "a", "c", "pending")]
+
+
 # ---- CONTINUOUSLB: executing requests down to the plateau -------------------------------------
 
 def test_executing_requests_migrate_from_the_busiest_instance_down_to_the_plateau():
@@ -150,6 +171,14 @@ def test_no_executing_migration_before_a_profile_exists():
 def test_executing_migration_is_capped_by_the_idle_instance_capacity():
     loads = [inst("a", capacity=32, running=30, plateau=2), inst("idle", capacity=4)]
     assert len(continuous_lb(loads)) == 4
+
+
+def test_executing_migration_takes_from_the_busiest_worker_that_runs_requests_of_ours():
+    loads = [InstanceLoad("foreign", capacity=16, unmanaged=14, plateau=5),
+             inst("a", capacity=16, running=8, plateau=5), inst("idle", capacity=16)]
+    moves = continuous_lb(loads)
+    assert [m.request_id for m in moves] == ["a-r0", "a-r1", "a-r2"]  # 8 - B
+    assert {m.src for m in moves} == {"a"}
 
 
 def test_executing_migration_waits_while_anything_is_pending():
@@ -208,6 +237,16 @@ def test_a_kv_memory_workers_reported_queue_migrates_to_an_idle_worker(admission
     else:  # its three queued ones, one at a time as CONTINUOUSLB's pending case says
         assert len(moves) == 3
         assert all(m.src == "busy" and m.dst == "idle" and m.cause == "pending" for m in moves)
+
+
+def test_a_tick_survives_a_kv_memory_worker_queueing_only_requests_of_other_managers():
+    control = RolloutControl(ControlConfig(theta=100), Clock())
+    control.worker_joined("shared", 0, capacity=16, kind="k", admission="kv_memory")
+    control.worker_load("shared", pending=2, executing=4)  # none of them ours
+    control.worker_joined("ours", 0, capacity=16, kind="k")
+    control.add_step("s", step(1), 0)
+    control.tick()  # r0 goes to "ours": "shared" already queues
+    assert [c for c in control.tick() if isinstance(c, Migrate)] == []
 
 
 def test_an_unknown_admission_is_refused_with_the_ones_the_manager_knows():

@@ -5,7 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from rlharvest.services.rollout_manager.commands import Abort, Dispatch, Fail, Migrate, Release
+from rlharvest.services.rollout_manager.commands import (
+    Abort,
+    Dispatch,
+    Fail,
+    Forget,
+    Migrate,
+    Release,
+)
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.policy_sim import (
@@ -72,6 +79,75 @@ def test_lost_twice_is_lost_once():
     assert len(control.worker_lost("w", "stream broke")) == 1
     assert control.worker_lost("w", "lease vanished") == []
     assert control.pool.get("w").lost_reason == "stream broke"
+
+
+def test_a_lost_worker_is_forgotten_once_it_stayed_lost_for_the_grace():
+    control, clock = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    emit(control, "w", "r0", [5])
+    control.worker_joined("v", 1, capacity=4, kind="k")
+    clock.now = 10.0
+    control.worker_lost("w", "lease expired")
+    clock.now = 10.0 + FailureConfig().forget_lost_after_s - 1
+    assert not [c for c in control.tick() if isinstance(c, Forget)]
+    assert control.pool.get("w").state is WorkerState.LOST  # still shown as lost meanwhile
+    clock.advance(1)
+    assert [c for c in control.tick() if isinstance(c, Forget)] == [Forget("w")]
+    assert "w" not in control.pool and [w.worker_id for w in control.pool.all()] == ["v"]
+    assert "w" not in control.tracker._worker_index and "w" not in control.tracker._context
+    assert not [c for c in control.tick() if isinstance(c, Forget)]  # forgotten once
+    assert control.tracker.get("r0").token_ids == [5]  # its request lives on elsewhere
+
+
+def test_workers_restarting_under_new_ids_leave_only_the_recently_lost_behind():
+    control, clock = make()
+    grace = FailureConfig().forget_lost_after_s
+    for restart in range(20):  # a spot worker: a new hostname-pid each time
+        control.worker_joined(f"spot-{restart}", 1, capacity=4, kind="spot")
+        clock.advance(grace / 4)
+        control.worker_lost(f"spot-{restart}", "preempted")
+        control.tick()
+    assert [w.worker_id for w in control.pool.all()] == [f"spot-{i}" for i in range(16, 20)]
+
+
+def test_a_forgotten_worker_rejoining_under_its_id_is_a_new_worker():
+    control, clock = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    control.worker_lost("w", "stream broke")
+    clock.advance(FailureConfig().forget_lost_after_s)
+    control.tick()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    assert control.pool.get("w").state is WorkerState.HEALTHY
+    add(control, 1)
+    assert placed(control.tick()) == {"r0": "w"}
+    emit(control, "w", "r0", [5, 6])
+    assert control.tracker.get("r0").token_ids == [5, 6]
+
+
+def test_a_forgotten_workers_number_is_never_given_to_another_worker():
+    control, clock = make()
+    control.worker_joined("old", 1, capacity=4, kind="k")
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tracker.assign("r0", "w")  # "old" is number 0, "w" number 1
+    control.worker_lost("old", "stream broke")
+    clock.advance(FailureConfig().forget_lost_after_s)
+    control.tick()
+    control.worker_joined("new", 1, capacity=4, kind="k")
+    # Rows naming r0's handle from the newcomer must not pass for w's.
+    assert [d.reason for d in emit(control, "new", "r0", [9]).dropped] == ["stale"]
+    assert control.tracker.get("r0").token_ids == []
+
+
+def test_a_worker_still_holding_requests_is_not_forgotten_by_the_tracker():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    with pytest.raises(ValueError, match="still holds 1 requests"):
+        control.tracker.forget_worker("w")
 
 
 def test_tokens_a_lost_worker_sends_after_the_loss_are_dropped():
@@ -251,6 +327,22 @@ def test_a_refusal_of_an_earlier_dispatch_to_the_same_worker_leaves_the_current_
     current = control.tracker.resume_payload("r0").handle
     assert control.command_refused("w", "r0", code, "no pages", current) == [
         Release("r0", "w", "refused", abort=False)]
+
+
+def test_a_request_named_in_several_refused_rows_of_one_batch_is_released_once():
+    control, _ = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, 1)
+    control.tick()
+    emit(control, "w", "r0", [5])
+    # Two rows that both skip ahead of the one token the manager holds: "position" twice.
+    report = control.step_deltas("w", [TokenDelta("r0", 3, (6,), (0.0,), 1),
+                                       TokenDelta("r0", 4, (7,), (0.0,), 1)])
+    assert [d.reason for d in report.dropped] == ["position", "position"]
+    assert control.tracker.get("r0").state is RequestState.WAITING
+    assert control.tracker.get("r0").token_ids == [5]
+    assert [c for c in control.tick() if isinstance(c, Release)] == [
+        Release("r0", "w", "protocol")]
 
 
 # ---- starvation -------------------------------------------------------------------------------
