@@ -289,7 +289,8 @@ class StepSimulation:
         if self.s.recovery == "recompute":
             # The traditional strategy collects only complete responses: partial ones restart.
             for c in released:
-                self.control.tracker.restart_from_prompt(c.request_id)
+                if isinstance(c, Release):  # what a loss releases
+                    self.control.tracker.restart_from_prompt(c.request_id)
         self._execute(self.control.tick())
 
     def _result(self) -> SimResult:
