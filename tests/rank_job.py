@@ -6,6 +6,7 @@ SIGKILLs itself after its N-th command, and rank 0 writes what the step raised i
 ``--checkpoint DIR``: after the step every rank saves, then loads back into a perturbed model.
 ``--publish-to AGENT --publish-job JOB``: after the step every rank publishes its flat shard of
 version 1 to that transfer agent; rank 0 pulls the version back and compares it with the model.
+After the step rank 0 also times a forward pass on every rank (the placement profile's).
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def main() -> None:
         out = {"error": f"collective: {exc}"}
     trained = leader.weights() if "error" not in out else model.state_dict()
     out["moved"] = any(not torch.equal(a, b) for a, b in zip(before.values(), trained.values()))
+    if "error" not in out:  # the placement profile's forward, every rank in it (ZeRO-3 gathers)
+        out["forward_s"] = leader.forward_seconds(2, 8)
     if args.publish_to and "error" not in out:
         out.update(publish_and_pull(leader, args.publish_to, args.publish_job, trained))
     if args.checkpoint and "error" not in out:

@@ -2,9 +2,10 @@
 watch the job's announced version, and pull every newer version — as a sparse delta against the
 version this worker holds when its agent still has that one — then load it between engine steps.
 
-A pull that fails (the agent died mid-pull, data stayed damaged) is retried from another agent
-whose holder record lists the version. With no agent registered the worker keeps serving what it
-has and waits."""
+A pull that fails (the agent died mid-pull, data stayed damaged, deltas failed verification) is
+retried from another agent whose holder record lists the version; deltas that apply at no holder
+are pulled again dense. With no agent registered the worker keeps serving what it has and
+waits."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from rlharvest.common import keys, registry
 from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
-from rlharvest.services.transfer_agent.bucketing import ManifestError
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.client import (
+    DeltaApplyError,
     PullError,
     PullResult,
     holders,
@@ -207,34 +208,53 @@ class Puller:
         started = loop.time()
         PULLING.set(1)
         try:
-            for attempt, agent in enumerate(order):
-                if attempt:
-                    PULL_FAILOVERS.inc()
-                try:
-                    # In place: the engine copies what it loads, so ``held`` is ours alone, and
-                    # a delta then costs no fresh copy of the model (apply_pull undoes a
-                    # half-applied delta, so a failed pull leaves held_version intact).
-                    endpoint = agents[agent]["endpoint"]
-                    result = await pull(endpoint, self.job, version=version,
-                                        held=self.held, held_version=self.held_version,
-                                        tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                        streams=self.streams, inplace=True,
-                                        held_sums=self.held_sums,
-                                        channel=self._channel(endpoint))
-                except (grpc.aio.AioRpcError, PullError, ManifestError) as exc:
-                    what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                    log.warning("pull of version %d from agent %s failed: %s", version, agent, what)
-                    continue
-                await self._load(result, agent, loop.time() - started)
-                return True
+            # Deltas first. Deltas that fail verification may be damaged at that holder alone,
+            # so the next holder is tried; when no holder's deltas apply (the held copy is not
+            # the base they name), the version comes dense, which needs no held tensors.
+            previous: str | None = None
+            for dense in (False, True):
+                undecodable = False
+                for agent in order:
+                    if previous is not None and agent != previous:
+                        PULL_FAILOVERS.inc()
+                    previous = agent
+                    try:
+                        result = await self._pull_from(agents[agent]["endpoint"], version, dense)
+                    except (grpc.aio.AioRpcError, PullError) as exc:
+                        undecodable |= isinstance(exc, DeltaApplyError)
+                        what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                        log.warning("%s pull of version %d from agent %s failed: %s",
+                                    "dense" if dense else "delta", version, agent, what)
+                        continue
+                    await self._load(result, agent, loop.time() - started)
+                    return True
+                if not undecodable:
+                    return False
+                log.warning("no holder's deltas of version %d apply to the held version %s; "
+                            "pulling it dense", version, self.held_version)
             return False
         finally:
             PULLING.set(0)
 
+    async def _pull_from(self, endpoint: str, version: int, dense: bool) -> PullResult:
+        """``version`` from the agent at ``endpoint``: as deltas against the held version where
+        the agent still has it, or (``dense``) whole, without the held tensors."""
+        if dense:
+            return await pull(endpoint, self.job, version=version, tp_rank=self.tp_rank,
+                              tp_size=self.tp_size, streams=self.streams,
+                              channel=self._channel(endpoint))
+        # In place: the engine copies what it loads, so ``held`` is ours alone, and a delta
+        # then costs no fresh copy of the model (apply_pull undoes a half-applied delta, so a
+        # failed pull leaves the held tensors at held_version).
+        return await pull(endpoint, self.job, version=version, held=self.held,
+                          held_version=self.held_version, tp_rank=self.tp_rank,
+                          tp_size=self.tp_size, streams=self.streams, inplace=True,
+                          held_sums=self.held_sums, channel=self._channel(endpoint))
+
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
-        # The held tensors now are this version (deltas went in place), loaded or not. Sums the
-        # agent did not know are computed once here (a pass the fingerprint needs anyway), from
-        # the pulled host tensors: after the copy to the device, the sum would copy them back.
+        # Sums the agent did not know are computed once here (a pass the fingerprint needs
+        # anyway), from the pulled host tensors: after the copy to the device, the sum would
+        # copy them back.
         sums = dict(result.sums)
         missing = sorted(result.tensors.keys() - sums.keys())
         if missing:  # a full pass: off the event loop, which serves the engine's sessions
@@ -249,16 +269,24 @@ class Puller:
                 self.forget()  # part of it may be this version: the next pull is dense
                 raise
             result = dataclasses.replace(result, tensors=placed)
-        self.held = result.tensors
-        self.held_version = result.version
-        self.held_sums = sums
         try:
             await self.service.load_weights_tensors(result.tensors, result.version)
         except EngineInputError as exc:
+            # Refused for good, but the held tensors are this version now (deltas went in
+            # place): the next version's deltas apply to them.
+            self.held, self.held_version, self.held_sums = result.tensors, result.version, sums
             self._refused.add(result.version)
             log.error("version %d from agent %s does not fit this engine: %s", result.version,
                       agent, exc)
             return
+        except BaseException:
+            # Not loaded (an engine hiccup, or stopped), so the version must be pulled and
+            # loaded again; the held tensors may already be it (deltas went in place), so
+            # no held version describes them: drop them and the next pull is dense.
+            self.forget()
+            raise
+        # Only now: a held version the engine does not serve would never be pulled again.
+        self.held, self.held_version, self.held_sums = result.tensors, result.version, sums
         kind = "delta" if result.delta else "dense"
         PULLS.labels(kind).inc()
         PULL_BYTES.inc(result.payload_bytes)

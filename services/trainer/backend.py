@@ -81,11 +81,12 @@ class TrainBackend(Protocol):
     def weights_are_sharded(self) -> bool:
         """Whether ``weights`` needs every rank (ZeRO-3) or rank 0 holds them all."""
 
-    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
-                                                           dict[str, tuple[int, ...]]]:
+    def weights_shard(self, rank: int, size: int, dtype: torch.dtype | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
         """Rank ``rank`` of ``size``'s flat slice of every tensor ``weights`` would give (copies;
-        transfer_agent/flat_shards.py) and the whole tensors' shapes. Never collective: under
-        ZeRO-3 it is the partition this rank holds, so only this rank's own (rank, size)."""
+        transfer_agent/flat_shards.py) and the whole tensors' shapes; floating tensors in
+        ``dtype`` (the serving dtype; None: the model's). Never collective: under ZeRO-3 it is
+        the partition this rank holds, so only this rank's own (rank, size)."""
 
 
 @dataclass(frozen=True)
@@ -99,18 +100,24 @@ class Where:
     dtype: torch.dtype | None = None
 
 
+def served_as(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``tensor`` is published in: ``dtype`` for a floating tensor (None: its own)."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def snapshot(model: torch.nn.Module, where: Where | None = None) -> dict[str, torch.Tensor]:
     where = where or Where()
-    return {name: t.detach().to(where.device, dtype=where.dtype if where.dtype is not None and
-                                t.is_floating_point() else t.dtype, copy=True).contiguous()
+    return {name: t.detach().to(where.device, dtype=served_as(t, where.dtype),
+                                copy=True).contiguous()
             for name, t in model.state_dict().items()}
 
 
-def _replicated_shard(model: torch.nn.Module, rank: int,
-                      size: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+def _replicated_shard(model: torch.nn.Module, rank: int, size: int, dtype: torch.dtype | None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
     """Every rank holds the whole model (no ZeRO-3): rank ``rank``'s slices of it."""
     state = model.state_dict()
-    return flat_shards(state, rank, size), {name: tuple(t.shape) for name, t in state.items()}
+    return (flat_shards(state, rank, size, dtype),
+            {name: tuple(t.shape) for name, t in state.items()})
 
 
 def _make_optimizer(params: Any, config: OptimConfig) -> torch.optim.Optimizer:
@@ -178,9 +185,9 @@ class TorchBackend:
     def weights_are_sharded(self) -> bool:
         return False
 
-    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
-                                                           dict[str, tuple[int, ...]]]:
-        return _replicated_shard(self._model, rank, size)
+    def weights_shard(self, rank: int, size: int, dtype: torch.dtype | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+        return _replicated_shard(self._model, rank, size, dtype)
 
 
 def _grad_norm(model: torch.nn.Module) -> float:
@@ -340,10 +347,10 @@ class DeepSpeedBackend:
                                                modifier_rank=None):
             return snapshot(self._engine.module, where) if keep else {}
 
-    def weights_shard(self, rank: int, size: int) -> tuple[dict[str, torch.Tensor],
-                                                           dict[str, tuple[int, ...]]]:
+    def weights_shard(self, rank: int, size: int, dtype: torch.dtype | None = None
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
         if self._stage < 3:
-            return _replicated_shard(self._engine.module, rank, size)
+            return _replicated_shard(self._engine.module, rank, size, dtype)
         if (rank, size) != (torch.distributed.get_rank(), self._world):
             raise ValueError(f"under ZeRO-3 rank {torch.distributed.get_rank()} of {self._world} "
                              f"holds only its own partition, not rank {rank} of {size}'s")
@@ -355,10 +362,11 @@ class DeepSpeedBackend:
         for name, value in self._engine.module.state_dict().items():
             param = params.get(name)
             if param is not None and hasattr(param, "ds_tensor"):
-                shard[name] = param.ds_tensor.detach().to("cpu", copy=True).reshape(-1)
+                part = param.ds_tensor.detach()
+                shard[name] = part.to("cpu", dtype=served_as(part, dtype), copy=True).reshape(-1)
                 shapes[name] = tuple(param.ds_shape)
             else:
-                shard[name] = flat_shard(value, rank, size)
+                shard[name] = flat_shard(value, rank, size, served_as(value, dtype))
                 shapes[name] = tuple(value.shape)
         return shard, shapes
 

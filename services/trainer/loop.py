@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -93,6 +93,9 @@ from rlharvest.services.rollout_manager.status_client import wait_workers
 from rlharvest.services.trainer.rewards.sandbox import configure_isolation
 from rlharvest.services.trainer.task_setup import build_task_setup
 from rlharvest.services.trainer.tasks import DatasetState, Task, TaskDataset, TaskItem
+
+if TYPE_CHECKING:
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats
 
 if sys.version_info >= (3, 11):
     from asyncio import TaskGroup
@@ -220,8 +223,10 @@ class TrainerLoop:
         self._manager = cfg.manager
         self._version = 0
         self._step = 0  # steps applied
-        # What the next step awaits before its rollout: the last version's publish.
-        self._pending_publish: Callable[[], Awaitable[float]] | None = None
+        # What the next step awaits before its rollout: the last version's publish (its
+        # seconds, and what it changed when it went as deltas).
+        self._pending_publish: Callable[[], Awaitable[tuple[float, DeltaStats | None]]] | None \
+            = None
         # Every rank publishes its own shard (issue 21); one rank always publishes whole.
         self._shard_publish = cfg.publish_mode == "shards" and isinstance(self._ranks, LeaderRanks)
         self._run_number = time.time_ns() // 1_000_000  # a restart's shards never join ours
@@ -377,12 +382,14 @@ class TrainerLoop:
             # A trajectory's worst case: every turn prefills a history as long as the context
             # and samples max_new_tokens (the environment's own time is not measured).
             profile = warmup_profile.measure_profile(
-                cfg.model, self._model, batch, cfg.env_context,
+                cfg.model, self._ranks.forward_seconds, module_device(self._model), batch,
+                cfg.env_context,
                 cfg.env_max_turns * cfg.max_new_tokens, served=served_dtype(cfg.publish_dtype))
             return dataclasses.replace(profile, prefill_s=profile.prefill_s * cfg.env_max_turns)
         peeked = self._spec(tuple(self._data.peek(cfg.prompts_per_step)), cfg.samples_per_prompt)
         longest = max([self._setup.longest_prompt, *(len(p) for p in peeked.prompts)])
-        return warmup_profile.measure_profile(cfg.model, self._model, batch, longest,
+        return warmup_profile.measure_profile(cfg.model, self._ranks.forward_seconds,
+                                              module_device(self._model), batch, longest,
                                               cfg.max_new_tokens,
                                               served=served_dtype(cfg.publish_dtype))
 
@@ -777,7 +784,7 @@ class TrainerLoop:
             await self._seed.load(self._as_served(tensors), version)
         publisher = self._publisher
 
-        async def publish() -> float:
+        async def publish() -> tuple[float, DeltaStats | None]:
             started = self._clock()
             try:
                 await retry(partial(publisher.publish, version, tensors), attempts=5,
@@ -788,7 +795,7 @@ class TrainerLoop:
             elapsed = self._clock() - started
             metrics.PUBLISH_SECONDS.observe(elapsed)
             log.info("published version %d in %.2fs", version, elapsed)
-            return elapsed
+            return elapsed, publisher.last_stats
 
         task = asyncio.get_running_loop().create_task(publish(), name=f"publish v{version}")
         self._pending_publish = lambda: task
@@ -799,10 +806,12 @@ class TrainerLoop:
         return rollout_client.as_served(tensors, self._publish_dtype)
 
     async def _start_shard_publish(self, version: int) -> None:
-        """Every rank copies its shard now and sends it on its own thread; the next step asks
-        the ranks how that ended (a command, so it waits until then: the compute thread stays
-        free for the checkpoint meanwhile). Versions stay unchanged until that step trains, so
-        an incomplete version (the agent restarted and lost shards) is simply published again."""
+        """Every rank copies its shard now, in the serving dtype, and sends it on its own thread
+        (as a delta against its last shard, with ``--publish-deltas``); the next step asks the
+        ranks how that ended and what the version changed (a command, so it waits until then:
+        the compute thread stays free for the checkpoint meanwhile). Versions stay unchanged
+        until that step trains, so an incomplete version (the agent restarted and lost shards)
+        is simply published again."""
         assert self._publisher is not None and isinstance(self._ranks, LeaderRanks)
         ranks, publisher = self._ranks, self._publisher
         started = self._clock()
@@ -812,10 +821,10 @@ class TrainerLoop:
                                    retry_if=lambda exc: isinstance(exc, LookupError),
                                    what="finding a transfer agent")
             target = ShardTarget(endpoint, self._cfg.job, self._cfg.bucket_bytes,
-                                 self._run_number)
+                                 self._run_number, self._publish_dtype, self._cfg.publish_deltas)
             await self._run(ranks.publish_shards, version, target)
 
-        async def finish() -> float:
+        async def finish() -> tuple[float, DeltaStats | None]:
             for attempt in range(1, _SHARD_PUBLISH_ATTEMPTS + 1):
                 try:
                     if await self._run(ranks.await_published, version):
@@ -832,7 +841,14 @@ class TrainerLoop:
             metrics.PUBLISH_SECONDS.observe(elapsed)
             log.info("published version %d as %d shards in %.2fs", version, ranks.world_size,
                      elapsed)
-            return elapsed
+            stats = ranks.last_stats
+            if stats is not None:
+                metrics.PUBLISH_CHANGED.set(stats.changed_fraction)
+                metrics.PUBLISH_PAYLOAD.set(stats.payload_bytes / max(stats.dense_bytes, 1))
+                log.info("version %d: %.3f%% of the elements changed over %d shards; sent %.2f "
+                         "of %.2f MB", version, 100 * stats.changed_fraction, ranks.world_size,
+                         stats.payload_bytes / 1e6, stats.dense_bytes / 1e6)
+            return elapsed, stats
 
         await start()
         self._pending_publish = finish
@@ -842,13 +858,11 @@ class TrainerLoop:
         if pending is None:
             return
         self.status.current.phase = "publish"
-        elapsed = await pending()
+        elapsed, stats = await pending()
         if self.status.summaries and self.status.summaries[-1].published_version == \
                 self._version:
             summary = self.status.summaries[-1]
             summary.publish_s = elapsed
-            stats = self._publisher.last_stats if isinstance(
-                self._publisher, rollout_client.Publisher) else None
             if stats is not None:
                 summary.published_changed = stats.changed_fraction
                 summary.published_payload_ratio = stats.payload_bytes / max(stats.dense_bytes, 1)

@@ -14,8 +14,10 @@ what rank 0 tells them over a gloo control group:
 - ``Step``: every rank steps once; the backend reduces gradients across ranks (a sum) first.
 - ``Weights``: the whole model for publishing; under ZeRO-3 every rank joins the gather.
 - ``PublishShard`` / ``AwaitPublished`` (``--publish-mode shards``): every rank copies its own
-  flat shard and sends it to the agent in the background, then reports how that ended
+  flat shard in the serving dtype and sends it to the agent in the background (a delta against
+  its last shard, with ``--publish-deltas``), then reports how that ended and what it changed
   (``shard_publish.py``).
+- ``TimeForward``: every rank times a forward pass (the placement profile; ZeRO-3 gathers).
 - ``Discard`` (a failed step's gradients), ``Save`` / ``Load`` (checkpoints of every rank), ``Stop``.
 
 Every command ends with a gather of each rank's reply, so a follower's failure reaches rank 0
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed import ProcessGroup
@@ -42,13 +44,21 @@ from torch.distributed import ProcessGroup
 from rlharvest.common.service_host import launch_rank
 from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.backend import TrainBackend, Where
-from rlharvest.services.trainer.shard_publish import RankPublisher, ShardTarget
+from rlharvest.services.trainer.shard_publish import (
+    RankPublisher,
+    ShardPublished,
+    ShardTarget,
+    combined_stats,
+)
 from rlharvest.services.trainer.grpo import (
     LossConfig,
     aggregate_loss,
     completion_logprobs,
     per_token_loss,
 )
+
+if TYPE_CHECKING:
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +155,11 @@ class Ranks(Protocol):
 
     def load(self, path: Path) -> None: ...
 
+    def forward_seconds(self, rows: int, length: int) -> float:
+        """Seconds of one forward pass without gradients over ``rows`` x ``length`` tokens (the
+        placement profile's), every rank running it: under ZeRO-3 each forward gathers the
+        parameters from all ranks."""
+
     def close(self) -> None: ...
 
 
@@ -186,15 +201,21 @@ class LocalRanks:
     def load(self, path: Path) -> None:
         self.backend.load(path)
 
+    def forward_seconds(self, rows: int, length: int) -> float:
+        from rlharvest.services.trainer.warmup_profile import time_forward
+
+        return time_forward(self.backend.module, rows, length)
+
     def publish_shard(self, version: int, target: ShardTarget, rank: int, size: int) -> None:
-        """Copy this rank's shard of the current weights now; send it in the background."""
-        shard, shapes = self.backend.weights_shard(rank, size)
+        """Copy this rank's shard of the current weights now, in the target's dtype; send it in
+        the background."""
+        shard, shapes = self.backend.weights_shard(rank, size, target.dtype)
         if self._publisher is None:
             self._publisher = RankPublisher()
         self._publisher.start(version, shard, shapes, rank, size, target)
 
-    def shard_published(self, version: int) -> bool:
-        """How this rank's shard of ``version`` ended: True if it completed the version."""
+    def shard_published(self, version: int) -> ShardPublished:
+        """How this rank's shard of ``version`` ended (whether it completed the version)."""
         if self._publisher is None:
             raise RuntimeError(f"this rank was never asked to publish version {version}")
         return self._publisher.wait(version)
@@ -248,17 +269,25 @@ class Load:
 
 
 @dataclass(frozen=True)
+class TimeForward:
+    rows: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = Backward | Step | Discard | Weights | PublishShard | AwaitPublished | Save | Load | Stop
+Command = Backward | Step | Discard | Weights | PublishShard | AwaitPublished | TimeForward | \
+    Save | Load | Stop
 
 
 @dataclass(frozen=True)
 class Reply:
     value: float = 0.0
     error: str = ""
+    published: ShardPublished | None = None  # AwaitPublished's answer
 
 
 class RankFailed(RuntimeError):
@@ -271,7 +300,7 @@ def control_group() -> ProcessGroup:
     return torch.distributed.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
-Result = float | dict[str, torch.Tensor]
+Result = float | dict[str, torch.Tensor] | ShardPublished
 
 
 def _run(local: LocalRanks, rank: int, command: Command) -> Result:
@@ -283,7 +312,9 @@ def _run(local: LocalRanks, rank: int, command: Command) -> Result:
     if isinstance(command, Step):
         return local.step(command.grad_scale)
     if isinstance(command, AwaitPublished):
-        return 1.0 if local.shard_published(command.version) else 0.0
+        return local.shard_published(command.version)
+    if isinstance(command, TimeForward):
+        return local.forward_seconds(command.rows, command.length)
     if isinstance(command, PublishShard):
         local.publish_shard(command.version, command.target, rank,
                             torch.distributed.get_world_size())
@@ -305,16 +336,19 @@ class LeaderRanks:
         self._group = group
         self._world = torch.distributed.get_world_size()
         self._stopped = False
+        # What the last version ``await_published`` saw out changed, over every rank's shard
+        # (None: sent without deltas).
+        self.last_stats: DeltaStats | None = None
 
     @property
     def world_size(self) -> int:
         return self._world
 
     def backward(self, batch: MicroBatch) -> float:
-        return sum(self._command(Backward(tuple(batch.split(self._world))))[1])
+        return sum(r.value for r in self._command(Backward(tuple(batch.split(self._world))))[1])
 
     def step(self, grad_scale: float) -> float:
-        return self._command(Step(grad_scale))[1][0]  # the same global norm on every rank
+        return self._command(Step(grad_scale))[1][0].value  # the same global norm on every rank
 
     def discard(self) -> None:
         self._command(Discard())
@@ -326,14 +360,25 @@ class LeaderRanks:
         assert isinstance(mine, dict)
         return mine
 
+    def forward_seconds(self, rows: int, length: int) -> float:
+        mine = self._command(TimeForward(rows, length))[0]  # rank 0's own timing
+        assert isinstance(mine, float)
+        return mine
+
     def publish_shards(self, version: int, target: ShardTarget) -> None:
         """Every rank copies its shard of the current weights and starts sending it."""
         self._command(PublishShard(version, target))
 
     def await_published(self, version: int) -> bool:
         """Every rank's shard of ``version`` was accepted (else RankFailed); True when one of
-        them completed the version, so the agent holds it."""
-        return any(done > 0 for done in self._command(AwaitPublished(version))[1])
+        them completed the version, so the agent holds it (and ``last_stats`` says what it
+        changed)."""
+        replies = self._command(AwaitPublished(version))[1]
+        outcomes = [r.published for r in replies if r.published is not None]
+        if len(outcomes) != len(replies):
+            raise RankFailed(f"a rank answered AwaitPublished({version}) without its outcome")
+        self.last_stats = combined_stats(outcomes)
+        return any(o.completed for o in outcomes)
 
     def save(self, path: Path) -> None:
         self._command(Save(str(path)))
@@ -352,8 +397,8 @@ class LeaderRanks:
             log.warning("could not tell the follower ranks to stop: %s", exc)
         self._local.close()
 
-    def _command(self, command: Command) -> tuple[Result, list[float]]:
-        """Rank 0's own result, and every rank's reply value (rank 0's first)."""
+    def _command(self, command: Command) -> tuple[Result, list[Reply]]:
+        """Rank 0's own result, and every rank's reply (rank 0's first)."""
         name = type(command).__name__
         started = time.perf_counter()
         try:
@@ -364,7 +409,7 @@ class LeaderRanks:
         finally:
             metrics.RANK_COMMAND_SECONDS.labels(name).observe(time.perf_counter() - started)
 
-    def _collective(self, command: Command) -> tuple[Result, list[float]]:
+    def _collective(self, command: Command) -> tuple[Result, list[Reply]]:
         if self._stopped:
             raise RankFailed("the follower ranks were told to stop")
         torch.distributed.broadcast_object_list([command], src=0, group=self._group)
@@ -380,10 +425,12 @@ class LeaderRanks:
                   if reply is not None and reply.error]
         if failed:
             raise RankFailed(f"{type(command).__name__} failed on " + "; ".join(failed))
-        return result, [reply.value for reply in replies if reply is not None]
+        return result, [reply for reply in replies if reply is not None]
 
 
 def _reply(result: Result) -> Reply:
+    if isinstance(result, ShardPublished):
+        return Reply(published=result)
     return Reply(result if isinstance(result, float) else 0.0)
 
 

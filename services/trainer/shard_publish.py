@@ -2,9 +2,17 @@
 
 The alternative to rank 0 gathering the model and publishing it whole: each of the N ranks
 copies its flat slice of every tensor (``transfer_agent/flat_shards.py``; under ZeRO-3 the
-partition it already holds, so nobody gathers) and sends it to the same transfer agent on a
-thread of its own, while the rank goes on. The agent joins the slices once all N arrived and only
-then announces the version. ``bench/trainer_publish.py`` measures both ways.
+partition it already holds, so nobody gathers) in the serving dtype (``--publish-dtype``, cast
+within that one copy) and sends it to the same transfer agent on a thread of its own, while the
+rank goes on. The agent joins the slices once all N arrived and only then announces the version.
+``bench/trainer_publish.py`` measures both ways.
+
+With ``--publish-deltas`` each rank sends its shard as what changed since the shard it last
+published to that agent (its own ``delta_publish.LastPublished``, as the gather path's
+``Publisher`` keeps one per agent): the agent applies the delta to its slice of the version it
+holds. The first shard, one to another agent, and one whose base the agent no longer holds (it
+restarted, or that version never completed) go dense. The rank's host copy of its last shard
+costs 1/N of the model in the serving dtype.
 
 Rank 0 starts every rank's publish with one command and later asks each how it ended: the
 version is out when every rank's shard was accepted and one of them completed it (a rank's
@@ -16,14 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
+import grpc
 import torch
 
 from rlharvest.common.retry import retry
 from rlharvest.services.trainer.rollout_client import PUBLISH_BACKOFF, PUBLISH_RETRYABLE
+
+if TYPE_CHECKING:  # the transfer agent's client is imported where a rank first publishes
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +51,30 @@ class ShardTarget:
     job: str
     bucket_bytes: int
     run: int
+    dtype: torch.dtype | None = None  # floating tensors go in it (the serving dtype); None: as is
+    deltas: bool = False  # each shard as a delta against the one this rank last published
+
+
+@dataclass(frozen=True)
+class ShardPublished:
+    """How one rank's shard of a version ended: whether it completed the version at the agent
+    (False: accepted, other ranks' shards still missing), and, sent with ``deltas``, what it
+    changed since this rank's last shard (None without)."""
+
+    completed: bool
+    stats: DeltaStats | None = None
+
+
+def combined_stats(outcomes: Sequence[ShardPublished]) -> DeltaStats | None:
+    """What a version changed, from every rank's shard: changed elements over all elements (and
+    bytes sent over dense bytes) of the ranks together; None unless every rank measured it."""
+    parts = [o.stats for o in outcomes]
+    if not parts or any(p is None for p in parts):
+        return None
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats
+
+    return DeltaStats(*(sum(getattr(p, f) for p in parts)
+                        for f in ("changed", "numel", "payload_bytes", "dense_bytes")))
 
 
 class RankPublisher:
@@ -44,7 +82,10 @@ class RankPublisher:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish-shard")
-        self._pending: tuple[int, Future[bool]] | None = None
+        self._pending: tuple[int, Future[ShardPublished]] | None = None
+        # The shard this rank last published and to which agent: the next delta's base. Only
+        # the pool's one thread touches it, one publish at a time.
+        self._last: tuple[str, LastPublished] | None = None
 
     def start(self, version: int, shard: Mapping[str, torch.Tensor],
               full_shapes: Mapping[str, tuple[int, ...]], rank: int, size: int,
@@ -53,13 +94,12 @@ class RankPublisher:
         supersedes an unfinished one only after it ended (one publish per rank at a time)."""
         if self._pending is not None:
             self._pending[1].exception()  # wait; its outcome no longer matters
-        future = self._pool.submit(_publish_blocking, version, dict(shard), dict(full_shapes),
-                                   rank, size, target)
+        future = self._pool.submit(self._publish_blocking, version, dict(shard),
+                                   dict(full_shapes), rank, size, target)
         self._pending = (version, future)
 
-    def wait(self, version: int) -> bool:
-        """Whether this rank's shard of ``version`` completed the version at the agent (False:
-        accepted, other ranks' shards still missing). Raises what the publish raised."""
+    def wait(self, version: int) -> ShardPublished:
+        """How this rank's shard of ``version`` ended. Raises what the publish raised."""
         if self._pending is None or self._pending[0] != version:
             raise RuntimeError(f"this rank was never asked to publish version {version}")
         return self._pending[1].result()
@@ -68,24 +108,70 @@ class RankPublisher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _publish_blocking(version: int, shard: dict[str, torch.Tensor],
-                      full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
-                      target: ShardTarget) -> bool:
-    from rlharvest.services.transfer_agent import client
+    def _publish_blocking(self, version: int, shard: dict[str, torch.Tensor],
+                          full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
+                          target: ShardTarget) -> ShardPublished:
+        from rlharvest.services.transfer_agent import client
 
-    async def once() -> bool:
-        reply = await client.publish(target.endpoint, target.job, version, shard,
-                                     bucket_bytes=target.bucket_bytes, run=target.run,
-                                     dp_rank=rank, dp_size=size, full_shapes=full_shapes)
-        return not reply.shards_missing
+        async def dense() -> ShardPublished:
+            reply = await client.publish(target.endpoint, target.job, version, shard,
+                                         bucket_bytes=target.bucket_bytes, run=target.run,
+                                         dp_rank=rank, dp_size=size, full_shapes=full_shapes)
+            return ShardPublished(not reply.shards_missing)
 
-    async def with_retries() -> bool:
-        return await retry(once, attempts=5,
-                           retry_if=lambda exc: isinstance(exc, PUBLISH_RETRYABLE),
-                           backoff=PUBLISH_BACKOFF,
-                           what=f"rank {rank}'s shard of version {version}")
+        async def once() -> ShardPublished:
+            if not target.deltas:
+                return await dense()
+            return await self._publish_delta(version, shard, full_shapes, rank, size, target)
 
-    done = asyncio.run(with_retries())
-    log.info("rank %d: shard of version %d %s", rank, version,
-             "completed the version" if done else "staged")
-    return done
+        async def with_retries() -> ShardPublished:
+            return await retry(once, attempts=5,
+                               retry_if=lambda exc: isinstance(exc, PUBLISH_RETRYABLE),
+                               backoff=PUBLISH_BACKOFF,
+                               what=f"rank {rank}'s shard of version {version}")
+
+        published = asyncio.run(with_retries())
+        stats = published.stats
+        log.info("rank %d: shard of version %d %s%s", rank, version,
+                 "completed the version" if published.completed else "staged",
+                 "" if stats is None else
+                 f"; {100 * stats.changed_fraction:.3f}% of its elements changed, sent "
+                 f"{stats.payload_bytes / 1e6:.2f} of {stats.dense_bytes / 1e6:.2f} MB")
+        return published
+
+    async def _publish_delta(self, version: int, shard: dict[str, torch.Tensor],
+                             full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
+                             target: ShardTarget) -> ShardPublished:
+        """The shard against this rank's last one to the same agent; dense when there is none
+        older, or when the agent refuses the base (it no longer holds that version)."""
+        from rlharvest.services.transfer_agent import client
+
+        last = self._last[1] if self._last is not None and self._last[0] == target.endpoint \
+            and self._last[1].version < version else None  # a republished version goes dense
+        try:
+            return await self._publish_against(version, shard, full_shapes, rank, size, target,
+                                               last)
+        except client.PublishError as exc:
+            if last is None or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("rank %d: agent %s does not hold version %d: publishing its shard of "
+                        "version %d dense", rank, target.endpoint, last.version, version)
+            return await self._publish_against(version, shard, full_shapes, rank, size, target,
+                                               None)
+
+    async def _publish_against(self, version: int, shard: dict[str, torch.Tensor],
+                               full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
+                               target: ShardTarget, last: LastPublished | None
+                               ) -> ShardPublished:
+        """Encode against ``last`` (None: all dense, with sums), publish, remember the shard."""
+        from rlharvest.services.transfer_agent import client, delta_publish
+
+        base = last or delta_publish.LastPublished(-1, {})
+        encoded, stats = base.encode_next(shard)  # on this rank's publish thread already
+        reply = await client.publish_delta(target.endpoint, target.job, version, base.version,
+                                           encoded, bucket_bytes=target.bucket_bytes,
+                                           run=target.run, dp_rank=rank, dp_size=size,
+                                           full_shapes=full_shapes)
+        self._last = None  # ``advance`` moves the record on in place: a failed one is no base
+        self._last = (target.endpoint, base.advance(version, shard, encoded))
+        return ShardPublished(not reply.shards_missing, stats)

@@ -12,9 +12,10 @@ and the scheduler derives the phase durations from it (every response at the tok
   timed at a context of the prompt plus a few tokens, so for long responses (attention over a
   longer context) it is optimistic too.
 - Training: forward passes of the policy itself, without gradients (its weights and optimizer
-  state are untouched), times 3 for forward + backward (the usual FLOP ratio), over a sample of
-  at most ``sample_sequences`` sequences of at most ``sample_tokens`` tokens, scaled linearly to
-  the step (attention's quadratic share ignored: an optimistic estimate for long responses).
+  state are untouched), run by every rank (under ZeRO-3 a forward gathers from them all), times
+  3 for forward + backward (the usual FLOP ratio), over a sample of at most
+  ``sample_sequences`` sequences of at most ``sample_tokens`` tokens, scaled linearly to the
+  step (attention's quadratic share ignored: an optimistic estimate for long responses).
 
 The weights' values do not change the timings, so the rollout engine loads the start weights.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,10 +64,10 @@ def measure_rollout(model: str, batch: int, prompt_tokens: int, decode_steps: in
 
 
 @torch.no_grad()
-def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: int,
-                               sample_sequences: int = 16, sample_tokens: int = 256) -> float:
-    """Training tokens per second of forward + backward, estimated from forward passes."""
-    rows, length = min(sequences, sample_sequences), max(min(tokens, sample_tokens), 2)
+def time_forward(policy: torch.nn.Module, rows: int, length: int) -> float:
+    """Seconds of one forward pass of ``policy`` over ``rows`` x ``length`` tokens: the median
+    of 3 after a warm one. Each rank of a ZeRO-3 trainer runs it (``Ranks.forward_seconds``):
+    the forward gathers the parameters from all of them."""
     device = module_device(policy)
     ids = torch.ones(rows, length, dtype=torch.long, device=device)
     policy(ids)  # warm: allocations and kernels of the first call
@@ -76,18 +78,31 @@ def measure_train_tokens_per_s(policy: torch.nn.Module, sequences: int, tokens: 
         policy(ids)
         synchronize(device)
         times.append(time.perf_counter() - started)
-    return rows * length / (FORWARD_BACKWARD_FLOPS * max(statistics.median(times), 1e-6))
+    return statistics.median(times)
 
 
-def measure_profile(model: str, policy: torch.nn.Module, batch: int, prompt_tokens: int,
+def measure_train_tokens_per_s(forward_seconds: Callable[[int, int], float], sequences: int,
+                               tokens: int, sample_sequences: int = 16,
+                               sample_tokens: int = 256) -> float:
+    """Training tokens per second of forward + backward, estimated from forward passes
+    (``forward_seconds(rows, length)``: the trainer's ranks time one)."""
+    rows, length = min(sequences, sample_sequences), max(min(tokens, sample_tokens), 2)
+    seconds = forward_seconds(rows, length)
+    return rows * length / (FORWARD_BACKWARD_FLOPS * max(seconds, 1e-6))
+
+
+def measure_profile(model: str, forward_seconds: Callable[[int, int], float],
+                    device: torch.device, batch: int, prompt_tokens: int,
                     max_response_tokens: int, decode_steps: int = 8,
                     served: torch.dtype = torch.float32) -> JobProfile:
-    """The profile; the rollout engine in ``served``, the dtype the workers serve in (on a GPU
-    bf16 decodes about twice as fast as fp32)."""
+    """The profile: the rollout engine on ``device`` (the trainer's) in ``served``, the dtype
+    the workers serve in (on a GPU bf16 decodes about twice as fast as fp32); training from
+    ``forward_seconds`` (``Ranks.forward_seconds``)."""
     prompt_tokens = max(prompt_tokens, 1)
-    prefill_s, decode_s = measure_rollout(model, batch, prompt_tokens, decode_steps,
-                                          module_device(policy), served)
-    train = measure_train_tokens_per_s(policy, batch, prompt_tokens + max_response_tokens)
+    prefill_s, decode_s = measure_rollout(model, batch, prompt_tokens, decode_steps, device,
+                                          served)
+    train = measure_train_tokens_per_s(forward_seconds, batch,
+                                       prompt_tokens + max_response_tokens)
     profile = JobProfile(batch_size=batch, prompt_tokens=prompt_tokens,
                          max_response_tokens=max_response_tokens, decode_s_per_token=decode_s,
                          prefill_s=prefill_s, train_tokens_per_s=train)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlharvest.common.errors import InvalidArgument
 from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, bytes_checksum
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, read_header
 
@@ -25,8 +26,9 @@ MANIFEST_FORMAT = 1
 ParallelMap = Callable[..., Iterator]
 
 
-class ManifestError(ValueError):
-    """A manifest or bucket set that does not fit together; the message says what to re-pull."""
+class ManifestError(InvalidArgument, ValueError):
+    """A manifest or bucket set that does not fit together; the message says what to re-pull.
+    An agent handed one (a publish) answers INVALID_ARGUMENT."""
 
 
 @dataclass(frozen=True)

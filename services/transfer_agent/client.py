@@ -59,6 +59,13 @@ class PullError(RuntimeError):
         self.code = code
 
 
+class DeltaApplyError(PullError):
+    """The pull carried sparse deltas and they did not decode against the held tensors (a
+    failed verification: damaged at the sender, or the held copy is not the base they name);
+    the held tensors are as they were. Another holder's deltas may apply; a pull without
+    ``held`` (dense) does not depend on them."""
+
+
 def agent_channel(endpoint: str) -> grpc.aio.Channel:
     return rpc.channel(endpoint, [SERVICE_NAME], max_message_bytes=MAX_MESSAGE_BYTES)
 
@@ -100,15 +107,30 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
 
 async def publish_delta(endpoint: str, job: str, version: int, base_version: int,
                         encoded: Mapping[str, EncodedTensor], *,
-                        bucket_bytes: int = 64 << 20) -> pb.PublishReply:
+                        bucket_bytes: int = 64 << 20, run: int = 0, dp_rank: int = 0,
+                        dp_size: int = 1,
+                        full_shapes: Mapping[str, Sequence[int]] | None = None
+                        ) -> pb.PublishReply:
     """Hand version ``version`` to the agent as ``encoded`` (every tensor, each a sparse delta
     against ``base_version`` or dense; see ``DeltaPublisher``). The agent applies the deltas to
     its copy of the base and serves them as they are to workers holding it. Raises PublishError
-    FAILED_PRECONDITION when the agent does not hold ``base_version``: publish dense then."""
+    FAILED_PRECONDITION when the agent does not hold ``base_version``: publish dense then.
+
+    With ``dp_size`` > 1, ``encoded`` is ZeRO/DP rank ``dp_rank``'s flat slice of every tensor,
+    each a delta against that rank's slice of ``base_version`` or dense, and the reply, ``run``
+    and ``full_shapes`` are as in ``publish``: the agent applies the deltas to its slices of the
+    base, then stages and joins the slices like dense ones."""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    if dp_size > 1:
+        if full_shapes is None:
+            raise ValueError("a flat DP shard needs full_shapes: the agent cannot infer them")
+        shapes = tuple(tuple(full_shapes[name]) for name in encoded)
     base = base_version if any(item.needs_base for item in encoded.values()) else None
     manifest, buckets = await asyncio.get_running_loop().run_in_executor(
         None, partial(pack, version, base, list(encoded.items()), bucket_bytes))
-    header = pb.PublishHeader(job=job, version=version,
+    manifest = replace(manifest, run=run, full_shapes=shapes)
+    header = pb.PublishHeader(job=job, version=version, dp_rank=dp_rank,
+                              dp_size=dp_size if dp_size > 1 else 0,
                               manifest_json=json.dumps(manifest.to_dict()))
     return await _send_publish(endpoint, header, buckets)
 
@@ -203,8 +225,10 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
     that brought ``held`` (deltas against a tensor without one re-read it to verify). A plan of
     at most ``inline_max_bytes`` comes with its buckets in the PlanPull reply (0: never).
     ``channel``: an open ``agent_channel(endpoint)`` to reuse (a caller pulling every version
-    from one agent saves the connection set-up, a few ms of a sparse pull); else one per pull. Raises grpc.aio.AioRpcError for the agent's
-    refusals of the plan and PullError when bytes cannot be had or stay damaged."""
+    from one agent saves the connection set-up, a few ms of a sparse pull); else one per pull.
+    Raises grpc.aio.AioRpcError for the agent's refusals of the plan and PullError when bytes
+    cannot be had, stay damaged or do not decode (DeltaApplyError: deltas that did not apply
+    to ``held``)."""
     if transport not in ("auto", "http", "grpc"):
         raise ValueError(f"transport must be auto, http or grpc, got {transport!r}")
     started = time.perf_counter()
@@ -217,8 +241,15 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
             plan = await call
             trailing = await call.trailing_metadata()
             data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
-            manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
-            request.version = plan.version  # pin it: "latest" must not move under the fetches
+            try:
+                manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
+            except ValueError as exc:  # ManifestError, JSONDecodeError: try another holder
+                raise PullError(f"the agent at {endpoint} sent a malformed plan of version "
+                                f"{plan.version}: {exc}", "DATA_LOSS") from exc
+            # Pin it, so "latest" does not move under the fetches. A plan of version 0 cannot
+            # be pinned (the agent reads 0 as its latest); the plan_id every fetch quotes still
+            # turns a move into ABORTED instead of buckets of two versions.
+            request.version = plan.version
             if transport == "http" and not data_endpoint:
                 raise PullError(f"the agent at {endpoint} serves no HTTP data path "
                                 "(http_data_path off); pull with transport='grpc'")
@@ -387,6 +418,19 @@ class PullDecoder:
                                     verified=set(self._verified))))
 
     async def finish(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the manifest, verified. Bytes that arrived intact but do not decode
+        (a tensor failing its checksum, a delta against another base, a malformed payload) raise
+        PullError DATA_LOSS — DeltaApplyError when the pull carried deltas — like any pull
+        that failed at this sender: the caller tries another holder, or a dense pull."""
+        try:
+            return await self._decode_rest()
+        except ValueError as exc:  # ManifestError, DeltaCodecError, ChecksumMismatchError
+            deltas = any(e.encoding != Encoding.DENSE.name for e in self._manifest.entries)
+            error = DeltaApplyError if deltas else PullError
+            raise error(f"version {self._manifest.version} arrived but does not decode: "
+                        f"{type(exc).__name__}: {exc}", "DATA_LOSS") from exc
+
+    async def _decode_rest(self) -> dict[str, torch.Tensor]:
         rest = {e.name for e in self._manifest.entries if e.name not in self._started}
         tensors: dict[str, torch.Tensor] = {}
         try:

@@ -366,9 +366,12 @@ def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
     bytes. COO/BITMAP need the base version the delta was encoded against and are checked in
     O(changes) (module docstring): ``base_sum`` is the linear sum the caller recorded for
     ``base`` (None: computed here, a full pass). With ``inplace`` the result is written into
-    ``base`` (a contiguous CPU tensor) and returned; every check runs before the first write, so
-    on an error ``base`` is unchanged. A sparse payload against a ``base`` on an accelerator
-    is applied there (``decode_with_torch``), in place or into a copy on that device.
+    ``base`` (a contiguous CPU tensor) and returned, and on an error ``base`` is unchanged:
+    every check runs before the first write, except a sparse delta's target-sum check on a CPU
+    base, which needs the changes applied (checking first would cost a second gather on every
+    decode); on that failure the changes are XORed back out. A sparse payload against a
+    ``base`` on an accelerator is applied there (``decode_with_torch``), in place or into a
+    copy on that device.
     """
     raw = payload.payload if isinstance(payload, EncodedTensor) else payload
     header = read_header(raw)
@@ -379,11 +382,13 @@ def decode(payload: EncodedTensor | bytes | bytearray | memoryview,
     bits = target.reshape(-1).view(_BITS_TORCH[target.element_size()]).numpy()
     itemsize = bits.itemsize
     if header.encoding == Encoding.DENSE:
-        bits[:] = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.numel)
-        actual = bytes_checksum(bits.data)
+        # The body is the target's bytes (read_header checked its length): its CRC is the
+        # target's, checked before the copy so that a damaged payload never reaches ``base``.
+        actual = bytes_checksum(body)
         if actual != header.checksum:
             raise ChecksumMismatchError(f"DENSE {header.dtype}{header.shape} tensor",
                                         header.checksum, actual)
+        bits[:] = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.numel)
         return target
     index, values_at = _sparse_index(header, body)
     values = np.frombuffer(body, dtype=_BITS_NUMPY[itemsize], count=header.count, offset=values_at)

@@ -41,19 +41,24 @@ def shard_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     return min(rank * k, numel), min((rank + 1) * k, numel)
 
 
-def flat_shard(tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s slice of ``tensor``: a new 1-D CPU tensor, zero-padded to ``shard_len``."""
+def flat_shard(tensor: torch.Tensor, rank: int, size: int,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``tensor``: a new 1-D CPU tensor, zero-padded to ``shard_len``,
+    in ``dtype`` (None: the tensor's own; the cast rides on the one copy)."""
     flat = tensor.detach().reshape(-1)
     start, stop = shard_range(flat.numel(), rank, size)
-    out = torch.empty(shard_len(flat.numel(), size), dtype=tensor.dtype)
+    out = torch.empty(shard_len(flat.numel(), size), dtype=dtype or tensor.dtype)
     out[:stop - start].copy_(flat[start:stop])
     out[stop - start:].zero_()  # only the padding: one pass over the slice, not two
     return out
 
 
-def flat_shards(tensors: Mapping[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s slice of every tensor (copies: the version stays as it was)."""
-    return {name: flat_shard(t, rank, size) for name, t in tensors.items()}
+def flat_shards(tensors: Mapping[str, torch.Tensor], rank: int, size: int,
+                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s slice of every tensor (copies: the version stays as it was); floating
+    tensors in ``dtype`` when given (the serving dtype), the others as they are."""
+    return {name: flat_shard(t, rank, size, dtype if t.is_floating_point() else None)
+            for name, t in tensors.items()}
 
 
 def check_shard_shape(name: str, shard_shape: Sequence[int], full_shape: Sequence[int],

@@ -163,8 +163,9 @@ class Replicator:
                                 read_timeout_s=self.cfg.data_read_timeout_s,
                                 held_sums=held_sums)
         except (ValueError, KeyError) as exc:
-            # A malformed plan or manifest from the holder (ManifestError, DeltaCodecError and
-            # JSON errors are ValueErrors): a failed relay to retry later, not a dead agent.
+            # pull turns a malformed plan or undecodable bytes into PullError itself; this
+            # catches what else a bad holder record or reply raises: a failed relay to retry
+            # later, not a dead agent.
             raise PullError(f"holder {source} sent a malformed pull: {exc!r}",
                             "DATA_LOSS") from exc
         result.sources = {source: result.payload_bytes}

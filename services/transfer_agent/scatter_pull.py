@@ -232,7 +232,7 @@ async def scatter_pull(senders: Sequence[Sender], job: str, version: int, *,
         except BaseException:
             decoder.abandon()
             raise
-        tensors = await _decoded(decoder, manifest.version)
+        tensors = await decoder.finish()  # PullError when the senders' bytes do not decode
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return PullResult(plan.version, tensors, plan.note, plan.delta_tensors > 0,
@@ -253,14 +253,6 @@ def _scatter_plan(chosen: Sequence[Planned], source_cluster: str, receiver: str,
         raise PullError(f"cannot scatter the pull over {[i.sender.agent_id for i in chosen]}: "
                         f"{type(exc).__name__}: {exc}", "INTERNAL") from exc
     return manifest, shares
-
-
-async def _decoded(decoder: PullDecoder, version: int) -> dict[str, torch.Tensor]:
-    try:
-        return await decoder.finish()
-    except ValueError as exc:  # ManifestError, DeltaCodecError: the senders' bytes do not decode
-        raise PullError(f"version {version} arrived but does not decode: {exc}",
-                        "DATA_LOSS") from exc
 
 
 async def plan_everywhere(senders: Sequence[Sender], request: pb.PullRequest) -> list[Planned]:

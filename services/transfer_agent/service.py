@@ -90,7 +90,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         # only the store thread submits to it, so store state stays single-threaded.
         self._codec_pool = ThreadPoolExecutor(cfg.codec_threads, thread_name_prefix="codec")
         # One pack per key, however many ask.
-        self._packing: dict[tuple, asyncio.Future[_Packed]] = {}
+        self._packing: dict[tuple, asyncio.Task[_Packed]] = {}
         now = time.monotonic()
         self._send_throttle = (TokenBucket(cfg.send_rate_bytes_per_s, cfg.chunk_bytes, now)
                                if cfg.send_rate_bytes_per_s else None)
@@ -281,9 +281,17 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         base_version = manifest.base_version
         if base_version is not None:
             store = self._job(header.job).store
+
+            def base_of() -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+                whole = store.full_tensors(base_version)
+                if not _is_dp_shard(header):
+                    return whole, store.sums(base_version)
+                # A DP shard's delta is against this rank's slice of the base (a copy of 1/N);
+                # the store's sums are the whole tensors', so the slices' are computed.
+                return flat_shards.flat_shards(whole, header.dp_rank, header.dp_size), {}
+
             try:
-                base, base_sums = await self._in_store(lambda: (
-                    store.full_tensors(base_version), store.sums(base_version)))
+                base, base_sums = await self._in_store(base_of)
             except VersionUnavailableError:  # evicted while the delta arrived
                 raise errors.FailedPrecondition(
                     f"version {base_version}, the base of the delta publish of version "
@@ -296,6 +304,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 parallel_map=self._codec_pool.map, held_sums=base_sums))
         except (ManifestError, DeltaCodecError, ChecksumMismatchError) as exc:
             raise errors.DataLoss(f"publish of version {header.version}: {exc}") from None
+        if _is_shard(header):  # staged and joined as tensors: no encodings to serve as they are
+            return tensors, {}
         sparse = {e.name for e in manifest.entries if e.encoding != Encoding.DENSE.name}
         payloads = unpack(manifest, assembler.buffers, sparse, range(len(manifest.bucket_sizes)))
         return tensors, {name: encoded_tensor(bytes(view)) for name, view in payloads.items()}
@@ -384,17 +394,18 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         return manifest
 
     def _check_publish_base(self, header: pb.PublishHeader, manifest: VersionManifest) -> None:
-        """A delta publish (sparse entries against ``base_version``) of a whole model, whose
-        base this agent holds; anything else carries every tensor dense."""
+        """A delta publish (sparse entries against ``base_version``) of a whole model or of a
+        flat DP shard (against that rank's slice of the base), whose base this agent holds;
+        anything else carries every tensor dense."""
         sparse = any(e.encoding != Encoding.DENSE.name for e in manifest.entries)
         if manifest.base_version is None:
             if sparse:
                 raise errors.InvalidArgument("a publish with delta entries names the version "
                                              "they apply to (the manifest's base_version)")
             return
-        if _is_shard(header):
-            raise errors.InvalidArgument("TP and DP shards are published dense; only a whole "
-                                         "model is published as a delta")
+        if _is_shard(header) and not _is_dp_shard(header):
+            raise errors.InvalidArgument("TP shards are published dense; only a whole model "
+                                         "or a flat DP shard is published as a delta")
         held = self.held(header.job)
         if manifest.base_version not in held:
             raise errors.FailedPrecondition(
@@ -438,8 +449,11 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                 flat_shards.check_shard_shape(entry.name, entry.shape, shapes[entry.name],
                                               header.dp_size)
             signature = {e.name: (e.dtype, shapes[e.name]) for e in manifest.entries}
+            # What the shard stages is its decoded slices, which a delta's bytes understate.
+            decoded = sum(math.prod(e.shape) * manifest_dtype(e).itemsize
+                          for e in manifest.entries)
             admission = self._job(header.job).staging.admit(
-                header.version, header.dp_rank, header.dp_size, signature, manifest.total_bytes,
+                header.version, header.dp_rank, header.dp_size, signature, decoded,
                 manifest.run, layout="dp")
         except flat_shards.FlatShardError as exc:
             raise errors.InvalidArgument(f"DP shard of version {header.version}: {exc}") from None
@@ -538,19 +552,17 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         packed = self._packed.get(key)
         if packed is not None:
             self._packed.move_to_end(key)
-        elif key in self._packing:  # N parallel range requests after an eviction: pack once
-            packed = await asyncio.shield(self._packing[key])
         else:
-            future = self._packing[key] = asyncio.get_running_loop().create_future()
-            try:
-                packed = await self._pack_now(entry.store, key)
-                future.set_result(packed)
-            except BaseException as exc:
-                future.set_exception(exc)
-                future.exception()  # retrieved: no "never retrieved" warning when nobody waits
-                raise
-            finally:
-                del self._packing[key]
+            # N parallel range requests after an eviction: pack once. The pack is a task of
+            # its own, which no request owns: the request that started it may be cancelled
+            # (its client left) while others wait, and the store thread finishes the work
+            # anyway, so the pack completes for them and for the cache.
+            packing = self._packing.get(key)
+            if packing is None:
+                packing = self._packing[key] = asyncio.create_task(
+                    self._pack_now(entry.store, key), name=f"pack {key[:3]}")
+                packing.add_done_callback(partial(self._pack_finished, key))
+            packed = await asyncio.shield(packing)
         if count:
             plan = packed.plan
             kind = "delta" if plan.delta_tensors else ("noop" if not plan.dense_bytes else "dense")
@@ -558,6 +570,13 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             if plan.delta_tensors:
                 metrics.DELTA_RATIO.set(plan.payload_bytes / max(plan.dense_bytes, 1))
         return packed
+
+    def _pack_finished(self, key: tuple, packing: asyncio.Task[_Packed]) -> None:
+        """The pack of ``key`` ended: packed (and cached), failed or cancelled (the loop
+        closing); the next request for ``key`` finds it cached or packs again."""
+        del self._packing[key]
+        if not packing.cancelled():
+            packing.exception()  # retrieved: no "never retrieved" warning when nobody waits
 
     async def _pack_now(self, store: VersionStore, key: tuple) -> _Packed:
         loop = asyncio.get_running_loop()

@@ -3,7 +3,8 @@ the single-process monolithic update at ZeRO 0-3 and publish it exactly as per-r
 every rank checkpoints its part; a rank SIGKILLed mid-step fails the step with nothing applied;
 and the trainer service, run as two ranks on the real stack publishing shards, trains, survives
 a SIGKILLed rank (torchrun restarts the group) and resumes from its newest complete checkpoint
-at a version above any announced."""
+at a version above any announced; and its ranks publish their shards in the serving dtype, each
+version after the first as deltas."""
 
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ from rlharvest.common import keys, registry
 from rlharvest.services.launcher import child_environment
 from rlharvest.services.trainer import checkpoint
 from rlharvest.services.trainer.grpo import LossConfig
+from rlharvest.services.transfer_agent import client
 from tests.builders import rewarded_groups
 from tests.unit.test_trainer_stream import fresh_model, monolithic_update, seeded_model
 
-from .test_trainer import metric, scrape, start_job, start_trainer, wait_trainer
+from .test_trainer import (
+    metric,
+    scrape,
+    start_job,
+    start_trainer,
+    wait_trainer,
+    worker_versions,
+)
 from .test_transfer_agent import start_agent
 
 pytestmark = pytest.mark.integration
@@ -78,6 +87,7 @@ def test_many_ranks_apply_exactly_the_monolithic_single_process_update(
                       ranks=ranks, launcher=launcher)
     assert "error" not in stats, stats
     assert stats["publish_complete"] and stats["published_exact"], stats
+    assert stats["forward_s"] > 0  # timed by every rank: alone, rank 0's ZeRO-3 forward hangs
     if zero_stage >= 2:
         assert_partitioned_checkpoint(ckpt, stats, ranks, zero_stage)
     expected = fresh_model(seed % 3)
@@ -151,3 +161,36 @@ async def test_the_trainer_service_as_two_ranks_survives_a_sigkilled_rank_and_re
     log = trainer.process.log_path.read_text()
     assert "trainer trainer-0 stopped (shutting down on a signal; exit code 0)" in log
     assert "rank 1: rank 0 says stop" in log
+
+
+async def test_two_ranks_publish_shards_in_the_serving_dtype_and_later_versions_as_deltas(
+        stack, etcd_client):
+    """The GPU overlay's trainer, on CPU: two ranks publishing shards with ``--publish-dtype
+    bfloat16``. The version the workers pull is bf16, and every version after the first goes
+    as each rank's delta against the shard it published last (the changed fraction of the
+    step's summary, over both ranks, strictly between 0 and 1; fewer bytes sent than dense)."""
+    await start_job(stack, 1)
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "deepspeed", "--publish-mode", "shards",
+        "--publish-dtype", "bfloat16", "--steps", "3", "--lr", "1e-4",
+        "--prompts-per-step", "2", "--samples-per-prompt", "2", ranks=2)
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1, 2, 3] and all(s.tokens for s in st.steps)
+    text = await asyncio.to_thread(scrape, metrics_port)
+    assert metric(text, 'rlh_trainer_rank_command_seconds_count{command="PublishShard"}') >= 3
+    deadline = time.monotonic() + 60
+    while set((await worker_versions(etcd_client)).values()) != {st.weight_version}:
+        assert time.monotonic() < deadline, await worker_versions(etcd_client)
+        await asyncio.sleep(0.2)
+    agent = await client.find_agent(etcd_client)
+    pulled = await client.pull(agent, "default", version=st.weight_version)
+    assert {t.dtype for t in pulled.tensors.values() if t.is_floating_point()} == \
+        {torch.bfloat16}
+    # Version 1 is every rank's first shard: dense. Versions 2 and 3 are deltas.
+    assert st.steps[0].published_changed == 1.0, st.steps
+    for s in st.steps[1:]:
+        assert 0 < s.published_changed < 1, st.steps
+        assert 0 < s.published_payload_ratio < 1, st.steps
+    assert 0 < metric(text, "rlh_trainer_publish_changed_fraction") < 1
+    # SIGTERM to torchrun, which forwards it: the stack's teardown alone leaves the ranks behind.
+    trainer.process.terminate()

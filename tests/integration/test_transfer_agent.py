@@ -34,6 +34,7 @@ from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, tensor_linear_sum
 from rlharvest.services.transfer_agent.client import (
+    DeltaApplyError,
     PublishError,
     _pack_dense,
     find_agent,
@@ -268,9 +269,10 @@ async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_s
     v3 = perturb(v2, 0.01, seed=6)
     await publish_delta(endpoint, job, 3, 2, trainer.encode_next(v3)[0])
     wrong = {**delta.sums, next(iter(v2)): delta.sums[next(iter(v2))] ^ 1}
-    with pytest.raises(ChecksumMismatchError, match="not the one it was encoded against"):
+    with pytest.raises(DeltaApplyError, match="not the one it was encoded against") as err:
         await pull(endpoint, job, version=3, held=held, held_version=2, inplace=True,
                    held_sums=wrong)
+    assert isinstance(err.value.__cause__, ChecksumMismatchError)
     assert weights_fingerprint(held) == weights_fingerprint(v2)  # nothing applied
     third = await pull(endpoint, job, version=3, held=held, held_version=2, inplace=True,
                        held_sums=delta.sums)

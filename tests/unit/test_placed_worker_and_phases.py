@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import partial
 
 import pytest
+
 import torch
 
 from rlharvest.services.placement_scheduler.client import PhaseRun
@@ -309,8 +311,10 @@ def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -
     from rlharvest.common.tiny_model import build_model
     from rlharvest.services.trainer import warmup_profile
 
-    profile = warmup_profile.measure_profile("tiny", build_model(seed=0), batch=4,
-                                             prompt_tokens=12, max_response_tokens=32)
+    policy = build_model(seed=0)
+    profile = warmup_profile.measure_profile(
+        "tiny", partial(warmup_profile.time_forward, policy), torch.device("cpu"), batch=4,
+        prompt_tokens=12, max_response_tokens=32)
     assert (profile.batch_size, profile.prompt_tokens, profile.max_response_tokens) == (4, 12, 32)
     assert profile.prefill_s > 0 and profile.decode_s_per_token > 0
     assert profile.train_tokens_per_s > 0
@@ -332,9 +336,11 @@ def test_a_measured_profile_decodes_in_the_dtype_the_workers_serve(
             built.append(next(self._model.parameters()).dtype)
 
     monkeypatch.setattr(warmup_profile, "TorchEngine", Recorded)
-    warmup_profile.measure_profile("tiny", build_model(seed=0), batch=2, prompt_tokens=4,
+    forward = partial(warmup_profile.time_forward, build_model(seed=0))
+    cpu = torch.device("cpu")
+    warmup_profile.measure_profile("tiny", forward, cpu, batch=2, prompt_tokens=4,
                                    max_response_tokens=8, served=torch.bfloat16)
-    warmup_profile.measure_profile("tiny", build_model(seed=0), batch=2, prompt_tokens=4,
+    warmup_profile.measure_profile("tiny", forward, cpu, batch=2, prompt_tokens=4,
                                    max_response_tokens=8)
     assert built == [torch.bfloat16, torch.float32]
 

@@ -155,6 +155,15 @@ def test_delta_against_the_wrong_base_is_caught_by_checksum_and_base_restored():
     assert same_bits(wrong_base, kept)  # the failed apply was undone
 
 
+def test_a_damaged_dense_payload_decoded_in_place_leaves_its_base_unchanged():
+    base = torch.zeros(16)
+    damaged = bytearray(encode_dense(torch.arange(16, dtype=torch.float32)).payload)
+    damaged[-1] ^= 0x40  # one byte of the body: the CRC, not the header, catches it
+    with pytest.raises(ChecksumMismatchError, match="DENSE"):
+        decode(bytes(damaged), base, inplace=True)
+    assert same_bits(base, torch.zeros(16))  # checked before the copy, as the docstring says
+
+
 def test_corrupted_payload_is_detected():
     old = torch.randn(4000)
     new = old.clone()

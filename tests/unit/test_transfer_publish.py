@@ -105,3 +105,25 @@ async def test_ranks_shards_complete_a_version_and_a_retry_replaces_a_staged_sha
     done = await publish(service, 3, rank_shard(0), tp_rank=0, tp_size=2)
     assert list(done.held_versions) == [3]
     assert torch.equal((await service.full_tensors(JOB, 3))[NAME], FULL[NAME])  # no stale shard
+
+
+async def test_a_manifest_naming_an_unknown_dtype_is_refused_invalid_argument_after_a_drain(
+        service):
+    manifest, buckets = _pack_dense(1, FULL, 1 << 20)
+    data = manifest.to_dict()
+    data["entries"][0]["dtype"] = "nosuchtype"
+    header = pb.PublishHeader(job=JOB, version=1, manifest_json=json.dumps(data))
+    chunks = list(chunk_buckets(buckets, 1 << 20))
+    sent = []
+
+    async def messages():
+        yield pb.PublishChunk(header=header)
+        for chunk in chunks:
+            sent.append(chunk)
+            yield pb.PublishChunk(chunk=chunk)
+
+    with pytest.raises(Aborted, match="unknown dtype 'nosuchtype'") as err:
+        await service.Publish(messages(), Context())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(sent) == len(chunks)  # read to its end: the publisher sees this status
+    assert service.held(JOB) == ()
