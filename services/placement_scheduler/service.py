@@ -159,8 +159,14 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             control = await self._leader(context)
             try:
                 result = change(control)
-            except Refusal as exc:
+            except Refusal as exc:  # refused before anything changed
                 await errors.abort(context, exc)
+            except Exception:
+                # A failure halfway through a change (a bug): the next change must not persist
+                # the half. Memory goes back to what etcd holds; the call fails (INTERNAL).
+                log.exception("a change failed halfway; the state is put back as etcd holds it")
+                self._restore_persisted()
+                raise
             changed = await self._persist(context)
         # Only a change wakes the long-polls: a permit asked for and not granted changes
         # nothing, and waking its own poll (and every other) for it had each spin until its
@@ -190,10 +196,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
             self._update_gauges()
             return written
-        # Roll back to what etcd holds so memory never runs ahead of it.
-        rebuilt = new_control(self._cfg)
-        rebuilt.restore(store.persisted)
-        self.control = rebuilt
+        self._restore_persisted()  # memory never runs ahead of etcd
         if context is not None:
             if self.deposed.is_set():
                 await errors.abort(context, errors.Unavailable(
@@ -202,6 +205,13 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 f"could not persist the change to etcd ({error!r}); nothing changed, retry the "
                 "call"))
         raise RuntimeError(f"could not persist placement state: {error!r}")
+
+    def _restore_persisted(self) -> None:
+        """The state as etcd holds it (the last write that succeeded)."""
+        assert self._store is not None
+        rebuilt = new_control(self._cfg)
+        rebuilt.restore(self._store.persisted)
+        self.control = rebuilt
 
     def _fatal(self, exc: Exception) -> None:
         log.error("%s; stopping", exc)
