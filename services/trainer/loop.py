@@ -254,7 +254,8 @@ class TrainerLoop:
                 if publish and self._publisher is not None:
                     await self._start_publish(self._version)
                 if self._seed is not None and self._seed.weight_version != self._version:
-                    await self._seed.load(self._as_served(self._ranks.weights()), self._version)
+                    served = await self._run(lambda: self._as_served(self._ranks.weights()))
+                    await self._seed.load(served, self._version)
         self._sync_status()
 
     async def run(self) -> None:
@@ -779,9 +780,12 @@ class TrainerLoop:
             await self._start_shard_publish(version)
             return
         assert self._publisher is not None
-        tensors = self._ranks.weights(where=self._publish_where)  # all join under ZeRO-3
+        # On the training thread, as every rank command: a copy of the whole model (seconds
+        # for a large one on the CPU; under ZeRO-3 a gather every rank joins) must not stall
+        # the event loop, whose lease keepalives and streams would lapse meanwhile.
+        tensors = await self._run(partial(self._ranks.weights, where=self._publish_where))
         if self._seed is not None:  # the trainer's own engine: in memory, before the next step
-            await self._seed.load(self._as_served(tensors), version)
+            await self._seed.load(await self._run(self._as_served, tensors), version)
         publisher = self._publisher
 
         async def publish() -> tuple[float, DeltaStats | None]:

@@ -191,7 +191,9 @@ class Publisher:
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
         agent = await self.endpoint()
-        tensors = as_served(tensors, self._dtype)
+        # A cast of the whole model (seconds on the CPU for a large one): off the event loop.
+        tensors = await asyncio.get_running_loop().run_in_executor(
+            self._pool, as_served, tensors, self._dtype)
         if not self._deltas:
             await self._client.publish(agent, self._job, version, dict(tensors),
                                        bucket_bytes=self._bucket_bytes)
