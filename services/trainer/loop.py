@@ -223,6 +223,7 @@ class TrainerLoop:
         self._manager = cfg.manager
         self._version = 0
         self._step = 0  # steps applied
+        self._applying = False  # an optimizer step is under way (its failure may leave it half)
         # What the next step awaits before its rollout: the last version's publish (its
         # seconds, and what it changed when it went as deltas).
         self._pending_publish: Callable[[], Awaitable[tuple[float, DeltaStats | None]]] | None \
@@ -737,7 +738,9 @@ class TrainerLoop:
         updated weights with their step, queue and version, never the old ones."""
 
         async def apply() -> StepStats:
+            self._applying = True  # until the optimizer step returns: a failure leaves it half
             stats = await self._run(train.finish)
+            self._applying = False
             if self._cfg.bench_train_delay_s:  # the harness's slower training node
                 await asyncio.sleep(self._cfg.bench_train_delay_s)
             self._step = spec.step
@@ -875,6 +878,20 @@ class TrainerLoop:
         if self._cfg.checkpoint_dir and self._step % self._cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         self._sync_status()
+
+    def can_save_after(self, failure: BaseException) -> bool:
+        """Whether the weights still are exactly the steps applied after ``failure`` ended
+        training, so a checkpoint may keep them: not when an optimizer step failed halfway,
+        nor when a rank (or the ranks' collectives) failed, where ranks may disagree or a save
+        would wait on a dead one."""
+        if self._applying or not self._cfg.checkpoint_dir:
+            return False
+        cause: BaseException | None = failure
+        while cause is not None:
+            if isinstance(cause, (RankFailed, torch.distributed.DistError)):
+                return False
+            cause = cause.__cause__ or cause.__context__
+        return True
 
     async def save_checkpoint(self) -> None:
         self.status.current.phase = "checkpoint"

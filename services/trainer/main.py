@@ -42,7 +42,9 @@ async def build(host: Host[TrainerConfig]) -> Parts:
     async def train() -> None:
         """Restore, train ``cfg.steps`` steps, checkpoint. Cancelled (SIGTERM) mid-step: the step
         in progress is abandoned (nothing of it was applied) and the steps applied since the
-        last checkpoint are saved, so a restart loses none."""
+        last checkpoint are saved, so a restart loses none. The same when training fails (its
+        manager stayed unreachable, say), unless the failure may have left the weights half
+        updated or the ranks apart (``can_save_after``)."""
         try:
             await loop.restore()
             if cfg.placement_scheduler:
@@ -63,6 +65,12 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                 await loop.run()
         except asyncio.CancelledError:
             await save_unsaved_steps()
+            raise
+        except Exception as exc:
+            if loop.can_save_after(exc):
+                log.error("training failed at step %d (%s); saving the steps applied since the "
+                          "last checkpoint first", loop.steps_done + 1, exc)
+                await save_unsaved_steps()
             raise
         log.info("trained %d steps; weights at version %d", loop.steps_done, loop.weight_version)
         await save_unsaved_steps()

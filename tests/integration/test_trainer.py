@@ -229,6 +229,26 @@ async def test_sigkilled_trainer_resumes_from_its_last_checkpoint(stack, etcd_cl
     assert len((await trainer_status(again.endpoint, last_steps=2)).steps) == 2
 
 
+async def test_a_trainer_whose_training_fails_saves_the_steps_applied_since_its_checkpoint(
+        stack, etcd_client, tmp_path):
+    """Training fails (its manager is gone, no successor came, and the step's one attempt went
+    with it) between two checkpoints: the steps it applied since the last one are saved before
+    it exits, so its restart resumes from them (their versions were published already)."""
+    ckpt = tmp_path / "ckpt"
+    manager = await start_job(stack, 1)
+    trainer, _ = await start_trainer(
+        stack, "trainer", "--steps", "0", "--backend", "torch", "--checkpoint-dir", str(ckpt),
+        "--checkpoint-every", "1000", "--step-attempts", "1", "--resume-wait-s", "1")
+    done = (await wait_trainer(trainer, lambda s: s.steps_done >= 2)).steps_done
+    manager.process.kill()
+    exit_code = await asyncio.to_thread(trainer.process.process.wait, 120)
+    assert exit_code != 0, trainer.process.log_tail()
+    saved = checkpoint.list_checkpoints(ckpt)
+    assert saved, trainer.process.log_tail()
+    state = torch.load(saved[-1] / "state.pt", weights_only=False)["state"]
+    assert state["step"] >= done, (state["step"], done)  # none of the applied steps lost
+
+
 def test_bad_config_is_refused_with_the_key_named():
     result = subprocess.run(
         [sys.executable, "-m", "rlharvest.services.trainer.main", "--micro-batch-groups", "9",
