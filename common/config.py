@@ -8,9 +8,9 @@ a config file never silently falls back to a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, Secret, SecretBytes, SecretStr, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -103,6 +103,7 @@ def load_config(model: type[Config], config_file: str | Path | None = None,
 
 def _describe(model: type[ServiceConfig], path: Path | None, exc: ValidationError) -> str:
     lines = [f"invalid {model.__name__}" + (f" (file {path})" if path else "") + ":"]
+    secrets = _secret_fields(model)
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         if err["type"] == "extra_forbidden":
@@ -111,5 +112,23 @@ def _describe(model: type[ServiceConfig], path: Path | None, exc: ValidationErro
         elif not err["loc"]:  # a check across several keys: the message names them
             lines.append(f"  {err['msg']}")
         else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r}; env {ENV_PREFIX}{key.upper()})")
+            given = err.get("input")
+            # A secret's value (say a YAML password that parsed as a number) must not reach a
+            # log or a terminal; its type is enough to see what went wrong.
+            secret = err["loc"][0] in secrets
+            shown = f"a secret of type {type(given).__name__}, not shown" if secret else repr(given)
+            lines.append(f"  {key}: {err['msg']} (got {shown}; env {ENV_PREFIX}{key.upper()})")
     return "\n".join(lines)
+
+
+def _secret_fields(model: type[ServiceConfig]) -> set[str]:
+    """Fields declared as pydantic secrets (``SecretStr``, ``SecretBytes``, ``Secret[...]``),
+    also inside ``Optional``/unions: their values are never shown."""
+    return {name for name, field in model.model_fields.items() if _is_secret(field.annotation)}
+
+
+def _is_secret(annotation: Any) -> bool:
+    kind = get_origin(annotation) or annotation
+    if isinstance(kind, type) and issubclass(kind, (SecretStr, SecretBytes, Secret)):
+        return True
+    return any(_is_secret(arg) for arg in get_args(annotation))

@@ -7,6 +7,7 @@ once the member stops renewing (a SIGKILL included). Watchers see that as a ``le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -192,43 +193,104 @@ class MemberEvent:
 
 
 class Membership:
-    """A registered member: its key lives as long as keepalives renew the lease."""
+    """A registered member: its key lives as long as keepalives renew the lease.
 
-    def __init__(self, client: aetcd.Client, key: str, lease: aetcd.Lease, info: dict[str, Any]):
+    A lease that lapses anyway (etcd unreachable, or this process's event loop stalled, for
+    longer than the TTL) takes the key with it. With ``reregister`` (members) the record is put
+    again, on a new lease, at the next renewal or ``update``: a healthy member must not stay
+    gone for good. ``lease`` is then the new lease: read it each time, not once. Other keys
+    attached to the lapsed lease are gone with it; their writers put them again on ``lease``.
+    Without ``reregister`` (an election key, which fences its holder) a lapsed key stays gone."""
+
+    def __init__(self, client: aetcd.Client, key: str, lease: aetcd.Lease, info: dict[str, Any],
+                 *, reregister: bool = True):
         self._client = client
         self.key = key
         self.lease = lease
         self.info = dict(info)
+        self._ttl = lease.ttl
+        self._reregister = reregister
+        self._closed = False
+        # One write at a time: updates (an older record landing last would undo a newer
+        # change), and the switch to a new lease (two tasks must not both grant one).
         self._writing = asyncio.Lock()
         self._keepalive = asyncio.create_task(self._renew(), name=f"keepalive {key}")
 
     async def _renew(self) -> None:
-        period = max(self.lease.ttl / 3, 0.2)
+        period = max(self._ttl / 3, 0.2)
         while True:
             await asyncio.sleep(period)
+            lease = self.lease
             try:
-                await self.lease.refresh()
+                reply = await lease.refresh()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
                 log.warning("lease refresh for %s failed: %r", self.key, exc)
+                continue
+            # etcd answers a keepalive for a lease it no longer has with TTL 0, not an error.
+            if reply.TTL > 0:
+                continue
+            if not self._reregister:
+                log.warning("lease of %s lapsed (not renewed within its %d s TTL); its key is "
+                            "gone and, as an election key, is not put again", self.key,
+                            self._ttl)
+                return
+            try:
+                async with self._writing:
+                    if self.lease is lease:  # else an update already registered again
+                        await self._register_again(lease)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd unreachable again: the next round tries again
+                log.warning("could not register %s again: %r", self.key, exc)
+
+    async def _register_again(self, lapsed: aetcd.Lease) -> None:
+        """Put the record on a new lease; the caller holds ``_writing``."""
+        log.warning("lease %x of %s lapsed (not renewed within its %d s TTL: etcd unreachable "
+                    "or the event loop stalled), so its key was deleted; registering again on a "
+                    "new lease", lapsed.id, self.key, self._ttl)
+        lease = await self._client.lease(self._ttl)
+        try:
+            await self._client.put(self.key.encode(), json.dumps(self.info).encode(), lease=lease)
+        except BaseException:  # the key is not on it: do not leave a lease nobody renews
+            with contextlib.suppress(Exception):
+                await lease.revoke()
+            raise
+        self.lease = lease
 
     async def update(self, **changes: Any) -> None:
         """Change fields of the record. Concurrent updates write one at a time, each the whole
         record as it is then: two puts in flight at once may land in either order, and an older
-        record landing last would undo a newer change."""
+        record landing last would undo a newer change. A lapsed lease is replaced (class doc)."""
         self.info.update(changes)
         async with self._writing:
-            await self._client.put(self.key.encode(), json.dumps(self.info).encode(),
-                                   lease=self.lease)
+            lease = self.lease
+            try:
+                await self._client.put(self.key.encode(), json.dumps(self.info).encode(),
+                                       lease=lease)
+            except aetcd.ClientError as exc:
+                if not (_lease_not_found(exc) and self._reregister and not self._closed):
+                    raise
+                await self._register_again(lease)
 
     async def close(self) -> None:
         """Leave at once (revoking the lease deletes the key) instead of waiting for the TTL."""
+        self._closed = True
         self._keepalive.cancel()
-        try:
-            await self.lease.revoke()
-        except Exception as exc:
-            log.warning("could not revoke lease of %s: %r", self.key, exc)
+        await asyncio.wait([self._keepalive])  # a renewal in flight may have swapped the lease
+        async with self._writing:  # so may an update
+            try:
+                await self.lease.revoke()
+            except Exception as exc:
+                log.warning("could not revoke lease of %s: %r", self.key, exc)
+
+
+def _lease_not_found(exc: aetcd.ClientError) -> bool:
+    """A write refused because its lease expired (etcd's NOT_FOUND; aetcd keeps the gRPC error
+    as the cause)."""
+    cause = exc.__cause__
+    return isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def register(client: aetcd.Client, service: str, member_id: str, info: dict[str, Any],
@@ -362,7 +424,8 @@ class Election:
         lease = await self._client.lease(self._ttl)
         key = f"{self._prefix}{lease.id:x}"
         await self._client.put(key.encode(), self._candidate.encode(), lease=lease)
-        self._membership = Membership(self._client, key, lease, {"candidate": self._candidate})
+        self._membership = Membership(self._client, key, lease, {"candidate": self._candidate},
+                                      reregister=False)  # a lapsed key fences its holder out
         while True:
             ahead = await self._key_ahead(key)
             if ahead is None:

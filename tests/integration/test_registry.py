@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -186,3 +187,86 @@ async def test_concurrent_member_updates_leave_the_newest_record_in_etcd(etcd_cl
             assert member.info["n"] == 19
     finally:
         await member.close()
+
+
+async def _lapse(client, member: registry.Membership) -> int:
+    """Make ``member``'s lease lapse now, as etcd does when no keepalive came within the TTL
+    (revoking deletes the key the same way); returns the lapsed lease's id."""
+    lapsed = member.lease.id
+    await client.revoke_lease(lapsed)
+    return lapsed
+
+
+async def test_a_member_whose_lease_lapsed_is_registered_again_within_a_renewal_period(
+        etcd_client, caplog):
+    member = await registry.register(etcd_client, "rollout_worker", "w-lapse",
+                                     {"endpoint": "x:1"}, ttl=3)  # renewed every 1 s
+    try:
+        lapsed = await _lapse(etcd_client, member)
+        key = keys.member_key("rollout_worker", "w-lapse")
+        found: dict[str, dict] = {}
+        deadline = asyncio.get_running_loop().time() + 1 + 2  # a period, plus a busy machine
+        while key not in found:
+            assert asyncio.get_running_loop().time() < deadline, "member was not registered again"
+            await asyncio.sleep(0.1)
+            found = await registry.list_members(etcd_client, "rollout_worker")
+        assert found[key] == {"endpoint": "x:1"}
+        assert member.lease.id != lapsed
+        assert any("lapsed" in r.getMessage() and key in r.getMessage() for r in caplog.records)
+        await member.update(weight_version=3)  # on the new lease
+        found = await registry.list_members(etcd_client, "rollout_worker")
+        assert found[key] == {"endpoint": "x:1", "weight_version": 3}
+    finally:
+        await member.close()
+    assert key not in await registry.list_members(etcd_client, "rollout_worker")
+
+
+async def test_a_member_stalled_past_its_ttl_is_registered_again(etcd_client):
+    member = await registry.register(etcd_client, "rollout_worker", "w-lapse",
+                                     {"endpoint": "x:1"}, ttl=2)
+    lapsed = member.lease.id
+    try:
+        time.sleep(2 + 2)  # the event loop blocked past the TTL: etcd expires lease and key
+        deadline = asyncio.get_running_loop().time() + 2 / 3 + 2  # a period, plus a busy machine
+        while True:
+            stored = await etcd_client.get(member.key.encode())
+            if stored is not None and stored.lease != lapsed:
+                break
+            assert asyncio.get_running_loop().time() < deadline, "member was not registered again"
+            await asyncio.sleep(0.1)
+        assert stored.lease == member.lease.id and json.loads(stored.value) == {"endpoint": "x:1"}
+    finally:
+        await member.close()
+
+
+async def test_an_update_after_the_lease_lapsed_registers_again_once_for_all_writers(
+        etcd_client):
+    member = await registry.register(etcd_client, "rollout_worker", "w-lapse", {"n": -1}, ttl=5)
+    try:
+        lapsed = await _lapse(etcd_client, member)
+        # Before the keepalive notices: every writer must land, on one new lease.
+        await asyncio.gather(*(member.update(n=i) for i in range(10)))
+        stored = await etcd_client.get(member.key.encode())
+        assert stored is not None and json.loads(stored.value) == {"n": 9}
+        assert stored.lease not in (0, lapsed) and stored.lease == member.lease.id
+        await asyncio.sleep(5 / 3 + 0.5)  # a renewal: the new lease is alive, nothing to redo
+        assert (await etcd_client.get(member.key.encode())).lease == member.lease.id
+    finally:
+        await member.close()
+
+
+async def test_an_election_key_whose_lease_lapsed_stays_gone_and_the_lapse_is_logged(
+        etcd_client, caplog):
+    election = registry.Election(etcd_client, "lapse", "candidate-a", ttl=3)
+    await election.campaign()
+    key = election.key
+    assert key is not None and election._membership is not None
+    try:
+        await etcd_client.revoke_lease(election._membership.lease.id)
+        await asyncio.sleep(1 + 1)  # a renewal period, and then some
+        # Putting it again would let a deposed leader pass its fence check.
+        assert await etcd_client.get(key.encode()) is None
+        assert any("lapsed" in r.getMessage() and key in r.getMessage() for r in caplog.records)
+    finally:
+        await election.resign()
+

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import ConfigError, ServiceConfig, load_config
@@ -84,3 +84,27 @@ def test_worker_config_validates_its_fields():
     with pytest.raises(ConfigError, match="kind"):
         load_config(WorkerConfig, flags={"kind": "preemptible"})
     assert load_config(WorkerConfig, flags={"kind": "spot"}).kind == "spot"
+
+
+class TokenConfig(ServiceConfig):
+    api_token: SecretStr | None = None
+
+
+@pytest.mark.parametrize("suffix,text", [
+    (".yaml", "etcd_username: alice\netcd_password: 904512377\n"),
+    (".toml", 'etcd_username = "alice"\netcd_password = 904512377\n')])
+def test_a_bad_etcd_password_is_named_but_never_shown(tmp_path: Path, suffix, text):
+    path = tmp_path / f"c{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(ServiceConfig, path)
+    message = str(raised.value)
+    assert "904512377" not in message
+    assert "etcd_password" in message and "RLH_ETCD_PASSWORD" in message
+
+
+def test_a_secret_field_a_service_declares_is_never_shown_in_errors():
+    with pytest.raises(ConfigError, match=r"api_token: .*secret of type list, not shown") as raised:
+        load_config(TokenConfig, flags={"api_token": ["s3cr3t-value"]})
+    assert "s3cr3t-value" not in str(raised.value)
+
