@@ -16,10 +16,12 @@ every call is one message to a child process that owns the real engine, over a p
   load): the pump reads those every step, and the newest message's state is never stale, so
   reading them costs no round trip. A step's own facts (its prefill tokens) come with its
   outputs. Steps computed ahead wait in order; ``has_work`` is true while one does.
-* Semantics the worker keeps: a step computed before a call is handed out after it. Its tokens
-  of a request the call ended are dropped by the hub (it routes only held requests), and a
-  weight load ends every request it holds (the admission's ``on_weight_swap``), so no token of
-  the old weights is taken for the new version's.
+* Semantics the worker keeps: a step computed before a call is handed out after it. Its
+  outputs of a request the call aborted are dropped here, so a request added again under the
+  same id (a migration sent straight back, a client's retry) never takes a token of the
+  incarnation that ended; and a weight load ends every request the worker holds (the
+  admission's ``on_weight_swap``, by aborts), so no token of the old weights is taken for the
+  new version's.
 * Tensors for ``load_weights`` cross through shared memory (``torch.multiprocessing``). A CPU
   tensor moves into shared memory the first time it is sent, so a held copy that the puller
   updates in place crosses again with no copy at all; but each one then holds two file
@@ -138,6 +140,17 @@ def _rows(columns: Columns) -> list[RequestOutput]:
     return [RequestOutput(*row) for row in zip(*columns)]
 
 
+def _without(columns: Columns, request_id: str) -> Columns:
+    """``columns`` less the rows of ``request_id``."""
+    ids, tokens, logprobs, finished, reasons = columns
+    if request_id not in ids:
+        return columns
+    keep = [i for i, other in enumerate(ids) if other != request_id]
+    return (tuple(ids[i] for i in keep), tuple(tokens[i] for i in keep),
+            tuple(logprobs[i] for i in keep), tuple(finished[i] for i in keep),
+            tuple(reasons[i] for i in keep))
+
+
 _FD_TARGET = 65536  # vLLM's target too
 
 
@@ -221,7 +234,17 @@ class EngineProcess:
         self._call("add", request)
 
     def abort(self, request_id: str) -> RequestOutput:
-        return self._call("abort", request_id)
+        try:
+            return self._call("abort", request_id)
+        finally:
+            # The steps waiting here were computed before the abort (the pipe is ordered, so
+            # every one the child sent before its reply has been read): their outputs of this
+            # request belong to the incarnation just ended. The hub routes by id only, so were
+            # the id added again before they are handed out (a migration sent straight back, a
+            # client retrying with the same ids) the new one would take them: a token twice.
+            # Dropped even when the abort raised (the request ended in such a step).
+            self._steps = deque((_without(columns, request_id), seconds, prefill, version)
+                                for columns, seconds, prefill, version in self._steps)
 
     def step(self) -> list[RequestOutput]:
         """The next step's outputs: computed while the caller handled the last one, most often

@@ -209,8 +209,7 @@ class SessionCommands:
             # after the step it is computing, and the event loop must not wait for that.
             await self._loop.in_engine_thread(self._engine.add, request)
         except EngineInputError as exc:
-            self._hub.release(rid)
-            return self._hub.refuse(held.session, rid, InvalidArgument(str(exc)), held.handle)
+            return self._hub.refuse_start(rid, InvalidArgument(str(exc)))
         metrics.REQUESTS_ADDED.labels(str(bool(request.generated_token_ids)).lower()).inc()
 
     async def _abort_held(self, rid: str, arrived_at_step: int | None = None) -> None:

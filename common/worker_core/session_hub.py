@@ -327,9 +327,22 @@ class SessionHub:
                handle: int = 0) -> None:
         """A refused command (an add's names its ``handle``): a ``CommandError`` to its session
         (never dropped)."""
-        metrics.COMMAND_ERRORS.labels(error.code.name).inc()
-        session.push(pb.WorkerEvent(error=pb.CommandError(
-            request_id=request_id, code=error.code.value[0], message=str(error), handle=handle)))
+        session.push(_refusal(request_id, error, handle))
+
+    def refuse_start(self, request_id: str, error: ServiceError) -> None:
+        """A held request the engine would not start: release it and refuse its add. Like
+        ``end``, a request's last word: a half-closed session whose last request it was ends,
+        after the step outputs routed before it."""
+        held = self._held.get(request_id)
+        if held is None:
+            return
+        self.release(request_id)
+        event = _refusal(request_id, error, held.handle)
+        if self._unsent is not None:  # send() pushes it after the step, then ends the session
+            self._unsent.after.append((held.session, event))
+        else:
+            held.session.push(event)
+            self._maybe_end(held.session)
 
     # ---- steps (the pump's sink) ---------------------------------------------------------------
 
@@ -433,6 +446,12 @@ def _end(out: RequestOutput) -> str:
     """A row's end: "" while the request goes on; an output finished without a reason ends
     as "stop" (the manager's reading of a bare "finished")."""
     return (out.finish_reason or "stop") if out.finished else ""
+
+
+def _refusal(request_id: str, error: ServiceError, handle: int) -> pb.WorkerEvent:
+    metrics.COMMAND_ERRORS.labels(error.code.name).inc()
+    return pb.WorkerEvent(error=pb.CommandError(
+        request_id=request_id, code=error.code.value[0], message=str(error), handle=handle))
 
 
 def _step_event(number: int, rows: RowsBuilder, load: common_pb2.Load,

@@ -41,8 +41,8 @@ class WorkerConfig(EngineDeviceConfig):
                                "the running requests' decode for longer than one chunk; 0 "
                                "prefills whole prompts")
     kv_pages: int = Field(0, ge=0, description="paged KV cache of this many pages (page_tokens "
-                          "each): memory held only for tokens a request can use; 0 = one "
-                          "max_len row per running request")
+                          "each): memory held only for tokens a request can use; at least "
+                          "max_len tokens in all; 0 = one max_len row per running request")
     page_tokens: int = Field(16, ge=1, description="tokens per KV page (with kv_pages)")
     prefix_cache: bool = Field(False, description="keep finished requests' full KV pages and "
                                "start a request after its longest cached prefix (a multi-turn "

@@ -7,10 +7,14 @@ prompt, its completion and the environment's reply. ROSE (§2.2, Table 3) measur
 (or a migrated request's resume) prefill only what it adds.
 
 A full page of ``page_tokens`` tokens is cached under a key chained from its parent's:
-``key_i = H(key_{i-1}, tokens of page i, weight version)``. So a key names the whole prefix up to
-its page's end, under one version of the weights: a hit is exact, and a weight load makes every
-old key unreachable (the engine also flushes). Only full pages are cached. A request writes only
-positions after its cached prefix, so shared pages are never written.
+``key_i = H(key_{i-1}, tokens of page i, weight version, generation)``. So a key names the whole
+prefix up to its page's end, under one load of the weights: a hit is exact. The engine flushes
+at every weight load, and a flush starts a new generation: keys of old weights are unreachable
+even when the load kept the version number (a placed worker switching to a job at the same
+version; a LoadWeights of the current version), and an entry flushed while a request reads it
+never shares its key with one cached after the flush, so the reader's release finds its own.
+Only full pages are cached. A request writes only positions after its cached prefix, so shared
+pages are never written.
 
 Ownership: a page is the cache's (an entry) or one request's. Requests that hit hold references on
 the entries they read. An entry with references or cached children is never evicted; a child
@@ -30,11 +34,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
-def page_keys(tokens: Sequence[int], page_tokens: int, version: int) -> Iterator[bytes]:
+def page_keys(tokens: Sequence[int], page_tokens: int, version: int,
+              generation: int = 0) -> Iterator[bytes]:
     """The chain keys of ``tokens``' full pages, one page at a time (a lookup stops hashing at
-    its first miss): ``key_i = H(key_{i-1}, tokens of page i, weight version)``."""
+    its first miss): ``key_i = H(key_{i-1}, tokens of page i, weight version, generation)``."""
     parent = b""
-    salt = version.to_bytes(8, "little", signed=True)
+    salt = (version.to_bytes(8, "little", signed=True)
+            + generation.to_bytes(8, "little", signed=True))
     for start in range(0, len(tokens) - page_tokens + 1, page_tokens):
         digest = hashlib.blake2b(parent, digest_size=16)
         digest.update(salt)
@@ -71,6 +77,7 @@ class PrefixCache:
         self._clock = clock
         self._entries: dict[bytes, _Entry] = {}
         self._doomed: dict[bytes, _Entry] = {}  # flushed while referenced: freed on release
+        self.generation = 0  # flushes so far: part of every key (see the module doc)
         self.evicted = 0  # pages evicted for room, since start
 
     @property
@@ -83,7 +90,7 @@ class PrefixCache:
         return list(self._chain(tokens, version))
 
     def _chain(self, tokens: Sequence[int], version: int) -> Iterator[bytes]:
-        return page_keys(tokens, self.page_tokens, version)
+        return page_keys(tokens, self.page_tokens, version, self.generation)
 
     def match(self, tokens: Sequence[int], version: int) -> tuple[list[bytes], list[int]]:
         """The longest cached run of full pages at the start of ``tokens``, leaving at least one
@@ -156,8 +163,9 @@ class PrefixCache:
         return freed
 
     def flush(self) -> list[int]:
-        """Forgets every entry (a weight load); returns the pages free now. Referenced pages
-        are freed when their last reader releases them."""
+        """Forgets every entry (a weight load) and starts a new generation; returns the pages
+        free now. Referenced pages are freed when their last reader releases them."""
+        self.generation += 1
         freed = []
         for key, entry in self._entries.items():
             if entry.refs:

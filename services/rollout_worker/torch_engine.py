@@ -97,7 +97,7 @@ class _Admitted:
     emitted: list[int] = dataclasses.field(default_factory=list)  # tokens sampled since admission
     seq: int = 0  # admission order (the KV budget preempts the newest first)
     prefix_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hit read
-    version: int = -1  # the weights it was admitted under (its KV's version)
+    loaded: int = -1  # the weight load it was admitted under (its KV's): TorchEngine._loads
 
 
 def _admission(request: EngineRequest) -> _Admitted:
@@ -125,6 +125,20 @@ def check_kv_budget(kv_budget_tokens: int, max_len: int, paged: bool) -> None:
         raise ValueError(f"kv_budget_tokens ({kv_budget_tokens}) must be >= max_len ({max_len}) "
                          "so a request of max_len tokens fits alone; raise the budget or lower "
                          "max_len")
+
+
+def check_kv_pages(kv_pages: int, page_tokens: int, max_len: int) -> None:
+    """Raises ValueError when a paged KV pool of its own (``kv_pages``) cannot hold one request
+    of ``max_len`` tokens."""
+    # A request reserves its pages for prompt + max_tokens when it starts, in FIFO order: one
+    # the whole pool cannot hold would wait at the head of the queue forever, every request
+    # behind it with it. As vLLM refuses a max_model_len its KV cache cannot hold, refuse the
+    # configuration, so every request validate_request accepts fits alone.
+    if kv_pages and kv_pages * page_tokens < max_len:
+        raise ValueError(f"kv_pages ({kv_pages}) x page_tokens ({page_tokens}) = "
+                         f"{kv_pages * page_tokens} KV tokens cannot hold one request of max_len "
+                         f"({max_len}) tokens; raise kv_pages to at least "
+                         f"{math.ceil(max_len / page_tokens)} or lower max_len")
 
 
 @dataclass
@@ -261,6 +275,8 @@ class TorchEngine:
             raise ValueError(f"prefill_chunk must be >= 0 tokens per step (0 = prefill whole "
                              f"prompts), got {prefill_chunk}")
         check_kv_budget(kv_budget_tokens, max_len, paged is not None or kv_pages > 0)
+        if paged is None:  # a shared pool is sized and admitted by its owner (the co-executor)
+            check_kv_pages(kv_pages, page_tokens, max_len)
         check_prefix_cache(prefix_cache, kv_pages, shared_pool=paged is not None)
         self._model = load_decoder(model, seed, dtype, device)
         cfg = self._model.config
@@ -269,6 +285,10 @@ class TorchEngine:
         self._prefill_token_budget = prefill_token_budget
         self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
+        # Weight loads so far. What a request computed may go back to the prefix cache only
+        # under the load it was admitted in: a load may keep the version number and change the
+        # weights (a placed worker switching jobs, a LoadWeights of the current version).
+        self._loads = 0
         self._forward = DecoderForward(self._model, max_len)
         self._own: OwnPages | None = None
         if paged is None and kv_pages:  # paged KV in a store of its own
@@ -392,7 +412,8 @@ class TorchEngine:
                 self._weight_targets[name].copy_(value)
         self._forward.refresh()
         self._weight_version = version
-        if self._prefix is not None and self._own is not None:  # old versions' KV is useless
+        self._loads += 1
+        if self._prefix is not None and self._own is not None:  # old weights' KV is useless
             self._own.give(self._prefix.flush())
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -481,7 +502,7 @@ class TorchEngine:
         self._slot_sampling.set(slot, entry)
         self._admissions += 1
         entry.seq = self._admissions
-        entry.version = self._weight_version
+        entry.loaded = self._loads
 
     def _prefill_partial(self, budget: int, logits: list[torch.Tensor]) -> int:
         """Prefills the partial request's next chunk (at most ``budget`` tokens); if that was its
@@ -687,9 +708,9 @@ class TorchEngine:
         if self._prefix is not None and self._own is not None:
             pages = self._own.held(rid)
             keep = set(pages[:len(entry.prefix_keys)])  # the cache's already
-            if entry.version == self._weight_version:  # KV of older weights is no prefix
+            if entry.loaded == self._loads:  # KV of older weights is no prefix
                 tokens = (entry.known_tokens + entry.emitted)[:kv_tokens]
-                keep |= self._prefix.insert(tokens, pages, entry.version)
+                keep |= self._prefix.insert(tokens, pages, self._weight_version)
             self._own.give(self._prefix.release(entry.prefix_keys))
             self._own.release(rid, keep)
         elif self._paged is not None:

@@ -422,7 +422,7 @@ async def test_a_worker_with_a_prefix_cache_prefills_only_what_a_next_turn_adds(
     from tests.integration.test_manager import scrape
 
     handle = start_worker(module_stack, "prefix-worker", "--max-running", "4", "--kv-pages",
-                          "64", "--page-tokens", "4", "--prefix-cache")
+                          "64", "--page-tokens", "4", "--max-len", "256", "--prefix-cache")
     session = WorkerSession(handle.endpoint)
     try:
         first = TOK.encode("The answer is 12+7=")

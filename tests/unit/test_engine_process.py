@@ -100,6 +100,32 @@ def test_calls_between_steps_land_between_the_childs_steps_and_no_token_is_lost(
     assert 5 <= len(got["r1"]) < len(full["r1"]) and got["r1"] == full["r1"][:len(got["r1"])]
 
 
+def test_a_request_aborted_and_added_again_under_its_id_takes_no_token_of_the_ended_one(proc):
+    # A migration sent straight back, or a client's retry with the same ids: the abort and the
+    # add land between the same two steps, after the step the child ran ahead. That step's
+    # token of the ended incarnation must not reach the new one (the hub routes by id only):
+    # the stream the hub assembles is the uninterrupted run's, no token twice.
+    batch = requests(2)
+    full = run(tiny(), batch)
+    got: dict[str, list[int]] = defaultdict(list)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for output in proc.step():
+                got[output.request_id] += output.new_token_ids
+
+    proc.add(batch[0])
+    proc.add(batch[1])
+    steps(4)
+    assert proc._conn.poll(10)  # the child ran the next step ahead: it waits in the pipe
+    assert proc.abort("r0").finish_reason == "abort"
+    proc.add(EngineRequest("r0", batch[0].prompt_token_ids, batch[0].sampling,
+                           generated_token_ids=list(got["r0"])))
+    while proc.has_work():
+        steps(1)
+    assert dict(got) == full  # r1's token in the step computed ahead is kept
+
+
 def test_a_refusal_in_the_child_reaches_the_caller_as_the_engines_own_error(proc):
     with pytest.raises(EngineInputError, match="empty"):
         proc.add(EngineRequest("bad", [], SamplingParams()))

@@ -87,6 +87,21 @@ def test_a_flush_frees_unread_pages_now_and_read_ones_when_released():
     assert c.release(keys[:1]) == [1]
 
 
+def test_a_release_after_a_flush_frees_the_page_it_read_even_when_its_prefix_is_cached_again():
+    # A load may keep the version number: the same tokens under the same version are cached
+    # again after the flush, while a request still reads the flushed entry.
+    c, _ = cache()
+    c.insert(list(range(8)), [1, 2], 0)
+    keys, _ = c.match(list(range(9)), 0)
+    c.acquire(keys)
+    c.flush()
+    assert c.match(list(range(9)), 0) == ([], [])
+    assert c.insert(list(range(8)), [5, 6], 0) == {5, 6}
+    assert sorted(c.release(keys)) == [1, 2]  # the flushed pages, free now
+    assert not c._doomed and [e.refs for e in c._entries.values()] == [0, 0]
+    assert c.match(list(range(9)), 0)[1] == [5, 6]
+
+
 def test_bad_sizes_and_combinations_are_refused():
     with pytest.raises(ValueError):
         PrefixCache(0)

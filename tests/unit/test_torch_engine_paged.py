@@ -135,5 +135,19 @@ def test_the_worker_config_gives_its_engine_paged_kv():
     from rlharvest.services.rollout_worker.main import build_engine
 
     assert WorkerConfig().kv_pages == 0
-    eng = build_engine(WorkerConfig(max_running=2, max_len=MAX_LEN, kv_pages=10, page_tokens=4))
-    assert eng.load().kv_capacity_tokens == 40
+    eng = build_engine(WorkerConfig(max_running=2, max_len=MAX_LEN, kv_pages=30, page_tokens=4))
+    assert eng.load().kv_capacity_tokens == 120
+
+
+def test_a_pool_of_its_own_that_cannot_hold_one_request_of_max_len_is_refused_at_construction():
+    # Such a pool would accept a request it can never reserve pages for: it would wait at the
+    # head of the queue forever, every request behind it with it.
+    with pytest.raises(ValueError, match=r"kv_pages \(23\) x page_tokens \(4\) = 92 .* max_len "
+                                         r"\(96\).* at least 24"):
+        engine(max_running=4, kv_pages=23, page_tokens=PAGE_TOKENS)
+    # A pool of exactly max_len tokens runs a request of max_len tokens, and the next one.
+    eng = engine(max_running=4, kv_pages=24, page_tokens=PAGE_TOKENS)
+    eng.add(EngineRequest("whole", prompt(1, 60), sampled(1, MAX_LEN - 60, stop_token_ids=[])))
+    eng.add(EngineRequest("next", prompt(2), sampled(2, 4)))
+    done = drain(eng)
+    assert len(done["whole"][0]) == MAX_LEN - 60 and len(done["next"][0]) == 4

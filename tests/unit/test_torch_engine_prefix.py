@@ -9,6 +9,8 @@ from __future__ import annotations
 from rlharvest.common.engine_types import EngineRequest
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
+from rlharvest.common.tiny_model import build_model
+
 from .test_torch_engine import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
     SHARP_VERSION,
     drain,
@@ -16,6 +18,7 @@ from .test_torch_engine import (  # noqa: F401 - one_torch_thread: the module's 
     one_torch_thread,
     prompt,
     sampled,
+    sharpened,
 )
 
 PAGE_TOKENS = 4
@@ -85,6 +88,50 @@ def test_a_weight_load_empties_the_cache_and_the_next_turn_misses():
     eng.add(EngineRequest("x", prompt(0, 9) + [1] * 8, sampled(0, 4)))
     drain(eng)
     assert eng.load().prefix_hits == 0
+
+
+def other_weights() -> dict:
+    """Weights unlike ``engine``'s, to load under the same version number."""
+    return sharpened(build_model("tiny", seed=0), factor=3.0)
+
+
+def test_a_load_that_keeps_the_version_number_takes_back_no_kv_of_the_old_weights():
+    # A placed worker switching to a job at the same version, a LoadWeights of the current
+    # version: the number stays, the weights change, and the requests the load ends must not
+    # hand their old KV to the cache as a prefix of the new weights.
+    eng = cached_engine()
+    history = prompt(2, 21)
+    eng.add(EngineRequest("r", history, sampled(1, 8)))
+    for _ in range(3):
+        eng.step()
+    eng.load_weights(other_weights(), SHARP_VERSION)
+    eng.abort("r")  # the worker ends every request a load finds running
+    assert eng.load().prefix_cache_pages == 0
+    eng.add(EngineRequest("s", history, sampled(1, 8)))
+    got = drain(eng)["s"]
+    assert eng.load().prefix_hits == 0
+    fresh = engine(max_running=4, kv_pages=256, page_tokens=PAGE_TOKENS, weights=other_weights())
+    fresh.add(EngineRequest("s", history, sampled(1, 8)))
+    assert got == drain(fresh)["s"]
+
+
+def test_a_request_reading_a_prefix_across_a_load_of_the_same_version_gives_every_page_back():
+    eng = cached_engine(pages=64)
+    history = prompt(2, 21)
+    eng.add(EngineRequest("a", history, sampled(1, 8)))
+    drain(eng)
+    eng.add(EngineRequest("b", history, sampled(2, 8)))
+    eng.step()
+    assert eng.load().prefix_hits == 1  # b reads a's pages
+    eng.load_weights(other_weights(), SHARP_VERSION)
+    eng.abort("b")
+    eng.add(EngineRequest("c", history, sampled(3, 8)))
+    drain(eng)
+    own, cache = eng._own, eng._prefix
+    assert own is not None and cache is not None
+    assert eng.load().prefix_hits == 1  # c read nothing of the old weights
+    assert not cache._doomed and all(e.refs == 0 for e in cache._entries.values())
+    assert own.free_pages + eng.load().prefix_cache_pages == 64
 
 
 def test_page_pressure_evicts_cached_pages_instead_of_refusing_work_and_every_page_comes_back():

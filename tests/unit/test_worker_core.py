@@ -180,6 +180,22 @@ async def test_a_half_closed_session_ends_after_its_requests():
         assert session.collected.completions["r"].finish_reason == "length"
 
 
+async def test_a_half_closed_session_ends_when_the_engine_refuses_its_last_request():
+    # The admission takes the add; the engine refuses it (prompt + max_tokens beyond its
+    # context of 128): that refusal is the request's end, as a final delta would be.
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, max_tokens=5))
+        await session.finish(["r"])
+        await session.send(add("long", PROMPT, max_tokens=200))
+        session.half_close()
+        await session.read_until(lambda c: False, timeout=10)  # returns when the session ends
+        got = session.collected
+        assert got.errors["long"][0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert got.completions["r"].finish_reason == "length"
+        assert core.hub.holder("long") is None
+
+
 async def test_draining_refuses_new_adds_and_every_session_hears_it():
     async with running_core() as core:
         session = core.session()
