@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,6 +192,28 @@ class MemberEvent:
     info: dict[str, Any]  # empty on leave
 
 
+def _renew_period(ttl: float) -> float:
+    return max(ttl / 3, 0.2)
+
+
+async def keep_lease(lease: aetcd.Lease, ttl: float, what: str) -> None:
+    """Refresh ``lease`` every ttl/3 while it lives; returns once it lapsed (etcd answers the
+    keepalive of a lease it no longer has with TTL 0, not an error: the lease and every key on
+    it are gone), for the caller to put them back or say what that means. A refresh that fails
+    (etcd unreachable) is logged and tried again. The one keepalive loop of the project."""
+    while True:
+        await asyncio.sleep(_renew_period(ttl))
+        try:
+            reply = await lease.refresh()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
+            log.warning("lease refresh for %s failed: %r", what, exc)
+            continue
+        if reply.TTL <= 0:
+            return
+
+
 class Membership:
     """A registered member: its key lives as long as keepalives renew the lease.
 
@@ -200,7 +222,9 @@ class Membership:
     again, on a new lease, at the next renewal or ``update``: a healthy member must not stay
     gone for good. ``lease`` is then the new lease: read it each time, not once. Other keys
     attached to the lapsed lease are gone with it; their writers put them again on ``lease``.
-    Without ``reregister`` (an election key, which fences its holder) a lapsed key stays gone."""
+    Without ``reregister`` (an election key, which fences its holder) a lapsed key stays gone.
+    ``on_registered_again``: callbacks run after each re-registration, for the writers of
+    those other keys."""
 
     def __init__(self, client: aetcd.Client, key: str, lease: aetcd.Lease, info: dict[str, Any],
                  *, reregister: bool = True):
@@ -214,36 +238,28 @@ class Membership:
         # One write at a time: updates (an older record landing last would undo a newer
         # change), and the switch to a new lease (two tasks must not both grant one).
         self._writing = asyncio.Lock()
+        self.on_registered_again: list[Callable[[], Awaitable[None]]] = []
         self._keepalive = asyncio.create_task(self._renew(), name=f"keepalive {key}")
 
     async def _renew(self) -> None:
-        period = max(self._ttl / 3, 0.2)
         while True:
-            await asyncio.sleep(period)
             lease = self.lease
-            try:
-                reply = await lease.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
-                log.warning("lease refresh for %s failed: %r", self.key, exc)
-                continue
-            # etcd answers a keepalive for a lease it no longer has with TTL 0, not an error.
-            if reply.TTL > 0:
-                continue
+            await keep_lease(lease, self._ttl, self.key)
             if not self._reregister:
                 log.warning("lease of %s lapsed (not renewed within its %d s TTL); its key is "
                             "gone and, as an election key, is not put again", self.key,
                             self._ttl)
                 return
-            try:
-                async with self._writing:
-                    if self.lease is lease:  # else an update already registered again
-                        await self._register_again(lease)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd unreachable again: the next round tries again
-                log.warning("could not register %s again: %r", self.key, exc)
+            while self.lease is lease:  # else an update already registered again
+                try:
+                    async with self._writing:
+                        if self.lease is lease:
+                            await self._register_again(lease)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # etcd unreachable again: try again a period later
+                    log.warning("could not register %s again: %r", self.key, exc)
+                    await asyncio.sleep(_renew_period(self._ttl))
 
     async def _register_again(self, lapsed: aetcd.Lease) -> None:
         """Put the record on a new lease; the caller holds ``_writing``."""
@@ -258,6 +274,11 @@ class Membership:
                 await lease.revoke()
             raise
         self.lease = lease
+        for callback in self.on_registered_again:
+            try:
+                await callback()
+            except Exception as exc:  # theirs to log: the member itself is back
+                log.warning("after registering %s again: %r", self.key, exc)
 
     async def update(self, **changes: Any) -> None:
         """Change fields of the record. Concurrent updates write one at a time, each the whole

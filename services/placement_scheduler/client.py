@@ -285,14 +285,12 @@ class PlacementJob:
             await self._etcd.close()
 
     async def _renew(self, lease: aetcd.Lease) -> None:
-        while True:
-            await asyncio.sleep(max(self._lease_ttl / 3, 0.2))
-            try:
-                await lease.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL ends
-                log.warning("lease refresh for job %s failed: %r", self.spec.job_id, exc)
+        await registry.keep_lease(lease, self._lease_ttl, f"job {self.spec.job_id}")
+        # Not put back: the lease is the job's liveness, and the scheduler has taken its lapse
+        # for the job's failure (it left its group: its next call is refused as not placed).
+        log.error("the lease of job %s lapsed (not renewed within %d s: etcd unreachable, or "
+                  "this process stalled): the scheduler counts the job as failed and it will "
+                  "have to be submitted again", self.spec.job_id, self._lease_ttl)
 
     @asynccontextmanager
     async def permit(self, phase: Pool) -> AsyncIterator[PhaseRun]:

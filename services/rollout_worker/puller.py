@@ -182,12 +182,13 @@ class Puller:
         return choice
 
     async def _keepalive(self, lease: aetcd.Lease) -> None:
-        while True:
-            await asyncio.sleep(max(self.lease_ttl / 3, 0.2))
-            try:
-                await lease.refresh()
-            except Exception as exc:
-                log.warning("pairing lease refresh failed: %r", exc)
+        await registry.keep_lease(lease, self.lease_ttl, "the pairing record")
+        # Lapsed (etcd unreachable, or the loop stalled, past the TTL): the record went with
+        # it. The next pull pairs again, on a new lease, so agents stay evenly paired.
+        log.warning("the pairing lease lapsed and took worker %s's pairing with %s; pairing "
+                    "again at the next pull", self.worker_id, self.paired)
+        if self._lease is lease:
+            self._lease, self._keepalive_task, self.paired = None, None, None
 
     async def _pull(self, version: int) -> bool:
         """Pull ``version`` from the paired agent, else from any agent holding it; load it.

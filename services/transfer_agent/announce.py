@@ -28,20 +28,36 @@ class Announcer:
         self._cfg, self._etcd, self._endpoint = cfg, etcd, endpoint
         self._held, self._membership = held, membership
         self._evicted: dict[str, list[dict]] = {}
+        self._latest: dict[str, int] = {}  # per job, the last version this agent announced
 
     async def __call__(self, job: str, version: int, records: list[EvictionRecord]) -> None:
-        cfg = self._cfg
         notes = self._evicted.setdefault(job, [])
         notes.extend({"version": r.version, "reason": r.reason, "freed_bytes": r.freed_bytes,
                       "at": r.at} for r in records)
         del notes[:-_EVICTIONS_KEPT]
+        self._latest[job] = version
         membership = self._membership()
-        await self._etcd.put(keys.weights_holder_key(job, cfg.agent_id).encode(), json.dumps({
-            "agent_id": cfg.agent_id, "endpoint": self._endpoint, "cluster": cfg.cluster,
-            "node": cfg.node, "versions": list(self._held(job)), "latest": version,
-            "evicted": notes}).encode(), lease=membership.lease if membership else None)
+        if membership is not None and self.holders_again not in membership.on_registered_again:
+            membership.on_registered_again.append(self.holders_again)
+        await self._put_holder(job, membership)
         try:
             await registry.put_versioned(self._etcd, keys.weights_announced_key(job), version, {
-                "agent_id": cfg.agent_id, "endpoint": self._endpoint, "at": time.time()})
+                "agent_id": self._cfg.agent_id, "endpoint": self._endpoint, "at": time.time()})
         except registry.StaleVersionError:
             pass  # another agent announced this version (or a newer one) first
+
+    async def holders_again(self) -> None:
+        """The holder records again, on the membership's new lease: the lapsed one took them
+        with it, and workers find the agents that hold a version by them."""
+        membership = self._membership()
+        for job in list(self._latest):
+            if self._held(job):
+                await self._put_holder(job, membership)
+
+    async def _put_holder(self, job: str, membership: registry.Membership | None) -> None:
+        cfg = self._cfg
+        await self._etcd.put(keys.weights_holder_key(job, cfg.agent_id).encode(), json.dumps({
+            "agent_id": cfg.agent_id, "endpoint": self._endpoint, "cluster": cfg.cluster,
+            "node": cfg.node, "versions": list(self._held(job)), "latest": self._latest[job],
+            "evicted": self._evicted.get(job, [])}).encode(),
+            lease=membership.lease if membership else None)

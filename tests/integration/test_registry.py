@@ -270,3 +270,16 @@ async def test_an_election_key_whose_lease_lapsed_stays_gone_and_the_lapse_is_lo
     finally:
         await election.resign()
 
+
+
+async def test_keep_lease_renews_a_live_lease_and_returns_once_it_lapsed(etcd_client):
+    lease = await etcd_client.lease(1)
+    await etcd_client.put(b"/rlh-test/kept", b"x", lease=lease)
+    kept = asyncio.create_task(registry.keep_lease(lease, 1, "a test lease"))
+    try:
+        await asyncio.sleep(2.5)  # two and a half TTLs: alive only if renewed
+        assert not kept.done() and await etcd_client.get(b"/rlh-test/kept") is not None
+        await etcd_client.revoke_lease(lease.id)
+        await asyncio.wait_for(kept, 2)  # within a renewal period or so
+    finally:
+        kept.cancel()
