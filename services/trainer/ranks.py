@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 from rlharvest.common.service_host import launch_rank
 from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.backend import TrainBackend, Where
+from rlharvest.services.trainer.device import module_device, synchronize
 from rlharvest.services.trainer.shard_publish import (
     RankPublisher,
     ShardPublished,
@@ -183,7 +184,11 @@ class LocalRanks:
         return float(loss.detach())
 
     def step(self, grad_scale: float) -> float:
-        return self.backend.step(grad_scale)
+        norm = self.backend.step(grad_scale)  # read before the optimizer's kernels are queued
+        # On a GPU the update runs on after the call returns: a step's compute time (Algorithm
+        # 1's input) must include it, not hand it to the next step's first backward.
+        synchronize(module_device(self.backend.module))
+        return norm
 
     def discard(self) -> None:
         self.backend.model.zero_grad(set_to_none=True)
