@@ -25,6 +25,7 @@ from rlharvest.common.engine_types import RequestOutput
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
+from rlharvest.common.worker_core.version_record import VersionRecord
 from rlharvest.services.coexecutor.admission import (
     AdmissionPolicy,
     DualSloAdmission,
@@ -118,9 +119,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
 
     dual = build_dual(cfg, deliver)
 
-    def on_version_change(version: int) -> None:
-        if host.membership is not None:
-            loop.create_task(host.membership.update(weight_version=version))
+    version_record = VersionRecord(lambda: host.membership, lambda: dual.weight_version)
 
     admission = CoexecRolloutAdmission(
         RolloutAdmission(cfg.max_running, cfg.max_pending), dual.rollout_room_pages,
@@ -129,7 +128,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                             kind=common_pb2.WORKER_KIND_SERVING, capacity=cfg.max_running,
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
                             keep_s=cfg.keep_requests_s,
-                            max_pending=cfg.max_pending, on_version_change=on_version_change,
+                            max_pending=cfg.max_pending, on_version_change=version_record.changed,
                             admission=admission, weights_dir=cfg.weights_dir)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
                                    pump=service.pump,
@@ -190,7 +189,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
         health=service.health, on_scrape=dual.export_gauges, loops=loops, drain=drain,
-        close=[close])
+        close=[version_record.close, close])
 
 
 def _profile(args: list[str]) -> int:

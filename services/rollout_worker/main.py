@@ -13,6 +13,7 @@ from rlharvest.common.cli import service_app
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
 from rlharvest.common.worker_core.engine import Engine
+from rlharvest.common.worker_core.version_record import VersionRecord
 from rlharvest.services.rollout_worker.config import WorkerConfig
 from rlharvest.services.rollout_worker.placement_follower import NodeFollower
 from rlharvest.services.rollout_worker.preemption_notice import wait_for_notice
@@ -78,25 +79,14 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     cfg = host.config
     engine = start_engine(cfg)
 
-    reporting: list[asyncio.Task] = []
-
-    def on_version_change(version: int) -> None:
-        if host.membership is not None:
-            asyncio.get_running_loop().create_task(host.membership.update(weight_version=version))
-        elif cfg.standby and not any(not t.done() for t in reporting):
-            reporting[:] = [asyncio.get_running_loop().create_task(report_once_registered())]
-
-    async def report_once_registered() -> None:
-        """A version loaded while a standby registers must reach its record too."""
-        while host.membership is None:
-            await asyncio.sleep(0.05)
-        await host.membership.update(weight_version=engine.weight_version)
+    # A version loaded before the registration (a standby pulls first) reaches it too.
+    version_record = VersionRecord(lambda: host.membership, lambda: engine.weight_version)
 
     service = WorkerService(engine, cfg.worker_id, endpoint=host.endpoint, model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
                             session_queue=cfg.session_queue, max_pending=cfg.max_pending,
                             keep_s=cfg.keep_requests_s,
-                            on_version_change=on_version_change, step_delay_s=cfg.step_delay_s,
+                            on_version_change=version_record.changed, step_delay_s=cfg.step_delay_s,
                             weights_dir=cfg.weights_dir)
     loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker
     def puller(job: str):
@@ -158,7 +148,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
                  servicers=[Servicer(service,
                                      rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                                      SERVICE_NAME)],
-                 health=service.health, loops=loops, drain=drain, close=[close],
+                 health=service.health, loops=loops, drain=drain,
+                 close=[version_record.close, close],
                  standby=standby if cfg.standby else None)
 
 
