@@ -109,8 +109,11 @@ async def start_server(register: Iterable[Callable[[grpc.aio.Server], None]],
 
 
 def _retry_service_config(service_names: list[str]) -> str:
-    # Transparent retries for idempotent unary calls when a peer restarts; streams are not retried
-    # here: their owners resume them with their own state (a manager re-dispatches, etc.).
+    # Retries of every method of these services when a peer restarts (UNAVAILABLE). gRPC retries
+    # a call only while nothing of its response came back (a stream: before its first message,
+    # and within the client's retry buffer), so a call that began is never replayed: a stream
+    # that broke after it started is resumed by its owner with its own state (a manager
+    # re-dispatches, a trainer re-attaches, etc.).
     return json.dumps({"methodConfig": [{
         "name": [{"service": name} for name in service_names],
         "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
