@@ -325,7 +325,25 @@ async def register(client: aetcd.Client, service: str, member_id: str, info: dic
 async def list_members(client: aetcd.Client, service: str | None = None) -> dict[str, dict]:
     """member key -> info for every live member (of one service, or all)."""
     found = await client.get_prefix(keys.members_prefix(service).encode())
-    return {kv.key.decode(): json.loads(kv.value) for kv in found}
+    return _members({kv.key.decode(): kv.value for kv in found})
+
+
+def _member_info(key: str, value: bytes) -> dict | None:
+    """A member record's info; None (and a warning) for one that is no JSON object: a record
+    some other writer broke must not stop everyone's discovery of every other member."""
+    try:
+        info = json.loads(value)
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        log.warning("ignoring member record %s: not a JSON object (%r)", key, value[:80])
+        return None
+    return info
+
+
+def _members(values: dict[str, bytes]) -> dict[str, dict]:
+    return {key: info for key, value in values.items()
+            if (info := _member_info(key, value)) is not None}
 
 
 @dataclass(frozen=True)
@@ -383,7 +401,7 @@ async def watch_members(client: aetcd.Client, service: str | None = None,
     async for item in list_and_watch(client, keys.members_prefix(service),
                                      retry_delay=retry_delay):
         if isinstance(item, Listing):
-            current = {k: json.loads(v) for k, v in item.values.items()}
+            current = _members(item.values)
             for event in _diff(known, current):
                 yield event
             known = current
@@ -418,7 +436,10 @@ def _to_event(change: Change, known: dict[str, dict]) -> MemberEvent | None:
         if known.pop(change.key, None) is None:
             return None
         return MemberEvent("leave", service, member_id, {})
-    info = json.loads(change.value)
+    info = _member_info(change.key, change.value)
+    if info is None:  # unreadable: as if it were gone
+        return MemberEvent("leave", service, member_id, {}) \
+            if known.pop(change.key, None) is not None else None
     kind = "update" if change.key in known else "join"
     known[change.key] = info
     return MemberEvent(kind, service, member_id, info)

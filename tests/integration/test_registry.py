@@ -72,6 +72,34 @@ async def test_watch_reports_join_update_and_leave(etcd_client):
         task.cancel()
 
 
+async def test_a_broken_member_record_is_skipped_and_discovery_of_the_others_goes_on(
+        etcd_client):
+    """A record some other writer broke (no JSON object) is ignored with a warning, in a
+    listing and in a watch, instead of ending everyone's discovery."""
+    broken = keys.member_key("co_executor", "broken")
+    good = await registry.register(etcd_client, "co_executor", "good", {"v": 0}, ttl=5)
+    events: list[registry.MemberEvent] = []
+
+    async def consume():
+        async for event in registry.watch_members(etcd_client, "co_executor"):
+            events.append(event)
+
+    try:
+        await etcd_client.put(broken.encode(), b"{half a rec")
+        assert list(await registry.list_members(etcd_client, "co_executor")) == [good.key]
+        task = asyncio.create_task(consume())
+        await etcd_client.put(broken.encode(), b"[1, 2]")  # JSON, but no record either
+        later = await registry.register(etcd_client, "co_executor", "later", {"v": 1}, ttl=5)
+        await _until(lambda: len(events) >= 2, timeout=30)
+        assert [(e.kind, e.member_id) for e in events] == [("join", "good"), ("join", "later")]
+        assert not task.done()  # the watch goes on
+        task.cancel()
+        await later.close()
+    finally:
+        await etcd_client.delete(broken.encode())
+        await good.close()
+
+
 async def test_election_fails_over_when_leader_is_sigkilled(etcd_client, etcd_endpoint):
     leader = _spawn(etcd_endpoint, "elect", "first", ttl=2)
     try:
