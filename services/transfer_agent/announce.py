@@ -1,9 +1,11 @@
 """What an agent tells etcd when a version lands: its holder record (the versions it holds and
 what the memory bound evicted, under its lease, gone with it) and the job's forward-only
-announcement that workers and relays watch."""
+announcement that workers and relays watch; and, when it drops an idle job, that it holds the
+job no more (the holder record deleted)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -29,6 +31,9 @@ class Announcer:
         self._held, self._membership = held, membership
         self._evicted: dict[str, list[dict]] = {}
         self._latest: dict[str, int] = {}  # per job, the last version this agent announced
+        # Holder records are written one at a time, so a dropped job's delete never lands after
+        # the put of a publish that started the job afresh meanwhile.
+        self._writing = asyncio.Lock()
 
     async def __call__(self, job: str, version: int, records: list[EvictionRecord]) -> None:
         notes = self._evicted.setdefault(job, [])
@@ -39,7 +44,8 @@ class Announcer:
         membership = self._membership()
         if membership is not None and self.holders_again not in membership.on_registered_again:
             membership.on_registered_again.append(self.holders_again)
-        await self._put_holder(job, membership)
+        async with self._writing:
+            await self._put_holder(job, membership)
         try:
             await registry.put_versioned(self._etcd, keys.weights_announced_key(job), version, {
                 "agent_id": self._cfg.agent_id, "endpoint": self._endpoint, "at": time.time()})
@@ -50,9 +56,21 @@ class Announcer:
         """The holder records again, on the membership's new lease: the lapsed one took them
         with it, and workers find the agents that hold a version by them."""
         membership = self._membership()
-        for job in list(self._latest):
+        async with self._writing:
+            for job in list(self._latest):
+                if self._held(job):
+                    await self._put_holder(job, membership)
+
+    async def forget(self, job: str) -> None:
+        """The agent's ``on_dropped`` hook: delete the holder record of a job it dropped, so
+        workers and relays stop asking it. A job published again since (it holds versions of it
+        now) keeps the record that publish put."""
+        async with self._writing:
             if self._held(job):
-                await self._put_holder(job, membership)
+                return
+            self._latest.pop(job, None)
+            self._evicted.pop(job, None)
+            await self._etcd.delete(keys.weights_holder_key(job, self._cfg.agent_id).encode())
 
     async def _put_holder(self, job: str, membership: registry.Membership | None) -> None:
         cfg = self._cfg

@@ -39,6 +39,10 @@ class AgentConfig(ServiceConfig):
                                                     "holding v-1 pull a sparse delta")
     memory_budget_bytes: int = Field(16 << 30, ge=1, description="host memory for held versions "
                                                                  "per job; eviction beyond it")
+    job_idle_s: float = Field(3600.0, ge=0, description="drop a job (its versions, staged "
+                              "shards and holder record) after this many seconds with no "
+                              "publish, relay or pull of it; 0 = never. A relay skips jobs "
+                              "announced longer ago than this")
     max_tp_size: int = Field(256, ge=2, le=4096, description="largest TP group a training side "
                              "may publish shards for; larger tp_size is refused")
     encode_cache_bytes: int = Field(1 << 30, ge=0, description="encoded slices cached for "

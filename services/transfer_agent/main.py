@@ -22,7 +22,7 @@ async def build(host: Host[AgentConfig]) -> Parts:
     cfg = host.config
     announce = Announcer(cfg, host.etcd, host.endpoint, lambda job: service.held(job),
                          lambda: host.membership)
-    service = AgentService(cfg, on_held=announce)
+    service = AgentService(cfg, on_held=announce, on_dropped=announce.forget)
     service.endpoint = host.endpoint
     close: list[Callable[[], Awaitable[None] | None]] = []
     if cfg.http_data_path:
@@ -30,9 +30,16 @@ async def build(host: Host[AgentConfig]) -> Parts:
         service.data_endpoint = f"{cfg.advertise_host or cfg.host}:{data_port}"
         close.append(data_server.cleanup)
     close.append(service.close)
-    log.info("agent %s (node %s, cluster %s): data on %s%s", cfg.agent_id, cfg.node,
+    log.info("agent %s (node %s, cluster %s): data on %s%s; %s", cfg.agent_id, cfg.node,
              cfg.cluster, service.data_endpoint or "gRPC only",
-             f", relaying ({cfg.relay_mode})" if cfg.relay else "")
+             f", relaying ({cfg.relay_mode})" if cfg.relay else "",
+             f"dropping jobs idle for {cfg.job_idle_s:g}s" if cfg.job_idle_s
+             else "keeping every job (job_idle_s 0)")
+    loops = [Loop("relay", Replicator(cfg, service, host.etcd).run)] if cfg.relay else []
+    if cfg.job_idle_s:
+        # Restarted when it raises (etcd unreachable while deleting a holder record): the
+        # dropped jobs' records are deleted at its next round.
+        loops.append(Loop("idle jobs", service.drop_idle_jobs, on_crash="restart"))
     return Parts(
         member_id=cfg.agent_id,
         member_info={"agent_id": cfg.agent_id, "node": cfg.node, "cluster": cfg.cluster,
@@ -40,7 +47,7 @@ async def build(host: Host[AgentConfig]) -> Parts:
         servicers=[Servicer(service, transfer_agent_pb2_grpc.add_TransferAgentServicer_to_server,
                             SERVICE_NAME)],
         health=service.health,
-        loops=[Loop("relay", Replicator(cfg, service, host.etcd).run)] if cfg.relay else [],
+        loops=loops,
         close=close)
 
 

@@ -7,6 +7,8 @@ BYTES_OUT = Counter("rlh_agent_bytes_out_total", "Weight bytes served to pulls",
 VERSIONS_HELD = Gauge("rlh_agent_versions_held", "Weight versions held", ["job"])
 HELD_BYTES = Gauge("rlh_agent_held_bytes", "Host memory held by weight versions", ["job"])
 LATEST = Gauge("rlh_agent_latest_version", "Latest version held", ["job"])
+JOBS_DROPPED = Counter("rlh_agent_jobs_dropped_total", "Jobs dropped after job_idle_s without a "
+                       "publish, relay or pull")
 PUBLISHES = Counter("rlh_agent_publishes_total", "Publishes", ["outcome"])
 EVICTIONS = Counter("rlh_agent_evictions_total", "Versions evicted", ["reason"])
 PULLS = Counter("rlh_agent_pulls_total", "Pull plans served", ["kind"])  # dense|delta|noop

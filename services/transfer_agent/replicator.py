@@ -4,7 +4,9 @@ cluster's gateway pulls, the rest of the cluster pulls the gateway's copy — an
 the bytes, as a sparse delta when this agent still holds the previous version. The gateway's
 pull is scattered over every holder on the far side (scatter_pull.py); when the scatter cannot be
 had (the holders serve no HTTP data path, disagree, or fail) the gateway pulls from one holder
-over the gRPC stream instead. A failed relay of a version is tried again after a backoff."""
+over the gRPC stream instead. A failed relay of a version is tried again after a backoff. With
+job_idle_s, a job whose latest announcement is older than that is not relayed: it is idle, and
+an agent that dropped it would otherwise pull it straight back."""
 
 from __future__ import annotations
 
@@ -84,11 +86,20 @@ class Replicator:
 
     async def _round(self) -> None:
         found = await self.etcd.get_prefix(_WEIGHTS_PREFIX.encode())
-        announced = {kv.key.decode().split("/")[-2]: json.loads(kv.value)["version"]
+        announced = {kv.key.decode().split("/")[-2]: json.loads(kv.value)
                      for kv in found if kv.key.decode().endswith("/announced")}
         only = {j for j in self.cfg.relay_jobs.split(",") if j}
-        for job, version in sorted(announced.items()):
+        now = time.time()  # announcements carry the announcing agent's wall clock
+        for job, record in sorted(announced.items()):
+            version = record["version"]
             if only and job not in only:
+                continue
+            # An agent drops a job job_idle_s after its last publish, relay or pull, each of
+            # which ends after the announcement of the version it held was written: that
+            # announcement is then at least job_idle_s old, so skipping those never pulls a
+            # dropped job back. A newer one (the job resumed) is relayed as ever, and the copy
+            # is kept job_idle_s at least.
+            if self.cfg.job_idle_s and now - record.get("at", now) >= self.cfg.job_idle_s:
                 continue
             latest = self.service.latest(job)
             if (latest is None or version > latest) and \

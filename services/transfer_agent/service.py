@@ -54,6 +54,8 @@ from rlharvest.services.transfer_agent.version_store import (
 log = logging.getLogger(__name__)
 
 _PACKED_CACHE_ENTRIES = 8
+# The idle-job check runs this often at most: a dropped job outlives job_idle_s by up to this.
+_IDLE_CHECK_MAX_S = 60.0
 T = TypeVar("T")
 
 
@@ -73,17 +75,27 @@ _Decoded = tuple[dict[str, torch.Tensor], dict[str, EncodedTensor]]
 class _Job:
     store: VersionStore
     staging: ShardStaging  # TP shards of versions whose other ranks have not published yet
+    used_at: float  # time.monotonic() of its last publish, relay or pull
 
 
-# Hooks the shell calls after a version lands (announce + holder record in etcd).
+# Hooks the shell calls after a version lands (announce + holder record in etcd) and after an
+# idle job was dropped (its holder record deleted).
 OnHeld = Callable[[str, int, list[EvictionRecord]], Awaitable[None]]
+OnDropped = Callable[[str], Awaitable[None]]
 
 
 class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
-    def __init__(self, cfg: AgentConfig, on_held: OnHeld | None = None) -> None:
+    def __init__(self, cfg: AgentConfig, on_held: OnHeld | None = None,
+                 on_dropped: OnDropped | None = None) -> None:
         self.cfg = cfg
         self._on_held = on_held
+        self._on_dropped = on_dropped
         self._jobs: dict[str, _Job] = {}
+        # Per job, the publishes, relays and packs of it under way: an idle check never drops a
+        # job whose store or staging work is still to land (its hooks read self._jobs[job]).
+        self._using: dict[str, int] = {}
+        # Dropped jobs whose holder record is still to be deleted (etcd may be unreachable).
+        self._unannounced: set[str] = set()
         self._packed: OrderedDict[tuple, _Packed] = OrderedDict()
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="store")
         # Encoders and bucket checksums run side by side here (numpy and zlib release the GIL);
@@ -113,7 +125,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def full_tensors(self, job: str, version: int) -> dict[str, torch.Tensor] | None:
         """A held version's whole tensors (a relay's delta base); None when it is not held.
         Runs on the store thread: a version published as TP shards is gathered (a copy)."""
-        entry = self._jobs.get(job)
+        entry = self._touched(job)
         if entry is None:
             return None
 
@@ -125,7 +137,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     async def sums(self, job: str, version: int) -> dict[str, int]:
         """The linear sums this agent knows for a held version's whole tensors."""
-        entry = self._jobs.get(job)
+        entry = self._touched(job)
         if entry is None:
             return {}
         store = entry.store
@@ -140,14 +152,83 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     # ---- holding versions -------------------------------------------------------------------
 
     def _job(self, job: str) -> _Job:
-        entry = self._jobs.get(job)
+        """The job's entry, touched; a job this agent does not hold (never, or dropped) starts
+        afresh."""
+        entry = self._touched(job)
         if entry is None:
             entry = self._jobs[job] = _Job(VersionStore(self.cfg.memory_budget_bytes,
                                                         self.cfg.max_versions,
                                                         self.cfg.encode_cache_bytes),
                                            ShardStaging(self.cfg.memory_budget_bytes,
-                                                        self.cfg.max_tp_size))
+                                                        self.cfg.max_tp_size),
+                                           time.monotonic())
         return entry
+
+    # ---- dropping idle jobs -------------------------------------------------------------------
+
+    def _touched(self, job: str) -> _Job | None:
+        """The job's entry (None when not held), its idle clock restarted: every publish, relay
+        and pull of a job passes here or through ``_job``."""
+        entry = self._jobs.get(job)
+        if entry is not None:
+            entry.used_at = time.monotonic()
+        return entry
+
+    def _claim(self, job: str) -> None:
+        """A publish, relay or pack of ``job`` began: the job is not dropped until it ends."""
+        self._using[job] = self._using.get(job, 0) + 1
+
+    def _release(self, job: str) -> None:
+        """The claimed work ended; the job's idle clock starts now, after the work's holder
+        record and announcement went out (a relay compares announcement ages with job_idle_s,
+        so a dropped job's latest announcement is always at least that old)."""
+        left = self._using[job] - 1
+        if left:
+            self._using[job] = left
+        else:
+            del self._using[job]
+        self._touched(job)
+
+    def drop_idle(self, now: float) -> list[str]:
+        """Drop every job unused (no publish, relay or pull) since ``now - job_idle_s`` and with
+        no publish, relay or pack under way: its versions, staged shards and packed pulls go (a
+        pull streaming already keeps its bytes until it ends). Returns the jobs dropped; their
+        holder records are deleted by ``forget_dropped``. job_idle_s 0 drops nothing."""
+        idle_s = self.cfg.job_idle_s
+        if not idle_s:
+            return []
+        dropped = [job for job, entry in self._jobs.items()
+                   if job not in self._using and now - entry.used_at >= idle_s]
+        for job in dropped:
+            entry = self._jobs.pop(job)
+            for key in [k for k in self._packed if k[0] == job]:
+                del self._packed[key]
+            for gauge in (metrics.VERSIONS_HELD, metrics.HELD_BYTES, metrics.LATEST):
+                gauge.remove(job)
+            metrics.JOBS_DROPPED.inc()
+            log.info("job %s: dropped after %.0fs with no publish, relay or pull (freed %d "
+                     "bytes of versions %s); a new publish starts it afresh", job,
+                     now - entry.used_at, entry.store.held_bytes, list(entry.store.held_versions))
+        self._unannounced.update(dropped)
+        return dropped
+
+    async def forget_dropped(self) -> None:
+        """Run the on_dropped hook (delete the holder record) for every dropped job not yet
+        forgotten; one that raises is tried again at the next call."""
+        for job in sorted(self._unannounced):
+            if self._on_dropped is not None:
+                await self._on_dropped(job)
+            self._unannounced.discard(job)
+
+    async def drop_idle_jobs(self) -> None:
+        """The agent's background loop (job_idle_s > 0): every job_idle_s / 4, at most every
+        60 s, drop the idle jobs and delete their holder records, so a long-running agent's
+        memory follows the jobs it serves now, not every job it ever served."""
+        period = min(self.cfg.job_idle_s / 4, _IDLE_CHECK_MAX_S)
+        while True:
+            await asyncio.sleep(period)
+            self.drop_idle(time.monotonic())
+            await self.forget_dropped()
 
     async def _in_store(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._store_thread, work)
@@ -160,11 +241,15 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
         """Store a whole version (publish or relay), report evictions, then run the on_held hook.
         ``checksums``: the tensors' CRCs, already verified while decoding them; ``sums``: their
         linear sums where known; ``deltas``: the encodings a delta publish arrived as."""
-        store = self._job(job).store
-        records = await self._in_store(lambda: store.publish(
-            version, tensors, now=time.time(), copy=False, checksums=checksums, sums=sums,
-            deltas=deltas))
-        return await self._now_held(job, version, records, source)
+        self._claim(job)
+        try:
+            store = self._job(job).store
+            records = await self._in_store(lambda: store.publish(
+                version, tensors, now=time.time(), copy=False, checksums=checksums, sums=sums,
+                deltas=deltas))
+            return await self._now_held(job, version, records, source)
+        finally:
+            self._release(job)
 
     async def hold_shards(self, job: str, version: int,
                           shards: list[dict[str, torch.Tensor]]) -> list[EvictionRecord]:
@@ -214,15 +299,20 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     async def Publish(self, request_iterator: AsyncIterator[pb.PublishChunk],
                       context: grpc.aio.ServicerContext) -> pb.PublishReply:
+        claimed: str | None = None  # the job, claimed by _receive_publish once it returned
         try:
             header, manifest, admission, (tensors, encodings) = await self._receive_publish(
                 request_iterator, context)
+            claimed = header.job
             if admission is not None:
                 return await self._publish_shard(header, manifest, admission, tensors)
             records = await self._hold_published(header, manifest, tensors, encodings)
         except errors.ServiceError as exc:
             await _drain(request_iterator)
             await self._refuse(context, "Publish", exc)
+        finally:
+            if claimed is not None:
+                self._release(claimed)
         metrics.PUBLISHES.labels("ok").inc()
         return pb.PublishReply(version=header.version, held_versions=self.held(header.job),
                                evicted_versions=[r.version for r in records])
@@ -232,8 +322,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                                ) -> tuple[pb.PublishHeader, VersionManifest, Admission | None,
                                           _Decoded]:
         """The header, manifest, staging admission (TP shards only) and decoded tensors (with
-        the encodings of a delta publish) of one publish stream. A shard admitted to the staging is taken back out if its stream fails,
-        so its rank may publish again."""
+        the encodings of a delta publish) of one publish stream, the job claimed (the caller
+        releases it) from its header on, so no idle check drops it while the bytes arrive. A
+        shard admitted to the staging is taken back out if its stream fails, so its rank may
+        publish again."""
         header: pb.PublishHeader | None = None
         assembler: BucketAssembler | None = None
         admission: Admission | None = None
@@ -244,6 +336,7 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     if header is None:
                         raise errors.InvalidArgument("a publish stream starts with a header "
                                                      "(job, version, manifest)")
+                    self._claim(header.job)
                     await server_guard.require_job(context, header.job)  # its trainer only
                     manifest = self._check_publish(header)
                     if _is_shard(header):
@@ -263,8 +356,10 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             decoded = await self._decode_publish(header, assembler)
             return header, assembler.manifest, admission, decoded
         except BaseException:
-            if admission is not None and header is not None:
-                self._jobs[header.job].staging.abandon(admission)
+            if header is not None:
+                if admission is not None:
+                    self._jobs[header.job].staging.abandon(admission)
+                self._release(header.job)
             raise
 
     async def _decode_publish(self, header: pb.PublishHeader,
@@ -534,7 +629,8 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     # ---- pulls ----------------------------------------------------------------------------------
 
     async def _packed_pull(self, request: pb.PullRequest, count: bool = True) -> _Packed:
-        entry = self._jobs.get(request.job)
+        """Every pull enters here: PlanPull, PullBuckets and the HTTP data path."""
+        entry = self._touched(request.job)
         if entry is None or entry.store.latest is None:
             raise errors.NotFound(f"this agent holds no version of job {request.job!r}; wait "
                                   "for an announcement or ask another agent")
@@ -581,7 +677,11 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
     async def _pack_now(self, store: VersionStore, key: tuple) -> _Packed:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        packed = await loop.run_in_executor(self._store_thread, self._pack, store, key)
+        self._claim(key[0])  # a job dropped mid-pack would see its packed pull cached again
+        try:
+            packed = await loop.run_in_executor(self._store_thread, self._pack, store, key)
+        finally:
+            self._release(key[0])
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         self._packed[key] = packed
         while len(self._packed) > _PACKED_CACHE_ENTRIES:
