@@ -15,7 +15,14 @@ go on (the snapshot; the send runs in the background in both ways) and (b) ``hel
 agent holds the version. Prints the medians and the median ratio gather / shards with the spread
 over rounds (> 1: shards is faster). The model is a random-init Qwen3 shape, sized by flags.
 
+``--deltas``: the way the trainer publishes by default, in bf16 and as deltas (gather: rank 0's
+``Publisher``, encoding against the version it last published; shards: each rank against its
+own last shard), each way to its own job. Every round the ranks first take one SGD step (lr
+1e-4, one micro-batch of random tokens, untimed), which both ways then publish, so each version
+changes what one training step changes; the changed share of the elements is printed too.
+
     python bench/trainer_publish.py [--quick] [--zero-stage 2 3] [--hidden 768 --layers 8]
+                                    [--deltas]
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from rlharvest.services.trainer import ranks
     from rlharvest.services.trainer.backend import OptimConfig, make_backend
+    from rlharvest.services.trainer.rollout_client import Publisher
     from rlharvest.services.trainer.shard_publish import ShardTarget
     from rlharvest.services.transfer_agent import client
 
@@ -69,37 +77,68 @@ def worker(args: argparse.Namespace) -> None:
         ranks.follow(ranks.LocalRanks(backend), group)
         return
     leader = ranks.LeaderRanks(backend, None, group)
-    target = ShardTarget(args.agent, args.job, args.bucket_bytes, run=1)
+    dtype = torch.bfloat16 if args.deltas else None
+    jobs = {m: f"{args.job}-{m}" if args.deltas else args.job for m in MODES}
+    target = ShardTarget(args.agent, jobs["shards"], args.bucket_bytes, run=1, dtype=dtype,
+                         deltas=args.deltas)
+    publisher = Publisher(None, jobs["gather"], args.agent, args.bucket_bytes, deltas=True,
+                          dtype=dtype) if args.deltas else None
     times: dict[str, dict[str, list[float]]] = {m: {"blocked": [], "held": []} for m in MODES}
-    version = 0
+    changed: dict[str, list[float]] = {m: [] for m in MODES}
+    versions = dict.fromkeys(MODES, 0)
     for r in range(args.warmup + args.rounds):
+        if args.deltas:  # one training step per round, untimed: both ways publish its change
+            leader.backward(_batch(r, model.config.vocab_size))
+            leader.step(1.0)
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            version += 1
+            versions[mode] += 1
+            version = versions[mode]
             start = time.perf_counter()
             if mode == "gather":
                 tensors = leader.weights()
                 blocked = time.perf_counter() - start
-                asyncio.run(client.publish(args.agent, args.job, version, tensors,
-                                           bucket_bytes=args.bucket_bytes))
+                if publisher is not None:
+                    asyncio.run(publisher.publish(version, tensors))
+                else:
+                    asyncio.run(client.publish(args.agent, jobs[mode], version, tensors,
+                                               bucket_bytes=args.bucket_bytes))
+                stats = publisher.last_stats if publisher is not None else None
             else:
                 leader.publish_shards(version, target)
                 blocked = time.perf_counter() - start
                 if not leader.await_published(version):
                     raise RuntimeError(f"version {version} was not completed by the shards")
+                stats = leader.last_stats
             held = time.perf_counter() - start
             if r >= args.warmup:
                 times[mode]["blocked"].append(blocked)
                 times[mode]["held"].append(held)
+                if stats is not None and version > 1:
+                    changed[mode].append(stats.changed_fraction)
     nbytes = sum(t.numel() * t.element_size() for t in leader.weights().values())
     leader.close()
-    Path(args.out).write_text(json.dumps({"times": times, "bytes": nbytes}))
+    Path(args.out).write_text(json.dumps({"times": times, "bytes": nbytes, "changed": changed}))
+
+
+def _batch(seed: int, vocab: int):
+    """Two samples of random tokens: one micro-batch whose gradient moves every weight."""
+    import random
+
+    from rlharvest.services.trainer import ranks
+    from rlharvest.services.trainer.grpo import LossConfig
+
+    rng = random.Random(seed)
+    samples = tuple(ranks.Sample([rng.randrange(vocab) for _ in range(16)],
+                                 [rng.randrange(vocab) for _ in range(16)], None, adv)
+                    for adv in (1.0, -1.0))
+    return ranks.MicroBatch(samples, LossConfig(), 0, 32.0)
 
 
 def launch(args: argparse.Namespace, stage: int, agent: str, out: Path) -> dict:
     flags = [f"--stage={stage}", f"--agent={agent}", f"--job=publish-zero{stage}",
              f"--out={out}", f"--hidden={args.hidden}", f"--layers={args.layers}",
              f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-             f"--bucket-bytes={args.bucket_bytes}"]
+             f"--bucket-bytes={args.bucket_bytes}", *(["--deltas"] if args.deltas else [])]
     from rlharvest.services.launcher import child_environment
 
     env = child_environment({"OMP_NUM_THREADS": "1"})  # the ranks import this very checkout
@@ -113,7 +152,11 @@ def launch(args: argparse.Namespace, stage: int, agent: str, out: Path) -> dict:
 
 def report(stage: int, result: dict) -> None:
     times = result["times"]
-    print(f"ZeRO-{stage}, 2 ranks, {result['bytes'] / 1e6:.0f} MB per version:")
+    print(f"ZeRO-{stage}, 2 ranks, {result['bytes'] / 1e6:.0f} MB per version (fp32):")
+    for mode, fractions in result.get("changed", {}).items():
+        if fractions:
+            print(f"  {mode}: {100 * statistics.median(fractions):.2f}% of the elements changed "
+                  "per version (median)")
     for what in ("blocked", "held"):
         ratios = [g / s for g, s in zip(times["gather"][what], times["shards"][what])]
         print(f"  {what:8s} gather {1000 * statistics.median(times['gather'][what]):8.1f} ms   "
@@ -135,6 +178,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    parser.add_argument("--deltas", action="store_true",
+                        help="bf16 deltas, as the trainer publishes by default (module doc)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -147,7 +192,8 @@ def main() -> None:
     try:
         agent, _ = start_agent(stack, "publish-agent")
         print(f"random-init Qwen3 shape: hidden {args.hidden}, {args.layers} layers; "
-              f"{args.rounds} rounds after {args.warmup} warm-up{' (quick)' if args.quick else ''}")
+              f"{args.rounds} rounds after {args.warmup} warm-up{' (quick)' if args.quick else ''}"
+              f"{'; bf16 deltas after an SGD step' if args.deltas else '; dense, as held'}")
         with tempfile.TemporaryDirectory() as tmp:
             for stage in args.zero_stage:
                 report(stage, launch(args, stage, agent, Path(tmp) / f"zero{stage}.json"))
