@@ -22,7 +22,13 @@ import torch
 from rlharvest.common import keys, registry
 from rlharvest.common.aio import wait_event
 from rlharvest.services.transfer_agent import metrics
-from rlharvest.services.transfer_agent.client import PullError, PullResult, holders, pull
+from rlharvest.services.transfer_agent.client import (
+    DeltaApplyError,
+    PullError,
+    PullResult,
+    holders,
+    pull,
+)
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.replication import relay_source
 from rlharvest.services.transfer_agent.scatter_pull import Sender, scatter_pull
@@ -120,8 +126,17 @@ class Replicator:
         held_sums = await self.service.sums(job, base) if base is not None else {}
         link = "cross" if clusters[source] != self.cfg.cluster else "local"
         try:
-            result = await self._pull(job, version, source, clusters, having, held, base,
-                                      held_sums)
+            try:
+                result = await self._pull(job, version, source, clusters, having, held, base,
+                                          held_sums)
+            except DeltaApplyError as exc:
+                # Deltas against this agent's copy of the base that do not verify (its copy of
+                # that version differs from the source's): asking again would get the same
+                # deltas. The version whole needs no base.
+                log.warning("relay of job %s version %d: its deltas do not apply to the held "
+                            "version %s (%s); pulling it dense", job, version, base, exc)
+                result = await self._pull(job, version, source, clusters, having, None, None,
+                                          {})
         except (grpc.aio.AioRpcError, PullError) as exc:
             delay = self._backoff.failed(job, version, self._clock())
             log.warning("relay of job %s version %d from %s failed: %s; trying again in %.1fs",
