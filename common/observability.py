@@ -52,9 +52,13 @@ T = TypeVar("T")
 
 async def start_http(host: str, port: int, health: HealthCheck,
                      registry: CollectorRegistry = REGISTRY,
-                     on_scrape: Callable[[], None] | None = None) -> tuple[web.AppRunner, int]:
-    """Serve /metrics (Prometheus text) and /healthz (JSON from ``health``; 503 unless "ok").
-    ``on_scrape`` refreshes gauges that cost a walk over state: paid per scrape, not per event."""
+                     on_scrape: Callable[[], None] | None = None,
+                     ready: Callable[[], bool] | None = None) -> tuple[web.AppRunner, int]:
+    """Serve /metrics (Prometheus text), /healthz (JSON from ``health``; 503 unless "ok": is
+    the process alive and well) and, given ``ready``, /readyz (503 unless it says so: the
+    gRPC health's SERVING, for a probe that cannot speak gRPC health, as kubelet's under TLS:
+    a standby or a draining member is healthy but not ready). ``on_scrape`` refreshes gauges
+    that cost a walk over state: paid per scrape, not per event."""
 
     async def metrics(_: web.Request) -> web.Response:
         if on_scrape is not None:
@@ -66,17 +70,26 @@ async def start_http(host: str, port: int, health: HealthCheck,
         report = health()
         return web.json_response(report, status=200 if report.get("status") == "ok" else 503)
 
+    async def readyz(_: web.Request) -> web.Response:
+        serving = ready is not None and ready()
+        return web.json_response({"ready": serving}, status=200 if serving else 503)
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
+    if ready is not None:
+        app.router.add_get("/readyz", readyz)
     return await serve_app(app, host, port)
+
+
+_PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 @web.middleware
 async def _client_certificate_required(request: web.Request, handler):
-    """Under mutual TLS every path but ``/healthz`` (a kubelet probe presents no certificate)
+    """Under mutual TLS every path but the probes' (a kubelet probe presents no certificate)
     needs a client certificate, which the TLS handshake already checked against the CA."""
-    if request.path != "/healthz" and request.transport is not None and \
+    if request.path not in _PROBE_PATHS and request.transport is not None and \
             not request.transport.get_extra_info("peercert"):
         raise web.HTTPForbidden(text="a client certificate of the stack's CA is required")
     return await handler(request)

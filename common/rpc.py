@@ -51,8 +51,10 @@ class Server:
         self.health = health_servicer
         self.port = port
         self.service_names = service_names
+        self.serving = False  # what the health service says (also /readyz over HTTP)
 
     async def set_serving(self, serving: bool) -> None:
+        self.serving = serving
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ["", *self.service_names]:

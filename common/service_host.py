@@ -225,8 +225,9 @@ class Host(Generic[C]):
         self._server = await rpc.serve(
             self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],
             [s.name for s in parts.servicers], serving=False)
-        self._http, metrics_port = await start_http(cfg.host, cfg.metrics_port, parts.health,
-                                                    on_scrape=parts.on_scrape)
+        self._http, metrics_port = await start_http(
+            cfg.host, cfg.metrics_port, parts.health, on_scrape=parts.on_scrape,
+            ready=lambda: self._server is not None and self._server.serving)
         if parts.standby is not None:
             for loop in parts.loops:
                 self.start_loop(loop)

@@ -122,6 +122,27 @@ async def test_a_hosted_service_serves_health_reflection_and_http_and_registers(
     assert not listening(info["endpoint"]) and not listening(info["metrics"])
 
 
+async def test_readyz_answers_as_grpc_health_does_while_healthz_says_alive(
+        etcd_client, etcd_endpoint):
+    """A standby leader (serving=False until it leads) is alive but not ready: a probe that
+    cannot speak gRPC health (kubelet's, under TLS) must not route traffic to it."""
+    running = Running(spec(serving=False), etcd_endpoint)
+    info = await running.member(etcd_client)
+
+    async def statuses() -> tuple[int, int]:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://{info['metrics']}/healthz") as alive, \
+                    http.get(f"http://{info['metrics']}/readyz") as ready:
+                return alive.status, ready.status
+
+    assert await health_of(info["endpoint"]) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await statuses() == (200, 503)
+    await running.host.set_serving(True)  # it leads now
+    assert await statuses() == (200, 200)
+    running.signal()
+    assert await running.exit_code() == 0
+
+
 async def test_teardown_runs_once_in_order_after_a_signal(etcd_client, etcd_endpoint):
     seen: list[tuple] = []
     holder: dict[str, Host] = {}

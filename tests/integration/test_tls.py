@@ -125,6 +125,8 @@ async def test_with_mutual_tls_a_job_trains_and_only_peers_of_the_ca_in_their_ro
     assert refused_http.value.code == 403
     with urllib.request.urlopen(f"{base}/healthz", context=without_cert, timeout=5) as reply:
         assert reply.status == 200
+    with urllib.request.urlopen(f"{base}/readyz", context=without_cert, timeout=5) as reply:
+        assert reply.status == 200  # the leader: ready, and a probe needs no certificate
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext: no answer
         urllib.request.urlopen(f"http://127.0.0.1:{manager.metrics_port}/healthz", timeout=5)
 

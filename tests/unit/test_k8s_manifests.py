@@ -504,8 +504,9 @@ def test_service_configs_load_and_probes_hit_the_service_ports(tree: str, tmp_pa
             assert probe is not None, f"{where}: no {probe_name}"
             if "grpc" in probe:  # grpc.health.v1 on the service's gRPC port
                 assert probe["grpc"]["port"] == getattr(cfg, "port"), f"{where}: {probe_name}"
-            else:  # /healthz on the metrics port (common/observability.py)
-                assert probe["httpGet"]["path"] == "/healthz", f"{where}: {probe_name}"
+            else:  # /healthz (alive) or /readyz (ready) on the metrics port (observability.py)
+                path = "/readyz" if probe_name == "readinessProbe" else "/healthz"
+                assert probe["httpGet"]["path"] == path, f"{where}: {probe_name}"
                 assert ports.get(probe["httpGet"]["port"]) == getattr(cfg, "metrics_port"), (
                     f"{where}: {probe_name} port {probe['httpGet']['port']}")
         if not getattr(cfg, "tls_cert"):  # with TLS the kubelet's plaintext gRPC probe cannot
@@ -680,12 +681,15 @@ def test_tls_overlay_mounts_the_certificates_in_every_service():
 
 
 def test_tls_overlay_probes_health_over_https_without_a_client_certificate():
+    """Alive is /healthz; ready is /readyz, the gRPC health's SERVING (a standby leader or a
+    draining member is alive but not ready): the paths open without a client certificate."""
     for workload, container, _ in service_containers(rendered("tls")):
         name = workload["metadata"]["name"]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             get = container[probe].get("httpGet")
             assert get is not None and get["scheme"] == "HTTPS", f"{name}: {probe}"
-            assert get["path"] == "/healthz", f"{name}: {probe}"  # the one open path
+            want = "/readyz" if probe == "readinessProbe" else "/healthz"
+            assert get["path"] == want, f"{name}: {probe}"
 
 
 def test_spot_workers_only_run_on_spot_capacity():
