@@ -159,7 +159,7 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         if stack.ca is not None:
             console.print(f"  mutual TLS: CA {stack.ca.ca_path}; a client of etcd or of a "
                           "service needs a certificate it signed (the co-executor's OpenAI API "
-                          "stays plaintext)")
+                          "is HTTPS with a certificate it signed)")
         console.print(f"  rlharvest status --etcd {endpoint} {' '.join(operator)}".rstrip())
         if scraper is not None:
             console.print(f"  Prometheus at {scraper.url} (job 'rlharvest', every member)")

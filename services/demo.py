@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import sys
 import tempfile
@@ -132,7 +133,13 @@ class Run:
 
 
 def _start_stack(log_dir: Path, args: dict) -> Run:
+    """The demo's stack, its services started; stopped again when one fails to start."""
     stack = LocalStack(log_dir)
+    with stack.stopped_on_error():
+        return _start_services(stack, args)
+
+
+def _start_services(stack: LocalStack, args: dict) -> Run:
     stack.start_etcd()
     common = ["--lease-ttl", "2", "--json-logs"]
     stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *common])
@@ -437,10 +444,10 @@ def plot_run(status: tpb.TrainerStatus, events: dict[int, list[str]], path: Path
 
 def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: Path,
                  plot_name: str, title: str | None = None,
-                 serving: dict[int, StepServing] | None = None) -> None:
-    """The plot and ``steps.json`` (one object per step) under ``out``."""
+                 serving: dict[int, StepServing] | None = None) -> str:
+    """``steps.json`` (one object per step) and the plot under ``out``; says where they are.
+    The plot needs matplotlib (the ``dev`` extra): a plain install writes the steps alone."""
     out.mkdir(parents=True, exist_ok=True)
-    plot_run(status, events, out / plot_name, *([title] if title else []))
     rows = []
     for s in status.steps:
         row = {"step": s.step, "weight_version": s.weight_version, "reward": s.mean_reward,
@@ -455,6 +462,10 @@ def write_report(status: tpb.TrainerStatus, events: dict[int, list[str]], out: P
                        harvested_tokens=served.harvested_tokens)
         rows.append(row)
     (out / "steps.json").write_text(json.dumps(rows, indent=1))
+    if importlib.util.find_spec("matplotlib") is None:
+        return f"steps in {out / 'steps.json'} (no plot: matplotlib is not installed)"
+    plot_run(status, events, out / plot_name, *([title] if title else []))
+    return f"plot {out / plot_name}, steps in {out / 'steps.json'}"
 
 
 @app.command()
@@ -516,13 +527,15 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                   f"{workers} workers (1 spot), spot preempted in steps {preempt_at or 'none'}; "
                   f"logs in {log_dir}")
     started = time.monotonic()
-    run = _start_stack(log_dir, dict(workers=workers, steps=steps, prompts=prompts,
-                                     samples=samples, lr=lr, backend=backend, max_running=max_running,
-                                     step_delay_s=step_delay_s,
-                                     spot_step_delay_s=spot_step_delay_s,
-                                     coexecutor=coexecutor, serving_rps=serving_rps,
-                                     tail_batching=tail_batching, seed_role=seed_role,
-                                     kill_manager_at=kill_manager_at))
+    try:
+        run = _start_stack(log_dir, dict(
+            workers=workers, steps=steps, prompts=prompts, samples=samples, lr=lr,
+            backend=backend, max_running=max_running, step_delay_s=step_delay_s,
+            spot_step_delay_s=spot_step_delay_s, coexecutor=coexecutor, serving_rps=serving_rps,
+            tail_batching=tail_batching, seed_role=seed_role, kill_manager_at=kill_manager_at))
+    except (TimeoutError, RuntimeError) as exc:  # a service never came up: stopped already
+        console.print(f"[bold red]demo failed[/]: {exc}; logs in {log_dir}")
+        raise typer.Exit(1) from None
     failover = ""
     try:
         status = asyncio.run(drive(run, schedule, steps, timeout))
@@ -538,14 +551,14 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
         raise typer.Exit(1)
     serving = run.serving.steps if run.serving is not None else None
     console.print(step_table(status, run.events, serving=serving))
-    write_report(status, run.events, out, "demo.png", serving=serving)
+    report = write_report(status, run.events, out, "demo.png", serving=serving)
     rewards = [s.mean_reward for s in status.steps]
     failure = rise_failure(rewards, min_rise)
     if len(rewards) >= 2:
         first, last, k = reward_ends(rewards)
         console.print(f"reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k}); "
                       f"{sum(s.migrations for s in status.steps)} migrations; "
-                      f"{time.monotonic() - started:.0f}s in all; plot: {out / 'demo.png'}")
+                      f"{time.monotonic() - started:.0f}s in all; {report}")
     if failover:
         console.print(failover)
     elif kill_manager_at:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,16 @@ class LocalStack:
     # Single-rank services are forked from this server (imports done once) when the
     # environment allows it; see fork_server.py. Without one, each is a fresh interpreter.
     fork_server: ForkServer | None = None
+
+    @contextlib.contextmanager
+    def stopped_on_error(self) -> Iterator[LocalStack]:
+        """Stop everything started so far when the block raises (a service that never became
+        healthy, Ctrl-C): a stack half started is not left running behind the caller."""
+        try:
+            yield self
+        except BaseException:
+            self.stop()
+            raise
 
     def start_etcd(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,21 @@ async def replay(url: str, model: str, trace: list[TraceRequest], *, max_request
         return list(await asyncio.gather(*(at_time(r) for r in chosen)))
 
 
+def load_trace(trace: str, *, seconds: float, rps: float, density: float, seed: int,
+               time_scale: float, length_scale: float, max_len: int) -> list:
+    """The requests to replay: a synthetic trace, or an Azure-format CSV replayed
+    ``time_scale`` times faster; ``density`` multiplies the arrival rate of either."""
+    if density <= 0:
+        raise TraceError(f"density must be > 0, got {density:g}")
+    if trace == "synthetic":
+        return synthetic(seconds, rps, seed=seed, density=density, max_tokens=max_len,
+                         prompt_median=max_len // 4, output_median=max_len // 8)
+    # A rate density times higher: arrival times density times closer (read_azure_csv divides
+    # them by its time_scale).
+    return read_azure_csv(trace, time_scale=time_scale * density, length_scale=length_scale,
+                          max_tokens=max_len)
+
+
 app = typer.Typer(add_completion=False, help=__doc__.split("\n\n")[0])
 
 
@@ -142,12 +157,8 @@ def main(url: str = typer.Option("http://127.0.0.1:8000", help="the server's bas
          out: Optional[Path] = typer.Option(None, help="write the report and every request "
                                             "as JSON")) -> None:
     try:
-        if trace == "synthetic":
-            requests = synthetic(seconds, rps, seed=seed, density=density, max_tokens=max_len,
-                                 prompt_median=max_len // 4, output_median=max_len // 8)
-        else:
-            requests = read_azure_csv(trace, time_scale=time_scale / density,
-                                      length_scale=length_scale, max_tokens=max_len)
+        requests = load_trace(trace, seconds=seconds, rps=rps, density=density, seed=seed,
+                              time_scale=time_scale, length_scale=length_scale, max_len=max_len)
     except (TraceError, OSError) as exc:
         typer.echo(f"rlharvest-loadgen: {exc}", err=True)
         raise typer.Exit(2) from None

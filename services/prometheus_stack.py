@@ -144,7 +144,11 @@ class LocalPrometheus:
                 [binary, f"--config.file={config}", f"--storage.tsdb.path={self.directory / 'data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready(ready_timeout)
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:  # never ready (or Ctrl-C): it must not outlive the caller
+            self.stop()
+            raise
         return self
 
     def _wait_ready(self, timeout: float) -> None:

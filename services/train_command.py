@@ -58,7 +58,14 @@ def preflight(cfg: TrainerConfig) -> Checked:
 
 def _start(log_dir: Path, cfg: TrainerConfig, checked: Checked, workers: int, max_running: int,
            trainer_flags: list[str]) -> Run:
+    """The local stack, its services started; stopped again when one fails to start."""
     stack = LocalStack(log_dir)
+    with stack.stopped_on_error():
+        return _start_services(stack, cfg, checked, workers, max_running, trainer_flags)
+
+
+def _start_services(stack: LocalStack, cfg: TrainerConfig, checked: Checked, workers: int,
+                    max_running: int, trainer_flags: list[str]) -> Run:
     stack.start_etcd()
     common = ["--lease-ttl", "2", "--json-logs"]
     stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *common])
@@ -143,7 +150,11 @@ def train(model: str = typer.Option(..., help="a local HF checkpoint directory (
                   f"{checked.longest_prompt} tokens); {steps} steps of {prompts}x{samples}, "
                   f"{workers} workers; logs in {log_dir}")
     started = time.monotonic()
-    run = _start(log_dir, cfg, checked, workers, max_running, trainer_flags(cfg))
+    try:
+        run = _start(log_dir, cfg, checked, workers, max_running, trainer_flags(cfg))
+    except (TimeoutError, RuntimeError) as exc:  # a service never came up: stopped already
+        console.print(f"[bold red]cannot train[/]: {exc}; logs in {log_dir}")
+        raise typer.Exit(1) from None
     try:
         status = asyncio.run(drive(run, PreemptionSchedule((), 1), steps, timeout or float("inf")))
     except (TimeoutError, RuntimeError) as exc:
@@ -156,6 +167,6 @@ def train(model: str = typer.Option(..., help="a local HF checkpoint directory (
         raise typer.Exit(1)
     title = f"GRPO: {Path(model).name} on {data.name}"
     console.print(step_table(status, run.events, title=title))
-    write_report(status, run.events, out, "train.png", title)
+    report = write_report(status, run.events, out, "train.png", title)
     console.print(f"done in {time.monotonic() - started:.0f}s: checkpoints in {out / 'checkpoints'}"
-                  f", curves in {cfg.tensorboard_dir}, plot {out / 'train.png'}")
+                  f", curves in {cfg.tensorboard_dir}, {report}")

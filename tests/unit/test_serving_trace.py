@@ -55,3 +55,16 @@ def test_bad_trace_files_and_settings_are_refused_with_the_place(tmp_path):
         read_azure_csv(broken)
     with pytest.raises(TraceError, match="peak_to_mean"):
         synthetic(60, 1.0, peak_to_mean=2.5)
+
+
+def test_loadgen_density_multiplies_the_arrival_rate_of_a_trace_file(tmp_path):
+    from rlharvest.services.loadgen import load_trace
+
+    path = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2024-05-10 00:00:{10 * i:02d}.0,100,20\n" for i in range(5)))
+    given = dict(seconds=0, rps=0, seed=0, time_scale=1.0, length_scale=1.0, max_len=1024)
+    assert [r.arrival for r in load_trace(str(path), density=1, **given)] == [0, 10, 20, 30, 40]
+    assert [r.arrival for r in load_trace(str(path), density=2, **given)] == [0, 5, 10, 15, 20]
+    with pytest.raises(TraceError, match="density must be > 0"):
+        load_trace(str(path), density=0, **given)

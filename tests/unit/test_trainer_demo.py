@@ -117,3 +117,19 @@ def test_the_placed_demos_table_has_a_row_per_step_and_two_columns_per_job() -> 
     console = Console(width=120, record=True)
     console.print(table)
     assert "0.200" in console.export_text()  # job-a's third step; job-b has none there
+
+
+def test_without_matplotlib_the_report_writes_the_steps_and_says_there_is_no_plot(
+        monkeypatch, tmp_path) -> None:
+    """matplotlib is in the dev extra only: `rlharvest train` on a plain install must finish
+    with its steps.json, not die at the plot after training."""
+    real = demo.importlib.util.find_spec
+    monkeypatch.setattr(demo.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    status = tpb.TrainerStatus(state="done", steps=[tpb.StepSummary(step=1, mean_reward=0.5)])
+    said = demo.write_report(status, {}, tmp_path, "train.png")
+    assert "no plot: matplotlib is not installed" in said
+    assert (tmp_path / "steps.json").is_file() and not (tmp_path / "train.png").exists()
+    monkeypatch.undo()
+    assert "plot" in demo.write_report(status, {}, tmp_path, "train.png")  # with it: the plot
+    assert (tmp_path / "train.png").is_file()
