@@ -66,6 +66,8 @@ from rlharvest.services.rollout_worker.sampling import (
 )
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 def kv_page_bytes(model: str, page_tokens: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes a KV page of ``page_tokens`` tokens takes for ``model`` (a preset or checkpoint)."""
     cfg = decoder_config(model)
@@ -177,12 +179,14 @@ def validate_request(request: EngineRequest, vocab_size: int, max_len: int) -> N
     if not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
         raise EngineInputError(f"request {rid}: max_tokens must be a positive int, got "
                                f"{sp.max_tokens!r}")
-    if not (sp.temperature >= 0 and math.isfinite(sp.temperature)):  # also refuses NaN
-        raise EngineInputError(f"request {rid}: temperature must be finite and >= 0 "
+    # The sampling rows are float32 and int64 tensors: a value they cannot hold would raise in
+    # the engine's step, ending it for every request (an API caller's temperature of 1e300).
+    if not (0 <= sp.temperature <= _FLOAT32_MAX):  # also refuses NaN and infinities
+        raise EngineInputError(f"request {rid}: temperature must be in [0, {_FLOAT32_MAX:.3g}] "
                                f"(0 = greedy), got {sp.temperature!r}")
     if not 0 < sp.top_p <= 1:
         raise EngineInputError(f"request {rid}: top_p must be in (0, 1], got {sp.top_p!r}")
-    if not isinstance(sp.top_k, int) or sp.top_k < 0:
+    if not isinstance(sp.top_k, int) or isinstance(sp.top_k, bool) or not 0 <= sp.top_k < 2**63:
         raise EngineInputError(f"request {rid}: top_k must be an int >= 0 (0 = no cut), got "
                                f"{sp.top_k!r}")
     if not isinstance(sp.seed, int):
