@@ -85,7 +85,7 @@ class ServiceProcess:
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.kill()  # its whole group: a launcher's ranks must not outlive it
         return self.process.wait()  # at once: it has exited
 
     def log_tail(self, lines: int = 40) -> str:

@@ -134,7 +134,13 @@ def test_systemd_unit_is_well_formed(unit: Path):
     config_file = _check_command(argv)
     example = ROOT / "deploy" / (Path(config_file).name.replace(".toml", ".example.toml"))
     assert example.is_file(), f"no example for {config_file}"
-    load_config(CONFIGS[unit.stem], example)  # the example config itself must load
+    cfg = load_config(CONFIGS[unit.stem], example)  # the example config itself must load
+    # A directory the service writes under /var/lib must exist and be its user's on a fresh
+    # host: systemd makes it from StateDirectory= (relative to /var/lib).
+    states = {f"/var/lib/{d}" for d in service.get("StateDirectory", "").split()}
+    for name, value in cfg.model_dump().items():
+        if name.endswith("_dir") and isinstance(value, str) and value.startswith("/var/lib/"):
+            assert value in states, f"{unit.name}: {name} {value} has no StateDirectory="
 
 
 def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
