@@ -214,6 +214,7 @@ def test_placement_flags_are_refused_with_one_duration_or_with_the_seed_role() -
 @pytest.mark.parametrize("flags, words", [
     (["--jobs", "2"], "add --placement-scheduler"),
     (["--jobs", "2", "--placement-scheduler", "--spot", "1"], "drop --spot"),
+    (["--jobs", "2", "--placement-scheduler", "--no-manager"], "drop --no-manager"),
     (["--jobs", "2", "--placement-scheduler", "--workers", "0"], "at least one rollout worker"),
 ])
 def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None:
