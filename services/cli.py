@@ -94,7 +94,7 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         raise typer.BadParameter("several jobs share the workers only under the placement "
                                  "scheduler; add --placement-scheduler", param_hint="--jobs")
     if jobs > 1 and not manager:  # each placed job needs its own manager
-        raise typer.BadParameter("--jobs starts a rollout manager per job; drop --no-manager",
+        raise typer.BadParameter("each job needs a manager: drop --no-manager",
                                  param_hint="--jobs")
     if jobs > 1 and (spot or spot_trace or coexecutors):
         raise typer.BadParameter("--jobs runs dedicated workers placed on rollout nodes; drop "
