@@ -173,6 +173,34 @@ def test_a_candidate_sees_only_its_directory_and_the_interpreter(tmp_path) -> No
     assert "'usr'" in seen and "'home'" not in seen and "'etc'" not in seen, seen
 
 
+@pytest.mark.parametrize("replace", [
+    "os.mkfifo('stdout')",  # opening it with no writer blocked the reward's thread for good
+    "os.symlink('/etc/hostname', 'stdout')",  # the trainer would read a host file as output
+])
+def test_a_candidate_replacing_its_output_file_gets_a_runtime_error_not_the_trainer(
+        replace: str) -> None:
+    code = f"import os\nos.remove('stdout')\n{replace}\n"
+    result = run_case(code, StdioCase("swap", "", ""), SandboxLimits(wall_s=3, cpu_s=3))
+    assert result.status == "runtime_error", result
+    assert "replaced its output file" in result.detail
+
+
+def test_a_candidate_cannot_open_kernel_settings_for_writing_even_as_root() -> None:
+    """procfs grants uid 0 writes to /proc/sys by file mode, without a capability: a trainer
+    run as root (no user namespace) must still not hand the candidate kernel.core_pattern."""
+    code = ("import os\n"
+            "for p in ('/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches',\n"
+            "          '/proc/sysrq-trigger'):\n"
+            "    try:\n"
+            "        os.close(os.open(p, os.O_WRONLY))\n"
+            "        print('writable', p)\n"
+            "    except OSError:\n"
+            "        print('refused')\n")
+    result = run_case(code, StdioCase("sysctl", "", "refused\nrefused\nrefused"),
+                      SandboxLimits(wall_s=10, cpu_s=5))
+    assert result.status == "passed", result.detail
+
+
 def test_a_candidate_holds_no_capability_so_it_can_neither_chroot_out_nor_remount() -> None:
     code = ("import os, subprocess\n"
             "os.mkdir('up')\n"

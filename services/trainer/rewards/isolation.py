@@ -53,7 +53,11 @@ for path in ["/usr"] + ([] if prefix == "/usr" else [prefix]):
 os.makedirs(root + workdir)
 run("mount", "--bind", workdir, root + workdir)
 os.makedirs(root + "/proc")
-run("mount", "-t", "proc", "proc", root + "/proc")
+# Read-only: procfs lets uid 0 write sysctls (/proc/sys) and /proc/sysrq-trigger by file mode,
+# with no capability, and /proc/sys is the host's outside the net and UTS namespaces. A trainer
+# run as root (no user namespace) would hand a candidate kernel.core_pattern (a command run as
+# root on the host at the next crash dump).
+run("mount", "-t", "proc", "-o", "ro,nosuid,nodev,noexec", "proc", root + "/proc")
 os.makedirs(root + "/dev")
 for node in ("null", "zero", "urandom"):
     open(root + "/dev/" + node, "w").close()

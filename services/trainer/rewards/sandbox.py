@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -162,8 +163,12 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         if not finished:
             return CaseResult(case.case_id, "timeout", elapsed,
                               f"exceeded the {limits.wall_s:.3g}s wall-clock limit")
-        out = _read_text(files["stdout"], limits.output_bytes + 1)
-        err = _read_text(files["stderr"], 64 * 1024)
+        try:
+            out = _read_text(files["stdout"], limits.output_bytes + 1)
+            err = _read_text(files["stderr"], 64 * 1024)
+        except _ReplacedOutput as exc:
+            return CaseResult(case.case_id, "runtime_error", elapsed,
+                              f"the program replaced its output file ({exc})")
     if len(out) > limits.output_bytes:
         return CaseResult(case.case_id, "runtime_error", elapsed,
                           f"printed more than {limits.output_bytes} bytes")
@@ -187,10 +192,22 @@ def _wait_unreaped(pid: int, timeout_s: float) -> bool:
     return True
 
 
+class _ReplacedOutput(Exception):
+    """The program put something else than a file at its stdout or stderr path."""
+
+
 def _read_text(path: str, limit: int) -> str:
-    # Bytes, then a lenient decode: a candidate printing invalid UTF-8 is a wrong answer, not a
-    # crash of the reward function.
-    with open(path, "rb") as f:
+    # The work directory is the candidate's: the path may now be a FIFO (an open would block
+    # this thread for good), a symlink to a host file the trainer may read, or gone. Only the
+    # regular file the sandbox made is read. Bytes, then a lenient decode: a candidate printing
+    # invalid UTF-8 is a wrong answer, not a crash of the reward function.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise _ReplacedOutput(f"{os.path.basename(path)}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _ReplacedOutput(f"{os.path.basename(path)} is no longer a file")
         return f.read(limit).decode("utf-8", errors="replace")
 
 
