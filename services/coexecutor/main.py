@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 from aiohttp import web
@@ -156,7 +157,9 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
 
     lending = LentRollout(service, lambda: host.membership, puller,
                           lambda: dual.memory.recent_serving_share, job=cfg.job or None)
-    loops = [Loop("engine", service.run_engine)]
+    # The backend runs the loop of the pump it shares: when it ends (shutdown, a crash) the
+    # requests waiting on it fail at once rather than when the HTTP server is torn down.
+    loops = [Loop("engine", partial(backend.run_shared_pump, service.run_engine))]
     if cfg.job:  # pinned: lent from the start, for good
         lending.start_pulling()
     else:

@@ -6,10 +6,16 @@ in ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk), ``GET
 extensions, and ``seed``. Works with the official ``openai`` client
 (tests/integration/test_openai_api.py).
 
+Without ``max_tokens`` (``max_completion_tokens`` wins when both are given, as in vLLM) a
+completion is 16 tokens and a chat answer the rest of the context. Streamed text is decoded
+incrementally (``IncrementalDecoder``), so it equals the whole answer's.
+
 Bad input gets a 400 whose message names the field (malformed JSON, wrong types, an unknown
-model, an empty prompt, prompt + max_tokens over the context, max_tokens <= 0, a NaN or negative
-temperature, top_p outside (0, 1], n > 1, stop strings); a body over ``max_body_bytes`` a 413;
-a full server a 503 with ``Retry-After`` (serving is never shed for rollout). Errors use
+model, an empty or unencodable prompt, prompt + max_tokens over the context, max_tokens <= 0, a
+NaN or negative temperature, top_p outside (0, 1], n > 1, stop strings, stop_token_ids not
+ids of the vocabulary); a body over ``max_body_bytes`` a 413; a full server a 503 with
+``Retry-After`` (serving is never shed for rollout), and so does a stopped engine (a stream
+already under way gets an error event instead). Every error, a bug's 500 included, uses
 OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``. A client that disconnects
 aborts its request; a slow SSE reader never blocks the engine (``serving_backend.py``).
 """
@@ -18,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +44,16 @@ from rlharvest.services.coexecutor.serving_backend import (
     Generation,
     ServingParams,
     ServingQueueFull,
+    ServingStopped,
 )
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _MAX_BODY = web.AppKey("max_body_bytes", int)
-_DEFAULT_MAX_TOKENS = 16
+# Without max_tokens a completion is 16 tokens and a chat answer may fill the rest of the
+# context, as with OpenAI and vLLM.
+_COMPLETION_MAX_TOKENS = 16
 
 
 class BadRequest(InvalidArgument):
@@ -86,11 +98,15 @@ def make_app(backend: EngineServingBackend, tokenizer: ModelTokenizer,
     return app
 
 
+def error_body(message: str, param: str | None = None,
+               kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    kind: str = "invalid_request_error") -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(message, param, kind), status=status, headers=headers)
 
 
 @web.middleware
@@ -111,6 +127,9 @@ async def _errors(request: web.Request,
     except ServingQueueFull as exc:
         outcome = "overloaded"
         return error_response(503, str(exc), kind="server_overloaded")
+    except ServingStopped as exc:  # shutting down, or the engine failed: try another replica
+        outcome = "unavailable"
+        return error_response(503, str(exc), kind="service_unavailable")
     except web.HTTPRequestEntityTooLarge:
         outcome = "too_large"
         return error_response(413, f"the request body is over {request.app[_MAX_BODY]} "
@@ -122,6 +141,9 @@ async def _errors(request: web.Request,
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "aborted"  # the client went away
         raise
+    except Exception as exc:  # a bug: still OpenAI's shape, so clients parse it as an error
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(500, f"internal error: {exc!r}", kind="server_error")
     finally:
         metrics.REQUESTS.labels(outcome).inc()
 
@@ -146,7 +168,10 @@ class _Api:
         if isinstance(prompt, str):
             if not prompt:  # a tokenizer may still add BOS: an empty text is no prompt
                 raise BadRequest("the prompt is empty", "prompt")
-            ids = self._tok.encode(prompt)
+            try:
+                ids = self._tok.encode(prompt)
+            except (TokenizerError, ValueError, TypeError) as exc:  # text it cannot encode
+                raise BadRequest(f"prompt: {exc}", "prompt") from None
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                               for t in prompt):
             ids = list(prompt)
@@ -175,7 +200,7 @@ class _Api:
 
     async def _answer(self, request: web.Request, body: dict[str, Any], ids: list[int],
                       shape: _Shape) -> web.StreamResponse:
-        parsed = self._parse(body, ids)
+        parsed = self._parse(body, ids, shape)
         head = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self._config.model}
         if parsed.stream:
@@ -185,19 +210,13 @@ class _Api:
                                   "choices": [_choice(shape.content(text), reason)],
                                   "usage": _usage(len(ids), count)})
 
-    def _parse(self, body: dict[str, Any], ids: list[int]) -> _Request:
+    def _parse(self, body: dict[str, Any], ids: list[int], shape: _Shape) -> _Request:
         if body.get("model") != self._config.model:
             raise BadRequest(f"model {body.get('model')!r} is not served here; this server "
                              f"serves {self._config.model!r} (GET /v1/models)", "model")
         if not ids:
-            raise BadRequest("the prompt is empty", "prompt" if "prompt" in body else "messages")
-        max_tokens = _integer(body, "max_tokens", _DEFAULT_MAX_TOKENS, "max_completion_tokens")
-        if max_tokens <= 0:
-            raise BadRequest(f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
-        if len(ids) + max_tokens > self._config.context_len:
-            raise BadRequest(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) is "
-                             f"over the model's context of {self._config.context_len} tokens",
-                             "max_tokens")
+            raise BadRequest("the prompt is empty", shape.prompt_param)
+        max_tokens = self._max_tokens(body, ids, shape)
         temperature = _number(body, "temperature", 1.0)
         if temperature < 0:
             raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
@@ -213,9 +232,7 @@ class _Api:
             raise BadRequest(f"min_tokens must be in [0, max_tokens], got {min_tokens}",
                              "min_tokens")
         stops = () if _flag(body, "ignore_eos") else tuple(self._tok.stop_ids)
-        extra = body.get("stop_token_ids") or []
-        if not isinstance(extra, list) or not all(isinstance(t, int) for t in extra):
-            raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+        extra = self._stop_token_ids(body)
         seed = _integer(body, "seed", uuid.uuid4().int & 0x7FFFFFFF)
         sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                   stop_token_ids=tuple(dict.fromkeys([*stops, *extra])),
@@ -225,6 +242,39 @@ class _Api:
             raise BadRequest("stream_options must be an object", "stream_options")
         return _Request(ids, ServingParams(sampling, min_tokens), _flag(body, "stream"),
                         bool(options.get("include_usage")))
+
+    def _max_tokens(self, body: dict[str, Any], ids: list[int], shape: _Shape) -> int:
+        # max_completion_tokens (OpenAI's newer name) wins over max_tokens, as in vLLM; errors
+        # name the one the client gave.
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        context = self._config.context_len
+        if body.get(key) is None and shape.default_max_tokens is None:
+            if len(ids) >= context:  # the rest of the context, and there is none
+                raise BadRequest(f"the prompt ({len(ids)} tokens) fills the model's context of "
+                                 f"{context} tokens", shape.prompt_param)
+            return context - len(ids)
+        max_tokens = _integer(body, key, shape.default_max_tokens or 0)
+        if max_tokens <= 0:
+            raise BadRequest(f"{key} must be > 0, got {max_tokens}", key)
+        if len(ids) + max_tokens > context:
+            raise BadRequest(f"the prompt ({len(ids)} tokens) plus {key} ({max_tokens}) is "
+                             f"over the model's context of {context} tokens", key)
+        return max_tokens
+
+    def _stop_token_ids(self, body: dict[str, Any]) -> list[int]:
+        extra = body.get("stop_token_ids")
+        if extra is None:
+            return []
+        if not isinstance(extra, list):
+            raise BadRequest("stop_token_ids must be a list of token ids, got "
+                             f"{type(extra).__name__}", "stop_token_ids")
+        vocab = self._tok.vocab_size
+        for i, token in enumerate(extra):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise BadRequest(f"stop_token_ids[{i}] = {token!r} is not a token id in "
+                                 f"[0, {vocab})", "stop_token_ids")
+        return extra
 
     async def _collect(self, parsed: _Request) -> tuple[str, str, int]:
         tokens: list[int] = []
@@ -247,11 +297,30 @@ class _Api:
         await response.prepare(request)
         head = {**head, "object": shape.chunk_object}
         count = 0
+        text = IncrementalDecoder(self._tok)
         try:
-            async for i, step in _numbered(first, steps):
-                count += len(step.token_ids)
-                delta = shape.delta(self._tok.decode(step.token_ids), i == 0)
-                await _send(response, {**head, "choices": [_choice(delta, step.finish_reason)]})
+            try:
+                async for i, step in _numbered(first, steps):
+                    count += len(step.token_ids)
+                    piece = text.add(step.token_ids)
+                    if step.finish_reason is not None:
+                        piece += text.flush()
+                    delta = shape.delta(piece, i == 0)
+                    await _send(response, {**head, "choices": [_choice(delta,
+                                                                       step.finish_reason)]})
+            except ConnectionResetError:
+                raise  # the client went away: nobody to tell
+            except Exception as exc:
+                # The status is sent: the error goes as an event (as vLLM does), which the
+                # openai client raises as an APIError, rather than as a cut connection.
+                if isinstance(exc, ServingStopped):
+                    error = error_body(str(exc), kind="service_unavailable")
+                else:
+                    log.exception("streaming %s failed", request.path)
+                    error = error_body(f"internal error: {exc!r}", kind="server_error")
+                await _send(response, error)
+                await response.write(b"data: [DONE]\n\n")
+                return response
             if parsed.include_usage:
                 await _send(response, {**head, "choices": [],
                                        "usage": _usage(len(parsed.prompt_ids), count)})
@@ -259,6 +328,39 @@ class _Api:
         finally:
             await steps.aclose()  # a client gone mid-stream aborts its request
         return response
+
+
+class IncrementalDecoder:
+    """A stream's text, piece by piece, equal when joined to the whole answer decoded at once.
+
+    A byte-level BPE spreads one character over several tokens (é, ✓, CJK, emoji), and a
+    token decoded on its own is then U+FFFD. As vLLM's detokenizer does, each piece is the text
+    of a window of recent tokens less that of the window without the new ones, and a piece that
+    ends in an incomplete character waits for the tokens that complete it (``flush`` at the
+    end hands over whatever is left)."""
+
+    def __init__(self, tokenizer: ModelTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # the window's start: context, so a piece's leading space is right
+        self._read = 0  # tokens up to here are handed over as text
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        before, text = self._texts()
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character whose remaining bytes come later
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        before, text = self._texts()
+        self._prefix = self._read = len(self._ids)
+        return text[len(before):]
+
+    def _texts(self) -> tuple[str, str]:
+        window = self._ids[self._prefix:]
+        return self._tok.decode(window[:self._read - self._prefix]), self._tok.decode(window)
 
 
 async def _numbered(first: Generation, rest: AsyncIterator[Generation]
@@ -288,19 +390,22 @@ def _chat_delta(text: str, first: bool) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Shape:
-    """How one endpoint's answers look (OpenAI's completion or chat objects): the object
-    names, the id prefix, a whole answer's choice fields and a streamed chunk's."""
+    """How one endpoint's requests and answers look (OpenAI's completion or chat objects): the
+    object names, the id prefix, the default max_tokens, the field that holds the prompt, a
+    whole answer's choice fields and a streamed chunk's."""
 
     object: str
     chunk_object: str
     id_prefix: str
+    default_max_tokens: int | None  # None: the rest of the context
+    prompt_param: str
     content: Callable[[str], dict[str, Any]]
     delta: Callable[[str, bool], dict[str, Any]]  # (text, first chunk?)
 
 
-_COMPLETION = _Shape("text_completion", "text_completion", "cmpl",
-                     lambda text: {"text": text}, lambda text, first: {"text": text})
-_CHAT = _Shape("chat.completion", "chat.completion.chunk", "chatcmpl",
+_COMPLETION = _Shape("text_completion", "text_completion", "cmpl", _COMPLETION_MAX_TOKENS,
+                     "prompt", lambda text: {"text": text}, lambda text, first: {"text": text})
+_CHAT = _Shape("chat.completion", "chat.completion.chunk", "chatcmpl", None, "messages",
                lambda text: {"message": {"role": "assistant", "content": text}}, _chat_delta)
 
 
@@ -331,8 +436,8 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _integer(body: dict[str, Any], key: str, default: int, alias: str = "") -> int:
-    value = body.get(key, body.get(alias) if alias else None)
+def _integer(body: dict[str, Any], key: str, default: int) -> int:
+    value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):

@@ -20,12 +20,12 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, cast
 
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, RequestOutput, SamplingParams
-from rlharvest.common.errors import InvalidArgument, ResourceExhausted
+from rlharvest.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from rlharvest.common.pb import common_pb2
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.common.worker_core.engine_pump import EnginePump, EngineStep
@@ -47,6 +47,10 @@ class ServingQueueFull(ResourceExhausted):
     """More requests wait than ``max_waiting``: answer 503 with Retry-After, shed nothing."""
 
 
+class ServingStopped(Unavailable):
+    """The engine stopped (shutdown) or failed: the request cannot be served here (a 503)."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """Tokens a request produced since the last one, and why it ended (None: it goes on)."""
@@ -63,8 +67,9 @@ class ServingParams:
 
 class EngineServingBackend:
     """Serves on ``engine``, stepped by a pump of its own — or, given ``pump``, by that one
-    (the co-executor's, which steps both models): adds and aborts then go through it and the
-    outputs come back through ``deliver``."""
+    (the co-executor's, which steps both models): adds and aborts then go through it, the
+    outputs come back through ``deliver``, and its owner runs its loop through
+    ``run_shared_pump`` so that the pump's end fails the requests waiting on it."""
 
     def __init__(self, engine: Submitter, *, max_waiting: int = 256,
                  pump: EnginePump | None = None,
@@ -97,12 +102,30 @@ class EngineServingBackend:
     def running(self) -> bool:
         return self._shared_running or (self._task is not None and not self._task.done())
 
+    async def run_shared_pump(self, run: Callable[[], Awaitable[None]]) -> None:
+        """Run the shared pump's loop (``run``, its owner's) as the owner's engine loop. However
+        it ends (cancelled at shutdown, or the engine failed), the requests waiting on it fail
+        at once and new ones are refused: nothing would ever step them again."""
+        self._shared_running = True
+        reason = "the serving engine stopped"
+        try:
+            await run()
+        except Exception as exc:
+            reason = f"the serving engine failed: {exc!r}"
+            raise
+        finally:
+            self._stopped(reason)
+
     def _engine_stopped(self, task: asyncio.Task) -> None:
-        """A broken engine fails every request in flight instead of leaving them waiting."""
-        error = RuntimeError("the serving engine stopped" if task.cancelled() else
-                             f"the serving engine failed: {task.exception()!r}")
+        self._stopped("the serving engine stopped" if task.cancelled() else
+                      f"the serving engine failed: {task.exception()!r}")
+
+    def _stopped(self, reason: str) -> None:
+        """A stopped or broken engine fails every request in flight instead of leaving them
+        waiting, and refuses new ones."""
+        self._shared_running = False
         for queue in self._streams.values():
-            queue.put_nowait(error)
+            queue.put_nowait(ServingStopped(reason))
 
     async def close(self) -> None:
         self._shared_running = False
@@ -117,7 +140,7 @@ class EngineServingBackend:
         """The request's tokens as the engine produces them; closing the iterator early (the
         client went away) aborts the request."""
         if not self.running:
-            raise RuntimeError("the serving engine is not running")
+            raise ServingStopped("the serving engine is not running")
         if len(self._streams) >= self._max_waiting:
             raise ServingQueueFull(f"{len(self._streams)} requests are in flight, the most "
                                    f"this server takes ({self._max_waiting}); retry shortly")

@@ -134,6 +134,27 @@ async def test_sigterm_mid_step_drains_rollout_to_the_worker_and_exits_0(lent):
     assert "co-executor coexec-0 stopped" in coexec.process.log_path.read_text()
 
 
+async def test_sigterm_ends_a_serving_stream_in_flight_at_once_with_an_error_event(stack):
+    """SIGTERM cancels the engine loop before the HTTP server closes: a stream still waiting
+    for tokens ends with an error the client sees at once, rather than hanging until the
+    server's shutdown timeout, and the process exits 0 without that wait."""
+    coexec, url = launch_coexecutor(stack, "coexec-term", "--drain-timeout", "0")
+    wait_serving(coexec, 120)
+    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # 500 tokens of the tiny model take many seconds here: in flight when the engine stops.
+    stream = await api.completions.create(model="served", prompt="1", max_tokens=500,
+                                          stream=True, extra_body={"ignore_eos": True})
+    await anext(aiter(stream))
+    started = time.monotonic()
+    exited = asyncio.create_task(asyncio.to_thread(coexec.process.terminate, 60))
+    with pytest.raises(openai.APIError, match="the serving engine stopped"):
+        async with asyncio.timeout(20):
+            async for _ in stream:
+                pass
+    assert await exited == 0
+    assert time.monotonic() - started < 20
+
+
 def gauge(handle: WorkerHandle, name: str) -> float:
     return scrape(handle.metrics_port).get(name, 0.0)
 

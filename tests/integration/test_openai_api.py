@@ -17,10 +17,12 @@ import pytest
 from aiohttp import web
 
 from rlharvest.common import tls
+from rlharvest.common.hf_checkpoint import build_checkpoint
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app, serve_api
-from rlharvest.services.coexecutor.serving_backend import EngineServingBackend
+from rlharvest.services.coexecutor.serving_backend import EngineServingBackend, Generation
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 MODEL = "tiny-serving"
@@ -90,6 +92,29 @@ async def test_chat_completions_streamed_and_not(server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+async def test_chat_defaults_to_the_rest_of_the_context_and_completions_to_16_tokens(server):
+    _, _, url = server
+    api = client(url)
+    chat = await api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "7" * 200}],
+        extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 256 - chat.usage.prompt_tokens > 16
+    assert chat.choices[0].finish_reason == "length"
+    done = await api.completions.create(model=MODEL, prompt="1", extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 16
+
+
+async def test_max_completion_tokens_wins_over_max_tokens_even_when_that_is_null(server):
+    _, _, url = server
+    async with aiohttp.ClientSession() as http:
+        for max_tokens in (None, 9):
+            body = {"model": MODEL, "prompt": "1", "max_tokens": max_tokens,
+                    "max_completion_tokens": 3, "ignore_eos": True}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["usage"]["completion_tokens"] == 3
+
+
 async def test_stop_tokens_end_a_completion_only_after_min_tokens(server):
     _, engine, url = server
     api = client(url)
@@ -116,7 +141,27 @@ async def test_stop_tokens_end_a_completion_only_after_min_tokens(server):
     ({"model": MODEL, "prompt": "1", "stop": ["\n"]}, "stop", "stop strings"),
     ({"model": MODEL, "prompt": 5}, "prompt", "must be a string or a list of token ids"),
     ({"model": MODEL, "prompt": [1, 10**9]}, "prompt", "token ids must be in"),
+    ({"model": MODEL, "prompt": "caf\u00e9"}, "prompt", "not in the built-in vocabulary"),
     ({"model": MODEL, "messages": "hi"}, "messages", "must be a list"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "7" * 300}]}, "messages",
+     "fills the model's context of 256 tokens"),
+    ({"model": MODEL, "prompt": "1", "max_completion_tokens": 0}, "max_completion_tokens",
+     "max_completion_tokens must be > 0"),
+    ({"model": MODEL, "prompt": "1", "max_tokens": None, "max_completion_tokens": "3"},
+     "max_completion_tokens", "max_completion_tokens must be an integer"),
+    ({"model": MODEL, "prompt": "1", "max_tokens": 4, "max_completion_tokens": 300},
+     "max_completion_tokens", "plus max_completion_tokens \\(300\\) is over"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": ""}, "stop_token_ids", "must be a list"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": 0}, "stop_token_ids", "must be a list"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": {}}, "stop_token_ids", "must be a list"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": [1, True]}, "stop_token_ids",
+     r"stop_token_ids\[1\] = True is not a token id in \[0, 128\)"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": [-5]}, "stop_token_ids",
+     r"stop_token_ids\[0\] = -5 is not a token id"),
+    ({"model": MODEL, "prompt": "1", "stop_token_ids": [2, 10**12]}, "stop_token_ids",
+     r"stop_token_ids\[1\] = 1000000000000 is not a token id"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "1"}], "stop_token_ids": ["a"]},
+     "stop_token_ids", r"stop_token_ids\[0\] = 'a' is not a token id"),
 ])
 async def test_bad_requests_get_a_400_naming_the_field(server, body, param, message):
     _, _, url = server
@@ -220,3 +265,138 @@ async def test_under_mutual_tls_the_api_is_https_and_asks_no_client_certificate(
     finally:
         await runner.cleanup()
         await backend.close()
+
+
+class _SharedPumpSink:
+    """What the co-executor's WorkerService and DualEngine do with a shared pump's steps: hand
+    the serving outputs to the backend."""
+
+    backend: EngineServingBackend
+
+    def route(self, step):
+        return step.outputs
+
+    async def send(self, routed) -> None:
+        self.backend.deliver(routed)
+
+    def heartbeat(self, load) -> None:
+        pass
+
+
+async def test_when_a_shared_pump_stops_waiting_requests_fail_at_once_and_new_ones_get_503():
+    """As main.py composes it: the backend runs on the service's pump, whose loop the host
+    cancels at shutdown (or which ends when the engine fails) before the HTTP server closes."""
+    engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
+    sink = _SharedPumpSink()
+    pump = EnginePump(engine, sink, step_delay_s=0.02)  # 200 tokens: 4 s, surely mid-way
+    backend = sink.backend = EngineServingBackend(engine, max_waiting=8, pump=pump)
+    backend.start()
+    engine_loop = asyncio.create_task(backend.run_shared_pump(pump.run))
+    runner = web.AppRunner(make_app(backend, load_tokenizer("tiny"), ApiConfig(MODEL, 256)),
+                           handler_cancellation=True)
+    await runner.setup()
+    port, scheme = await serve_api(runner, "127.0.0.1", free_port())
+    api = openai.AsyncOpenAI(base_url=f"{scheme}://127.0.0.1:{port}/v1", api_key="unused",
+                             max_retries=0, timeout=5)
+    long = {"model": MODEL, "prompt": "9", "max_tokens": 200, "extra_body": {"ignore_eos": True}}
+    try:
+        stream = await api.completions.create(**long, stream=True)
+        await anext(aiter(stream))  # streaming: the status is sent
+        whole = asyncio.create_task(api.completions.create(**long))
+        await asyncio.sleep(0.2)
+        engine_loop.cancel()  # the host's "loop cancel" at shutdown
+        await asyncio.gather(engine_loop, return_exceptions=True)
+        with pytest.raises(openai.APIError, match="the serving engine stopped"):
+            async with asyncio.timeout(2):
+                async for _ in stream:
+                    pass
+        with pytest.raises(openai.APIStatusError, match="the serving engine stopped") as failed:
+            async with asyncio.timeout(2):
+                await whole
+        assert failed.value.status_code == 503
+        with pytest.raises(openai.APIStatusError) as refused:
+            async with asyncio.timeout(2):
+                await api.completions.create(model=MODEL, prompt="1", max_tokens=2)
+        assert refused.value.status_code == 503
+        assert refused.value.body["type"] == "service_unavailable"
+        assert backend.in_flight == 0
+    finally:
+        await runner.cleanup()
+        await backend.close()
+        pump.close()
+
+
+class _BrokenDecode:
+    """The tiny tokenizer with a decode that raises: a bug escaping a handler."""
+
+    def __init__(self) -> None:
+        self._tok = load_tokenizer("tiny")
+
+    def __getattr__(self, name: str):
+        return getattr(self._tok, name)
+
+    def decode(self, ids) -> str:
+        raise RuntimeError("decode broke")
+
+
+async def test_an_unexpected_error_in_a_handler_is_still_an_openai_error():
+    """Not aiohttp's text/plain 500: a JSON 500 in OpenAI's shape, or, once a stream's status
+    is sent, an error event that the openai client raises."""
+    engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
+    backend = EngineServingBackend(engine, max_waiting=8)
+    backend.start()
+    runner = web.AppRunner(make_app(backend, _BrokenDecode(), ApiConfig(MODEL, 256)),
+                           handler_cancellation=True)
+    await runner.setup()
+    port, scheme = await serve_api(runner, "127.0.0.1", free_port())
+    api = openai.AsyncOpenAI(base_url=f"{scheme}://127.0.0.1:{port}/v1", api_key="unused",
+                             max_retries=0)
+    try:
+        with pytest.raises(openai.InternalServerError, match="decode broke") as failed:
+            await api.completions.create(model=MODEL, prompt="1", max_tokens=2)
+        assert failed.value.response.headers["Content-Type"].startswith("application/json")
+        assert failed.value.body["type"] == "server_error"
+        stream = await api.completions.create(model=MODEL, prompt="1", max_tokens=2,
+                                              stream=True)
+        with pytest.raises(openai.APIError, match="decode broke"):
+            async for _ in stream:
+                pass
+    finally:
+        await runner.cleanup()
+        await backend.close()
+
+
+class _ScriptedBackend:
+    """Generates given token ids, one a step: what an engine that sampled that text hands the
+    API (a random-weight checkpoint cannot be made to sample a chosen text)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    async def generate(self, prompt_ids, params):
+        for i, token in enumerate(self.ids):
+            yield Generation([token], "length" if i == len(self.ids) - 1 else None)
+
+
+async def test_a_stream_of_a_byte_level_bpe_gives_the_same_text_as_the_whole_answer(tmp_path):
+    """é, ✓, CJK and emoji span several tokens each: no U+FFFD in the stream."""
+    text = " caf\u00e9 \u2713 \u4f60\u597d \U0001f642"
+    tokenizer = load_tokenizer(str(build_checkpoint(tmp_path / "qwen3", family="qwen3", seed=1)))
+    ids = tokenizer.encode_plain(text)
+    runner = web.AppRunner(make_app(_ScriptedBackend(ids), tokenizer, ApiConfig(MODEL, 256)))
+    await runner.setup()
+    port, scheme = await serve_api(runner, "127.0.0.1", free_port())
+    api = openai.AsyncOpenAI(base_url=f"{scheme}://127.0.0.1:{port}/v1", api_key="unused",
+                             max_retries=0)
+    try:
+        whole = await api.completions.create(model=MODEL, prompt="hi", max_tokens=len(ids))
+        assert whole.choices[0].text == text
+        stream = await api.completions.create(model=MODEL, prompt="hi", max_tokens=len(ids),
+                                              stream=True)
+        assert "".join([c.choices[0].text async for c in stream]) == text
+        chat = await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=len(ids),
+            stream=True)
+        assert "".join([c.choices[0].delta.content or "" async for c in chat]) == text
+    finally:
+        await runner.cleanup()
