@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Literal
@@ -17,7 +18,7 @@ REWARD_KINDS = ("math", "exact", "code", "addition")
 
 
 def parse_timeouts(text: str) -> dict[str, float]:
-    """``'math=5,code=30'`` -> {"math": 5.0, "code": 30.0}; a clear error for anything else."""
+    """``'math=5,code=90'`` -> {"math": 5.0, "code": 90.0}; a clear error for anything else."""
     out: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, sep, value = part.partition("=")
@@ -146,9 +147,12 @@ class TrainerConfig(ServiceConfig):
     reward_timeout_s: float = Field(10.0, gt=0, description="seconds one reward may take")
     # RollPacker §5: math verifiers answer in milliseconds, code sandboxes take seconds; one
     # timeout either waits too long on a hung math checker or cuts correct programs short.
-    reward_timeouts: str = Field("", description="per reward kind, e.g. 'math=5,code=30' "
+    reward_timeouts: str = Field("", description="per reward kind, e.g. 'math=5,code=90' "
                                                  "(kinds: " + ", ".join(REWARD_KINDS) + "); "
-                                                 "others use reward_timeout_s")
+                                                 "others use reward_timeout_s, except code "
+                                                 "where the built-in code reward runs (--reward "
+                                                 "code, --data): at least its worst case, all "
+                                                 "of its test cases at their limit")
     # RollPacker's adaptive sandbox timeout for --task code, T = min(max(T_min, lambda*T_anchor),
     # T_max). The paper's 2 s / 30 s are for real programs; a one-line expression runs in
     # milliseconds, so 1 s / 5 s, which still covers interpreter start-up on a loaded CPU.
@@ -297,8 +301,24 @@ class TrainerConfig(ServiceConfig):
         return self
 
     def reward_timeout_of(self, kind: str) -> float:
-        """The timeout of rewards of ``kind`` (a built-in reward or task name)."""
-        return parse_timeouts(self.reward_timeouts).get(kind, self.reward_timeout_s)
+        """The timeout of rewards of ``kind`` (a built-in reward or task name). Where the
+        built-in code reward scores ``code`` samples, their timeout is by default at least its
+        worst case (``code_reward_worst_s``): a shorter one would score correct programs 0."""
+        given = parse_timeouts(self.reward_timeouts)
+        if kind in given:
+            return given[kind]
+        if kind == "code" and self.builtin_code_reward_may_run:
+            return max(self.reward_timeout_s, code_reward_worst_s())
+        return self.reward_timeout_s
+
+    @property
+    def builtin_code_reward_may_run(self) -> bool:
+        """Whether the built-in code reward (test cases in the sandbox, one after another) may
+        score some sample: ``--reward code``, or a dataset whose rows pick their reward by
+        data_source (codecontests, apps, ... pick it). ``--task code`` alone runs the task's
+        own reward, one sandbox run per sample."""
+        spec = self.reward or self.reward_fn
+        return spec == "code" or (bool(self.data) and not spec)
 
     @model_validator(mode="after")
     def _seed_role_fits(self) -> TrainerConfig:
@@ -322,4 +342,30 @@ class TrainerConfig(ServiceConfig):
             # The pool would abandon a run the sandbox is still allowed to finish.
             raise ValueError(f"the code reward's timeout ({code_timeout}) must exceed "
                              f"sandbox_t_max_s ({self.sandbox_t_max_s}) for the code task")
+        # Checked here, from the flags alone, rather than once the dataset's rows are read: that
+        # a row may name the code reward is known now, so a run exits 2 at once instead of
+        # scoring every correct but slow program 0 for hours. Only a per-kind code timeout
+        # given by the user can fall short (the default covers the worst case).
+        worst = code_reward_worst_s()
+        if self.builtin_code_reward_may_run and code_timeout < worst:
+            source = "--reward code" if (self.reward or self.reward_fn) else \
+                f"--data {self.data} (rows may pick the code reward by data_source)"
+            raise ValueError(
+                f"the code reward's timeout ({code_timeout:g} s) cannot cover its worst case with "
+                f"{source}: up to {_max_code_cases()} test cases run one after another, "
+                f"{worst:g} s in all; give --reward-timeouts code={math.ceil(worst)} or more")
         return self
+
+
+def code_reward_worst_s() -> float:
+    """Seconds one call of the built-in code reward may take (rewards/builtin.py)."""
+    # Imported here: the config is read by processes that never score a reward.
+    from rlharvest.services.trainer.rewards.builtin import CODE_REWARD_WORST_S
+
+    return CODE_REWARD_WORST_S
+
+
+def _max_code_cases() -> int:
+    from rlharvest.services.trainer.rewards.builtin import MAX_CODE_CASES
+
+    return MAX_CODE_CASES

@@ -195,6 +195,11 @@ class StreamingStep:
                 raise StepInputError(
                     f"group {group.group_id} sample {i}: a loss mask of {len(c.loss_mask)} for "
                     f"{len(c.completion_ids)} tokens; send one flag per completion token")
+            if not c.prompt_ids and c.trained_tokens > 0:
+                raise StepInputError(
+                    f"group {group.group_id} sample {i}: {c.trained_tokens} trained tokens but "
+                    "no prompt to condition them on; send at least the BOS, or mask them out "
+                    "(a failed trajectory trains nothing)")
 
     def _denominator(self) -> float:
         """The denominator micro-batches are normalised by while the step streams."""
@@ -226,10 +231,16 @@ class StreamingStep:
 
     def _backward(self, completions: Sequence[Completion], advantages: torch.Tensor) -> None:
         start = self._clock()
+        # A completion with no trained token (a trajectory the environment failed, possibly
+        # before it had a prompt) adds exactly 0 to the loss, KL term included: every term is
+        # masked. Leaving it out of the forward is therefore exact, and it must be left out: a
+        # failed reset has no prompt to condition on. Its advantage was already taken with its
+        # group's and it counts in the denominators (``add_groups``). An empty batch still runs
+        # (a zero loss through a real forward), so gradients exist for the step.
         batch = MicroBatch(tuple(
             Sample(c.prompt_ids, c.completion_ids, c.rollout_logprobs, float(a), c.loss_mask)
-            for c, a in zip(completions, advantages.tolist())), self._loss, self._pad_id,
-            self._denominator())
+            for c, a in zip(completions, advantages.tolist()) if c.trained_tokens > 0),
+            self._loss, self._pad_id, self._denominator())
         self._loss_sum += self._ranks.backward(batch)
         self._backward_runs += 1
         self._compute_s += self._clock() - start

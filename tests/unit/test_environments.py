@@ -209,3 +209,54 @@ async def test_a_short_rounds_group_keeps_the_first_trajectories_to_end_and_canc
     assert all(t.turns >= 1 and not t.failed for t in kept)
     assert sorted(cancelled) == ["g-t0", "g-t2"]
     assert asyncio.get_running_loop().time() - started < 2.0
+
+
+async def test_a_trajectory_whose_reset_failed_scores_zero_in_its_group_and_the_step_trains_on():
+    """The agentic step's contract: a trajectory the environment failed (here its reset) scores
+    0, still counts in its group's advantages, trains nothing, and the step goes on."""
+    from rlharvest.common.tiny_model import build_model
+    from rlharvest.common.tokenizer import PAD_ID
+    from rlharvest.services.trainer.backend import OptimConfig, make_backend
+    from rlharvest.services.trainer.environments.runner import (
+        PlayConfig,
+        play_group,
+        rewarded_group,
+    )
+    from rlharvest.services.trainer.grpo import LossConfig
+    from rlharvest.services.trainer.stream_trainer import StreamingStep
+
+    made: list[int] = []
+
+    class FlakyReset:
+        """The first instance's reset fails (a transient error); the others score 1 or 0.5."""
+
+        def __init__(self) -> None:
+            self.n = len(made)
+            made.append(self.n)
+
+        def reset(self, seed: int) -> str:
+            if self.n == 0:
+                raise OSError("transient")
+            return "go:"
+
+        def step(self, action: str) -> EnvStep:
+            return EnvStep("", 1.0 if self.n == 1 else 0.5, True)
+
+    async def generate(trajectory_id: str, turn: int, history: list[int], seed: int):
+        return [5, 6], [-1.0, -1.0]
+
+    played = await play_group(generate, FlakyReset, "g", 0, 3,
+                              PlayConfig(max_turns=1, context=64))
+    assert "reset" in played[0].failed and not played[1].failed and not played[2].failed
+    group = rewarded_group(0, played)
+    assert list(group.rewards) == [0.0, 1.0, 0.5]
+    step = StreamingStep(make_backend("torch", build_model("tiny", seed=0),
+                                      OptimConfig(lr=0.1, optimizer="sgd", grad_clip=0.0)),
+                         num_groups=1, group_size=3, micro_batch_groups=1,
+                         loss=LossConfig(beta=0.05), pad_id=PAD_ID,
+                         ref_model=build_model("tiny", seed=1))
+    step.add_groups([group])
+    stats = step.finish()
+    assert stats.num_tokens == 4  # the two played trajectories' tokens; none of the failed one
+    assert stats.mean_reward == pytest.approx(0.5)
+    assert stats.grad_norm > 0

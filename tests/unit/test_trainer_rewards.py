@@ -4,6 +4,7 @@ async pool that turns failing or hanging reward functions into recorded failures
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -386,12 +387,12 @@ def test_reward_timeouts_apply_per_kind_and_bad_entries_are_refused(tmp_path) ->
                     '"data_source": "gsm8k"}\n'
                     '{"prompt": "print 2", "reward_model": {"ground_truth": "2"}, '
                     '"data_source": "apps"}\n')
-    cfg = TrainerConfig.model_validate(dict(data=str(data), reward_timeouts="math=2, code=30",
+    cfg = TrainerConfig.model_validate(dict(data=str(data), reward_timeouts="math=2, code=120",
                                             reward_timeout_s=7))
     setup = build_task_setup(cfg, load_tokenizer("tiny"), context_tokens=1024)
     timeouts = [cfg.reward_timeout_of(setup.kind_of(TaskItem(0, "p", "a", data_source=source)))
                 for source in ("gsm8k", "apps", "unknown")]
-    assert timeouts == [2.0, 30.0, 7.0]
+    assert timeouts == [2.0, 120.0, 7.0]
     assert setup.runs_code  # an "apps" row runs programs: the trainer checks the sandbox
     builtin = TrainerConfig.model_validate(dict(reward_timeouts="addition=3"))
     assert not build_task_setup(builtin, load_tokenizer("tiny"), 1024).runs_code
@@ -404,3 +405,82 @@ def test_reward_timeouts_apply_per_kind_and_bad_entries_are_refused(tmp_path) ->
             TrainerConfig.model_validate(dict(reward_timeouts=bad))
     with pytest.raises(ValueError, match="code reward's timeout"):
         TrainerConfig.model_validate(dict(task="code", reward_timeouts="code=2"))
+
+
+def test_a_code_timeout_below_the_code_reward_s_worst_case_is_refused_where_it_may_run(
+        tmp_path) -> None:
+    """The built-in code reward runs up to MAX_CODE_CASES cases one after another: a timeout
+    below that scores a correct but slow program 0. It may run with --reward code, and with a
+    dataset whose rows pick their reward by data_source (codecontests, apps, ...)."""
+    from rlharvest.services.trainer.config import TrainerConfig
+    from rlharvest.services.trainer.rewards.builtin import CODE_LIMITS, MAX_CODE_CASES
+
+    assert MAX_CODE_CASES * CODE_LIMITS.wall_s > 30
+    data = str(tmp_path / "rows.jsonl")  # not read by the config
+    for flags in (dict(reward="code"), dict(reward_fn="code"), dict(data=data)):
+        with pytest.raises(ValueError, match="cannot cover its worst case.*code=[0-9]+ or more"):
+            TrainerConfig.model_validate(dict(reward_timeouts="code=30", **flags))
+    # The code task's own reward is one sandbox run per sample, and a user's function is not
+    # the code reward: their code timeouts need only exceed T_max.
+    TrainerConfig.model_validate(dict(task="code", reward_timeouts="code=30"))
+    TrainerConfig.model_validate(dict(data=data, reward="exact", reward_timeouts="code=30"))
+
+
+def test_the_default_code_timeout_covers_the_code_reward_s_worst_case_where_it_may_run(
+        tmp_path) -> None:
+    from rlharvest.services.trainer.config import TrainerConfig
+    from rlharvest.services.trainer.rewards.builtin import CODE_LIMITS, MAX_CODE_CASES
+
+    worst = MAX_CODE_CASES * CODE_LIMITS.wall_s
+    for flags in (dict(reward="code"), dict(data=str(tmp_path / "rows.jsonl"))):
+        cfg = TrainerConfig.model_validate(flags)  # reward_timeout_s: 10 s
+        assert cfg.reward_timeout_of("code") >= worst
+        assert cfg.reward_timeout_of("math") == cfg.reward_timeout_s  # other kinds keep it
+    assert TrainerConfig.model_validate(dict(reward="code", reward_timeout_s=500)) \
+        .reward_timeout_of("code") == 500
+
+
+async def test_a_sync_reward_learns_the_pool_gave_up_on_it_and_only_inside_the_pool() -> None:
+    from rlharvest.services.trainer.rewards.pool import caller_gave_up
+
+    seen: list[bool] = []
+    ended = threading.Event()
+
+    def patient(prompt: str, completion: str, reference: str) -> float:
+        seen.append(caller_gave_up())  # at the start: the pool is waiting
+        while not caller_gave_up():
+            time.sleep(0.01)
+        ended.set()
+        return 1.0
+
+    pool = RewardPool(patient, max_concurrency=1, timeout_s=0.2)
+    outcome = await pool.score(RewardRequest("s", "", ""))
+    assert not outcome.ok and "timed out" in outcome.error
+    assert await asyncio.to_thread(ended.wait, 2.0), "the abandoned call never saw it"
+    assert seen == [False]
+    assert not caller_gave_up()  # outside a pool's call: no one to give up
+
+
+async def test_the_code_reward_starts_no_test_case_once_the_pool_gave_up_on_it(
+        monkeypatch) -> None:
+    """Real sandbox runs of a correct program that takes 0.4 s a case: the pool gives up after
+    about two, and no later case starts (each would run outside --reward-concurrency)."""
+    from rlharvest.services.trainer.rewards import builtin
+
+    started: list[float] = []
+
+    def counted(code: str, case: StdioCase, limits: SandboxLimits) -> sandbox.CaseResult:
+        started.append(time.monotonic())
+        return run_case(code, case, limits)
+
+    monkeypatch.setattr(builtin, "run_case", counted)
+    reference = json.dumps({"inputs": ["1\n", "2\n", "3\n", "4\n", "5\n", "6\n"],
+                            "outputs": ["1", "2", "3", "4", "5", "6"]})
+    program = "```python\nimport time\ntime.sleep(0.4)\nprint(input())\n```"
+    pool = RewardPool(builtin.code_reward, max_concurrency=1, timeout_s=0.6)
+    outcome = await pool.score(RewardRequest("s", "", program, reference))
+    gave_up = time.monotonic()
+    assert not outcome.ok and pool.abandoned_calls == 1
+    await asyncio.sleep(2.0)  # the four cases left would start within it
+    assert 1 <= len(started) <= 3
+    assert not [t for t in started if t > gave_up]

@@ -48,11 +48,17 @@ def fresh_model(seed: int) -> torch.nn.Module:
 
 def monolithic_update(model: torch.nn.Module, groups: list[RewardedGroup], loss: LossConfig,
                       ref_model: torch.nn.Module | None, lr: float) -> None:
-    """The reference: one batch holding every sample, one backward, one SGD step."""
+    """The reference: one batch holding every sample, one backward, one SGD step. A sample's
+    loss mask masks its tokens; a sample without a prompt (a failed reset, all masked) reads a
+    stand-in BOS, as the one batched forward needs a token to condition on."""
     comps = [c for g in groups for c in g.completions]
     adv = torch.cat([group_advantages(torch.tensor(g.rewards)) for g in groups])
-    prompts, outputs = [c.prompt_ids for c in comps], [c.completion_ids for c in comps]
+    prompts = [c.prompt_ids or [1] for c in comps]
+    outputs = [c.completion_ids for c in comps]
     logp, mask = completion_logprobs(model, prompts, outputs, PAD_ID)
+    for i, c in enumerate(comps):
+        if c.loss_mask is not None:
+            mask[i, :len(c.loss_mask)] *= torch.tensor(c.loss_mask, dtype=mask.dtype)
     old = torch.zeros_like(logp)
     for i, c in enumerate(comps):
         old[i, :len(c.rollout_logprobs)] = torch.tensor(c.rollout_logprobs)
@@ -258,5 +264,75 @@ def test_duplicate_and_malformed_groups_are_refused_without_breaking_the_step() 
     with pytest.raises(StepInputError, match="one logprob per generated token"):
         step.add_group(RewardedGroup(98, [bad] * GROUP_SIZE, [0.0, 1.0, 0.0]))
     for g in groups[1:]:
+        step.add_group(g)
+    assert step.finish().num_groups == NUM_GROUPS
+
+
+def with_failed_trajectories(groups: list[RewardedGroup]) -> list[RewardedGroup]:
+    """``groups`` where the environment failed some trajectories, as ``rewarded_group`` hands
+    them on: a failed reset (no prompt, no tokens) and a failure mid-episode (tokens, none
+    trained), each scored 0. Group 0 is tied; its failed trajectory must not break the tie's
+    KL-only backward either."""
+    reset_failed = Completion([], [], [], [])
+    out = []
+    for g in groups:
+        comps, rewards = list(g.completions), list(g.rewards)
+        if g.group_id in (0, 1, 3):
+            comps[0], rewards[0] = reset_failed, 0.0
+        if g.group_id in (2, 3):
+            c = comps[1]
+            comps[1] = Completion(c.prompt_ids, c.completion_ids, c.rollout_logprobs,
+                                  [False] * len(c.completion_ids))
+            rewards[1] = 0.0
+        out.append(RewardedGroup(g.group_id, comps, rewards))
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+@pytest.mark.parametrize("micro_batch_groups", [1, 2, NUM_GROUPS])
+def test_failed_trajectories_train_nothing_and_the_update_equals_the_monolithic_one(
+        aggregation: str, beta: float, micro_batch_groups: int) -> None:
+    groups = with_failed_trajectories(rewarded_groups(3))
+    base = fresh_model(1)
+    ref_model = seeded_model(99) if beta > 0 else None
+    loss = LossConfig(beta=beta, aggregation=aggregation)  # type: ignore[arg-type]
+    expected = copy.deepcopy(base)
+    monolithic_update(expected, groups, loss, ref_model, SGD.lr)
+    streamed = copy.deepcopy(base)
+    arrivals = [groups[i:i + 2] for i in range(0, NUM_GROUPS, 2)]
+    stats = streamed_update("torch", streamed, arrivals, loss, ref_model, micro_batch_groups)
+    assert_same_parameters(streamed, expected)
+    assert not torch.equal(next(streamed.parameters()), next(base.parameters())), "no update"
+    # The failed ones count as samples scored 0 (GRPO's group), never as trained tokens.
+    trained = sum(len(c.completion_ids) for g in groups for c in g.completions
+                  if c.loss_mask is None)
+    assert stats.num_tokens == trained
+    assert stats.mean_reward == pytest.approx(
+        sum(sum(g.rewards) for g in groups) / (NUM_GROUPS * GROUP_SIZE))
+
+
+def test_failed_trajectories_in_an_all_tied_step_still_give_the_monolithic_zero_step() -> None:
+    # Every advantage is zero, so the step backpropagates the first group's tie to have a
+    # gradient (of zeros) to step on; that group holds a failed reset.
+    groups = [RewardedGroup(g.group_id, g.completions, [0.0] * GROUP_SIZE)
+              for g in with_failed_trajectories(rewarded_groups(5))]
+    model = fresh_model(0)
+    before = copy.deepcopy(model)
+    optim = OptimConfig(lr=0.1, optimizer="adamw", weight_decay=0.5)
+    streamed_update("torch", model, [[g] for g in groups], LossConfig(), None, 2, optim)
+    decayed = next(before.parameters()) * (1 - 0.1 * 0.5)
+    assert torch.allclose(next(model.parameters()), decayed, atol=1e-6)
+
+
+def test_trained_tokens_without_a_prompt_are_refused_and_the_step_stays_usable() -> None:
+    groups = rewarded_groups(8)
+    step = StreamingStep(make_backend("torch", fresh_model(0), SGD), num_groups=NUM_GROUPS,
+                         group_size=GROUP_SIZE, micro_batch_groups=1, loss=LossConfig(),
+                         pad_id=PAD_ID)
+    orphan = Completion([], [6, 7], [-1.0, -1.0])
+    with pytest.raises(StepInputError, match="no prompt"):
+        step.add_group(RewardedGroup(0, [orphan] * GROUP_SIZE, [0.0, 1.0, 0.0]))
+    for g in groups:
         step.add_group(g)
     assert step.finish().num_groups == NUM_GROUPS

@@ -11,14 +11,24 @@ from __future__ import annotations
 import json
 import re
 
-from rlharvest.services.trainer.rewards.pool import RewardFailure, RewardFn, load_reward_fn
+from rlharvest.services.trainer.rewards.pool import (
+    RewardFailure,
+    RewardFn,
+    caller_gave_up,
+    load_reward_fn,
+)
 from rlharvest.services.trainer.rewards.sandbox import SandboxLimits, StdioCase, run_case
 from rlharvest.services.trainer.rewards.verifier import math_reward
 
 # The code reward's limits per test case: generous for a contest-style program, and what a
-# hung candidate costs at most; the pool's reward timeout must exceed cases x wall_s.
+# hung candidate costs at most. Cases run one after another, so one call may take
+# CODE_REWARD_WORST_S; the trainer's config refuses a code reward timeout below it.
 CODE_LIMITS = SandboxLimits(wall_s=5.0, cpu_s=5.0)
 MAX_CODE_CASES = 16
+# Around each case's wall limit: its temporary directory, the interpreter's (and the isolating
+# namespace's) start, killing and reaping the process group.
+CODE_CASE_OVERHEAD_S = 0.5
+CODE_REWARD_WORST_S = MAX_CODE_CASES * (CODE_LIMITS.wall_s + CODE_CASE_OVERHEAD_S)
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -60,7 +70,13 @@ def code_reward(prompt: str, completion: str, reference: str) -> float:
     (GRPO learns nothing from a group that all scored 0)."""
     cases = parse_test_cases(reference)
     program = extract_program(completion)
-    passed = sum(run_case(program, case, CODE_LIMITS).passed for case in cases)
+    passed = 0
+    for done, case in enumerate(cases):
+        # Once the pool stopped waiting (its timeout), the score reaches no one; further cases
+        # would only hold sandbox processes outside the pool's concurrency limit.
+        if caller_gave_up():
+            raise RewardFailure(f"abandoned by its caller after {done} of {len(cases)} cases")
+        passed += run_case(program, case, CODE_LIMITS).passed
     return passed / len(cases)
 
 

@@ -9,7 +9,10 @@ Sync functions run on a fresh daemon thread per call rather than a fixed executo
 thread cannot be killed, so a hung call in a fixed-size executor would hold a worker forever and,
 once all workers hung, stall every later sample. Here a hung call is abandoned (its concurrency
 slot is released at the timeout and the count shows in ``abandoned_calls``). Work that can hang
-for real — running candidate code — belongs in ``sandbox``, whose subprocesses are killed.
+for real — running candidate code — belongs in ``sandbox``, whose subprocesses are killed. A sync
+function made of several slow parts (the code reward's test cases) asks ``caller_gave_up()``
+between them: once the pool stopped waiting, its result reaches no one, and more parts would only
+run outside ``max_concurrency``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +31,25 @@ from rlharvest.common.plugin import load_object
 
 # (prompt, completion, reference) -> reward; may be sync or async.
 RewardFn = Callable[[str, str, str], Union[float, Awaitable[float]]]
+
+
+# The sync call running on this thread (each call has its own): when the pool stops waiting.
+_this_call = threading.local()
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    deadline: float  # time.monotonic(): the pool's timeout for this call
+    stopped: threading.Event  # set once the pool no longer waits (timed out, cancelled, done)
+
+
+def caller_gave_up() -> bool:
+    """Whether the pool has stopped waiting for the sync reward call running on this thread:
+    its timeout passed or its step was cancelled. False outside a pool's call (a direct call,
+    a thread the function started itself)."""
+    waiting: _Waiting | None = getattr(_this_call, "waiting", None)
+    return waiting is not None and (waiting.stopped.is_set()
+                                    or time.monotonic() >= waiting.deadline)
 
 
 class RewardFailure(Exception):
@@ -81,9 +104,10 @@ class RewardPool:
     async def score(self, request: RewardRequest) -> RewardOutcome:
         async with self._slots:
             start = self._clock()
+            timeout = request.timeout_s or self._timeout_s
+            stopped = threading.Event()
             try:
-                timeout = request.timeout_s or self._timeout_s
-                reward = await asyncio.wait_for(self._call(request), timeout)
+                reward = await asyncio.wait_for(self._call(request, timeout, stopped), timeout)
                 if isinstance(reward, bool) or not isinstance(reward, (int, float)) \
                         or not math.isfinite(reward):
                     raise TypeError(f"returned {reward!r}; a reward must be a finite number")
@@ -95,19 +119,29 @@ class RewardPool:
                 return self._failure(request, start, str(exc))
             except Exception as exc:  # noqa: BLE001 - any user-code failure is this sample's
                 return self._failure(request, start, f"{type(exc).__name__}: {exc}")
+            finally:
+                stopped.set()  # an abandoned sync call sees it (caller_gave_up) and stops
             return RewardOutcome(request.sample_id, float(reward), True, "",
                                  self._clock() - start)
 
     async def score_all(self, requests: list[RewardRequest]) -> list[RewardOutcome]:
         return list(await asyncio.gather(*(self.score(r) for r in requests)))
 
-    def _call(self, request: RewardRequest) -> Awaitable[Any]:
+    def _call(self, request: RewardRequest, timeout: float,
+              stopped: threading.Event) -> Awaitable[Any]:
         fn = request.reward_fn or self._fn
         args = (request.prompt, request.completion, request.reference)
         if inspect.iscoroutinefunction(fn):
             # The check does not narrow the union of sync and async functions for the checker.
             return cast(Awaitable[Any], fn(*args))
-        return run_in_daemon_thread(lambda: fn(*args), "reward-fn")
+        # Real time, not self._clock: the thread compares it with time.monotonic().
+        waiting = _Waiting(time.monotonic() + timeout, stopped)
+
+        def call() -> Any:
+            _this_call.waiting = waiting  # this thread is new and runs this call alone
+            return fn(*args)
+
+        return run_in_daemon_thread(call, "reward-fn")
 
     def _failure(self, request: RewardRequest, start: float, error: str) -> RewardOutcome:
         return RewardOutcome(request.sample_id, self._failure_reward, False, error,
