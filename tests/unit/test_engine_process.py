@@ -74,6 +74,13 @@ def test_an_engine_process_generates_the_tokens_the_engine_does_in_process(proc)
     assert not proc.has_work()
 
 
+def take_steps(proc, got: dict[str, list[int]], n: int) -> None:
+    """``n`` of the proxy's steps, each request's tokens added to ``got``."""
+    for _ in range(n):
+        for output in proc.step():
+            got[output.request_id] += output.new_token_ids
+
+
 def test_calls_between_steps_land_between_the_childs_steps_and_no_token_is_lost(proc):
     # The child runs one step ahead of its caller: an add or abort made between two of the
     # caller's steps lands after the step the child ran meanwhile. Tokens depend only on
@@ -83,9 +90,7 @@ def test_calls_between_steps_land_between_the_childs_steps_and_no_token_is_lost(
     got: dict[str, list[int]] = defaultdict(list)
 
     def steps(n: int) -> None:
-        for _ in range(n):
-            for output in proc.step():
-                got[output.request_id] += output.new_token_ids
+        take_steps(proc, got, n)
 
     proc.add(batch[0])
     proc.add(batch[1])
@@ -110,9 +115,7 @@ def test_a_request_aborted_and_added_again_under_its_id_takes_no_token_of_the_en
     got: dict[str, list[int]] = defaultdict(list)
 
     def steps(n: int) -> None:
-        for _ in range(n):
-            for output in proc.step():
-                got[output.request_id] += output.new_token_ids
+        take_steps(proc, got, n)
 
     proc.add(batch[0])
     proc.add(batch[1])
