@@ -88,19 +88,15 @@ def test_calls_between_steps_land_between_the_childs_steps_and_no_token_is_lost(
     batch = requests(4)
     full = run(tiny(), batch)
     got: dict[str, list[int]] = defaultdict(list)
-
-    def steps(n: int) -> None:
-        take_steps(proc, got, n)
-
     proc.add(batch[0])
     proc.add(batch[1])
-    steps(3)
+    take_steps(proc, got, 3)
     proc.add(batch[2])
     proc.add(batch[3])
-    steps(2)
+    take_steps(proc, got, 2)
     assert proc.abort("r1").finish_reason == "abort"
     while proc.has_work():
-        steps(1)
+        take_steps(proc, got, 1)
     assert {r: got[r] for r in ("r0", "r2", "r3")} == {r: full[r] for r in ("r0", "r2", "r3")}
     assert 5 <= len(got["r1"]) < len(full["r1"]) and got["r1"] == full["r1"][:len(got["r1"])]
 
@@ -113,19 +109,15 @@ def test_a_request_aborted_and_added_again_under_its_id_takes_no_token_of_the_en
     batch = requests(2)
     full = run(tiny(), batch)
     got: dict[str, list[int]] = defaultdict(list)
-
-    def steps(n: int) -> None:
-        take_steps(proc, got, n)
-
-    proc.add(batch[0])
-    proc.add(batch[1])
-    steps(4)
+    for request in batch:
+        proc.add(request)
+    take_steps(proc, got, 4)
     assert proc._conn.poll(10)  # the child ran the next step ahead: it waits in the pipe
     assert proc.abort("r0").finish_reason == "abort"
     proc.add(EngineRequest("r0", batch[0].prompt_token_ids, batch[0].sampling,
                            generated_token_ids=list(got["r0"])))
     while proc.has_work():
-        steps(1)
+        take_steps(proc, got, 1)
     assert dict(got) == full  # r1's token in the step computed ahead is kept
 
 
