@@ -9,9 +9,15 @@ worker out of a step (``RolloutControl.lend_to_training``): its requests move to
 workers with every token generated so far (they only prefill there, migration cause
 ``seed_window``), and it takes no new work. When the step ends they are healthy again for the
 next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
-With no healthy remote worker when the window closes the seed workers finish the step (the
+With no remote worker that can take the step (healthy, on its weight version, not held as
+standby by the instance cap) when the window closes the seed workers finish the step (the
 co-located fallback), so no request waits for a worker that is not there; the same when the
-last remote worker is lost or drains after the close (``recheck``).
+last such worker is lost or drains after the close (``recheck``).
+
+A seed worker serves one window at a time: a step that starts while another step's window
+holds the seeds (a trainer restarted while its detached step still runs) gets none, so one
+step's close or end never acts on another's window. A seed worker that joins (or comes back
+under its id) while a closed window's step runs is lent at once: that step is past its window.
 
 The timer is the event loop's; the decisions are the control loop's: this class only keeps
 which seed workers each step holds and when to hand them over.
@@ -39,6 +45,7 @@ SEED_KIND = "seed"
 @dataclass
 class _Window:
     seeds: list[str]
+    version: int | None = None  # the step's weight version (None: any)
     timer: asyncio.TimerHandle | None = None
     closed: bool = False
 
@@ -58,15 +65,18 @@ class SeedWindows:
             raise errors.InvalidArgument(f"a seeding window must be a finite number of seconds "
                                          f">= 0, got {window_s}")
 
-    def step_started(self, key: object, window_s: float) -> list[str]:
-        """A step of the RL loop began; its seed workers roll out for ``window_s`` seconds.
-        Returns them (none: the job has no healthy seed worker)."""
+    def step_started(self, key: object, window_s: float, version: int | None = None) -> list[str]:
+        """A step of the RL loop began (on weight ``version``); its seed workers roll out for
+        ``window_s`` seconds. Returns them (none: the job has no healthy seed worker that no
+        other step's window holds)."""
+        held = {seed for window in self._steps.values() for seed in window.seeds}
         seeds = [w.worker_id for w in self._control.pool.all()
-                 if w.kind == SEED_KIND and w.state is WorkerState.HEALTHY]
+                 if w.kind == SEED_KIND and w.state is WorkerState.HEALTHY
+                 and w.worker_id not in held]
         log.debug("step starts with a %.2fs seeding window; seed workers %s", window_s, seeds)
         if not seeds:
             return []
-        window = self._steps[key] = _Window(seeds)
+        window = self._steps[key] = _Window(seeds, version)
         if window_s <= 0:
             self._close(key)  # before the step's first dispatch: they take none of it
             return seeds
@@ -80,7 +90,7 @@ class SeedWindows:
         if window is None or window.closed:
             return
         window.closed = True
-        if not self._remote_available():
+        if not self._remote_available(window.version):
             # No remote worker to hand the seeds to: the training cluster finishes the step
             # itself (the co-located fallback) rather than leave its requests waiting.
             log.info("seeding window closed with no remote worker: %s finish the step",
@@ -99,19 +109,40 @@ class SeedWindows:
         are found there): with no healthy remote worker left, the seed workers lent away by a
         closed window take their step back (the co-located fallback again); the requests they
         handed over would otherwise wait for a remote worker that may never come."""
-        if not any(w.closed for w in self._steps.values()) or self._remote_available():
-            return
         for window in self._steps.values():
-            back = self._control.return_from_training(window.seeds) if window.closed else []
+            if not window.closed or self._remote_available(window.version):
+                continue
+            back = self._control.return_from_training(window.seeds)
             if back:
                 metrics.SEED_RECALLS.inc()
                 log.warning("no remote worker left after the seeding window closed: %s finish "
                             "the step", ", ".join(back))
                 self._wake()
 
-    def _remote_available(self) -> bool:
-        return any(w.kind != SEED_KIND and w.state is WorkerState.HEALTHY
-                   for w in self._control.pool.all())
+    def _remote_available(self, version: int | None) -> bool:
+        """A remote worker can take the step's requests: healthy, on its version and not held
+        as standby (one on another version, still loading the step's, takes none of them)."""
+        if version is None:
+            return any(w.kind != SEED_KIND and w.state is WorkerState.HEALTHY
+                       for w in self._control.pool.all())
+        return any(w.kind != SEED_KIND for w in self._control.pool.eligible(version))
+
+    def seed_joined(self, worker_id: str) -> None:
+        """A seed worker joined, or came back under its id (a restarted trainer): while a
+        closed window's step runs it is lent at once, as the window's seeds were at the close;
+        it would otherwise decode that step's requests while the trainer trains."""
+        closed = next((w for w in self._steps.values() if w.closed
+                       and self._remote_available(w.version)), None)
+        if closed is None or any(worker_id in w.seeds for w in self._steps.values()
+                                 if not w.closed):
+            return
+        if worker_id not in closed.seeds:
+            closed.seeds.append(worker_id)  # returned with the others when the step ends
+        commands = self._control.lend_to_training([worker_id], cause="seed_window")
+        log.info("seed worker %s joined after its step's seeding window closed: lent to "
+                 "training", worker_id)
+        self._execute(commands)
+        self._wake()
 
     def step_ended(self, key: object) -> None:
         """The step finished or was abandoned: its seed workers are ready for the next one."""

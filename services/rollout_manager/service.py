@@ -34,7 +34,7 @@ from rlharvest.services.rollout_manager.commands import (
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
 from rlharvest.services.rollout_manager.step import Step
-from rlharvest.services.rollout_manager.seed_window import SeedWindows
+from rlharvest.services.rollout_manager.seed_window import SEED_KIND, SeedWindows
 from rlharvest.services.rollout_manager.stream_scaler import StreamScaler
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
@@ -178,6 +178,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._endpoints[worker_id] = info
         log.info("worker %s joined at %s with version %s", worker_id, info["endpoint"],
                  info["weight_version"])
+        if info.get("kind") == SEED_KIND:
+            self._seeds.seed_joined(worker_id)
 
     def _update(self, worker_id: str, info: dict) -> None:
         self._endpoints[worker_id] = info
@@ -539,7 +541,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if self._scaler is not None and profiled:
             self._scaler.step_started(step)
         if profiled:
-            self._seeds.step_started(step.key, seed_window_s)
+            self._seeds.step_started(step.key, seed_window_s, step.weight_version)
         stream = ClientStream(step, self._client_queue)
         for rid in step.request_ids:
             self._streams[rid] = stream

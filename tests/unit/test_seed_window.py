@@ -107,3 +107,56 @@ async def test_losing_a_remote_worker_while_another_is_healthy_keeps_the_seed_le
     h.control.worker_lost("w", "stream broke")
     h.windows.recheck()
     assert h.control.pool.get("seed").state is WorkerState.TRAINING
+
+
+async def test_a_step_starting_while_another_holds_the_seeds_gets_none_and_cannot_move_them():
+    """Overlapping steps (a restarted trainer's step while its detached one still runs): the
+    second gets no window, so the first's close cannot cut the second's short and the first's
+    end cannot give the seeds back to decode the second after its close."""
+    control = RolloutControl(ControlConfig(theta=1), Clock())
+    executed: list[Command] = []
+    windows = SeedWindows(control, executed.extend, lambda: None)
+    control.worker_joined("seed", 0, capacity=8, kind="seed")
+    a = control.add_step("A", step(2, prefix="a"), 0)
+    assert windows.step_started(a.key, WINDOW_S) == ["seed"]
+    b = control.add_step("B", step(2, prefix="b"), 0)
+    assert windows.step_started(b.key, 20 * WINDOW_S) == []  # the seed is A's
+    control.tick()
+    control.worker_joined("w", 0, capacity=8, kind="spot")
+    await asyncio.sleep(WINDOW_S * 5)  # A's window closed: every request leaves the seed
+    assert control.pool.get("seed").state is WorkerState.TRAINING
+    windows.step_ended(a.key)
+    assert control.pool.get("seed").state is WorkerState.HEALTHY  # free for the next step
+    windows.step_ended(b.key)  # B had no window: its end leaves the seed as it is
+    assert control.pool.get("seed").state is WorkerState.HEALTHY
+
+
+async def test_remote_workers_that_cannot_take_the_step_leave_the_seed_to_finish_it():
+    """At the close only a worker on the step's version, and not held as standby, is a remote
+    one: one still loading the version takes none of the step's requests."""
+    control = RolloutControl(ControlConfig(theta=1), Clock())
+    executed: list[Command] = []
+    windows = SeedWindows(control, executed.extend, lambda: None)
+    control.worker_joined("seed", 1, capacity=8, kind="seed")
+    control.worker_joined("w", 0, capacity=8, kind="spot")  # still on version 0
+    s = control.add_step("S", step(4, version=1), 1)
+    windows.step_started(s.key, WINDOW_S, version=1)
+    control.tick()
+    await asyncio.sleep(WINDOW_S * 5)
+    assert executed == [] and control.pool.get("seed").state is WorkerState.HEALTHY
+    assert not control.tracker.waiting()  # the seed kept every request
+
+
+async def test_a_seed_worker_joining_again_after_the_close_is_lent_at_once():
+    """A restarted trainer's seed engine comes back under its id while the step whose window
+    closed still runs: it must not decode that step while the trainer trains."""
+    h = Harness()
+    await asyncio.sleep(WINDOW_S * 5)
+    assert h.control.pool.get("seed").state is WorkerState.TRAINING
+    h.control.worker_lost("seed", "re-registered")
+    h.control.worker_joined("seed", 0, capacity=4, kind="seed")
+    h.windows.seed_joined("seed")
+    assert h.control.pool.get("seed").state is WorkerState.TRAINING
+    assert not any(isinstance(c, Dispatch) and c.worker_id == "seed" for c in h.control.tick())
+    h.windows.step_ended(h.step.key)
+    assert h.control.pool.get("seed").state is WorkerState.HEALTHY
