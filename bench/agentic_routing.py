@@ -22,7 +22,8 @@ for the whole run. Turns beyond the dedicated workers' caps spill onto them; the
 traffic shares their core and takes their KV memory back.
 
 Reported per configuration: rollout seconds (medians), the speed-up of each over pinned (median
-[spread]), prefix-cache hits of the workers and prefill tokens they skipped, and how the manager
+[spread]), prefix-cache hits and the prefill tokens they skipped, summed over the dedicated
+workers and the co-executors (both export ``rlh_worker_prefix_cache_*``), and how the manager
 routed the turns.
 
     python bench/agentic_routing.py [--quick] [--rounds 3] [--trajectories 12] [--turns 4] [--workers 2] [--env-ms 0] [--coexec 0] [--serving-rps 2] [--no-write]
@@ -161,8 +162,11 @@ def refusals(coexecs: list[tuple[ServiceProcess, int, str]]) -> float:
     return sum(scrape(metrics).get(REFUSED, 0.0) for _, metrics, _ in coexecs)
 
 
-def hits(workers: list[tuple[ServiceProcess, int]]) -> tuple[float, float]:
-    samples = [scrape(metrics) for _, metrics in workers]
+def hits(metrics_ports: list[int]) -> tuple[float, float]:
+    """Prefix-cache hits and prefill tokens skipped so far, summed over every rollout engine:
+    the dedicated workers and the co-executors (whose worker core exports the same counters; a
+    turn that spills onto a co-executor adopts its parked prefix there)."""
+    samples = [scrape(metrics) for metrics in metrics_ports]
     return tuple(sum(s.get(name, 0.0) for s in samples) for name in HIT_METRICS)  # type: ignore
 
 
@@ -172,14 +176,15 @@ async def one_run(stack: LocalStack, workers, coexecs, mode: str, tag: str, roun
     serving = None
     try:
         await wait_healthy(endpoint, len(workers) + len(coexecs))
-        before = hits(workers)
+        engines = [m for _, m in workers] + [m for _, m, _ in coexecs]
+        before = hits(engines)
         refused_before = refusals(coexecs)
         if coexecs:
             serving = asyncio.ensure_future(serve_bursts([c[2] for c in coexecs],
                                                          args.serving_rps, seed=round_))  # same per round
         seconds = await run_trajectories(endpoint, tag, args.trajectories, args.turns,
                                          env_s=args.env_ms / 1000)
-        after = hits(workers)
+        after = hits(engines)
         refused = refusals(coexecs) - refused_before
         routed = {o: scrape(metrics).get(f'rlh_manager_turns_routed{{outcome="{o}"}}', 0.0)
                   for o in ("affinity", "moved", "first")}
@@ -220,7 +225,8 @@ def report(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
     lines = [f"{args.workers} workers (small, 4 running, prefix cache), {args.trajectories} "
              f"trajectories x {args.turns} turns, histories {PROMPT}+ tokens, environment "
              f"{args.env_ms:.0f} ms between turns, {args.rounds} rounds, {args.coexec} "
-             f"co-executors serving {args.serving_rps} req/s in bursts"]
+             f"co-executors serving {args.serving_rps} req/s in bursts; cache hits and "
+             "prefill tokens skipped: workers and co-executors together"]
     baselines = {b: [run["seconds"] for run in runs[b]] for b in ("pinned", "pinned-static")}
     for mode in MODES:
         secs = [run["seconds"] for run in runs[mode]]

@@ -133,9 +133,11 @@ def write_results(rows: list[tuple], args: argparse.Namespace, command: str) -> 
     ]
     lines += [f"| {m} | {b} | {hf:.0f} | {ours:.0f} | {ratio:.2f} | {lo:.2f}–{hi:.2f} |"
               for m, b, hf, ours, ratio, lo, hi in rows]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
-    print(f"wrote {RESULTS}")
+    # --quick (what `make bench` runs) must not overwrite the full results the README cites.
+    out = RESULTS.with_name(RESULTS.stem + "_quick.md") if args.quick else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 def main() -> None:

@@ -105,7 +105,9 @@ def main() -> None:
                      f"[{r['speedups'][0]:.1f}–{r['speedups'][-1]:.1f}] | {opt} |")
     table = "\n".join(lines)
     print(table)
-    out = Path(__file__).parent / "results" / "placement_latency.md"
+    # --quick (what `make bench` runs) must not overwrite the full results the README cites.
+    out = Path(__file__).parent / "results" / ("placement_latency_quick.md" if args.quick
+                                               else "placement_latency.md")
     out.parent.mkdir(exist_ok=True)
     out.write_text(f"# Placement decision latency (WEAVE Table 5)\n\nCommand: `python "
                    f"bench/placement_latency.py{' --quick' if args.quick else ''}` (seed "

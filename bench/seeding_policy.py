@@ -135,8 +135,10 @@ def main() -> None:
                      f"[{lo:.3f}–{hi:.3f}] |")
     text = "\n".join(lines) + "\n"
     print(text)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
+    # --quick (what `make bench` runs) must not overwrite the full results the README cites.
+    out = RESULTS.with_name(RESULTS.stem + "_quick.md") if args.quick else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 def trace_summary(trace: list[int]) -> str:

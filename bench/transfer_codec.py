@@ -128,7 +128,8 @@ def checksum_rates(data: bytes) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="~24 MB model, two rounds")
-    parser.add_argument("--out", default="bench/results/transfer_codec.md")
+    parser.add_argument("--out", default=None, help="default bench/results/transfer_codec.md "
+                        "(transfer_codec_quick.md with --quick)")
     args = parser.parse_args()
     layers, hidden, intermediate, repeat = (1, 1024, 3072, 2) if args.quick else (2, 2048, 6144, 3)
 
@@ -169,7 +170,9 @@ def main() -> None:
               "1/8 byte per element plus itemsize per change: whatever the dtype they cost the "
               "same at 1/16 of the elements changed (93.75% zeros); COO is smaller above it."]
     print("\n".join(lines[-3:]))
-    out = Path(args.out)
+    # --quick (what `make bench` runs) must not overwrite the full results the README cites.
+    out = Path(args.out or "bench/results/transfer_codec"
+               + ("_quick" if args.quick else "") + ".md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")

@@ -40,6 +40,12 @@ class CoexecResult:
     rollout_busy_s: float
     serving_busy_s: float
     end_s: float
+    # Busy time inside [0, window_s] only (an action straddling window_s counts its part
+    # inside): shares over one span that is the same for every run on a trace, whatever each
+    # run's end_s. window_s None: the whole run (the same as the totals above).
+    window_s: float | None = None
+    rollout_busy_in_window_s: float = 0.0
+    serving_busy_in_window_s: float = 0.0
 
     def tpot_s(self, request_id: str) -> float:
         """The request's time per output token: (t_last - t_first) / (n - 1), as served."""
@@ -61,9 +67,10 @@ class CoexecResult:
 
 def simulate(trace: Sequence[TraceRequest], admission: DualSloAdmission, *,
              rollout_cost_s: float | None, until_s: float, headroom_pages: int = 0,
-             free_pages: int = 1 << 30) -> CoexecResult:
+             free_pages: int = 1 << 30, window_s: float | None = None) -> CoexecResult:
     """Run until ``until_s`` (virtual seconds); ``rollout_cost_s`` None: serving alone. The
-    trace's request i is ``s<i>`` in the result."""
+    trace's request i is ``s<i>`` in the result. ``window_s``: also sum each side's busy time
+    inside [0, window_s] (``rollout_busy_in_window_s``, ``serving_busy_in_window_s``)."""
     profile = admission.profile
     scheduler = CoexecScheduler(admission, headroom_pages)
     named = [(f"s{i}", r) for i, r in enumerate(trace)]
@@ -73,6 +80,11 @@ def simulate(trace: Sequence[TraceRequest], admission: DualSloAdmission, *,
     queue: list[PendingPrefill] = []
     batch: dict[str, tuple[float, int]] = {}  # decoding: id -> (last token time, tokens out)
     now, nxt, steps, busy, serving_busy = 0.0, 0, 0, 0.0, 0.0
+    window = math.inf if window_s is None else window_s
+    in_window = {"rollout": 0.0, "serving": 0.0}
+
+    def spend(side: str, start: float, cost: float) -> None:
+        in_window[side] += max(0.0, min(start + cost, window) - start)
     unit = [RolloutUnit("decode", rollout_cost_s)] if rollout_cost_s is not None else []
     while now < until_s:
         while nxt < len(arrivals) and arrivals[nxt][1].arrival <= now:
@@ -84,18 +96,21 @@ def simulate(trace: Sequence[TraceRequest], admission: DualSloAdmission, *,
         action = scheduler.next_action(now, work, unit, free_pages)
         if action.kind is ActionKind.ROLLOUT:
             assert rollout_cost_s is not None
+            spend("rollout", now, rollout_cost_s)
             now += rollout_cost_s
             steps, busy = steps + 1, busy + rollout_cost_s
         elif action.kind is ActionKind.SERVING_PREFILL:
             pending = next(p for p in queue if p.request_id == action.request_id)
             queue.remove(pending)
             cost = profile.prefill_s(pending.prompt_tokens)
+            spend("serving", now, cost)
             now, serving_busy = now + cost, serving_busy + cost
             served[pending.request_id].ttft_s = now - pending.arrival
             batch[pending.request_id] = (now, 1)
             _finish_done(batch, outputs, served)
         elif action.kind is ActionKind.SERVING_DECODE:
             cost = profile.decode_s(len(batch))
+            spend("serving", now, cost)
             now, serving_busy = now + cost, serving_busy + cost
             for rid, (last, out) in list(batch.items()):
                 served[rid].gaps_s.append(now - last)
@@ -105,7 +120,8 @@ def simulate(trace: Sequence[TraceRequest], admission: DualSloAdmission, *,
             if nxt == len(arrivals):
                 break
             now = max(now, arrivals[nxt][1].arrival)
-    return CoexecResult(served, steps, busy, serving_busy, now)
+    return CoexecResult(served, steps, busy, serving_busy, now, window_s,
+                        in_window["rollout"], in_window["serving"])
 
 
 def _finish_done(batch: dict[str, tuple[float, int]], outputs: dict[str, int],
