@@ -71,7 +71,8 @@ async def start_http(host: str, port: int, health: HealthCheck,
         return web.json_response(report, status=200 if report.get("status") == "ok" else 503)
 
     async def readyz(_: web.Request) -> web.Response:
-        serving = ready is not None and ready()
+        assert ready is not None  # routed only when given
+        serving = ready()
         return web.json_response({"ready": serving}, status=200 if serving else 503)
 
     app = web.Application()

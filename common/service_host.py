@@ -222,12 +222,12 @@ class Host(Generic[C]):
         advertise = cfg.advertise_host or cfg.host
         self.endpoint = f"{advertise}:{port}"
         parts = self._parts = await self.spec.build(self)
-        self._server = await rpc.serve(
+        self._server = server = await rpc.serve(
             self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],
             [s.name for s in parts.servicers], serving=False)
         self._http, metrics_port = await start_http(
             cfg.host, cfg.metrics_port, parts.health, on_scrape=parts.on_scrape,
-            ready=lambda: self._server is not None and self._server.serving)
+            ready=lambda: server.serving)
         if parts.standby is not None:
             for loop in parts.loops:
                 self.start_loop(loop)

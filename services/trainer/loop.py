@@ -786,9 +786,12 @@ class TrainerLoop:
         # On the training thread, as every rank command: a copy of the whole model (seconds
         # for a large one on the CPU; under ZeRO-3 a gather every rank joins) must not stall
         # the event loop, whose lease keepalives and streams would lapse meanwhile.
-        tensors = await self._run(partial(self._ranks.weights, where=self._publish_where))
+        # Cast to the serving dtype there too, once for the seed engine and the publisher both
+        # (the publisher's cast of tensors already in it copies nothing).
+        tensors = await self._run(lambda: self._as_served(
+            self._ranks.weights(where=self._publish_where)))
         if self._seed is not None:  # the trainer's own engine: in memory, before the next step
-            await self._seed.load(await self._run(self._as_served, tensors), version)
+            await self._seed.load(tensors, version)
         publisher = self._publisher
 
         async def publish() -> tuple[float, DeltaStats | None]:

@@ -1,6 +1,6 @@
 """The trainer's event loop stays free while a version is copied for publishing: that copy
 (the whole model, seconds for a large one on the CPU; under ZeRO-3 a gather every rank joins)
-runs on the training thread, or the loop's etcd lease keepalives and streams would lapse.
+and its casts to the serving dtype run off the event loop, or the loop's etcd lease keepalives and streams would lapse.
 The TrainerLoop runs in this process; the job's agent, manager and worker are processes."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 import pytest
 
 from rlharvest.services.trainer.config import TrainerConfig
+from rlharvest.services.trainer import rollout_client
 from rlharvest.services.trainer.loop import TrainerLoop
 
 from .test_trainer import start_job
@@ -20,7 +21,7 @@ COPY_S = 1.0  # what copying a large model takes, added to each copy of the tiny
 
 
 async def test_copying_a_version_for_its_publish_leaves_the_event_loop_free(
-        stack, etcd_client, etcd_endpoint):
+        stack, etcd_client, etcd_endpoint, monkeypatch):
     manager = await start_job(stack, 1)
     cfg = TrainerConfig(manager=manager.endpoint, etcd=etcd_endpoint, backend="torch",
                         prompts_per_step=2, samples_per_prompt=2, micro_batch_groups=1,
@@ -35,6 +36,13 @@ async def test_copying_a_version_for_its_publish_leaves_the_event_loop_free(
         return copy(*args, **kwargs)
 
     loop._ranks.weights = slow_copy  # type: ignore[method-assign]
+    cast = rollout_client.as_served
+
+    def slow_cast(*args, **kwargs):  # the casts to the serving dtype: a copy of the model each
+        time.sleep(COPY_S)
+        return cast(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_client, "as_served", slow_cast)
     longest_gap = 0.0
 
     async def tick() -> None:

@@ -131,5 +131,5 @@ def test_without_matplotlib_the_report_writes_the_steps_and_says_there_is_no_plo
     assert "no plot: matplotlib is not installed" in said
     assert (tmp_path / "steps.json").is_file() and not (tmp_path / "train.png").exists()
     monkeypatch.undo()
-    assert "plot" in demo.write_report(status, {}, tmp_path, "train.png")  # with it: the plot
+    assert demo.write_report(status, {}, tmp_path, "train.png").startswith("plot ")  # with it
     assert (tmp_path / "train.png").is_file()

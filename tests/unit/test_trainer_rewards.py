@@ -188,7 +188,9 @@ def test_a_candidate_replacing_its_output_file_gets_a_runtime_error_not_the_trai
 
 def test_a_candidate_cannot_open_kernel_settings_for_writing_even_as_root() -> None:
     """procfs grants uid 0 writes to /proc/sys by file mode, without a capability: a trainer
-    run as root (no user namespace) must still not hand the candidate kernel.core_pattern."""
+    run as root (no user namespace) must still not hand the candidate kernel.core_pattern.
+    The sandbox's /proc is mounted read-only, which the candidate sees whoever runs it (a
+    non-root run would refuse the writes anyway, so the mount itself is checked)."""
     code = ("import os\n"
             "for p in ('/proc/sys/kernel/core_pattern', '/proc/sys/vm/drop_caches',\n"
             "          '/proc/sysrq-trigger'):\n"
@@ -196,8 +198,10 @@ def test_a_candidate_cannot_open_kernel_settings_for_writing_even_as_root() -> N
             "        os.close(os.open(p, os.O_WRONLY))\n"
             "        print('writable', p)\n"
             "    except OSError:\n"
-            "        print('refused')\n")
-    result = run_case(code, StdioCase("sysctl", "", "refused\nrefused\nrefused"),
+            "        print('refused')\n"
+            "proc = [l.split() for l in open('/proc/self/mountinfo') if l.split()[4] == '/proc']\n"
+            "print('ro' in proc[0][5].split(','))\n")
+    result = run_case(code, StdioCase("sysctl", "", "refused\nrefused\nrefused\nTrue"),
                       SandboxLimits(wall_s=10, cpu_s=5))
     assert result.status == "passed", result.detail
 
@@ -429,9 +433,9 @@ def test_a_code_timeout_below_the_code_reward_s_worst_case_is_refused_where_it_m
 def test_the_default_code_timeout_covers_the_code_reward_s_worst_case_where_it_may_run(
         tmp_path) -> None:
     from rlharvest.services.trainer.config import TrainerConfig
-    from rlharvest.services.trainer.rewards.builtin import CODE_LIMITS, MAX_CODE_CASES
+    from rlharvest.services.trainer.rewards.builtin import CODE_REWARD_WORST_S
 
-    worst = MAX_CODE_CASES * CODE_LIMITS.wall_s
+    worst = CODE_REWARD_WORST_S  # the cases' wall limits and their overhead
     for flags in (dict(reward="code"), dict(data=str(tmp_path / "rows.jsonl"))):
         cfg = TrainerConfig.model_validate(flags)  # reward_timeout_s: 10 s
         assert cfg.reward_timeout_of("code") >= worst
