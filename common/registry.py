@@ -291,7 +291,7 @@ class Membership:
                 await self._client.put(self.key.encode(), json.dumps(self.info).encode(),
                                        lease=lease)
             except aetcd.ClientError as exc:
-                if not (_lease_not_found(exc) and self._reregister and not self._closed):
+                if not (lease_not_found(exc) and self._reregister and not self._closed):
                     raise
                 await self._register_again(lease)
 
@@ -307,7 +307,7 @@ class Membership:
                 log.warning("could not revoke lease of %s: %r", self.key, exc)
 
 
-def _lease_not_found(exc: aetcd.ClientError) -> bool:
+def lease_not_found(exc: Exception) -> bool:
     """A write refused because its lease expired (etcd's NOT_FOUND; aetcd keeps the gRPC error
     as the cause)."""
     cause = exc.__cause__

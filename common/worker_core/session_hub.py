@@ -317,11 +317,7 @@ class SessionHub:
                  _end(final))
         event = _step_event(self._last_step, rows, load)
         self.release(final.request_id, final.finish_reason)
-        if self._unsent is not None:
-            self._unsent.after.append((held.session, event))
-        else:
-            held.session.push(event)
-            self._maybe_end(held.session)
+        self._last_word(held.session, event)
 
     def refuse(self, session: Session, request_id: str, error: ServiceError,
                handle: int = 0) -> None:
@@ -337,12 +333,17 @@ class SessionHub:
         if held is None:
             return
         self.release(request_id)
-        event = _refusal(request_id, error, held.handle)
-        if self._unsent is not None:  # send() pushes it after the step, then ends the session
-            self._unsent.after.append((held.session, event))
+        self._last_word(held.session, _refusal(request_id, error, held.handle))
+
+    def _last_word(self, session: Session, event: pb.WorkerEvent) -> None:
+        """A released request's last event to its session, after the step outputs routed
+        before it (``send`` pushes it after the step, then ends a half-closed session); at
+        once when no step is unsent."""
+        if self._unsent is not None:
+            self._unsent.after.append((session, event))
         else:
-            held.session.push(event)
-            self._maybe_end(held.session)
+            session.push(event)
+            self._maybe_end(session)
 
     # ---- steps (the pump's sink) ---------------------------------------------------------------
 

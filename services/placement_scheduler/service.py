@@ -501,9 +501,4 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 def _may_retry_write(exc: Exception) -> bool:
     """A failed etcd write is worth another try unless this scheduler was deposed or a client
     lease expired meanwhile (etcd answers NOT_FOUND for it: the same write fails again)."""
-    if isinstance(exc, DeposedError):
-        return False
-    cause = exc.__cause__
-    lease_gone = isinstance(cause, grpc.aio.AioRpcError) and \
-        cause.code() is grpc.StatusCode.NOT_FOUND
-    return not lease_gone
+    return not isinstance(exc, DeposedError) and not registry.lease_not_found(exc)

@@ -54,6 +54,12 @@ class InstanceLoad:
     room_tokens: int | None = None
 
     @property
+    def holds_ours(self) -> bool:
+        """It holds requests of this manager (a kv_memory worker's load may be all others'):
+        only such an instance is a migration source, there being nothing else to move."""
+        return bool(self.queued or self.running)
+
+    @property
     def assigned(self) -> int:
         """Every request on the instance, running or queued."""
         return len(self.queued) + len(self.running) + self.unmanaged
@@ -183,10 +189,9 @@ def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
 def _migrate_pending(instances: Sequence[InstanceLoad],
                      overloaded: Sequence[InstanceLoad]) -> list[Migrate]:
     receivers = [i for i in instances if i.pending == 0 and i.free_slots > 0]
-    # A kv_memory worker's pending may be all unmanaged (another manager's requests): nothing of
-    # ours to move there, so it is no source. With no source left nothing moves, which also
-    # ends rebalance's loop instead of picking the same worker again.
-    sources = [i for i in overloaded if i.queued or i.running]
+    # With no source left nothing moves, which also ends rebalance's loop instead of picking
+    # the same worker again.
+    sources = [i for i in overloaded if i.holds_ours]
     if not receivers or not sources:
         return []
     src = max(sources, key=lambda i: (i.pending, i.worker_id))
@@ -202,8 +207,7 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     if not idle:
         return []
     dst = max(idle, key=lambda i: (i.capacity, i.worker_id))
-    # As in the pending case, a worker running only unmanaged requests has nothing to give.
-    sources = [i for i in instances if i.queued or i.running]
+    sources = [i for i in instances if i.holds_ours]
     if not sources:
         return []
     src = max(sources, key=lambda i: (i.executing, i.worker_id))

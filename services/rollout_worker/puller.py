@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+from typing import Any
 
 import aetcd
 import grpc
@@ -240,17 +241,15 @@ class Puller:
     async def _pull_from(self, endpoint: str, version: int, dense: bool) -> PullResult:
         """``version`` from the agent at ``endpoint``: as deltas against the held version where
         the agent still has it, or (``dense``) whole, without the held tensors."""
-        if dense:
-            return await pull(endpoint, self.job, version=version, tp_rank=self.tp_rank,
-                              tp_size=self.tp_size, streams=self.streams,
-                              channel=self._channel(endpoint))
-        # In place: the engine copies what it loads, so ``held`` is ours alone, and a delta
-        # then costs no fresh copy of the model (apply_pull undoes a half-applied delta, so a
-        # failed pull leaves the held tensors at held_version).
-        return await pull(endpoint, self.job, version=version, held=self.held,
-                          held_version=self.held_version, tp_rank=self.tp_rank,
-                          tp_size=self.tp_size, streams=self.streams, inplace=True,
-                          held_sums=self.held_sums, channel=self._channel(endpoint))
+        # Deltas in place: the engine copies what it loads, so ``held`` is ours alone, and a
+        # delta then costs no fresh copy of the model (apply_pull undoes a half-applied delta,
+        # so a failed pull leaves the held tensors at held_version).
+        against: dict[str, Any] = {} if dense else dict(
+            held=self.held, held_version=self.held_version, inplace=True,
+            held_sums=self.held_sums)
+        return await pull(endpoint, self.job, version=version, tp_rank=self.tp_rank,
+                          tp_size=self.tp_size, streams=self.streams,
+                          channel=self._channel(endpoint), **against)
 
     async def _load(self, result: PullResult, agent: str, seconds: float) -> None:
         # Sums the agent did not know are computed once here (a pass the fingerprint needs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -88,6 +89,7 @@ async def test_a_broken_member_record_is_skipped_and_discovery_of_the_others_goe
         await etcd_client.put(broken.encode(), b"{half a rec")
         assert list(await registry.list_members(etcd_client, "co_executor")) == [good.key]
         task = asyncio.create_task(consume())
+        await _until(lambda: events, timeout=30)  # listed: what follows comes as changes
         await etcd_client.put(broken.encode(), b"[1, 2]")  # JSON, but no record either
         later = await registry.register(etcd_client, "co_executor", "later", {"v": 1}, ttl=5)
         await _until(lambda: len(events) >= 2, timeout=30)
@@ -268,12 +270,15 @@ async def test_a_member_stalled_past_its_ttl_is_registered_again(etcd_client):
 
 
 async def test_an_update_after_the_lease_lapsed_registers_again_once_for_all_writers(
-        etcd_client):
+        etcd_client, caplog):
     member = await registry.register(etcd_client, "rollout_worker", "w-lapse", {"n": -1}, ttl=5)
     try:
         lapsed = await _lapse(etcd_client, member)
         # Before the keepalive notices: every writer must land, on one new lease.
-        await asyncio.gather(*(member.update(n=i) for i in range(10)))
+        with caplog.at_level(logging.WARNING, logger="rlharvest.common.registry"):
+            await asyncio.gather(*(member.update(n=i) for i in range(10)))
+        again = [r for r in caplog.records if "registering again" in r.getMessage()]
+        assert len(again) == 1, [r.getMessage() for r in again]  # one new lease, not ten
         stored = await etcd_client.get(member.key.encode())
         assert stored is not None and json.loads(stored.value) == {"n": 9}
         assert stored.lease not in (0, lapsed) and stored.lease == member.lease.id

@@ -131,13 +131,17 @@ def test_a_forgotten_workers_number_is_never_given_to_another_worker():
     control.worker_joined("old", 1, capacity=4, kind="k")
     control.worker_joined("w", 1, capacity=4, kind="k")
     add(control, 1)
-    control.tracker.assign("r0", "w")  # "old" is number 0, "w" number 1
+    emit(control, "old", "r0", [1])  # refused (r0 is on no worker), but "old" is number 0 now
+    control.tracker.assign("r0", "w")  # "w" number 1
     control.worker_lost("old", "stream broke")
     clock.advance(FailureConfig().forget_lost_after_s)
     control.tick()
     control.worker_joined("new", 1, capacity=4, kind="k")
     # Rows naming r0's handle from the newcomer must not pass for w's.
     assert [d.reason for d in emit(control, "new", "r0", [9]).dropped] == ["stale"]
+    # The ledger names workers by number: the newcomer's is not w's (nor the forgotten one's).
+    numbers = {name: control.tracker._worker_number(name) for name in ("w", "new")}
+    assert numbers["new"] not in (numbers["w"], 0), numbers
     assert control.tracker.get("r0").token_ids == []
 
 
