@@ -159,7 +159,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                           lambda: dual.memory.recent_serving_share, job=cfg.job or None)
     # The backend runs the loop of the pump it shares: when it ends (shutdown, a crash) the
     # requests waiting on it fail at once rather than when the HTTP server is torn down.
-    loops = [Loop("engine", partial(backend.run_shared_pump, service.run_engine))]
+    loops = [Loop("engine", partial(backend.run_pump, service.run_engine))]
     if cfg.job:  # pinned: lent from the start, for good
         lending.start_pulling()
     else:

@@ -69,7 +69,7 @@ class EngineServingBackend:
     """Serves on ``engine``, stepped by a pump of its own — or, given ``pump``, by that one
     (the co-executor's, which steps both models): adds and aborts then go through it, the
     outputs come back through ``deliver``, and its owner runs its loop through
-    ``run_shared_pump`` so that the pump's end fails the requests waiting on it."""
+    ``run_pump`` so that the pump's end fails the requests waiting on it."""
 
     def __init__(self, engine: Submitter, *, max_waiting: int = 256,
                  pump: EnginePump | None = None,
@@ -85,28 +85,28 @@ class EngineServingBackend:
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._ids = itertools.count(1)
         self._task: asyncio.Task | None = None
-        self._shared_running = False
+        self._running = False
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
     def start(self) -> None:
-        if not self._own_pump:
-            self._shared_running = True  # the owner runs the pump
-            return
-        self._task = asyncio.get_running_loop().create_task(self._pump.run(), name="serving")
-        self._task.add_done_callback(self._engine_stopped)
+        self._running = True  # from now on: a request added before the first step waits for it
+        if self._own_pump:  # else the owner runs the shared pump's loop through run_pump
+            self._task = asyncio.get_running_loop().create_task(
+                self.run_pump(self._pump.run), name="serving")
 
     @property
     def running(self) -> bool:
-        return self._shared_running or (self._task is not None and not self._task.done())
+        return self._running
 
-    async def run_shared_pump(self, run: Callable[[], Awaitable[None]]) -> None:
-        """Run the shared pump's loop (``run``, its owner's) as the owner's engine loop. However
-        it ends (cancelled at shutdown, or the engine failed), the requests waiting on it fail
-        at once and new ones are refused: nothing would ever step them again."""
-        self._shared_running = True
+    async def run_pump(self, run: Callable[[], Awaitable[None]]) -> None:
+        """Run the pump's loop (``run``: this backend's own pump's, or its owner's for a shared
+        one, as the owner's engine loop). However it ends (cancelled at shutdown, or the engine
+        failed), the requests waiting on it fail at once and new ones are refused: nothing
+        would ever step them again."""
+        self._running = True
         reason = "the serving engine stopped"
         try:
             await run()
@@ -116,19 +116,15 @@ class EngineServingBackend:
         finally:
             self._stopped(reason)
 
-    def _engine_stopped(self, task: asyncio.Task) -> None:
-        self._stopped("the serving engine stopped" if task.cancelled() else
-                      f"the serving engine failed: {task.exception()!r}")
-
     def _stopped(self, reason: str) -> None:
         """A stopped or broken engine fails every request in flight instead of leaving them
         waiting, and refuses new ones."""
-        self._shared_running = False
+        self._running = False
         for queue in self._streams.values():
             queue.put_nowait(ServingStopped(reason))
 
     async def close(self) -> None:
-        self._shared_running = False
+        self._running = False
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

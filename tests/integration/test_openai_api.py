@@ -291,7 +291,7 @@ async def test_when_a_shared_pump_stops_waiting_requests_fail_at_once_and_new_on
     pump = EnginePump(engine, sink, step_delay_s=0.02)  # 200 tokens: 4 s, surely mid-way
     backend = sink.backend = EngineServingBackend(engine, max_waiting=8, pump=pump)
     backend.start()
-    engine_loop = asyncio.create_task(backend.run_shared_pump(pump.run))
+    engine_loop = asyncio.create_task(backend.run_pump(pump.run))
     runner = web.AppRunner(make_app(backend, load_tokenizer("tiny"), ApiConfig(MODEL, 256)),
                            handler_cancellation=True)
     await runner.setup()
