@@ -9,7 +9,6 @@ import logging
 from dataclasses import dataclass
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 import grpc
@@ -21,7 +20,7 @@ from rlharvest.common.retry import Backoff
 from rlharvest.services.trainer import metrics
 
 if TYPE_CHECKING:
-    from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats
 
 log = logging.getLogger(__name__)
 
@@ -165,22 +164,21 @@ class Publisher:
     def __init__(self, etcd, job: str, agent: str, bucket_bytes: int,
                  deltas: bool = True, dtype: torch.dtype | None = None) -> None:
         try:
-            from rlharvest.services.transfer_agent import client, delta_publish
+            from rlharvest.services.transfer_agent import client
         except ImportError as exc:
             raise RuntimeError(
                 "publishing needs the transfer agent's client "
                 "(rlharvest.services.transfer_agent.client), which is not installed here; run "
                 "with --no-publish to train without publishing (only step 1 is on-policy)") from exc
         self._client = client
-        self._delta_publish = delta_publish
         self._etcd = etcd
         self._job = job
         self._agent = agent
         self._bucket_bytes = bucket_bytes
         self._deltas = deltas
         self._dtype = dtype  # the serving dtype floating tensors are published in (None: as is)
-        self._last: tuple[str, delta_publish.LastPublished] | None = None  # (agent, record)
-        self.last_stats: delta_publish.DeltaStats | None = None  # of the last delta publish
+        self._deltas_to = client.DeltaPublisher()  # its record of the last version, per agent
+        self.last_stats: DeltaStats | None = None  # of the last delta publish
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="publish-codec")
 
     async def endpoint(self) -> str:
@@ -198,15 +196,13 @@ class Publisher:
             await self._client.publish(agent, self._job, version, dict(tensors),
                                        bucket_bytes=self._bucket_bytes)
             return agent
-        last = self._last[1] if self._last is not None and self._last[0] == agent else None
-        try:
-            stats = await self._publish_against(agent, version, tensors, last)
-        except self._client.PublishError as exc:
-            if last is None or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("agent %s no longer holds version %d: publishing version %d dense",
-                        agent, last.version, version)
-            stats = await self._publish_against(agent, version, tensors, None)
+        loop = asyncio.get_running_loop()
+        # Off the loop on the default executor, the tensors encoding side by side on the
+        # pool's threads (the encode does not hold a pool thread it would wait on).
+        _, stats = await self._deltas_to.publish(
+            agent, self._job, version, tensors, bucket_bytes=self._bucket_bytes,
+            offload=lambda work: loop.run_in_executor(None, work),
+            parallel_map=self._pool.map)
         self.last_stats = stats
         metrics.PUBLISH_CHANGED.set(stats.changed_fraction)
         metrics.PUBLISH_PAYLOAD.set(stats.payload_bytes / max(stats.dense_bytes, 1))
@@ -215,17 +211,3 @@ class Publisher:
                  "on %s)", version, 100 * stats.changed_fraction, stats.payload_bytes / 1e6,
                  stats.dense_bytes / 1e6, where)
         return agent
-
-    async def _publish_against(self, agent: str, version: int,
-                               tensors: Mapping[str, torch.Tensor],
-                               last: LastPublished | None) -> DeltaStats:
-        """Encode against ``last`` (None: all dense, with sums), publish, remember the record."""
-        loop = asyncio.get_running_loop()
-        base = last or self._delta_publish.LastPublished(-1, {})
-        encoded, stats = await loop.run_in_executor(  # tensors encode on the pool's threads
-            None, partial(base.encode_next, tensors, None, self._pool.map))
-        await self._client.publish_delta(agent, self._job, version, base.version, encoded,
-                                         bucket_bytes=self._bucket_bytes)
-        self._last = (agent, await loop.run_in_executor(self._pool, partial(
-            base.advance, version, tensors, encoded)))
-        return stats

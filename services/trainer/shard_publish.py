@@ -8,8 +8,8 @@ rank goes on. The agent joins the slices once all N arrived and only then announ
 ``bench/trainer_publish.py`` measures both ways.
 
 With ``--publish-deltas`` each rank sends its shard as what changed since the shard it last
-published to that agent (its own ``delta_publish.LastPublished``, as the gather path's
-``Publisher`` keeps one per agent): the agent applies the delta to its slice of the version it
+published to that agent (its own ``client.DeltaPublisher``, as the gather path's
+``Publisher`` keeps one): the agent applies the delta to its slice of the version it
 holds. The first shard, one to another agent, and one whose base the agent no longer holds (it
 restarted, or that version never completed) go dense. The rank's host copy of its last shard
 costs 1/N of the model in the serving dtype.
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
-import grpc
 import torch
 
 from rlharvest.common.retry import retry
 from rlharvest.services.trainer.rollout_client import PUBLISH_BACKOFF, PUBLISH_RETRYABLE
 
 if TYPE_CHECKING:  # the transfer agent's client is imported where a rank first publishes
-    from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
+    from rlharvest.services.transfer_agent.client import DeltaPublisher
+    from rlharvest.services.transfer_agent.delta_publish import DeltaStats
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class RankPublisher:
         self._pending: tuple[int, Future[ShardPublished]] | None = None
         # The shard this rank last published and to which agent: the next delta's base. Only
         # the pool's one thread touches it, one publish at a time.
-        self._last: tuple[str, LastPublished] | None = None
+        self._deltas: DeltaPublisher | None = None
 
     def start(self, version: int, shard: Mapping[str, torch.Tensor],
               full_shapes: Mapping[str, tuple[int, ...]], rank: int, size: int,
@@ -122,7 +122,13 @@ class RankPublisher:
         async def once() -> ShardPublished:
             if not target.deltas:
                 return await dense()
-            return await self._publish_delta(version, shard, full_shapes, rank, size, target)
+            if self._deltas is None:
+                self._deltas = client.DeltaPublisher()
+            # Encoded inline: this is the rank's publish thread already.
+            reply, stats = await self._deltas.publish(
+                target.endpoint, target.job, version, shard, bucket_bytes=target.bucket_bytes,
+                run=target.run, dp_rank=rank, dp_size=size, full_shapes=full_shapes)
+            return ShardPublished(not reply.shards_missing, stats)
 
         async def with_retries() -> ShardPublished:
             return await retry(once, attempts=5,
@@ -138,40 +144,3 @@ class RankPublisher:
                  f"; {100 * stats.changed_fraction:.3f}% of its elements changed, sent "
                  f"{stats.payload_bytes / 1e6:.2f} of {stats.dense_bytes / 1e6:.2f} MB")
         return published
-
-    async def _publish_delta(self, version: int, shard: dict[str, torch.Tensor],
-                             full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
-                             target: ShardTarget) -> ShardPublished:
-        """The shard against this rank's last one to the same agent; dense when there is none
-        older, or when the agent refuses the base (it no longer holds that version)."""
-        from rlharvest.services.transfer_agent import client
-
-        last = self._last[1] if self._last is not None and self._last[0] == target.endpoint \
-            and self._last[1].version < version else None  # a republished version goes dense
-        try:
-            return await self._publish_against(version, shard, full_shapes, rank, size, target,
-                                               last)
-        except client.PublishError as exc:
-            if last is None or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("rank %d: agent %s does not hold version %d: publishing its shard of "
-                        "version %d dense", rank, target.endpoint, last.version, version)
-            return await self._publish_against(version, shard, full_shapes, rank, size, target,
-                                               None)
-
-    async def _publish_against(self, version: int, shard: dict[str, torch.Tensor],
-                               full_shapes: dict[str, tuple[int, ...]], rank: int, size: int,
-                               target: ShardTarget, last: LastPublished | None
-                               ) -> ShardPublished:
-        """Encode against ``last`` (None: all dense, with sums), publish, remember the shard."""
-        from rlharvest.services.transfer_agent import client, delta_publish
-
-        base = last or delta_publish.LastPublished(-1, {})
-        encoded, stats = base.encode_next(shard)  # on this rank's publish thread already
-        reply = await client.publish_delta(target.endpoint, target.job, version, base.version,
-                                           encoded, bucket_bytes=target.bucket_bytes,
-                                           run=target.run, dp_rank=rank, dp_size=size,
-                                           full_shapes=full_shapes)
-        self._last = None  # ``advance`` moves the record on in place: a failed one is no base
-        self._last = (target.endpoint, base.advance(version, shard, encoded))
-        return ShardPublished(not reply.shards_missing, stats)

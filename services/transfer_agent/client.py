@@ -8,11 +8,12 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Any
 
 import grpc
 import torch
@@ -20,10 +21,11 @@ import torch
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.apply import apply_pull
-from rlharvest.services.transfer_agent.bucketing import VersionManifest, pack
+from rlharvest.services.transfer_agent.bucketing import ParallelMap, VersionManifest, pack
 from rlharvest.services.transfer_agent.checksum import bytes_checksum, tensor_linear_sum
 from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_buckets
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, Encoding, encode_dense
+from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 from rlharvest.services.transfer_agent.http_data import (
     DEFAULT_READ_TIMEOUT_S,
     DataPathError,
@@ -133,6 +135,58 @@ async def publish_delta(endpoint: str, job: str, version: int, base_version: int
                               dp_size=dp_size if dp_size > 1 else 0,
                               manifest_json=json.dumps(manifest.to_dict()))
     return await _send_publish(endpoint, header, buckets)
+
+Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+async def _inline(work: Callable[[], Any]) -> Any:
+    return work()
+
+
+class DeltaPublisher:
+    """Publishes each version as what changed since the last one it published to the same
+    agent (its ``LastPublished``): the trainer's whole-model publisher keeps one, and so does
+    each rank publishing its shard. The first version, one to another agent, one not newer than
+    the record (published again) and one whose base the agent refuses (it no longer holds that
+    version: FAILED_PRECONDITION) go dense, with their sums. ``offload`` runs the encode and the
+    record's advance (whole-model passes) where the caller wants them: off its event loop, or
+    inline on a thread of its own; ``parallel_map`` encodes tensors side by side."""
+
+    def __init__(self) -> None:
+        self._last: tuple[str, LastPublished] | None = None  # (agent, record)
+
+    async def publish(self, endpoint: str, job: str, version: int,
+                      tensors: Mapping[str, torch.Tensor], *, offload: Offload = _inline,
+                      parallel_map: ParallelMap = map, **publish_args: Any
+                      ) -> tuple[pb.PublishReply, DeltaStats]:
+        """Publish ``version`` (``publish_args``: ``publish_delta``'s: bucket size, a shard's
+        rank, run and shapes); the reply and what it changed."""
+        last = self._last[1] if self._last is not None and self._last[0] == endpoint \
+            and self._last[1].version < version else None
+        try:
+            return await self._against(endpoint, job, version, tensors, last, offload,
+                                       parallel_map, publish_args)
+        except PublishError as exc:
+            if last is None or exc.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("agent %s no longer holds version %d: publishing version %d dense",
+                        endpoint, last.version, version)
+            return await self._against(endpoint, job, version, tensors, None, offload,
+                                       parallel_map, publish_args)
+
+    async def _against(self, endpoint: str, job: str, version: int,
+                       tensors: Mapping[str, torch.Tensor], last: LastPublished | None,
+                       offload: Offload, parallel_map: ParallelMap, publish_args: dict[str, Any]
+                       ) -> tuple[pb.PublishReply, DeltaStats]:
+        """Encode against ``last`` (None: all dense, with sums), publish, move the record on."""
+        base = last or LastPublished(-1, {})
+        encoded, stats = await offload(partial(base.encode_next, tensors, None, parallel_map))
+        reply = await publish_delta(endpoint, job, version, base.version, encoded,
+                                    **publish_args)
+        self._last = None  # ``advance`` moves the record on in place: a failed one is no base
+        self._last = (endpoint, await offload(partial(base.advance, version, tensors,
+                                                      encoded)))
+        return reply, stats
 
 
 async def _send_publish(endpoint: str, header: pb.PublishHeader,
