@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 import time
 import urllib.error
@@ -283,7 +284,7 @@ async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_s
     not torch.cuda.is_available(), reason="needs CUDA: a GPU trainer's publish (run on a GPU "
     "node by tools/gpu_fastpaths.sh)"))])
 async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_base_is_gone(
-        agent, device):
+        agent, device, caplog):
     """On a GPU trainer (``--device cuda``) the weights come as device tensors: the record of
     the last version stays there and each delta is found and encoded there."""
     _, endpoint, _ = agent
@@ -291,7 +292,8 @@ async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_
     publisher = Publisher(None, job, endpoint, 1 << 20, deltas=True, dtype=torch.bfloat16)
     v1 = {name: t.to(device) for name, t in version_of(4).items()}
     await publisher.publish(1, v1)
-    assert {t.device.type for t in publisher._last[1].tensors.values()} == {device}
+    record = publisher._deltas_to._last
+    assert record is not None and {t.device.type for t in record[1].tensors.values()} == {device}
     assert trainer_metrics.PUBLISH_CHANGED._value.get() == 1.0  # a first publish is all new
     first = await pull(endpoint, job, version=1)
     assert {t.dtype for t in first.tensors.values()} == {torch.bfloat16}
@@ -307,9 +309,14 @@ async def test_the_trainers_publisher_sends_bf16_deltas_and_goes_dense_when_the_
     assert delta.delta and delta.payload_bytes < delta.dense_bytes / 100
     bf16 = {n: t.to(torch.bfloat16).cpu() for n, t in v2.items()}
     assert weights_fingerprint(delta.tensors) == weights_fingerprint(bf16)
-    # As after an agent restart: the publisher's base is one the agent does not hold.
-    publisher._last = (endpoint, LastPublished(99, publisher._last[1].tensors))
-    await publisher.publish(3, v2)
+    # As after an agent restart: the publisher's base is one the agent does not hold (older
+    # than the version, so it is tried and refused, then the version goes dense).
+    record = publisher._deltas_to._last
+    assert record is not None
+    publisher._deltas_to._last = (endpoint, LastPublished(0, record[1].tensors))
+    with caplog.at_level(logging.WARNING):
+        await publisher.publish(3, v2)
+    assert "no longer holds version 0: publishing version 3 dense" in caplog.text
     dense = await pull(endpoint, job, version=3)
     assert weights_fingerprint(dense.tensors) == weights_fingerprint(bf16)
 
