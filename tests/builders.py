@@ -8,13 +8,16 @@ default the rest to small valid values.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from rlharvest.common.engine_types import SamplingParams, sampling_to_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
+from rlharvest.common.registry import Membership
 from rlharvest.common.tokenizer import CharTokenizer
 from rlharvest.services.rollout_manager.tracker import NewRequest
 from rlharvest.services.trainer.step_plan import Acceptance, StepSpec
@@ -161,3 +164,24 @@ def drain_tokens(engine) -> dict[str, list[int]]:
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return tokens
+
+
+class FlakyEtcd:
+    """aetcd's put, failing while ``down`` and for its first ``failures`` calls; what reached
+    etcd, in order. For a member record's writes (``stub_membership``)."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.down, self.failures, self.records = False, failures, []
+
+    async def put(self, key: bytes, value: bytes, lease=None) -> None:
+        if self.down or self.failures:
+            self.failures = max(self.failures - 1, 0)
+            raise ConnectionError("etcd unreachable")
+        self.records.append(json.loads(value))
+
+
+def stub_membership(etcd: FlakyEtcd, key: str, info: dict) -> Membership:
+    """A real Membership writing through ``etcd`` (its lease a stand-in that never lapses);
+    cancel its ``_keepalive`` when done."""
+    return Membership(etcd, key, SimpleNamespace(ttl=60), info)  # type: ignore[arg-type]
+

@@ -92,11 +92,7 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
     With ``dp_size`` > 1, ``tensors`` is ZeRO/DP rank ``dp_rank``'s flat slice of every tensor
     (``flat_shards.py``) and ``full_shapes`` the whole tensors' shapes; the agent joins the
     slices once every rank has published, with the same replies and ``run`` rule as TP shards."""
-    shapes: tuple[tuple[int, ...], ...] = ()
-    if dp_size > 1:
-        if full_shapes is None:
-            raise ValueError("a flat DP shard needs full_shapes: the agent cannot infer them")
-        shapes = tuple(tuple(full_shapes[name]) for name in tensors)
+    shapes = _dp_full_shapes(tensors, dp_size, full_shapes)
     loop = asyncio.get_running_loop()
     manifest, buckets = await loop.run_in_executor(
         None, partial(_pack_dense, version, tensors, bucket_bytes, tp_rank, tp_size, run))
@@ -105,6 +101,18 @@ async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, t
                               dp_rank=dp_rank, dp_size=dp_size if dp_size > 1 else 0,
                               manifest_json=json.dumps(manifest.to_dict()))
     return await _send_publish(endpoint, header, buckets)
+
+
+def _dp_full_shapes(names: Mapping[str, Any], dp_size: int,
+                    full_shapes: Mapping[str, Sequence[int]] | None
+                    ) -> tuple[tuple[int, ...], ...]:
+    """The whole tensors' shapes a flat DP shard's manifest carries, in ``names``' order (none
+    for a whole version or a TP shard)."""
+    if dp_size <= 1:
+        return ()
+    if full_shapes is None:
+        raise ValueError("a flat DP shard needs full_shapes: the agent cannot infer them")
+    return tuple(tuple(full_shapes[name]) for name in names)
 
 
 async def publish_delta(endpoint: str, job: str, version: int, base_version: int,
@@ -122,11 +130,7 @@ async def publish_delta(endpoint: str, job: str, version: int, base_version: int
     each a delta against that rank's slice of ``base_version`` or dense, and the reply, ``run``
     and ``full_shapes`` are as in ``publish``: the agent applies the deltas to its slices of the
     base, then stages and joins the slices like dense ones."""
-    shapes: tuple[tuple[int, ...], ...] = ()
-    if dp_size > 1:
-        if full_shapes is None:
-            raise ValueError("a flat DP shard needs full_shapes: the agent cannot infer them")
-        shapes = tuple(tuple(full_shapes[name]) for name in encoded)
+    shapes = _dp_full_shapes(encoded, dp_size, full_shapes)
     base = base_version if any(item.needs_base for item in encoded.values()) else None
     manifest, buckets = await asyncio.get_running_loop().run_in_executor(
         None, partial(pack, version, base, list(encoded.items()), bucket_bytes))

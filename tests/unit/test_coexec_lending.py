@@ -3,15 +3,13 @@ the lending lapses when etcd cannot be read for lapse_s."""
 
 from __future__ import annotations
 
-import json
-from types import SimpleNamespace
-
 import pytest
 
 from rlharvest.common.lending_record import Claim
-from rlharvest.common.registry import Membership
 from rlharvest.services.coexecutor.lent_rollout import LentRollout
 from rlharvest.services.coexecutor.lending import LendingChange, LendingState
+
+from ..builders import FlakyEtcd, stub_membership
 
 A = Claim("job-a", "manager-a")
 B = Claim("job-b", "manager-b")
@@ -62,23 +60,10 @@ def test_a_non_positive_lapse_is_refused():
             LendingState(lapse_s=bad)
 
 
-class FlakyEtcd:
-    """aetcd's put, failing while ``down``; what reached etcd, in order."""
-
-    def __init__(self) -> None:
-        self.down, self.records = False, []
-
-    async def put(self, key: bytes, value: bytes, lease=None) -> None:
-        if self.down:
-            raise ConnectionError("etcd unreachable")
-        self.records.append(json.loads(value))
-
-
 async def test_a_member_record_write_lost_to_etcd_is_written_at_the_next_settle():
     etcd = FlakyEtcd()
-    lease = SimpleNamespace(ttl=60)
-    membership = Membership(etcd, "/members/coexecutor/c0", lease,  # type: ignore[arg-type]
-                            {"job": "", "serving_kv_recent": 0.0, "weight_version": 0})
+    membership = stub_membership(etcd, "/members/coexecutor/c0",
+                                 {"job": "", "serving_kv_recent": 0.0, "weight_version": 0})
     share = [0.5]
     lent = LentRollout(service=None, membership=lambda: membership,  # type: ignore[arg-type]
                        puller=lambda job: None, recent_share=lambda: share[0], job="j1")

@@ -39,6 +39,15 @@ def add(control: RolloutControl, n: int, version: int = 1, max_tokens: int = 50)
                                  announced_version=version).request_ids)
 
 
+def running_on_w(n: int = 1) -> tuple[RolloutControl, Clock]:
+    """A step of ``n`` requests dispatched to worker "w", the one worker."""
+    control, clock = make()
+    control.worker_joined("w", 1, capacity=4, kind="k")
+    add(control, n)
+    control.tick()
+    return control, clock
+
+
 def emit(control: RolloutControl, worker: str, request_id: str, tokens: list[int],
          version: int = 1):
     pos = len(control.tracker.get(request_id).token_ids)
@@ -72,20 +81,14 @@ def test_a_lost_worker_loses_no_token_and_its_requests_resume_from_their_last_to
 
 
 def test_lost_twice_is_lost_once():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     assert len(control.worker_lost("w", "stream broke")) == 1
     assert control.worker_lost("w", "lease vanished") == []
     assert control.pool.get("w").lost_reason == "stream broke"
 
 
 def test_a_lost_worker_is_forgotten_once_it_stayed_lost_for_the_grace():
-    control, clock = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, clock = running_on_w()
     emit(control, "w", "r0", [5])
     control.worker_joined("v", 1, capacity=4, kind="k")
     clock.now = 10.0
@@ -146,19 +149,13 @@ def test_a_forgotten_workers_number_is_never_given_to_another_worker():
 
 
 def test_a_worker_still_holding_requests_is_not_forgotten_by_the_tracker():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     with pytest.raises(ValueError, match="still holds 1 requests"):
         control.tracker.forget_worker("w")
 
 
 def test_tokens_a_lost_worker_sends_after_the_loss_are_dropped():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     emit(control, "w", "r0", [10])
     control.worker_lost("w", "lease vanished")
     report = control.step_deltas("w", [TokenDelta("r0", 1, (11,), (0.0,), 1)])
@@ -263,10 +260,7 @@ def test_requests_leave_a_worker_that_loads_another_version_even_without_room():
                                   grpc.StatusCode.ALREADY_EXISTS,
                                   grpc.StatusCode.RESOURCE_EXHAUSTED])
 def test_a_refusal_about_the_worker_sends_the_request_elsewhere_without_an_abort(code):
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     emit(control, "w", "r0", [10])
     commands = control.command_refused("w", "r0", code.value[0], "full")
     assert commands == [Release("r0", "w", "refused", abort=False)]  # w never took it
@@ -277,10 +271,7 @@ def test_a_refusal_about_the_worker_sends_the_request_elsewhere_without_an_abort
 
 
 def test_a_refusal_about_the_request_itself_fails_it_with_the_workers_message():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     [fail] = control.command_refused("w", "r0", grpc.StatusCode.INVALID_ARGUMENT.value[0],
                                      "prompt of 9000 tokens exceeds the context of 4096")
     assert isinstance(fail, Fail) and fail.reason == (
@@ -302,10 +293,7 @@ def test_a_refused_abort_never_fails_the_request_now_tracked_under_that_id():
 
 
 def test_a_refusal_about_an_assignment_the_request_left_is_ignored():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     control.worker_draining("w", deadline=100.0)
     control.worker_joined("v", 1, capacity=4, kind="k")
     assert placed(control.tick()) == {"r0": "v"}  # moved off the draining worker
@@ -318,10 +306,7 @@ def test_a_refusal_about_an_assignment_the_request_left_is_ignored():
 def test_a_refusal_of_an_earlier_dispatch_to_the_same_worker_leaves_the_current_one_running():
     # r0 went to w, moved to v and came back to w before w's refusal of the first add arrived:
     # the refusal names the first dispatch's handle and leaves the second alone.
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     first = control.tracker.resume_payload("r0").handle
     control.tracker.move("r0", "v")
     control.tracker.move("r0", "w")
@@ -334,10 +319,7 @@ def test_a_refusal_of_an_earlier_dispatch_to_the_same_worker_leaves_the_current_
 
 
 def test_a_request_named_in_several_refused_rows_of_one_batch_is_released_once():
-    control, _ = make()
-    control.worker_joined("w", 1, capacity=4, kind="k")
-    add(control, 1)
-    control.tick()
+    control, _ = running_on_w()
     emit(control, "w", "r0", [5])
     # Two rows that both skip ahead of the one token the manager holds: "position" twice.
     report = control.step_deltas("w", [TokenDelta("r0", 3, (6,), (0.0,), 1),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from prometheus_client import REGISTRY
 
 from rlharvest.services.rollout_manager.commands import Command, Dispatch, Migrate, Release
@@ -131,14 +133,20 @@ async def test_a_step_starting_while_another_holds_the_seeds_gets_none_and_canno
     assert control.pool.get("seed").state is WorkerState.HEALTHY
 
 
-async def test_remote_workers_that_cannot_take_the_step_leave_the_seed_to_finish_it():
-    """At the close only a worker on the step's version, and not held as standby, is a remote
-    one: one still loading the version takes none of the step's requests."""
+@pytest.mark.parametrize("remote", ["on another version", "held as standby"])
+async def test_remote_workers_that_cannot_take_the_step_leave_the_seed_to_finish_it(remote):
+    """At the close only a worker on the step's version, and not held as standby by the
+    instance cap, is a remote one: one still loading the version takes none of the step's
+    requests, nor does one the cap holds back."""
     control = RolloutControl(ControlConfig(theta=1), Clock())
     executed: list[Command] = []
     windows = SeedWindows(control, executed.extend, lambda: None)
     control.worker_joined("seed", 1, capacity=8, kind="seed")
-    control.worker_joined("w", 0, capacity=8, kind="spot")  # still on version 0
+    if remote == "held as standby":
+        control.worker_joined("w", 1, capacity=8, kind="spot")
+        control.pool.set_instance_cap(0)
+    else:
+        control.worker_joined("w", 0, capacity=8, kind="spot")  # still on version 0
     s = control.add_step("S", step(4, version=1), 1)
     windows.step_started(s.key, WINDOW_S, version=1)
     control.tick()

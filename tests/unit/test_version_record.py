@@ -5,29 +5,15 @@ in for (the project's Membership writes through it)."""
 from __future__ import annotations
 
 import asyncio
-import json
-from types import SimpleNamespace
 
 from rlharvest.common.registry import Membership
 from rlharvest.common.worker_core.version_record import VersionRecord
 
-
-class FlakyEtcd:
-    """aetcd's put, failing ``failures`` times first; what reached etcd, in order."""
-
-    def __init__(self, failures: int = 0) -> None:
-        self.failures, self.records = failures, []
-
-    async def put(self, key: bytes, value: bytes, lease=None) -> None:
-        if self.failures:
-            self.failures -= 1
-            raise ConnectionError("etcd unreachable")
-        self.records.append(json.loads(value))
+from ..builders import FlakyEtcd, stub_membership
 
 
 def membership(etcd: FlakyEtcd) -> Membership:
-    return Membership(etcd, "/members/rollout_worker/w0", SimpleNamespace(ttl=60),  # type: ignore
-                      {"weight_version": 0})
+    return stub_membership(etcd, "/members/rollout_worker/w0", {"weight_version": 0})
 
 
 async def settle(record: VersionRecord) -> None:
