@@ -346,13 +346,17 @@ class TrainerConfig(ServiceConfig):
         # a row may name the code reward is known now, so a run exits 2 at once instead of
         # scoring every correct but slow program 0 for hours. Only a per-kind code timeout
         # given by the user can fall short (the default covers the worst case).
+        if not self.builtin_code_reward_may_run:
+            return self
+        from rlharvest.services.trainer.rewards.builtin import MAX_CODE_CASES
+
         worst = code_reward_worst_s()
-        if self.builtin_code_reward_may_run and code_timeout < worst:
+        if code_timeout < worst:
             source = "--reward code" if (self.reward or self.reward_fn) else \
                 f"--data {self.data} (rows may pick the code reward by data_source)"
             raise ValueError(
                 f"the code reward's timeout ({code_timeout:g} s) cannot cover its worst case with "
-                f"{source}: up to {_max_code_cases()} test cases run one after another, "
+                f"{source}: up to {MAX_CODE_CASES} test cases run one after another, "
                 f"{worst:g} s in all; give --reward-timeouts code={math.ceil(worst)} or more")
         return self
 
@@ -364,8 +368,3 @@ def code_reward_worst_s() -> float:
 
     return CODE_REWARD_WORST_S
 
-
-def _max_code_cases() -> int:
-    from rlharvest.services.trainer.rewards.builtin import MAX_CODE_CASES
-
-    return MAX_CODE_CASES

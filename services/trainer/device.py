@@ -17,10 +17,16 @@ import torch
 from rlharvest.common.engine_device import resolve
 
 
-def served_dtype(publish_dtype: str) -> torch.dtype:
+def published_dtype(name: str) -> torch.dtype | None:
+    """``--publish-dtype`` as a torch dtype: the one floating weights are cast to before they
+    are published; None (as they are) with ``model``."""
+    return None if name == "model" else getattr(torch, name)
+
+
+def served_dtype(name: str) -> torch.dtype:
     """The dtype the workers serve in, for the trainer's own engines (seed role, placement
     profile): ``--publish-dtype``'s, or the model's own (fp32) with ``model``."""
-    return torch.float32 if publish_dtype == "model" else getattr(torch, publish_dtype)
+    return published_dtype(name) or torch.float32
 
 
 def rank_device(name: str) -> torch.device:

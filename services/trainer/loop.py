@@ -51,7 +51,12 @@ from rlharvest.services.trainer.bench_harness import LengthModel, delay_rewards,
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.curves import CurveWriter
-from rlharvest.services.trainer.device import module_device, rank_device, served_dtype
+from rlharvest.services.trainer.device import (
+    module_device,
+    published_dtype,
+    rank_device,
+    served_dtype,
+)
 from rlharvest.services.trainer.environments.interface import load_environment, takes_task
 from rlharvest.services.trainer.environments.runner import (
     PlayConfig,
@@ -198,8 +203,7 @@ class TrainerLoop:
                                    timeout_s=cfg.reward_timeout_s, clock=clock)
         self._curves = CurveWriter(cfg.tensorboard_dir, cfg.wandb_project, run_name=cfg.job,
                                    config=cfg.model_dump(mode="json"))
-        publish_dtype = None if cfg.publish_dtype == "model" else getattr(torch, cfg.publish_dtype)
-        self._publish_dtype: torch.dtype | None = publish_dtype
+        self._publish_dtype = publish_dtype = published_dtype(cfg.publish_dtype)
         self._publisher = (rollout_client.Publisher(etcd, cfg.job, cfg.agent, cfg.bucket_bytes,
                                                     cfg.publish_deltas, publish_dtype)
                            if cfg.publish else None)

@@ -18,6 +18,7 @@ from rlharvest.common import aio, keys, registry, rpc
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.retry import Backoff
 from rlharvest.services.trainer import metrics
+from rlharvest.services.trainer.backend import served_as
 
 if TYPE_CHECKING:
     from rlharvest.services.transfer_agent.delta_publish import DeltaStats
@@ -151,7 +152,7 @@ def as_served(tensors: Mapping[str, torch.Tensor],
     they are)."""
     if dtype is None:
         return tensors
-    return {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    return {name: t.to(served_as(t, dtype)) for name, t in tensors.items()}
 
 
 class Publisher:
