@@ -36,8 +36,8 @@ from rlharvest.services.coexecutor.latency_profile import LatencyProfile  # noqa
 from rlharvest.services.loadgen import quantile  # noqa: E402
 from rlharvest.sim.coexec import CoexecResult, simulate  # noqa: E402
 from rlharvest.sim.serving_trace import TraceRequest, synthetic  # noqa: E402
+from results_file import results_path  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # A device where a 256-token prefill takes ~53 ms and a decode step 8.5 ms + 0.5 ms per sequence.
 PROFILE = LatencyProfile.linear(prefill_base_s=0.002, prefill_per_token_s=2e-4,
@@ -142,7 +142,7 @@ def main() -> None:
                  "serving: the device's serving busy share of the same window")
     print("\n".join(lines))
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-    out = RESULTS / ("coexec_admission_quick.md" if args.quick else "coexec_admission.md")
+    out = results_path("coexec_admission", args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python bench/coexec_admission.py", *sys.argv[1:]])
     out.write_text(f"# Dual-SLO admission, simulated (issue 12)\n\n`{command}`, "

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.common.tiny_model import build_model  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
+from results_file import results_path  # noqa: E402
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.95, 1.0
-RESULTS = Path(__file__).parent / "results" / "engine_throughput.md"
 
 
 def prompts(batch: int, prompt_len: int, vocab: int) -> torch.Tensor:
@@ -134,7 +134,7 @@ def write_results(rows: list[tuple], args: argparse.Namespace, command: str) -> 
     lines += [f"| {m} | {b} | {hf:.0f} | {ours:.0f} | {ratio:.2f} | {lo:.2f}–{hi:.2f} |"
               for m, b, hf, ours, ratio, lo, hi in rows]
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-    out = RESULTS.with_name(RESULTS.stem + "_quick.md") if args.quick else RESULTS
+    out = results_path("engine_throughput", args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from rlharvest.services.rollout_manager.policy_sim import (
     Scenario,
@@ -24,8 +23,8 @@ from rlharvest.services.rollout_manager.policy_sim import (
     long_tail_lengths,
     simulate,
 )
+from results_file import results_path  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "manager_policy.md"
 
 
 MAX_TOKENS = 2048
@@ -130,7 +129,7 @@ NOTES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and seeds (< 20 s)")
-    parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS.name} (or its _quick twin)")
+    parser.add_argument("--no-write", action="store_true", help="do not write results/manager_policy.md (or its _quick twin)")
     args = parser.parse_args()
     requests, capacity, seeds = (192, 24, 2) if args.quick else (512, 64, 5)
     started = time.perf_counter()
@@ -147,7 +146,7 @@ def main() -> None:
         f"{k} {v / mean['rlboost']:.3f}x" for k, v in mean.items() if k != "rlboost"))
     if not args.no_write:
         # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-        out = RESULTS.with_name(RESULTS.stem + "_quick.md") if args.quick else RESULTS
+        out = results_path("manager_policy", args.quick)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(report) + "\n")
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from rlharvest.sim.ratios import spread  # noqa: E402
 
 from rlharvest.services.placement_scheduler.inter_group import Objective  # noqa: E402
 from rlharvest.services.placement_scheduler.model import H20, H800, Job, PoolSpec  # noqa: E402
 from rlharvest.sim import baselines, cluster, optimum, workloads  # noqa: E402
+from results_file import results_path  # noqa: E402
 
 RESIDENCIES = (2, 3, 4, 5)
 PHILLY_INTERARRIVAL_S = 580 * 3600 / 300  # §6.5: 300 jobs over a 580-hour trace segment
@@ -279,8 +279,7 @@ def main() -> None:
                                    slots=8)
         show("heavy", "actual", "tailed")
     if wanted >= {"static", "trace", "sweep", "production", "heavy"}:
-        out = Path(__file__).parent / "results" / ("placement_cost_quick.md" if args.quick
-                                                   else "placement_cost.md")
+        out = results_path("placement_cost", args.quick)
         out.write_text(REPORT.format(
             command=f"python bench/placement_cost.py{' --quick' if args.quick else ''}",
             seeds=seeds, **values, **sections))

@@ -15,13 +15,13 @@ import math
 import random
 import statistics
 import time
-from pathlib import Path
 
 from rlharvest.services.placement_scheduler.inter_group import InterGroupScheduler
 from rlharvest.services.placement_scheduler.model import H20, H800, Job
 from rlharvest.services.placement_scheduler.round_robin import (
     Member, co_execution_periods, members_of, slo_violations)
 from rlharvest.sim import optimum, workloads
+from results_file import results_path  # noqa: E402
 
 ROLL, TRAIN = workloads.pools(5, H20, H800)
 
@@ -106,9 +106,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-    out = Path(__file__).parent / "results" / ("placement_latency_quick.md" if args.quick
-                                               else "placement_latency.md")
-    out.parent.mkdir(exist_ok=True)
+    out = results_path("placement_latency", args.quick)
     out.write_text(f"# Placement decision latency (WEAVE Table 5)\n\nCommand: `python "
                    f"bench/placement_latency.py{' --quick' if args.quick else ''}` (seed "
                    f"{args.seed}). Mixed Table 6 workload, residency 5, SLO ~ Unif(1,2). Paper: "

@@ -31,8 +31,8 @@ from rlharvest.services.rollout_manager.policy_sim import long_tail_lengths  # n
 from rlharvest.services.trainer.seeding_window import SeedingWindow  # noqa: E402
 from rlharvest.sim.seeding import Plant, simulate_step  # noqa: E402
 from rlharvest.sim.spot_trace import SEGMENTS, synthesize  # noqa: E402
+from results_file import results_path  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "seeding_policy.md"
 PLANT = Plant()
 T_INIT = 2.0
 ETA = 2.0  # Algorithm 1's adaptation rate (--eta)
@@ -136,7 +136,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-    out = RESULTS.with_name(RESULTS.stem + "_quick.md") if args.quick else RESULTS
+    out = results_path("seeding_policy", args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
 

@@ -40,6 +40,7 @@ from rlharvest.services.transfer_agent.delta_codec import (
 )
 
 from rlharvest.sim.ratios import spread  # noqa: E402
+from results_file import results_path  # noqa: E402
 
 LINKS_GBPS = (1, 20, 100)  # WEAVE/ROSE cross-cluster Ethernet is 20 Gbps
 ZERO_FRACTIONS = (0.9, 0.99, 0.999)
@@ -171,8 +172,7 @@ def main() -> None:
               "same at 1/16 of the elements changed (93.75% zeros); COO is smaller above it."]
     print("\n".join(lines[-3:]))
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
-    out = Path(args.out or "bench/results/transfer_codec"
-               + ("_quick" if args.quick else "") + ".md")
+    out = Path(args.out) if args.out else results_path("transfer_codec", args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
