@@ -29,8 +29,7 @@ class Announcer:
                  membership: Callable[[], registry.Membership | None]) -> None:
         self._cfg, self._etcd, self._endpoint = cfg, etcd, endpoint
         self._held, self._membership = held, membership
-        self._evicted: dict[str, list[dict]] = {}
-        self._latest: dict[str, int] = {}  # per job, the last version this agent announced
+        self._evicted: dict[str, list[dict]] = {}  # per job this agent announced, its notes
         # Holder records are written one at a time, so a dropped job's delete never lands after
         # the put of a publish that started the job afresh meanwhile.
         self._writing = asyncio.Lock()
@@ -40,7 +39,6 @@ class Announcer:
         notes.extend({"version": r.version, "reason": r.reason, "freed_bytes": r.freed_bytes,
                       "at": r.at} for r in records)
         del notes[:-_EVICTIONS_KEPT]
-        self._latest[job] = version
         membership = self._membership()
         if membership is not None and self.holders_again not in membership.on_registered_again:
             membership.on_registered_again.append(self.holders_again)
@@ -57,7 +55,7 @@ class Announcer:
         with it, and workers find the agents that hold a version by them."""
         membership = self._membership()
         async with self._writing:
-            for job in list(self._latest):
+            for job in list(self._evicted):
                 if self._held(job):
                     await self._put_holder(job, membership)
 
@@ -68,14 +66,14 @@ class Announcer:
         async with self._writing:
             if self._held(job):
                 return
-            self._latest.pop(job, None)
             self._evicted.pop(job, None)
             await self._etcd.delete(keys.weights_holder_key(job, self._cfg.agent_id).encode())
 
     async def _put_holder(self, job: str, membership: registry.Membership | None) -> None:
-        cfg = self._cfg
+        cfg, held = self._cfg, self._held(job)
+        # Versions only move forward in the store: the newest held is the one last announced.
         await self._etcd.put(keys.weights_holder_key(job, cfg.agent_id).encode(), json.dumps({
             "agent_id": cfg.agent_id, "endpoint": self._endpoint, "cluster": cfg.cluster,
-            "node": cfg.node, "versions": list(self._held(job)), "latest": self._latest[job],
+            "node": cfg.node, "versions": list(held), "latest": max(held),
             "evicted": self._evicted.get(job, [])}).encode(),
             lease=membership.lease if membership else None)
