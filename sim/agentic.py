@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from rlharvest.services.rollout_manager.balancer import InstanceLoad, select_instance
+from rlharvest.services.rollout_manager.control_loop import ControlConfig
 from rlharvest.services.rollout_manager.turn_routing import TurnRouter, TurnRouting
 from rlharvest.sim.ratios import spread
 
@@ -94,9 +95,9 @@ class ClusterModel:
     # by default forever, so pinned means pinned. With a KV room give the manager's: a pinned
     # turn that outgrew its co-executor's room is placed again only once its entry ends.
     trajectory_ttl_s: float = 1e9
-    # A co-executor that gave turns up for memory gets none for this long (the manager's
-    # ControlConfig.refusal_hold_s).
-    refusal_hold_s: float = 0.25
+    # A co-executor that gave turns up for memory gets none for this long, as the manager
+    # holds it.
+    refusal_hold_s: float = ControlConfig.refusal_hold_s
 
     def serving_kv(self, serving_index: int, now: float) -> int | None:
         """Serving GPU ``serving_index``'s KV tokens for rollout now; None when not limited."""
