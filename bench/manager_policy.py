@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from rlharvest.services.rollout_manager.policy_sim import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported as bench.*
+from rlharvest.services.rollout_manager.policy_sim import (  # noqa: E402
     Scenario,
     SimWorker,
     long_tail_lengths,
