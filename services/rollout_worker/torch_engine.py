@@ -99,7 +99,8 @@ class _Admitted:
     emitted: list[int] = dataclasses.field(default_factory=list)  # tokens sampled since admission
     seq: int = 0  # admission order (the KV budget preempts the newest first)
     prefix_keys: list[bytes] = dataclasses.field(default_factory=list)  # prefix-cache hit read
-    loaded: int = -1  # the weight load it was admitted under (its KV's): TorchEngine._loads
+    # The prefix cache's generation it was admitted under (its KV's weights): PrefixCache.generation
+    kv_generation: int = -1
 
 
 def _admission(request: EngineRequest) -> _Admitted:
@@ -289,10 +290,6 @@ class TorchEngine:
         self._prefill_token_budget = prefill_token_budget
         self._prefill_chunk = prefill_chunk
         self._weight_version = weight_version
-        # Weight loads so far. What a request computed may go back to the prefix cache only
-        # under the load it was admitted in: a load may keep the version number and change the
-        # weights (a placed worker switching jobs, a LoadWeights of the current version).
-        self._loads = 0
         self._forward = DecoderForward(self._model, max_len)
         self._own: OwnPages | None = None
         if paged is None and kv_pages:  # paged KV in a store of its own
@@ -416,7 +413,6 @@ class TorchEngine:
                 self._weight_targets[name].copy_(value)
         self._forward.refresh()
         self._weight_version = version
-        self._loads += 1
         if self._prefix is not None and self._own is not None:  # old weights' KV is useless
             self._own.give(self._prefix.flush())
 
@@ -506,7 +502,11 @@ class TorchEngine:
         self._slot_sampling.set(slot, entry)
         self._admissions += 1
         entry.seq = self._admissions
-        entry.loaded = self._loads
+        # What a request computed may go back to the prefix cache only under the weights it was
+        # admitted with: a load may keep the version number and change the weights (a placed
+        # worker switching jobs, a LoadWeights of the current version), and every load flushes
+        # the cache into a new generation, so the generation names the weights.
+        entry.kv_generation = self._prefix.generation if self._prefix is not None else 0
 
     def _prefill_partial(self, budget: int, logits: list[torch.Tensor]) -> int:
         """Prefills the partial request's next chunk (at most ``budget`` tokens); if that was its
@@ -712,7 +712,7 @@ class TorchEngine:
         if self._prefix is not None and self._own is not None:
             pages = self._own.held(rid)
             keep = set(pages[:len(entry.prefix_keys)])  # the cache's already
-            if entry.loaded == self._loads:  # KV of older weights is no prefix
+            if entry.kv_generation == self._prefix.generation:  # older weights' KV: no prefix
                 tokens = (entry.known_tokens + entry.emitted)[:kv_tokens]
                 keep |= self._prefix.insert(tokens, pages, self._weight_version)
             self._own.give(self._prefix.release(entry.prefix_keys))
