@@ -36,8 +36,9 @@ class ClientStream:
 
     Output waiting for the client is merged into the newest unsent event instead of queued as one
     event per worker step: a client that falls behind gets fewer, larger events, and the manager
-    serializes fewer messages (bench/manager_relay.py). At most ``max_events`` events wait; a
-    producer beyond that waits for the client (backpressure onto the worker streams).
+    serializes fewer messages (bench/manager_relay.py). At most ``max_events`` events wait,
+    plus what producers queued before waiting: a producer beyond that queues its rows and then
+    waits for the client (backpressure onto the worker streams).
     """
 
     def __init__(self, step: Step, max_events: int) -> None:
@@ -61,12 +62,26 @@ class ClientStream:
         self._ready.set()
         return pending
 
-    async def put_rows(self, rows: Rows) -> None:
-        """Forward accepted rows (requests named by their index in the step)."""
-        while not self._room.is_set():
-            await self._room.wait()
+    def put_rows(self, rows: Rows) -> bool:
+        """Queue accepted rows (requests named by their index in the step), now; True when the
+        client was already ``max_events`` behind: the producer then waits in ``room`` before it
+        reads on (backpressure onto its worker stream).
+
+        Rows go in when the tracker accepts them, never after a wait: a producer waiting first
+        could be overtaken by the rows that continue its own (a migrated request's next worker,
+        resumed after the rows the tracker holds; its rows to another step's stream; a producer
+        that came when room was made but before the waiter woke), and a waiting producer whose
+        worker is lost has its read loop cancelled, which would drop rows the next worker
+        resumed after. Either leaves the client a gap (the trainer's record breaks)."""
+        behind = not self._room.is_set()
         if not self._detached:
             self._tail(len(rows.token_ids)).rows.append(rows)
+        return behind
+
+    async def room(self) -> None:
+        """Until the client is less than ``max_events`` behind (or went away)."""
+        while not self._room.is_set():
+            await self._room.wait()
 
     def replay(self, rows: Rows) -> None:
         """A re-attached client's first rows (the tokens so far): never waits."""

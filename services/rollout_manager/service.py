@@ -272,11 +272,15 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if accepted.ends:  # the client must not read "ended" on a request the worker aborted
             accepted = dataclasses.replace(accepted, ends={
                 r: why for r, why in accepted.ends.items() if why != "abort"})
-        for key, rows in delta_batch.by_key(accepted, report.tags, report.indices):
-            stream = self._step_streams.get(key)
-            if stream is not None:
-                # A slow client holds this worker's stream here: backpressure.
-                await stream.put_rows(rows)
+        # Every step's rows are queued before any wait, in the order the tracker took them
+        # (client_stream.put_rows): a wait on one slow client must not hold back another step's
+        # rows while a migrated request's next worker sends the rows after them.
+        behind = [stream for key, rows in delta_batch.by_key(accepted, report.tags,
+                                                            report.indices)
+                  if (stream := self._step_streams.get(key)) is not None
+                  and stream.put_rows(rows)]
+        for stream in behind:
+            await stream.room()  # a slow client holds this worker's stream here: backpressure
 
     # ---- carrying out commands -----------------------------------------------------------------
 
@@ -618,7 +622,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._abandon_now(journal.stream)
 
     def _abandon_now(self, stream: ClientStream) -> None:
-        # Nobody reads this stream any more: a worker's read loop waiting in put_rows for the
+        # Nobody reads this stream any more: a worker's read loop waiting in room() for the
         # client to make room must go on now (its rows are dropped), not until the stall
         # timeout declares that worker lost.
         stream.detach()

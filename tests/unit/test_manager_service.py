@@ -6,7 +6,8 @@ releases, and what a step or a lost worker leaves behind."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 from rlharvest.common import delta_batch
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_worker_pb2 as wpb
@@ -101,3 +102,88 @@ async def test_a_forgotten_worker_leaves_the_status_and_its_metric_series():
     assert [w.worker_id for w in status.workers] == ["w"]
     assert "spot-1234" not in series(metrics.ASSIGNED) | series(metrics.PENDING)
     assert "spot-1234" not in service._endpoints
+
+
+def open_step(service: ManagerService, request: mpb.SubmitStepRequest
+              ) -> AsyncGenerator[mpb.StepEvent, None]:
+    """SubmitStep as gRPC drives it: an async generator, closed when its client goes away."""
+    return cast(AsyncGenerator[mpb.StepEvent, None],
+                service.SubmitStep(request, PlainContext()))
+
+
+def rows_of(events: list[mpb.StepEvent]) -> list[tuple[int, int, list[int]]]:
+    """The (request index, position, tokens) rows the client read, in the order it read them."""
+    return [(row.request, row.position, row.token_ids) for e in events if e.batch.requests
+            for row in delta_batch.decode(e.batch).iter()]
+
+
+def gapless(rows: list[tuple[int, int, list[int]]]) -> dict[int, list[int]]:
+    """Each request's tokens as the trainer assembles them (``step_plan._Partial``): a row must
+    start where the tokens so far end; a gap breaks the record."""
+    tokens: dict[int, list[int]] = {}
+    for request, position, ids in rows:
+        so_far = tokens.setdefault(request, [])
+        assert position == len(so_far), f"request {request}: row at {position} after " \
+                                        f"{len(so_far)} tokens ({rows})"
+        so_far.extend(ids)
+    return tokens
+
+
+async def test_rows_after_a_migration_under_backpressure_reach_the_client_in_position_order():
+    # Two steps on worker "w"; step a's client is behind, so w's read loop waits on a's stream
+    # with the rows of both steps accepted by the tracker. Meanwhile b's request is migrated to
+    # "w2" with those tokens (drain, stream scaling: tokens kept), and w2 continues after them.
+    control, service = manager(client_queue=1)
+    slow = open_step(service, submit_step(step(1, prefix="a", max_tokens=100), "sa"))
+    reader = open_step(service, submit_step(step(1, prefix="b", max_tokens=100), "sb"))
+    first_a = asyncio.create_task(anext(slow))
+    first_b = asyncio.create_task(anext(reader))
+    await asyncio.sleep(0.01)
+    control.tick()  # a0 and b0 on "w"
+    await service._on_worker_event("w", outputs(control, "a0", 0, [5]))
+    await asyncio.wait_for(first_a, 1.0)  # a's client reads one event, and no more for a while
+    await service._on_worker_event("w", outputs(control, "a0", 1, [6]))  # what it may lag by
+    both = wpb.WorkerEvent()  # one engine step of "w": a0's and b0's next tokens
+    delta_batch.encode(delta_batch.build(
+        [(control.tracker.get("a0").handle, 2, [7], [0.0], ""),
+         (control.tracker.get("b0").handle, 0, [50], [0.0], "")], 0), both.step.batch)
+    blocked = asyncio.create_task(service._on_worker_event("w", both))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()  # backpressure: w's read loop waits for a's client
+    control.worker_joined("w2", 0, capacity=8, kind="k")
+    control.worker_draining("w", deadline=1e9)  # b0 (and a0) go on on "w2", tokens kept
+    assert control.tracker.get("b0").worker_id == "w2"
+    await service._on_worker_event("w2", outputs(control, "b0", 1, [51]))
+    events = [await asyncio.wait_for(first_b, 1.0)]
+    await anext(slow)  # a's client catches up: w's read loop goes on
+    await asyncio.wait_for(blocked, 1.0)
+    events.append(await asyncio.wait_for(anext(reader), 1.0))
+    assert gapless(rows_of(events)) == {0: [50, 51]}
+    await slow.aclose()
+    await reader.aclose()
+
+
+async def test_rows_of_a_worker_lost_while_waiting_for_a_slow_client_still_reach_it():
+    # The tracker took w's rows before w's read loop waited for the client; w is then lost
+    # (stalled while it waits: its link closes, cancelling the read loop) and r0 resumes on
+    # "w2" after those rows. The client must still get them, or it sees a gap.
+    control, service = manager(client_queue=1)
+    client = open_step(service, submit_step(step(1, max_tokens=100)))
+    first = await dispatched(control, client)
+    await service._on_worker_event("w", outputs(control, "r0", 0, [5]))
+    events = [await asyncio.wait_for(first, 1.0)]
+    await service._on_worker_event("w", outputs(control, "r0", 1, [6]))
+    blocked = asyncio.create_task(service._on_worker_event("w", outputs(control, "r0", 2, [7])))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    service._lose("w", "no token for 30.0s while it had requests")
+    blocked.cancel()  # what closing its link does to its read loop (worker_link.py)
+    control.worker_joined("w2", 0, capacity=8, kind="k")
+    control.tick()  # r0 re-dispatched to "w2" with its 3 tokens
+    assert control.tracker.get("r0").worker_id == "w2"
+    w2 = asyncio.create_task(service._on_worker_event("w2", outputs(control, "r0", 3, [8])))
+    while not any(position == 3 for _, position, _ in rows_of(events)):  # until w2's row
+        events.append(await asyncio.wait_for(anext(client), 1.0))
+    await asyncio.wait_for(w2, 1.0)
+    assert gapless(rows_of(events)) == {0: [5, 6, 7, 8]}
+    await client.aclose()
