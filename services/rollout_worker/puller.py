@@ -4,7 +4,8 @@ version this worker holds when its agent still has that one — then load it bet
 
 A pull that fails (the agent died mid-pull, data stayed damaged, deltas failed verification) is
 retried from another agent whose holder record lists the version; deltas that apply at no holder
-are pulled again dense. With no agent registered the worker keeps serving what it has and
+are pulled again dense, from the holders whose failure a dense pull avoids
+(``client.may_serve_dense``). With no agent registered the worker keeps serving what it has and
 waits."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlharvest.services.transfer_agent.client import (
     PullError,
     PullResult,
     holders,
+    may_serve_dense,
     pull,
     agent_channel,
     sums_fingerprint,
@@ -212,17 +214,22 @@ class Puller:
         try:
             # Deltas first. Deltas that fail verification may be damaged at that holder alone,
             # so the next holder is tried; when no holder's deltas apply (the held copy is not
-            # the base they name), the version comes dense, which needs no held tensors.
+            # the base they name), the version comes dense, which needs no held tensors, from
+            # the holders a dense pull may succeed at: not one that is gone, lacks the version
+            # or sent damaged bytes, which would fail again after its time.
             previous: str | None = None
+            failures: dict[str, BaseException] = {}
+            asking = order
             for dense in (False, True):
                 undecodable = False
-                for agent in order:
+                for agent in asking:
                     if previous is not None and agent != previous:
                         PULL_FAILOVERS.inc()
                     previous = agent
                     try:
                         result = await self._pull_from(agents[agent]["endpoint"], version, dense)
                     except (grpc.aio.AioRpcError, PullError) as exc:
+                        failures[agent] = exc
                         undecodable |= isinstance(exc, DeltaApplyError)
                         what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                         log.warning("%s pull of version %d from agent %s failed: %s",
@@ -232,8 +239,9 @@ class Puller:
                     return True
                 if not undecodable:
                     return False
+                asking = [agent for agent in order if may_serve_dense(failures[agent])]
                 log.warning("no holder's deltas of version %d apply to the held version %s; "
-                            "pulling it dense", version, self.held_version)
+                            "pulling it dense from %s", version, self.held_version, asking)
             return False
         finally:
             PULLING.set(0)

@@ -15,9 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from rlharvest.common.errors import InvalidArgument
 from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError, bytes_checksum
-from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, read_header
+from rlharvest.services.transfer_agent.delta_codec import (
+    EncodedTensor,
+    Encoding,
+    codec_dtype,
+    codec_dtype_names,
+    read_header,
+)
 
 DEFAULT_BUCKET_BYTES = 64 << 20  # ROSE's bucket size
 MANIFEST_FORMAT = 1
@@ -26,9 +31,13 @@ MANIFEST_FORMAT = 1
 ParallelMap = Callable[..., Iterator]
 
 
-class ManifestError(InvalidArgument, ValueError):
+class ManifestError(ValueError):
     """A manifest or bucket set that does not fit together; the message says what to re-pull.
-    An agent handed one (a publish) answers INVALID_ARGUMENT."""
+    ``VersionManifest.from_dict`` refuses every field the codec cannot read (dtype, encoding,
+    shape, names, layout) when the manifest is parsed, so a bad field is named at the boundary.
+    Not a service status by itself: the agent answers a publish's manifest that does not parse
+    INVALID_ARGUMENT and bytes that do not fit it DATA_LOSS (``errors.py``'s classes, where
+    each case is known); a puller fails the pull at that sender."""
 
 
 @dataclass(frozen=True)
@@ -225,9 +234,11 @@ def entries_ready(manifest: VersionManifest, received: Collection[int]) -> list[
 
 
 def manifest_dtype(entry: ManifestEntry) -> torch.dtype:
-    dtype = getattr(torch, entry.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ManifestError(f"manifest entry {entry.name} has unknown dtype {entry.dtype!r}")
+    """The entry's dtype (one ``from_dict`` accepted: the codec carries it)."""
+    dtype = codec_dtype(entry.dtype)
+    if dtype is None:
+        raise ManifestError(f"manifest entry {entry.name} has unknown dtype {entry.dtype!r}; "
+                            f"the weight codec carries {codec_dtype_names()}")
     return dtype
 
 
@@ -246,7 +257,26 @@ def _check_bucket(manifest: VersionManifest, index: int,
                                     manifest.bucket_checksums[index], actual)
 
 
+def _check_entries(manifest: VersionManifest) -> None:
+    """Every entry's fields are ones the codec reads: a known dtype and encoding, a shape of
+    non-negative sizes, a name given once."""
+    names: set[str] = set()
+    for entry in manifest.entries:
+        if entry.name in names:
+            raise ManifestError(f"the manifest names tensor {entry.name!r} twice; each tensor "
+                                "goes in once")
+        names.add(entry.name)
+        manifest_dtype(entry)
+        if entry.encoding not in Encoding.__members__:
+            raise ManifestError(f"manifest entry {entry.name} has unknown encoding "
+                                f"{entry.encoding!r}; one of {list(Encoding.__members__)}")
+        if any(n < 0 for n in entry.shape):
+            raise ManifestError(f"manifest entry {entry.name} has shape {list(entry.shape)}; "
+                                "sizes are >= 0")
+
+
 def _check_layout(manifest: VersionManifest) -> None:
+    _check_entries(manifest)
     n = len(manifest.bucket_sizes)
     if len(manifest.bucket_checksums) != n:
         raise ManifestError(f"manifest lists {n} bucket sizes but "

@@ -68,6 +68,20 @@ class DeltaApplyError(PullError):
     ``held`` (dense) does not depend on them."""
 
 
+def may_serve_dense(error: BaseException) -> bool:
+    """Whether a holder whose delta pull failed with ``error`` is worth asking for the version
+    dense: its deltas did not verify against the held copy (DeltaApplyError: a dense pull needs
+    no base), or the plan changed under the pull (ABORTED: the base it named was evicted; plan
+    again). Not a holder that is unreachable or went away (UNAVAILABLE), does not hold the
+    version (NOT_FOUND), refused the pull otherwise, or whose plan or bytes stayed damaged
+    (DATA_LOSS): a dense pull would end the same way, after the time it takes."""
+    if isinstance(error, DeltaApplyError):
+        return True
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code() == grpc.StatusCode.ABORTED
+    return isinstance(error, PullError) and error.code == "ABORTED"
+
+
 def agent_channel(endpoint: str) -> grpc.aio.Channel:
     return rpc.channel(endpoint, [SERVICE_NAME], max_message_bytes=MAX_MESSAGE_BYTES)
 

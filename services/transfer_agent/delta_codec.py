@@ -105,6 +105,18 @@ class EncodedTensor:
         return self.encoding != Encoding.DENSE
 
 
+def codec_dtype(name: str) -> torch.dtype | None:
+    """The dtype a manifest names (torch's name without "torch.", e.g. "bfloat16") when the
+    codec carries it; None otherwise."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype in _DTYPE_CODES else None
+
+
+def codec_dtype_names() -> list[str]:
+    """The names ``codec_dtype`` accepts, sorted."""
+    return sorted(str(dtype).removeprefix("torch.") for dtype in _DTYPE_CODES)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     if dtype not in _DTYPE_CODES:
         raise DeltaCodecError(

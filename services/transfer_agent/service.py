@@ -393,17 +393,18 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                     f"{header.version}, was evicted meanwhile: publish this version dense"
                 ) from None
         loop = asyncio.get_running_loop()
-        try:
+        try:  # bytes that do not fit the (valid) manifest
             tensors = await loop.run_in_executor(None, partial(
                 apply_pull, manifest, assembler.buffers, base, manifest.base_version,
                 parallel_map=self._codec_pool.map, held_sums=base_sums))
+            if _is_shard(header):  # staged and joined as tensors: no encodings to serve as is
+                return tensors, {}
+            sparse = {e.name for e in manifest.entries if e.encoding != Encoding.DENSE.name}
+            payloads = unpack(manifest, assembler.buffers, sparse,
+                              range(len(manifest.bucket_sizes)))
+            return tensors, {name: encoded_tensor(bytes(view)) for name, view in payloads.items()}
         except (ManifestError, DeltaCodecError, ChecksumMismatchError) as exc:
             raise errors.DataLoss(f"publish of version {header.version}: {exc}") from None
-        if _is_shard(header):  # staged and joined as tensors: no encodings to serve as they are
-            return tensors, {}
-        sparse = {e.name for e in manifest.entries if e.encoding != Encoding.DENSE.name}
-        payloads = unpack(manifest, assembler.buffers, sparse, range(len(manifest.bucket_sizes)))
-        return tensors, {name: encoded_tensor(bytes(view)) for name, view in payloads.items()}
 
     async def _hold_published(self, header: pb.PublishHeader, manifest: VersionManifest,
                               tensors: dict[str, torch.Tensor],

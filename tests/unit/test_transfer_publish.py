@@ -127,3 +127,25 @@ async def test_a_manifest_naming_an_unknown_dtype_is_refused_invalid_argument_af
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert len(sent) == len(chunks)  # read to its end: the publisher sees this status
     assert service.held(JOB) == ()
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "complex64"), ("encoding", "ZIP")])
+async def test_a_manifest_field_the_codec_cannot_read_is_refused_as_an_invalid_manifest(
+        service, field, value):
+    """At the header, where the manifest is parsed: not as bytes that failed to decode
+    (DATA_LOSS), nor as a delta without a base."""
+    manifest, buckets = _pack_dense(1, FULL, 1 << 20)
+    data = manifest.to_dict()
+    data["entries"][0][field] = value
+    header = pb.PublishHeader(job=JOB, version=1, manifest_json=json.dumps(data))
+
+    async def messages():
+        yield pb.PublishChunk(header=header)
+        for chunk in chunk_buckets(buckets, 1 << 20):
+            yield pb.PublishChunk(chunk=chunk)
+
+    with pytest.raises(Aborted, match=f"publish manifest is not valid: .*{field} '{value}'") \
+            as err:
+        await service.Publish(messages(), Context())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert service.held(JOB) == ()

@@ -188,6 +188,20 @@ async def test_a_malformed_plan_or_topology_is_a_pull_error_not_a_crash(
     assert err.value.code == "INTERNAL"
 
 
+async def test_a_plan_naming_a_dtype_the_codec_does_not_carry_is_refused_before_a_byte_is_fetched(
+        monkeypatch):
+    manifest, buckets = _pack_dense(1, TENSORS, 1024)
+    data = manifest.to_dict()
+    data["entries"][0]["dtype"] = "complex64"
+
+    async def never(sender, parts, on_part, fill):
+        raise AssertionError("no bytes are fetched for a plan whose manifest is not valid")
+
+    fake_senders(monkeypatch, json.dumps(data), buckets, never)
+    with pytest.raises(PullError, match="ManifestError: .*dtype 'complex64'"):
+        await scatter()
+
+
 async def test_a_failed_scatter_returns_at_once_while_a_bucket_check_still_runs(monkeypatch):
     """Leaving the pull must not wait, on the event loop, for codec threads nobody needs."""
     manifest, buckets = _pack_dense(1, TENSORS, 1024)

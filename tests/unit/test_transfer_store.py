@@ -18,6 +18,7 @@ from rlharvest.services.transfer_agent.bucketing import (
     unpack,
 )
 from rlharvest.services.transfer_agent.checksum import ChecksumMismatchError
+from rlharvest.services.transfer_agent.delta_codec import encode_dense
 from rlharvest.services.transfer_agent.sharding import take_shard
 from rlharvest.services.transfer_agent.version_store import (
     VersionOrderError,
@@ -221,3 +222,20 @@ def test_a_damaged_or_missing_bucket_is_named_for_re_pull(v0):
     assert ready and set(unpack(manifest, partial, ready)) == set(ready)
     with pytest.raises(ManifestError, match="malformed"):
         VersionManifest.from_dict({"format": 1, "version": 0})
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("dtype", "nosuchtype", "dtype 'nosuchtype'"),
+    ("dtype", "complex64", "dtype 'complex64'"),  # a torch dtype the weight codec does not carry
+    ("encoding", "ZIP", "encoding 'ZIP'"),
+    ("shape", [-1, 4], r"shape \[-1, 4\]"),
+    ("name", "b", "names tensor 'b' twice"),
+])
+def test_a_manifest_field_the_codec_cannot_read_is_refused_when_the_manifest_is_parsed(
+        field, value, match):
+    """Refused at the boundary, naming the field, before a byte is fetched or decoded."""
+    items = [(name, encode_dense(torch.ones(4))) for name in ("a", "b")]
+    data = pack(3, None, items, 1 << 10)[0].to_dict()
+    data["entries"][0][field] = value
+    with pytest.raises(ManifestError, match=match):
+        VersionManifest.from_dict(data)
