@@ -5,13 +5,23 @@ to read the host's files: the name is taken relative to a configured root, and a
 absolute, climbs out with ``..``, or leads out through a symlink is refused before anything is
 opened. The check resolves symlinks, so a link inside the root to a file outside it is refused
 too; a link that stays inside is fine.
+
+A checked path is only a name, though: a directory on it may be swapped for a symlink out of
+the root between the check and the open. ``open_confined`` closes that gap: it opens the file
+and checks where the kernel actually opened it (the descriptor's own path), and whoever reads
+it reads that open file, never the name again (``descriptor_path`` for libraries that take a
+path).
 """
 
 from __future__ import annotations
 
+import os
+import stat
+import sys
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
-from rlharvest.common.errors import FailedPrecondition, InvalidArgument
+from rlharvest.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 
 def confined_path(root: str | Path, name: str, what: str = "file") -> Path:
@@ -37,3 +47,51 @@ def confined_path(root: str | Path, name: str, what: str = "file") -> Path:
     if target != base and base not in target.parents:
         raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink)")
     return target
+
+
+def open_confined(root: str | Path, name: str, what: str = "file") -> BinaryIO:
+    """The regular file ``name`` under ``root``, open for reading: ``confined_path``'s checks,
+    then the open, then the same containment check on the path of the file actually opened, so
+    a name swapped for a symlink out after the check is refused, not read through. Raises what
+    ``confined_path`` raises, and NotFound when no regular file is there (a FIFO or device is
+    never read: it is opened without blocking, then refused)."""
+    target = confined_path(root, name, what)
+    base = Path(root).resolve()
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise NotFound(f"no {what} {name!r} in the service's directory: {exc.strerror}") \
+            from None
+    try:
+        opened = _opened_path(fd)
+        if opened != base and base not in opened.parents:
+            raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink "
+                                  "swapped in after it was checked)")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotFound(f"{name!r} is no {what} in the service's directory (not a file)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def descriptor_path(file: BinaryIO) -> str:
+    """A path that names ``file``'s open descriptor itself (Linux ``/proc/self/fd``, else
+    ``/dev/fd``), for a library that takes a path: opening it opens the file already open, not
+    whatever its name leads to now. Valid while ``file`` is open."""
+    fd = file.fileno()
+    return f"/proc/self/fd/{fd}" if sys.platform.startswith("linux") else f"/dev/fd/{fd}"
+
+
+def _opened_path(fd: int) -> Path:
+    """Where the kernel opened ``fd``, symlinks resolved as it followed them."""
+    if sys.platform.startswith("linux"):
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    import fcntl
+
+    if hasattr(fcntl, "F_GETPATH"):  # macOS
+        raw = fcntl.fcntl(fd, fcntl.F_GETPATH, bytes(os.pathconf(".", "PC_PATH_MAX")))
+        return Path(os.fsdecode(raw.split(b"\0", 1)[0]))
+    raise FailedPrecondition("this platform cannot tell where an open file lies; files named by "
+                             "a caller are read only on Linux and macOS")

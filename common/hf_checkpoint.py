@@ -8,11 +8,23 @@ template conventions. Only the size differs: the shapes are the built-in presets
 seeded random init, the vocabulary a few hundred BPE merges trained on a built-in corpus.
 
     rlharvest build-checkpoint --out ./tiny-qwen3 --family qwen3
+
+The checkpoint is built in a hidden directory inside ``--out`` and moved in only once complete,
+so a build that fails leaves ``--out`` as it was (absent, if it was). ``--force`` replaces the checkpoint in a
+non-empty ``--out``: every file there that belongs to a Hugging Face checkpoint (weights in any
+format, shards and their index, config, generation config, tokenizer and chat-template files:
+``CHECKPOINT_FILES``) and that the new build does not write is removed, so no shard, index or
+tokenizer file of the old checkpoint is loaded with the new one; anything else (a README, notes,
+subdirectories) is left alone.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +36,17 @@ from rlharvest.common.model_presets import PRESETS
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 SIZES: dict[str, dict] = PRESETS  # the same shapes as the built-in presets
+# The files of a Hugging Face checkpoint directory, by name: what ``--force`` may remove from
+# ``--out`` (those the new build does not write); a file matching none of them is kept.
+CHECKPOINT_FILES = (
+    "config.json", "generation_config.json",
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "*.bin.index.json",
+    "tf_model*.h5", "flax_model*.msgpack",
+    "tokenizer*", "vocab.json", "vocab.txt", "merges.txt", "special_tokens_map.json",
+    "added_tokens.json", "spiece.model", "sentencepiece*.model", "chat_template.jinja",
+    "chat_template.json",
+)
+_BUILDING = ".building-"  # a build in progress inside --out (tempfile adds a random suffix)
 
 
 @dataclass(frozen=True)
@@ -188,10 +211,46 @@ def build_checkpoint(out_dir: str | Path, *, family: str = "qwen3", size: str = 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=pad,
                                                bos_token_id=ids["bos_token_id"])
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    # Built in a hidden directory inside --out (the same filesystem even where --out is a mount
+    # point, so moving a file in is a rename) and moved in only once complete: a failed build
+    # leaves --out as it was.
+    building = Path(tempfile.mkdtemp(prefix=_BUILDING, dir=out))
+    try:
+        model.save_pretrained(building, safe_serialization=True)
+        tokenizer.save_pretrained(building)
+        _move_in(building, out)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)  # only ever held the failed build
+        raise
+    building.rmdir()  # emptied by the move
     return out
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file named ``name`` is part of a Hugging Face checkpoint (``CHECKPOINT_FILES``)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_FILES)
+
+
+def _move_in(built: Path, out: Path) -> None:
+    """Put the complete checkpoint in ``built`` into ``out``: each new file replaces its old
+    namesake at once, then the old checkpoint's files that the new one lacks are removed
+    (shards of a larger model, its index, another tokenizer's files), and the build directories
+    of builds killed before they finished. Other files stay."""
+    new = {p.name for p in built.iterdir()}
+    for name in sorted(new):
+        os.replace(built / name, out / name)
+    for stale in out.iterdir():
+        if stale == built:
+            continue
+        if stale.name.startswith(_BUILDING) and stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        elif stale.name not in new and is_checkpoint_file(stale.name) and \
+                (stale.is_file() or stale.is_symlink()):
+            stale.unlink()
 
 
 # ---- CLI ----------------------------------------------------------------------------------------
@@ -201,7 +260,8 @@ app = typer.Typer(add_completion=False, help=__doc__)
 
 @app.command("build-checkpoint")
 def build_checkpoint_command(
-        out: Path = typer.Option(..., help="directory to write (must be empty or absent)"),
+        out: Path = typer.Option(..., help="directory to write (empty or absent, or any with "
+                                           "--force)"),
         family: str = typer.Option("qwen3", help=f"one of {', '.join(FAMILIES)}"),
         size: str = typer.Option("tiny", help=f"one of {', '.join(sorted(SIZES))}"),
         vocab_size: int = typer.Option(512, help="BPE vocabulary size (tokens, specials included)"),
@@ -209,7 +269,9 @@ def build_checkpoint_command(
                                                       "(default: the built-in corpus)"),
         seed: int = typer.Option(0, help="seed of the weight init"),
         max_position_embeddings: int = typer.Option(1024, help="the model's context"),
-        force: bool = typer.Option(False, help="overwrite a non-empty --out")) -> None:
+        force: bool = typer.Option(False, help="replace the checkpoint in a non-empty --out: "
+                                   "its checkpoint files (weights, shards, index, config, "
+                                   "tokenizer) go; other files stay")) -> None:
     """Build a local HF-format checkpoint: config, safetensors, tokenizer, chat template."""
     try:
         docs = None

@@ -12,6 +12,12 @@ a loop that crashed under the "stop" policy, a failed startup)
     gRPC stop within ``shutdown_grace`` -> loops cancelled -> deregistered -> HTTP closed ->
     etcd closed -> ``parts.close`` hooks, in order.
 
+A stop during startup ends it: a build still running is cancelled (a build that awaits its slow
+part, e.g. a model loaded in a daemon thread, ``common/daemon_thread.py``, ends at once; one that
+holds the event loop is seen to be stopped when it returns), and a service stopped before it
+registers never serves, registers or starts its loops; the teardown then undoes what startup
+did, with the stop's exit code (0 on SIGTERM).
+
 A loop that raises is logged with its traceback and, by its ``on_crash`` policy, restarted after
 a backoff or made to stop the service with exit code 1: a loop never dies silently. A step of
 the teardown that fails is logged and the next one runs.
@@ -173,6 +179,7 @@ class Host(Generic[C]):
         self._loops_cancelled = False
         self._exit_code = 0
         self._stopping = asyncio.Event()
+        self._signalled: asyncio.Event | None = None
 
     @property
     def etcd(self) -> aetcd.Client:
@@ -202,6 +209,7 @@ class Host(Generic[C]):
     async def run(self, signalled: asyncio.Event) -> int:
         """Start, serve until stopped, tear down; returns the process exit code."""
         cfg = cast(HostedConfig, self.config)
+        self._signalled = signalled
         watcher = asyncio.create_task(self._on_signal(signalled), name="signals")
         try:
             await self._start(cfg)
@@ -221,7 +229,13 @@ class Host(Generic[C]):
         self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
         advertise = cfg.advertise_host or cfg.host
         self.endpoint = f"{advertise}:{port}"
-        parts = self._parts = await self.spec.build(self)
+        build = asyncio.ensure_future(self.spec.build(self))
+        if not await self._until_stopped(build):
+            log.info("%s stopped while it was being built", self.spec.name)
+            return
+        parts = self._parts = build.result()
+        if self._stop_requested():  # seen only now: a build that held the event loop
+            return
         self._server = server = await rpc.serve(
             self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],
             [s.name for s in parts.servicers], serving=False)
@@ -234,6 +248,8 @@ class Host(Generic[C]):
             log.info("%s %s standing by on %s", self.spec.name, parts.member_id, self.endpoint)
             if not await self._until_stopped(parts.standby()):
                 return
+        if self._stop_requested():  # never registered: no member record for clients to find
+            return
         info = {**parts.member_info, "endpoint": self.endpoint,
                 "metrics": f"{advertise}:{metrics_port}", "incarnation": INCARNATION}
         self.membership = await registry.register(self.etcd, self.spec.name, parts.member_id,
@@ -246,17 +262,24 @@ class Host(Generic[C]):
         log.info("%s %s serving on %s (metrics on %d)", self.spec.name, parts.member_id,
                  self.endpoint, metrics_port)
 
-    async def _until_stopped(self, work: Awaitable[None]) -> bool:
-        """Await ``work`` unless the service is told to stop first; True when it finished."""
+    async def _until_stopped(self, work: Awaitable[Any]) -> bool:
+        """Await ``work`` unless the service is told to stop first (then it is cancelled, and
+        has ended when this returns); True when it finished (its exception raised here)."""
         task = asyncio.ensure_future(work)
         stopping = asyncio.ensure_future(self._stopping.wait())
         await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
             return False
         task.result()
         return True
+
+    def _stop_requested(self) -> bool:
+        """A stop asked for, or a signal whose handler has run but not yet reached the host."""
+        return self._stopping.is_set() or (self._signalled is not None
+                                           and self._signalled.is_set())
 
     async def _on_signal(self, signalled: asyncio.Event) -> None:
         await signalled.wait()

@@ -109,6 +109,50 @@ def error_response(status: int, message: str, param: str | None = None,
     return web.json_response(error_body(message, param, kind), status=status, headers=headers)
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """How the API answers one exception: the HTTP status, OpenAI's error type, the field it
+    names, and the requests counter's outcome."""
+
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+    param: str | None = None
+    outcome: str = "error"
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.param, self.kind)
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.param, self.kind)
+
+
+def _failure(exc: Exception, request: web.Request) -> _Failure:
+    """The one mapping of exceptions to answers, for a JSON status (the middleware) and for an
+    error event once a stream's status is sent (``_Api._stream``) alike. A bug is logged with
+    its traceback."""
+    if isinstance(exc, BadRequest):
+        return _Failure(400, str(exc), param=exc.param, outcome="bad_request")
+    if isinstance(exc, InvalidArgument):  # the engine refused the request
+        return _Failure(400, str(exc), outcome="bad_request")
+    if isinstance(exc, ServingQueueFull):
+        return _Failure(503, str(exc), "server_overloaded", outcome="overloaded")
+    if isinstance(exc, ServingStopped):  # shutting down, or the engine failed: try elsewhere
+        return _Failure(503, str(exc), "service_unavailable", outcome="unavailable")
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return _Failure(413, f"the request body is over {request.app[_MAX_BODY]} bytes, the "
+                        "most this server reads", outcome="too_large")
+    if isinstance(exc, web.HTTPException):
+        return _Failure(exc.status, exc.reason)
+    # A bug: still OpenAI's shape, so clients parse it as an error.
+    log.error("%s %s failed", request.method, request.path, exc_info=exc)
+    return _Failure(500, f"internal error: {exc!r}", "server_error")
+
+
+# What a handler that sent its status already (a stream) ended with, for the requests counter.
+_OUTCOME = web.RequestKey("outcome", str)
+
+
 @web.middleware
 async def _errors(request: web.Request,
                   handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -116,34 +160,17 @@ async def _errors(request: web.Request,
     outcome = "error"
     try:
         response = await handler(request)
-        outcome = "ok"
+        outcome = request.get(_OUTCOME, "ok")
         return response
-    except BadRequest as exc:
-        outcome = "bad_request"
-        return error_response(400, str(exc), exc.param)
-    except InvalidArgument as exc:  # the engine refused the request
-        outcome = "bad_request"
-        return error_response(400, str(exc))
-    except ServingQueueFull as exc:
-        outcome = "overloaded"
-        return error_response(503, str(exc), kind="server_overloaded")
-    except ServingStopped as exc:  # shutting down, or the engine failed: try another replica
-        outcome = "unavailable"
-        return error_response(503, str(exc), kind="service_unavailable")
-    except web.HTTPRequestEntityTooLarge:
-        outcome = "too_large"
-        return error_response(413, f"the request body is over {request.app[_MAX_BODY]} "
-                              "bytes, the most this server reads")
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(exc.status, exc.reason)
-        raise
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "aborted"  # the client went away
         raise
-    except Exception as exc:  # a bug: still OpenAI's shape, so clients parse it as an error
-        log.exception("%s %s failed", request.method, request.path)
-        return error_response(500, f"internal error: {exc!r}", kind="server_error")
+    except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # a redirect, no error: aiohttp answers it
+        failure = _failure(exc, request)
+        outcome = failure.outcome
+        return failure.response()
     finally:
         metrics.REQUESTS.labels(outcome).inc()
 
@@ -312,13 +339,11 @@ class _Api:
                 raise  # the client went away: nobody to tell
             except Exception as exc:
                 # The status is sent: the error goes as an event (as vLLM does), which the
-                # openai client raises as an APIError, rather than as a cut connection.
-                if isinstance(exc, ServingStopped):
-                    error = error_body(str(exc), kind="service_unavailable")
-                else:
-                    log.exception("streaming %s failed", request.path)
-                    error = error_body(f"internal error: {exc!r}", kind="server_error")
-                await _send(response, error)
+                # openai client raises as an APIError, rather than as a cut connection; the
+                # same mapping as a JSON status, and counted with its outcome.
+                failure = _failure(exc, request)
+                request[_OUTCOME] = failure.outcome
+                await _send(response, failure.body())
                 await response.write(b"data: [DONE]\n\n")
                 return response
             if parsed.include_usage:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import grpc
 
 from rlharvest.common import errors
-from rlharvest.common.confined_path import confined_path
+from rlharvest.common.confined_path import descriptor_path, open_confined
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.common.worker_core import metrics
@@ -75,17 +74,15 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                              load=self.pump.last_load, draining=self.hub.draining)
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
-        try:  # only files under weights_dir: an RPC must not read the host's files
-            path = confined_path(self._weights_dir, request.path, "weights file")
+        try:  # only files under weights_dir, opened now: an RPC must not read the host's files
+            file = open_confined(self._weights_dir, request.path, "weights file")
         except errors.ServiceError as exc:
             await errors.abort(context, exc)
-        if not path.is_file():
-            await errors.abort(context, errors.NotFound(
-                f"no weights file {request.path!r} in the worker's weights directory"))
         if request.version < 0:
+            file.close()
             await errors.abort(context, errors.InvalidArgument("version must be >= 0"))
         try:
-            count = await self.load_weights_file(path, request.version)
+            count = await self.load_weights_file(file, request.version, request.path)
         except EngineInputError as exc:
             await errors.abort(context, errors.InvalidArgument(str(exc)))
         except Exception as exc:  # e.g. not a safetensors file: the worker keeps its weights
@@ -96,12 +93,12 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     # ---- weights, drain, health ----------------------------------------------------------------
 
-    async def load_weights_file(self, path: Path, version: int) -> int:
-        """Read a safetensors file and load it between engine steps; requests of the old version
-        end (continuing them would mix weight versions inside one completion)."""
-        from safetensors.torch import load_file
-
-        return await self.commands.swap_weights(partial(load_file, str(path)), version, str(path))
+    async def load_weights_file(self, file: BinaryIO, version: int, source: str) -> int:
+        """Read an open safetensors file (the one checked, whatever its name leads to by now)
+        and load it between engine steps, closing it; requests of the old version end
+        (continuing them would mix weight versions inside one completion)."""
+        return await self.commands.swap_weights(partial(_read_safetensors, file), version,
+                                                source)
 
     async def load_weights_tensors(self, tensors: Mapping[str, torch.Tensor], version: int,
                                    source: str = "a transfer agent") -> int:
@@ -135,3 +132,12 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
 
     def close(self) -> None:
         self.pump.close()
+
+
+def _read_safetensors(file: BinaryIO) -> dict[str, torch.Tensor]:
+    """The tensors of an open safetensors file, which this closes. The swap owns the file: it
+    runs later, even when the caller has gone away."""
+    from safetensors.torch import load_file
+
+    with file:
+        return load_file(descriptor_path(file))

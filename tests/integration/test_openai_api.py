@@ -22,7 +22,11 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app, serve_api
-from rlharvest.services.coexecutor.serving_backend import EngineServingBackend, Generation
+from rlharvest.services.coexecutor.serving_backend import (
+    EngineServingBackend,
+    Generation,
+    ServingStopped,
+)
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 MODEL = "tiny-serving"
@@ -398,5 +402,53 @@ async def test_a_stream_of_a_byte_level_bpe_gives_the_same_text_as_the_whole_ans
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=len(ids),
             stream=True)
         assert "".join([c.choices[0].delta.content or "" async for c in chat]) == text
+    finally:
+        await runner.cleanup()
+
+
+class _FailingBackend:
+    """Generates one token, then fails with ``error``: a stream that breaks after its status
+    was sent."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    async def generate(self, prompt_ids, params):
+        yield Generation([5])
+        raise self.error
+
+
+@pytest.mark.parametrize(("error", "outcome", "kind"), [
+    (ServingStopped("the serving engine stopped"), "unavailable", "service_unavailable"),
+    (RuntimeError("engine bug"), "error", "server_error"),
+])
+async def test_a_stream_that_fails_midway_is_counted_as_its_failure_not_as_ok(error, outcome,
+                                                                               kind):
+    """A failure after a stream's status is sent takes the same mapping as one before it: the
+    error event has the JSON answer's type, and the requests counter has its outcome."""
+    from prometheus_client import REGISTRY
+
+    def count(label: str) -> float:
+        return REGISTRY.get_sample_value("rlh_coexec_serving_requests_total",
+                                         {"outcome": label}) or 0.0
+
+    runner = web.AppRunner(make_app(_FailingBackend(error), load_tokenizer("tiny"),
+                                    ApiConfig(MODEL, 256)))
+    await runner.setup()
+    port, scheme = await serve_api(runner, "127.0.0.1", free_port())
+    before = {label: count(label) for label in ("ok", outcome)}
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": "1", "max_tokens": 4, "stream": True}
+            async with http.post(f"{scheme}://127.0.0.1:{port}/v1/completions",
+                                 json=body) as resp:
+                assert resp.status == 200
+                events = [json.loads(line[len(b"data: "):]) for line in
+                          (await resp.read()).split(b"\n\n")
+                          if line.startswith(b"data: {")]
+        assert events[-1]["error"]["type"] == kind
+        assert str(error) in events[-1]["error"]["message"]
+        assert count(outcome) == before[outcome] + 1
+        assert count("ok") == before["ok"]
     finally:
         await runner.cleanup()

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -266,3 +270,59 @@ def test_a_config_without_the_hosted_fields_is_refused_when_declared():
     with pytest.raises(TypeError, match="lacks the fields the service host reads: "
                                         "advertise_host, etcd, host"):
         ServiceSpec("bare", Bare, build)
+
+
+def _start_slow_build(etcd_endpoint: str, tmp_path, mode: str, build_s: float):
+    """tests/integration/slow_build_service.py as a real process, once its build has begun."""
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.slow_build_service", "--etcd", etcd_endpoint,
+         "--build", mode, "--build-s", str(build_s), "--marker", str(marker)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the build never began"
+        time.sleep(0.05)
+    return proc
+
+
+async def test_a_sigterm_during_a_slow_build_exits_promptly_with_code_0_unregistered(
+        etcd_client, etcd_endpoint, tmp_path):
+    """A build that awaits (a model loaded off the event loop) is cancelled by SIGTERM: the
+    process exits within seconds, not after the build's 60 s, with the graceful exit code,
+    and never served nor registered."""
+    proc = _start_slow_build(etcd_endpoint, tmp_path, "async", 60.0)
+    try:
+        await asyncio.sleep(0.3)  # well inside the build
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.to_thread(proc.communicate, timeout=15)
+        assert proc.returncode == 0, output
+        assert time.monotonic() - signalled < 15
+        assert "stopping: shutting down on a signal" in output
+        assert "serving on" not in output
+        assert not await registry.list_members(etcd_client, "slow_build")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_a_sigterm_during_a_build_that_holds_the_event_loop_never_serves_or_registers(
+        etcd_client, etcd_endpoint, tmp_path):
+    """A build that blocks the event loop (a model loaded on it) cannot be interrupted; the
+    signal is seen when it returns, and the service then stops without serving, registering
+    (no member record flickers up for clients to find)."""
+    proc = _start_slow_build(etcd_endpoint, tmp_path, "blocking", 2.0)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0, output
+        assert "stopping: shutting down on a signal" in output
+        assert "serving on" not in output
+        assert "teardown step" not in output  # nothing half-started to undo
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

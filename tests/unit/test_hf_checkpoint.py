@@ -132,3 +132,51 @@ def test_the_command_builds_from_a_corpus_file_and_refuses_with_exit_2(tmp_path)
     assert load_tokenizer(str(out)).decode(load_tokenizer(str(out)).encode("line 3")) == "line 3"
     again = CliRunner().invoke(app, ["--out", str(out)])
     assert again.exit_code == 2 and "not empty" in again.output
+
+
+def _old_sharded_checkpoint(out: Path, scratch: Path) -> None:
+    """``out`` holds a checkpoint of another seed in three shards with an index, and tokenizer
+    files of another kind (a slow BPE's vocab.json and merges.txt)."""
+    from transformers import AutoModelForCausalLM
+
+    source = build_checkpoint(scratch, seed=7)
+    model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
+    shard = sum(t.numel() * t.element_size() for t in model.state_dict().values()) // 3 + 1
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=shard)
+    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
+    (out / "vocab.json").write_text("{}")
+    (out / "merges.txt").write_text("#version: 0.2\n")
+
+
+def test_force_rebuilding_over_a_sharded_checkpoint_leaves_no_file_of_the_old_one(tmp_path):
+    from rlharvest.common.decoder_weights import load_decoder
+
+    out = tmp_path / "out"
+    _old_sharded_checkpoint(out, tmp_path / "old")
+    assert (out / "model.safetensors.index.json").is_file()
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    (out / "README.md").write_text("notes: no part of a checkpoint, kept")
+    (out / ".building-x1y2").mkdir()  # a build killed before it finished
+    build_checkpoint(out, seed=2, overwrite=True)
+    fresh = build_checkpoint(tmp_path / "fresh", seed=2)
+    assert {p.name for p in out.iterdir()} == {p.name for p in fresh.iterdir()} | {"README.md"}
+    assert (out / "README.md").read_text().startswith("notes")
+    rebuilt, expected = load_decoder(str(out)), load_decoder(str(fresh))
+    for name, tensor in expected.state_dict().items():  # the new weights, not the old shards'
+        assert torch.equal(rebuilt.state_dict()[name], tensor), name
+
+
+def test_a_force_rebuild_that_fails_leaves_the_old_checkpoint_as_it_was(tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    out = build_checkpoint(tmp_path / "out", seed=1)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        build_checkpoint(out, seed=2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no half-built directory left
