@@ -299,7 +299,8 @@ class RolloutControl:
         new work from now on and hand their requests over, tokens kept, to the eligible workers
         through SELECTINSTANCE; a request no one has room for waits in the manager (aborted on
         the lent worker, tokens kept) rather than decoding on: the lent worker is to hold
-        nothing. Workers in another state are left as they are."""
+        nothing (a request it kept from a broken session goes back to it, and on at a later tick
+        once its tokens are in: ``_adopt``). Workers in another state are left as they are."""
         # All lent before any moves: a request must not move onto another worker being lent.
         lent = [w for w in worker_ids if w in self.pool and self.pool.lend_to_training(w)]
         out: list[Command] = []
@@ -366,7 +367,9 @@ class RolloutControl:
             out += self._drop_stale_kept()
         if self.config.continuous_lb:
             for version in self._busy_versions():
-                out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
+                moves = rebalance(self._loads(version), self.config.max_moves_per_tick)
+                # A request given back to its keeper stays until its catch-up rows are in.
+                out += self._apply([m for m in moves if m.request_id not in self._owed(m.src)])
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
@@ -385,16 +388,34 @@ class RolloutControl:
         return out
 
     def _adopt(self, version: int, waiting: Sequence[str]) -> list[Dispatch]:
-        """Waiting requests an eligible worker keeps (``worker_keeps``): dispatched back."""
-        holders = {rid: w for w in self.pool.eligible(version) for rid in w.kept}
+        """Waiting requests a worker keeps (``worker_keeps``): dispatched back to it when it is
+        eligible or lent to training."""
+        # A lent worker takes back what it kept too: the tokens it made since its session broke
+        # reach the tracker only through that adoption (a seed worker lent at once by a
+        # successor's 0-length window after a failover). It hands them on once they are in
+        # (``_evacuate``), as it hands on everything it holds.
+        lent = [w for w in self.pool.all()
+                if w.state is WorkerState.TRAINING and w.weight_version == version]
+        holders = {rid: w for w in self.pool.eligible(version) + lent for rid in w.kept}
         if not holders:
             return []
         out = []
         for rid in waiting:
             if (worker := holders.get(rid)) is not None:
                 worker.kept.discard(rid)
+                worker.adopted.add(rid)
                 out.append(Dispatch(rid, worker.worker_id))
         return out
+
+    def _owed(self, worker_id: str) -> set[str]:
+        """Requests dispatched back to the worker that kept them whose first rows (every token
+        it made while no manager held them) have not come: moved now, those rows would be
+        dropped as stale and the tokens generated again elsewhere."""
+        view = self.pool.get(worker_id)
+        view.adopted = {rid for rid in view.adopted if rid in self.tracker
+                        and self.tracker.get(rid).worker_id == worker_id
+                        and self.tracker.get(rid).state is RequestState.PENDING}
+        return view.adopted
 
     def _cut(self, step: Step) -> list[Fail]:
         """Fail the outstanding requests the step's policy no longer needs (step_policy.py)."""
@@ -419,7 +440,8 @@ class RolloutControl:
     def _evacuate(self, worker_id: str, cause: MigrationCause,
                   keep_without_room: bool) -> list[Command]:
         out: list[Command] = []
-        on_worker = self.tracker.on_worker(worker_id)
+        owed = self._owed(worker_id)  # they leave at a later tick, once their rows are in
+        on_worker = [r for r in self.tracker.on_worker(worker_id) if r.request_id not in owed]
         for version in sorted({r.weight_version for r in on_worker}):
             ids = [r.request_id for r in on_worker if r.weight_version == version]
             out += self._apply(self.failure.evacuate(

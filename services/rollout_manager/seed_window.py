@@ -8,7 +8,10 @@ closes they are lent to training for the rest of the step — the manager's one 
 worker out of a step (``RolloutControl.lend_to_training``): its requests move to the remote
 workers with every token generated so far (they only prefill there, migration cause
 ``seed_window``), and it takes no new work. When the step ends they are healthy again for the
-next step's window. A step with no window (0) closes it at once: its seed workers take nothing.
+next step's window. A step with no window (0) closes it at once: its seed workers take nothing
+new. (A step resubmitted to a successor after a leader failover has none; its seed workers
+still take back the requests they kept running for the successor, and hand each over once the
+tokens they made meanwhile are in: ``RolloutControl._adopt``.)
 With no remote worker that can take the step (healthy, on its weight version, not held as
 standby by the instance cap) when the window closes the seed workers finish the step (the
 co-located fallback), so no request waits for a worker that is not there; the same when the

@@ -60,6 +60,9 @@ class WorkerView:
     # before a link break), which a waiting request of the same id goes back to: adopted there
     # with every token it produced meanwhile (session_hub.py on the worker).
     kept: set[str] = field(default_factory=set)
+    # Those of them dispatched back to it whose first rows have not come yet: the adoption's
+    # first rows carry what it made while no manager held them, so they stay until then.
+    adopted: set[str] = field(default_factory=set)
 
     @property
     def rollout_room_tokens(self) -> int | None:
@@ -213,6 +216,7 @@ class WorkerPool:
         w.lost_reason = reason
         w.lost_at = self._clock()
         w.kept.clear()
+        w.adopted.clear()
         return True
 
     def forget(self, worker_id: str) -> None:

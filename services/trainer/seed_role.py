@@ -62,7 +62,12 @@ class SeedRole:
         self.service = WorkerService(
             self._engine, self.worker_id, endpoint=endpoint, model=cfg.model,
             kind=common_pb2.WORKER_KIND_SEED, capacity=cfg.seed_max_running,
-            max_len=cfg.seed_max_len, step_delay_s=cfg.bench_seed_step_delay_s)
+            max_len=cfg.seed_max_len, step_delay_s=cfg.bench_seed_step_delay_s,
+            # As a worker does: the requests of a manager that dies run on for its successor,
+            # which adopts them with every token made meanwhile (the manager's ``_adopt``, also
+            # when it lends the seed at once); taken out at once, the tokens the dead manager
+            # had not relayed yet would be generated again.
+            keep_s=WorkerConfig.model_fields["keep_requests_s"].default)
         self._endpoint = endpoint
         self._membership: registry.Membership | None = None
 

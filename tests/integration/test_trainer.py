@@ -437,6 +437,47 @@ async def test_a_sigkilled_leaders_standby_resumes_the_step_with_the_uninterrupt
     assert status.tokens_regenerated == 0 and status.in_flight == 0
 
 
+async def test_a_leader_sigkilled_in_a_seeding_window_loses_none_of_the_seeds_tokens(
+        stack, etcd_client):
+    """The leader is SIGKILLed while the trainer's seed engine rolls out in its seeding window.
+    The seed engine keeps its requests running for a successor, as the workers do; the standby
+    takes over and the trainer resumes the step there with no window (0), so the standby lends
+    the seed at once. It still takes back what the seed kept, with every token the seed made
+    since the leader died, before those requests move on to the remote workers: nothing is
+    sampled twice beyond the engine step a hand-over's abort may take per request (JSQ, as
+    above). Without that adoption the seed's tokens since the kill were sampled again
+    (~100 here)."""
+    await start_job(stack, 2, "--step-delay-s", "0.05", "--max-running", "4",
+                    manager_flags=(*NO_MIGRATION, *NO_REATTACH))
+    standby_port = free_port()
+    stack.start("rollout_manager", "standby", [
+        "--manager-id", "manager-standby", "--port", str(standby_port), "--metrics-port",
+        str(free_port()), "--stall-timeout-s", "5", *NO_MIGRATION, *NO_REATTACH, *COMMON])
+    await wait_manager_roles(etcd_client, ["leader", "standby"])
+    # The workers run 4 requests each, so the seed engine (8) takes its share of the step.
+    trainer, metrics_port = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "1", *KILLED_STEP, "--seed-role",
+        "--instance-cap", "auto", "--seed-window-init-s", "30", "--seed-max-running", "8",
+        "--bench-seed-step-delay-s", "0.05")
+    await wait_trainer(trainer, lambda s: s.current.phase == "seeding" and metric(
+        scrape(metrics_port), "rlh_worker_tokens_generated_total") >= 16, timeout=60)
+    next(p for p in stack.processes if p.name == "manager").kill()  # mid-window
+    st = await wait_trainer(trainer, lambda s: s.state == "done")
+    assert [s.step for s in st.steps] == [1]
+    seed_metrics = scrape(metrics_port)  # the seed engine runs in the trainer's process
+    adopted = metric(seed_metrics, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}')
+    assert adopted >= 1, "the successor took none of the seed engine's requests back"
+    workers = {k: info for k, info in
+               (await registry.list_members(etcd_client, "rollout_worker")).items()
+               if "metrics" in info}  # the seed's record has none: scraped above
+    sampled = metric(seed_metrics, "rlh_worker_tokens_generated_total") + \
+        sampled_by_workers(workers)
+    wasted = sampled - sum(s.tokens for s in st.steps)
+    assert wasted <= 2 * adopted, f"{wasted} tokens sampled twice ({adopted} adopted)"
+    status = await manager_status(f"127.0.0.1:{standby_port}")
+    assert status.tokens_regenerated == 0 and status.in_flight == 0
+
+
 async def test_a_sigkilled_trainer_restarted_from_its_checkpoint_re_attaches_to_its_step(
         stack, etcd_client, tmp_path):
     """The trainer is SIGKILLed mid-rollout of step 2; the manager keeps the step running and

@@ -461,6 +461,27 @@ def test_a_request_a_worker_kept_goes_back_to_it_before_algorithm_2():
     assert control.pool.get("keeper").kept == set()
 
 
+def test_the_balancer_moves_a_request_given_back_to_its_keeper_only_once_its_catch_up_is_in():
+    """A request dispatched back to the worker that kept it carries, in its first rows, every
+    token the worker made while no manager held it. Migrated before those rows come, they would
+    be dropped as stale and the tokens generated again on the receiver: Algorithm 2's balancer
+    leaves it where it is until then, and may move it after."""
+    control, _ = make(theta=1)
+    control.worker_joined("keeper", 1, capacity=1, kind="k")
+    control.worker_joined("idle", 1, capacity=4, kind="k")
+    control.worker_keeps("keeper", ["r0", "r1", "r2"])
+    add(control, 3)
+    assert placed(control.tick()) == {"r0": "keeper", "r1": "keeper", "r2": "keeper"}
+    for _ in range(3):  # the keeper is over its capacity and "idle" is empty, yet nothing moves
+        moved = [c for c in control.tick() if isinstance(c, Migrate)]
+        assert moved == [], f"moved before their catch-up rows came: {moved}"
+    for rid in ("r0", "r1", "r2"):
+        emit(control, "keeper", rid, [10, 11])  # the catch-up: made while no manager held them
+    moved = {c.request_id for c in control.tick() if isinstance(c, Migrate)}
+    assert moved and moved <= {"r0", "r1", "r2"}
+    assert control.tracker.counters.tokens_regenerated == 0
+
+
 def test_kept_requests_placed_elsewhere_finished_or_unknown_are_handled_apart():
     """Kept ids the manager already placed on another worker are dropped on the keeper
     (Abort); a waiting one goes back; a waiting one of another version is dropped too."""

@@ -6,6 +6,7 @@ remote worker, and when the last remote worker is lost after it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -168,3 +169,39 @@ async def test_a_seed_worker_joining_again_after_the_close_is_lent_at_once():
     assert not any(isinstance(c, Dispatch) and c.worker_id == "seed" for c in h.control.tick())
     h.windows.step_ended(h.step.key)
     assert h.control.pool.get("seed").state is WorkerState.HEALTHY
+
+
+async def test_a_successors_zero_window_takes_back_what_the_seed_kept_before_handing_it_over():
+    """A leader failover during a seeding window: the seed worker kept the dead leader's
+    requests running for a successor, and the trainer resubmits the step with the tokens it
+    had and no window (0). The successor lends the seed at once, yet the seed still takes back
+    what it kept — the only way the tokens it made since the leader died reach the manager —
+    and each of those requests moves to a remote worker only once those tokens are in, so
+    none of them is generated again."""
+    control = RolloutControl(ControlConfig(theta=1), Clock())
+    executed: list[Command] = []
+    windows = SeedWindows(control, executed.extend, lambda: None)
+    control.worker_joined("seed", 0, capacity=4, kind="seed")
+    control.worker_joined("w", 0, capacity=4, kind="spot")
+    # The greeting: the seed's session to the successor names what it kept, before the step.
+    assert control.worker_keeps("seed", ["r0", "r1"]) == []
+    had = (5, 5)  # what the trainer received of each before the leader died
+    resumed = [dataclasses.replace(r, resume_token_ids=had, resume_logprobs=(0.0, 0.0))
+               for r in step(2, max_tokens=32)]
+    s = control.add_step("s", resumed, 0)
+    assert windows.step_started(s.key, 0.0, version=0) == ["seed"]
+    assert control.pool.get("seed").state is WorkerState.TRAINING  # takes nothing new
+    placed = {c.request_id: c.worker_id for c in control.tick() if isinstance(c, Dispatch)}
+    assert placed == {"r0": "seed", "r1": "seed"}, (
+        f"the seed's kept requests were placed {placed}: they resume from the trainer's "
+        "tokens and the seed's newer ones are generated again")
+    # Moved before the adoption's rows come, the seed's catch-up would be dropped as stale.
+    assert not [c for c in control.tick() if isinstance(c, (Migrate, Release))]
+    control.step_deltas("seed", [TokenDelta(rid, 2, (7, 7, 7), (0.0,) * 3, 0)
+                                 for rid in ("r0", "r1")])  # made while no manager held it
+    moved = [c for c in control.tick() if isinstance(c, (Migrate, Release))]
+    assert sorted(c.request_id for c in moved) == ["r0", "r1"]
+    assert {control.tracker.get(rid).worker_id for rid in ("r0", "r1")} <= {None, "w"}
+    for rid in ("r0", "r1"):  # each resumes on the remote worker from the seed's last token
+        assert control.tracker.get(rid).token_ids == [5, 5, 7, 7, 7]
+    assert control.tracker.counters.tokens_regenerated == 0
