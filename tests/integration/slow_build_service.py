@@ -16,7 +16,9 @@ from rlharvest.common.config import ServiceConfig
 from rlharvest.common.service_host import Host, Parts, ServiceSpec
 
 
-class SlowConfig(ServiceConfig):
+class HostedConfig(ServiceConfig):
+    """What the service host reads of any service's config (the service-host tests' too)."""
+
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = ""
@@ -27,6 +29,9 @@ class SlowConfig(ServiceConfig):
     shutdown_grace: float = 1.0
     log_level: str = "info"
     json_logs: bool = False
+
+
+class SlowConfig(HostedConfig):
     build: str = "async"  # async | blocking
     build_s: float = 60.0
     marker: str = ""

@@ -17,7 +17,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pydantic import Field
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.config import ServiceConfig
@@ -25,6 +24,7 @@ from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
 from rlharvest.common.retry import Backoff
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
 
+from .slow_build_service import HostedConfig
 from .worker_client import listening
 
 pytestmark = pytest.mark.integration
@@ -32,18 +32,8 @@ NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 FAST = Backoff(first_s=0.01, max_s=0.05)
 
 
-class DemoConfig(ServiceConfig):
+class DemoConfig(HostedConfig):
     demo_id: str = "demo-0"
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""
-    metrics_port: int = 0
-    etcd: str = "127.0.0.1:2379"
-    lease_ttl: int = 5
-    max_message_bytes: int = Field(4 << 20)
-    shutdown_grace: float = 1.0
-    log_level: str = "info"
-    json_logs: bool = False
 
 
 class DemoService(trainer_pb2_grpc.TrainerServicer):
