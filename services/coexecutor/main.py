@@ -22,6 +22,7 @@ from pathlib import Path
 from aiohttp import web
 
 from rlharvest.common.cli import service_app
+from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.engine_types import RequestOutput
 from rlharvest.common.model_tokenizer import load_tokenizer
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
@@ -118,7 +119,9 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         if outputs and backend_box:
             loop.call_soon_threadsafe(backend_box[0].deliver, outputs)
 
-    dual = build_dual(cfg, deliver)
+    # Off the event loop: a SIGTERM while the model loads stops the co-executor at once
+    # (as the worker's engine build, rollout_worker/main.py).
+    dual = await run_in_daemon_thread(partial(build_dual, cfg, deliver), "engine build")
 
     version_record = VersionRecord(lambda: host.membership, lambda: dual.weight_version)
 

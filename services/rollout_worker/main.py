@@ -10,6 +10,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rlharvest.common.cli import service_app
+from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
 from rlharvest.common.worker_core.engine import Engine
@@ -77,7 +78,10 @@ def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: Wo
 
 async def build(host: Host[WorkerConfig]) -> Parts:
     cfg = host.config
-    engine = start_engine(cfg)
+    # Off the event loop, so a SIGTERM while a large checkpoint loads stops the worker at once
+    # (the host cancels a build that awaits); a daemon thread, so an abandoned load does not
+    # keep the process alive (common/daemon_thread.py).
+    engine = await run_in_daemon_thread(partial(start_engine, cfg), "engine build")
 
     # A version loaded before the registration (a standby pulls first) reaches it too.
     version_record = VersionRecord(lambda: host.membership, lambda: engine.weight_version)

@@ -4,7 +4,9 @@ weight loading, graceful shutdown and bad input — over real gRPC."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from tests.worker_sessions import abort, add, deltas_of
 
 from tests.fuzz_messages import fuzz_service, garbage_status
 
-from .worker_client import WorkerSession, start_worker
+from .worker_client import WorkerSession, launch_worker, start_worker
 
 pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
@@ -398,6 +400,51 @@ async def test_a_second_signal_exits_at_once(stack):
     finally:
         for s in sessions:
             await s.close()
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler (its event loop's), from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _opening_a_fifo(pid: int) -> bool:
+    """Whether a thread of the process waits in open() for a FIFO's writer (its wchan)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/wchan") as f:
+            if f.read() == "wait_for_partner":
+                return True
+    return False
+
+
+async def test_a_sigterm_while_the_worker_loads_its_model_stops_it_at_once(
+        stack, etcd_client, tmp_path):
+    """The model loads off the event loop, so an operator's SIGTERM during a load that takes
+    long (here forever: the checkpoint's config.json is a FIFO nobody writes) stops the worker
+    at once, with the graceful exit code and no member record; a load on the loop held the
+    signal until the load returned."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    os.mkfifo(checkpoint / "config.json")
+    handle = launch_worker(stack, "loading", "--model", str(checkpoint))
+    proc = handle.process.process
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(proc.pid):  # its event loop runs: startup, then the build
+        assert proc.poll() is None and time.monotonic() < deadline, handle.process.log_tail()
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 30  # a kernel that hides wchan: signal it anyway
+    while not _opening_a_fifo(proc.pid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = await asyncio.to_thread(proc.wait, 20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the worker did not stop within 20 s of SIGTERM while loading its model")
+    assert code == 0, handle.process.log_tail()
+    assert "stopped while it was being built" in handle.process.log_tail()
+    assert keys.member_key("rollout_worker", "loading") not in await registry.list_members(
+        etcd_client, "rollout_worker")
 
 
 async def test_a_drain_nobody_answers_ends_at_the_drain_timeout(stack):
