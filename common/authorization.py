@@ -23,6 +23,11 @@ Steps and weights are also scoped to a job: a certificate names the jobs its hol
 a certificate naming that job (``job_refusal``); an operator acts for any job. The placement
 scheduler's calls stay scoped by role. Pure: the policy takes the method and the peer's
 identity; ``peer_identity`` reads it from a certificate.
+
+The other way round, a client checks the role of the server it dials where a peer of another
+role could do harm (a weight holder, a worker, a manager, the scheduler: endpoints read from
+etcd): a certificate also names its role as the DNS name ``<role>.role.rlharvest``
+(``role_name``), and ``rpc.channel(peer_role=)`` has the TLS handshake check that name.
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ SERVICE_ROLES = {"rollout_worker": "worker", "rollout_manager": "manager",
 
 def role_uri(role: str) -> str:
     return ROLE_URI_PREFIX + role
+
+
+ROLE_NAME_SUFFIX = ".role.rlharvest"
+
+
+def role_name(role: str) -> str:
+    """The DNS subject alternative name a certificate of ``role`` carries besides its URI, e.g.
+    ``agent.role.rlharvest``: what a client dialing a peer of that role checks in the TLS
+    handshake (``rpc.channel(peer_role=)``), where the URI cannot be checked."""
+    return role + ROLE_NAME_SUFFIX
 
 
 def job_uri(job: str) -> str:

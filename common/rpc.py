@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlharvest.common import tls
+from rlharvest.common.authorization import role_name
 from rlharvest.common.server_guard import ServerGuard
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # weight chunks are tens of MB; bigger is refused
@@ -124,15 +125,46 @@ def _retry_service_config(service_names: list[str]) -> str:
 
 
 def channel(target: str, service_names: list[str] | None = None,
-            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+            peer_role: str | None = None) -> grpc.aio.Channel:
+    """A channel to ``target``: under TLS with this process's certificate, trusting only the CA.
+
+    ``peer_role``: the role the server must hold (``agent``, ``worker``, ...), for a target read
+    from etcd where a peer of another role could do harm (one posing as a weight holder serves
+    its own weights, which its own manifest's checksums vouch for). Under TLS the handshake then
+    checks that the server's certificate names ``<role>.role.rlharvest`` (``role_name``; grpc
+    gives a client no access to the server's certificate, so it cannot look at the role URI
+    after the handshake). This replaces the check that the certificate names the host dialed:
+    for an endpoint anyone who may write etcd can name, the role is what matters, and a
+    certificate of the CA for that role is trusted wherever it is. A server whose certificate
+    lacks the name fails the handshake (UNAVAILABLE, "Hostname Verification Check failed";
+    ``error_text`` says what it means). Without TLS there are no identities to check."""
     options: list[tuple[str, int | str]] = [*_size_options(max_message_bytes), *_KEEPALIVE,
                                             *_RECONNECT]
     if service_names:
         options.append(("grpc.service_config", _retry_service_config(service_names)))
     credentials = tls.channel_credentials()
     if credentials is not None:
+        if peer_role is not None:
+            options.append(("grpc.ssl_target_name_override", role_name(peer_role)))
         return grpc.aio.secure_channel(target, credentials, options=options)
     return grpc.aio.insecure_channel(target, options=options)
+
+
+_NAME_CHECK_FAILED = "Hostname Verification Check failed"
+
+
+def error_text(exc: BaseException, peer_role: str | None = None) -> str:
+    """A failed call's message for a log: the status details of a gRPC error (else ``str``),
+    and, when the handshake refused a server of ``peer_role`` because its certificate lacks
+    the role's name, what that means."""
+    text = (exc.details() or exc.code().name) if isinstance(exc, grpc.aio.AioRpcError) \
+        else str(exc)
+    if peer_role is not None and _NAME_CHECK_FAILED in text:
+        text += (f" (its TLS certificate does not name the role {peer_role!r} as the DNS name "
+                 f"{role_name(peer_role)}: a peer of another role, or a certificate issued "
+                 "before clients checked roles; reissue it with that name)")
+    return text
 
 
 def status_in(*codes: grpc.StatusCode) -> Callable[[Exception], bool]:

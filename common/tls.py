@@ -9,6 +9,11 @@ service's clients (a manager's worker sessions, a worker's agent pulls) need no 
 HTTP endpoints (``/metrics``, ``/healthz``, the agent's data path) serve HTTPS with the same
 rule. Without it, nothing changes. A peer without a certificate from the CA fails the handshake (UNAVAILABLE).
 
+A client dialing a peer of a given role (``rpc.channel(peer_role=)``, the data path's
+``RangeFetcher``) checks that the server's certificate names that role as the DNS name
+``<role>.role.rlharvest`` (``authorization.role_name``); a certificate that lacks it is refused
+in the handshake. ``configure`` logs which role names the process's certificate lacks.
+
 ``issue_certificates`` makes a throwaway CA and per-service certificates (the ``cryptography``
 library) for local stacks and tests; production brings its own PKI.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import datetime
 import functools
 import ipaddress
+import logging
 import os
 import ssl
 from dataclasses import dataclass
@@ -26,8 +32,16 @@ from pathlib import Path
 
 import grpc
 
-from rlharvest.common.authorization import job_uri, role_uri
+from rlharvest.common.authorization import (
+    SERVICE_ROLES,
+    job_uri,
+    peer_identity,
+    role_name,
+    role_uri,
+)
 from rlharvest.common.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,32 @@ def configure(cert: str, key: str, ca: str) -> TlsMaterial | None:
     unreadable file."""
     global _active
     _active = load(cert, key, ca)
+    if _active is not None:
+        for role in missing_role_names(_active.cert):
+            log.warning(
+                "the certificate %s names role %r (%s) but not the DNS name %s: peers that dial "
+                "a %s check that name in the handshake and refuse this process (UNAVAILABLE, "
+                "'Hostname Verification Check failed'); reissue it with %s as a DNS subject "
+                "alternative name (`rlharvest up --tls` and tls.LocalCA issue it)", cert, role,
+                role_uri(role), role_name(role), role, role_name(role))
     return _active
+
+
+def missing_role_names(pem_certificate: bytes) -> list[str]:
+    """The service roles a PEM certificate names as URIs (``urn:rlharvest:role:<role>``) but
+    not as the DNS name peers check (``<role>.role.rlharvest``): one issued before clients
+    checked roles. Roles no client dials (operator, metrics) are left out."""
+    from cryptography import x509
+
+    try:
+        sans = x509.load_pem_x509_certificate(pem_certificate).extensions \
+            .get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return []
+    names = set(sans.get_values_for_type(x509.DNSName))
+    served = set(SERVICE_ROLES.values())
+    return [role for role in peer_identity(pem_certificate).roles
+            if role in served and role_name(role) not in names]
 
 
 def load(cert: str, key: str, ca: str) -> TlsMaterial | None:
@@ -134,7 +173,9 @@ def http_scheme() -> str:
 class LocalCA:
     """A new certificate authority under ``directory`` (``ca.pem``; its key stays in memory)
     that issues certificates valid as server and client for ``hosts``, each naming its holder's
-    role (``authorization.py``). For local stacks and tests; production brings its own PKI."""
+    role (``authorization.py``): as a URI, which servers read of their clients, and as the DNS
+    name ``<role>.role.rlharvest``, which clients check of the servers they dial by role. For
+    local stacks and tests; production brings its own PKI."""
 
     def __init__(self, directory: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
                  days: int = 30) -> None:
@@ -174,6 +215,7 @@ class LocalCA:
                 sans.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:
                 sans.append(x509.DNSName(host))
+        sans.append(x509.DNSName(role_name(role)))  # what a client dialing a `role` checks
         sans.append(x509.UniformResourceIdentifier(role_uri(role)))
         sans += [x509.UniformResourceIdentifier(job_uri(job)) for job in jobs]
         key = ec.generate_private_key(ec.SECP256R1())

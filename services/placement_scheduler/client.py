@@ -129,7 +129,8 @@ class SchedulerClient:
                                 f"{self._failover_timeout}s")
             if target != self._target:
                 await self.close()
-                self._channel, self._target = rpc.channel(target), target
+                # Under TLS only a scheduler's certificate is taken (the leader key is etcd's).
+                self._channel, self._target = rpc.channel(target, peer_role="scheduler"), target
             stub = placement_scheduler_pb2_grpc.PlacementSchedulerStub(self._channel)
             return await getattr(stub, method)(request, timeout=timeout)
 

@@ -40,7 +40,7 @@ from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally, round_kind
 from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
 from rlharvest.services.rollout_manager.tracker import ApplyReport, NewRequest, RequestState
-from rlharvest.services.rollout_manager.worker_link import WorkerLink
+from rlharvest.services.rollout_manager.worker_link import WorkerLink, session_role
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         except ValueError as exc:
             log.error("worker %s left out: %s", worker_id, exc)
             return
-        self._links[worker_id] = WorkerLink(worker_id, info["endpoint"], self._on_worker_event,
-                                            self._on_broken, self._max_message_bytes)
+        self._links[worker_id] = WorkerLink(
+            worker_id, info["endpoint"], self._on_worker_event, self._on_broken,
+            self._max_message_bytes, session_role(str(info.get("kind", "dedicated"))))
         self._endpoints[worker_id] = info
         log.info("worker %s joined at %s with version %s", worker_id, info["endpoint"],
                  info["weight_version"])

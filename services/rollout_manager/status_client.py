@@ -17,7 +17,7 @@ from rlharvest.common.pb import rollout_manager_pb2_grpc
 
 async def manager_status(endpoint: str, timeout: float = 5.0) -> mpb.ManagerStatus | None:
     """The manager's status, or None while it is not answering (starting, or gone)."""
-    async with rpc.channel(endpoint) as chan:
+    async with rpc.channel(endpoint, peer_role="manager") as chan:  # under TLS: a manager's
         try:
             return await rollout_manager_pb2_grpc.RolloutManagerStub(chan).GetStatus(
                 mpb.GetStatusRequest(), timeout=timeout)

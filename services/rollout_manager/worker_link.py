@@ -24,15 +24,27 @@ log = logging.getLogger(__name__)
 EventHandler = Callable[[str, pb.WorkerEvent], Awaitable[None]]
 BrokenHandler = Callable[[str, str], None]
 
+# The role a worker's certificate must name, by the kind it registered as: co-executors serve
+# rollouts under their own role, the trainer's seed role under the trainer's.
+_ROLE_OF_KIND = {"serving": "coexecutor", "seed": "trainer"}
+
+
+def session_role(kind: str) -> str:
+    """The role the manager checks in the handshake with a worker of ``kind`` (under TLS):
+    a peer of another role registered in etcd as a worker gets no session."""
+    return _ROLE_OF_KIND.get(kind, "worker")
+
 
 class WorkerLink:
     def __init__(self, worker_id: str, endpoint: str, on_event: EventHandler,
-                 on_broken: BrokenHandler, max_message_bytes: int):
+                 on_broken: BrokenHandler, max_message_bytes: int, peer_role: str = "worker"):
         self.worker_id = worker_id
         self.endpoint = endpoint
         self._on_event = on_event
         self._on_broken = on_broken
-        self._channel = rpc.channel(endpoint, max_message_bytes=max_message_bytes)
+        self.peer_role = peer_role
+        self._channel = rpc.channel(endpoint, max_message_bytes=max_message_bytes,
+                                    peer_role=peer_role)
         self._call = rollout_worker_pb2_grpc.RolloutWorkerStub(self._channel).Session()
         self._outbox: asyncio.Queue[pb.WorkerCommand] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._write(), name=f"write {worker_id}"),
@@ -72,7 +84,7 @@ class WorkerLink:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            reason = f"stream broke: {exc.code().name} {exc.details()}"
+            reason = f"stream broke: {exc.code().name} {rpc.error_text(exc, self.peer_role)}"
         except Exception as exc:
             log.exception("handling an event of %s failed", self.worker_id)
             reason = f"event handling failed: {exc!r}"

@@ -21,12 +21,13 @@ import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlharvest.common import keys, registry
+from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
 from rlharvest.services.transfer_agent.client import (
+    AGENT_ROLE,
     DeltaApplyError,
     PullError,
     PullResult,
@@ -231,7 +232,7 @@ class Puller:
                     except (grpc.aio.AioRpcError, PullError) as exc:
                         failures[agent] = exc
                         undecodable |= isinstance(exc, DeltaApplyError)
-                        what = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                        what = rpc.error_text(exc, AGENT_ROLE)
                         log.warning("%s pull of version %d from agent %s failed: %s",
                                     "dense" if dense else "delta", version, agent, what)
                         continue

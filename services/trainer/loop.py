@@ -40,6 +40,7 @@ import torch
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
+from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.model_tokenizer import load_tokenizer
@@ -805,7 +806,9 @@ class TrainerLoop:
                             retry_if=lambda exc: isinstance(exc, _PUBLISH_RETRYABLE),
                             backoff=_PUBLISH_BACKOFF, what=f"publishing version {version}")
             except _PUBLISH_RETRYABLE as exc:
-                raise RuntimeError(f"could not publish version {version}: {exc}") from exc
+                raise RuntimeError(f"could not publish version {version}: "
+                                   f"{rpc.error_text(exc, SERVICE_ROLES['transfer_agent'])}"
+                                   ) from exc
             elapsed = self._clock() - started
             metrics.PUBLISH_SECONDS.observe(elapsed)
             log.info("published version %d in %.2fs", version, elapsed)

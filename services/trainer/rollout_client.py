@@ -59,7 +59,10 @@ async def stream_step(endpoint: str, request: mpb.SubmitStepRequest,
                       max_message_bytes: int) -> AsyncIterator[mpb.StepEvent]:
     """SubmitStep's events. Refusals that retrying cannot fix (INVALID_ARGUMENT) propagate as
     AioRpcError; a broken stream becomes RolloutStreamError."""
-    async with rpc.channel(endpoint, max_message_bytes=max_message_bytes) as chan:
+    # peer_role: under TLS only a manager's certificate is taken (the endpoint comes from etcd;
+    # another role's holder could hand the trainer made-up rollouts).
+    async with rpc.channel(endpoint, max_message_bytes=max_message_bytes,
+                           peer_role="manager") as chan:
         stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
         try:
             async for event in stub.SubmitStep(request):
@@ -105,7 +108,7 @@ async def hold_agentic_step(endpoint: str, step_id: str,
         if await played:  # a failed body only cancels: the manager measures no abandoned step
             yield mpb.SeedWindowRequest(step_id=step_id, end=True)
 
-    async with rpc.channel(endpoint) as chan:
+    async with rpc.channel(endpoint, peer_role="manager") as chan:
         call = rollout_manager_pb2_grpc.RolloutManagerStub(chan).HoldSeedWindow(requests())
         try:
             opened = await call.read()

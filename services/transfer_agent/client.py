@@ -27,6 +27,7 @@ from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_b
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, Encoding, encode_dense
 from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 from rlharvest.services.transfer_agent.http_data import (
+    AGENT_ROLE,
     DEFAULT_READ_TIMEOUT_S,
     DataPathError,
     RangeFetcher,
@@ -83,7 +84,10 @@ def may_serve_dense(error: BaseException) -> bool:
 
 
 def agent_channel(endpoint: str) -> grpc.aio.Channel:
-    return rpc.channel(endpoint, [SERVICE_NAME], max_message_bytes=MAX_MESSAGE_BYTES)
+    """A channel to a weight holder (a puller's, a relay's, a trainer's publish): under TLS the
+    server must hold an agent's certificate, whatever etcd said the endpoint is."""
+    return rpc.channel(endpoint, [SERVICE_NAME], max_message_bytes=MAX_MESSAGE_BYTES,
+                       peer_role=AGENT_ROLE)
 
 
 async def publish(endpoint: str, job: str, version: int, tensors: Mapping[str, torch.Tensor],

@@ -28,6 +28,7 @@ import grpc
 from aiohttp import web
 
 from rlharvest.common import errors, tls
+from rlharvest.common.authorization import SERVICE_ROLES, role_name
 from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
@@ -45,6 +46,7 @@ _HTTP_STATUS = {
 }
 _MAX_PULL_HEADER = 64 << 10  # a PullRequest with every tensor name of a large model fits
 DEFAULT_READ_TIMEOUT_S = 30.0
+AGENT_ROLE = SERVICE_ROLES["transfer_agent"]  # what a weight holder's certificate names
 
 
 class DataPathError(RuntimeError):
@@ -140,7 +142,10 @@ class RangeFetcher:
     """Fetches buckets of one planned pull from an agent's data endpoint over ``streams``
     parallel connections, each bucket cut into byte ranges written straight into ``buffers``.
     A connection that brings no byte for ``read_timeout_s`` fails its range with DataPathError
-    (UNAVAILABLE), so a stalled sender is treated like a dead one."""
+    (UNAVAILABLE), so a stalled sender is treated like a dead one. Under TLS the server's
+    certificate must name an agent's role (``agent.role.rlharvest``, checked in the handshake
+    instead of the host, as ``rpc.channel(peer_role=)`` does): a data endpoint of another
+    role's certificate fails its ranges with DataPathError (UNAVAILABLE) saying so."""
 
     def __init__(self, data_endpoint: str, request: pb.PullRequest, plan_id: int,
                  buffers: Mapping[int, bytearray], streams: int,
@@ -151,6 +156,7 @@ class RangeFetcher:
         self._buffers = buffers
         self._streams = streams
         self._read_timeout_s = read_timeout_s
+        self._server_hostname = role_name(AGENT_ROLE) if tls.active() is not None else None
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RangeFetcher:
@@ -209,7 +215,8 @@ class RangeFetcher:
         view = memoryview(self._buffers[index])
         headers = {**self._headers, "Range": f"bytes={start}-{stop - 1}"}
         try:
-            async with self._open_session().get(f"{self._url}{index}", headers=headers) as response:
+            async with self._open_session().get(f"{self._url}{index}", headers=headers,
+                                                server_hostname=self._server_hostname) as response:
                 if response.status not in (200, 206):
                     message = await response.text()
                     raise DataPathError(f"bucket {index} [{start}, {stop}): {message}",
@@ -221,6 +228,13 @@ class RangeFetcher:
                                             f"{stop - start} bytes asked for", "DATA_LOSS")
                     view[at:at + len(data)] = data
                     at += len(data)
+        except aiohttp.ClientConnectorCertificateError as exc:
+            raise DataPathError(
+                f"bucket {index} [{start}, {stop}): the data endpoint's TLS certificate was "
+                f"refused ({exc.certificate_error}); a weight holder's must name the role "
+                f"{AGENT_ROLE!r} as the DNS name {self._server_hostname}: not an agent, or a "
+                "certificate issued before clients checked roles (reissue it with that name)",
+                "UNAVAILABLE") from None
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             raise DataPathError(f"bucket {index} [{start}, {stop}): connection to the agent "
                                 f"broke ({type(exc).__name__}: {exc})", "UNAVAILABLE") from None

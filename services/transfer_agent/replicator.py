@@ -19,10 +19,11 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from rlharvest.common import keys, registry
+from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.client import (
+    AGENT_ROLE,
     DeltaApplyError,
     PullError,
     PullResult,
@@ -140,8 +141,7 @@ class Replicator:
         except (grpc.aio.AioRpcError, PullError) as exc:
             delay = self._backoff.failed(job, version, self._clock())
             log.warning("relay of job %s version %d from %s failed: %s; trying again in %.1fs",
-                        job, version, source,
-                        exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc, delay)
+                        job, version, source, rpc.error_text(exc, AGENT_ROLE), delay)
             return
         self._backoff.succeeded(job, version)
         metrics.BYTES_IN.labels("relay").inc(result.payload_bytes)

@@ -29,10 +29,12 @@ from typing import Any
 import grpc
 import torch
 
+from rlharvest.common import rpc
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.checksum import bytes_checksum
 from rlharvest.services.transfer_agent.client import (
+    AGENT_ROLE,
     DATA_ENDPOINT_METADATA,
     PullDecoder,
     PullError,
@@ -267,7 +269,8 @@ async def plan_everywhere(senders: Sequence[Sender], request: pb.PullRequest) ->
                 trailing = await call.trailing_metadata()
         except grpc.aio.AioRpcError as exc:
             log.info("relay source %s cannot serve version %d of %s: %s %s", sender.agent_id,
-                     request.version, request.job, exc.code().name, exc.details())
+                     request.version, request.job, exc.code().name,
+                     rpc.error_text(exc, AGENT_ROLE))
             return None
         data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
         if not data_endpoint:

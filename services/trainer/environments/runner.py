@@ -75,7 +75,7 @@ Generate = Callable[[str, int, list[int], int], Awaitable[tuple[list[int], list[
 @contextlib.asynccontextmanager
 async def manager_generator(endpoint: str, cfg: PlayConfig) -> AsyncIterator[Generate]:
     """Turns generated through the rollout manager at ``endpoint`` (one channel for all)."""
-    async with rpc.channel(endpoint) as chan:
+    async with rpc.channel(endpoint, peer_role="manager") as chan:  # under TLS: a manager's
         stub = rollout_manager_pb2_grpc.RolloutManagerStub(chan)
 
         async def generate(trajectory_id: str, turn: int, history: list[int],
