@@ -257,8 +257,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._rate_tokens += tokens
         for dropped in report.dropped:
             metrics.TOKENS_DROPPED.labels(dropped.reason).inc(dropped.tokens)
-        if len(report.accepted):
-            await self._forward(report)
+        behind = self._forward(report) if len(report.accepted) else []
         streams = self._streams
         for rid in report.finished:  # after its last row, in the same or a later event
             stream = streams.get(rid)
@@ -266,9 +265,15 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._deliver(stream, self._completion(rid), "finished")
         if report.finished or report.aborted:
             self._wake.set()
+        # Only now, with every row and completion of this event queued: a worker lost while
+        # its read waits here (cancelled) must not take a finished request's completion with
+        # it (the tracker has it finished, so nothing would deliver it again).
+        for stream in behind:
+            await stream.room()  # a slow client holds this worker's stream here: backpressure
 
-    async def _forward(self, report: ApplyReport) -> None:
-        """Accepted rows to the streams of their steps, renamed by their index in the step."""
+    def _forward(self, report: ApplyReport) -> list[ClientStream]:
+        """Accepted rows to the streams of their steps, renamed by their index in the step;
+        returns the streams whose client was already behind (the caller waits for them)."""
         accepted = report.accepted
         if accepted.ends:  # the client must not read "ended" on a request the worker aborted
             accepted = dataclasses.replace(accepted, ends={
@@ -276,12 +281,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         # Every step's rows are queued before any wait, in the order the tracker took them
         # (client_stream.put_rows): a wait on one slow client must not hold back another step's
         # rows while a migrated request's next worker sends the rows after them.
-        behind = [stream for key, rows in delta_batch.by_key(accepted, report.tags,
-                                                            report.indices)
-                  if (stream := self._step_streams.get(key)) is not None
-                  and stream.put_rows(rows)]
-        for stream in behind:
-            await stream.room()  # a slow client holds this worker's stream here: backpressure
+        return [stream for key, rows in delta_batch.by_key(accepted, report.tags,
+                                                          report.indices)
+                if (stream := self._step_streams.get(key)) is not None and stream.put_rows(rows)]
 
     # ---- carrying out commands -----------------------------------------------------------------
 

@@ -187,3 +187,29 @@ async def test_rows_of_a_worker_lost_while_waiting_for_a_slow_client_still_reach
     await asyncio.wait_for(w2, 1.0)
     assert gapless(rows_of(events)) == {0: [5, 6, 7, 8]}
     await client.aclose()
+
+
+async def test_a_completion_whose_worker_is_lost_while_waiting_for_a_slow_client_still_reaches_it():
+    # r0's last token and its end come in one event while the client is behind: the tracker
+    # finishes r0 at once, then w's read loop waits for room and w is lost (its read loop
+    # cancelled). Nothing would deliver r0's completion again, so it must be queued before the
+    # wait, or the client never gets it and the step never ends.
+    control, service = manager(client_queue=1)
+    client = open_step(service, submit_step(step(1, max_tokens=100)))
+    first = await dispatched(control, client)
+    await service._on_worker_event("w", outputs(control, "r0", 0, [5]))
+    events = [await asyncio.wait_for(first, 1.0)]
+    await service._on_worker_event("w", outputs(control, "r0", 1, [6]))
+    blocked = asyncio.create_task(service._on_worker_event(
+        "w", outputs(control, "r0", 2, [7], "stop")))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    service._lose("w", "no token for 30.0s while it had requests")
+    blocked.cancel()  # what closing its link does to its read loop (worker_link.py)
+    while not any(e.completions for e in events):
+        try:
+            events.append(await asyncio.wait_for(anext(client), 1.0))
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no completion after rows {rows_of(events)}") from None
+    assert gapless(rows_of(events)) == {0: [5, 6, 7]}
+    await client.aclose()
