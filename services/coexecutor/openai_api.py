@@ -150,7 +150,9 @@ def _failure(exc: Exception, request: web.Request) -> _Failure:
 
 
 # What a handler that sent its status already (a stream) ended with, for the requests counter.
-_OUTCOME = web.RequestKey("outcome", str)
+# A typed key where aiohttp has them (3.14; a plain key warns there), a plain one before.
+_OUTCOME: Any = (web.RequestKey("outcome", str) if hasattr(web, "RequestKey")
+                 else "rlharvest.outcome")
 
 
 @web.middleware
