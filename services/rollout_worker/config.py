@@ -126,6 +126,19 @@ class WorkerConfig(EngineDeviceConfig):
         return self
 
     @model_validator(mode="after")
+    def _seed_kind_without_tls(self) -> WorkerConfig:
+        # Under TLS a manager dials a seed worker as the trainer (worker_link.session_role):
+        # the seed engine is the trainer's own (its --seed-role), under its certificate. A
+        # standalone worker of kind seed holds a worker's certificate and would be refused at
+        # every session, so it is refused here, saying why.
+        if self.kind == "seed" and self.tls_cert:
+            raise ValueError("--kind seed under TLS: a manager checks a seed worker's "
+                             "certificate for the trainer's role (the seed engine runs in the "
+                             "trainer, rlharvest-trainer --seed-role); run this worker as "
+                             "dedicated or spot, or without TLS")
+        return self
+
+    @model_validator(mode="after")
     def _placed_or_one_job(self) -> WorkerConfig:
         if self.placement_node and self.job:
             raise ValueError(f"--placement-node {self.placement_node} and --job {self.job} both "

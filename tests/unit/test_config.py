@@ -86,6 +86,14 @@ def test_worker_config_validates_its_fields():
     assert load_config(WorkerConfig, flags={"kind": "spot"}).kind == "spot"
 
 
+def test_a_seed_kind_worker_under_tls_is_refused_saying_the_seed_engine_is_the_trainers():
+    tls = {"tls_cert": "c.pem", "tls_key": "k.pem", "tls_ca": "ca.pem"}
+    with pytest.raises(ConfigError, match="--kind seed under TLS.*--seed-role"):
+        load_config(WorkerConfig, flags={"kind": "seed", **tls})
+    assert load_config(WorkerConfig, flags={"kind": "spot", **tls}).kind == "spot"
+    assert load_config(WorkerConfig, flags={"kind": "seed"}).kind == "seed"  # no TLS: as before
+
+
 class TokenConfig(ServiceConfig):
     api_token: SecretStr | None = None
 
