@@ -15,7 +15,8 @@ a loop that crashed under the "stop" policy, a failed startup)
 A stop during startup ends it: a build still running is cancelled (a build that awaits its slow
 part, e.g. a model loaded in a daemon thread, ``common/daemon_thread.py``, ends at once; one that
 holds the event loop is seen to be stopped when it returns), and a service stopped before it
-registers never serves, registers or starts its loops; the teardown then undoes what startup
+registers never serves or registers, nor starts its loops (a standby's start before it
+registers); the teardown then undoes what startup
 did, with the stop's exit code (0 on SIGTERM).
 
 A loop that raises is logged with its traceback and, by its ``on_crash`` policy, restarted after

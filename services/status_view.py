@@ -272,12 +272,13 @@ _Reply = TypeVar("_Reply")
 
 
 async def _ask(endpoint: str, call: Callable[[grpc.aio.Channel], Awaitable[_Reply]],
-               timeout: float) -> _Reply | None:
-    """One status RPC; None when the member does not answer (whatever the reason)."""
+               timeout: float, peer_role: str | None = None) -> _Reply | None:
+    """One status RPC; None when the member does not answer (whatever the reason).
+    ``peer_role``: the role the member's certificate must name under TLS (rpc.channel)."""
     if not endpoint:
         return None
     try:
-        async with rpc.channel(endpoint) as chan:
+        async with rpc.channel(endpoint, peer_role=peer_role) as chan:
             return await asyncio.wait_for(call(chan), timeout + 1.0)
     except (grpc.aio.AioRpcError, asyncio.TimeoutError, OSError, ValueError):
         return None
@@ -350,7 +351,8 @@ async def gather(members: dict[str, dict], timeout: float, last_steps: int
             return _worker(info, member_id, service, reply)
         if service == "rollout_manager":
             reply_m = await _ask(endpoint, lambda ch: rollout_manager_pb2_grpc.RolloutManagerStub(
-                ch).GetStatus(rollout_manager_pb2.GetStatusRequest(), timeout=timeout), timeout)
+                ch).GetStatus(rollout_manager_pb2.GetStatusRequest(), timeout=timeout), timeout,
+                peer_role="manager")
             return _manager(member_id, job, reply_m)
         if service == "trainer":
             reply_t = await _ask(endpoint, lambda ch: trainer_pb2_grpc.TrainerStub(ch).GetStatus(
