@@ -361,8 +361,10 @@ async def test_the_tp_planner_publishes_a_plan_from_the_workers_preemptions(stac
     restarted manager resumes the planner from the record."""
     from rlharvest.services.cli import _tp_plan
 
+    # Slowed so a step's requests run side by side however late the second add arrives on a
+    # loaded machine (unslowed, the first could end its 30 tokens alone: no preemption).
     worker = launch_worker(stack, "w0", "--max-len", "64", "--kv-budget-tokens", "64",
-                           "--max-running", "8")
+                           "--max-running", "8", "--step-delay-s", "0.01")
     manager = start_manager(stack, "--tp-planner", "--theta", "8")
     wait_serving(worker, 120)
     await wait_workers(manager.endpoint, 1)
@@ -384,7 +386,8 @@ async def test_the_tp_planner_publishes_a_plan_from_the_workers_preemptions(stac
     assert not any(c.failed for c in done.values())
     p1 = worker_preemptions()
     first = await plan_after(1)
-    assert p1 > 0 and first["last_step"]["preemptions"] == p1, (p1, first)
+    lengths = {rid: len(c.token_ids) for rid, c in done.items()}
+    assert p1 > 0 and first["last_step"]["preemptions"] == p1, (p1, lengths, first)
     assert (first["short_tp"], first["long_tp"]) == (1, 1)  # the first step sets the baseline
     assert first["last_step"]["kind"] == "long" and first["last_step"]["responses"] == 2
 
