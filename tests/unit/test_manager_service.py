@@ -163,21 +163,29 @@ async def test_rows_after_a_migration_under_backpressure_reach_the_client_in_pos
     await reader.aclose()
 
 
-async def test_rows_of_a_worker_lost_while_waiting_for_a_slow_client_still_reach_it():
-    # The tracker took w's rows before w's read loop waited for the client; w is then lost
-    # (stalled while it waits: its link closes, cancelling the read loop) and r0 resumes on
-    # "w2" after those rows. The client must still get them, or it sees a gap.
+async def _worker_lost_while_waiting(end: str = ""):
+    """r0 on worker "w" sends tokens 5 and 6, then 7 (with ``end``) while the client is one
+    event behind: w's read loop waits for room, and w is lost meanwhile (stalled: its link
+    closes, cancelling the read loop). Returns the control, the client and its events so far."""
     control, service = manager(client_queue=1)
     client = open_step(service, submit_step(step(1, max_tokens=100)))
     first = await dispatched(control, client)
     await service._on_worker_event("w", outputs(control, "r0", 0, [5]))
     events = [await asyncio.wait_for(first, 1.0)]
     await service._on_worker_event("w", outputs(control, "r0", 1, [6]))
-    blocked = asyncio.create_task(service._on_worker_event("w", outputs(control, "r0", 2, [7])))
+    blocked = asyncio.create_task(service._on_worker_event(
+        "w", outputs(control, "r0", 2, [7], end)))
     await asyncio.sleep(0.05)
     assert not blocked.done()
     service._lose("w", "no token for 30.0s while it had requests")
     blocked.cancel()  # what closing its link does to its read loop (worker_link.py)
+    return control, service, client, events
+
+
+async def test_rows_of_a_worker_lost_while_waiting_for_a_slow_client_still_reach_it():
+    # The tracker took w's rows before w's read loop waited for the client; r0 resumes on "w2"
+    # after those rows. The client must still get them, or it sees a gap.
+    control, service, client, events = await _worker_lost_while_waiting()
     control.worker_joined("w2", 0, capacity=8, kind="k")
     control.tick()  # r0 re-dispatched to "w2" with its 3 tokens
     assert control.tracker.get("r0").worker_id == "w2"
@@ -190,22 +198,10 @@ async def test_rows_of_a_worker_lost_while_waiting_for_a_slow_client_still_reach
 
 
 async def test_a_completion_whose_worker_is_lost_while_waiting_for_a_slow_client_still_reaches_it():
-    # r0's last token and its end come in one event while the client is behind: the tracker
-    # finishes r0 at once, then w's read loop waits for room and w is lost (its read loop
-    # cancelled). Nothing would deliver r0's completion again, so it must be queued before the
+    # r0's last token and its end come in one event: the tracker finishes r0 at once, before
+    # the wait. Nothing would deliver r0's completion again, so it must be queued before the
     # wait, or the client never gets it and the step never ends.
-    control, service = manager(client_queue=1)
-    client = open_step(service, submit_step(step(1, max_tokens=100)))
-    first = await dispatched(control, client)
-    await service._on_worker_event("w", outputs(control, "r0", 0, [5]))
-    events = [await asyncio.wait_for(first, 1.0)]
-    await service._on_worker_event("w", outputs(control, "r0", 1, [6]))
-    blocked = asyncio.create_task(service._on_worker_event(
-        "w", outputs(control, "r0", 2, [7], "stop")))
-    await asyncio.sleep(0.05)
-    assert not blocked.done()
-    service._lose("w", "no token for 30.0s while it had requests")
-    blocked.cancel()  # what closing its link does to its read loop (worker_link.py)
+    _, _, client, events = await _worker_lost_while_waiting(end="stop")
     while not any(e.completions for e in events):
         try:
             events.append(await asyncio.wait_for(anext(client), 1.0))
