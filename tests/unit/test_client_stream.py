@@ -31,6 +31,14 @@ async def drain(s: ClientStream) -> list[mpb.StepEvent]:
     return [e async for e in _events(s)]
 
 
+async def waiting_for_room(s: ClientStream) -> asyncio.Task:
+    """A producer of ``s``, whose client is a full event behind, waiting in ``room``."""
+    waiting = asyncio.create_task(s.room())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # backpressure onto the worker's stream
+    return waiting
+
+
 async def _events(s: ClientStream):
     while (event := await s.take()) is not None:
         yield event
@@ -49,9 +57,7 @@ async def test_rows_put_while_the_client_is_behind_reach_it_in_the_order_they_we
 async def test_a_producer_waits_for_room_until_the_client_takes_an_event():
     s = stream(max_events=1)
     s.put_rows(row(0, 5))
-    waiting = asyncio.create_task(s.room())
-    await asyncio.sleep(0.01)
-    assert not waiting.done()  # backpressure onto the worker's stream
+    waiting = await waiting_for_room(s)
     await s.take()
     await asyncio.wait_for(waiting, 1.0)
     assert s.put_rows(row(1, 6)) is False
@@ -63,9 +69,7 @@ async def test_rows_of_a_producer_cancelled_while_it_waits_for_room_still_reach_
     s = stream(max_events=1)
     s.put_rows(row(0, 5))
     assert s.put_rows(row(1, 6))
-    waiting = asyncio.create_task(s.room())
-    await asyncio.sleep(0.01)
-    waiting.cancel()
+    (await waiting_for_room(s)).cancel()
     s.put_rows(row(2, 8))  # the next worker's row
     assert positions(await drain(s)) == [(0, 0), (0, 1), (0, 2)]
 
@@ -73,8 +77,7 @@ async def test_rows_of_a_producer_cancelled_while_it_waits_for_room_still_reach_
 async def test_a_producer_waiting_for_room_goes_on_when_the_client_leaves():
     s = stream(max_events=1)
     s.put_rows(row(0, 5))
-    waiting = asyncio.create_task(s.room())
-    await asyncio.sleep(0.01)
+    waiting = await waiting_for_room(s)
     s.detach()
     await asyncio.wait_for(waiting, 1.0)
     assert s.put_rows(row(1, 6)) is False  # dropped: nobody reads

@@ -53,6 +53,12 @@ def test_the_last_boxed_answer_wins_and_nested_braces_survive() -> None:
 # --- sandbox ----------------------------------------------------------------------------------
 
 ECHO_SUM = "import sys\nprint(sum(map(int, sys.stdin.read().split())))\n"
+ROOMY = SandboxLimits(wall_s=10, cpu_s=5)  # limits a probe program never reaches
+
+
+def run_probe(code: str, name: str, expected: str = ""):
+    """``code`` run as a candidate with no input, its output checked against ``expected``."""
+    return run_case(code, StdioCase(name, "", expected), ROOMY)
 
 
 def test_sandbox_passes_correct_code_and_catches_wrong_output() -> None:
@@ -96,7 +102,7 @@ def test_sandbox_enforces_the_memory_limit() -> None:
 
 def test_run_tests_stops_paying_at_the_first_failure() -> None:
     cases = [StdioCase("1", "1 1", "2"), StdioCase("2", "1 1", "3"), StdioCase("3", "2 2", "4")]
-    results = run_tests(ECHO_SUM, cases, lambda case: SandboxLimits(wall_s=10, cpu_s=5))
+    results = run_tests(ECHO_SUM, cases, lambda case: ROOMY)
     assert [r.status for r in results] == ["passed", "wrong_answer"]
 
 
@@ -130,7 +136,7 @@ def test_sandbox_kills_what_the_candidate_started_when_it_exits() -> None:
     code = ("import subprocess\n"
             f"subprocess.Popen(['sleep', '{marker}'])\n"
             "print('started')")
-    result = run_case(code, StdioCase("bg", "", ""), SandboxLimits(wall_s=10, cpu_s=5))
+    result = run_probe(code, "bg")
     assert result.status == "wrong_answer"  # it ran and printed
     assert _gone_soon(marker)
 
@@ -158,7 +164,7 @@ def test_a_candidate_cannot_open_a_socket_even_to_loopback() -> None:
             "    s.connect(('127.0.0.1', 1))\n"
             "except OSError as e:\n"
             "    print(e.errno)")
-    result = run_case(code, StdioCase("net", "", "101"), SandboxLimits(wall_s=10, cpu_s=5))
+    result = run_probe(code, "net", "101")
     assert result.status == "passed", result.detail  # ENETUNREACH: no interface at all
 
 
@@ -168,7 +174,7 @@ def test_a_candidate_sees_only_its_directory_and_the_interpreter(tmp_path) -> No
     code = (f"import os\n"
             f"print(os.path.exists({str(secret)!r}), os.path.exists({os.getcwd()!r}),\n"
             f"      sorted(os.listdir('/')))")
-    result = run_case(code, StdioCase("fs", "", ""), SandboxLimits(wall_s=10, cpu_s=5))
+    result = run_probe(code, "fs")
     seen = result.detail
     assert "False False" in seen, seen
     assert "'usr'" in seen and "'home'" not in seen and "'etc'" not in seen, seen
@@ -201,8 +207,7 @@ def test_a_candidate_cannot_open_kernel_settings_for_writing_even_as_root() -> N
             "        print('refused')\n"
             "proc = [l.split() for l in open('/proc/self/mountinfo') if l.split()[4] == '/proc']\n"
             "print('ro' in proc[0][5].split(','))\n")
-    result = run_case(code, StdioCase("sysctl", "", "refused\nrefused\nrefused\nTrue"),
-                      SandboxLimits(wall_s=10, cpu_s=5))
+    result = run_probe(code, "sysctl", "refused\nrefused\nrefused\nTrue")
     assert result.status == "passed", result.detail
 
 
@@ -217,8 +222,7 @@ def test_a_candidate_holds_no_capability_so_it_can_neither_chroot_out_nor_remoun
             "r = subprocess.run(['mount', '-o', 'remount,bind,rw', '/usr'], capture_output=True)\n"
             "print('no-mount' if r.returncode else 'mounted')\n"
             "print(open('/proc/self/status').read().split('CapEff:')[1].split()[0])")
-    result = run_case(code, StdioCase("caps", "", "no-chroot\nno-mount\n0000000000000000"),
-                      SandboxLimits(wall_s=10, cpu_s=5))
+    result = run_probe(code, "caps", "no-chroot\nno-mount\n0000000000000000")
     assert result.status == "passed", result.detail
 
 
@@ -238,8 +242,7 @@ def test_where_namespaces_are_refused_the_code_sandbox_needs_explicit_consent(mo
 
 def test_invalid_utf8_output_is_a_wrong_answer_not_a_crash() -> None:
     code = "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe')"
-    assert run_case(code, StdioCase("bytes", "", "ok"),
-                    SandboxLimits(wall_s=10, cpu_s=5)).status == "wrong_answer"
+    assert run_probe(code, "bytes", "ok").status == "wrong_answer"
 
 
 # --- adaptive timeout (RollPacker §4.3) -------------------------------------------------------
