@@ -367,9 +367,7 @@ class RolloutControl:
             out += self._drop_stale_kept()
         if self.config.continuous_lb:
             for version in self._busy_versions():
-                moves = rebalance(self._loads(version), self.config.max_moves_per_tick)
-                # A request given back to its keeper stays until its catch-up rows are in.
-                out += self._apply([m for m in moves if m.request_id not in self._owed(m.src)])
+                out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
@@ -513,7 +511,11 @@ class RolloutControl:
 
     def _load(self, w: WorkerView) -> InstanceLoad:
         requests = self.tracker.on_worker(w.worker_id)
-        queued = tuple(r.request_id for r in requests if r.state is RequestState.PENDING)
+        # A request given back to its keeper stays until its catch-up rows are in (``_owed``):
+        # load like any, but not Algorithm 2's to move, so it is counted as not ours.
+        owed = self._owed(w.worker_id)
+        queued = tuple(r.request_id for r in requests
+                       if r.state is RequestState.PENDING and r.request_id not in owed)
         # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
         # the likeliest to run longest, and they gain most from the idle worker's small batch.
         running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
@@ -525,6 +527,6 @@ class RolloutControl:
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged, serving=w.kind == SERVING_KIND,
+                            plateau, unmanaged + len(owed), serving=w.kind == SERVING_KIND,
                             refusing=w.refusing(self._clock(), self.config.refusal_hold_s),
                             room_tokens=w.rollout_room_tokens)
