@@ -222,7 +222,6 @@ class Puller:
             failures: dict[str, BaseException] = {}
             asking = order
             for dense in (False, True):
-                undecodable = False
                 for agent in asking:
                     if previous is not None and agent != previous:
                         PULL_FAILOVERS.inc()
@@ -231,15 +230,14 @@ class Puller:
                         result = await self._pull_from(agents[agent]["endpoint"], version, dense)
                     except (grpc.aio.AioRpcError, PullError) as exc:
                         failures[agent] = exc
-                        undecodable |= isinstance(exc, DeltaApplyError)
                         what = rpc.error_text(exc, AGENT_ROLE)
                         log.warning("%s pull of version %d from agent %s failed: %s",
                                     "dense" if dense else "delta", version, agent, what)
                         continue
                     await self._load(result, agent, loop.time() - started)
                     return True
-                if not undecodable:
-                    return False
+                if not any(isinstance(failures[a], DeltaApplyError) for a in asking):
+                    return False  # a dense round's failures are never DeltaApplyError
                 asking = [agent for agent in order if may_serve_dense(failures[agent])]
                 log.warning("no holder's deltas of version %d apply to the held version %s; "
                             "pulling it dense from %s", version, self.held_version, asking)

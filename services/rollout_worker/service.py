@@ -74,13 +74,12 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                              load=self.pump.last_load, draining=self.hub.draining)
 
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
+        if request.version < 0:
+            await errors.abort(context, errors.InvalidArgument("version must be >= 0"))
         try:  # only files under weights_dir, opened now: an RPC must not read the host's files
             file = open_confined(self._weights_dir, request.path, "weights file")
         except errors.ServiceError as exc:
             await errors.abort(context, exc)
-        if request.version < 0:
-            file.close()
-            await errors.abort(context, errors.InvalidArgument("version must be >= 0"))
         try:
             count = await self.load_weights_file(file, request.version, request.path)
         except EngineInputError as exc:

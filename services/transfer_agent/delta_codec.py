@@ -121,7 +121,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     if dtype not in _DTYPE_CODES:
         raise DeltaCodecError(
             f"dtype {dtype} is not supported by the weight codec; supported: "
-            f"{sorted(str(d) for d in _DTYPE_CODES)} — cast the tensor before publishing"
+            f"{codec_dtype_names()} — cast the tensor before publishing"
         )
     return torch.empty((), dtype=dtype).element_size()
 

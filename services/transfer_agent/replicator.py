@@ -177,6 +177,8 @@ class Replicator:
                     receiver=self.cfg.agent_id, cluster=self.cfg.cluster,
                     source_cluster=clusters[source], streams=self.cfg.relay_streams,
                     read_timeout_s=self.cfg.data_read_timeout_s, held_sums=held_sums)
+            except DeltaApplyError:
+                raise  # the source alone would send the same deltas: the caller goes dense
             except PullError as exc:
                 log.warning("scattered relay of job %s version %d over %s failed (%s: %s); "
                             "pulling it from %s alone over gRPC", job, version,

@@ -189,14 +189,14 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
             del self._using[job]
         self._touched(job)
 
-    def drop_idle(self, now: float) -> list[str]:
+    def drop_idle(self, now: float) -> None:
         """Drop every job unused (no publish, relay or pull) since ``now - job_idle_s`` and with
         no publish, relay or pack under way: its versions, staged shards and packed pulls go (a
-        pull streaming already keeps its bytes until it ends). Returns the jobs dropped; their
-        holder records are deleted by ``forget_dropped``. job_idle_s 0 drops nothing."""
+        pull streaming already keeps its bytes until it ends). Their holder records are deleted
+        by ``forget_dropped``. job_idle_s 0 drops nothing."""
         idle_s = self.cfg.job_idle_s
         if not idle_s:
-            return []
+            return
         dropped = [job for job, entry in self._jobs.items()
                    if job not in self._using and now - entry.used_at >= idle_s]
         for job in dropped:
@@ -210,7 +210,6 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
                      "bytes of versions %s); a new publish starts it afresh", job,
                      now - entry.used_at, entry.store.held_bytes, list(entry.store.held_versions))
         self._unannounced.update(dropped)
-        return dropped
 
     async def forget_dropped(self) -> None:
         """Run the on_dropped hook (delete the holder record) for every dropped job not yet

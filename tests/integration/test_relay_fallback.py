@@ -19,7 +19,8 @@ async def test_a_relay_whose_deltas_do_not_apply_to_its_base_pulls_the_version_d
         stack, etcd_client):
     job = "relay-mismatched-base"
     _, source, _ = start_agent(stack, "base-source")
-    _, relay, relay_metrics = start_agent(stack, "base-relay", "--relay", "--relay-jobs", job)
+    relay_proc, relay, relay_metrics = start_agent(stack, "base-relay", "--relay", "--relay-jobs",
+                                                   job)
     theirs, ours = weights(1), weights(2)
     await publish(relay, job, 1, ours)  # the relay holds a version 1 of its own
     await publish(source, job, 1, theirs)  # not newer: the relay keeps its own
@@ -32,4 +33,7 @@ async def test_a_relay_whose_deltas_do_not_apply_to_its_base_pulls_the_version_d
     await wait_for(relayed, timeout=20, what="version 2 relayed")
     got = (await pull(relay, job, version=2)).tensors
     assert torch.equal(got["w"], v2["w"])
-    assert scrape(relay_metrics)["rlh_agent_relays_total{link=local}"] == 1  # one try, dense
+    assert scrape(relay_metrics)["rlh_agent_relays_total{link=local}"] == 1
+    log = relay_proc.log_path.read_text(errors="replace")  # one try, then dense at once
+    assert "do not apply to the held version 1" in log and "pulling it dense" in log, log
+    assert "trying again" not in log, log
