@@ -231,11 +231,11 @@ class Host(Generic[C]):
         advertise = cfg.advertise_host or cfg.host
         self.endpoint = f"{advertise}:{port}"
         build = asyncio.ensure_future(self.spec.build(self))
-        if not await self._until_stopped(build):
-            log.info("%s stopped while it was being built", self.spec.name)
-            return
-        parts = self._parts = build.result()
-        if self._stop_requested():  # seen only now: a build that held the event loop
+        built = await self._until_stopped(build)
+        if built:  # kept even when stopped now: the teardown runs its close hooks
+            parts = self._parts = build.result()
+        if not built or self._stop_requested():  # the latter seen only after a build that
+            log.info("%s stopped while it was being built", self.spec.name)  # held the loop
             return
         self._server = server = await rpc.serve(
             self._bound, port, [partial(s.add, s.impl) for s in parts.servicers],

@@ -311,6 +311,7 @@ async def test_a_sigterm_during_a_build_that_holds_the_event_loop_never_serves_o
         assert proc.returncode == 0, output
         assert "stopping: shutting down on a signal" in output
         assert "serving on" not in output
+        assert "stopped while it was being built" in output  # before it served anything
         assert "teardown step" not in output  # nothing half-started to undo
     finally:
         if proc.poll() is None:
