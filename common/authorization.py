@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLE_URI_PREFIX = "urn:rlharvest:role:"
 JOB_URI_PREFIX = "urn:rlharvest:job:"
@@ -84,6 +84,8 @@ class Identity:
 
     roles: tuple[str, ...] = ()
     jobs: tuple[str, ...] = ()
+    # Its DNS names (hosts, and role_name of its roles): what clients check, not who it is.
+    names: tuple[str, ...] = field(default=(), compare=False)
 
 
 def refusal(method: str, roles: Iterable[str]) -> str | None:
@@ -124,4 +126,5 @@ def peer_identity(pem_certificate: bytes) -> Identity:
     uris = sans.get_values_for_type(x509.UniformResourceIdentifier)
     return Identity(tuple(u[len(ROLE_URI_PREFIX):] for u in uris
                           if u.startswith(ROLE_URI_PREFIX)),
-                    tuple(u[len(JOB_URI_PREFIX):] for u in uris if u.startswith(JOB_URI_PREFIX)))
+                    tuple(u[len(JOB_URI_PREFIX):] for u in uris if u.startswith(JOB_URI_PREFIX)),
+                    tuple(sans.get_values_for_type(x509.DNSName)))

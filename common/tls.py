@@ -76,17 +76,13 @@ def missing_role_names(pem_certificate: bytes) -> list[str]:
     """The service roles a PEM certificate names as URIs (``urn:rlharvest:role:<role>``) but
     not as the DNS name peers check (``<role>.role.rlharvest``): one issued before clients
     checked roles. Roles no client dials (operator, metrics) are left out."""
-    from cryptography import x509
-
     try:
-        sans = x509.load_pem_x509_certificate(pem_certificate).extensions \
-            .get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, x509.ExtensionNotFound):
+        identity = peer_identity(pem_certificate)
+    except ValueError:  # not a certificate: the handshake will say so
         return []
-    names = set(sans.get_values_for_type(x509.DNSName))
     served = set(SERVICE_ROLES.values())
-    return [role for role in peer_identity(pem_certificate).roles
-            if role in served and role_name(role) not in names]
+    return [role for role in identity.roles
+            if role in served and role_name(role) not in identity.names]
 
 
 def load(cert: str, key: str, ca: str) -> TlsMaterial | None:
