@@ -44,9 +44,13 @@ def confined_path(root: str | Path, name: str, what: str = "file") -> Path:
         target = (base / name).resolve()
     except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte, a symlink loop
         raise InvalidArgument(f"{name!r} is not a usable path: {exc}") from None
-    if target != base and base not in target.parents:
+    if not _within(base, target):
         raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink)")
     return target
+
+
+def _within(base: Path, path: Path) -> bool:
+    return path == base or base in path.parents
 
 
 def open_confined(root: str | Path, name: str, what: str = "file") -> BinaryIO:
@@ -64,7 +68,7 @@ def open_confined(root: str | Path, name: str, what: str = "file") -> BinaryIO:
             from None
     try:
         opened = _opened_path(fd)
-        if opened != base and base not in opened.parents:
+        if not _within(base, opened):
             raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink "
                                   "swapped in after it was checked)")
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -161,10 +161,16 @@ def error_text(exc: BaseException, peer_role: str | None = None) -> str:
     text = (exc.details() or exc.code().name) if isinstance(exc, grpc.aio.AioRpcError) \
         else str(exc)
     if peer_role is not None and _NAME_CHECK_FAILED in text:
-        text += (f" (its TLS certificate does not name the role {peer_role!r} as the DNS name "
-                 f"{role_name(peer_role)}: a peer of another role, or a certificate issued "
-                 "before clients checked roles; reissue it with that name)")
+        text += f" ({role_refusal(peer_role)})"
     return text
+
+
+def role_refusal(peer_role: str) -> str:
+    """What a handshake refusing a server dialed as ``peer_role`` means (gRPC's and the
+    data path's)."""
+    return (f"its TLS certificate does not name the role {peer_role!r} as the DNS name "
+            f"{role_name(peer_role)}: a peer of another role, or a certificate issued before "
+            "clients checked roles; reissue it with that name")
 
 
 def status_in(*codes: grpc.StatusCode) -> Callable[[Exception], bool]:

@@ -27,7 +27,7 @@ import aiohttp
 import grpc
 from aiohttp import web
 
-from rlharvest.common import errors, tls
+from rlharvest.common import errors, rpc, tls
 from rlharvest.common.authorization import SERVICE_ROLES, role_name
 from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
@@ -231,9 +231,7 @@ class RangeFetcher:
         except aiohttp.ClientConnectorCertificateError as exc:
             raise DataPathError(
                 f"bucket {index} [{start}, {stop}): the data endpoint's TLS certificate was "
-                f"refused ({exc.certificate_error}); a weight holder's must name the role "
-                f"{AGENT_ROLE!r} as the DNS name {self._server_hostname}: not an agent, or a "
-                "certificate issued before clients checked roles (reissue it with that name)",
+                f"refused ({exc.certificate_error}): {rpc.role_refusal(AGENT_ROLE)}",
                 "UNAVAILABLE") from None
         except (aiohttp.ClientError, ConnectionError, asyncio.TimeoutError) as exc:
             raise DataPathError(f"bucket {index} [{start}, {stop}): connection to the agent "
