@@ -143,7 +143,6 @@ def main() -> None:
     print("\n".join(lines))
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
     out = results_path("coexec_admission", args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python bench/coexec_admission.py", *sys.argv[1:]])
     out.write_text(f"# Dual-SLO admission, simulated (issue 12)\n\n`{command}`, "
                    f"{time.strftime('%Y-%m-%d')}; simulated time, wall "

@@ -245,7 +245,7 @@ def main() -> None:
                  f"{spread([b / t for b, t in zip(base, times['agent'])])}; vs the previous "
                  f"gRPC data path: "
                  f"{spread([g / t for g, t in zip(times['agent-grpc'], times['agent'])])}")
-    write_results("transfer_data_path" + ("_quick" if args.quick else ""), "\n".join(lines) + "\n")
+    write_results("transfer_data_path", "\n".join(lines) + "\n", args.quick)
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ def main() -> None:
     where = "" if args.device == "cpu" else "_" + args.device.split(":")[0]
     if args.worker_device != args.device:
         where += "_worker_" + args.worker_device.split(":")[0]
-    write_results("transfer_delta" + ("_quick" if args.quick else "") + where, text)
+    write_results("transfer_delta" + where, text, args.quick)
 
 
 if __name__ == "__main__":

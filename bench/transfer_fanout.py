@@ -80,7 +80,7 @@ def main() -> None:
         "| pullers | wall s (all done), median | mean per-pull s, median | aggregate MB/s | "
         "wall vs 1, per round: median [spread] |",
         "|---|---|---|---|---|", *rows]) + "\n"
-    write_results("transfer_fanout" + ("_quick" if args.quick else ""), text)
+    write_results("transfer_fanout", text, args.quick)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from results_file import results_path
+
 from rlharvest.common.local_etcd import free_port
 from rlharvest.services.launcher import LocalStack
 
@@ -35,8 +37,6 @@ def start_agent(stack: LocalStack, name: str, *extra: str, cluster: str = "defau
             time.sleep(0.1)
 
 
-def write_results(name: str, text: str) -> None:
-    out = Path(__file__).parent / "results" / f"{name}.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(text)
+def write_results(name: str, text: str, quick: bool) -> None:
+    results_path(name, quick).write_text(text)
     print(text)

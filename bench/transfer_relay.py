@@ -95,7 +95,7 @@ def main() -> None:
         f"{gate_bytes / 1e6:.1f} MB | {gate_bytes / (mb << 20):.1f} |",
         f"\nspeedup gateway vs flat, per round: median {statistics.median(speedups):.2f}x "
         f"[{speedups[0]:.2f}–{speedups[-1]:.2f}] over {len(speedups)} interleaved rounds\n"])
-    write_results("transfer_relay" + ("_quick" if args.quick else ""), text)
+    write_results("transfer_relay", text, args.quick)
 
 
 if __name__ == "__main__":
