@@ -86,3 +86,7 @@ def natural_end(token_ids: Sequence[int], max_tokens: int, stop_token_ids: Colle
     if len(token_ids) >= max_tokens:
         return "length"
     return ""
+
+# The gRPC metadata key of a Session stream naming the job of the manager that opens it: the
+# worker announces kept requests only to that job's manager, and adopts them only for it.
+SESSION_JOB_METADATA = "rlh-job"

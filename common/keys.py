@@ -9,6 +9,8 @@
 /rlharvest/v1/jobs/<job>/instance_cap            the job's remote-instance cap N_prem {"n_prem"}
 /rlharvest/v1/jobs/<job>/tp_plan                 the job's advisory TP plan (RollPacker §4.2),
                                                  written by its manager with --tp-planner
+/rlharvest/v1/jobs/<job>/start_weights           the fingerprint of the job's version 0, written by
+                                                 its trainer {"fingerprint","source"}
 /rlharvest/v1/jobs/<job>/stream_scale            the job's last stream-trainer scale-down
                                                  (RollPacker §4.4): workers lent to training
                                                  and when they are back (--stream-scaling)
@@ -93,6 +95,12 @@ def tp_plan_key(job: str) -> str:
     ``plan_record``). Its manager writes it after each step when run with ``--tp-planner`` and
     reads it back at start; advisory: an operator, an autoscaler or a vLLM deployment applies it."""
     return f"{ROOT}/jobs/{_segment(job, 'job')}/tp_plan"
+
+
+def start_weights_key(job: str) -> str:
+    """The job's start weights (version 0) by fingerprint (common/start_weights.py): a manager
+    sends a version-0 request only to a worker whose start weights are these."""
+    return f"{ROOT}/jobs/{_segment(job, 'job')}/start_weights"
 
 
 def stream_scale_key(job: str) -> str:

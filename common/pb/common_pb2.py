@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlharvest/v1/common.proto\x12\x0crlharvest.v1\"}\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xa2\x01\n\nDeltaBatch\x12\x10\n\x08requests\x18\x01 \x01(\x0c\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\"\n\x04\x65nds\x18\x07 \x03(\x0b\x32\x14.rlharvest.v1.RowEnd\"%\n\x06RowEnd\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xa6\x01\n\x04Load\x12\x0f\n\x07pending\x18\x01 \x01(\x05\x12\x11\n\texecuting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03*\x89\x01\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_KIND_DEDICATED\x10\x01\x12\x14\n\x10WORKER_KIND_SPOT\x10\x02\x12\x14\n\x10WORKER_KIND_SEED\x10\x03\x12\x17\n\x13WORKER_KIND_SERVING\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19rlharvest/v1/common.proto\x12\x0crlharvest.v1\"}\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\xaf\x01\n\nDeltaBatch\x12\x10\n\x08requests\x18\x01 \x01(\x0c\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\x12\x16\n\x0eweight_version\x18\x06 \x01(\x03\x12\"\n\x04\x65nds\x18\x07 \x03(\x0b\x32\x14.rlharvest.v1.RowEnd\x12\x0b\n\x03job\x18\x08 \x01(\t\"%\n\x06RowEnd\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xa6\x01\n\x04Load\x12\x0f\n\x07pending\x18\x01 \x01(\x05\x12\x11\n\texecuting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x03*\x89\x01\n\nWorkerKind\x12\x1b\n\x17WORKER_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_KIND_DEDICATED\x10\x01\x12\x14\n\x10WORKER_KIND_SPOT\x10\x02\x12\x14\n\x10WORKER_KIND_SEED\x10\x03\x12\x17\n\x13WORKER_KIND_SERVING\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlharvest.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERKIND']._serialized_start=544
-  _globals['_WORKERKIND']._serialized_end=681
+  _globals['_WORKERKIND']._serialized_start=557
+  _globals['_WORKERKIND']._serialized_end=694
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=168
   _globals['_DELTABATCH']._serialized_start=171
-  _globals['_DELTABATCH']._serialized_end=333
-  _globals['_ROWEND']._serialized_start=335
-  _globals['_ROWEND']._serialized_end=372
-  _globals['_LOAD']._serialized_start=375
-  _globals['_LOAD']._serialized_end=541
+  _globals['_DELTABATCH']._serialized_end=346
+  _globals['_ROWEND']._serialized_start=348
+  _globals['_ROWEND']._serialized_end=385
+  _globals['_LOAD']._serialized_start=388
+  _globals['_LOAD']._serialized_end=554
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DeltaBatch(_message.Message):
-    __slots__ = ("requests", "positions", "counts", "token_ids", "logprobs", "weight_version", "ends")
+    __slots__ = ("requests", "positions", "counts", "token_ids", "logprobs", "weight_version", "ends", "job")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class DeltaBatch(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     requests: bytes
     positions: bytes
     counts: bytes
@@ -52,7 +53,8 @@ class DeltaBatch(_message.Message):
     logprobs: bytes
     weight_version: int
     ends: _containers.RepeatedCompositeFieldContainer[RowEnd]
-    def __init__(self, requests: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., weight_version: _Optional[int] = ..., ends: _Optional[_Iterable[_Union[RowEnd, _Mapping]]] = ...) -> None: ...
+    job: str
+    def __init__(self, requests: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., counts: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., weight_version: _Optional[int] = ..., ends: _Optional[_Iterable[_Union[RowEnd, _Mapping]]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class RowEnd(_message.Message):
     __slots__ = ("row", "reason")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlharvest.common.pb import common_pb2 as rlharvest_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlharvest/v1/rollout_worker.proto\x12\x0crlharvest.v1\x1a\x19rlharvest/v1/common.proto\"\xaf\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.rlharvest.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x0e\n\x06handle\x18\x06 \x01(\x04\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"p\n\rWorkerCommand\x12\'\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x18.rlharvest.v1.AddRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.rlharvest.v1.AbortRequestH\x00\x42\t\n\x07\x63ommand\"h\n\x0f\x45ngineStepStats\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x15\n\rdecode_tokens\x18\x03 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\x05\"\x9a\x01\n\x0bStepOutputs\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.DeltaBatch\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.rlharvest.v1.Load\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.rlharvest.v1.EngineStepStatsJ\x04\x08\x02\x10\x03\"Q\n\x0c\x43ommandError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06handle\x18\x04 \x01(\x04\"1\n\x08\x44raining\x12\x15\n\rdeadline_unix\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0cKeptRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xea\x01\n\x0bWorkerEvent\x12)\n\x04step\x18\x01 \x01(\x0b\x32\x19.rlharvest.v1.StepOutputsH\x00\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x12.rlharvest.v1.LoadH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.rlharvest.v1.CommandErrorH\x00\x12*\n\x08\x64raining\x18\x04 \x01(\x0b\x32\x16.rlharvest.v1.DrainingH\x00\x12*\n\x04kept\x18\x05 \x01(\x0b\x32\x1a.rlharvest.v1.KeptRequestsH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\xeb\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.rlharvest.v1.WorkerKind\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12\x0f\n\x07max_len\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12 \n\x04load\x18\t \x01(\x0b\x32\x12.rlharvest.v1.Load\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"3\n\x12LoadWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"E\n\x13LoadWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x16\n\x0etensors_loaded\x18\x02 \x01(\x05\x32\xed\x01\n\rRolloutWorker\x12\x45\n\x07Session\x12\x1b.rlharvest.v1.WorkerCommand\x1a\x19.rlharvest.v1.WorkerEvent(\x01\x30\x01\x12\x41\n\x07GetInfo\x12\x1c.rlharvest.v1.GetInfoRequest\x1a\x18.rlharvest.v1.WorkerInfo\x12R\n\x0bLoadWeights\x12 .rlharvest.v1.LoadWeightsRequest\x1a!.rlharvest.v1.LoadWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!rlharvest/v1/rollout_worker.proto\x12\x0crlharvest.v1\x1a\x19rlharvest/v1/common.proto\"\xd3\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.rlharvest.v1.SamplingParams\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12\x0e\n\x06handle\x18\x06 \x01(\x04\x12\x0b\n\x03job\x18\x07 \x01(\t\x12\x15\n\rstart_weights\x18\x08 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"p\n\rWorkerCommand\x12\'\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x18.rlharvest.v1.AddRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.rlharvest.v1.AbortRequestH\x00\x42\t\n\x07\x63ommand\"h\n\x0f\x45ngineStepStats\x12\x12\n\nbatch_size\x18\x01 \x01(\x05\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x15\n\rdecode_tokens\x18\x03 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\x05\"\x9a\x01\n\x0bStepOutputs\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x05\x62\x61tch\x18\x05 \x01(\x0b\x32\x18.rlharvest.v1.DeltaBatch\x12 \n\x04load\x18\x03 \x01(\x0b\x32\x12.rlharvest.v1.Load\x12,\n\x05stats\x18\x04 \x01(\x0b\x32\x1d.rlharvest.v1.EngineStepStatsJ\x04\x08\x02\x10\x03\"Q\n\x0c\x43ommandError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06handle\x18\x04 \x01(\x04\"1\n\x08\x44raining\x12\x15\n\rdeadline_unix\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0cKeptRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xea\x01\n\x0bWorkerEvent\x12)\n\x04step\x18\x01 \x01(\x0b\x32\x19.rlharvest.v1.StepOutputsH\x00\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x12.rlharvest.v1.LoadH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.rlharvest.v1.CommandErrorH\x00\x12*\n\x08\x64raining\x18\x04 \x01(\x0b\x32\x16.rlharvest.v1.DrainingH\x00\x12*\n\x04kept\x18\x05 \x01(\x0b\x32\x1a.rlharvest.v1.KeptRequestsH\x00\x42\x07\n\x05\x65vent\"\x10\n\x0eGetInfoRequest\"\x8f\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.rlharvest.v1.WorkerKind\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\x05\x12\x0f\n\x07max_len\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12 \n\x04load\x18\t \x01(\x0b\x32\x12.rlharvest.v1.Load\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x0b\n\x03job\x18\x0b \x01(\t\x12\x15\n\rstart_weights\x18\x0c \x01(\t\"@\n\x12LoadWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0b\n\x03job\x18\x03 \x01(\t\"E\n\x13LoadWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x03\x12\x16\n\x0etensors_loaded\x18\x02 \x01(\x05\x32\xed\x01\n\rRolloutWorker\x12\x45\n\x07Session\x12\x1b.rlharvest.v1.WorkerCommand\x1a\x19.rlharvest.v1.WorkerEvent(\x01\x30\x01\x12\x41\n\x07GetInfo\x12\x1c.rlharvest.v1.GetInfoRequest\x1a\x18.rlharvest.v1.WorkerInfo\x12R\n\x0bLoadWeights\x12 .rlharvest.v1.LoadWeightsRequest\x1a!.rlharvest.v1.LoadWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlharvest.v1.rollout_worker
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADDREQUEST']._serialized_start=79
-  _globals['_ADDREQUEST']._serialized_end=254
-  _globals['_ABORTREQUEST']._serialized_start=256
-  _globals['_ABORTREQUEST']._serialized_end=291
-  _globals['_WORKERCOMMAND']._serialized_start=293
-  _globals['_WORKERCOMMAND']._serialized_end=405
-  _globals['_ENGINESTEPSTATS']._serialized_start=407
-  _globals['_ENGINESTEPSTATS']._serialized_end=511
-  _globals['_STEPOUTPUTS']._serialized_start=514
-  _globals['_STEPOUTPUTS']._serialized_end=668
-  _globals['_COMMANDERROR']._serialized_start=670
-  _globals['_COMMANDERROR']._serialized_end=751
-  _globals['_DRAINING']._serialized_start=753
-  _globals['_DRAINING']._serialized_end=802
-  _globals['_KEPTREQUESTS']._serialized_start=804
-  _globals['_KEPTREQUESTS']._serialized_end=839
-  _globals['_WORKEREVENT']._serialized_start=842
-  _globals['_WORKEREVENT']._serialized_end=1076
-  _globals['_GETINFOREQUEST']._serialized_start=1078
-  _globals['_GETINFOREQUEST']._serialized_end=1094
-  _globals['_WORKERINFO']._serialized_start=1097
-  _globals['_WORKERINFO']._serialized_end=1332
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1334
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1385
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1387
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1456
-  _globals['_ROLLOUTWORKER']._serialized_start=1459
-  _globals['_ROLLOUTWORKER']._serialized_end=1696
+  _globals['_ADDREQUEST']._serialized_end=290
+  _globals['_ABORTREQUEST']._serialized_start=292
+  _globals['_ABORTREQUEST']._serialized_end=327
+  _globals['_WORKERCOMMAND']._serialized_start=329
+  _globals['_WORKERCOMMAND']._serialized_end=441
+  _globals['_ENGINESTEPSTATS']._serialized_start=443
+  _globals['_ENGINESTEPSTATS']._serialized_end=547
+  _globals['_STEPOUTPUTS']._serialized_start=550
+  _globals['_STEPOUTPUTS']._serialized_end=704
+  _globals['_COMMANDERROR']._serialized_start=706
+  _globals['_COMMANDERROR']._serialized_end=787
+  _globals['_DRAINING']._serialized_start=789
+  _globals['_DRAINING']._serialized_end=838
+  _globals['_KEPTREQUESTS']._serialized_start=840
+  _globals['_KEPTREQUESTS']._serialized_end=875
+  _globals['_WORKEREVENT']._serialized_start=878
+  _globals['_WORKEREVENT']._serialized_end=1112
+  _globals['_GETINFOREQUEST']._serialized_start=1114
+  _globals['_GETINFOREQUEST']._serialized_end=1130
+  _globals['_WORKERINFO']._serialized_start=1133
+  _globals['_WORKERINFO']._serialized_end=1404
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1406
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1470
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1472
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1541
+  _globals['_ROLLOUTWORKER']._serialized_start=1544
+  _globals['_ROLLOUTWORKER']._serialized_end=1781
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "sampling", "weight_version", "handle")
+    __slots__ = ("request_id", "prompt_token_ids", "generated_token_ids", "sampling", "weight_version", "handle", "job", "start_weights")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    START_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     weight_version: int
     handle: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., handle: _Optional[int] = ...) -> None: ...
+    job: str
+    start_weights: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., weight_version: _Optional[int] = ..., handle: _Optional[int] = ..., job: _Optional[str] = ..., start_weights: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -106,7 +110,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "model", "kind", "capacity", "max_len", "vocab_size", "weight_version", "load", "draining")
+    __slots__ = ("worker_id", "endpoint", "model", "kind", "capacity", "max_len", "vocab_size", "weight_version", "load", "draining", "job", "start_weights")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +121,8 @@ class WorkerInfo(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    START_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     model: str
@@ -127,15 +133,19 @@ class WorkerInfo(_message.Message):
     weight_version: int
     load: _common_pb2.Load
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.WorkerKind, str]] = ..., capacity: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_version: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    job: str
+    start_weights: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., model: _Optional[str] = ..., kind: _Optional[_Union[_common_pb2.WorkerKind, str]] = ..., capacity: _Optional[int] = ..., max_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., weight_version: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., draining: _Optional[bool] = ..., job: _Optional[str] = ..., start_weights: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("path", "version")
+    __slots__ = ("path", "version", "job")
     PATH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     path: str
     version: int
-    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("weight_version", "tensors_loaded")

@@ -25,6 +25,12 @@ class Engine(Protocol):
     def weight_version(self) -> int: ...
 
     @property
+    def start_weights(self) -> str:
+        """The fingerprint (common/start_weights.py) of the version-0 weights the engine holds
+        or last held: a manager sends a job's version-0 requests only where it is the job's."""
+        ...
+
+    @property
     def batch_admission(self) -> str:
         """How queued requests enter the running batch: "slots" (up to a fixed number of
         sequences, ``max_running``), or "kv_memory" (while KV-cache blocks last, as vLLM does). The

@@ -81,7 +81,8 @@ def _serve(factory: Callable[[], Engine], conn: Connection) -> None:
         conn.send((_REPLY, False, EngineProcessError(f"the engine could not be built: {exc!r}"),
                    None))
         return
-    conn.send((_REPLY, True, (engine.vocab_size, engine.batch_admission), _state(engine)))
+    conn.send((_REPLY, True, (engine.vocab_size, engine.batch_admission, engine.start_weights),
+               _state(engine)))
     lead, hold = 0, True  # steps sent beyond those asked for; hold: a call came, await a step
     while True:
         if hold or lead >= _AHEAD or not engine.has_work() or conn.poll():
@@ -189,7 +190,7 @@ class EngineProcess:
         self._steps: deque[tuple[Columns, float, int, int]] = deque()
         self._broken: EngineProcessError | None = None
         self._seconds, self._prefill_tokens, self._step_version = 0.0, 0, 0
-        self._vocab_size, self._admission = self._read()[1]
+        self._vocab_size, self._admission, self._start_weights = self._read()[1]
 
     # ---- Engine --------------------------------------------------------------------------------
 
@@ -204,6 +205,10 @@ class EngineProcess:
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def start_weights(self) -> str:
+        return self._start_weights
 
     @property
     def last_step_prefill_tokens(self) -> int:
@@ -257,6 +262,10 @@ class EngineProcess:
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self._call("load_weights", dict(tensors), version)
+        if version == 0:  # as the child's engine computed it, from the same tensors
+            from rlharvest.common.start_weights import fingerprint
+
+            self._start_weights = fingerprint(tensors)
 
     # ---- the process ---------------------------------------------------------------------------
 

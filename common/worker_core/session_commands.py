@@ -5,7 +5,9 @@ hub (so a duplicate in the same batch of commands is caught) and started in the 
 steps. An abort ends the request between steps and confirms it with a final delta. A session
 that goes away has its requests taken out of the engine, or, with ``keep_s``, kept running for a
 successor manager, whose add continuing one adopts it. A weight swap loads between steps and
-ends the requests the policy says a swap ends. All engine calls go through a ``StepLoop`` — the
+ends the requests the policy says a swap ends. A load names the job whose weights it loads: the
+worker serves that job's requests from then on, and no request kept before it may be adopted
+(issue 49: a version is a job's, never a bare integer). All engine calls go through a ``StepLoop`` — the
 ``EnginePump``, or a service's own loop that keeps the same promise: mutations run between steps.
 """
 
@@ -28,7 +30,7 @@ from rlharvest.common.engine_types import (
 from rlharvest.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2 as pb
 from rlharvest.common.worker_core import metrics
-from rlharvest.common.worker_core.admission import Admission, WorkerView
+from rlharvest.common.worker_core.admission import Admission, Wanted, WorkerView
 from rlharvest.common.worker_core.engine import Engine
 from rlharvest.common.worker_core.session_hub import (
     Adoption,
@@ -62,24 +64,32 @@ class StepLoop(Protocol):
 class SessionCommands:
     """``on_version_change`` is called with the new version after each weight swap.
     ``keep_s``: a broken session's requests run on this long for a successor manager to adopt
-    (the hub must record tokens: ``SessionHub(keep_tokens=True)``); 0 takes them out at once."""
+    (the hub must record tokens: ``SessionHub(keep_tokens=True)``); 0 takes them out at once.
+    ``job``: whose weights the engine was built with ("" for none: a co-executor lent to no job,
+    a placed worker before its node's turn); every load says whose it loads."""
 
     def __init__(self, engine: Engine, hub: SessionHub, loop: StepLoop, admission: Admission, *,
                  on_version_change: Callable[[int], None] | None = None,
-                 keep_s: float = 0.0) -> None:
+                 keep_s: float = 0.0, job: str = "") -> None:
         self._engine = engine
         self._hub = hub
+        hub.job = job
         self._loop = loop
         self._admission = admission
         self._on_version_change = on_version_change
         self._keep_s = keep_s
 
-    async def serve(self, commands: AsyncIterator[pb.WorkerCommand]
+    @property
+    def job(self) -> str:
+        """Whose weights the engine holds."""
+        return self._hub.job
+
+    async def serve(self, commands: AsyncIterator[pb.WorkerCommand], job: str = ""
                     ) -> AsyncGenerator[pb.WorkerEvent, None]:
-        """One Session stream: read ``commands``, yield the session's events until it ends.
-        Closing the iterator (the stream went away) takes the session's requests out, or keeps
-        them for a successor."""
-        session = self._hub.open(self._loop.last_load)
+        """One Session stream of ``job``'s manager: read ``commands``, yield the session's
+        events until it ends. Closing the iterator (the stream went away) takes the session's
+        requests out, or keeps them for a successor of the same job."""
+        session = self._hub.open(self._loop.last_load, job)
         reader = asyncio.create_task(self._read(commands, session))
         try:
             async for event in self._hub.events(session):
@@ -140,12 +150,18 @@ class SessionCommands:
             return self._hub.refuse(session, msg.request_id, FailedPrecondition(
                 f"request {msg.request_id!r} is kept here with tokens its add does not "
                 "continue; dropped it, send the add again"), msg.handle)
+        if msg.job != session.job:  # a manager sends its own job's requests only
+            return self._hub.refuse(session, msg.request_id, InvalidArgument(
+                f"job: request is job {msg.job!r}'s on a session of job {session.job!r}"),
+                msg.handle)
         request = EngineRequest(request_id=msg.request_id,
                                 prompt_token_ids=list(msg.prompt_token_ids),
                                 sampling=sampling_from_proto(msg.sampling),
                                 generated_token_ids=list(msg.generated_token_ids))
-        view = WorkerView(self._engine.weight_version, self._hub.held_ids(), self._hub.draining)
-        refusal = self._admission.admit(request, msg.weight_version, view)
+        view = WorkerView(self._engine.weight_version, self._hub.held_ids(), self._hub.draining,
+                          self._hub.job, self._engine.start_weights)
+        wanted = Wanted(msg.job, msg.weight_version, msg.start_weights)
+        refusal = self._admission.admit(request, wanted, view)
         if refusal is not None:
             return self._hub.refuse(session, request.request_id, refusal, msg.handle)
         self._hub.hold(session, request.request_id, len(request.generated_token_ids),
@@ -172,12 +188,24 @@ class SessionCommands:
         return len(held)
 
     async def swap_weights(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
-                           source: str) -> int:
-        """Between steps: ``read`` the tensors and load them in the engine thread, then end the
-        requests the admission policy says a swap ends. Returns the number of tensors loaded;
-        raises what ``read`` or the engine raised (the engine then keeps its weights). A
-        caller that goes away leaves the swap to happen all the same."""
-        return await self._loop.run_between_steps(lambda: self._swap(read, version, source))
+                           source: str, job: str | None = None) -> int:
+        """Between steps: ``read`` the tensors — ``job``'s weights (None: the job served now) —
+        and load them in the engine thread, then end the requests the admission policy says a
+        swap ends and drop every kept one. Returns the number of tensors loaded; raises what
+        ``read`` or the engine raised (the engine then keeps its weights and its job). A caller
+        that goes away leaves the swap to happen all the same."""
+        return await self._loop.run_between_steps(
+            lambda: self._swap(read, version, source, self._hub.job if job is None else job))
+
+    def drop_kept(self, reason: str) -> None:
+        """The worker's lending or turn changed: what it keeps for a successor manager of the
+        job it served is no one's now (issue 49), finished or running."""
+        self._loop.between_steps(partial(self._drop_all_kept, reason))
+
+    async def _drop_all_kept(self, outcome: str) -> None:
+        for rid in self._hub.drop_kept(outcome):
+            if self._hub.release_kept(rid, outcome):
+                await self._abort_in_engine(rid)
 
     # ---- between steps -------------------------------------------------------------------------
 
@@ -239,12 +267,16 @@ class SessionCommands:
             return None
 
     async def _swap(self, read: Callable[[], Mapping[str, torch.Tensor]], version: int,
-                    source: str) -> int:
+                    source: str, job: str) -> int:
         tensors = await self._loop.in_engine_thread(read)
         await self._loop.in_engine_thread(self._engine.load_weights, tensors, version)
         ended = self._admission.on_weight_swap(version, self._hub.held_versions())
-        for rid in ended:
+        for rid in ended:  # their final deltas name the job that admitted them
             await self._end(rid)
+        await self._drop_all_kept("weights changed")
+        changed_job, self._hub.job = self._hub.job != job, job
+        if changed_job:
+            log.info("now holding job %r's weights", job)
         self._loop.snapshot_load()  # GetInfo and /healthz report the new version at once
         metrics.WEIGHT_VERSION.set(version)
         log.info("loaded weights version %d from %s (%d tensors; %d requests of the old version "

@@ -12,7 +12,11 @@ What a manager may rely on, whatever the engine or the admission policy:
 - with ``keep_s``, the requests of a session that broke (its manager died) run on, kept for a
   successor: a new session's add of one of them, carrying a prefix of its tokens, adopts it and
   gets every token beyond that prefix at once (``adopt``), so a manager's death regenerates
-  nothing. Unadopted ones are dropped after ``keep_s``.
+  nothing. Unadopted ones are dropped after ``keep_s``;
+- kept requests belong to the job they were admitted for (issue 49): only a session of that job
+  (``Session.job``, the manager's job) hears of them or adopts them, and a weight load, a job
+  switch or a lending change drops them all, finished ones too (``drop_kept``);
+- every step message names the job whose weights produced it (``job``, set at each load).
 
 The hub touches no engine: the pump hands it steps, and ``SessionCommands`` tells it which
 requests start and end.
@@ -51,6 +55,7 @@ class Session:
     """One manager's stream. ``outbox`` yields None once the session has ended."""
 
     outbox: Outbox[pb.WorkerEvent | None]
+    job: str = ""  # the job of the manager that opened it (its session metadata)
     requests: set[str] = field(default_factory=set)
     client_done: bool = False  # the manager half-closed: end once its requests have
     closed: bool = False  # the stream is gone: nothing more is queued
@@ -76,6 +81,7 @@ class Held:
     session: Session
     next_position: int  # completion index of the next token this worker will produce
     weight_version: int  # the version it was admitted for
+    job: str = ""  # the job it was admitted for
     # With keeping on: every token (and logprob) this worker produced for it, from position
     # ``base`` (its admission's resume point) on, so a successor can be handed what it lacks.
     base: int = 0
@@ -121,15 +127,19 @@ class SessionHub:
         self._unsent: RoutedStep | None = None
         self._last_step = 0
         self._drain_notice: pb.Draining | None = None
+        # Whose weights the engine holds: set by every load (SessionCommands), named on every
+        # step message, so a manager can tell one job's tokens from another's.
+        self.job = ""
 
     # ---- sessions ------------------------------------------------------------------------------
 
-    def open(self, hello: common_pb2.Load) -> Session:
-        """A new session; its first event is ``hello``, then the drain notice if draining."""
-        session = Session(Outbox(self._session_queue))
+    def open(self, hello: common_pb2.Load, job: str = "") -> Session:
+        """A new session of ``job``'s manager; its first event is ``hello`` (after the requests
+        this worker keeps for that job), then the drain notice if draining."""
+        session = Session(Outbox(self._session_queue), job)
         self._sessions.add(session)
         metrics.SESSIONS.set(len(self._sessions))
-        if kept := self.kept_ids():  # before the hello: the manager knows them once greeted
+        if kept := self.kept_ids(job):  # before the hello: the manager knows them once greeted
             session.push(pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(kept))))
         session.offer(pb.WorkerEvent(load=hello))
         if self._drain_notice is not None:
@@ -183,14 +193,29 @@ class SessionHub:
         session.finished.clear()
         metrics.KEPT.set(len(self.kept_ids()))
         if kept:  # a successor may have opened its session already (a handover on SIGTERM)
-            event = pb.WorkerEvent(kept=pb.KeptRequests(request_ids=sorted(self.kept_ids())))
+            event = pb.WorkerEvent(kept=pb.KeptRequests(
+                request_ids=sorted(self.kept_ids(session.job))))
             for other in self._sessions:
-                other.push(event)
+                if other.job == session.job:  # another job's manager never hears of them
+                    other.push(event)
         return kept
 
-    def kept_ids(self) -> list[str]:
-        running = [rid for rid, held in self._held.items() if held.session is self._orphanage]
-        return running + list(self._kept_done)
+    def kept_ids(self, job: str | None = None) -> list[str]:
+        """The ids kept for a successor: all, or ``job``'s."""
+        running = [rid for rid, held in self._held.items()
+                   if held.session is self._orphanage and job in (None, held.job)]
+        return running + [rid for rid, held in self._kept_done.items() if job in (None, held.job)]
+
+    def drop_kept(self, outcome: str) -> list[str]:
+        """The weights changed (a load, a job switch, a lending change): no kept request may be
+        adopted any more. Finished ones, and the finished ones live sessions would keep if they
+        broke, are forgotten now; returns the running ones, which the caller takes out of the
+        engine (``release_kept``)."""
+        for rid in list(self._kept_done):
+            self.forget_finished_kept(rid, outcome)
+        for session in self._sessions:
+            session.finished.clear()
+        return [rid for rid, held in self._held.items() if held.session is self._orphanage]
 
     def is_kept(self, request_id: str) -> bool:
         held = self._held.get(request_id)
@@ -235,12 +260,13 @@ class SessionHub:
               weight_version: int, identity: int, load: common_pb2.Load,
               handle: int = 0) -> Adoption:
         """An add of ``request_id`` with ``generated`` tokens on ``session``: if this worker
-        keeps it (same prompt and sampling: ``identity``) on the same version and ``generated``
-        is a prefix of what it produced, the session holds it from now on and gets the tokens
-        beyond ``generated`` at once."""
+        keeps it for the session's job (same prompt and sampling: ``identity``) on the same
+        version and ``generated`` is a prefix of what it produced, the session holds it from now
+        on and gets the tokens beyond ``generated`` at once. Another job's request of the same
+        id is not this one: ABSENT, and admission's job fence answers the add."""
         finished = self._kept_done.get(request_id)
         held = finished or self._held.get(request_id)
-        if held is None or held.tokens is None or \
+        if held is None or held.tokens is None or held.job != session.job or \
                 (finished is None and held.session is not self._orphanage):
             return Adoption.ABSENT  # not kept (or held by a live session: admission refuses)
         have, n = held.next_position, len(generated)
@@ -261,7 +287,7 @@ class SessionHub:
             held.session = session
             session.requests.add(request_id)
         if have > n or done:  # with the load, as every step message (the manager reads it)
-            session.push(_step_event(self._last_step, rows, load))
+            session.push(_step_event(self._last_step, rows, load, held.job))
         metrics.KEPT.set(len(self.kept_ids()))
         return Adoption.ADOPTED
 
@@ -269,10 +295,11 @@ class SessionHub:
 
     def hold(self, session: Session, request_id: str, next_position: int,
              weight_version: int, identity: int = 0, handle: int = 0) -> None:
-        """``session`` owns ``request_id`` from now on (admitted; the engine may not have it
-        yet). ``identity``: see ``request_identity``; ``handle``: its name on step outputs."""
-        self._held[request_id] = Held(session, next_position, weight_version, next_position,
-                                      array("i") if self._keep_tokens else None,
+        """``session`` owns ``request_id`` from now on (admitted for the session's job; the
+        engine may not have it yet). ``identity``: see ``request_identity``; ``handle``: its
+        name on step outputs."""
+        self._held[request_id] = Held(session, next_position, weight_version, session.job,
+                                      next_position, array("i") if self._keep_tokens else None,
                                       identity=identity, handle=handle)
         session.requests.add(request_id)
 
@@ -315,7 +342,7 @@ class SessionHub:
         rows = RowsBuilder(weight_version)
         rows.add(held.handle, held.next_position, final.new_token_ids, final.new_logprobs,
                  _end(final))
-        event = _step_event(self._last_step, rows, load)
+        event = _step_event(self._last_step, rows, load, self.job)
         self.release(final.request_id, final.finish_reason)
         self._last_word(held.session, event)
 
@@ -386,7 +413,8 @@ class SessionHub:
         for session, rows in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.
-                await session.outbox.put(_step_event(step.number, rows, step.load, step.stats))
+                await session.outbox.put(_step_event(step.number, rows, step.load, self.job,
+                                                     step.stats))
         if self._unsent is routed:
             self._unsent = None
         for session, event in routed.after:
@@ -455,9 +483,11 @@ def _refusal(request_id: str, error: ServiceError, handle: int) -> pb.WorkerEven
         request_id=request_id, code=error.code.value[0], message=str(error), handle=handle))
 
 
-def _step_event(number: int, rows: RowsBuilder, load: common_pb2.Load,
+def _step_event(number: int, rows: RowsBuilder, load: common_pb2.Load, job: str,
                 stats: pb.EngineStepStats | None = None) -> pb.WorkerEvent:
-    """One session's rows of a step (or an adoption's, or an abort's) with the load."""
+    """One session's rows of a step (or an adoption's, or an abort's) with the load, named by
+    the job whose weights produced them."""
     event = pb.WorkerEvent(step=pb.StepOutputs(step=number, load=load, stats=stats))
     delta_batch.encode(rows.build(), event.step.batch)
+    event.step.batch.job = job
     return event

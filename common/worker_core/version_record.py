@@ -1,4 +1,5 @@
-"""Keeping an engine host's member record at the weight version its engine serves.
+"""Keeping an engine host's member record at the weight version its engine serves (and the
+fingerprint of its start weights, what a manager checks at version 0).
 
 Managers dispatch a version's requests to the workers whose record names it, so a record left
 on an old version (its write lost to an etcd hiccup) would keep the version's requests away
@@ -21,12 +22,13 @@ log = logging.getLogger(__name__)
 
 class VersionRecord:
     """``membership()``: the member record once registered (None before); ``version()``: the
-    version the engine serves now. ``changed`` is the worker service's ``on_version_change``
-    (called on the event loop)."""
+    version the engine serves now; ``start_weights()``: its start weights' fingerprint.
+    ``changed`` is the worker service's ``on_version_change`` (called on the event loop)."""
 
     def __init__(self, membership: Callable[[], Membership | None], version: Callable[[], int],
-                 retry_s: float = 0.5) -> None:
-        self._membership, self._version, self._retry_s = membership, version, retry_s
+                 start_weights: Callable[[], str] = lambda: "", retry_s: float = 0.5) -> None:
+        self._membership, self._retry_s = membership, retry_s
+        self._state = lambda: (version(), start_weights())
         self._task: asyncio.Task | None = None
 
     def changed(self, _version: int | None = None) -> None:
@@ -35,20 +37,20 @@ class VersionRecord:
                                                                 name="version record")
 
     async def _report(self) -> None:
-        written: int | None = None
-        while (version := self._version()) != written:
+        written: tuple[int, str] | None = None
+        while (state := self._state()) != written:
             membership = self._membership()
             if membership is None:  # not registered yet: its registration comes first
                 await asyncio.sleep(0.05)
                 continue
             try:
-                await membership.update(weight_version=version)
+                await membership.update(weight_version=state[0], start_weights=state[1])
             except Exception as exc:  # etcd unreachable: the record must still get there
                 log.warning("could not write weight version %d to the member record (%r); "
-                            "trying again in %.1fs", version, exc, self._retry_s)
+                            "trying again in %.1fs", state[0], exc, self._retry_s)
                 await asyncio.sleep(self._retry_s)
                 continue
-            written = version
+            written = state
 
     async def close(self) -> None:
         if self._task is not None:

@@ -111,6 +111,10 @@ class DualEngine:
         return self.rollout.weight_version
 
     @property
+    def start_weights(self) -> str:
+        return self.rollout.start_weights
+
+    @property
     def batch_admission(self) -> str:
         return self.rollout.batch_admission
 

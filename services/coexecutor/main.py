@@ -123,7 +123,12 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
     # (as the worker's engine build, rollout_worker/main.py).
     dual = await run_in_daemon_thread(partial(build_dual, cfg, deliver), "engine build")
 
-    version_record = VersionRecord(lambda: host.membership, lambda: dual.weight_version)
+    version_record = VersionRecord(lambda: host.membership, lambda: dual.weight_version,
+                                   lambda: dual.start_weights)
+    # Lendable: each job lent to it starts from these (lent_rollout.py); one copy of the
+    # rollout model in host memory, as a placed worker keeps its start weights.
+    start = None if cfg.job else await run_in_daemon_thread(dual.rollout.weights,
+                                                            "start weights copy")
 
     admission = CoexecRolloutAdmission(
         RolloutAdmission(cfg.max_running, cfg.max_pending), dual.rollout_room_pages,
@@ -133,7 +138,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                             max_len=cfg.max_len, session_queue=cfg.session_queue,
                             keep_s=cfg.keep_requests_s,
                             max_pending=cfg.max_pending, on_version_change=version_record.changed,
-                            admission=admission, weights_dir=cfg.weights_dir)
+                            admission=admission, weights_dir=cfg.weights_dir, job=cfg.job)
     backend = EngineServingBackend(dual.serving_side, max_waiting=cfg.max_waiting,
                                    pump=service.pump,
                                    slo=(cfg.ttft_slo_ms / 1000, cfg.tpot_slo_ms / 1000))
@@ -159,7 +164,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                       held_device=cfg.held_device).run
 
     lending = LentRollout(service, lambda: host.membership, puller,
-                          lambda: dual.memory.recent_serving_share, job=cfg.job or None)
+                          lambda: dual.memory.recent_serving_share, job=cfg.job or None,
+                          start=start)
     # The backend runs the loop of the pump it shares: when it ends (shutdown, a crash) the
     # requests waiting on it fail at once rather than when the HTTP server is torn down.
     loops = [Loop("engine", partial(backend.run_pump, service.run_engine))]
@@ -191,6 +197,7 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         "model": cfg.model, "kind": "serving", "capacity": cfg.max_running,
         "max_len": cfg.max_len, "weight_version": dual.weight_version, "draining": False,
         "admission": dual.batch_admission, "vocab_size": dual.vocab_size, "job": cfg.job,
+        "start_weights": dual.start_weights,
         "lendable": not cfg.job, "serving_kv_recent": 0.0, "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from rlharvest.common.engine_types import EngineRequest
 from rlharvest.common.errors import ResourceExhausted, ServiceError, Unavailable
-from rlharvest.common.worker_core.admission import Admission, WorkerView
+from rlharvest.common.worker_core.admission import Admission, Wanted, WorkerView
 from rlharvest.services.coexecutor.page_pool import pages_for
 
 
@@ -29,12 +29,12 @@ class CoexecRolloutAdmission:
         self._room = room_pages
         self._tpp = tokens_per_page
 
-    def admit(self, request: EngineRequest, weight_version: int,
+    def admit(self, request: EngineRequest, wanted: Wanted,
               view: WorkerView) -> ServiceError | None:
         if not self._lent():
             return Unavailable(f"request {request.request_id}: this co-executor is lent to no "
                                "job now (its lending ended or lapsed); dispatch elsewhere")
-        refused = self._base.admit(request, weight_version, view)
+        refused = self._base.admit(request, wanted, view)
         if refused is not None:
             return refused
         need = pages_for(len(request.prompt_token_ids) + len(request.generated_token_ids) + 1,

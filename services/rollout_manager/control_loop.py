@@ -165,12 +165,14 @@ class RolloutControl:
     # ---- workers ------------------------------------------------------------------------------
 
     def worker_joined(self, worker_id: str, weight_version: int, capacity: int,
-                      kind: str, admission: str = "slots", vocab_size: int = 0) -> None:
+                      kind: str, admission: str = "slots", vocab_size: int = 0,
+                      start_weights: str = "") -> None:
         """``admission``: "slots" or "kv_memory" (worker_pool.py); ValueError for another, and
         for a worker whose model's vocabulary differs from the job's. ``vocab_size`` 0: the
-        worker did not say (it is taken as serving the job's model)."""
+        worker did not say (it is taken as serving the job's model). ``start_weights``: the
+        fingerprint of its version-0 weights."""
         self._check_vocabulary(worker_id, vocab_size)
-        self.pool.join(worker_id, weight_version, capacity, kind, admission)
+        self.pool.join(worker_id, weight_version, capacity, kind, admission, start_weights)
         self.steps.add_kind(kind)
         self._count_remote()
 
@@ -231,9 +233,15 @@ class RolloutControl:
         self.pool.mark_draining(worker_id, deadline)
         return self._evacuate(worker_id, "drain", keep_without_room=True)
 
-    def worker_version_changed(self, worker_id: str, weight_version: int) -> list[Command]:
+    def job_start_weights(self, fingerprint: str) -> None:
+        """The job's start weights (its trainer's record; "" for none): version-0 requests go
+        only to workers whose own are these."""
+        self.pool.start_weights = fingerprint
+
+    def worker_version_changed(self, worker_id: str, weight_version: int,
+                               start_weights: str | None = None) -> list[Command]:
         """A worker now holds another version: none of its requests may decode there any more."""
-        self.pool.set_version(worker_id, weight_version)
+        self.pool.set_version(worker_id, weight_version, start_weights)
         stale = [r for r in self.tracker.on_worker(worker_id) if r.weight_version != weight_version]
         out: list[Command] = []
         for version in sorted({r.weight_version for r in stale}):
@@ -393,7 +401,7 @@ class RolloutControl:
         # successor's 0-length window after a failover). It hands them on once they are in
         # (``_evacuate``), as it hands on everything it holds.
         lent = [w for w in self.pool.all()
-                if w.state is WorkerState.TRAINING and w.weight_version == version]
+                if w.state is WorkerState.TRAINING and w.holds(version, self.pool.start_weights)]
         holders = {rid: w for w in self.pool.eligible(version) + lent for rid in w.kept}
         if not holders:
             return []
@@ -498,7 +506,7 @@ class RolloutControl:
                 if w.state is WorkerState.HEALTHY and self._busy(w.worker_id)}
 
     def _held_versions(self) -> set[int]:
-        return {w.weight_version for w in self.pool.all()}
+        return self.pool.held_versions()
 
     def _kv_need(self, request_id: str) -> int:
         """The KV tokens a request takes where it lands: its context and the next token (what a

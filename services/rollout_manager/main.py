@@ -70,6 +70,7 @@ async def build(host: Host[ManagerConfig]) -> Parts:
     loops = [Loop("watch workers", service.watch_workers),
              Loop("watch co-executors", service.watch_coexecutors),
              Loop("watch instance cap", service.watch_instance_cap),
+             Loop("watch start weights", service.watch_start_weights),
              Loop("ticks", service.run_ticks)]
     if cfg.max_serving_workers:
         lender = Lender(host.etcd, lambda: host.membership.lease if host.membership else None,

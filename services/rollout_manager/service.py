@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rlharvest.common import delta_batch, errors, keys, registry, server_guard
+from rlharvest.common import delta_batch, errors, keys, registry, server_guard, start_weights
 from rlharvest.common.aio import wait_event
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
@@ -92,14 +92,28 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def watch_coexecutors(self) -> None:
         """Serving co-executors lent to this job (``job`` in their record) join as workers of
         kind ``serving``: the same Session contract, their own admission (ROSE's proxy)."""
-        await self._watch("coexecutor", job=self._job)
+        await self._watch("coexecutor")
 
-    async def _watch(self, service: str, job: str | None = None) -> None:
-        """``job``: join only members lent to this job. A rollout worker placed on a node of
-        the placement scheduler (``placement_node`` in its record) joins only while its record
-        names this job: the job whose turn its node is (WEAVE, placement_follower.py)."""
+    async def watch_start_weights(self) -> None:
+        """The job's start weights by fingerprint (its trainer writes them): version-0
+        requests go only to workers whose own are these."""
+        key = keys.start_weights_key(self._job)
+        async for event in registry.list_and_watch(self._etcd, key, prefix=False):
+            raw = (event.values.get(key) if isinstance(event, registry.Listing)
+                   else event.value)
+            fingerprint = start_weights.parse_record(raw)
+            if fingerprint != self._control.pool.start_weights:
+                self._control.job_start_weights(fingerprint)
+                log.info("job %s starts from weights %s", self._job, fingerprint or "undeclared")
+            self._wake.set()
+
+    async def _watch(self, service: str) -> None:
+        """Join only the members whose record names this job (issue 49: a version is a job's;
+        another job's worker at the same version number holds another policy): a dedicated,
+        spot or seed worker's ``--job``, a co-executor lent to this job, a worker placed on a
+        node whose turn is this job's (WEAVE, placement_follower.py) once it holds its weights."""
         async for event in registry.watch_members(self._etcd, service):
-            if event.kind != "leave" and not self._serves_here(event.info, job):
+            if event.kind != "leave" and not self._serves_here(event.info):
                 if event.member_id in self._links:  # lent to (or its node's turn is) another job
                     self._lose(event.member_id,
                                f"serves job {event.info.get('job') or 'none'!r} now")
@@ -112,18 +126,17 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 self._update(event.member_id, event.info)
             self._wake.set()
 
-    def _serves_here(self, info: dict, job: str | None) -> bool:
-        wanted = job if job is not None or "placement_node" not in info else self._job
-        return wanted is None or info.get("job") == wanted
+    def _serves_here(self, info: dict) -> bool:
+        return info.get("job") == self._job
 
     async def greet_workers(self, timeout: float) -> list[str]:
         """Leadership begins (the watch loops run): wait up to ``timeout`` until every worker
         registered now has a session whose first event came, so the requests they keep for a
         successor are known before a client's step is taken. Returns those not greeted."""
         expected = set()
-        for service, job in (("rollout_worker", None), ("coexecutor", self._job)):
+        for service in ("rollout_worker", "coexecutor"):
             for key, info in (await registry.list_members(self._etcd, service)).items():
-                if self._serves_here(info, job) and not info.get("draining"):
+                if self._serves_here(info) and not info.get("draining"):
                     expected.add(keys.parse_member_key(key)[1])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -169,13 +182,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._control.worker_joined(
                 worker_id, int(info["weight_version"]), int(info["capacity"]),
                 str(info.get("kind", "dedicated")), str(info.get("admission", "slots")),
-                int(info.get("vocab_size", 0)))
+                int(info.get("vocab_size", 0)), str(info.get("start_weights", "")))
         except ValueError as exc:
             log.error("worker %s left out: %s", worker_id, exc)
             return
         self._links[worker_id] = WorkerLink(
             worker_id, info["endpoint"], self._on_worker_event, self._on_broken,
-            self._max_message_bytes, session_role(str(info.get("kind", "dedicated"))))
+            self._max_message_bytes, session_role(str(info.get("kind", "dedicated"))),
+            job=self._job, start_weights=lambda: self._control.pool.start_weights)
         self._endpoints[worker_id] = info
         log.info("worker %s joined at %s with version %s", worker_id, info["endpoint"],
                  info["weight_version"])
@@ -187,9 +201,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         view = self._control.pool.get(worker_id) if worker_id in self._control.pool else None
         if view is None:
             return
-        if int(info["weight_version"]) != view.weight_version:
-            self._execute(self._control.worker_version_changed(worker_id,
-                                                               int(info["weight_version"])))
+        start = str(info.get("start_weights", ""))
+        if int(info["weight_version"]) != view.weight_version or start != view.start_weights:
+            self._execute(self._control.worker_version_changed(
+                worker_id, int(info["weight_version"]), start))
         # Draining arrives over the worker's stream with its deadline (_on_worker_event).
 
     def _on_broken(self, worker_id: str, reason: str) -> None:
@@ -239,6 +254,11 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         # The hot path (bench/manager_relay.py): the batch's columns go to the tracker and on
         # to the client as arrays; no Python object is built per row or per token.
         control = self._control
+        if step.batch.job != self._job:  # it holds another job's weights now: none of these
+            metrics.TOKENS_DROPPED.labels("other_job").inc(len(step.batch.token_ids) // 4)
+            self._lose(worker_id, f"sent tokens of job {step.batch.job!r}'s weights")
+            self._wake.set()
+            return
         try:
             rows = delta_batch.decode(step.batch)
         except delta_batch.MalformedBatch as exc:

@@ -17,7 +17,7 @@ import grpc
 from rlharvest.common import rpc
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.rollout_manager.tracker import ResumePayload
-from rlharvest.common.engine_types import sampling_to_proto
+from rlharvest.common.engine_types import SESSION_JOB_METADATA, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,22 @@ def session_role(kind: str) -> str:
 
 class WorkerLink:
     def __init__(self, worker_id: str, endpoint: str, on_event: EventHandler,
-                 on_broken: BrokenHandler, max_message_bytes: int, peer_role: str = "worker"):
+                 on_broken: BrokenHandler, max_message_bytes: int, peer_role: str = "worker",
+                 job: str = "", start_weights: Callable[[], str] = lambda: ""):
+        """``job``: the manager's, named on the session (the worker keeps requests per job)
+        and on every add; ``start_weights()``: the job's start-weights fingerprint, sent with
+        version-0 adds (the worker refuses them if its own differ)."""
         self.worker_id = worker_id
+        self.job = job
+        self._start_weights = start_weights
         self.endpoint = endpoint
         self._on_event = on_event
         self._on_broken = on_broken
         self.peer_role = peer_role
         self._channel = rpc.channel(endpoint, max_message_bytes=max_message_bytes,
                                     peer_role=peer_role)
-        self._call = rollout_worker_pb2_grpc.RolloutWorkerStub(self._channel).Session()
+        self._call = rollout_worker_pb2_grpc.RolloutWorkerStub(self._channel).Session(
+            metadata=((SESSION_JOB_METADATA, job),))
         self._outbox: asyncio.Queue[pb.WorkerCommand] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._write(), name=f"write {worker_id}"),
                        asyncio.create_task(self._read(), name=f"read {worker_id}")]
@@ -58,7 +65,8 @@ class WorkerLink:
             request_id=payload.request_id, prompt_token_ids=payload.prompt_token_ids,
             generated_token_ids=payload.generated_token_ids,
             sampling=sampling_to_proto(payload.sampling), weight_version=payload.weight_version,
-            handle=payload.handle)))
+            handle=payload.handle, job=self.job,
+            start_weights=self._start_weights() if payload.weight_version == 0 else "")))
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and request_ids:

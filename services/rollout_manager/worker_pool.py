@@ -63,6 +63,7 @@ class WorkerView:
     # Those of them dispatched back to it whose first rows have not come yet: the adoption's
     # first rows carry what it made while no manager held them, so they stay until then.
     adopted: set[str] = field(default_factory=set)
+    start_weights: str = ""  # the fingerprint of its version-0 weights (common/start_weights.py)
 
     @property
     def rollout_room_tokens(self) -> int | None:
@@ -77,9 +78,16 @@ class WorkerView:
         counts say."""
         return self.refused_at is not None and now - self.refused_at < hold_s
 
-    def eligible_for(self, weight_version: int) -> bool:
+    def holds(self, weight_version: int, job_start: str = "") -> bool:
+        """Holds the job's ``weight_version`` (the pool holds only the job's workers): the exact
+        version, and at version 0 the job's start weights (``job_start``, their fingerprint; ""
+        when the job declared none)."""
+        return self.weight_version == weight_version and (
+            weight_version != 0 or not job_start or self.start_weights == job_start)
+
+    def eligible_for(self, weight_version: int, job_start: str = "") -> bool:
         """May take requests of ``weight_version`` (on-policy: only the exact version)."""
-        return self.state is WorkerState.HEALTHY and self.weight_version == weight_version
+        return self.state is WorkerState.HEALTHY and self.holds(weight_version, job_start)
 
 
 # Kinds the instance cap counts: the preemptible remote instances RLBoost's N_prem bounds. Dedicated
@@ -96,9 +104,12 @@ class WorkerPool:
         # N_prem (RLBoost Algorithm 1, §4.1): at most this many healthy spot workers take work,
         # the first to have joined; the rest stand by and replace a lost one at once.
         self.instance_cap: int | None = None
+        # The job's start weights by fingerprint (its trainer's record; "" for none declared):
+        # a worker at version 0 with other start weights holds another policy (issue 49).
+        self.start_weights = ""
 
     def join(self, worker_id: str, weight_version: int, capacity: int, kind: str,
-             admission: str = "slots") -> WorkerView:
+             admission: str = "slots", start_weights: str = "") -> WorkerView:
         """Register a worker; a lost worker coming back under the same id starts a fresh record."""
         if capacity <= 0:
             raise ValueError(f"worker {worker_id!r} reports capacity {capacity}; a worker must "
@@ -112,7 +123,8 @@ class WorkerPool:
                              " a worker id must be unique while it is alive")
         now = self._clock()
         view = WorkerView(worker_id, weight_version, capacity, kind, now, now,
-                          admission="kv_memory" if admission == "kv_memory" else "slots")
+                          admission="kv_memory" if admission == "kv_memory" else "slots",
+                          start_weights=start_weights)
         self._workers[worker_id] = view
         return view
 
@@ -131,7 +143,13 @@ class WorkerPool:
     def eligible(self, weight_version: int) -> list[WorkerView]:
         standby = self.standby() if self.instance_cap is not None else set()
         return [w for w in self._workers.values()
-                if w.eligible_for(weight_version) and w.worker_id not in standby]
+                if w.eligible_for(weight_version, self.start_weights)
+                and w.worker_id not in standby]
+
+    def held_versions(self) -> set[int]:
+        """The versions of the job some worker holds."""
+        return {w.weight_version for w in self._workers.values()
+                if w.holds(w.weight_version, self.start_weights)}
 
     def standby(self) -> set[str]:
         """Healthy capped workers beyond the instance cap, latest joined first to stand by.
@@ -153,8 +171,12 @@ class WorkerPool:
             raise ValueError(f"instance cap must be >= 0 (or None for no cap), got {cap}")
         self.instance_cap = cap
 
-    def set_version(self, worker_id: str, weight_version: int) -> None:
-        self.get(worker_id).weight_version = weight_version
+    def set_version(self, worker_id: str, weight_version: int,
+                    start_weights: str | None = None) -> None:
+        view = self.get(worker_id)
+        view.weight_version = weight_version
+        if start_weights is not None:
+            view.start_weights = start_weights
 
     def report_load(self, worker_id: str, pending: int, executing: int, assigned: int,
                     kv_capacity_tokens: int | None = None,

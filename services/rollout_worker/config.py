@@ -71,8 +71,9 @@ class WorkerConfig(EngineDeviceConfig):
     preemption_poll_s: float = Field(2.0, gt=0, description="seconds between notice polls")
     drain_timeout: float = Field(15.0, ge=0, description="seconds to wait for requests to migrate")
     shutdown_grace: float = Field(5.0, ge=0, description="seconds in-flight RPCs get at shutdown")
-    job: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="RL job whose announced "
-                     "weight versions this worker pulls")
+    job: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="the RL job this worker "
+                     "serves (its manager takes only its job's workers) and whose announced "
+                     "weight versions it pulls; empty: 'default' (a placed worker: its node's)")
     agent_pull: bool = Field(False, description="pull weights from a transfer agent when the job "
                                                 "announces a version (needs job)")
     placement_node: str = Field("", pattern=r"^[A-Za-z0-9_.-]*$", description="WEAVE: the "
@@ -145,3 +146,10 @@ class WorkerConfig(EngineDeviceConfig):
                              "name the job: a placed worker serves the job whose turn its node "
                              "is; drop --job")
         return self
+
+    @property
+    def served_job(self) -> str:
+        """The job whose weights the worker starts with and whose manager takes it: --job, else
+        'default' (the managers' and trainers' default); a placed worker's is its node's turn,
+        none at first."""
+        return "" if self.placement_node else (self.job or "default")

@@ -67,7 +67,10 @@ def placed_follower(host: Host[WorkerConfig], engine: "TorchEngine", service: Wo
 
     async def register(job: str) -> None:
         assert host.membership is not None  # loops start after the worker registered
-        await host.membership.update(job=job, weight_version=engine.weight_version)
+        if not job:  # left its job: nothing it keeps for that job's managers is adoptable
+            service.commands.drop_kept("left the job")
+        await host.membership.update(job=job, weight_version=engine.weight_version,
+                                     start_weights=engine.start_weights)
 
     return NodeFollower(host.etcd, cfg.placement_node, read=service.read_between_steps,
                         weights=engine.weights, version=lambda: engine.weight_version,
@@ -84,14 +87,15 @@ async def build(host: Host[WorkerConfig]) -> Parts:
     engine = await run_in_daemon_thread(partial(start_engine, cfg), "engine build")
 
     # A version loaded before the registration (a standby pulls first) reaches it too.
-    version_record = VersionRecord(lambda: host.membership, lambda: engine.weight_version)
+    version_record = VersionRecord(lambda: host.membership, lambda: engine.weight_version,
+                                   lambda: engine.start_weights)
 
     service = WorkerService(engine, cfg.worker_id, endpoint=host.endpoint, model=cfg.model,
                             kind=KINDS[cfg.kind], capacity=cfg.max_running, max_len=cfg.max_len,
                             session_queue=cfg.session_queue, max_pending=cfg.max_pending,
                             keep_s=cfg.keep_requests_s,
                             on_version_change=version_record.changed, step_delay_s=cfg.step_delay_s,
-                            weights_dir=cfg.weights_dir)
+                            weights_dir=cfg.weights_dir, job=cfg.served_job)
     loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker
     def puller(job: str):
         from rlharvest.services.rollout_worker.puller import Puller
@@ -106,7 +110,7 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         assert isinstance(engine, TorchEngine)  # what build_engine builds
         loops.append(Loop("placement node", placed_follower(host, engine, service, puller).run))
     elif cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
-        loops.append(Loop("weight puller", puller(cfg.job).run, on_crash="restart"))
+        loops.append(Loop("weight puller", puller(cfg.served_job).run, on_crash="restart"))
     if cfg.preemption_notice_url:
         async def spot_notice() -> None:
             notice = await wait_for_notice(cfg.preemption_notice_url, cfg.preemption_poll_s)
@@ -133,8 +137,11 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
         "weight_version": engine.weight_version, "draining": False,
         "admission": engine.batch_admission, "vocab_size": engine.vocab_size,
-        # A placed worker joins only the manager of the job its record names (none at first).
-        **({"placement_node": cfg.placement_node, "job": ""} if cfg.placement_node else {})}
+        "start_weights": engine.start_weights,
+        # A manager joins only the workers of its job; a placed worker's is its node's turn
+        # (none at first), written once that job's weights are loaded.
+        "job": cfg.served_job,
+        **({"placement_node": cfg.placement_node} if cfg.placement_node else {})}
 
     async def standby() -> None:
         """Until SIGUSR1: the puller keeps the weights current meanwhile."""

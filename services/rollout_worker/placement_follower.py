@@ -6,9 +6,12 @@ it. When the turn passes from job A to job B it
 
 1. leaves A (its member record says no job: A's manager stops dispatching to it and moves any
    request still open, with its tokens, to A's other workers),
-2. keeps A's weights in host memory and loads B's: B's resident copy when it has served B
-   before (a warm load, no transfer), else the weights it started with (a cold start), after
-   which B's weight puller (``--agent-pull``) pulls B's announced version,
+2. keeps A's weights in host memory and loads B's, as B's (issue 49: the worker takes B's
+   requests only once B's weights are in, and drops what it kept for A's managers): B's
+   resident copy when it has served B before (a warm load, no transfer), else the weights it
+   started with as B's version 0 (a cold start: B's manager sends version-0 requests here only
+   if those are B's start weights, by fingerprint), after which B's weight puller
+   (``--agent-pull``) pulls B's announced version,
 3. registers for B (``job`` in its record): B's manager opens a session and dispatches.
 
 The turn, not the permit holder, is what it follows, so B's weights load while B still waits for
@@ -72,12 +75,14 @@ class NodeFollower:
     def __init__(self, etcd: Any, node_id: str, *,
                  read: Callable[[Callable[[], Any]], Awaitable[Any]],
                  weights: Callable[[], Weights], version: Callable[[], int],
-                 load: Callable[[Weights, int, str], Awaitable[Any]],
+                 load: Callable[[Weights, int, str, str], Awaitable[Any]],
                  register: Callable[[str], Awaitable[None]],
                  make_puller: Callable[[str], JobPuller] | None = None,
                  resident_jobs: int = 2) -> None:
         """``read(fn)`` runs ``fn`` between engine steps (after any weight swap queued before);
-        ``weights()``/``version()`` read the engine there; ``load`` swaps weights in."""
+        ``weights()``/``version()`` read the engine there; ``load(weights, version, source,
+        job)`` swaps a job's weights in; ``register(job)`` names the job served in the member
+        record ("" for none)."""
         self._etcd, self.node_id = etcd, node_id
         self._read, self._weights, self._version = read, weights, version
         self._load, self._register, self._make_puller = load, register, make_puller
@@ -119,7 +124,7 @@ class NodeFollower:
         weights, version = resident if resident is not None else self._start
         RESIDENT.set(len(self._resident))
         await self._load(weights, version, f"job {job}'s resident weights" if warm
-                         else "the weights this worker started with")
+                         else "the weights this worker started with", job)
         if self._make_puller is not None:
             if job not in self._pullers:
                 self._pullers[job] = self._make_puller(job)

@@ -277,7 +277,8 @@ class Puller:
                 raise
             result = dataclasses.replace(result, tensors=placed)
         try:
-            await self.service.load_weights_tensors(result.tensors, result.version)
+            await self.service.load_weights_tensors(result.tensors, result.version,
+                                                    job=self.job)
         except EngineInputError as exc:
             # Refused for good, but the held tensors are this version now (deltas went in
             # place): the next version's deltas apply to them.

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from rlharvest.common import start_weights
 from rlharvest.common.decoder_weights import decoder_config, load_decoder
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
@@ -316,6 +317,8 @@ class TorchEngine:
         self._partial: _Admitted | None = None  # mid-prefill, in slot len(self._running)
         self._slot_of: dict[str, int] = {}  # running and partial requests
         self._weight_targets = self._state_dict_targets()
+        self._start_weights = start_weights.fingerprint(self._weight_targets) \
+            if weight_version == 0 else ""
         self._last_step_prefill_tokens = 0
         self._kv_budget = kv_budget_tokens
         self._budget_left = 0  # of the KV budget, while a step admits requests
@@ -331,6 +334,10 @@ class TorchEngine:
     @property
     def weight_version(self) -> int:
         return self._weight_version
+
+    @property
+    def start_weights(self) -> str:
+        return self._start_weights
 
     @property
     def batch_admission(self) -> str:
@@ -413,6 +420,8 @@ class TorchEngine:
                 self._weight_targets[name].copy_(value)
         self._forward.refresh()
         self._weight_version = version
+        if version == 0:  # start weights loaded (a placed worker's cold switch, a checkpoint)
+            self._start_weights = start_weights.fingerprint(self._weight_targets)
         if self._prefix is not None and self._own is not None:  # old weights' KV is useless
             self._own.give(self._prefix.flush())
 

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import aetcd
 import torch
 
-from rlharvest.common import keys, registry, rpc
+from rlharvest.common import keys, registry, rpc, start_weights
 from rlharvest.common.aio import wait_event
 from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
@@ -269,6 +270,8 @@ class TrainerLoop:
         progress is abandoned, nothing of it applied."""
         self.status.state = "training"
         try:
+            if not self._step and self._version == 0:
+                await self._declare_start_weights()
             if self._cfg.min_workers and not self._step:
                 await self._await_workers()
             while (not self._cfg.steps or self._step < self._cfg.steps) and not self._data_done:
@@ -281,6 +284,22 @@ class TrainerLoop:
         except Exception as exc:
             self.status.state, self.status.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
+
+    async def _declare_start_weights(self) -> None:
+        """The job's version 0 is these weights (common/start_weights.py): written before the
+        first step, so the job's manager sends version-0 requests only to workers whose start
+        weights are the same, never to another job's at the same version number (issue 49).
+        The step cannot be on-policy without it, so a failure to write it fails the run."""
+        cfg = self._cfg
+        fingerprint = await self._run(
+            lambda: start_weights.fingerprint(self._as_served(self._ranks.weights())))
+        record = start_weights.record(fingerprint, f"{cfg.model} seed {cfg.model_seed}")
+        await retry(partial(self._etcd.put, keys.start_weights_key(cfg.job).encode(), record),
+                    retry_if=lambda exc: isinstance(exc, (aetcd.ClientError, OSError)),
+                    attempts=10, backoff=_PUBLISH_BACKOFF,
+                    what="writing the job's start weights")
+        log.info("job %s starts from weights %s (%s seed %d)", cfg.job, fingerprint, cfg.model,
+                 cfg.model_seed)
 
     async def _await_workers(self) -> None:
         """``--min-workers``: the job's manager sees that many healthy workers."""

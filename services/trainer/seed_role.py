@@ -67,7 +67,7 @@ class SeedRole:
             # which adopts them with every token made meanwhile (the manager's ``_adopt``, also
             # when it lends the seed at once); taken out at once, the tokens the dead manager
             # had not relayed yet would be generated again.
-            keep_s=WorkerConfig.model_fields["keep_requests_s"].default)
+            keep_s=WorkerConfig.model_fields["keep_requests_s"].default, job=cfg.job)
         self._endpoint = endpoint
         self._membership: registry.Membership | None = None
 
@@ -89,7 +89,8 @@ class SeedRole:
             "kind": "seed", "capacity": self._cfg.seed_max_running,
             "max_len": self._cfg.seed_max_len, "weight_version": engine.weight_version,
             "draining": False, "admission": engine.batch_admission,
-            "vocab_size": engine.vocab_size}, ttl=self._cfg.lease_ttl)
+            "vocab_size": engine.vocab_size, "start_weights": engine.start_weights},
+            ttl=self._cfg.lease_ttl)
         log.info("seed worker %s joined job %s at %s (version %d, serving %s on %s)",
                  self.worker_id, self._cfg.job, self._endpoint, engine.weight_version,
                  str(self.dtype).removeprefix("torch."), self.device)

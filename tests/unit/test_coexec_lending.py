@@ -3,6 +3,8 @@ the lending lapses when etcd cannot be read for lapse_s."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from rlharvest.common.lending_record import Claim
@@ -65,7 +67,8 @@ async def test_a_member_record_write_lost_to_etcd_is_written_at_the_next_settle(
     membership = stub_membership(etcd, "/members/coexecutor/c0",
                                  {"job": "", "serving_kv_recent": 0.0, "weight_version": 0})
     share = [0.5]
-    lent = LentRollout(service=None, membership=lambda: membership,  # type: ignore[arg-type]
+    holding_j1 = SimpleNamespace(commands=SimpleNamespace(job="j1"))  # j1's weights loaded
+    lent = LentRollout(service=holding_j1, membership=lambda: membership,  # type: ignore[arg-type]
                        puller=lambda job: None, recent_share=lambda: share[0], job="j1")
     try:
         etcd.down = True

@@ -41,6 +41,7 @@ def outputs(control: RolloutControl, request_id: str, position: int, tokens: lis
     event = wpb.WorkerEvent()
     delta_batch.encode(delta_batch.build(
         [(handle, position, tokens, [0.0] * len(tokens), finish)], 0), event.step.batch)
+    event.step.batch.job = "j"  # the manager's job: its weights made them
     return event
 
 
@@ -147,6 +148,7 @@ async def test_rows_after_a_migration_under_backpressure_reach_the_client_in_pos
     delta_batch.encode(delta_batch.build(
         [(control.tracker.get("a0").handle, 2, [7], [0.0], ""),
          (control.tracker.get("b0").handle, 0, [50], [0.0], "")], 0), both.step.batch)
+    both.step.batch.job = "j"
     blocked = asyncio.create_task(service._on_worker_event("w", both))
     await asyncio.sleep(0.05)
     assert not blocked.done()  # backpressure: w's read loop waits for a's client

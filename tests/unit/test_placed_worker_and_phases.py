@@ -28,6 +28,7 @@ class Worker:
         self.weights = {"w": torch.zeros(2)}
         self.version = 0
         self.log: list[tuple] = []
+        self.loaded_for: list[str] = []
         self.pullers: dict[str, Puller] = {}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
@@ -36,10 +37,11 @@ class Worker:
     async def read(self, fn):
         return fn()
 
-    async def load(self, weights, version: int, source: str) -> None:
+    async def load(self, weights, version: int, source: str, job: str) -> None:
         self.weights = {k: v.clone() for k, v in weights.items()}
         self.version = version
         self.log.append(("load", float(self.weights["w"][0]), version))
+        self.loaded_for.append(job)  # whose weights they are now (issue 49)
 
     async def register(self, job: str) -> None:
         self.log.append(("register", job))
@@ -65,6 +67,9 @@ async def test_a_switch_leaves_the_old_job_first_and_a_job_served_before_loads_w
     worker.log.clear()
     await follower.switch("A")  # A's version 3 comes back from host memory, not a pull
     assert worker.log == [("register", ""), ("load", 1.0, 3), ("register", "A")]
+    # Every load names the job whose weights it loads, before the record names that job: the
+    # start weights go in as B's version 0, A's resident copy as A's (issue 49).
+    assert worker.loaded_for == ["A", "B", "A"]
     await follower.switch("")  # the node left every group: registered for no job
     assert worker.log[-1] == ("register", "")
     assert follower.job == ""
@@ -105,7 +110,7 @@ class Puller:
         if self.hang:
             await asyncio.Event().wait()  # the pull never lands before the switch
         self.held, self.held_version = {"w": torch.full((2,), self.value)}, 7
-        await self.worker.load(self.held, 7, "pull")
+        await self.worker.load(self.held, 7, "pull", "A")
         self.pulling = False
         await asyncio.Event().wait()  # waits for the next announcement until cancelled
 

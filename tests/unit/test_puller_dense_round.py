@@ -60,7 +60,7 @@ class Engine:
     def __init__(self) -> None:
         self.loads: list[int] = []
 
-    async def load_weights_tensors(self, tensors, version: int) -> None:
+    async def load_weights_tensors(self, tensors, version: int, job: str) -> None:
         self.loads.append(version)
 
 

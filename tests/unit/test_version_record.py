@@ -27,12 +27,12 @@ async def settle(record: VersionRecord) -> None:
 async def test_a_version_whose_write_etcd_lost_reaches_the_record_once_etcd_answers():
     etcd = FlakyEtcd(failures=2)
     member, served = membership(etcd), [0]
-    record = VersionRecord(lambda: member, lambda: served[0], retry_s=0.01)
+    record = VersionRecord(lambda: member, lambda: served[0], lambda: "f0", retry_s=0.01)
     try:
         served[0] = 1
         record.changed(1)
         await settle(record)
-        assert etcd.records == [{"weight_version": 1}]
+        assert etcd.records == [{"weight_version": 1, "start_weights": "f0"}]
     finally:
         await record.close()
         member._keepalive.cancel()
@@ -42,13 +42,14 @@ async def test_a_version_loaded_before_the_registration_reaches_the_record_after
     etcd = FlakyEtcd()
     registered: list[Membership] = []
     served = [3]
-    record = VersionRecord(lambda: registered[0] if registered else None, lambda: served[0])
+    record = VersionRecord(lambda: registered[0] if registered else None, lambda: served[0],
+                           lambda: "f0")
     try:
         record.changed(3)
         await asyncio.sleep(0.1)  # a standby still pulling: nothing to write to yet
         registered.append(membership(etcd))
         await settle(record)
-        assert etcd.records == [{"weight_version": 3}]
+        assert etcd.records == [{"weight_version": 3, "start_weights": "f0"}]
     finally:
         await record.close()
         for member in registered:
@@ -58,7 +59,7 @@ async def test_a_version_loaded_before_the_registration_reaches_the_record_after
 async def test_versions_swapped_while_one_is_written_end_with_the_newest_in_the_record():
     etcd = FlakyEtcd(failures=1)
     member, served = membership(etcd), [1]
-    record = VersionRecord(lambda: member, lambda: served[0], retry_s=0.05)
+    record = VersionRecord(lambda: member, lambda: served[0], lambda: "f0", retry_s=0.05)
     try:
         record.changed(1)
         while etcd.failures:  # the write of version 1 is lost first
@@ -67,7 +68,7 @@ async def test_versions_swapped_while_one_is_written_end_with_the_newest_in_the_
             served[0] = version
             record.changed(version)
         await settle(record)
-        assert etcd.records[-1] == {"weight_version": 3}
+        assert etcd.records[-1] == {"weight_version": 3, "start_weights": "f0"}
         assert len(etcd.records) == 1  # the lost write was not of a stale version
     finally:
         await record.close()
