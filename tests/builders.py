@@ -185,3 +185,30 @@ def stub_membership(etcd: FlakyEtcd, key: str, info: dict) -> Membership:
     cancel its ``_keepalive`` when done."""
     return Membership(etcd, key, SimpleNamespace(ttl=60), info)  # type: ignore[arg-type]
 
+
+
+def job_weights(seed: int, factor: float = 10.0) -> dict:
+    """A job's own start weights: the tiny preset at ``seed`` with its projections and
+    embedding scaled by ``factor``. Unscaled, every tiny seed's greedy tokens are one repeated
+    token; scaled, two seeds' greedy completions differ at once, so a token of the other job's
+    weights is seen (issue 49's cases)."""
+    from rlharvest.common.tiny_model import build_model
+
+    return {name: (t * factor if "proj" in name or "embed" in name else t).contiguous()
+            for name, t in build_model("tiny", seed=seed).state_dict().items()
+            if name != "lm_head.weight"}  # tied to the embedding
+
+
+def greedy_reference(weights: dict, prompts: dict[str, list[int]], max_tokens: int
+                     ) -> tuple[dict[str, list[int]], str]:
+    """What a worker holding only ``weights`` (as version 0) generates greedily for each prompt,
+    and the fingerprint of those start weights as the worker reports it."""
+    from rlharvest.common.engine_types import EngineRequest
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+    engine = TorchEngine("tiny", max_running=len(prompts), max_len=128)
+    engine.load_weights(weights, 0)
+    for rid, prompt in prompts.items():
+        engine.add(EngineRequest(rid, prompt, SamplingParams(temperature=0.0,
+                                                             max_tokens=max_tokens)))
+    return drain_tokens(engine), engine.start_weights

@@ -32,12 +32,17 @@ def id_of(handle: int) -> str:
     return _IDS[handle]
 
 
+# The job a worker serves when it is not told one (rollout_worker/config.py: served_job).
+DEFAULT_JOB = "default"
+
+
 def add(request_id: str, prompt: list[int], max_tokens: int = 16, seed: int = 0,
         temperature: float = 1.0, version: int = 0, generated: list[int] | None = None,
-        **sampling) -> pb.WorkerCommand:
+        job: str = DEFAULT_JOB, start_weights: str = "", **sampling) -> pb.WorkerCommand:
     return pb.WorkerCommand(add=pb.AddRequest(
         request_id=request_id, prompt_token_ids=prompt, generated_token_ids=generated or [],
-        weight_version=version, handle=handle_of(request_id),
+        weight_version=version, handle=handle_of(request_id), job=job,
+        start_weights=start_weights,
         sampling=common_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                            seed=seed, **sampling)))
 
@@ -151,9 +156,9 @@ class InProcessSession:
     """One manager-like Session driven in-process against ``SessionCommands.serve``: the same
     protocol as over gRPC, without a process or a socket."""
 
-    def __init__(self, commands: SessionCommands) -> None:
+    def __init__(self, commands: SessionCommands, job: str = DEFAULT_JOB) -> None:
         self._commands: asyncio.Queue[pb.WorkerCommand | None] = asyncio.Queue()
-        self._events = commands.serve(self._command_stream())
+        self._events = commands.serve(self._command_stream(), job)
         self.collected = Collected()
 
     async def _command_stream(self) -> AsyncIterator[pb.WorkerCommand]:

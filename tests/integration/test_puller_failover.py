@@ -31,7 +31,8 @@ class Engine:
         self.failures = failures
         self.loads: list[tuple[int, dict[str, torch.Tensor]]] = []
 
-    async def load_weights_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    async def load_weights_tensors(self, tensors: dict[str, torch.Tensor], version: int,
+                                   job: str) -> None:
         if self.failures:
             self.failures -= 1
             raise ConnectionError("engine process restarting")

@@ -145,11 +145,13 @@ def greedy_reference(tensors: dict[str, torch.Tensor], version: int, max_tokens:
     return tokens, logprobs
 
 
-async def served_completion(endpoint: str, version: int, max_tokens: int = 12):
-    session = WorkerSession(endpoint)
+async def served_completion(endpoint: str, version: int, max_tokens: int = 12,
+                            job: str = JOB):
+    """The worker's greedy completion as ``job``'s manager would get it at ``version``."""
+    session = WorkerSession(endpoint, job)
     try:
         await session.send(add("probe", PROMPT, max_tokens=max_tokens, temperature=0.0,
-                               version=version))
+                               version=version, job=job))
         got = await session.finish(["probe"])
     finally:
         await session.close()
@@ -235,7 +237,7 @@ async def test_a_gpu_worker_holding_its_copy_on_the_device_applies_the_delta_the
     metrics = scrape(gpu.metrics_port)
     assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
     assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
-    served = await served_completion(gpu.endpoint, 2)  # what the engine loaded: v2's tokens
+    served = await served_completion(gpu.endpoint, 2, job=job)  # what the engine loaded: v2's tokens
     assert served.versions == {2} and served.tokens == greedy_reference(V2, 2)[0]
 
 
@@ -630,7 +632,7 @@ async def test_agent_killed_mid_pull_worker_ends_with_exact_weights_from_another
     metrics = scrape(worker.metrics_port)
     assert metrics["rlh_worker_pull_failovers_total"] >= 1
     assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V1)
-    served = await served_completion(worker.endpoint, 5)
+    served = await served_completion(worker.endpoint, 5, job=job)
     assert served.tokens == greedy_reference(V1, 5)[0]
 
 

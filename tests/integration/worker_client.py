@@ -14,7 +14,8 @@ from rlharvest.common import rpc, tls
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
 from rlharvest.services.launcher import LocalStack, ServiceProcess
-from tests.worker_sessions import Collected, read_until
+from rlharvest.common.engine_types import SESSION_JOB_METADATA
+from tests.worker_sessions import DEFAULT_JOB, Collected, read_until
 
 
 @dataclass
@@ -89,10 +90,10 @@ def health_status(endpoint: str) -> str:
 class WorkerSession:
     """One manager-like Session stream to a worker."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, job: str = DEFAULT_JOB):
         self.channel = rpc.channel(endpoint)
         self.stub = rollout_worker_pb2_grpc.RolloutWorkerStub(self.channel)
-        self.call = self.stub.Session()
+        self.call = self.stub.Session(metadata=((SESSION_JOB_METADATA, job),))
         self.collected = Collected()
 
     async def send(self, *commands: pb.WorkerCommand) -> None:

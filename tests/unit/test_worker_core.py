@@ -47,8 +47,8 @@ class Core:
     commands: SessionCommands
     versions_seen: list[int]
 
-    def session(self) -> InProcessSession:
-        return InProcessSession(self.commands)
+    def session(self, job: str = "default") -> InProcessSession:
+        return InProcessSession(self.commands, job)
 
 
 @asynccontextmanager
@@ -63,7 +63,8 @@ async def running_core(max_running: int = 4, max_pending: int = 4, session_queue
     versions: list[int] = []
     commands = SessionCommands(engine, hub, pump,
                                admission or RolloutAdmission(max_running, max_pending),
-                               on_version_change=versions.append, keep_s=keep_s)
+                               on_version_change=versions.append, keep_s=keep_s,
+                               job="default")
     task = asyncio.create_task(pump.run())
     try:
         yield Core(engine, hub, pump, commands, versions)
@@ -187,7 +188,7 @@ async def test_a_half_closed_session_ends_when_the_engine_refuses_its_last_reque
         session = core.session()
         await session.send(add("r", PROMPT, max_tokens=5))
         await session.finish(["r"])
-        await session.send(add("long", PROMPT, max_tokens=200))
+        await session.send(add("long", PROMPT, max_tokens=100))
         session.half_close()
         await session.read_until(lambda c: False, timeout=10)  # returns when the session ends
         got = session.collected
@@ -419,3 +420,92 @@ async def test_an_add_reusing_the_id_of_a_finished_kept_request_runs_as_a_new_re
                                              bool(c.completions["probe"].finish_reason)))
         assert not got.errors and len(got.completions["probe"].tokens) == 5
         assert not core.hub.kept_ids()
+
+
+# ---- the job in every fence (issue 49) ----------------------------------------------------------
+
+
+def _scaled_norms(factor: float) -> dict[str, torch.Tensor]:
+    return {k: v * factor for k, v in build_model("tiny", seed=0).state_dict().items()
+            if k.endswith("norm.weight")}
+
+
+async def test_kept_requests_are_heard_of_and_adopted_only_by_their_own_jobs_manager():
+    """Job b's manager, its request ids colliding with job a's (a trainer's s{step}-g{g}-r{r}),
+    neither hears of a's kept requests nor adopts them: its add meets the job fence."""
+    async with running_core(keep_s=30) as core:
+        first = core.session()  # job "default", whose weights the worker holds
+        await first.send(add("s0-g0-r0", PROMPT, max_tokens=100))
+        got = await first.read_until(lambda c: "s0-g0-r0" in c.completions)
+        known = list(got.completions["s0-g0-r0"].tokens)
+        await first.close()
+        other = core.session(job="b")
+        hello = await other.next_event()
+        assert hello is not None and hello.WhichOneof("event") == "load"  # no kept list first
+        await other.send(add("s0-g0-r0", PROMPT, max_tokens=100, generated=known, job="b"))
+        refused = await other.read_until(lambda c: "s0-g0-r0" in c.errors)
+        code, message = refused.errors["s0-g0-r0"]
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "job 'b'" in message
+        assert "s0-g0-r0" not in other.collected.completions  # not one token of a's
+        assert core.hub.kept_ids() == ["s0-g0-r0"]  # still a's successor's to adopt
+        own = core.session()
+        event = await own.next_event()
+        assert event is not None and list(event.kept.request_ids) == ["s0-g0-r0"]
+
+
+async def test_an_add_naming_another_job_than_its_session_is_an_invalid_argument():
+    async with running_core() as core:
+        session = core.session()
+        await session.send(add("r", PROMPT, job="b"))
+        got = await session.read_until(lambda c: "r" in c.errors)
+        assert got.errors["r"][0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert "job" in got.errors["r"][1]
+
+
+async def test_a_weight_load_drops_every_kept_request_finished_ones_too():
+    """A successor at the same version number after a load must not adopt tokens of the
+    weights before it (a job switch, a co-executor lent again): nothing kept survives a load."""
+    async with running_core(keep_s=30) as core:
+        first = core.session()
+        await first.send(add("done", PROMPT, max_tokens=3), add("running", PROMPT,
+                                                                 max_tokens=100))
+        await first.read_until(lambda c: "done" in c.completions and
+                               bool(c.completions["done"].finish_reason) and
+                               "running" in c.completions)
+        await first.close()
+        assert sorted(core.hub.kept_ids()) == ["done", "running"]
+        await core.commands.swap_weights(lambda: _scaled_norms(2.0), 0, "a test")
+        await _wait_for(lambda: not core.hub.kept_ids() and not core.engine.has_work())
+        successor = core.session()
+        assert (await successor.next_event()).WhichOneof("event") == "load"  # nothing kept
+        await successor.send(add("done", PROMPT, max_tokens=3))  # a new request, generated anew
+        got = await successor.finish(["done"])
+        assert got.completions["done"].finish_reason == "length"
+        assert len(got.completions["done"].tokens) == 3
+
+
+async def test_a_load_of_another_jobs_weights_serves_that_job_only_and_names_it_on_every_step():
+    async with running_core() as core:
+        mine = core.session()
+        await mine.send(add("a-1", PROMPT, max_tokens=100))
+        await mine.read_until(lambda c: "a-1" in c.completions)
+        await core.commands.swap_weights(lambda: _scaled_norms(2.0), 0, "job b's", job="b")
+        ended = await mine.finish(["a-1"])
+        assert ended.completions["a-1"].finish_reason == "abort"
+        await mine.send(add("a-2", PROMPT, max_tokens=4))  # same version number, other job
+        refused = await mine.read_until(lambda c: "a-2" in c.errors)
+        assert refused.errors["a-2"][0] == grpc.StatusCode.FAILED_PRECONDITION
+        theirs = core.session(job="b")
+        steps: list[pb.StepOutputs] = []
+        while True:
+            event = await theirs.next_event()
+            if event is not None and event.WhichOneof("event") == "load":
+                break
+        await theirs.send(add("b-1", PROMPT, max_tokens=4, job="b"))
+        while not any(d.finished for s in steps for d in deltas_of(s)):
+            event = await theirs.next_event()
+            assert event is not None and event.WhichOneof("event") != "error"
+            if event.WhichOneof("event") == "step":
+                steps.append(event.step)
+        assert steps and {s.batch.job for s in steps} == {"b"}
+        assert core.commands.job == "b"
