@@ -28,7 +28,8 @@ from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.services.launcher import LocalStack  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
-from bench.manager_preemption import manager_status, run_step, step_request, wait_healthy  # noqa: E402
+from bench.job_turns import placed_flags, turn  # noqa: E402
+from bench.manager_preemption import manager_status, run_step, step_request  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "manager_longtail.md"
 BALANCERS = {"algorithm2": "Algorithm 2 (SELECTINSTANCE Θ + CONTINUOUSLB)",
@@ -60,13 +61,15 @@ def main() -> None:
     wall0 = time.perf_counter()
 
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-longtail-")))
-    stack.start_etcd()
+    etcd = stack.start_etcd()
+    nodes = [f"node-{i}" for i in range(len(delays))]
     makespans: dict[str, list[float]] = {b: [] for b in BALANCERS}
     migrations: dict[str, list[int]] = {b: [] for b in BALANCERS}
     try:
-        for i, delay in enumerate(delays):
+        for i, delay in enumerate(delays):  # handed from balancer to balancer (job_turns.py)
             start_worker(stack, f"w{i}", "--max-running", "4", "--log-level", "warning",
-                         "--max-len", "320", "--step-delay-s", str(delay))
+                         "--max-len", "320", "--step-delay-s", str(delay),
+                         *placed_flags(nodes[i], len(BALANCERS)))
         managers = {}
         for balancer in BALANCERS:
             port = free_port()
@@ -77,15 +80,15 @@ def main() -> None:
                 "--log-level", "warning", "--theta", "2"])
             managers[balancer] = f"127.0.0.1:{port}"
             wait_serving(WorkerHandle(proc, managers[balancer], 0), 60)
-        for endpoint in managers.values():
-            asyncio.run(wait_healthy(endpoint, len(delays), timeout=240))
         warm = lognormal_lengths(args.requests, 99, args.median, args.sigma, args.cap)
         for balancer, endpoint in managers.items():
+            turn(etcd, nodes, balancer, endpoint)
             warm_step = step_request(f"warm-{balancer}-", warm, seed=11)
             asyncio.run(run_step(endpoint, warm_step, None, None))
         for k in range(args.repeats):
             lengths = lognormal_lengths(args.requests, k, args.median, args.sigma, args.cap)
             for balancer, endpoint in managers.items():  # interleaved: noise hits all alike
+                turn(etcd, nodes, balancer, endpoint)  # the workers are this balancer's job's
                 before = asyncio.run(manager_status(endpoint)).migrations
                 makespans[balancer].append(asyncio.run(run_step(
                     endpoint, step_request(f"s{k}-{balancer}-", lengths, seed=11), None, None)))

@@ -36,6 +36,8 @@ from rlharvest.services.launcher import LocalStack  # noqa: E402
 from rlharvest.services.rollout_manager import status_client  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
+from bench.job_turns import placed_flags, turn  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "manager_preemption.md"
 TOK = CharTokenizer()
 PROMPTS = [TOK.encode(f"{a}*{b}+{a}=") for a in range(1, 9) for b in range(1, 7)]
@@ -112,14 +114,17 @@ def main() -> None:
     wall0 = time.perf_counter()
 
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-preempt-")))
-    stack.start_etcd()
+    etcd = stack.start_etcd()
     started = [0]
+    nodes = [f"node-{i}" for i in range(args.workers)]
 
-    def new_worker() -> WorkerHandle:
+    def new_worker(node: str) -> WorkerHandle:
+        """A worker on ``node``, handed between the modes' jobs by its turn (job_turns.py);
+        a replacement takes a killed worker's node."""
         started[0] += 1
         return start_worker(stack, f"w{started[0]}", "--max-running", "4", "--log-level",
                             "warning", "--max-len", "256", "--step-delay-s",
-                            str(args.step_delay_s))
+                            str(args.step_delay_s), *placed_flags(node, 2))
 
     def new_manager(name: str, *extra: str) -> str:
         port = free_port()
@@ -132,23 +137,24 @@ def main() -> None:
 
     results: dict[str, dict[str, list[float]]] = {}
     try:
-        workers = [new_worker() for _ in range(args.workers)]
+        workers = [new_worker(node) for node in nodes]
         managers = {"migrate": new_manager("migrate"),
                     "recompute": new_manager("recompute", "--recompute-on-loss")}
-        for endpoint in managers.values():
-            asyncio.run(wait_healthy(endpoint, args.workers))
         for mode, endpoint in managers.items():  # warm-up: first-touch costs out of the figures
+            turn(etcd, nodes, mode, endpoint)
             asyncio.run(run_step(endpoint, step_request(f"warm-{mode}-", lengths[:12]), None, None))
         run = 0
         for _ in range(args.repeats):
             for mode, endpoint in managers.items():
                 run += 1
+                turn(etcd, nodes, mode, endpoint)
                 clean = asyncio.run(run_step(endpoint, step_request(f"c{run}-", lengths), None,
                                              None))
                 results.setdefault(mode, {}).setdefault("clean", []).append(clean)
             for point, fraction in points.items():
                 for mode, endpoint in managers.items():
                     run += 1
+                    turn(etcd, nodes, mode, endpoint)
                     before = asyncio.run(manager_status(endpoint)).tokens_regenerated
                     doomed = workers[:victims]
 
@@ -162,9 +168,9 @@ def main() -> None:
                     row = results[mode].setdefault(point, [])
                     row.append(took)
                     results[mode].setdefault(f"{point}-regen", []).append(after - before)
-                    workers = workers[victims:] + [new_worker() for _ in range(victims)]
-                    for other in managers.values():
-                        asyncio.run(wait_healthy(other, args.workers))
+                    # The killed workers' nodes get new workers; the next turn waits for them.
+                    workers = workers[victims:] + [new_worker(n) for n in nodes[:victims]]
+                    nodes = nodes[victims:] + nodes[:victims]
     finally:
         stack.stop()
 

@@ -108,6 +108,7 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                         finished.append(req.request_id)
                 rows_sent[0] += len(rows)
                 delta_batch.encode(rows.build(), out.batch)
+                out.batch.job = "default"  # the manager's job: it drops another job's batches
                 now = time.perf_counter()
                 out.stats.batch_size = len(running)
                 out.stats.duration_s = now - stepped_at
@@ -147,7 +148,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     membership = None
     if args.register:
         membership = await registry.register(etcd, "rollout_worker", args.worker_id, {
-            "endpoint": f"127.0.0.1:{server.port}", "kind": "dedicated",
+            "endpoint": f"127.0.0.1:{server.port}", "kind": "dedicated", "job": "default",
             "capacity": args.capacity, "max_len": 1 << 20,
             "weight_version": args.weight_version, "draining": False}, ttl=5)
     await stop.wait()

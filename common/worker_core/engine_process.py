@@ -13,7 +13,7 @@ every call is one message to a child process that owns the real engine, over a p
   them between the same two: after a call the child holds until the next ``step``. A call made
   while the child steps waits for that step to end.
 * Every message carries the engine's state after it (weight version, whether it has work, its
-  load): the pump reads those every step, and the newest message's state is never stale, so
+  load, its start weights' fingerprint): the pump reads those every step, and the newest message's state is never stale, so
   reading them costs no round trip. A step's own facts (its prefill tokens) come with its
   outputs. Steps computed ahead wait in order; ``has_work`` is true while one does.
 * Semantics the worker keeps: a step computed before a call is handed out after it. Its
@@ -65,8 +65,8 @@ class EngineProcessError(RuntimeError):
     """The engine's process died or broke the protocol."""
 
 
-def _state(engine: Engine) -> tuple[int, bool, EngineLoad]:
-    return engine.weight_version, engine.has_work(), engine.load()
+def _state(engine: Engine) -> tuple[int, bool, EngineLoad, str]:
+    return engine.weight_version, engine.has_work(), engine.load(), engine.start_weights
 
 
 def _serve(factory: Callable[[], Engine], conn: Connection) -> None:
@@ -81,8 +81,7 @@ def _serve(factory: Callable[[], Engine], conn: Connection) -> None:
         conn.send((_REPLY, False, EngineProcessError(f"the engine could not be built: {exc!r}"),
                    None))
         return
-    conn.send((_REPLY, True, (engine.vocab_size, engine.batch_admission, engine.start_weights),
-               _state(engine)))
+    conn.send((_REPLY, True, (engine.vocab_size, engine.batch_admission), _state(engine)))
     lead, hold = 0, True  # steps sent beyond those asked for; hold: a call came, await a step
     while True:
         if hold or lead >= _AHEAD or not engine.has_work() or conn.poll():
@@ -190,7 +189,7 @@ class EngineProcess:
         self._steps: deque[tuple[Columns, float, int, int]] = deque()
         self._broken: EngineProcessError | None = None
         self._seconds, self._prefill_tokens, self._step_version = 0.0, 0, 0
-        self._vocab_size, self._admission, self._start_weights = self._read()[1]
+        self._vocab_size, self._admission = self._read()[1]
 
     # ---- Engine --------------------------------------------------------------------------------
 
@@ -262,10 +261,6 @@ class EngineProcess:
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self._call("load_weights", dict(tensors), version)
-        if version == 0:  # as the child's engine computed it, from the same tensors
-            from rlharvest.common.start_weights import fingerprint
-
-            self._start_weights = fingerprint(tensors)
 
     # ---- the process ---------------------------------------------------------------------------
 
@@ -308,7 +303,7 @@ class EngineProcess:
         except (EOFError, OSError) as exc:
             raise self._died(exc) from exc
         if state is not None:
-            self._version, self._work, self._load = state
+            self._version, self._work, self._load, self._start_weights = state
         if ok and kind == _STEP:
             self._steps.append(value)
         elif not ok and kind == _STEP:  # the engine is broken: every call raises from now on,

@@ -132,6 +132,10 @@ class SessionCommands:
             self._hub.forget_finished_kept(rid, outcome, now)
 
     def add(self, session: Session, msg: pb.AddRequest) -> None:
+        if msg.job != session.job:  # a manager sends its own job's requests only
+            return self._hub.refuse(session, msg.request_id, InvalidArgument(
+                f"job: request is job {msg.job!r}'s on a session of job {session.job!r}"),
+                msg.handle)
         identity = request_identity(msg) if self._hub.keeps_tokens else 0
         adoption = self._hub.adopt(session, msg.request_id, msg.generated_token_ids,
                                    msg.weight_version, identity, self._loop.last_load,
@@ -150,10 +154,6 @@ class SessionCommands:
             return self._hub.refuse(session, msg.request_id, FailedPrecondition(
                 f"request {msg.request_id!r} is kept here with tokens its add does not "
                 "continue; dropped it, send the add again"), msg.handle)
-        if msg.job != session.job:  # a manager sends its own job's requests only
-            return self._hub.refuse(session, msg.request_id, InvalidArgument(
-                f"job: request is job {msg.job!r}'s on a session of job {session.job!r}"),
-                msg.handle)
         request = EngineRequest(request_id=msg.request_id,
                                 prompt_token_ids=list(msg.prompt_token_ids),
                                 sampling=sampling_from_proto(msg.sampling),
@@ -203,9 +203,12 @@ class SessionCommands:
         self._loop.between_steps(partial(self._drop_all_kept, reason))
 
     async def _drop_all_kept(self, outcome: str) -> None:
+        told = bool(self._hub.kept_ids())  # some manager may have been told of them
         for rid in self._hub.drop_kept(outcome):
             if self._hub.release_kept(rid, outcome):
                 await self._abort_in_engine(rid)
+        if told:
+            self._hub.announce_kept()  # each list replaces the last: they forget them
 
     # ---- between steps -------------------------------------------------------------------------
 
@@ -232,6 +235,10 @@ class SessionCommands:
         # Aborted, swapped out or orphaned meanwhile; a kept one runs on for a successor.
         if held is None or (held.session.closed and not self._hub.is_kept(rid)):
             return
+        if held.job != self._hub.job:  # admitted for weights a load replaced since
+            return self._hub.refuse_start(rid, FailedPrecondition(
+                f"request {rid!r}: the worker loaded job {self._hub.job!r}'s weights before "
+                f"it started; send it again"))
         try:
             # In the engine's thread, as its steps run: an engine in another process answers
             # after the step it is computing, and the event loop must not wait for that.
@@ -270,11 +277,13 @@ class SessionCommands:
                     source: str, job: str) -> int:
         tensors = await self._loop.in_engine_thread(read)
         await self._loop.in_engine_thread(self._engine.load_weights, tensors, version)
+        # At once, with the engine's version: an add arriving during the awaits below is fenced
+        # against the weights the engine holds now, not the job before.
+        changed_job, self._hub.job = self._hub.job != job, job
         ended = self._admission.on_weight_swap(version, self._hub.held_versions())
-        for rid in ended:  # their final deltas name the job that admitted them
+        for rid in ended:  # their final deltas name the job that admitted them (Held.job)
             await self._end(rid)
         await self._drop_all_kept("weights changed")
-        changed_job, self._hub.job = self._hub.job != job, job
         if changed_job:
             log.info("now holding job %r's weights", job)
         self._loop.snapshot_load()  # GetInfo and /healthz report the new version at once

@@ -104,6 +104,7 @@ class RoutedStep:
     """One engine step's outputs, routed to sessions, waiting to be encoded and sent."""
 
     step: EngineStep
+    job: str  # whose weights computed it: a load between routing and sending changes the hub's
     items: list[tuple[Session, int, RequestOutput, int]] = field(default_factory=list)
     after: list[tuple[Session, pb.WorkerEvent]] = field(default_factory=list)  # see end()
 
@@ -210,12 +211,19 @@ class SessionHub:
         """The weights changed (a load, a job switch, a lending change): no kept request may be
         adopted any more. Finished ones, and the finished ones live sessions would keep if they
         broke, are forgotten now; returns the running ones, which the caller takes out of the
-        engine (``release_kept``)."""
+        engine (``release_kept``), then calls ``announce_kept``."""
         for rid in list(self._kept_done):
             self.forget_finished_kept(rid, outcome)
         for session in self._sessions:
             session.finished.clear()
         return [rid for rid, held in self._held.items() if held.session is self._orphanage]
+
+    def announce_kept(self) -> None:
+        """Every open session gets its job's kept list anew (each list replaces the one before:
+        one emptied by ``drop_kept`` tells the managers to forget what they were told)."""
+        for session in self._sessions:
+            session.push(pb.WorkerEvent(kept=pb.KeptRequests(
+                request_ids=sorted(self.kept_ids(session.job)))))
 
     def is_kept(self, request_id: str) -> bool:
         held = self._held.get(request_id)
@@ -267,6 +275,7 @@ class SessionHub:
         finished = self._kept_done.get(request_id)
         held = finished or self._held.get(request_id)
         if held is None or held.tokens is None or held.job != session.job or \
+                held.job != self.job or \
                 (finished is None and held.session is not self._orphanage):
             return Adoption.ABSENT  # not kept (or held by a live session: admission refuses)
         have, n = held.next_position, len(generated)
@@ -342,7 +351,7 @@ class SessionHub:
         rows = RowsBuilder(weight_version)
         rows.add(held.handle, held.next_position, final.new_token_ids, final.new_logprobs,
                  _end(final))
-        event = _step_event(self._last_step, rows, load, self.job)
+        event = _step_event(self._last_step, rows, load, held.job)
         self.release(final.request_id, final.finish_reason)
         self._last_word(held.session, event)
 
@@ -377,7 +386,7 @@ class SessionHub:
     def route(self, step: EngineStep) -> RoutedStep:
         """Advance positions and release finished requests now, so mutations applied before the
         next step see the truth; encoding waits for ``send``."""
-        routed = self._unsent = RoutedStep(step)
+        routed = self._unsent = RoutedStep(step, self.job)
         self._last_step = step.number
         items, held_requests, orphanage = routed.items, self._held, self._orphanage
         for out in step.outputs:
@@ -413,7 +422,7 @@ class SessionHub:
         for session, rows in by_session.items():
             if not session.closed:
                 # Awaiting a full outbox is the backpressure: a slow reader slows the engine.
-                await session.outbox.put(_step_event(step.number, rows, step.load, self.job,
+                await session.outbox.put(_step_event(step.number, rows, step.load, routed.job,
                                                      step.stats))
         if self._unsent is routed:
             self._unsent = None

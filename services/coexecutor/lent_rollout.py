@@ -70,6 +70,7 @@ class LentRollout:
         await self._stop_pulling()
         if change.job is not None:
             if commands.job != change.job and self._start is not None:
+                await self.settle()  # the old job's manager lets go now, not after the load
                 await self._service.load_weights_tensors(
                     self._start, 0, "the co-executor's start weights", change.job)
             self.start_pulling()

@@ -233,16 +233,23 @@ class RolloutControl:
         self.pool.mark_draining(worker_id, deadline)
         return self._evacuate(worker_id, "drain", keep_without_room=True)
 
-    def job_start_weights(self, fingerprint: str) -> None:
+    def job_start_weights(self, fingerprint: str) -> list[Command]:
         """The job's start weights (its trainer's record; "" for none): version-0 requests go
-        only to workers whose own are these."""
+        only to workers whose own are these, and leave those whose are not."""
         self.pool.start_weights = fingerprint
+        return [c for w in list(self.pool.all()) for c in self._evacuate_stale(w.worker_id)]
 
     def worker_version_changed(self, worker_id: str, weight_version: int,
                                start_weights: str | None = None) -> list[Command]:
         """A worker now holds another version: none of its requests may decode there any more."""
         self.pool.set_version(worker_id, weight_version, start_weights)
-        stale = [r for r in self.tracker.on_worker(worker_id) if r.weight_version != weight_version]
+        return self._evacuate_stale(worker_id)
+
+    def _evacuate_stale(self, worker_id: str) -> list[Command]:
+        """Move the requests of a version the worker does not hold (for the job) elsewhere."""
+        view = self.pool.get(worker_id)
+        stale = [r for r in self.tracker.on_worker(worker_id)
+                 if not view.holds(r.weight_version, self.pool.start_weights)]
         out: list[Command] = []
         for version in sorted({r.weight_version for r in stale}):
             ids = [r.request_id for r in stale if r.weight_version == version]

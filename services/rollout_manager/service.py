@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from rlharvest.common import delta_batch, errors, keys, registry, server_guard, start_weights
-from rlharvest.common.aio import wait_event
+from rlharvest.common.aio import wait_event, wait_for
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
@@ -101,11 +101,26 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         async for event in registry.list_and_watch(self._etcd, key, prefix=False):
             raw = (event.values.get(key) if isinstance(event, registry.Listing)
                    else event.value)
-            fingerprint = start_weights.parse_record(raw)
-            if fingerprint != self._control.pool.start_weights:
-                self._control.job_start_weights(fingerprint)
-                log.info("job %s starts from weights %s", self._job, fingerprint or "undeclared")
+            self._start_weights_seen(start_weights.parse_record(raw))
+
+    def _start_weights_seen(self, fingerprint: str) -> None:
+        if fingerprint != self._control.pool.start_weights:
+            self._execute(self._control.job_start_weights(fingerprint))
+            log.info("job %s starts from weights %s", self._job, fingerprint or "undeclared")
             self._wake.set()
+
+    async def _read_start_weights(self) -> None:
+        """Before a version-0 step: the record as etcd has it now. The trainer writes it just
+        before its first step, and the watch may not have brought it yet; unreadable, the
+        watched value stands."""
+        key = keys.start_weights_key(self._job).encode()
+        try:
+            found = await wait_for(self._etcd.get(key), 2.0)
+        except Exception as exc:  # etcd away: the watch catches up when it is back
+            log.warning("could not read job %s's start weights (%r); using the last seen",
+                        self._job, exc)
+            return
+        self._start_weights_seen(start_weights.parse_record(found.value if found else None))
 
     async def _watch(self, service: str) -> None:
         """Join only the members whose record names this job (issue 49: a version is a job's;
@@ -550,6 +565,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                for r in requests]
         try:
             SeedWindows.check(seed_window_s)
+            if version == 0:  # fenced by the job's start weights: the latest record first
+                await self._read_start_weights()
             # etcd is read only for a version no worker holds yet.
             announced = None if self._control.version_held(version) else await self._announced()
             policy = None if acceptance is None else TailBatchingStep(

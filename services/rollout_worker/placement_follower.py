@@ -88,13 +88,13 @@ class NodeFollower:
         self._load, self._register, self._make_puller = load, register, make_puller
         self._capacity = resident_jobs
         self.job = ""
-        self._start: tuple[Weights, int] | None = None  # what a job never served before gets
+        self._start: Weights | None = None  # what a job never served before gets, as version 0
         self._resident: OrderedDict[str, tuple[Weights, int]] = OrderedDict()
         self._pullers: dict[str, JobPuller] = {}
         self._pulling: asyncio.Task | None = None
 
     async def run(self) -> None:
-        self._start = await self._read(lambda: (self._weights(), self._version()))
+        self._start = await self._read(self._weights)
         key = keys.placement_node_key(self.node_id)
         try:
             async for event in registry.list_and_watch(self._etcd, key, prefix=False):
@@ -121,7 +121,9 @@ class NodeFollower:
             return
         warm = resident is not None
         assert self._start is not None, "run() takes the start weights first"
-        weights, version = resident if resident is not None else self._start
+        # Cold: the start weights are a job's version 0 (checked against the job's own by
+        # fingerprint), whatever version this worker started them as.
+        weights, version = resident if resident is not None else (self._start, 0)
         RESIDENT.set(len(self._resident))
         await self._load(weights, version, f"job {job}'s resident weights" if warm
                          else "the weights this worker started with", job)

@@ -120,6 +120,9 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
     text = scrape(worker_metrics)
     assert metric(text, 'rlh_worker_job_switches_total{load="cold"}') == 2, text
     assert metric(text, 'rlh_worker_job_switches_total{load="warm"}') >= 1
+    # Each switch closed the old job's sessions, so the worker kept their requests; the trainers'
+    # request ids collide across the jobs, yet the new job's manager adopted none (issue 49).
+    assert metric(text, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}') == 0, text
     assert worker.alive() and all(m.alive() for m in managers.values())
     # A's job left the group when it finished; no group holds the node now.
     assert await etcd_client.get(keys.placement_state_key("jobs/job-a").encode()) is None

@@ -51,7 +51,7 @@ class Worker:
                                 version=lambda: self.version, load=self.load,
                                 register=self.register, resident_jobs=resident,
                                 make_puller=self.pullers.get if self.pullers else None)
-        follower._start = (self.snapshot(), self.version)  # what run() reads first
+        follower._start = self.snapshot()  # what run() reads first
         return follower
 
 
@@ -73,6 +73,15 @@ async def test_a_switch_leaves_the_old_job_first_and_a_job_served_before_loads_w
     await follower.switch("")  # the node left every group: registered for no job
     assert worker.log[-1] == ("register", "")
     assert follower.job == ""
+
+
+async def test_a_cold_switch_loads_the_start_weights_as_the_jobs_version_0() -> None:
+    # Started as version 5 of something (--weights --weight-version 5): to a job it never served
+    # its start weights are that job's version 0, fenced by their fingerprint, never its 5.
+    worker = Worker()
+    worker.version = 5
+    await worker.follower().switch("B")
+    assert worker.log[0] == ("load", 0.0, 0) and worker.loaded_for == ["B"]
 
 
 async def test_resident_weights_keep_only_the_most_recently_served_jobs() -> None:

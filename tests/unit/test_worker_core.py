@@ -188,7 +188,7 @@ async def test_a_half_closed_session_ends_when_the_engine_refuses_its_last_reque
         session = core.session()
         await session.send(add("r", PROMPT, max_tokens=5))
         await session.finish(["r"])
-        await session.send(add("long", PROMPT, max_tokens=100))
+        await session.send(add("long", PROMPT, max_tokens=200))
         session.half_close()
         await session.read_until(lambda c: False, timeout=10)  # returns when the session ends
         got = session.collected
