@@ -143,13 +143,19 @@ class LocalEtcd:
         self._data_dir = tempfile.mkdtemp(prefix="rlh-etcd-")
         return self._launch(timeout)
 
-    def restart(self, timeout: float = 20.0) -> None:
+    def restart(self, timeout: float = 20.0, *, crash: bool = False, down_s: float = 0.0) -> None:
         """Stop etcd and start it again on the same ports and data, as an operator's restart
         does: the keys, leases and users stay; what etcd keeps only in memory (auth tokens,
-        watches) is gone."""
+        watches) is gone. ``crash``: SIGKILL it instead of stopping it; ``down_s``: how long it
+        stays down before it starts again."""
         if self.process is None or self._data_dir is None:
             raise RuntimeError("LocalEtcd.restart needs a started etcd")
-        stop_process(self.process)
+        if crash:
+            self.process.kill()
+            self.process.wait()
+        else:
+            stop_process(self.process)
+        time.sleep(down_s)
         self._launch(timeout)
 
     def _launch(self, timeout: float) -> "LocalEtcd":
@@ -163,6 +169,9 @@ class LocalEtcd:
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
              "--initial-cluster", f"rlh-local={peer_url}", "--log-level", "warn",
+             # The services write a few hundred revisions a minute: old ones are compacted
+             # away (5 minutes kept), so the database levels off instead of reaching the quota.
+             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
              *self._tls_flags()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

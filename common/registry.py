@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aetcd
@@ -24,6 +25,7 @@ from aetcd.utils import prefix_range_end
 from rlharvest.common import keys, tls
 from rlharvest.common.aio import wait_event
 from rlharvest.common.config import ConfigError
+from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed, with_etcd
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +202,8 @@ async def keep_lease(lease: aetcd.Lease, ttl: float, what: str) -> None:
     """Refresh ``lease`` every ttl/3 while it lives; returns once it lapsed (etcd answers the
     keepalive of a lease it no longer has with TTL 0, not an error: the lease and every key on
     it are gone), for the caller to put them back or say what that means. A refresh that fails
-    (etcd unreachable) is logged and tried again. The one keepalive loop of the project."""
+    (etcd unreachable) is tried again, the outage logged once (etcd_outage.py). The one
+    keepalive loop of the project."""
     while True:
         await asyncio.sleep(_renew_period(ttl))
         try:
@@ -208,8 +211,12 @@ async def keep_lease(lease: aetcd.Lease, ttl: float, what: str) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
-            log.warning("lease refresh for %s failed: %r", what, exc)
+            if etcd_away(exc):
+                etcd_failed(exc, f"renewing the lease of {what}")
+            else:
+                log.warning("lease refresh for %s failed: %r", what, exc)
             continue
+        etcd_answered()
         if reply.TTL <= 0:
             return
 
@@ -445,6 +452,10 @@ def _to_event(change: Change, known: dict[str, dict]) -> MemberEvent | None:
     return MemberEvent(kind, service, member_id, info)
 
 
+class _KeyVanished(Exception):
+    """A candidate's election key is gone: its lease expired."""
+
+
 class Election:
     """Leader election (etcd's recipe): each candidate writes a key under the election prefix with
     its lease; the oldest key (lowest create revision) leads. A candidate waits on the deletion of
@@ -462,14 +473,21 @@ class Election:
         return self._membership.key if self._membership else None
 
     async def campaign(self) -> None:
-        """Returns once this candidate leads. Cancel it to stop campaigning."""
-        lease = await self._client.lease(self._ttl)
-        key = f"{self._prefix}{lease.id:x}"
-        await self._client.put(key.encode(), self._candidate.encode(), lease=lease)
-        self._membership = Membership(self._client, key, lease, {"candidate": self._candidate},
-                                      reregister=False)  # a lapsed key fences its holder out
+        """Returns once this candidate leads. Cancel it to stop campaigning. etcd away (a
+        restart, an outage) is waited out; a key whose lease lapsed meanwhile is put again on a
+        new lease, at the back of the line."""
         while True:
-            ahead = await self._key_ahead(key)
+            if self._membership is None:
+                await with_etcd(self._enter, "entering the election")
+            assert self._membership is not None
+            key = self._membership.key
+            try:
+                ahead = await with_etcd(partial(self._key_ahead, key), "reading the election")
+            except _KeyVanished:
+                log.warning("election key %s lapsed (etcd was away longer than its lease); "
+                            "campaigning again", key)
+                await self.resign()
+                continue
             if ahead is None:
                 return
             try:
@@ -477,13 +495,24 @@ class Election:
                                               timeout=self._ttl)
             except aetcd.WatchTimeoutError:
                 pass  # re-check: the key may have gone before the watch started
+            except Exception as exc:
+                if not etcd_away(exc):
+                    raise
+                etcd_failed(exc, "watching the election")  # re-check once etcd answers
+
+    async def _enter(self) -> None:
+        lease = await self._client.lease(self._ttl)
+        key = f"{self._prefix}{lease.id:x}"
+        await self._client.put(key.encode(), self._candidate.encode(), lease=lease)
+        self._membership = Membership(self._client, key, lease, {"candidate": self._candidate},
+                                      reregister=False)  # a lapsed key fences its holder out
 
     async def _key_ahead(self, mine: str) -> str | None:
         found = await self._client.get_prefix(self._prefix.encode(), sort_target="create",
                                               sort_order="ascend")
         ordered = [kv.key.decode() for kv in found]
         if mine not in ordered:
-            raise RuntimeError(f"election key {mine} vanished: the lease expired; campaign again")
+            raise _KeyVanished(mine)
         index = ordered.index(mine)
         return ordered[index - 1] if index > 0 else None
 

@@ -37,13 +37,15 @@ class Backoff:
 async def retry(call: Callable[[], Awaitable[T]], *, retry_if: Callable[[Exception], bool],
                 attempts: int | None = 5, deadline_s: float | None = None,
                 backoff: Backoff = Backoff(), what: str = "call",
-                on_retry: Callable[[Exception], Awaitable[None]] | None = None) -> T:
+                on_retry: Callable[[Exception], Awaitable[None]] | None = None,
+                log_each: bool = True) -> T:
     """``await call()`` until it returns, and return its result.
 
     After a failure ``retry_if`` accepts, wait the backoff (and ``await on_retry(exc)``, e.g. to
     drop a broken channel) and call again: at most ``attempts`` calls in all (None: no limit),
     and none after ``deadline_s`` seconds from now. The failure that ends the tries — the last
-    one, or one ``retry_if`` refuses — propagates unchanged; cancellation always propagates."""
+    one, or one ``retry_if`` refuses — propagates unchanged; cancellation always propagates.
+    ``log_each=False``: the caller logs (once per outage, say), not each failure here."""
     if attempts is None and deadline_s is None:
         raise ValueError(f"retry of {what} needs attempts or deadline_s, or it never gives up")
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
@@ -59,8 +61,9 @@ async def retry(call: Callable[[], Awaitable[T]], *, retry_if: Callable[[Excepti
             delay = backoff.delay(failures)
             if left is not None:
                 delay = min(delay, left)
-            log.warning("%s failed (%s; attempt %d%s); retrying in %.2fs", what, _describe(exc),
-                     failures, f"/{attempts}" if attempts else "", delay)
+            (log.warning if log_each else log.debug)(
+                "%s failed (%s; attempt %d%s); retrying in %.2fs", what, _describe(exc),
+                failures, f"/{attempts}" if attempts else "", delay)
             if on_retry is not None:
                 await on_retry(exc)
         await asyncio.sleep(delay)

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import aetcd
 import torch
 
 from rlharvest.common import keys, registry, rpc, start_weights
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.aio import wait_event
 from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
@@ -294,10 +294,8 @@ class TrainerLoop:
         fingerprint = await self._run(
             lambda: start_weights.fingerprint(self._as_served(self._ranks.weights())))
         record = start_weights.record(fingerprint, f"{cfg.model} seed {cfg.model_seed}")
-        await retry(partial(self._etcd.put, keys.start_weights_key(cfg.job).encode(), record),
-                    retry_if=lambda exc: isinstance(exc, (aetcd.ClientError, OSError)),
-                    attempts=10, backoff=_PUBLISH_BACKOFF,
-                    what="writing the job's start weights")
+        await with_etcd(partial(self._etcd.put, keys.start_weights_key(cfg.job).encode(), record),
+                        "writing the job's start weights")
         log.info("job %s starts from weights %s (%s seed %d)", cfg.job, fingerprint, cfg.model,
                  cfg.model_seed)
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, NoReturn
 
@@ -15,6 +16,7 @@ import grpc
 import torch
 
 from rlharvest.common import aio, keys, registry, rpc
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.retry import Backoff
 from rlharvest.services.trainer import metrics
@@ -39,11 +41,14 @@ async def find_manager_member(etcd, job: str, timeout: float = 60.0,
                               unlike: str | None = None) -> dict:
     """The member record of ``job``'s leading rollout manager (endpoint, incarnation; a standby
     is passed over); waits for one to appear, and with ``unlike`` for one of another
-    incarnation (a dead manager's successor)."""
+    incarnation (a dead manager's successor). etcd away is waited out (etcd_outage.py), except
+    by a single look (``timeout`` 0), which raises the outage error for its caller to judge."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        members = await registry.list_members(etcd, "rollout_manager")
+        members = await with_etcd(partial(registry.list_members, etcd, "rollout_manager"),
+                                  "looking up the job's rollout manager",
+                                  deadline_s=None if timeout > 0 else 0)
         for info in sorted(members.values(), key=lambda i: i.get("endpoint", "")):
             if info.get("job") == job and info.get("role") != "standby" and \
                     (unlike is None or info.get("incarnation") != unlike):
@@ -140,7 +145,9 @@ async def _scope_timings(call, endpoint: str) -> mpb.RemoteTimings | None:
 
 
 async def announced_version(etcd, job: str) -> int | None:
-    record = await registry.get_versioned(etcd, keys.weights_announced_key(job))
+    record = await with_etcd(partial(registry.get_versioned, etcd,
+                                     keys.weights_announced_key(job)),
+                             "reading the job's announced version")
     return int(record["version"]) if record is not None else None
 
 
@@ -188,7 +195,8 @@ class Publisher:
     async def endpoint(self) -> str:
         """The agent to publish to: the configured one, else one registered in etcd
         (LookupError while none is)."""
-        return self._agent or await self._client.find_agent(self._etcd)
+        return self._agent or await with_etcd(partial(self._client.find_agent, self._etcd),
+                                              "looking up a transfer agent")
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""

@@ -1,0 +1,69 @@
+"""etcd killed and restarted under a training job (issue 45): the outage is waited out by every
+service. Found as an operator's chaos soak found it: an etcd restart stopped the trainer (its
+manager and agent lookups) and the standby manager (its election)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rlharvest.common import registry
+from rlharvest.common.local_etcd import LocalEtcd, free_port
+from rlharvest.services.launcher import LocalStack
+
+from .test_trainer import (
+    COMMON,
+    metric,
+    scrape,
+    start_job,
+    start_trainer,
+    wait_manager_roles,
+    wait_trainer,
+)
+
+pytestmark = pytest.mark.integration
+STEPS = 6
+
+
+async def test_an_etcd_sigkilled_mid_training_stops_neither_the_trainer_nor_the_standby(
+        tmp_path, fork_server):
+    etcd = await asyncio.to_thread(LocalEtcd().start)  # its own: this test kills it
+    stack = LocalStack(tmp_path / "logs", etcd=etcd, fork_server=fork_server)
+    try:
+        leader = await start_job(stack, 2)
+        standby_metrics = free_port()
+        standby = stack.start("rollout_manager", "standby", [
+            "--manager-id", "manager-standby", "--port", str(free_port()), "--metrics-port",
+            str(standby_metrics), *COMMON])
+        client = await registry.connect(etcd.endpoint)
+        try:
+            await wait_manager_roles(client, ["leader", "standby"])
+        finally:
+            await client.close()
+        trainer, trainer_metrics = await start_trainer(
+            stack, "trainer", "--backend", "torch", "--steps", str(STEPS),
+            "--checkpoint-dir", str(tmp_path / "ckpt"))
+        await wait_trainer(trainer, lambda s: s.steps_done >= 2)
+        # SIGKILL, down 3 s (longer than every lease), back on its data directory.
+        await asyncio.to_thread(etcd.restart, crash=True, down_s=3.0)
+        done = await wait_trainer(trainer, lambda s: s.state == "done", timeout=300)
+        assert done.steps_done == STEPS and trainer.process.alive()
+        assert standby.alive(), "the standby manager stopped:\n" + standby.log_tail()
+        assert metric(scrape(trainer_metrics), "rlh_etcd_up") == 1
+        logs = [json.loads(line)["msg"] for line in trainer.process.log_path.read_text()
+                .splitlines() if line.startswith("{")]
+        assert any(m.startswith("etcd answers again after") for m in logs), logs[-20:]
+        # The standby still campaigns: the leader's death hands it the job.
+        leader.process.kill()
+        client = await registry.connect(etcd.endpoint)
+        try:
+            await wait_manager_roles(client, ["leader"])
+        finally:
+            await client.close()
+        assert metric(scrape(standby_metrics), "rlh_manager_leader") == 1
+    finally:
+        for proc in stack.processes:
+            proc.kill()
+        etcd.stop()
