@@ -433,6 +433,7 @@ class TrainerLoop:
         progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
                                                   samples=spec.samples, phase="waiting_version")
         await self._await_publish()  # the step's version must be out before workers can hold it
+        await self._republish_if_lost()
         if self.placed is not None:
             progress.phase = "waiting_permit"
             await self.placed.rollout()
@@ -886,6 +887,24 @@ class TrainerLoop:
 
         await start()
         self._pending_publish = finish
+
+    async def _republish_if_lost(self) -> None:
+        """A version published to an agent that died before any worker pulled it is nowhere:
+        no live agent's holder record lists it (the records live on the agents' leases) and no
+        worker of the job holds it. The trainer learns so here, from etcd, before each step's
+        rollout — a step retried because no worker got the version comes here again — and
+        publishes it again from its own weights, which are still exactly that version (the
+        next optimizer step has not run)."""
+        if self._publisher is None or self._shard_publish or self._version == 0:
+            return
+        version = self._version
+        if await self._publisher.held_anywhere(version):
+            return
+        log.warning("version %d is held by no agent and no worker (its agent died before the "
+                    "workers pulled it): publishing it again", version)
+        metrics.REPUBLISHED.inc()
+        await self._start_publish(version)
+        await self._await_publish()
 
     async def _await_publish(self) -> None:
         pending, self._pending_publish = self._pending_publish, None

@@ -31,6 +31,8 @@ TRAJECTORIES = Counter("rlh_trainer_trajectories_total", "Agentic trajectories (
 REWARDS = Counter("rlh_trainer_rewards_total", "Reward tasks by outcome", ["outcome"])
 REWARD_FAILURES = Counter("rlh_trainer_reward_failures_total", "Rewards that failed or timed out")
 MIGRATIONS = Counter("rlh_trainer_request_migrations_total", "Request moves seen in completions")
+REPUBLISHED = Counter("rlh_trainer_versions_republished_total", "Versions published again "
+                      "because no agent and no worker held them (their agent died first)")
 PUBLISH_SECONDS = Histogram("rlh_trainer_publish_seconds", "Publishing one version to the agent",
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 PUBLISH_CHANGED = Gauge("rlh_trainer_publish_changed_fraction", "Fraction of the elements of "

@@ -198,6 +198,18 @@ class Publisher:
         return self._agent or await with_etcd(partial(self._client.find_agent, self._etcd),
                                               "looking up a transfer agent")
 
+    async def held_anywhere(self, version: int) -> bool:
+        """Whether a live agent's holder record lists ``version`` (the records live on the
+        agents' leases) or a worker of the job holds it."""
+        agents = await with_etcd(partial(self._client.holders, self._etcd, self._job),
+                                 "reading the version's holders")
+        if any(version in record.get("versions", ()) for record in agents.values()):
+            return True
+        workers = await with_etcd(partial(registry.list_members, self._etcd, "rollout_worker"),
+                                  "reading the job's workers")
+        return any(info.get("job") == self._job and info.get("weight_version") == version
+                   for info in workers.values())
+
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> str:
         """Publish ``version``; returns the agent endpoint used. Retries while no agent runs."""
         agent = await self.endpoint()

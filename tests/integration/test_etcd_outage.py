@@ -9,10 +9,12 @@ import json
 
 import pytest
 
-from rlharvest.common import registry
+from rlharvest.common import keys, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.services.launcher import LocalStack
+from rlharvest.services.rollout_manager.status_client import wait_workers
 
+from .test_coexecutor import until
 from .test_trainer import (
     COMMON,
     metric,
@@ -67,3 +69,35 @@ async def test_an_etcd_sigkilled_mid_training_stops_neither_the_trainer_nor_the_
         for proc in stack.processes:
             proc.kill()
         etcd.stop()
+
+
+async def test_a_version_whose_only_agent_died_before_any_pull_is_published_again(
+        stack, etcd_client):
+    """Issue 45: a version is never left nowhere. Version 1 goes to the one agent, which is
+    SIGKILLed before any worker pulled it (the step-1 worker does not pull); its holder record
+    goes with its lease. The trainer sees no agent and no worker holding version 1 before the
+    next step's rollout (or its retry) and publishes it again, to the agent started since."""
+    first = stack.start("transfer_agent", "agent-1", ["--agent-id", "agent-1", *COMMON])
+    manager_port = free_port()
+    stack.start("rollout_manager", "manager", ["--port", str(manager_port), *COMMON])
+    stack.start("rollout_worker", "w0", ["--worker-id", "w0", "--torch-threads", "1",
+                                         "--job", "default", *COMMON])  # version 0 only
+    await wait_workers(f"127.0.0.1:{manager_port}", 1, timeout=120)
+    trainer, trainer_metrics = await start_trainer(
+        stack, "trainer", "--backend", "torch", "--steps", "2", "--no-worker-deadline-s", "3")
+    holder = keys.weights_holder_key("default", "agent-1").encode()
+
+    async def version_1_held() -> bool:
+        found = await etcd_client.get(holder)
+        return found is not None and 1 in json.loads(found.value)["versions"]
+
+    await until(version_1_held, what="version 1 at agent-1")
+    first.kill()
+    while await etcd_client.get(holder) is not None:  # its lease lapses (2 s)
+        await asyncio.sleep(0.1)
+    stack.start("transfer_agent", "agent-2", ["--agent-id", "agent-2", *COMMON])
+    stack.start("rollout_worker", "w1", ["--worker-id", "w1", "--torch-threads", "1",
+                                         "--job", "default", "--agent-pull", *COMMON])
+    done = await wait_trainer(trainer, lambda s: s.state == "done", timeout=240)
+    assert [s.step for s in done.steps] == [1, 2] and done.steps[-1].weight_version == 1
+    assert metric(scrape(trainer_metrics), "rlh_trainer_versions_republished_total") == 1
