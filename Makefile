@@ -6,7 +6,7 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: system-packages install run test test-unit test-integration protos bench lint clean
+.PHONY: system-packages install run test test-unit test-integration protos bench lint clean chaos
 
 # etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
 # checked on every run: a machine that lost one gets it back without touching the stamp.
@@ -34,6 +34,13 @@ test-unit: install
 
 test-integration: install
 	$(PYTHON) -m pytest -q -ra tests/integration
+
+# A seeded chaos soak of the local stack while GRPO trains: SIGKILLs of workers, the leading
+# manager, the agent, etcd and the trainer every 3-7 s, then the checks (services/chaos.py).
+MINUTES ?= 5
+SEED ?= 0
+chaos: install
+	$(PYTHON) -m rlharvest.services.chaos --minutes $(MINUTES) --seed $(SEED)
 
 protos:
 	$(PYTHON) tools/gen_protos.py

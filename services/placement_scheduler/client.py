@@ -45,6 +45,7 @@ import aetcd
 import grpc
 
 from rlharvest.common import keys, registry, rpc
+from rlharvest.common.etcd_outage import etcd_away, with_etcd
 from rlharvest.common.retry import Backoff, retry
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler.model import JobProfile, Pool
@@ -92,8 +93,9 @@ _unavailable = rpc.status_in(grpc.StatusCode.UNAVAILABLE)
 
 
 def _failing_over(exc: Exception) -> bool:
-    """No scheduler leads yet, or the one called is a standby or going away."""
-    return isinstance(exc, _NoLeader) or _unavailable(exc)
+    """No scheduler leads yet, the one called is a standby or going away, or etcd (where the
+    leader is looked up) is away: all waited out, for as long as the call may."""
+    return isinstance(exc, _NoLeader) or _unavailable(exc) or etcd_away(exc)
 
 
 class SchedulerClient:
@@ -113,8 +115,11 @@ class SchedulerClient:
         if self._fixed:
             return self._fixed
         assert self._etcd is not None  # one of the two is given
-        found = await self._etcd.get_prefix(keys.election_prefix(keys.PLACEMENT_ELECTION).encode(),
-                                            sort_target="create", sort_order="ascend")
+        # One look: etcd away is retried by the call (``_failing_over``), within its deadline.
+        found = await with_etcd(functools.partial(
+            self._etcd.get_prefix, keys.election_prefix(keys.PLACEMENT_ELECTION).encode(),
+            sort_target="create", sort_order="ascend"),
+            "finding the placement scheduler's leader", deadline_s=0)
         for kv in found:
             return kv.value.decode()
         return None
@@ -266,9 +271,11 @@ class PlacementJob:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("could not cancel job %s (%s); its lease will expire",
                             self.spec.job_id, exc.details())
-        except _NoLeader as exc:
+        except Exception as exc:
+            if not etcd_away(exc):  # no leader (_NoLeader), or etcd away, for _EXIT_CANCEL_S
+                raise
             log.warning("could not cancel job %s (%s); its lease is revoked now",
-                        self.spec.job_id, exc)
+                        self.spec.job_id, exc or type(exc).__name__)
         finally:
             await self._close()
 

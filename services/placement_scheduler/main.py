@@ -4,8 +4,10 @@ phase run-permits (WEAVE §4, §5). Start two for a hot standby: they elect a le
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from rlharvest.common import keys, registry
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.cli import service_app
 from rlharvest.common.pb import placement_scheduler_pb2, placement_scheduler_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
@@ -38,7 +40,8 @@ async def build(host: Host[PlacementConfig]) -> Parts:
             host.start_loop(Loop("fence", lambda: service.check_fence(fence)))
             await host.set_serving(True)
             assert host.membership is not None  # registered before loops start
-            await host.membership.update(role="leader")
+            await with_etcd(partial(host.membership.update, role="leader"),
+                            "saying so in the member record")
             log.info("scheduler %s leads on %s", cfg.scheduler_id, host.endpoint)
             await service.deposed.wait()
             host.stop("placement scheduler lost leadership (its election key vanished); "

@@ -6,6 +6,10 @@ the leader's address. Calls that change state run one at a time under a lock, an
 sent only after the change is in etcd: a scheduler killed at any point leaves etcd holding
 either the state before the call or after it, and the client's retry (same job, phase and
 iteration) gets the same answer from whichever scheduler leads next.
+
+etcd away (issue 45, etcd_outage.py): a call that changes state waits for etcd a few seconds,
+then is answered UNAVAILABLE with nothing changed, which the client retries through its failover
+timeout; the background work (a lost job, the fence check) waits until etcd answers.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
 
 from rlharvest.common import errors, keys, registry
 from rlharvest.common.aio import wait_event
+from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed, with_etcd
 from rlharvest.common.pb import placement_scheduler_pb2 as pb, placement_scheduler_pb2_grpc
 from rlharvest.services.placement_scheduler import metrics
 from rlharvest.services.placement_scheduler.config import PlacementConfig
@@ -36,6 +42,11 @@ _PHASES = {pb.PHASE_ROLLOUT: Pool.ROLLOUT, pb.PHASE_TRAIN: Pool.TRAIN}
 _TO_PB = {Pool.ROLLOUT: pb.PHASE_ROLLOUT, Pool.TRAIN: pb.PHASE_TRAIN}
 _WRITE_ATTEMPTS = 3
 _WRITE_BACKOFF = Backoff(first_s=0.1, max_s=0.4)
+# How long a call that needs etcd waits for it to come back before it is answered UNAVAILABLE,
+# nothing changed (the client retries that for its failover timeout, 60 s by default). Short:
+# calls that change state queue behind the state lock, and each must be answered well within
+# the client's 30 s call timeout (a timed-out call is not retried).
+_CALL_ETCD_WAIT_S = 5.0
 
 
 def new_control(cfg: PlacementConfig, clock: Callable[[], float] = time.time) -> PlacementControl:
@@ -93,7 +104,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         """Take over: rebuild the state from etcd, fail jobs whose client lease ran out while no
         scheduler watched, and start answering."""
         store = PlacementStore(self._etcd, fence_key)
-        snapshot = await store.load()
+        snapshot = await with_etcd(store.load, "reading the placement state to take over")
         control = new_control(self._cfg)
         control.restore(snapshot.records)
         self._store, self.control = store, control
@@ -102,7 +113,8 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 log.warning("job %s: client lease expired while no scheduler led; it left its "
                             "group", job_id)
                 metrics.DEPARTURES.labels("failed").inc()
-            await self._persist()
+            # Until etcd answers: just elected, this scheduler has nothing else to do first.
+            await self._persist(etcd_wait_s=None)
         metrics.LEADER.set(1)
         self._update_gauges()
         log.info("leading with %d groups and %d jobs restored from etcd",
@@ -128,22 +140,39 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         """Stop at once if our election key is gone even while no write would notice."""
         while True:
             await asyncio.sleep(max(self._cfg.lease_ttl / 2, 0.5))
-            if await self._etcd.get(fence_key.encode()) is None:
+            try:
+                found = await self._etcd.get(fence_key.encode())
+            except Exception as exc:
+                if not etcd_away(exc):
+                    raise
+                # Checked again next period: a key that lapsed meanwhile is gone then.
+                etcd_failed(exc, "checking the scheduler's election key")
+                continue
+            etcd_answered()
+            if found is None:
                 self._fatal(DeposedError(f"election key {fence_key} is gone"))
                 return
 
     async def _job_lost(self, job_id: str) -> None:
+        """Fail the job; etcd away is waited out, tried again with the state lock let go
+        between tries, so calls meanwhile are answered (UNAVAILABLE while etcd is away), not
+        held until they time out."""
+        await with_etcd(partial(self._fail_lost_job, job_id),
+                        f"failing job {job_id}, whose client lease expired")
+
+    async def _fail_lost_job(self, job_id: str) -> None:
         async with self._lock:
             control = self.control
             if control is None or job_id not in control.jobs or not control.jobs[job_id].lease_id:
                 return
             if await self._etcd.get(keys.placement_alive_key(job_id).encode()) is not None:
                 return  # a resubmission already put a fresh liveness key
-            log.warning("job %s failed (client lease expired); it leaves group %s", job_id,
-                        control.jobs[job_id].group_id)
+            group_id = control.jobs[job_id].group_id
             control.cancel(job_id, "failed")
+            await self._persist()  # rolled back and raised when it fails: tried again whole
+            log.warning("job %s failed (client lease expired); it left group %s", job_id,
+                        group_id)
             metrics.DEPARTURES.labels("failed").inc()
-            await self._persist()
         self._notify()
 
     # ---- the one path that changes state -------------------------------------------------------
@@ -175,22 +204,31 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             self._notify()
         return result
 
-    async def _persist(self, context: grpc.aio.ServicerContext | None = None) -> bool:
+    async def _persist(self, context: grpc.aio.ServicerContext | None = None, *,
+                       etcd_wait_s: float | None = _CALL_ETCD_WAIT_S) -> bool:
         """Write the changed records (False: none had changed); on failure put the state back
-        as etcd holds it."""
+        as etcd holds it. etcd away is waited out for ``etcd_wait_s`` (None: until it answers);
+        past that the call is answered UNAVAILABLE, or without a call the outage's error is
+        raised as it is, for a caller that tries again."""
         control, store = self.control, self._store
         assert control is not None and store is not None
+        records = control.records()
         leases = {j: r.lease_id for j, r in control.jobs.items()}
         started = time.perf_counter()
+
+        async def write() -> bool:  # a transaction sent again is harmless (store.py)
+            return await with_etcd(partial(store.save, records, leases),
+                                   "writing the placement state", deadline_s=etcd_wait_s)
+
         try:
-            written = await retry(lambda: store.save(control.records(), leases),
-                                  retry_if=_may_retry_write, attempts=_WRITE_ATTEMPTS,
+            written = await retry(write, retry_if=_may_retry_write, attempts=_WRITE_ATTEMPTS,
                                   backoff=_WRITE_BACKOFF, what="etcd write of the placement state")
         except DeposedError as exc:
             self._fatal(exc)
             error: Exception = exc
         except Exception as exc:
-            log.warning("etcd write failed: %r", exc)
+            if not etcd_away(exc):  # an outage is logged once, by with_etcd
+                log.warning("etcd write failed: %r", exc)
             error = exc
         else:
             metrics.ETCD_WRITE_SECONDS.observe(time.perf_counter() - started)
@@ -204,6 +242,8 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
             await errors.abort(context, errors.Unavailable(
                 f"could not persist the change to etcd ({error!r}); nothing changed, retry the "
                 "call"))
+        if etcd_away(error):
+            raise error
         raise RuntimeError(f"could not persist placement state: {error!r}")
 
     def _restore_persisted(self) -> None:
@@ -238,8 +278,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
         job = request.job
         spec = submitted_spec(job)
         await self._leader(context)
-        assert self._store is not None  # a leader has its store
-        if request.lease_id > 0 and not await self._store.lease_alive(request.lease_id):
+        if request.lease_id > 0 and not await self._lease_alive(context, request.lease_id):
             metrics.SUBMISSIONS.labels("lease_expired").inc()
             await errors.abort(context, errors.FailedPrecondition(
                 f"job {job.job_id!r}: etcd lease {request.lease_id:x} does not exist or "
@@ -264,6 +303,21 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                  admission.decision.strategy.value, placement.group_id,
                  admission.rollout_node_ids, admission.train_node_ids)
         return placement
+
+    async def _lease_alive(self, context: grpc.aio.ServicerContext, lease_id: int) -> bool:
+        """Whether a submitting client's lease lives; etcd away is waited out briefly, then the
+        call is answered UNAVAILABLE for the client to retry."""
+        store = self._store
+        assert store is not None  # a leader has its store
+        try:
+            return await with_etcd(partial(store.lease_alive, lease_id),
+                                   "checking a submitted job's client lease",
+                                   deadline_s=_CALL_ETCD_WAIT_S)
+        except Exception as exc:
+            if not etcd_away(exc):
+                raise
+            await errors.abort(context, errors.Unavailable(
+                f"etcd unreachable ({type(exc).__name__}); nothing changed, retry the call"))
 
     async def _in_window(self, context: grpc.aio.ServicerContext,
                          submission: Submission) -> Admission:
@@ -309,7 +363,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
                 outcomes = control.submit_batch([submission for submission, _ in batch])
                 try:
                     await self._persist()
-                except RuntimeError as exc:  # rolled back to what etcd holds: nothing changed
+                except Exception as exc:  # rolled back to what etcd holds: nothing changed
                     raise errors.Unavailable(f"{exc}; nothing changed, retry the call") from None
         except errors.ServiceError as exc:
             for _, answer in batch:
@@ -500,5 +554,7 @@ class PlacementService(placement_scheduler_pb2_grpc.PlacementSchedulerServicer):
 
 def _may_retry_write(exc: Exception) -> bool:
     """A failed etcd write is worth another try unless this scheduler was deposed or a client
-    lease expired meanwhile (etcd answers NOT_FOUND for it: the same write fails again)."""
-    return not isinstance(exc, DeposedError) and not registry.lease_not_found(exc)
+    lease expired meanwhile (etcd answers NOT_FOUND for it: the same write fails again), or etcd
+    was away for as long as the write may wait (``with_etcd`` waited for it already)."""
+    return not isinstance(exc, DeposedError) and not registry.lease_not_found(exc) \
+        and not etcd_away(exc)

@@ -9,6 +9,12 @@ Liveness of jobs: a job submitted with its client's etcd lease gets ``placement/
 attached to that lease in the same transaction that places it. The key disappears when the
 client dies (or its lease is revoked), which the scheduler sees as the job failing — also while
 no scheduler runs, because the key's absence is checked again on takeover.
+
+etcd away: a transaction whose reply never came (the connection broke, the call timed out) may
+or may not have been applied. Sent again as it was, it is harmless either way (it puts whole
+records and deletes keys). Given up on instead, the store no longer knows what etcd holds, so the
+next save reads it back first and writes its diff against that, not against what this store
+last wrote: a change etcd took without saying so is then overwritten, never half kept.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import aetcd
 
 from rlharvest.common import keys
+from rlharvest.common.etcd_outage import etcd_away
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class PlacementStore:
         self._fence = fence_key.encode()
         self._persisted: dict[str, bytes] = {}  # relative record name -> stored JSON
         self._alive: dict[str, int] = {}  # job id -> lease id of its liveness key
+        self._unsure = False  # a transaction's fate is unknown: read etcd before the next diff
 
     @property
     def persisted(self) -> dict[str, dict[str, Any]]:
@@ -78,8 +86,12 @@ class PlacementStore:
                    leases: Mapping[str, int]) -> bool:
         """Make etcd hold exactly ``records`` and one liveness key per job in ``leases`` (job id
         -> its client's lease; 0 = untracked), in one fenced transaction; False when it held
-        them already (nothing written). On DeposedError or any etcd error nothing was
-        written."""
+        them already (nothing written). On DeposedError or an error etcd answered with nothing
+        was written; after no answer (etcd away) the next save reads etcd first (module doc)."""
+        reread = self._unsure
+        if reread:
+            await self.load()
+            self._unsure = False
         tx = self._etcd.transactions
         encoded = {name: json.dumps(r, sort_keys=True).encode() for name, r in records.items()}
         ops: list[Any] = []
@@ -94,13 +106,17 @@ class PlacementStore:
                 ops.append(tx.put(keys.placement_alive_key(job_id).encode(), b"{}", lease=lease))
         for job_id in self._alive.keys() - wanted.keys():
             ops.append(tx.delete(keys.placement_alive_key(job_id).encode()))
-        if not ops:
-            return False
+        if not ops:  # after a reread: etcd took a transaction it never answered, this one's
+            return reread  # records (the caller wakes long-polls for them)
         if len(ops) > MAX_TXN_OPS:
             raise RuntimeError(f"one change touches {len(ops)} etcd keys, more than etcd's "
                                f"{MAX_TXN_OPS} per transaction; raise --max-txn-ops")
-        ok, _ = await self._etcd.transaction(compare=[tx.version(self._fence) > 0],
-                                             success=ops, failure=[])
+        try:
+            ok, _ = await self._etcd.transaction(compare=[tx.version(self._fence) > 0],
+                                                 success=ops, failure=[])
+        except Exception as exc:
+            self._unsure = etcd_away(exc)  # no answer: applied or not (module doc)
+            raise
         if not ok:
             raise DeposedError(f"election key {self._fence.decode()} is gone: this scheduler "
                                "no longer leads; its writes were refused")

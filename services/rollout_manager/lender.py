@@ -6,7 +6,9 @@ what to hold, and carries it out: a claim is an etcd transaction that creates
 co-executor, and the claims go when the manager does (lease revoked at shutdown, or expired
 after a crash). The claimed co-executor activates, says so in its member record (``job``), and
 the manager's co-executor watch takes it in as a worker of kind ``serving``. Runs again on every
-change under either prefix and every ``interval_s``.
+change under either prefix and every ``interval_s``; a round that fails (etcd away, or an
+error etcd answered with) is tried again then: every claim is one transaction, and the next
+round plans from what etcd holds.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import aetcd
 
 from rlharvest.common import keys, registry
 from rlharvest.common.aio import wait_event
+from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
 from rlharvest.common.lending_record import Claim, parse_claim
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.lending import Lendable, plan_claims
@@ -47,8 +50,15 @@ class Lender:
                 wake.clear()
                 try:
                     await self.reconcile()
-                except (aetcd.ClientError, ConnectionError, OSError) as exc:  # etcd hiccup
-                    log.warning("lending: %r; trying again", exc)
+                except Exception as exc:
+                    if etcd_away(exc):
+                        etcd_failed(exc, "claiming serving co-executors")  # logged once
+                    elif isinstance(exc, aetcd.ClientError):  # an answer etcd gave
+                        log.warning("lending: %r; trying again", exc)
+                    else:
+                        raise
+                else:
+                    etcd_answered()
                 await wait_event(wake, self._interval_s)
         finally:
             for watcher in watchers:

@@ -12,6 +12,7 @@ from functools import partial
 
 from rlharvest.common import keys, registry
 from rlharvest.common.cli import service_app
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.rollout_manager.balancer import RoundRobinSelect, select_instance
@@ -115,7 +116,8 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
         service.leading = True  # steps from now on: the kept requests are known
         await host.set_serving(True)
         assert host.membership is not None  # registered before loops start
-        await host.membership.update(role="leader")
+        await with_etcd(partial(host.membership.update, role="leader"),
+                        "saying so in the member record")
         log.info("manager %s leads job %s on %s", cfg.manager_id, cfg.job, host.endpoint)
         await asyncio.Event().wait()  # lead until the service stops
     finally:

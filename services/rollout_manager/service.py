@@ -632,7 +632,21 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         return stream
 
     async def _announced(self) -> int | None:
-        announced = await registry.get_versioned(self._etcd, self._announced_key)
+        """The job's announced version, read while a client's SubmitStep waits: etcd away is
+        waited out for up to 30 s (issue 45), then the step is refused UNAVAILABLE, which the
+        trainer retries, rather than held for as long as the outage lasts."""
+        from rlharvest.common.etcd_outage import etcd_away, with_etcd  # (issue 45's policy)
+
+        try:
+            announced = await with_etcd(
+                lambda: registry.get_versioned(self._etcd, self._announced_key),
+                "reading the job's announced version", deadline_s=30.0)
+        except Exception as exc:
+            if not etcd_away(exc):
+                raise
+            raise errors.Unavailable(f"etcd unreachable for 30 s ({type(exc).__name__}) while "
+                                     "reading the job's announced version; retry the step") \
+                from None
         return None if announced is None else int(announced["version"])
 
     def _abandon(self, stream: ClientStream) -> None:

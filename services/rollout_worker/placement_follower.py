@@ -18,6 +18,9 @@ The turn, not the permit holder, is what it follows, so B's weights load while B
 its permit, and the switch overlaps the gap between the two jobs' phases. At most
 ``resident_jobs`` jobs' weights stay resident (least recently served dropped first). Jobs that
 share a node share the worker's model architecture: weights of another shape are refused.
+
+etcd away (issue 45, etcd_outage.py): the watch of the node record lists again once etcd is back,
+and a member record write waits for it, so the switch goes on from where it was.
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.common import keys, registry
+from rlharvest.common.etcd_outage import with_etcd
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +117,7 @@ class NodeFollower:
         # Taken out before the old job's weights go in: keeping those must not evict these.
         resident = self._resident.pop(job, None) if job else None
         if old:
-            await self._register("")  # first out: the old job's manager lets go of it
+            await self._say_serving("")  # first out: the old job's manager lets go of it
             await self._stop_pulling()
             self._keep(old, await self._resident_copy(old))
         self.job = job
@@ -132,12 +137,18 @@ class NodeFollower:
                 self._pullers[job] = self._make_puller(job)
             self._pulling = asyncio.create_task(self._supervise(job, self._pullers[job]),
                                                 name=f"weight puller {job}")
-        await self._register(job)
+        await self._say_serving(job)
         seconds = time.perf_counter() - started
         SWITCHES.labels("warm" if warm else "cold").inc()
         SWITCH_SECONDS.observe(seconds)
         log.info("node %s: serving job %s (was %s) at weight version %d, %s load, %.3f s",
                  self.node_id, job, old or "none", version, "warm" if warm else "cold", seconds)
+
+    async def _say_serving(self, job: str) -> None:
+        """``register(job)``: a member record write, so etcd away is waited out (the loop would
+        stop the worker otherwise); repeating it is harmless."""
+        await with_etcd(partial(self._register, job),
+                        f"naming job {job or 'none'!r} in the member record")
 
     async def _resident_copy(self, job: str) -> tuple[Weights, int]:
         """The leaving job's weights: its puller's held tensors when they are what the engine

@@ -6,7 +6,8 @@ A pull that fails (the agent died mid-pull, data stayed damaged, deltas failed v
 retried from another agent whose holder record lists the version; deltas that apply at no holder
 are pulled again dense, from the holders whose failure a dense pull avoids
 (``client.may_serve_dense``). With no agent registered the worker keeps serving what it has and
-waits."""
+waits; so it does while etcd is away (the outage logged once, etcd_outage.py), trying again every
+``_RETRY_S``."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
+from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
@@ -90,11 +92,18 @@ class Puller:
         try:
             while True:
                 try:
-                    if not await self._step():
-                        await asyncio.sleep(_RETRY_S)
-                        continue
-                except (aetcd.ClientError, ConnectionError, OSError) as exc:  # etcd hiccup
-                    log.warning("weight puller: %r; retrying", exc)
+                    pulled = await self._step()
+                except Exception as exc:
+                    if etcd_away(exc):
+                        etcd_failed(exc, "the weight puller's etcd reads")  # logged once
+                    elif isinstance(exc, aetcd.ClientError):  # an answer etcd gave
+                        log.warning("weight puller: %r; retrying", exc)
+                    else:
+                        raise
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+                etcd_answered()  # _step reads etcd first: it answered
+                if not pulled:
                     await asyncio.sleep(_RETRY_S)
                     continue
                 self._wake.clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from rlharvest.common import keys, registry
+from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.trainer.seeding_window import SeedingWindow, StepTimings
 
@@ -60,8 +61,12 @@ class InstanceCap:
         try:
             await self._etcd.put(self._key.encode(), registry.instance_cap_record(n_prem))
         except Exception as exc:  # advisory: the next step writes again
-            log.warning("could not write the instance cap N_prem=%d: %s", n_prem, exc)
+            if etcd_away(exc):  # the outage logged once, not at every step
+                etcd_failed(exc, "writing the instance cap")
+            else:
+                log.warning("could not write the instance cap N_prem=%d: %s", n_prem, exc)
             return None
+        etcd_answered()
         log.info("instance cap N_prem=%d (t_remote %.2fs x %.2f instances / t_train %.2fs)",
                  n_prem, remote.t_remote, remote.n_prem_mean, t_train)
         return n_prem

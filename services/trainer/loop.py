@@ -253,6 +253,10 @@ class TrainerLoop:
                 self._data.task.restore_state(state.extra.get("task", {}))
                 self._restore_tail(state.extra.get("tail_batching"))
                 announced = await rollout_client.announced_version(self._etcd, self._cfg.job)
+                if self._publisher is not None:  # held but not announced yet counts too
+                    held = await self._publisher.latest_held()
+                    announced = max((v for v in (announced, held) if v is not None),
+                                    default=None)
                 self._version, publish = resume_version(state.weight_version, announced)
                 self.status.resumed_from_step = state.step
                 log.info("resumed from checkpoint of step %d (version %d, announced %s): "

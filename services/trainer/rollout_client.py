@@ -198,6 +198,14 @@ class Publisher:
         return self._agent or await with_etcd(partial(self._client.find_agent, self._etcd),
                                               "looking up a transfer agent")
 
+    async def latest_held(self) -> int | None:
+        """The newest version a live agent holds for the job (None: none holds any). An agent
+        may hold a version it could not announce yet (etcd was away): a restarted trainer must
+        not publish that number again."""
+        agents = await with_etcd(partial(self._client.holders, self._etcd, self._job),
+                                 "reading the version's holders")
+        return max((int(r["latest"]) for r in agents.values() if "latest" in r), default=None)
+
     async def held_anywhere(self, version: int) -> bool:
         """Whether a live agent's holder record lists ``version`` (the records live on the
         agents' leases) or a worker of the job holds it."""

@@ -17,9 +17,11 @@ import asyncio
 import logging
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING
 
 from rlharvest.common import registry
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Servicer
 from rlharvest.services.rollout_worker.config import WorkerConfig
@@ -116,8 +118,9 @@ class SeedRole:
         """The trainer's weights after an optimizer step, in memory; the member record follows
         so the manager dispatches the next version's requests here."""
         await self.service.load_weights_tensors(tensors, version)
-        if self._membership is not None:
-            await self._membership.update(weight_version=version)
+        if self._membership is not None:  # etcd away: the training loop waits for it
+            await with_etcd(partial(self._membership.update, weight_version=version),
+                            "writing the seed worker's weight version")
 
     def close(self) -> None:
         self.service.close()

@@ -27,6 +27,7 @@ import grpc
 from prometheus_client import Counter
 
 from rlharvest.common import registry
+from rlharvest.common.etcd_outage import etcd_away, with_etcd
 from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import PhaseRun
 from rlharvest.services.placement_scheduler.model import Pool
@@ -63,9 +64,11 @@ async def assigned_by_node(etcd: aetcd.Client, manager: str, job: str) -> dict[s
     status = await manager_status(manager, timeout=2.0)
     if status is None:
         return {}
+    # One look (the reporter tries again next interval); an outage is logged once.
+    members = await with_etcd(partial(registry.list_members, etcd, "rollout_worker"),
+                              "reading the placed workers' nodes", deadline_s=0)
     node_of = {info.get("worker_id", key.rsplit("/", 1)[-1]): info.get("placement_node")
-               for key, info in (await registry.list_members(etcd, "rollout_worker")).items()
-               if info.get("job") == job}
+               for key, info in members.items() if info.get("job") == job}
     out: dict[str, int] = {}
     for worker in status.workers:
         node = node_of.get(worker.worker_id)
@@ -92,8 +95,9 @@ async def report_until_migrated(run: PhaseRun, etcd: aetcd.Client, manager: Call
         try:
             migration = await asyncio.shield(report)
         except (OSError, aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
-            log.warning("placement: progress report of job %s failed (%r); next in %.1f s", job,
-                        exc, interval_s)
+            if not (isinstance(exc, aetcd.ClientError) and etcd_away(exc)):  # else logged once
+                log.warning("placement: progress report of job %s failed (%r); next in %.1f s",
+                            job, exc, interval_s)
             continue
         if migration is not None:
             return

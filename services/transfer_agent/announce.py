@@ -1,7 +1,13 @@
 """What an agent tells etcd when a version lands: its holder record (the versions it holds and
 what the memory bound evicted, under its lease, gone with it) and the job's forward-only
 announcement that workers and relays watch; and, when it drops an idle job, that it holds the
-job no more (the holder record deleted)."""
+job no more (the holder record deleted).
+
+etcd away (issue 45, etcd_outage.py): an announcement waits for it, without a deadline. The
+version is held by then and versions only move forward, so a publish failed here could not be
+sent again: the trainer's publish (or the relay) waits out the outage instead. Deleting a
+dropped job's record is tried once per idle check: the check comes round again, and it must not
+hold up the announcements behind it."""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 
 import aetcd
 
 from rlharvest.common import keys, registry
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.version_store import EvictionRecord
 
@@ -43,10 +51,14 @@ class Announcer:
         if membership is not None and self.holders_again not in membership.on_registered_again:
             membership.on_registered_again.append(self.holders_again)
         async with self._writing:
-            await self._put_holder(job, membership)
+            await with_etcd(partial(self._put_holder, job, membership),
+                            f"writing job {job}'s holder record")
         try:
-            await registry.put_versioned(self._etcd, keys.weights_announced_key(job), version, {
-                "agent_id": self._cfg.agent_id, "endpoint": self._endpoint, "at": time.time()})
+            # Repeating it is safe: a retry after a write that landed finds the version stored.
+            await with_etcd(partial(
+                registry.put_versioned, self._etcd, keys.weights_announced_key(job), version,
+                {"agent_id": self._cfg.agent_id, "endpoint": self._endpoint, "at": time.time()}),
+                f"announcing version {version} of job {job}")
         except registry.StaleVersionError:
             pass  # another agent announced this version (or a newer one) first
 
@@ -62,12 +74,15 @@ class Announcer:
     async def forget(self, job: str) -> None:
         """The agent's ``on_dropped`` hook: delete the holder record of a job it dropped, so
         workers and relays stop asking it. A job published again since (it holds versions of it
-        now) keeps the record that publish put."""
+        now) keeps the record that publish put. One try (module doc): etcd away raises its
+        error, the outage logged once, for the idle check to try again next round."""
         async with self._writing:
             if self._held(job):
                 return
             self._evicted.pop(job, None)
-            await self._etcd.delete(keys.weights_holder_key(job, self._cfg.agent_id).encode())
+            await with_etcd(partial(self._etcd.delete,
+                                    keys.weights_holder_key(job, self._cfg.agent_id).encode()),
+                            f"deleting dropped job {job}'s holder record", deadline_s=0)
 
     async def _put_holder(self, job: str, membership: registry.Membership | None) -> None:
         cfg, held = self._cfg, self._held(job)

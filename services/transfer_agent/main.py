@@ -37,8 +37,8 @@ async def build(host: Host[AgentConfig]) -> Parts:
              else "keeping every job (job_idle_s 0)")
     loops = [Loop("relay", Replicator(cfg, service, host.etcd).run)] if cfg.relay else []
     if cfg.job_idle_s:
-        # Restarted when it raises (etcd unreachable while deleting a holder record): the
-        # dropped jobs' records are deleted at its next round.
+        # etcd away while deleting a holder record: the dropped jobs' records are deleted at
+        # its next round (forget_dropped). Restarted when it raises otherwise.
         loops.append(Loop("idle jobs", service.drop_idle_jobs, on_crash="restart"))
     return Parts(
         member_id=cfg.agent_id,

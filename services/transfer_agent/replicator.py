@@ -6,7 +6,8 @@ pull is scattered over every holder on the far side (scatter_pull.py); when the 
 had (the holders serve no HTTP data path, disagree, or fail) the gateway pulls from one holder
 over the gRPC stream instead. A failed relay of a version is tried again after a backoff. With
 job_idle_s, a job whose latest announcement is older than that is not relayed: it is idle, and
-an agent that dropped it would otherwise pull it straight back."""
+an agent that dropped it would otherwise pull it straight back. etcd away is waited out
+(etcd_outage.py): the loop pauses until etcd answers, and the agent serves what it holds."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import grpc
 import torch
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.services.transfer_agent import metrics
 from rlharvest.services.transfer_agent.client import (
     AGENT_ROLE,
@@ -92,7 +95,8 @@ class Replicator:
             watcher.cancel()
 
     async def _round(self) -> None:
-        found = await self.etcd.get_prefix(_WEIGHTS_PREFIX.encode())
+        found = await with_etcd(partial(self.etcd.get_prefix, _WEIGHTS_PREFIX.encode()),
+                                "reading the announcements to relay")
         announced = {kv.key.decode().split("/")[-2]: json.loads(kv.value)
                      for kv in found if kv.key.decode().endswith("/announced")}
         only = {j for j in self.cfg.relay_jobs.split(",") if j}
@@ -114,9 +118,11 @@ class Replicator:
                 await self._source(job, version)
 
     async def _source(self, job: str, version: int) -> None:
-        agents = await registry.list_members(self.etcd, "transfer_agent")
+        agents = await with_etcd(partial(registry.list_members, self.etcd, "transfer_agent"),
+                                 "listing the transfer agents to relay from")
         clusters = {info["agent_id"]: info.get("cluster", "default") for info in agents.values()}
-        records = await holders(self.etcd, job)
+        records = await with_etcd(partial(holders, self.etcd, job),
+                                  f"reading job {job}'s holder records")
         having = {agent: r for agent, r in records.items()
                   if version in r.get("versions", ()) and agent in clusters}
         source = relay_source(self.cfg.agent_id, clusters, having, self.cfg.relay_mode)

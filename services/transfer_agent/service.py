@@ -22,6 +22,7 @@ import grpc
 import torch
 
 from rlharvest.common import errors, server_guard
+from rlharvest.common.etcd_outage import etcd_away
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.services.transfer_agent import flat_shards, metrics, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
@@ -213,10 +214,17 @@ class AgentService(transfer_agent_pb2_grpc.TransferAgentServicer):
 
     async def forget_dropped(self) -> None:
         """Run the on_dropped hook (delete the holder record) for every dropped job not yet
-        forgotten; one that raises is tried again at the next call."""
+        forgotten; one that raises is tried again at the next call. etcd away (the hook logs
+        the outage) ends this round quietly: the next idle check tries again, and the loop
+        does not crash and restart for every check of an outage."""
         for job in sorted(self._unannounced):
             if self._on_dropped is not None:
-                await self._on_dropped(job)
+                try:
+                    await self._on_dropped(job)
+                except Exception as exc:
+                    if not etcd_away(exc):
+                        raise
+                    return  # the others would fail alike
             self._unannounced.discard(job)
 
     async def drop_idle_jobs(self) -> None:
