@@ -57,6 +57,17 @@ def etcd_failed(exc: BaseException, what: str) -> None:
                     what, type(exc).__name__)
 
 
+def tolerate(exc: Exception, what: str) -> None:
+    """A loop that retries on its own schedule met ``exc``: an outage is noted (logged once),
+    an answer etcd gave (an ``aetcd.ClientError``) logged, anything else raised again."""
+    if etcd_away(exc):
+        etcd_failed(exc, what)
+    elif isinstance(exc, aetcd.ClientError):
+        log.warning("%s: %r; trying again", what, exc)
+    else:
+        raise exc
+
+
 def etcd_answered() -> None:
     """An etcd call succeeded: an outage under way has ended."""
     if _Outage.since is not None:

@@ -178,8 +178,9 @@ async def connect(endpoint: str, timeout: float = 5.0) -> aetcd.Client:
     except Exception as exc:
         await client.close()
         if username and isinstance(exc, aetcd.exceptions.InvalidArgumentError):
-            raise ConnectionError(f"etcd at {endpoint} refused user {username!r}: {exc}; check "
-                                  "etcd_username and etcd_password") from exc
+            # Not an outage (etcd_outage.etcd_away): waiting would not change the answer.
+            raise ConfigError(f"etcd at {endpoint} refused user {username!r}: {exc}; check "
+                              "etcd_username and etcd_password") from exc
         hint = ("; over TLS, etcd's certificate must be signed by tls_ca and tls_cert by a CA "
                 "etcd trusts" if target.tls else "")
         raise ConnectionError(f"etcd at {endpoint} did not answer: {exc!r}{hint}") from exc

@@ -44,6 +44,7 @@ from pydantic import SecretStr
 
 from rlharvest.common import registry, rpc, tls
 from rlharvest.common.config import ServiceConfig
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.observability import HealthCheck, setup_logging, start_http
 from rlharvest.common.retry import Backoff
 
@@ -55,6 +56,7 @@ C = TypeVar("C", bound=ServiceConfig)
 
 # A loop that ran this long before it crashed starts its restart backoff over.
 _HEALTHY_RUN_S = 30.0
+_ETCD_START_WAIT_S = 60.0  # how long a starting service waits for etcd before it fails
 
 
 class HostedConfig(Protocol):
@@ -226,7 +228,15 @@ class Host(Generic[C]):
 
     async def _start(self, cfg: HostedConfig) -> None:
         _process_wide(cfg)  # every server, channel and etcd client after this
-        self._etcd = await registry.connect(cfg.etcd)
+        # Started while etcd restarts (a supervisor's restart beside etcd's): wait for it as
+        # every later etcd call does (etcd_outage.py), up to a minute, then fail with the
+        # connection's error; a stop meanwhile ends the wait.
+        connect = with_etcd(partial(registry.connect, cfg.etcd), "connecting to etcd",
+                            deadline_s=_ETCD_START_WAIT_S)
+        task = asyncio.ensure_future(connect)
+        if not await self._until_stopped(task):
+            return
+        self._etcd = task.result()
         self._bound, port = rpc.bind_server(cfg.host, cfg.port, cfg.max_message_bytes)
         advertise = cfg.advertise_host or cfg.host
         self.endpoint = f"{advertise}:{port}"

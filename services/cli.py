@@ -325,7 +325,7 @@ def status(etcd: str = typer.Option("127.0.0.1:2379", help="etcd host:port "
         return
     try:
         rows = asyncio.run(_collect(etcd, timeout))
-    except ConnectionError as exc:
+    except (ConnectionError, ConfigError) as exc:  # unreachable, or refused our credentials
         console.print(f"[red]rlharvest status:[/] {exc}; is the stack up (`rlharvest up`)?")
         raise typer.Exit(1) from None
     table = Table(title=f"rlharvest members (etcd {etcd})")

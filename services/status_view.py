@@ -25,6 +25,7 @@ from rich.text import Text
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
+from rlharvest.common.config import ConfigError
 from rlharvest.common.pb import rollout_manager_pb2, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.pb import trainer_pb2, trainer_pb2_grpc
@@ -410,7 +411,7 @@ class Watcher:
             records = await asyncio.wait_for(registry.list_members(self._client), self.timeout)
         except Exception as exc:  # etcd down or gone: say so, keep the last view, retry
             await self.close()
-            reason = str(exc) if isinstance(exc, ConnectionError) else repr(exc)
+            reason = str(exc) if isinstance(exc, (ConnectionError, ConfigError)) else repr(exc)
             reason = reason.removeprefix(f"etcd at {self.etcd} did not answer: ")
             base = self._last or Snapshot(self.etcd)
             return replace(base, taken_at=now, refresh=self._refreshes,

@@ -21,7 +21,7 @@ import aetcd
 
 from rlharvest.common import keys, registry
 from rlharvest.common.aio import wait_event
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, tolerate
 from rlharvest.common.lending_record import Claim, parse_claim
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.lending import Lendable, plan_claims
@@ -51,12 +51,7 @@ class Lender:
                 try:
                     await self.reconcile()
                 except Exception as exc:
-                    if etcd_away(exc):
-                        etcd_failed(exc, "claiming serving co-executors")  # logged once
-                    elif isinstance(exc, aetcd.ClientError):  # an answer etcd gave
-                        log.warning("lending: %r; trying again", exc)
-                    else:
-                        raise
+                    tolerate(exc, "claiming serving co-executors")  # an outage logged once
                 else:
                     etcd_answered()
                 await wait_event(wake, self._interval_s)

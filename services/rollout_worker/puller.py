@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.common import keys, registry, rpc
 from rlharvest.common.aio import wait_event
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, tolerate
 from rlharvest.common.engine_types import EngineInputError
 from rlharvest.services.rollout_worker.service import WorkerService
 from rlharvest.services.transfer_agent.checksum import tensor_linear_sum
@@ -94,12 +94,7 @@ class Puller:
                 try:
                     pulled = await self._step()
                 except Exception as exc:
-                    if etcd_away(exc):
-                        etcd_failed(exc, "the weight puller's etcd reads")  # logged once
-                    elif isinstance(exc, aetcd.ClientError):  # an answer etcd gave
-                        log.warning("weight puller: %r; retrying", exc)
-                    else:
-                        raise
+                    tolerate(exc, "the weight puller's etcd reads")  # an outage logged once
                     await asyncio.sleep(_RETRY_S)
                     continue
                 etcd_answered()  # _step reads etcd first: it answered

@@ -51,6 +51,18 @@ def references() -> dict[str, tuple[dict[str, list[int]], str]]:
     return refs
 
 
+async def own_start_weights(etcd_client, tmp_path, refs) -> dict:
+    """Each job's start weights in a file (a worker's --weights), and their fingerprint in etcd
+    as the job's trainer writes it before its first step."""
+    files = {}
+    for job, seed in JOBS.items():
+        files[job] = tmp_path / f"{job}.safetensors"
+        save_file(job_weights(seed), str(files[job]))
+        await etcd_client.put(keys.start_weights_key(job).encode(),
+                              start_weights.record(refs[job][1], f"tiny seed {seed} x10"))
+    return files
+
+
 def assert_own_tokens(done: dict[str, mpb.Completion], reference: dict[str, list[int]],
                       job: str) -> None:
     assert len(done) == N and not any(c.failed for c in done.values()), job
@@ -65,13 +77,7 @@ async def workers_of(manager) -> set[str]:
 async def test_two_jobs_at_equal_versions_on_shared_workers_each_train_only_their_own_tokens(
         stack, etcd_client, tmp_path):
     refs = references()
-    files = {}
-    for job, seed in JOBS.items():
-        files[job] = tmp_path / f"{job}.safetensors"
-        save_file(job_weights(seed), str(files[job]))
-        # What each job's trainer writes before its first step.
-        await etcd_client.put(keys.start_weights_key(job).encode(),
-                              start_weights.record(refs[job][1], f"tiny seed {seed} x10"))
+    files = await own_start_weights(etcd_client, tmp_path, refs)
     workers = [launch_worker(stack, f"w-{job}", "--job", job, "--weights", str(files[job]),
                              "--max-running", "4") for job in JOBS]
     # Named for job ja but started from jb's weights: at version 0 it holds jb's policy.
@@ -166,12 +172,7 @@ async def test_a_placed_worker_switching_jobs_serves_each_only_with_that_jobs_we
     for ja's manager is adopted by jb's. Back on ja (a warm load), ja's step ends on ja's
     weights, every token once."""
     refs = references()
-    files = {}
-    for job, seed in JOBS.items():
-        files[job] = tmp_path / f"{job}.safetensors"
-        save_file(job_weights(seed), str(files[job]))
-        await etcd_client.put(keys.start_weights_key(job).encode(),
-                              start_weights.record(refs[job][1], f"tiny seed {seed} x10"))
+    files = await own_start_weights(etcd_client, tmp_path, refs)
     node = keys.placement_node_key("node-1").encode()
     await etcd_client.put(node, b'{"turn": "ja"}')
     placed = launch_worker(stack, "w-placed", "--placement-node", "node-1", "--weights",
