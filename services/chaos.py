@@ -46,6 +46,7 @@ class Soak:
     faults: Counter = field(default_factory=Counter)
     regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
     serial: int = 0
+    etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)  # when, raft, bytes
 
     def name(self, prefix: str) -> str:
         self.serial += 1
@@ -149,6 +150,30 @@ def _flag(proc: ServiceProcess, flag: str) -> str:
     return str(args[args.index(flag) + 1]) if flag in args else "0"
 
 
+async def sample_etcd(soak: Soak) -> None:
+    """etcd's raft index (its writes and lease grants) and database size, for the report."""
+    status = await _quietly(_status(soak))
+    if status is not None:
+        soak.etcd_samples.append((time.monotonic(), status.raft_index, status.db_size))
+
+
+async def _status(soak: Soak):
+    client = await registry.connect(soak.etcd.endpoint)
+    try:
+        return await client.status()
+    finally:
+        await client.close()
+
+
+def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
+    if len(samples) < 2:
+        return "etcd: not sampled"
+    (t0, raft0, db0), (t1, raft1, db1) = samples[0], samples[-1]
+    rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
+    return (f"etcd: {rate:.0f} raft entries a minute; database {db0 / 1024:.0f} KiB -> "
+            f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB)")
+
+
 def trainer_messages(soak: Soak) -> list[str]:
     path = soak.stack.log_dir / "trainer.log"
     return [json.loads(line).get("msg", "") for line in path.read_text().splitlines()
@@ -170,6 +195,7 @@ async def soak(minutes: float, seed: int, workdir: Path) -> int:
         for _ in range(WORKERS):
             start_worker(run)
         start_trainer(run)
+        await sample_etcd(run)
         deadline = time.monotonic() + minutes * 60
         while True:
             fault = plan.next()
@@ -179,11 +205,13 @@ async def soak(minutes: float, seed: int, workdir: Path) -> int:
             while time.monotonic() < until:
                 scrape_regenerated(run)
                 await asyncio.sleep(0.5)
+            await sample_etcd(run)
             hit = await inject(run, fault)
             run.faults[fault.kind if hit else f"{fault.kind} (skipped)"] += 1
             log.info("fault: %s%s", fault.kind, "" if hit else " (no target)")
         await asyncio.sleep(20)  # the last fault's recovery, a step or two on top
         scrape_regenerated(run)
+        await sample_etcd(run)
         return report(run, await _quietly(_roles(run)))
     finally:
         stack.stop()
@@ -215,6 +243,7 @@ def report(run: Soak, roles: list[str] | None) -> int:
     if roles is None or roles.count("leader") != 1:
         problems.append(f"manager roles at the end: {roles}")
     print("faults survived:", ", ".join(f"{k} {n}" for k, n in sorted(run.faults.items())))
+    print(etcd_growth(run.etcd_samples))
     print(f"steps trained: {len(lineage)} (lineage {lineage[:3]}...{lineage[-2:]}); "
           f"tokens regenerated: {regenerated:.0f}; manager roles: {roles}")
     for problem in problems:
