@@ -12,7 +12,6 @@ credentials) are not outages and propagate at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -32,8 +31,8 @@ ETCD_UP = Gauge("rlh_etcd_up", "1 while this process reaches etcd; 0 during an o
 ETCD_UP.set(1)
 BACKOFF = Backoff(first_s=0.2, max_s=2.0)
 
-_AWAY = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, ConnectionError, OSError,
-         asyncio.TimeoutError)
+# OSError covers ConnectionError and (since 3.11) asyncio.TimeoutError.
+_AWAY = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, OSError)
 
 
 def etcd_away(exc: BaseException) -> bool:
@@ -49,8 +48,11 @@ class _Outage:
 
 
 def etcd_failed(exc: BaseException, what: str) -> None:
-    """An etcd call failed with ``exc`` (``etcd_away``): logged if it starts an outage."""
-    if _Outage.since is None:
+    """An etcd call for ``what`` failed with ``exc``: an outage (``etcd_away``) is logged when
+    it starts, not at every retry; any other failure is logged as it comes."""
+    if not etcd_away(exc):
+        log.warning("%s failed: %r", what, exc)
+    elif _Outage.since is None:
         _Outage.since = time.monotonic()
         ETCD_UP.set(0)
         log.warning("etcd unreachable (%s: %s); waiting for it, every etcd call retried",
@@ -60,12 +62,9 @@ def etcd_failed(exc: BaseException, what: str) -> None:
 def tolerate(exc: Exception, what: str) -> None:
     """A loop that retries on its own schedule met ``exc``: an outage is noted (logged once),
     an answer etcd gave (an ``aetcd.ClientError``) logged, anything else raised again."""
-    if etcd_away(exc):
-        etcd_failed(exc, what)
-    elif isinstance(exc, aetcd.ClientError):
-        log.warning("%s: %r; trying again", what, exc)
-    else:
+    if not (etcd_away(exc) or isinstance(exc, aetcd.ClientError)):
         raise exc
+    etcd_failed(exc, what)
 
 
 def etcd_answered() -> None:
@@ -85,7 +84,7 @@ async def with_etcd(call: Callable[[], Awaitable[T]], what: str,
         try:
             result = await call()
         except Exception as exc:
-            if etcd_away(exc):
+            if etcd_away(exc):  # other errors propagate: their caller says what they mean
                 etcd_failed(exc, what)
             raise
         etcd_answered()

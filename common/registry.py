@@ -212,10 +212,7 @@ async def keep_lease(lease: aetcd.Lease, ttl: float, what: str) -> None:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # etcd briefly unreachable: keep trying until the TTL runs out
-            if etcd_away(exc):
-                etcd_failed(exc, f"renewing the lease of {what}")
-            else:
-                log.warning("lease refresh for %s failed: %r", what, exc)
+            etcd_failed(exc, f"renewing the lease of {what}")
             continue
         etcd_answered()
         if reply.TTL <= 0:

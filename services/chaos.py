@@ -22,15 +22,21 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
-from rlharvest.common import registry
+import aetcd
+
+from rlharvest.common import keys, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.services.chaos_plan import Fault, FaultPlan, applied_lineage, lineage_problems
 from rlharvest.services.launcher import LocalStack, ServiceProcess
 
 log = logging.getLogger("rlharvest.chaos")
+T = TypeVar("T")
 COMMON = ["--lease-ttl", "2", "--json-logs"]
 WORKERS = 3
 
@@ -82,16 +88,26 @@ def start_trainer(soak: Soak) -> ServiceProcess:
     return soak.stack.start("trainer", "trainer", soak.trainer_flags)
 
 
-async def leader(soak: Soak) -> ServiceProcess | None:
-    """The process of the manager whose record says it leads (None during a failover)."""
+async def _ask_etcd(soak: Soak, ask: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    """``ask(client)`` on a client of its own: etcd restarts under the soak, none is kept."""
     client = await registry.connect(soak.etcd.endpoint)
     try:
-        members = await registry.list_members(client, "rollout_manager")
+        return await ask(client)
     finally:
         await client.close()
-    ids = {info.get("manager_id", key.rsplit("/", 1)[-1]) for key, info in members.items()
-           if info.get("role") == "leader"}
-    return next((p for p in soak.live("rollout_manager") if p.name in ids), None)
+
+
+async def manager_roles(soak: Soak) -> dict[str, str]:
+    """Manager id -> the role its member record states."""
+    members = await _ask_etcd(soak, partial(registry.list_members, service="rollout_manager"))
+    return {keys.parse_member_key(key)[1]: str(info.get("role")) for key, info in members.items()}
+
+
+async def leader(soak: Soak) -> ServiceProcess | None:
+    """The process of the manager whose record says it leads (None during a failover)."""
+    roles = await manager_roles(soak)
+    return next((p for p in soak.live("rollout_manager") if roles.get(p.name) == "leader"),
+                None)
 
 
 async def inject(soak: Soak, fault: Fault) -> bool:
@@ -152,17 +168,9 @@ def _flag(proc: ServiceProcess, flag: str) -> str:
 
 async def sample_etcd(soak: Soak) -> None:
     """etcd's raft index (its writes and lease grants) and database size, for the report."""
-    status = await _quietly(_status(soak))
+    status = await _quietly(_ask_etcd(soak, lambda client: client.status()))
     if status is not None:
         soak.etcd_samples.append((time.monotonic(), status.raft_index, status.db_size))
-
-
-async def _status(soak: Soak):
-    client = await registry.connect(soak.etcd.endpoint)
-    try:
-        return await client.status()
-    finally:
-        await client.close()
 
 
 def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
@@ -212,18 +220,10 @@ async def soak(minutes: float, seed: int, workdir: Path) -> int:
         await asyncio.sleep(20)  # the last fault's recovery, a step or two on top
         scrape_regenerated(run)
         await sample_etcd(run)
-        return report(run, await _quietly(_roles(run)))
+        roles = await _quietly(manager_roles(run))
+        return report(run, None if roles is None else sorted(roles.values()))
     finally:
         stack.stop()
-
-
-async def _roles(soak: Soak) -> list[str]:
-    client = await registry.connect(soak.etcd.endpoint)
-    try:
-        members = await registry.list_members(client, "rollout_manager")
-    finally:
-        await client.close()
-    return sorted(str(info.get("role")) for info in members.values())
 
 
 def report(run: Soak, roles: list[str] | None) -> int:

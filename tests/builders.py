@@ -168,7 +168,8 @@ def drain_tokens(engine) -> dict[str, list[int]]:
 
 class FlakyEtcd:
     """aetcd's put, failing while ``down`` and for its first ``failures`` calls; what reached
-    etcd, in order. For a member record's writes (``stub_membership``)."""
+    etcd, in order. For a member record's writes (``stub_membership``). Its reads find no key
+    (a keyspace no one wrote: no job declared its start weights, say)."""
 
     def __init__(self, failures: int = 0) -> None:
         self.down, self.failures, self.records = False, failures, []
@@ -178,6 +179,11 @@ class FlakyEtcd:
             self.failures = max(self.failures - 1, 0)
             raise ConnectionError("etcd unreachable")
         self.records.append(json.loads(value))
+
+    async def get(self, key: bytes) -> None:
+        if self.down:
+            raise ConnectionError("etcd unreachable")
+        return None
 
 
 def stub_membership(etcd: FlakyEtcd, key: str, info: dict) -> Membership:

@@ -13,9 +13,10 @@ every call is one message to a child process that owns the real engine, over a p
   them between the same two: after a call the child holds until the next ``step``. A call made
   while the child steps waits for that step to end.
 * Every message carries the engine's state after it (weight version, whether it has work, its
-  load, its start weights' fingerprint): the pump reads those every step, and the newest message's state is never stale, so
-  reading them costs no round trip. A step's own facts (its prefill tokens) come with its
-  outputs. Steps computed ahead wait in order; ``has_work`` is true while one does.
+  load, its start weights' fingerprint): the pump reads those every step, and the newest
+  message's state is never stale, so reading them costs no round trip. A step's own facts (its
+  prefill tokens) come with its outputs. Steps computed ahead wait in order; ``has_work`` is
+  true while one does.
 * Semantics the worker keeps: a step computed before a call is handed out after it. Its
   outputs of a request the call aborted are dropped here, so a request added again under the
   same id (a migration sent straight back, a client's retry) never takes a token of the

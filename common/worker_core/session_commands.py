@@ -7,8 +7,9 @@ that goes away has its requests taken out of the engine, or, with ``keep_s``, ke
 successor manager, whose add continuing one adopts it. A weight swap loads between steps and
 ends the requests the policy says a swap ends. A load names the job whose weights it loads: the
 worker serves that job's requests from then on, and no request kept before it may be adopted
-(issue 49: a version is a job's, never a bare integer). All engine calls go through a ``StepLoop`` — the
-``EnginePump``, or a service's own loop that keeps the same promise: mutations run between steps.
+(issue 49: a version is a job's, never a bare integer). All engine calls go through a
+``StepLoop`` — the ``EnginePump``, or a service's own loop that keeps the same promise:
+mutations run between steps.
 """
 
 from __future__ import annotations

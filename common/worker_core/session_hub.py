@@ -194,11 +194,7 @@ class SessionHub:
         session.finished.clear()
         metrics.KEPT.set(len(self.kept_ids()))
         if kept:  # a successor may have opened its session already (a handover on SIGTERM)
-            event = pb.WorkerEvent(kept=pb.KeptRequests(
-                request_ids=sorted(self.kept_ids(session.job))))
-            for other in self._sessions:
-                if other.job == session.job:  # another job's manager never hears of them
-                    other.push(event)
+            self.announce_kept(session.job)  # another job's manager never hears of them
         return kept
 
     def kept_ids(self, job: str | None = None) -> list[str]:
@@ -218,12 +214,14 @@ class SessionHub:
             session.finished.clear()
         return [rid for rid, held in self._held.items() if held.session is self._orphanage]
 
-    def announce_kept(self) -> None:
-        """Every open session gets its job's kept list anew (each list replaces the one before:
-        one emptied by ``drop_kept`` tells the managers to forget what they were told)."""
+    def announce_kept(self, job: str | None = None) -> None:
+        """Every open session (of ``job``, when given) gets its job's kept list anew. Each list
+        replaces the one before: one emptied by ``drop_kept`` tells the managers to forget what
+        they were told."""
         for session in self._sessions:
-            session.push(pb.WorkerEvent(kept=pb.KeptRequests(
-                request_ids=sorted(self.kept_ids(session.job)))))
+            if job in (None, session.job):
+                session.push(pb.WorkerEvent(kept=pb.KeptRequests(
+                    request_ids=sorted(self.kept_ids(session.job)))))
 
     def is_kept(self, request_id: str) -> bool:
         held = self._held.get(request_id)

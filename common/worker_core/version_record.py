@@ -26,7 +26,7 @@ class VersionRecord:
     ``changed`` is the worker service's ``on_version_change`` (called on the event loop)."""
 
     def __init__(self, membership: Callable[[], Membership | None], version: Callable[[], int],
-                 start_weights: Callable[[], str] = lambda: "", retry_s: float = 0.5) -> None:
+                 start_weights: Callable[[], str], retry_s: float = 0.5) -> None:
         self._membership, self._retry_s = membership, retry_s
         self._state = lambda: (version(), start_weights())
         self._task: asyncio.Task | None = None

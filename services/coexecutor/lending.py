@@ -24,7 +24,7 @@ import aetcd
 
 from rlharvest.common import keys, registry
 from rlharvest.common.aio import wait_event, wait_for
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, tolerate
 from rlharvest.common.lending_record import Claim, parse_claim
 
 log = logging.getLogger(__name__)
@@ -108,13 +108,8 @@ class LendingWatch:
         """(whether etcd answered, the claim it holds)."""
         try:
             found = await wait_for(self._etcd.get(self._key.encode()), self._probe_s)
-        except Exception as exc:
-            if etcd_away(exc):  # the outage logged once; the lending lapses after lapse_s
-                etcd_failed(exc, "reading the co-executor's lending record")
-            elif isinstance(exc, aetcd.ClientError):  # an answer etcd gave
-                log.debug("lending record unreadable: %r", exc)
-            else:
-                raise
+        except Exception as exc:  # the lending lapses after lapse_s of these
+            tolerate(exc, "reading the co-executor's lending record")
             return False, None
         etcd_answered()
         return True, parse_claim(found.value if found is not None else None)

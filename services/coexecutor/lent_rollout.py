@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
 from rlharvest.common.registry import Membership
 from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.lending import LendingChange
@@ -110,10 +110,7 @@ class LentRollout:
             # ``info`` already holds the values (any later write of the record carries them);
             # these fields are written again at the next settle even where they look current.
             unwritten.update(changes)
-            if etcd_away(exc):  # the outage logged once, not at every settle
-                etcd_failed(exc, "updating the co-executor's member record")
-            else:
-                log.warning("could not update the member record (%r); trying again", exc)
+            etcd_failed(exc, "updating the co-executor's member record")  # an outage: once
         else:
             etcd_answered()
             unwritten.difference_update(changes)

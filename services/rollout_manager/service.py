@@ -11,11 +11,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 
 from rlharvest.common import delta_batch, errors, keys, registry, server_guard, start_weights
-from rlharvest.common.aio import wait_event, wait_for
+from rlharvest.common.aio import wait_event
+from rlharvest.common.etcd_outage import etcd_away, with_etcd
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
@@ -112,13 +114,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     async def _read_start_weights(self) -> None:
         """Before a version-0 step: the record as etcd has it now. The trainer writes it just
         before its first step, and the watch may not have brought it yet; unreadable, the
-        watched value stands."""
+        watched value stands (the watch catches up when etcd is back)."""
         key = keys.start_weights_key(self._job).encode()
         try:
-            found = await wait_for(self._etcd.get(key), 2.0)
-        except Exception as exc:  # etcd away: the watch catches up when it is back
-            log.warning("could not read job %s's start weights (%r); using the last seen",
-                        self._job, exc)
+            found = await with_etcd(partial(self._etcd.get, key),
+                                    "reading the job's start weights", deadline_s=2.0)
+        except Exception as exc:
+            if not etcd_away(exc):
+                raise
             return
         self._start_weights_seen(start_weights.parse_record(found.value if found else None))
 
@@ -635,11 +638,9 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         """The job's announced version, read while a client's SubmitStep waits: etcd away is
         waited out for up to 30 s (issue 45), then the step is refused UNAVAILABLE, which the
         trainer retries, rather than held for as long as the outage lasts."""
-        from rlharvest.common.etcd_outage import etcd_away, with_etcd  # (issue 45's policy)
-
         try:
             announced = await with_etcd(
-                lambda: registry.get_versioned(self._etcd, self._announced_key),
+                partial(registry.get_versioned, self._etcd, self._announced_key),
                 "reading the job's announced version", deadline_s=30.0)
         except Exception as exc:
             if not etcd_away(exc):

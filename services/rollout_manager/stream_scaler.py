@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlharvest.common import keys
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
@@ -97,11 +97,7 @@ class ScalePublisher:
             await asyncio.wait_for(self._etcd.put(self.key.encode(), record),
                                    self._write_timeout_s)
         except Exception as exc:  # advisory: etcd down or slow; the stream goes on
-            if etcd_away(exc):  # the outage logged once, not every retry_s
-                etcd_failed(exc, "writing the stream scaling record")
-            else:
-                log.warning("stream scaling: could not write %s (%r); retrying in %gs",
-                            self.key, exc, self._retry_s)
+            etcd_failed(exc, f"stream scaling: writing {self.key}")  # an outage: logged once
             return False
         etcd_answered()
         if self._pending is record:  # no newer one queued meanwhile

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from rlharvest.common import keys
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.tp_accounting import (
     StepReport,
@@ -106,11 +106,7 @@ class TpPublisher:
             await asyncio.wait_for(self._etcd.put(self._key.encode(), record),
                                    self._write_timeout_s)
         except Exception as exc:  # advisory: etcd down or slow; the next step writes again
-            if etcd_away(exc):
-                etcd_failed(exc, "writing the TP plan")  # the outage logged once, not per step
-            else:
-                log.warning("TP planner: could not write %s (%r); trying again after the next "
-                            "step", self._key, exc)
+            etcd_failed(exc, f"TP planner: writing {self._key}")  # an outage: logged once
             return False
         etcd_answered()
         if self._pending is record:  # no newer one queued meanwhile

@@ -78,7 +78,7 @@ class WorkerView:
         counts say."""
         return self.refused_at is not None and now - self.refused_at < hold_s
 
-    def holds(self, weight_version: int, job_start: str = "") -> bool:
+    def holds(self, weight_version: int, job_start: str) -> bool:
         """Holds the job's ``weight_version`` (the pool holds only the job's workers): the exact
         version, and at version 0 the job's start weights (``job_start``, their fingerprint; ""
         when the job declared none)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from rlharvest.common import keys, registry
-from rlharvest.common.etcd_outage import etcd_answered, etcd_away, etcd_failed
+from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.trainer.seeding_window import SeedingWindow, StepTimings
 
@@ -61,10 +61,7 @@ class InstanceCap:
         try:
             await self._etcd.put(self._key.encode(), registry.instance_cap_record(n_prem))
         except Exception as exc:  # advisory: the next step writes again
-            if etcd_away(exc):  # the outage logged once, not at every step
-                etcd_failed(exc, "writing the instance cap")
-            else:
-                log.warning("could not write the instance cap N_prem=%d: %s", n_prem, exc)
+            etcd_failed(exc, f"writing the instance cap N_prem={n_prem}")  # an outage: once
             return None
         etcd_answered()
         log.info("instance cap N_prem=%d (t_remote %.2fs x %.2f instances / t_train %.2fs)",

@@ -198,20 +198,23 @@ class Publisher:
         return self._agent or await with_etcd(partial(self._client.find_agent, self._etcd),
                                               "looking up a transfer agent")
 
+    async def _holders(self) -> list[dict]:
+        """The holder records of the job's live agents."""
+        agents = await with_etcd(partial(self._client.holders, self._etcd, self._job),
+                                 "reading the job's weight holders")
+        return list(agents.values())
+
     async def latest_held(self) -> int | None:
         """The newest version a live agent holds for the job (None: none holds any). An agent
         may hold a version it could not announce yet (etcd was away): a restarted trainer must
         not publish that number again."""
-        agents = await with_etcd(partial(self._client.holders, self._etcd, self._job),
-                                 "reading the version's holders")
-        return max((int(r["latest"]) for r in agents.values() if "latest" in r), default=None)
+        return max((int(r["latest"]) for r in await self._holders() if "latest" in r),
+                   default=None)
 
     async def held_anywhere(self, version: int) -> bool:
         """Whether a live agent's holder record lists ``version`` (the records live on the
         agents' leases) or a worker of the job holds it."""
-        agents = await with_etcd(partial(self._client.holders, self._etcd, self._job),
-                                 "reading the version's holders")
-        if any(version in record.get("versions", ()) for record in agents.values()):
+        if any(version in record.get("versions", ()) for record in await self._holders()):
             return True
         workers = await with_etcd(partial(registry.list_members, self._etcd, "rollout_worker"),
                                   "reading the job's workers")

@@ -95,7 +95,7 @@ async def report_until_migrated(run: PhaseRun, etcd: aetcd.Client, manager: Call
         try:
             migration = await asyncio.shield(report)
         except (OSError, aetcd.ClientError, grpc.RpcError, TimeoutError) as exc:
-            if not (isinstance(exc, aetcd.ClientError) and etcd_away(exc)):  # else logged once
+            if not etcd_away(exc):  # an outage is logged once, by with_etcd
                 log.warning("placement: progress report of job %s failed (%r); next in %.1f s",
                             job, exc, interval_s)
             continue

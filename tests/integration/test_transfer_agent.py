@@ -237,7 +237,8 @@ async def test_a_gpu_worker_holding_its_copy_on_the_device_applies_the_delta_the
     metrics = scrape(gpu.metrics_port)
     assert metrics["rlh_worker_pulls_total{kind=delta}"] == 1
     assert metrics["rlh_worker_weights_fingerprint"] == weights_fingerprint(V2)
-    served = await served_completion(gpu.endpoint, 2, job=job)  # what the engine loaded: v2's tokens
+    # What the engine loaded: v2's tokens.
+    served = await served_completion(gpu.endpoint, 2, job=job)
     assert served.versions == {2} and served.tokens == greedy_reference(V2, 2)[0]
 
 

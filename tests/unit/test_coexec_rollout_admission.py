@@ -24,7 +24,8 @@ VIEW = WorkerView(weight_version=3, held=(), draining=False, job="j")
 
 def test_a_request_whose_kv_fits_the_budget_is_taken_and_one_that_does_not_goes_elsewhere():
     assert admission(room=2).admit(request(15), Wanted("j", 3), VIEW) is None  # 16 tokens: 2 pages
-    refused = admission(room=2).admit(request(10, resumed=6), Wanted("j", 3), VIEW)  # 17 tokens: 3 pages
+    # 17 tokens: 3 pages
+    refused = admission(room=2).admit(request(10, resumed=6), Wanted("j", 3), VIEW)
     assert refused is not None and refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "needs 3 KV pages, the rollout budget leaves 2" in str(refused)
 

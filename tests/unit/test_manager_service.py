@@ -15,7 +15,7 @@ from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager.service import ManagerService
-from tests.builders import Clock, step, submit_step
+from tests.builders import Clock, FlakyEtcd, step, submit_step
 
 
 class PlainContext:
@@ -29,7 +29,7 @@ def manager(client_queue: int = 8, reattach_grace_s: float = 0.0, clock: Clock |
             ) -> tuple[RolloutControl, ManagerService]:
     control = RolloutControl(ControlConfig(), clock or Clock())
     control.worker_joined("w", 0, capacity=8, kind="k")
-    return control, ManagerService(control, None, job="j", max_message_bytes=1 << 20,
+    return control, ManagerService(control, FlakyEtcd(), job="j", max_message_bytes=1 << 20,
                                    client_queue=client_queue, tick_interval_s=1.0,
                                    reattach_grace_s=reattach_grace_s)
 
