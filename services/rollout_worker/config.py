@@ -27,6 +27,12 @@ class WorkerConfig(EngineDeviceConfig):
     lease_ttl: int = Field(5, ge=1, le=300, description="seconds until a dead worker's key expires")
     kind: Literal["dedicated", "spot", "seed"] = "dedicated"
     model: str = Field("tiny", description="a model preset name or a local checkpoint directory")
+    engine: Literal["torch", "vllm"] = Field("torch", description="the inference engine: "
+                                             "rlharvest's own torch engine, or vLLM v1 (needs "
+                                             "--model to be a checkpoint directory; the CPU "
+                                             "build here, the CUDA build on GPU nodes)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="with --engine vllm: GiB of memory for "
+                                "vLLM's KV cache (its --kv-cache-memory-bytes)")
     model_seed: int = 0
     weights: str = Field("", description="optional safetensors file loaded at start")
     weights_dir: str = Field("", description="LoadWeights reads only safetensors files named "
@@ -91,13 +97,31 @@ class WorkerConfig(EngineDeviceConfig):
                                  "send path stop sharing one GIL (issue 16; not with "
                                  "--placement-node, which reads the engine's weights)")
     tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
-    tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine")
+    tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine "
+                         "(torch: this worker is rank --tp-rank and pulls its shard; vLLM: "
+                         "vLLM's --tensor-parallel-size, one worker spanning the devices)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = True
 
     @model_validator(mode="after")
     def _prefix_cache_usable(self) -> WorkerConfig:
         check_prefix_cache(self.prefix_cache, self.kv_pages)
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_usable(self) -> WorkerConfig:
+        if self.engine != "vllm":
+            return self
+        torch_only = {"--placement-node": bool(self.placement_node),
+                      "--kv-pages": bool(self.kv_pages), "--prefix-cache": self.prefix_cache,
+                      "--kv-budget-tokens": bool(self.kv_budget_tokens),
+                      "--prefill-chunk": bool(self.prefill_chunk),
+                      "--tp-rank": bool(self.tp_rank), "--kind seed": self.kind == "seed"}
+        used = [flag for flag, on in torch_only.items() if on]
+        if used:
+            raise ValueError(f"--engine vllm: {', '.join(used)} belong to the torch engine "
+                             "(vLLM pages its KV cache, caches prefixes and chunks prefills "
+                             "itself; a placed or seed worker keeps torch weights); drop them")
         return self
 
     @model_validator(mode="after")

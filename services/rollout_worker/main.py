@@ -34,11 +34,22 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     import torch
 
     from rlharvest.common import engine_device
-    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     device, dtype = engine_device.resolve(cfg.device, cfg.dtype)
+    if cfg.engine == "vllm":
+        from rlharvest.services.rollout_worker.vllm_engine import VllmEngine
+
+        vllm = VllmEngine(cfg.model, max_len=cfg.max_len, max_running=cfg.max_running,
+                          dtype=dtype, device=torch.device(device).type, tp_size=cfg.tp_size,
+                          seed=cfg.model_seed, weight_version=cfg.weight_version,
+                          kv_cache_gib=cfg.kv_cache_gib)
+        if cfg.weights:
+            vllm.load_safetensors(cfg.weights, cfg.weight_version)
+        return vllm
+    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
     engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
                          max_len=cfg.max_len, weight_version=cfg.weight_version,
                          device=device, dtype=dtype,
@@ -101,7 +112,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         from rlharvest.services.rollout_worker.puller import Puller
 
         return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
-                      tp_size=cfg.tp_size, lease_ttl=cfg.lease_ttl,
+                      # vLLM's TP ranks split the weights themselves: it pulls them whole
+                      tp_size=1 if cfg.engine == "vllm" else cfg.tp_size, lease_ttl=cfg.lease_ttl,
                       held_device=cfg.held_device)
 
     if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it

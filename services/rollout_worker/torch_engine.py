@@ -408,7 +408,7 @@ class TorchEngine:
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise EngineInputError(f"weight version must be an int >= 0, got {version!r}")
         problems = [p for name, value in tensors.items()
-                    if (p := self._weight_problem(name, value))]
+                    if (p := weight_problem(name, value, self._shape_of(name)))]
         if problems:
             shown = "; ".join(problems[:5])
             if len(problems) > 5:
@@ -741,14 +741,20 @@ class TorchEngine:
         live.update(self._model.named_buffers(remove_duplicate=False))
         return {name: live[name] for name in self._model.state_dict()}
 
-    def _weight_problem(self, name: str, value: object) -> str:
+    def _shape_of(self, name: str) -> torch.Size | None:
         target = self._weight_targets.get(name)
-        if target is None:
-            return f"unknown tensor name {name!r} (names follow the model's state_dict)"
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            return f"{name}: expected a floating-point tensor, got {type(value).__name__}"
-        if value.shape != target.shape:
-            return f"{name}: shape {tuple(value.shape)} != expected {tuple(target.shape)}"
-        if not torch.isfinite(value).all():
-            return f"{name}: contains NaN or inf"
-        return ""
+        return None if target is None else target.shape
+
+
+def weight_problem(name: str, value: object, expected: torch.Size | None) -> str:
+    """What is wrong with ``value`` as the weight ``name`` whose shape is ``expected`` (None: no
+    such weight); "" when nothing is. Every engine checks a load's tensors with it."""
+    if expected is None:
+        return f"unknown tensor name {name!r} (names follow the model's state_dict)"
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return f"{name}: expected a floating-point tensor, got {type(value).__name__}"
+    if value.shape != expected:
+        return f"{name}: shape {tuple(value.shape)} != expected {tuple(expected)}"
+    if not torch.isfinite(value).all():
+        return f"{name}: contains NaN or inf"
+    return ""
