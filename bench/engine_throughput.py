@@ -12,6 +12,14 @@ One torch thread unless ``--threads`` says otherwise.
     python bench/engine_throughput.py --quick    # tiny preset + tiny HF dirs, 32 new tokens
     python bench/engine_throughput.py --device cuda --dtype bfloat16 --presets qwen3-0.6b \
         --checkpoints --batches 16 64 256 --new-tokens 64 --rounds 3   # on a GPU
+
+``--engine vllm`` measures vLLM v1 (``VllmEngine``, the worker's ``--engine vllm``) against
+TorchEngine instead, both on one `small` Qwen3 checkpoint directory (vLLM's CPU attention needs
+head_dim >= 32), batches 1/16/64: the ratio is vLLM tokens/s over TorchEngine tokens/s. It also
+times weight loads into each engine, a whole version and a 99%-unchanged delta (the one tensor
+nearest 1% of the model's elements), and prints vLLM's time over TorchEngine's.
+
+    python bench/engine_throughput.py --engine vllm [--quick]
 """
 
 from __future__ import annotations
@@ -139,6 +147,91 @@ def write_results(rows: list[tuple], args: argparse.Namespace, command: str) -> 
     print(f"wrote {out}")
 
 
+def engine_rounds(rounds: int, vllm, torch_side) -> tuple[list[float], list[float]]:
+    """Like ``ratio_rounds``: a warm-up of both, then interleaved rounds; each side's seconds."""
+    vllm(), torch_side()
+    v_times, t_times = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            v_times.append(vllm())
+            t_times.append(torch_side())
+        else:
+            t_times.append(torch_side())
+            v_times.append(vllm())
+    return v_times, t_times
+
+
+def load_seconds(engine, tensors: dict, version: list[int]) -> float:
+    version[0] += 1
+    start = time.perf_counter()
+    engine.load_weights(tensors, version[0])
+    return time.perf_counter() - start
+
+
+def bench_vllm(args: argparse.Namespace) -> None:
+    from rlharvest.common.hf_checkpoint import build_checkpoint
+    from rlharvest.services.rollout_worker.vllm_engine import VllmEngine, vllm_missing
+
+    if (missing := vllm_missing()):
+        sys.exit(f"--engine vllm: {missing}")
+    dtype = getattr(torch, args.dtype)
+    rows, load_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="rlh-bench-vllm-") as root:
+        ckpt = str(build_checkpoint(Path(root) / "small", size="small"))
+        max_len = args.prompt_len + args.new_tokens
+        vllm = VllmEngine(ckpt, max_len=max_len, max_running=max(args.batches), dtype=dtype,
+                          device=torch.device(args.device).type, kv_cache_gib=0.5)
+        ours = TorchEngine(ckpt, max_running=max(args.batches), max_len=max_len,
+                           device=args.device, dtype=dtype)
+        for batch in args.batches:
+            batch_prompts = prompts(batch, args.prompt_len, ours.vocab_size)
+            v_times, t_times = engine_rounds(
+                args.rounds, lambda: engine_seconds(vllm, batch_prompts, args.new_tokens),
+                lambda: engine_seconds(ours, batch_prompts, args.new_tokens))
+            ratios = sorted(t / v for v, t in zip(v_times, t_times))
+            tokens = batch * args.new_tokens
+            rows.append((batch, tokens / statistics.median(v_times),
+                         tokens / statistics.median(t_times), statistics.median(ratios),
+                         ratios[0], ratios[-1]))
+            print(f"batch {batch:>3}: vLLM {rows[-1][1]:8.0f} tok/s   TorchEngine "
+                  f"{rows[-1][2]:8.0f} tok/s   ratio median {rows[-1][3]:5.2f} "
+                  f"[{ratios[0]:.2f}, {ratios[-1]:.2f}]", flush=True)
+        whole = ours.weights()
+        # 99% unchanged: the one tensor nearest 1% of the model's elements
+        total = sum(t.numel() for t in whole.values())
+        name = min(whole, key=lambda n: abs(whole[n].numel() - total // 100))
+        for label, tensors in (("whole version", whole), (f"delta ({name})", {name: whole[name]})):
+            versions = [0]
+            v_times, t_times = engine_rounds(args.rounds, lambda: load_seconds(vllm, tensors,
+                                                                               versions),
+                                             lambda: load_seconds(ours, tensors, versions))
+            ratios = sorted(v / t for v, t in zip(v_times, t_times))
+            load_rows.append((label, statistics.median(v_times) * 1e3,
+                              statistics.median(t_times) * 1e3, statistics.median(ratios),
+                              ratios[0], ratios[-1]))
+            print(f"load {label}: vLLM {load_rows[-1][1]:.1f} ms   TorchEngine "
+                  f"{load_rows[-1][2]:.1f} ms   vLLM/torch median {load_rows[-1][3]:.1f} "
+                  f"[{ratios[0]:.1f}, {ratios[-1]:.1f}]", flush=True)
+        vllm.close()
+    command = "python bench/engine_throughput.py " + " ".join(sys.argv[1:])
+    lines = ["# engine_throughput --engine vllm", "",
+             f"`{command}` — vLLM v1 (VllmEngine) vs TorchEngine on one `small` Qwen3 "
+             f"checkpoint, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
+             f"sampling on, no stop; {args.device} {args.dtype}; {args.rounds} interleaved rounds "
+             "after a warm-up.", "",
+             "| batch | vLLM tok/s | TorchEngine tok/s | vLLM / torch (median) | spread |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {b} | {v:.0f} | {t:.0f} | {r:.2f} | {lo:.2f}–{hi:.2f} |"
+              for b, v, t, r, lo, hi in rows]
+    lines += ["", "| weight load | vLLM ms | TorchEngine ms | vLLM / torch time (median) | "
+              "spread |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {label} | {v:.1f} | {t:.1f} | {r:.1f} | {lo:.1f}–{hi:.1f} |"
+              for label, v, t, r, lo, hi in load_rows]
+    out = results_path("engine_throughput_vllm", args.quick)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset and tiny HF "
@@ -156,7 +249,16 @@ def main() -> None:
     # One thread by default: on a shared 2-core machine, OpenMP threads spin-waiting for a busy
     # core swamp these small ops and turn both sides' timings into noise.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch default)")
+    parser.add_argument("--engine", default="torch", choices=["torch", "vllm"],
+                        help="vllm: vLLM v1 against TorchEngine instead of HF generate")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        if args.quick:
+            args.new_tokens, args.rounds = 32, 3
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        bench_vllm(args)
+        return
     if args.quick:
         args.presets, args.new_tokens, args.rounds = ["tiny"], 32, 3
     if args.threads:

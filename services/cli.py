@@ -18,7 +18,7 @@ from rich.table import Table
 
 from rlharvest.common import keys, registry, rpc, tls
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
-from rlharvest.common.hf_checkpoint import build_checkpoint_command
+from rlharvest.common.hf_checkpoint import build_checkpoint, build_checkpoint_command
 from rlharvest.common.config import ConfigError
 from rlharvest.common.tls import LocalCA
 from rlharvest.services import status_view
@@ -49,6 +49,9 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
        coexec_http_port: int = typer.Option(8000, min=1, max=65535, help="the first "
                                             "co-executor's HTTP port; the next ones count up"),
        model: str = typer.Option("tiny", help="model preset or local checkpoint directory"),
+       engine: str = typer.Option("torch", help="the rollout workers' engine: torch, or vllm "
+                                  "(vLLM v1, which loads checkpoint directories: a preset "
+                                  "--model, `small` or larger, is built into one first)"),
        manager: bool = typer.Option(True, "--manager/--no-manager",
                                     help="start one rollout manager for the job 'default'"),
        manager_standby: bool = typer.Option(
@@ -99,7 +102,21 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
     if jobs > 1 and (spot or spot_trace or coexecutors):
         raise typer.BadParameter("--jobs runs dedicated workers placed on rollout nodes; drop "
                                  "--spot, --spot-trace and --coexecutors", param_hint="--jobs")
+    if engine not in ("torch", "vllm"):
+        raise typer.BadParameter(f"{engine!r}: torch or vllm", param_hint="--engine")
+    if engine == "vllm" and jobs > 1:
+        raise typer.BadParameter("placed workers run the torch engine (they keep each job's "
+                                 "weights beside it); drop --engine vllm or --jobs",
+                                 param_hint="--engine")
+    if engine == "vllm" and model == "tiny":
+        raise typer.BadParameter("vLLM's CPU attention needs head_dim >= 32: use --model small "
+                                 "or a checkpoint directory", param_hint="--model")
     stack = LocalStack(log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-")))
+    if engine == "vllm" and not Path(model).is_dir():
+        size, model = model, str(build_checkpoint(stack.log_dir / "checkpoint", size=model,
+                                                  overwrite=True))
+        console.print(f"built a {size} checkpoint for vLLM at {model}; every service loads it")
+    engine_flags = ["--engine", "vllm"] if engine == "vllm" else []
     operator: list[str] = []  # the flags that give `rlharvest status` this process's identity
     if tls:
         stack.ca = LocalCA(stack.log_dir / "pki")
@@ -130,6 +147,7 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
             kind = "dedicated" if i < workers else "spot"
             stack.start("rollout_worker", f"worker-{i}",
                         ["--worker-id", f"worker-{i}", "--kind", kind, "--model", model,
+                         *engine_flags,
                          *(["--job", "default", "--agent-pull"] if agents else [])])
         for i in range(coexecutors):
             stack.start("coexecutor", f"coexec-{i}",
@@ -173,8 +191,8 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
                       f"(mean {replay_trace.mean_count():.2f} instances, "
                       f"{replay_trace.allocations} allocations, "
                       f"{replay_trace.preemptions} preemptions)")
-        worker_flags = ["--model", model, *(["--job", "default", "--agent-pull"] if agents
-                                            else [])]
+        worker_flags = ["--model", model, *engine_flags,
+                        *(["--job", "default", "--agent-pull"] if agents else [])]
         asyncio.run(_replay(endpoint, SpotReplay(stack, replay_trace, worker_flags,
                                                  report=console.print)))
     finally:

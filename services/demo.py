@@ -142,6 +142,7 @@ def _start_stack(log_dir: Path, args: dict) -> Run:
 def _start_services(stack: LocalStack, args: dict) -> Run:
     stack.start_etcd()
     common = ["--lease-ttl", "2", "--json-logs"]
+    model = ["--model", args["model"]]  # the job's model, wherever it rolls out or trains
     stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *common])
     managers, manager_endpoints = [], []
     for i in range(2 if args["kill_manager_at"] else 1):  # the first leads, a second stands by
@@ -152,12 +153,12 @@ def _start_services(stack: LocalStack, args: dict) -> Run:
         manager_endpoints.append(f"127.0.0.1:{manager_port}")
         if i == 0:
             asyncio.run(rpc.wait_healthy(manager_endpoints[0], timeout=60))  # it leads
-    serving = _start_coexecutor(stack, args, common) if args["coexecutor"] else None
+    serving = _start_coexecutor(stack, args, [*model, *common]) if args["coexecutor"] else None
     # A few slots per worker, so every step's requests spread over all workers in waves.
     def worker_flags(step_delay_s: float) -> list[str]:
         return ["--torch-threads", "1", "--job", "default", "--agent-pull",
                 "--max-running", str(args["max_running"]), "--step-delay-s", str(step_delay_s),
-                *common]
+                *model, *_engine_flags(args["engine"]), *common]
 
     for i in range(args["workers"] - 1):
         stack.start("rollout_worker", f"worker-{i}", ["--worker-id", f"worker-{i}",
@@ -179,9 +180,26 @@ def _start_services(stack: LocalStack, args: dict) -> Run:
         "--micro-batch-groups", "2", "--lr", str(args["lr"]), "--backend", args["backend"],
         "--torch-threads", "1", "--no-exit-when-done", "--instance-cap", "auto",
         "--min-workers", str(members), *_tail_flags(args["tail_batching"]),
-        *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *common])
+        *(["--seed-role", "--seed-window-init-s", "0.5"] if args["seed_role"] else []), *model,
+        *common])
     return Run(stack, f"127.0.0.1:{port}", manager_endpoints, spot, spot_flags, serving,
                managers=managers, kill_manager_at=args["kill_manager_at"])
+
+
+def _engine_flags(engine: str) -> list[str]:
+    """The rollout workers' engine: vLLM's with a KV cache sized for this small model."""
+    return ["--engine", "vllm", "--kv-cache-gib", "0.25"] if engine == "vllm" else []
+
+
+def demo_model(engine: str, log_dir: Path) -> str:
+    """The job's model: the `tiny` preset, or with vLLM (which loads checkpoint directories,
+    and whose CPU attention needs head_dim >= 32) a `small` checkpoint built into the log
+    directory, which every service then loads."""
+    if engine != "vllm":
+        return "tiny"
+    from rlharvest.common.hf_checkpoint import build_checkpoint
+
+    return str(build_checkpoint(log_dir / "checkpoint", size="small", overwrite=True))
 
 
 def _tail_flags(eta: float) -> list[str]:
@@ -507,7 +525,10 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
                                                            "(the spec: 5 minutes on 2 cores)"),
          placement_jobs: int = typer.Option(0, min=0, help="WEAVE instead: this many GRPO jobs "
                                             "share one rollout worker and one training node "
-                                            "under the placement scheduler (--steps each)")
+                                            "under the placement scheduler (--steps each)"),
+         engine: str = typer.Option("torch", help="the rollout workers' engine: torch, or vllm "
+                                    "(vLLM v1; the demo then trains a `small` checkpoint it "
+                                    "builds, since vLLM loads checkpoint directories)")
          ) -> None:
     """Run the demo and print a table per step; the plot goes to OUT/demo.png."""
     if placement_jobs:
@@ -521,8 +542,11 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
     if 0 < tail_batching < 1:
         raise typer.BadParameter(f"--tail-batching {tail_batching:g}: eta launches at least "
                                  "what trains, so give 1 or more (or 0 for off)")
+    if engine not in ("torch", "vllm"):
+        raise typer.BadParameter(f"--engine {engine!r}: torch or vllm", param_hint="--engine")
     schedule = PreemptionSchedule(parse_steps(preempt_at), replace_after)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlharvest-demo-"))
+    model = demo_model(engine, log_dir)
     console.print(f"[bold]rlharvest demo[/]: {steps} steps of {prompts}x{samples} samples, "
                   f"{workers} workers (1 spot), spot preempted in steps {preempt_at or 'none'}; "
                   f"logs in {log_dir}")
@@ -532,7 +556,8 @@ def main(steps: int = typer.Option(20, min=2, help="RL steps to train"),
             workers=workers, steps=steps, prompts=prompts, samples=samples, lr=lr,
             backend=backend, max_running=max_running, step_delay_s=step_delay_s,
             spot_step_delay_s=spot_step_delay_s, coexecutor=coexecutor, serving_rps=serving_rps,
-            tail_batching=tail_batching, seed_role=seed_role, kill_manager_at=kill_manager_at))
+            tail_batching=tail_batching, seed_role=seed_role, kill_manager_at=kill_manager_at,
+            engine=engine, model=model))
     except (TimeoutError, RuntimeError) as exc:  # a service never came up: stopped already
         console.print(f"[bold red]demo failed[/]: {exc}; logs in {log_dir}")
         raise typer.Exit(1) from None
