@@ -116,7 +116,10 @@ class WorkerConfig(EngineDeviceConfig):
                       "--kv-pages": bool(self.kv_pages), "--prefix-cache": self.prefix_cache,
                       "--kv-budget-tokens": bool(self.kv_budget_tokens),
                       "--prefill-chunk": bool(self.prefill_chunk),
-                      "--tp-rank": bool(self.tp_rank), "--kind seed": self.kind == "seed"}
+                      "--tp-rank": bool(self.tp_rank), "--kind seed": self.kind == "seed",
+                      # vLLM's executor runs the model in a process of its own already (on its
+                      # CPU build; on GPUs for TP > 1); a proxy in front of it is untried
+                      "--engine-process": self.engine_process}
         used = [flag for flag, on in torch_only.items() if on]
         if used:
             raise ValueError(f"--engine vllm: {', '.join(used)} belong to the torch engine "
