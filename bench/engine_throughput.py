@@ -20,6 +20,8 @@ times weight loads into each engine, a whole version and a 99%-unchanged delta (
 nearest 1% of the model's elements), and prints vLLM's time over TorchEngine's.
 
     python bench/engine_throughput.py --engine vllm [--quick]
+    python bench/engine_throughput.py --engine vllm --device cuda --dtype bfloat16 \
+        --checkpoint-size qwen3-0.6b --batches 16 64 256 --new-tokens 64   # on a GPU node
 """
 
 from __future__ import annotations
@@ -203,7 +205,10 @@ def bench_vllm(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     rows, load_rows = [], []
     with tempfile.TemporaryDirectory(prefix="rlh-bench-vllm-") as root:
-        ckpt = str(build_checkpoint(Path(root) / "small", size="small"))
+        # --checkpoint-size picks the shape (qwen3-0.6b on a GPU node); `tiny` is too small for
+        # vLLM's CPU attention, so the default here is `small`
+        size = "small" if args.checkpoint_size == "tiny" else args.checkpoint_size
+        ckpt = str(build_checkpoint(Path(root) / size, size=size))
         max_len = args.prompt_len + args.new_tokens
         vllm = VllmEngine(ckpt, max_len=max_len, max_running=max(args.batches), dtype=dtype,
                           device=torch.device(args.device).type, kv_cache_gib=0.5)
@@ -242,7 +247,7 @@ def bench_vllm(args: argparse.Namespace) -> None:
         vllm.close()
     command = "python bench/engine_throughput.py " + " ".join(sys.argv[1:])
     lines = ["# engine_throughput --engine vllm", "",
-             f"`{command}` — vLLM v1 (VllmEngine) vs TorchEngine on one `small` Qwen3 "
+             f"`{command}` — vLLM v1 (VllmEngine) vs TorchEngine on one `{size}` Qwen3 "
              f"checkpoint, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, "
              f"sampling on, no stop; {args.device} {args.dtype}; {args.rounds} interleaved rounds "
              "after a warm-up.", "",

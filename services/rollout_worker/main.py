@@ -47,6 +47,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                           kv_cache_gib=cfg.kv_cache_gib)
         if cfg.weights:
             vllm.load_safetensors(cfg.weights, cfg.weight_version)
+        log.info("engine: %s", vllm.describe())
         return vllm
     from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 

@@ -50,7 +50,7 @@ import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort"}
+_DTYPES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class VllmUnavailable(RuntimeError):
@@ -190,8 +192,10 @@ class VllmEngine:
         if rid in self._live:
             raise EngineInputError(f"request {rid} is already queued or running; use a new id "
                                    "or abort it first")
-        prompt = list(request.prompt_token_ids) + list(request.generated_token_ids)
-        self._llm.add_request(rid, {"prompt_token_ids": prompt}, _sampling(request))
+        # vLLM's TokensPrompt: the prompt, then what a resume already generated
+        prompt: Any = {"prompt_token_ids": [*request.prompt_token_ids,
+                                            *request.generated_token_ids]}
+        self._llm.add_request(rid, prompt, _sampling(request))
         self._live.add(rid)
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -214,9 +218,11 @@ class VllmEngine:
             rid = out.request_id
             if rid not in self._live:  # aborted between vLLM's step and ours: nothing to say
                 continue
-            completion = out.outputs[0]
+            completions = out.outputs
+            assert isinstance(completions, list)  # a generation's, not a pooling's
+            completion = completions[0]
             tokens = list(completion.token_ids)
-            logprobs = [float(entry[token].logprob)
+            logprobs = [_sampled_logprob(entry, token)
                         for entry, token in zip(completion.logprobs or [], tokens)]
             self._count_prefix(out)
             finished = bool(out.finished)
@@ -276,6 +282,15 @@ class VllmEngine:
             raise EngineInputError(f"cannot read weights from {str(path)!r}: {exc}") from exc
         self.load_weights(tensors, version)
 
+    def describe(self) -> str:
+        """One line for the worker's log: which vLLM, on what, with how much KV cache."""
+        import vllm
+
+        config = self._llm.vllm_config
+        return (f"vLLM {vllm.__version__} on {config.device_config.device_type}, "
+                f"{config.model_config.dtype}, TP {config.parallel_config.tensor_parallel_size}, "
+                f"KV cache {self._kv_capacity} tokens")
+
     def close(self) -> None:
         """Stop vLLM's engine (its executor and any worker processes it started)."""
         shutdown = getattr(self._llm.engine_core, "shutdown", None)
@@ -297,6 +312,13 @@ class VllmEngine:
         self._started.add(rid)
         if getattr(out, "num_cached_tokens", 0):
             self._stats.prefix_hits += 1
+
+
+def _sampled_logprob(entry: Mapping[int, Any] | None, token: int) -> float:
+    # logprobs=0 asks for the sampled token's alone; vLLM always includes it
+    if entry is None or token not in entry:
+        raise RuntimeError(f"vLLM returned no logprob for sampled token {token}")
+    return float(entry[token].logprob)
 
 
 def _packed_modules(model: Any) -> dict[str, list[str]]:
@@ -351,9 +373,12 @@ def _build(path: Path, *, max_len: int, max_running: int, dtype: torch.dtype, de
     # runs gRPC's threads. And the packed-module query crosses to them as a pickled function,
     # which vLLM allows only when told to.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # vLLM's records go through the worker's own logging (JSON lines with --json-logs), not a
+    # handler of vLLM's beside it.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     args = EngineArgs(
-        model=str(path), dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+        model=str(path), dtype=_DTYPES[dtype], max_model_len=max_len,
         max_num_seqs=max_running, tensor_parallel_size=tp_size, seed=seed,
         kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
         enable_prefix_caching=prefix_cache, enforce_eager=enforce_eager,

@@ -30,7 +30,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[VllmEngine]:
-    vllm = VllmEngine(str(checkpoint), max_len=256, max_running=16, kv_cache_gib=0.25)
+    # the CPU build here; vLLM's CUDA build on a GPU node (docs/gpu-checks.md)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vllm = VllmEngine(str(checkpoint), max_len=256, max_running=16, kv_cache_gib=0.25,
+                      device=device)
     yield vllm
     vllm.close()
 
@@ -206,6 +209,19 @@ def test_a_load_resets_the_prefix_cache_and_preempts_running_requests(engine,
     engine.step()
     assert engine.load().executing == 1
     engine.abort("running")
+
+
+def test_vllms_prefix_cache_serves_a_repeated_prefix_and_the_load_counts_it(engine) -> None:
+    # an agentic trajectory's next turn: the last turn's context again, then more
+    context = [(7 * i) % 500 + 3 for i in range(160)]
+    before = engine.load()
+    run(engine, EngineRequest("turn1", context, SamplingParams(temperature=0.0, max_tokens=4)))
+    run(engine, EngineRequest("turn2", context + [9, 10, 11],
+                              SamplingParams(temperature=0.0, max_tokens=4)))
+    after = engine.load()
+    assert after.prefix_lookups - before.prefix_lookups == 2
+    assert after.prefix_hits - before.prefix_hits == 1
+    assert after.prefix_cached_tokens - before.prefix_cached_tokens >= 128
 
 
 def test_whole_modules_gives_a_fused_layer_every_part() -> None:

@@ -9,8 +9,11 @@ One module-wide stack: a vLLM worker takes ~20 s to start on 2 cores.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,7 +130,10 @@ def _alive(pid: int) -> bool:
 async def test_a_weight_load_into_a_vllm_worker_changes_its_outputs_behind_the_fence(
         job, checkpoint: Path):
     workers, manager, weights_dir = job
-    await wait_workers(manager.endpoint, 2)
+    try:
+        await wait_workers(manager.endpoint, 2)
+    except TimeoutError:
+        raise AssertionError(str(await status(manager.endpoint))) from None
     before = await run_step(manager.endpoint, greedy_step("v0ref", 4, 24))
     tensors = load_file(checkpoint / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
@@ -153,3 +159,18 @@ async def test_a_weight_load_into_a_vllm_worker_changes_its_outputs_behind_the_f
             await rollout_worker_pb2_grpc.RolloutWorkerStub(chan).LoadWeights(
                 wpb.LoadWeightsRequest(path="../outside.safetensors", version=2, job="default"),
                 timeout=10)
+
+
+def test_make_run_with_the_vllm_engine_learns(tmp_path):
+    """`make run ARGS="--engine vllm"`: the whole demo (20 GRPO steps, a spot worker SIGKILLed
+    twice, a co-executor under traffic) on vLLM workers; the demo itself fails unless the
+    reward rises (--min-rise, default 0.1)."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "rlharvest.services.demo", "--engine", "vllm",
+                             "--out", str(out), "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = json.loads((out / "steps.json").read_text())
+    assert len(steps) == 20 and steps[-1]["weight_version"] == 19
+    logs = (tmp_path / "logs" / "worker-0.log").read_text()
+    assert "engine: vLLM" in logs and "loaded weights version 19" in logs, logs[-3000:]
