@@ -376,6 +376,18 @@ def _build(path: Path, *, max_len: int, max_running: int, dtype: torch.dtype, de
     # vLLM's records go through the worker's own logging (JSON lines with --json-logs), not a
     # handler of vLLM's beside it.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # OpenMP threads that finished their share of a step sleep instead of spinning: vLLM's
+    # CPU build runs the model on OpenMP, and with several engines on one machine (workers, a
+    # test's engine) each one's spinning threads took the cores the others' steps needed: a
+    # vLLM worker's delivery fell from ~3,000 to ~600 tokens/s beside one idle engine on 2
+    # cores (measured; bench/vllm_workers.py). A GPU node's steps do not run on OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # And they are not pinned: vLLM's CPU build binds each engine's threads to the cores it
+    # picks ("auto"), the same cores for every engine on a machine, so two vLLM workers on one
+    # box took turns on one core (a rollout step on two vLLM workers took 5.3 s against the
+    # torch workers' 0.95 s; unpinned 1.64 s against 1.24 s). A machine with one engine per
+    # NUMA node may set VLLM_CPU_OMP_THREADS_BIND to pin them again.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     args = EngineArgs(
         model=str(path), dtype=_DTYPES[dtype], max_model_len=max_len,
