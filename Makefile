@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 install: system-packages $(STAMP)
 
 run: install
-	$(PYTHON) -m rlharvest.services.demo $(ARGS)
+	$(PYTHON) -m rlharvest.cli.demo $(ARGS)
 
 # The 20 slowest tests close the report: the suite must stay under 15 minutes on 2 cores.
 test: install
@@ -44,11 +44,11 @@ test-integration: install
 	$(PYTHON) -m pytest -q -ra tests/integration
 
 # A seeded chaos soak of the local stack while GRPO trains: SIGKILLs of workers, the leading
-# manager, the agent, etcd and the trainer every 3-7 s, then the checks (services/chaos.py).
+# manager, the agent, etcd and the trainer every 3-7 s, then the checks (rlharvest/cli/chaos.py).
 MINUTES ?= 5
 SEED ?= 0
 chaos: install
-	$(PYTHON) -m rlharvest.services.chaos --minutes $(MINUTES) --seed $(SEED)
+	$(PYTHON) -m rlharvest.cli.chaos --minutes $(MINUTES) --seed $(SEED)
 
 protos:
 	$(PYTHON) tools/gen_protos.py
@@ -59,7 +59,7 @@ bench: install
 
 # ruff over everything; mypy over the rlharvest package as the checkout resolves it ([tool.mypy]).
 lint: install
-	$(PYTHON) -m ruff check common services sim tests bench tools
+	$(PYTHON) -m ruff check rlharvest tests bench tools
 	$(PYTHON) -m mypy
 
 clean:

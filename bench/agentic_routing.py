@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlharvest.common import rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
-from rlharvest.services import loadgen  # noqa: E402
-from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
+from rlharvest.cli import loadgen  # noqa: E402
+from rlharvest.cli.launcher import LocalStack, ServiceProcess  # noqa: E402
 from rlharvest.services.trainer.environments.runner import PlayConfig, generate_turn  # noqa: E402
 from rlharvest.sim.ratios import spread  # noqa: E402
 from rlharvest.sim.serving_trace import synthetic  # noqa: E402

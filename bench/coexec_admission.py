@@ -1,8 +1,8 @@
 """Dual-SLO admission on a simulated serving device (ROSE Fig. 9 and App. D analogues; issue 12).
 
-The co-executor's real scheduler and admission (``services/coexecutor/``) driven by
-``sim/coexec.py`` with a virtual clock and exact profiles, on a synthetic bursty serving trace
-(``sim/serving_trace.py``: diurnal peak 1.7x the mean, Gamma inter-arrivals CV 2, lognormal
+The co-executor's real scheduler and admission (``rlharvest/services/coexecutor/``) driven by
+``rlharvest/sim/coexec.py`` with a virtual clock and exact profiles, on a synthetic bursty serving trace
+(``rlharvest/sim/serving_trace.py``: diurnal peak 1.7x the mean, Gamma inter-arrivals CV 2, lognormal
 lengths), while a rollout job always has decode steps to run. The SLOs are set the paper's way:
 1.6x serving alone's P99 TTFT and TPOT at density 1. For each policy, in one run on the same
 trace: serving P99 TTFT and TPOT, SLO attainment, and the rollout harvested (rollout busy time
@@ -33,7 +33,7 @@ from rlharvest.services.coexecutor.admission import (  # noqa: E402
     SloConfig,
 )
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile  # noqa: E402
-from rlharvest.services.loadgen import quantile  # noqa: E402
+from rlharvest.cli.loadgen import quantile  # noqa: E402
 from rlharvest.sim.coexec import CoexecResult, simulate  # noqa: E402
 from rlharvest.sim.serving_trace import TraceRequest, synthetic  # noqa: E402
 from results_file import results_path  # noqa: E402

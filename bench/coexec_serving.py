@@ -40,8 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.services import loadgen  # noqa: E402
-from rlharvest.services.launcher import LocalStack, ServiceProcess  # noqa: E402
+from rlharvest.cli import loadgen  # noqa: E402
+from rlharvest.cli.launcher import LocalStack, ServiceProcess  # noqa: E402
 from rlharvest.sim.serving_trace import synthetic  # noqa: E402
 from tests.integration.test_manager import scrape  # noqa: E402
 

@@ -38,7 +38,7 @@ from rlharvest.common import rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 from rlharvest.sim.ratios import spread  # noqa: E402
 

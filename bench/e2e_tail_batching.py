@@ -11,7 +11,7 @@ there) under three configurations:
 - RollPacker: the same plus tail batching (``--tail-batching``, eta_P = eta_R = 1.25).
 
 Responses run the long-tailed lengths of the trainer's benchmark length model
-(``services/trainer/bench_harness.py``: per-prompt difficulty x per-response noise, max/median
+(``rlharvest/services/trainer/bench_harness.py``: per-prompt difficulty x per-response noise, max/median
 near 20x), engine steps cost a flat ``--step-delay-s`` (GPU-like: decode time barely depends on
 the batch), and each reward takes ``--reward-delay-s`` (a verifier's latency) in a pool of
 ``--reward-concurrency``. Reported per
@@ -35,7 +35,7 @@ from pathlib import Path
 from rlharvest.common import rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 COMMON = ["--lease-ttl", "2", "--json-logs"]
 CONFIGS = {

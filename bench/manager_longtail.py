@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
 from bench.job_turns import placed_flags, turn  # noqa: E402

@@ -295,7 +295,7 @@ training pool (§4.2 fn 3): its training phase and sharded training memory divid
 
 ## What the simulator charges
 
-Provisioned node-hours and nothing else (`sim/cluster.py`); every policy, the optima included,
+Provisioned node-hours and nothing else (`rlharvest/sim/cluster.py`); every policy, the optima included,
 runs on its own timeline, so a policy that slows jobs pays for the longer lives. Compare total $
 (the same work); $/h divides by each policy's own span.
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 from e2e_tail_batching import wait_trainer_done  # noqa: I001 - a sibling script
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e_tail_batching import wait_trainer_done  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
-from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from tests.integration.test_manager import scrape  # noqa: E402
 
 COMMON = ["--lease-ttl", "2", "--json-logs"]

@@ -1,7 +1,7 @@
 """RLBoost Algorithm 1 on simulated steps: the adaptive seeding window against its ablations.
 
-The real controller (``services/trainer/seeding_window.py``) tunes T_seed and N_prem step by step
-on the simulated plant of ``sim/seeding.py`` while remote instances come and go (RLBoost Fig. 12:
+The real controller (``rlharvest/services/trainer/seeding_window.py``) tunes T_seed and N_prem step by step
+on the simulated plant of ``rlharvest/sim/seeding.py`` while remote instances come and go (RLBoost Fig. 12:
 most instances preempted, then returning in stages, then a second loss). Compared on the same
 trace and the same completion lengths, in one run:
 
@@ -112,7 +112,7 @@ def main() -> None:
     lines.append("\nT_seed per step (full, seed 0): " + ", ".join(
         f"{t:.1f}" for t in windows["full"]))
     lines += ["", "RLBoost Table 5's segments (synthesized with their mean instances, "
-              "allocations and preemptions; `sim/spot_trace.py`), median full / variant [spread over seeds]:", "",
+              "allocations and preemptions; `rlharvest/sim/spot_trace.py`), median full / variant [spread over seeds]:", "",
               "| segment | availability per step | full / no-seeding | full / no-memory | "
               "full / co-located |", "| --- | --- | ---: | ---: | ---: |"]
     for name in sorted(SEGMENTS):

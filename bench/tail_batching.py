@@ -4,8 +4,8 @@ A long-tailed length model: each prompt has a difficulty that persists across it
 (log-normal) and each response adds its own noise (log-normal), giving max/median lengths near
 20x. Every configuration trains the same prompts (the data, then the flush of the deferred
 queue): plain rollout runs P0 prompts x R0 responses per step until the last one finishes; tail
-batching runs the trainer's round planner (``services/trainer/tail_batcher.py``) and the
-manager's acceptance rule (``services/rollout_manager/tail_batching.py``) against the engine —
+batching runs the trainer's round planner (``rlharvest/services/trainer/tail_batcher.py``) and the
+manager's acceptance rule (``rlharvest/services/rollout_manager/tail_batching.py``) against the engine —
 short rounds of ceil(eta_P P0) x ceil(eta_R R0) cancelled at P0 accepted prompts, long rounds
 of the deferred ones. Reported per configuration, interleaved and repeated: rollout seconds for
 the whole data, the ratio plain / configuration (median [spread]), the mean over steps of the

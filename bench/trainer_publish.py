@@ -7,7 +7,7 @@ Issue 21. Two ways for a multi-rank trainer to hand a new version to its node's 
   publishes it; the other ranks send nothing;
 - ``shards``: every rank copies its flat slice of every tensor (under ZeRO-3 the partition it
   holds: no gather) and publishes it on its own thread; the agent joins the slices
-  (``services/trainer/shard_publish.py``, ``transfer_agent/flat_shards.py``).
+  (``rlharvest/services/trainer/shard_publish.py``, ``transfer_agent/flat_shards.py``).
 
 One ``torchrun`` launch of 2 ranks per ZeRO stage alternates the two ways version after version
 (the order swaps every round) and times, on rank 0, (a) ``blocked``: how long the trainer cannot
@@ -139,7 +139,7 @@ def launch(args: argparse.Namespace, stage: int, agent: str, out: Path) -> dict:
              f"--out={out}", f"--hidden={args.hidden}", f"--layers={args.layers}",
              f"--rounds={args.rounds}", f"--warmup={args.warmup}",
              f"--bucket-bytes={args.bucket_bytes}", *(["--deltas"] if args.deltas else [])]
-    from rlharvest.services.launcher import child_environment
+    from rlharvest.cli.launcher import child_environment
 
     env = child_environment({"OMP_NUM_THREADS": "1"})  # the ranks import this very checkout
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -3,7 +3,7 @@
 Issue 21. Every configuration runs the same streamed GRPO steps (``StreamingStep``, the
 DeepSpeed backend, the ``small`` preset by default) under ``torchrun``; rank 0 leads and times
 whole steps (micro-batches + the one optimizer step), the other rank follows
-(``services/trainer/ranks.py``). The configurations, interleaved (the order rotates each round)
+(``rlharvest/services/trainer/ranks.py``). The configurations, interleaved (the order rotates each round)
 and repeated:
 
 - ``1x1``: one rank, one thread — the per-rank compute of the 2-rank run;

@@ -10,7 +10,7 @@ from pathlib import Path
 from results_file import results_path
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 
 def local_stack() -> LocalStack:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.engine_device import resolve  # noqa: E402
 from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
-from rlharvest.services.launcher import LocalStack  # noqa: E402
+from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 from rlharvest.sim.ratios import spread  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from rlharvest.common.fork_server import ForkServer
 from rlharvest.common.local_etcd import LocalEtcd
-from rlharvest.services.launcher import LocalStack, service_fork_server
+from rlharvest.cli.launcher import LocalStack, service_fork_server
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every process a test starts (services, CLIs, helpers) imports this checkout, not whichever one

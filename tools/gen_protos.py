@@ -1,4 +1,4 @@
-"""Regenerates common/pb from protos/ (run by `make protos`; tests/unit/test_protos.py checks it).
+"""Regenerates rlharvest/common/pb from protos/ (run by `make protos`; tests/unit/test_protos.py checks it).
 
 protoc writes imports as `from rlharvest.v1 import x_pb2`; the generated modules live in
 `rlharvest.common.pb`, so the imports are rewritten. The output is deterministic.
@@ -17,7 +17,7 @@ import grpc_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
-OUT = ROOT / "common" / "pb"
+OUT = ROOT / "rlharvest" / "common" / "pb"
 
 
 def generate(out_dir: Path) -> None:

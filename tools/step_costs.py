@@ -1,6 +1,6 @@
 """Measures the torch engine's step cost and fits the agentic simulator's model to it (issue 18).
 
-``sim/agentic.py`` prices an engine step as ``decode_s + per_request_s * batch +
+``rlharvest/sim/agentic.py`` prices an engine step as ``decode_s + per_request_s * batch +
 prefill_token_s * prefill_tokens``. Its defaults are a guess at a GPU; this tool replaces the
 guess with a measurement on the device it runs on:
 

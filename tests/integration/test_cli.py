@@ -21,7 +21,7 @@ from .worker_client import listening
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "COLUMNS": "240", "TERM": "dumb", "NO_COLOR": "1"}
-CLI = [sys.executable, "-m", "rlharvest.services.cli"]
+CLI = [sys.executable, "-m", "rlharvest.cli.main"]
 
 
 def _read_until(proc: subprocess.Popen, pattern: str, timeout: float,

@@ -18,7 +18,7 @@ import pytest
 from rlharvest.common import keys
 from rlharvest.common.lending_record import Claim, parse_claim
 from rlharvest.common.local_etcd import LocalEtcd, free_port
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 from .test_manager import run_step, scrape, start_manager, status, step_request, wait_workers
 from .worker_client import WorkerHandle, launch_worker, wait_serving

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_the_demo_runs_a_few_steps_and_writes_its_table_and_plot(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "rlharvest.services.demo", "--steps", "3", "--workers", "2",
+        [sys.executable, "-m", "rlharvest.cli.demo", "--steps", "3", "--workers", "2",
          "--prompts", "2", "--samples", "4", "--preempt-at", "", "--backend", "torch",
          "--min-rise", "-1", "--timeout", "90", "--out", str(out), "--tail-batching", "1.5",
          "--kill-manager-at", "2", "--log-dir", str(tmp_path / "logs")],
@@ -54,7 +54,7 @@ def test_the_placed_demo_runs_two_jobs_on_one_worker_and_reports_the_switches(tm
     """`demo --placement-jobs 2`: two GRPO jobs take turns on one placed worker and one
     training node under the placement scheduler; both finish, and the worker switched jobs."""
     result = subprocess.run(
-        [sys.executable, "-m", "rlharvest.services.demo", "--placement-jobs", "2", "--steps", "3",
+        [sys.executable, "-m", "rlharvest.cli.demo", "--placement-jobs", "2", "--steps", "3",
          "--timeout", "90", "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -21,10 +21,10 @@ import pytest
 from rlharvest.common import keys, registry, tls
 from rlharvest.common.config import ConfigError
 from rlharvest.common.local_etcd import LocalEtcd
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 pytestmark = pytest.mark.integration
-CLI = [sys.executable, "-m", "rlharvest.services.cli"]
+CLI = [sys.executable, "-m", "rlharvest.cli.main"]
 ENV = {**os.environ, "COLUMNS": "240", "TERM": "dumb", "NO_COLOR": "1"}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlharvest.common.fork_server import ForkServer
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli.launcher import child_environment
 
 TARGET = "tests.integration.fork_target"
 
@@ -86,7 +86,7 @@ def test_only_environments_that_cannot_change_the_imports_are_forked(server):
 CLIENT = """
 import sys, time
 from rlharvest.common.fork_server import ForkServer
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli.launcher import child_environment
 server = ForkServer(["json"], child_environment()).start()
 print(server._process.pid, flush=True)
 time.sleep(600)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 
 pytestmark = pytest.mark.integration
 

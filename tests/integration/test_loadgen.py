@@ -9,8 +9,8 @@ import json
 import subprocess
 import sys
 
-from rlharvest.services import loadgen
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli import loadgen
+from rlharvest.cli.launcher import child_environment
 from rlharvest.sim.serving_trace import TraceRequest, synthetic
 
 from .test_openai_api import MODEL, serve
@@ -48,7 +48,7 @@ def test_refused_requests_count_as_failed_not_as_fast():
 def test_the_cli_names_a_bad_trace_file_and_exits_2(tmp_path):
     bad = tmp_path / "trace.csv"
     bad.write_text("a,b\n1,2\n")
-    done = subprocess.run([sys.executable, "-m", "rlharvest.services.loadgen", "--model", "m",
+    done = subprocess.run([sys.executable, "-m", "rlharvest.cli.loadgen", "--model", "m",
                            "--trace", str(bad), "--out", str(tmp_path / "o.json")],
                           capture_output=True, text=True, env=child_environment(), timeout=60)
     assert done.returncode == 2 and "Azure LLM inference trace format" in done.stderr
@@ -59,7 +59,7 @@ async def test_the_cli_replays_a_synthetic_trace_and_writes_its_report(tmp_path)
     runner, backend, _, url = await serve(max_waiting=64)
     try:
         cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rlharvest.services.loadgen", "--url", url, "--model", MODEL,
+            sys.executable, "-m", "rlharvest.cli.loadgen", "--url", url, "--model", MODEL,
             "--seconds", "2", "--rps", "4", "--max-len", "48", "--out", str(tmp_path / "r.json"),
             env=child_environment(), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)

@@ -359,7 +359,7 @@ async def test_the_tp_planner_publishes_a_plan_from_the_workers_preemptions(stac
     its reported total per step, feeds the planner (steps without an acceptance rule are long
     rounds) and writes the plan to etcd: a rise of over 1.05x doubles the long rounds' TP. A
     restarted manager resumes the planner from the record."""
-    from rlharvest.services.cli import _tp_plan
+    from rlharvest.cli.main import _tp_plan
 
     # Slowed so a step's requests run side by side however late the second add arrives on a
     # loaded machine (unslowed, the first could end its 30 tokens alone: no preemption).

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.services.launcher import MODULES
-from rlharvest.services.prometheus_stack import api
+from rlharvest.cli.launcher import MODULES
+from rlharvest.cli.prometheus_stack import api
 
 from .test_cli import CLI, ENV, _endpoints, _read_until
 from .test_trainer import trainer_status

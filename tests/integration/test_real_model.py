@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from rlharvest.common.hf_checkpoint import build_checkpoint
 from rlharvest.common.model_tokenizer import load_tokenizer
-from rlharvest.services import cli
+from rlharvest.cli import main as cli
 from rlharvest.services.trainer import checkpoint, gsm8k
 from rlharvest.services.trainer.datasets import FileTask, load_rows
 from rlharvest.services.trainer.rewards.verifier import math_reward
@@ -111,7 +111,7 @@ def test_train_command_runs_a_users_checkpoint_and_dataset_and_writes_its_report
         artefacts, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "rlharvest.services.cli", "train", "--model",
+        [sys.executable, "-m", "rlharvest.cli.main", "train", "--model",
          str(artefacts["qwen3"]), "--data", str(artefacts["data"]), "--steps", "2",
          "--workers", "1", "--prompts", "2", "--samples", "2", "--micro-batch-groups", "1",
          "--max-new-tokens", "8", "--backend", "torch", "--checkpoint-every", "1",

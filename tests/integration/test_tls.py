@@ -1,4 +1,4 @@
-"""Mutual TLS (``common/tls.py``) and roles (``common/authorization.py``) on real processes: a
+"""Mutual TLS (``rlharvest/common/tls.py``) and roles (``rlharvest/common/authorization.py``) on real processes: a
 whole job — agent, manager, worker, trainer — started with a CA's certificates trains over TLS
 (the trainer submits and publishes, the manager runs the worker's session, the worker pulls
 over the agent's HTTPS data path); a peer of another role may read the status but not submit a
@@ -23,7 +23,7 @@ import torch
 
 from rlharvest.common import registry, tls
 from rlharvest.common.local_etcd import free_port
-from rlharvest.services.prometheus_stack import LocalPrometheus, TlsFiles
+from rlharvest.cli.prometheus_stack import LocalPrometheus, TlsFiles
 from rlharvest.services.transfer_agent import client as agent_client
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlharvest.common import registry, rpc, tls
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import transfer_agent_pb2_grpc
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 from rlharvest.services.rollout_worker.puller import Puller
 from rlharvest.services.transfer_agent import client as agent_client
 from rlharvest.services.transfer_agent.client import (

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from rlharvest.common import keys, registry
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli.launcher import child_environment
 from rlharvest.services.trainer import checkpoint
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.transfer_agent import client

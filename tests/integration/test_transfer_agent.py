@@ -25,7 +25,7 @@ from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
 from rlharvest.common.tiny_model import build_model
 from rlharvest.common.tokenizer import CharTokenizer
-from rlharvest.services.launcher import LocalStack
+from rlharvest.cli.launcher import LocalStack
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.trainer import metrics as trainer_metrics

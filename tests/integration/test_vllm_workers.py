@@ -166,7 +166,7 @@ def test_make_run_with_the_vllm_engine_learns(tmp_path):
     twice, a co-executor under traffic) on vLLM workers; the demo itself fails unless the
     reward rises (--min-rise, default 0.1)."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "rlharvest.services.demo", "--engine", "vllm",
+    result = subprocess.run([sys.executable, "-m", "rlharvest.cli.demo", "--engine", "vllm",
                              "--out", str(out), "--log-dir", str(tmp_path / "logs")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

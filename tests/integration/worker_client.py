@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rlharvest.common import rpc, tls
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
-from rlharvest.services.launcher import LocalStack, ServiceProcess
+from rlharvest.cli.launcher import LocalStack, ServiceProcess
 from rlharvest.common.engine_types import SESSION_JOB_METADATA
 from tests.worker_sessions import DEFAULT_JOB, Collected, read_until
 

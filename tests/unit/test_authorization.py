@@ -1,4 +1,4 @@
-"""Who may call what (``common/authorization.py``): the role a method needs, the refusal that
+"""Who may call what (``rlharvest/common/authorization.py``): the role a method needs, the refusal that
 names it, and the roles a certificate carries."""
 
 from __future__ import annotations

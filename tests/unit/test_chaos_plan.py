@@ -1,11 +1,11 @@
 """The chaos soak's pure parts: a seeded fault plan, and the lineage a soak's trainer logs must
-show (services/chaos_plan.py)."""
+show (rlharvest/cli/chaos_plan.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlharvest.services.chaos_plan import KINDS, FaultPlan, applied_lineage, lineage_problems
+from rlharvest.cli.chaos_plan import KINDS, FaultPlan, applied_lineage, lineage_problems
 
 
 def test_a_seed_gives_the_same_faults_and_another_seed_others():

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli.launcher import child_environment
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--headroom", "1.5"), ("--headroom", "0"),

@@ -1,4 +1,4 @@
-"""Pure parts of the co-executor's OpenAI-compatible API (services/coexecutor/openai_api.py)."""
+"""Pure parts of the co-executor's OpenAI-compatible API (rlharvest/services/coexecutor/openai_api.py)."""
 
 from __future__ import annotations
 

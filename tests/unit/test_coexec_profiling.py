@@ -11,7 +11,7 @@ from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.coexecutor.latency_profile import LatencyProfile
 from rlharvest.services.coexecutor.main import build_dual
 from rlharvest.services.coexecutor.profiling import measure
-from rlharvest.services.launcher import child_environment
+from rlharvest.cli.launcher import child_environment
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
 

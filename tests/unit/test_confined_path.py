@@ -1,4 +1,4 @@
-"""Files an RPC names are read only inside the service's directory (``common/confined_path.py``):
+"""Files an RPC names are read only inside the service's directory (``rlharvest/common/confined_path.py``):
 absolute names, ``..`` and symlinks out are refused before anything is opened."""
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def _metric_sources() -> dict[str, list[tuple[str, str]]]:
     """Module -> (type, name) of every prometheus_client metric constructed in its source."""
     found: dict[str, list[tuple[str, str]]] = {}
     for top in ("services", "common"):
-        for path in sorted((ROOT / top).rglob("*.py")):
+        for path in sorted((ROOT / "rlharvest" / top).rglob("*.py")):
             if "pb" in path.relative_to(ROOT).parts:
                 continue  # generated protobuf code
             text = path.read_text()
@@ -99,7 +99,7 @@ def _metric_sources() -> dict[str, list[tuple[str, str]]]:
                 continue  # a collections.Counter is not a metric
             metrics = [(_TYPES[kind], name) for kind, name in _CONSTRUCTOR.findall(text)]
             if metrics:
-                module = ".".join(("rlharvest",) + path.relative_to(ROOT).with_suffix("").parts)
+                module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
                 found[module] = metrics
     return found
 

@@ -358,7 +358,7 @@ def systemd_stop_timeout(program: str) -> float:
 
 
 def shutdown_needs(cfg: ServiceConfig) -> float:
-    """Seconds a service's SIGTERM path may take by its config (common/service_host.py teardown:
+    """Seconds a service's SIGTERM path may take by its config (rlharvest/common/service_host.py teardown:
     drain, then gRPC stop within shutdown_grace)."""
     seconds = float(getattr(cfg, "shutdown_grace"))
     if isinstance(cfg, WorkerConfig):  # requests migrate within drain_timeout

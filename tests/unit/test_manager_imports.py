@@ -35,3 +35,27 @@ def test_the_manager_the_simulator_and_the_control_plane_benchmarks_import_witho
     done = subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_no_service_imports_the_local_tooling_or_a_benchmark():
+    # rlharvest.cli (up, the demos, the launcher) drives the services; they never need it, nor
+    # anything under bench/
+    offenders = [f"{path.relative_to(ROOT)} imports {name}"
+                 for top in ("services", "common", "sim")
+                 for path in sorted((ROOT / "rlharvest" / top).rglob("*.py"))
+                 if "pb" not in path.parts
+                 for name in _imports(path)
+                 if name.startswith(("rlharvest.cli", "bench"))]
+    assert not offenders, offenders

@@ -26,15 +26,15 @@ def test_rlharvest_is_imported_from_the_checkout_under_test():
 def test_service_processes_import_the_checkout_under_test(tmp_path: Path):
     # Children inherit the PYTHONPATH the test session sets; run from elsewhere to prove that
     # the working directory is not what makes it resolve.
-    out = subprocess.run([sys.executable, "-c", "import rlharvest.services.launcher as l; "
+    out = subprocess.run([sys.executable, "-c", "import rlharvest.cli.launcher as l; "
                           "print(l.__file__)"], cwd=tmp_path, capture_output=True, text=True,
                          env=os.environ.copy(), check=True).stdout.strip()
-    assert Path(out).resolve() == ROOT / "services" / "launcher.py"
+    assert Path(out).resolve() == ROOT / "rlharvest" / "services" / "launcher.py"
 
 
 def test_the_launcher_puts_its_checkout_first_for_service_processes(monkeypatch):
     # Without this a service process would import whichever checkout was installed last.
-    from rlharvest.services.launcher import child_environment
+    from rlharvest.cli.launcher import child_environment
 
     monkeypatch.delenv("PYTHONPATH", raising=False)
     assert child_environment()["PYTHONPATH"].split(os.pathsep) == [str(ROOT)]
@@ -44,11 +44,8 @@ def test_the_launcher_puts_its_checkout_first_for_service_processes(monkeypatch)
 
 def test_every_package_folder_is_found_by_setuptools():
     found = set(find_packages(str(ROOT), include=["rlharvest*"]))
-    expected = {"rlharvest"}
-    for folder in ("common", "services", "sim"):
-        for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT)
-            expected.add(".".join(["rlharvest", *rel.parts]))
+    expected = {".".join(init.parent.relative_to(ROOT).parts)
+                for init in (ROOT / "rlharvest").rglob("__init__.py")}
     assert expected - found == set(), "these packages would be missing from a built wheel"
 
 

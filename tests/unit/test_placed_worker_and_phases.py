@@ -234,7 +234,7 @@ def test_placement_flags_are_refused_with_one_duration_or_with_the_seed_role() -
 def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from rlharvest.services.cli import app
+    from rlharvest.cli.main import app
 
     result = CliRunner().invoke(app, ["up", *flags, "--log-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
@@ -242,7 +242,7 @@ def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None
 
 
 def test_up_places_a_worker_on_each_gpu_slot_under_the_schedulers_slot_names() -> None:
-    from rlharvest.services.cli import placed_units
+    from rlharvest.cli.main import placed_units
 
     assert placed_units(2, 1) == ("rollout-1", "rollout-2")
     assert placed_units(2, 2) == ("rollout-1.gpu0", "rollout-1.gpu1",
@@ -268,7 +268,7 @@ async def test_a_cancelled_release_still_goes_through_and_is_not_asked_twice() -
                          ("acquire", "train", 0)]
 
 
-# --- progress reports for long-tail migration (services/trainer/tail_reports.py) ---------------
+# --- progress reports for long-tail migration (rlharvest/services/trainer/tail_reports.py) ---------------
 @pytest.mark.parametrize("open_requests, assigned, expected", [
     (3, {"r1": 2, "r2": 1}, {"r1": 2, "r2": 1}),  # the manager's picture as it is
     (2, {"r1": 2, "r2": 1}, {"r1": 1, "r2": 1}),  # one finished since: proportional, rounded
@@ -321,7 +321,7 @@ async def test_a_migration_granted_while_the_rollout_ends_is_still_counted(monke
     assert not tail_reports._IN_FLIGHT
 
 
-# --- the measured warm-up profile (services/trainer/warmup_profile.py) --------------------------
+# --- the measured warm-up profile (rlharvest/services/trainer/warmup_profile.py) --------------------------
 def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -> None:
     from rlharvest.common.tiny_model import build_model
     from rlharvest.services.trainer import warmup_profile

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from rlharvest.services.prometheus_stack import ALERT_RULES, config_text, target_groups, write_if_changed
+from rlharvest.cli.prometheus_stack import ALERT_RULES, config_text, target_groups, write_if_changed
 
 
 def test_every_member_with_a_metrics_address_becomes_one_labelled_target_group():

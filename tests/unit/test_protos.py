@@ -19,15 +19,15 @@ def _load_generator():
 def test_generated_code_is_not_stale(tmp_path: Path):
     pytest.importorskip("grpc_tools")
     _load_generator().generate(tmp_path)
-    committed = ROOT / "common" / "pb"
+    committed = ROOT / "rlharvest" / "common" / "pb"
     fresh = sorted(p.name for p in tmp_path.iterdir())
     assert fresh == sorted(p.name for p in committed.iterdir() if p.name != "__pycache__"), \
         "generated file set differs: run `make protos`"
     for name in fresh:
         assert filecmp.cmp(tmp_path / name, committed / name, shallow=False), \
-            f"common/pb/{name} is stale: run `make protos` and commit the result"
+            f"rlharvest/common/pb/{name} is stale: run `make protos` and commit the result"
 
 
 def test_every_proto_has_generated_modules():
     for proto in (ROOT / "protos").rglob("*.proto"):
-        assert (ROOT / "common" / "pb" / f"{proto.stem}_pb2.py").is_file(), proto
+        assert (ROOT / "rlharvest" / "common" / "pb" / f"{proto.stem}_pb2.py").is_file(), proto

@@ -1,4 +1,4 @@
-"""The simulated step the seeding bench drives Algorithm 1 with (sim/seeding.py): its timings
+"""The simulated step the seeding bench drives Algorithm 1 with (rlharvest/sim/seeding.py): its timings
 mean what Algorithm 1 reads, and its limits are the co-located and all-remote cases."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """RLBoost Algorithm 1 (adaptive seeding window and instance cap) as written, with the decisions
-the paper leaves open (services/trainer/seeding_window.py)."""
+the paper leaves open (rlharvest/services/trainer/seeding_window.py)."""
 
 from __future__ import annotations
 

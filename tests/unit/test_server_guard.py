@@ -1,5 +1,5 @@
 """Every RPC of every rlharvest service answers a request that is not a valid protobuf with
-INVALID_ARGUMENT (``common/server_guard.py``, installed by ``rpc.bind_server``), not grpcio's
+INVALID_ARGUMENT (``rlharvest/common/server_guard.py``, installed by ``rpc.bind_server``), not grpcio's
 UNKNOWN, and lets valid requests through; the server keeps serving. Real gRPC over loopback,
 each method's real message types; behind the guard stands a servicer that reads every request
 and answers UNIMPLEMENTED (the real servicers, on real processes: the integration tests)."""

@@ -58,7 +58,7 @@ def test_bad_trace_files_and_settings_are_refused_with_the_place(tmp_path):
 
 
 def test_loadgen_density_multiplies_the_arrival_rate_of_a_trace_file(tmp_path):
-    from rlharvest.services.loadgen import load_trace
+    from rlharvest.cli.loadgen import load_trace
 
     path = tmp_path / "AzureLLMInferenceTrace_conv.csv"
     path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(

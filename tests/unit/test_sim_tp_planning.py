@@ -1,4 +1,4 @@
-"""The parallelism planner on a length ramp (sim/tp_planning.py): the shape of RollPacker's
+"""The parallelism planner on a length ramp (rlharvest/sim/tp_planning.py): the shape of RollPacker's
 Fig. 13a (§6.4) — as responses grow, TP fixed at 1 slows down faster (preemptions), the planner
 raises TP as pressure rises and its rollout time stays below — and the plant it runs on."""
 

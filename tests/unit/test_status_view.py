@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from rlharvest.common import keys
-from rlharvest.services import status_view as sv
+from rlharvest.cli import status_view as sv
 
 
 def text(snap: sv.Snapshot, width: int = 200, last_steps: int = 5) -> str:

@@ -1,4 +1,4 @@
-"""The TLS settings every service takes (``common/tls.py``, ``common/config.py``): all three
+"""The TLS settings every service takes (``rlharvest/common/tls.py``, ``rlharvest/common/config.py``): all three
 files or none, unreadable files named, and the throwaway CA's certificates verify and name
 their role as the DNS name clients check (a certificate without it is named at start)."""
 

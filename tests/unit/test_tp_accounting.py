@@ -1,4 +1,4 @@
-"""What the manager feeds RollPacker's TP planner (services/rollout_manager/tp_accounting.py):
+"""What the manager feeds RollPacker's TP planner (rlharvest/services/rollout_manager/tp_accounting.py):
 preemption deltas from the workers' totals (across restarts), per-step windows, round kinds, and
 the etcd record (tp_publisher.py): published without blocking, kept through an etcd outage,
 resumed by a restarted manager."""

@@ -1,4 +1,4 @@
-"""RollPacker's parallelism planner (services/rollout_manager/tp_planner.py, §4.2): the paper's
+"""RollPacker's parallelism planner (rlharvest/services/rollout_manager/tp_planner.py, §4.2): the paper's
 doubling/halving rule per round kind, its bounds, its published state, and the cost model."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import ConfigError, load_config
-from rlharvest.services.train_command import trainer_flags
+from rlharvest.cli.train_command import trainer_flags
 from rlharvest.services.trainer.config import TrainerConfig
 
 

@@ -9,8 +9,8 @@ import typer
 from typer.testing import CliRunner
 
 from rlharvest.common.pb import trainer_pb2 as tpb
-from rlharvest.services import demo
-from rlharvest.services.demo import reward_ends, rise_failure
+from rlharvest.cli import demo
+from rlharvest.cli.demo import reward_ends, rise_failure
 
 
 def test_the_ends_average_up_to_three_steps_and_never_share_one() -> None:
@@ -104,7 +104,7 @@ def test_the_placed_demos_table_has_a_row_per_step_and_two_columns_per_job() -> 
     from rich.console import Console
 
     from rlharvest.common.pb import trainer_pb2 as tpb
-    from rlharvest.services.demo_placed import jobs_table
+    from rlharvest.cli.demo_placed import jobs_table
 
     statuses = {job: tpb.TrainerStatus(steps=[tpb.StepSummary(step=i + 1, mean_reward=0.1 * i,
                                                               step_time_s=0.5)

@@ -1,0 +1,272 @@
+"""`make chaos MINUTES=N` (`python -m rlharvest.cli.chaos`): a seeded chaos soak of the
+local stack while GRPO trains (issue 45).
+
+The stack: etcd, a transfer agent, the job's leading manager and its standby, three workers and
+a trainer that checkpoints every step. Every 3-7 s (seeded: ``chaos_plan.FaultPlan``) one of
+them is SIGKILLed at a random instant — a worker (a new one replaces it), the leading manager (a
+new standby starts), the agent (started again), etcd (started again on its data after 2-5 s) or
+the trainer (started again; it resumes from its checkpoint). At the end it checks what the
+project promises: the trained lineage is steps 1..N once each on increasing versions, no token
+was regenerated, no step saw a completion of another version, one manager leads, and no process
+exited by itself. Prints the faults survived per kind; exit status 1 when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import aetcd
+
+from rlharvest.common import keys, registry
+from rlharvest.common.local_etcd import LocalEtcd, free_port
+from rlharvest.cli.chaos_plan import Fault, FaultPlan, applied_lineage, lineage_problems
+from rlharvest.cli.launcher import LocalStack, ServiceProcess
+
+log = logging.getLogger("rlharvest.chaos")
+T = TypeVar("T")
+COMMON = ["--lease-ttl", "2", "--json-logs"]
+WORKERS = 3
+
+
+@dataclass
+class Soak:
+    """The stack under test and what the soak did to it."""
+
+    stack: LocalStack
+    etcd: LocalEtcd
+    trainer_flags: list[str]
+    killed: set[int] = field(default_factory=set)  # ids of the processes the soak killed
+    faults: Counter = field(default_factory=Counter)
+    regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
+    serial: int = 0
+    etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)  # when, raft, bytes
+
+    def name(self, prefix: str) -> str:
+        self.serial += 1
+        return f"{prefix}-{self.serial}"
+
+    def live(self, service: str) -> list[ServiceProcess]:
+        return [p for p in self.stack.processes if p.service == service and p.alive()]
+
+    def kill(self, proc: ServiceProcess) -> None:
+        self.killed.add(id(proc))
+        proc.kill()
+
+
+def start_manager(soak: Soak) -> ServiceProcess:
+    name = soak.name("manager")
+    return soak.stack.start("rollout_manager", name, [
+        "--manager-id", name, "--port", str(free_port()), "--metrics-port", str(free_port()),
+        "--stall-timeout-s", "5", *COMMON])
+
+
+def start_worker(soak: Soak) -> ServiceProcess:
+    name = soak.name("worker")
+    return soak.stack.start("rollout_worker", name, [
+        "--worker-id", name, "--torch-threads", "1", "--job", "default", "--agent-pull",
+        "--metrics-port", str(free_port()), *COMMON])
+
+
+def start_agent(soak: Soak) -> ServiceProcess:
+    return soak.stack.start("transfer_agent", "agent", ["--agent-id", "agent-0", *COMMON])
+
+
+def start_trainer(soak: Soak) -> ServiceProcess:
+    return soak.stack.start("trainer", "trainer", soak.trainer_flags)
+
+
+async def _ask_etcd(soak: Soak, ask: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    """``ask(client)`` on a client of its own: etcd restarts under the soak, none is kept."""
+    client = await registry.connect(soak.etcd.endpoint)
+    try:
+        return await ask(client)
+    finally:
+        await client.close()
+
+
+async def manager_roles(soak: Soak) -> dict[str, str]:
+    """Manager id -> the role its member record states."""
+    members = await _ask_etcd(soak, partial(registry.list_members, service="rollout_manager"))
+    return {keys.parse_member_key(key)[1]: str(info.get("role")) for key, info in members.items()}
+
+
+async def leader(soak: Soak) -> ServiceProcess | None:
+    """The process of the manager whose record says it leads (None during a failover)."""
+    roles = await manager_roles(soak)
+    return next((p for p in soak.live("rollout_manager") if roles.get(p.name) == "leader"),
+                None)
+
+
+async def inject(soak: Soak, fault: Fault) -> bool:
+    """One fault; False when its target was not there to hit (counted as skipped)."""
+    kind = fault.kind
+    if kind == "worker":
+        workers = soak.live("rollout_worker")
+        if not workers:
+            return False
+        soak.kill(workers[int(fault.pick * len(workers))])
+        start_worker(soak)
+    elif kind == "leader":
+        target = await _quietly(leader(soak))
+        if target is None:
+            return False
+        soak.kill(target)
+        start_manager(soak)  # the standby leads; this one stands by
+    elif kind == "agent":
+        for agent in soak.live("transfer_agent"):
+            soak.kill(agent)
+        start_agent(soak)
+    elif kind == "etcd":
+        await asyncio.to_thread(soak.etcd.restart, crash=True, down_s=fault.down_s)
+    elif kind == "trainer":
+        for trainer in soak.live("trainer"):
+            soak.kill(trainer)
+        start_trainer(soak)
+    return True
+
+
+async def _quietly(aw):
+    """``aw``'s result, None when etcd is away (an etcd fault just before)."""
+    try:
+        return await asyncio.wait_for(aw, 5)
+    except Exception:
+        return None
+
+
+def scrape_regenerated(soak: Soak) -> None:
+    """Each manager's tokens regenerated so far (read often: a killed one's count goes with
+    it)."""
+    for proc in soak.live("rollout_manager"):
+        port = _flag(proc, "--metrics-port")
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+        except OSError:
+            continue
+        for line in text.decode().splitlines():
+            if line.startswith("rlh_manager_tokens_regenerated "):
+                value = float(line.split()[1])
+                soak.regenerated[proc.name] = max(value, soak.regenerated.get(proc.name, 0.0))
+
+
+def _flag(proc: ServiceProcess, flag: str) -> str:
+    args = proc.process.args if isinstance(proc.process.args, list) else []
+    return str(args[args.index(flag) + 1]) if flag in args else "0"
+
+
+async def sample_etcd(soak: Soak) -> None:
+    """etcd's raft index (its writes and lease grants) and database size, for the report."""
+    status = await _quietly(_ask_etcd(soak, lambda client: client.status()))
+    if status is not None:
+        soak.etcd_samples.append((time.monotonic(), status.raft_index, status.db_size))
+
+
+def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
+    if len(samples) < 2:
+        return "etcd: not sampled"
+    (t0, raft0, db0), (t1, raft1, db1) = samples[0], samples[-1]
+    rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
+    return (f"etcd: {rate:.0f} raft entries a minute; database {db0 / 1024:.0f} KiB -> "
+            f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB)")
+
+
+def trainer_messages(soak: Soak) -> list[str]:
+    path = soak.stack.log_dir / "trainer.log"
+    return [json.loads(line).get("msg", "") for line in path.read_text().splitlines()
+            if line.startswith("{")]
+
+
+async def soak(minutes: float, seed: int, workdir: Path) -> int:
+    etcd = await asyncio.to_thread(LocalEtcd(log_path=workdir / "etcd.log").start)
+    stack = LocalStack(workdir / "logs", etcd=etcd)
+    trainer_flags = ["--trainer-id", "trainer-0", "--port", str(free_port()), "--backend", "torch",
+                     "--torch-threads", "1", "--checkpoint-dir", str(workdir / "checkpoints"),
+                     "--checkpoint-every", "1", "--no-exit-when-done", *COMMON]
+    run = Soak(stack, etcd, trainer_flags)
+    plan = FaultPlan(seed)
+    try:
+        start_agent(run)
+        start_manager(run)
+        start_manager(run)
+        for _ in range(WORKERS):
+            start_worker(run)
+        start_trainer(run)
+        await sample_etcd(run)
+        deadline = time.monotonic() + minutes * 60
+        while True:
+            fault = plan.next()
+            if time.monotonic() + fault.after_s > deadline:
+                break
+            until = time.monotonic() + fault.after_s
+            while time.monotonic() < until:
+                scrape_regenerated(run)
+                await asyncio.sleep(0.5)
+            await sample_etcd(run)
+            hit = await inject(run, fault)
+            run.faults[fault.kind if hit else f"{fault.kind} (skipped)"] += 1
+            log.info("fault: %s%s", fault.kind, "" if hit else " (no target)")
+        await asyncio.sleep(20)  # the last fault's recovery, a step or two on top
+        scrape_regenerated(run)
+        await sample_etcd(run)
+        roles = await _quietly(manager_roles(run))
+        return report(run, None if roles is None else sorted(roles.values()))
+    finally:
+        stack.stop()
+
+
+def report(run: Soak, roles: list[str] | None) -> int:
+    messages = trainer_messages(run)
+    lineage = applied_lineage(messages)
+    problems = lineage_problems(lineage)
+    if not lineage:
+        problems.append("no step was trained")
+    regenerated = sum(run.regenerated.values())
+    if regenerated:
+        problems.append(f"{regenerated:.0f} tokens regenerated")
+    if any("another version" in m or "OnPolicyViolation" in m for m in messages):
+        problems.append("a step saw a completion of another version")
+    exited = [p.name for p in run.stack.processes if not p.alive() and id(p) not in run.killed]
+    if exited:
+        problems.append(f"exited by themselves: {exited}")
+    if roles is None or roles.count("leader") != 1:
+        problems.append(f"manager roles at the end: {roles}")
+    print("faults survived:", ", ".join(f"{k} {n}" for k, n in sorted(run.faults.items())))
+    print(etcd_growth(run.etcd_samples))
+    print(f"steps trained: {len(lineage)} (lineage {lineage[:3]}...{lineage[-2:]}); "
+          f"tokens regenerated: {regenerated:.0f}; manager roles: {roles}")
+    for problem in problems:
+        print("FAILED:", problem)
+    print("chaos soak", "FAILED" if problems else "passed")
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default="", help="logs and checkpoints (default: a new "
+                                                      "temporary directory)")
+    args = parser.parse_args(argv)
+    if args.minutes <= 0:
+        parser.error("--minutes must be > 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlh-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"chaos soak: {args.minutes:g} min, seed {args.seed}, logs in {workdir}")
+    return asyncio.run(soak(args.minutes, args.seed, workdir))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
