@@ -29,7 +29,7 @@ def test_service_processes_import_the_checkout_under_test(tmp_path: Path):
     out = subprocess.run([sys.executable, "-c", "import rlharvest.cli.launcher as l; "
                           "print(l.__file__)"], cwd=tmp_path, capture_output=True, text=True,
                          env=os.environ.copy(), check=True).stdout.strip()
-    assert Path(out).resolve() == ROOT / "rlharvest" / "services" / "launcher.py"
+    assert Path(out).resolve() == ROOT / "rlharvest" / "cli" / "launcher.py"
 
 
 def test_the_launcher_puts_its_checkout_first_for_service_processes(monkeypatch):
