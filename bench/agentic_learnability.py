@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
-from rlharvest.common.tiny_model import build_model  # noqa: E402
-from rlharvest.common.tokenizer import PAD_ID  # noqa: E402
+from rlharvest.models.tiny_model import build_model  # noqa: E402
+from rlharvest.models.tokenizer import PAD_ID  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 from rlharvest.services.trainer.backend import OptimConfig, make_backend  # noqa: E402
 from rlharvest.services.trainer.environments.interface import load_environment  # noqa: E402

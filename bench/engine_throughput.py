@@ -39,7 +39,7 @@ from transformers import GenerationConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
-from rlharvest.common.tiny_model import build_model  # noqa: E402
+from rlharvest.models.tiny_model import build_model  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 from results_file import results_path  # noqa: E402
 
@@ -123,7 +123,7 @@ def bench_model(label: str, model_ref: str, args: argparse.Namespace) -> list[tu
 
 def checkpoint_models(families: list[str], size: str, root: Path) -> list[tuple[str, str]]:
     """Real HF checkpoint directories of a preset's shape (``rlharvest build-checkpoint``)."""
-    from rlharvest.common.hf_checkpoint import build_checkpoint
+    from rlharvest.models.hf_checkpoint import build_checkpoint
 
     return [(f"{family}-{size} (HF dir)",
              str(build_checkpoint(root / family, family=family, size=size))) for family in families]
@@ -197,7 +197,7 @@ def resume_agreement(engine, vocab: int, args: argparse.Namespace) -> tuple[int,
 
 
 def bench_vllm(args: argparse.Namespace) -> None:
-    from rlharvest.common.hf_checkpoint import build_checkpoint
+    from rlharvest.models.hf_checkpoint import build_checkpoint
     from rlharvest.services.rollout_worker.vllm_engine import VllmEngine, vllm_missing
 
     if (missing := vllm_missing()):

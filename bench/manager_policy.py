@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when imported as bench.*
-from rlharvest.services.rollout_manager.policy_sim import (  # noqa: E402
+from rlharvest.sim.manager_policy import (  # noqa: E402
     Scenario,
     SimWorker,
     long_tail_lengths,
@@ -117,7 +117,7 @@ def preemption(requests: int, capacity: int, seeds: int) -> list[str]:
 
 
 NOTES = [
-    "Notes: simulated workers (rlharvest/services/rollout_manager/policy_sim.py) drive the real "
+    "Notes: simulated workers (rlharvest/sim/manager_policy.py) drive the real "
     "RolloutControl. Immediate JSQ and round-robin are not the same schedule: their mean "
     "makespans come out close, but their per-seed ratios to Algorithm 2 differ (see the table). "
     "Both dispatch the whole batch at once and spread it evenly over workers of equal capacity, "

@@ -31,7 +31,7 @@ from rlharvest.common import delta_batch, rpc  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
-from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
+from rlharvest.models.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.services.rollout_manager import status_client  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlharvest.services.rollout_manager.policy_sim import long_tail_lengths  # noqa: E402
+from rlharvest.sim.manager_policy import long_tail_lengths  # noqa: E402
 from rlharvest.services.trainer.seeding_window import SeedingWindow  # noqa: E402
 from rlharvest.sim.seeding import Plant, simulate_step  # noqa: E402
 from rlharvest.sim.spot_trace import SEGMENTS, synthesize  # noqa: E402

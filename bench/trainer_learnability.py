@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from rlharvest.sim.ratios import spread  # noqa: E402
 
-from rlharvest.common.tiny_model import build_model  # noqa: E402
-from rlharvest.common.tokenizer import EOS_ID, PAD_ID, CharTokenizer  # noqa: E402
+from rlharvest.models.tiny_model import build_model  # noqa: E402
+from rlharvest.models.tokenizer import EOS_ID, PAD_ID, CharTokenizer  # noqa: E402
 from rlharvest.services.trainer.backend import OptimConfig, make_backend  # noqa: E402
 from rlharvest.services.trainer.grpo import LossConfig  # noqa: E402
 from rlharvest.services.trainer.stream_trainer import (  # noqa: E402

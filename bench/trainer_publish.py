@@ -47,7 +47,7 @@ def build(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from rlharvest.common.tiny_model import tiny_config
+    from rlharvest.models.tiny_model import tiny_config
 
     shape = tiny_config("small").to_dict()
     shape.pop("layer_types", None)  # derived from the layer count

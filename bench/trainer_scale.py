@@ -39,8 +39,8 @@ def worker(args: argparse.Namespace) -> None:
     """One configuration's run (under torchrun): warm-up steps, then timed steps."""
     import torch
 
-    from rlharvest.common.tiny_model import build_model
-    from rlharvest.common.tokenizer import PAD_ID
+    from rlharvest.models.tiny_model import build_model
+    from rlharvest.models.tokenizer import PAD_ID
     from rlharvest.services.trainer import ranks
     from rlharvest.services.trainer.backend import OptimConfig, make_backend
     from rlharvest.services.trainer.grpo import LossConfig

@@ -28,8 +28,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch  # noqa: E402
 
-from rlharvest.common.tiny_model import build_model  # noqa: E402
-from rlharvest.common.tokenizer import PAD_ID  # noqa: E402
+from rlharvest.models.tiny_model import build_model  # noqa: E402
+from rlharvest.models.tokenizer import PAD_ID  # noqa: E402
 from rlharvest.services.trainer.backend import OptimConfig, make_backend  # noqa: E402
 from rlharvest.services.trainer.grpo import LossConfig  # noqa: E402
 from rlharvest.services.trainer.stream_trainer import (  # noqa: E402

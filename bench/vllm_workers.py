@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
-from rlharvest.common.hf_checkpoint import build_checkpoint  # noqa: E402
+from rlharvest.models.hf_checkpoint import build_checkpoint  # noqa: E402
 from rlharvest.common.local_etcd import free_port  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.services.rollout_worker.vllm_engine import VllmEngine, vllm_missing  # noqa: E402

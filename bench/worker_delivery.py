@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common.engine_device import resolve  # noqa: E402
-from rlharvest.common.tokenizer import CharTokenizer  # noqa: E402
+from rlharvest.models.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common.engine_types import EngineRequest, SamplingParams  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from rlharvest.common.engine_types import SamplingParams, sampling_to_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.common.registry import Membership
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.models.tokenizer import CharTokenizer
 from rlharvest.services.rollout_manager.tracker import NewRequest
 from rlharvest.services.trainer.step_plan import Acceptance, StepSpec
 from rlharvest.services.trainer.tasks import TaskDataset
 
 if TYPE_CHECKING:  # the stream trainer imports torch; the manager's tests need not
-    from rlharvest.common.decoder_weights import DecoderWeights
+    from rlharvest.models.decoder_weights import DecoderWeights
     from rlharvest.services.trainer.stream_trainer import RewardedGroup
 
 
@@ -32,7 +32,7 @@ def decoder_of(model) -> DecoderWeights:
     """The rollout engine's weight store holding a copy of a transformers module's weights."""
     import torch
 
-    from rlharvest.common.decoder_weights import DecoderConfig, DecoderWeights
+    from rlharvest.models.decoder_weights import DecoderConfig, DecoderWeights
 
     dtype = next(model.parameters()).dtype
     weights = DecoderWeights(DecoderConfig.from_dict(model.config.to_dict()), dtype)
@@ -198,7 +198,7 @@ def job_weights(seed: int, factor: float = 10.0) -> dict:
     embedding scaled by ``factor``. Unscaled, every tiny seed's greedy tokens are one repeated
     token; scaled, two seeds' greedy completions differ at once, so a token of the other job's
     weights is seen (issue 49's cases)."""
-    from rlharvest.common.tiny_model import build_model
+    from rlharvest.models.tiny_model import build_model
 
     return {name: (t * factor if "proj" in name or "embed" in name else t).contiguous()
             for name, t in build_model("tiny", seed=seed).state_dict().items()

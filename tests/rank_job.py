@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlharvest.common.tokenizer import PAD_ID
+from rlharvest.models.tokenizer import PAD_ID
 from rlharvest.services.trainer import ranks
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import LossConfig

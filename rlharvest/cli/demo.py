@@ -197,7 +197,7 @@ def demo_model(engine: str, log_dir: Path) -> str:
     directory, which every service then loads."""
     if engine != "vllm":
         return "tiny"
-    from rlharvest.common.hf_checkpoint import build_checkpoint
+    from rlharvest.models.hf_checkpoint import build_checkpoint
 
     return str(build_checkpoint(log_dir / "checkpoint", size="small", overwrite=True))
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from rlharvest.common import keys, registry, rpc, tls
 from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
-from rlharvest.common.hf_checkpoint import build_checkpoint, build_checkpoint_command
+from rlharvest.models.hf_checkpoint import build_checkpoint, build_checkpoint_command
 from rlharvest.common.config import ConfigError
 from rlharvest.common.tls import LocalCA
 from rlharvest.cli import status_view

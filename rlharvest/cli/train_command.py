@@ -42,8 +42,8 @@ class Checked:
 def preflight(cfg: TrainerConfig) -> Checked:
     """Everything the trainer or a worker would refuse, refused now; ValueError says what."""
     # Here, not at the top: they load torch, and every `rlharvest` command imports this module.
-    from rlharvest.common.decoder_weights import decoder_config
-    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.models.decoder_weights import decoder_config
+    from rlharvest.models.model_tokenizer import load_tokenizer
     from rlharvest.services.rollout_worker.decoder_forward import check_servable
     from rlharvest.services.trainer.task_setup import build_task_setup
 

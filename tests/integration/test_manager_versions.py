@@ -9,7 +9,7 @@ import urllib.request
 
 from safetensors.torch import save_file
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 
 from .test_manager import run_step, start_manager, status, step_request, wait_workers
 from .worker_client import start_worker

@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 
 from rlharvest.common import tls
-from rlharvest.common.hf_checkpoint import build_checkpoint
+from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.common.local_etcd import free_port
-from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.models.model_tokenizer import load_tokenizer
 from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.services.coexecutor.openai_api import ApiConfig, make_app, serve_api
 from rlharvest.services.coexecutor.serving_backend import (

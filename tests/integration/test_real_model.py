@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from rlharvest.common.hf_checkpoint import build_checkpoint
-from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.models.hf_checkpoint import build_checkpoint
+from rlharvest.models.model_tokenizer import load_tokenizer
 from rlharvest.cli import main as cli
 from rlharvest.services.trainer import checkpoint, gsm8k
 from rlharvest.services.trainer.datasets import FileTask, load_rows

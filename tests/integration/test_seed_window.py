@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import PAD_ID
+from rlharvest.models.tiny_model import build_model
+from rlharvest.models.tokenizer import PAD_ID
 from rlharvest.services.rollout_manager.status_client import wait_workers
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import LossConfig

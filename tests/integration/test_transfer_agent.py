@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlharvest.common import keys, registry
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.models.tiny_model import build_model
+from rlharvest.models.tokenizer import CharTokenizer
 from rlharvest.cli.launcher import LocalStack
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine

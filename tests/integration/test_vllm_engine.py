@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, SamplingParams
-from rlharvest.common.hf_checkpoint import build_checkpoint
+from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.rollout_worker.vllm_engine import VllmEngine, vllm_missing, whole_modules
 

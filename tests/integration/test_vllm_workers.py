@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlharvest.common import rpc
-from rlharvest.common.hf_checkpoint import build_checkpoint
+from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_worker_pb2 as wpb
 from rlharvest.common.pb import rollout_worker_pb2_grpc
 from rlharvest.services.rollout_manager.status_client import wait_workers

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from rlharvest.common import keys, registry
 from rlharvest.common.pb import rollout_worker_pb2 as pb
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.models.tiny_model import build_model
+from rlharvest.models.tokenizer import CharTokenizer
 
 from tests.worker_sessions import abort, add, deltas_of
 

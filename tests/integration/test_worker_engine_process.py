@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.models.tokenizer import CharTokenizer
 
 from tests.worker_sessions import add
 

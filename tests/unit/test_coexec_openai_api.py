@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlharvest.common.hf_checkpoint import build_checkpoint
-from rlharvest.common.model_tokenizer import ModelTokenizer, load_tokenizer
+from rlharvest.models.hf_checkpoint import build_checkpoint
+from rlharvest.models.model_tokenizer import ModelTokenizer, load_tokenizer
 from rlharvest.services.coexecutor.openai_api import IncrementalDecoder
 
 # Characters the checkpoint's byte-level BPE spreads over several tokens each.

@@ -76,7 +76,7 @@ class _Context:
 
 
 def _weights(seed: int) -> dict:
-    from rlharvest.common.tiny_model import build_model
+    from rlharvest.models.tiny_model import build_model
 
     return {k: v.contiguous() for k, v in build_model("tiny", seed=seed).state_dict().items()
             if k != "lm_head.weight"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from rlharvest.common.decoder_weights import DecoderConfig
+from rlharvest.models.decoder_weights import DecoderConfig
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward, check_servable
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from rlharvest.common.decoder_weights import (
+from rlharvest.models.decoder_weights import (
     DecoderConfig,
     DecoderWeights,
     decoder_config,
@@ -21,7 +21,7 @@ from rlharvest.common.decoder_weights import (
     load_decoder,
     preset_state,
 )
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from tests.unit.test_decoder_forward import CONFIGS, SHAPE, sharp_model
 
 
@@ -145,7 +145,7 @@ def test_a_config_without_head_dim_takes_the_familys_default(model_type, expecte
 def test_the_qwen3_shaped_presets_have_the_released_models_shapes(preset, params):
     from transformers import Qwen3Config
 
-    from rlharvest.common.decoder_weights import preset_config_dict
+    from rlharvest.models.decoder_weights import preset_config_dict
 
     ours = DecoderWeights(decoder_config(preset), device="meta")
     assert sum(p.numel() for p in ours.parameters()) == params

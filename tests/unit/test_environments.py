@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from rlharvest.common.tokenizer import CharTokenizer
+from rlharvest.models.tokenizer import CharTokenizer
 from rlharvest.services.trainer.environments.frozen_lake import FrozenLake
 from rlharvest.services.trainer.tasks import TaskItem
 from rlharvest.services.trainer.environments.interface import (
@@ -214,8 +214,8 @@ async def test_a_short_rounds_group_keeps_the_first_trajectories_to_end_and_canc
 async def test_a_trajectory_whose_reset_failed_scores_zero_in_its_group_and_the_step_trains_on():
     """The agentic step's contract: a trajectory the environment failed (here its reset) scores
     0, still counts in its group's advantages, trains nothing, and the step goes on."""
-    from rlharvest.common.tiny_model import build_model
-    from rlharvest.common.tokenizer import PAD_ID
+    from rlharvest.models.tiny_model import build_model
+    from rlharvest.models.tokenizer import PAD_ID
     from rlharvest.services.trainer.backend import OptimConfig, make_backend
     from rlharvest.services.trainer.environments.runner import (
         PlayConfig,

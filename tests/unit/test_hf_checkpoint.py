@@ -12,10 +12,10 @@ import torch
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from rlharvest.common.hf_checkpoint import FAMILIES, app, build_checkpoint
-from rlharvest.common.model_tokenizer import TokenizerError, load_tokenizer
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import EOS_ID
+from rlharvest.models.hf_checkpoint import FAMILIES, app, build_checkpoint
+from rlharvest.models.model_tokenizer import TokenizerError, load_tokenizer
+from rlharvest.models.tiny_model import build_model
+from rlharvest.models.tokenizer import EOS_ID
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 6*7?"}]
 TEXT = "Ava has 1,234 apples; -3.5 and \\boxed{42}.\nNext line, caf\u00e9 \u2713"
@@ -149,7 +149,7 @@ def _old_sharded_checkpoint(out: Path, scratch: Path) -> None:
 
 
 def test_force_rebuilding_over_a_sharded_checkpoint_leaves_no_file_of_the_old_one(tmp_path):
-    from rlharvest.common.decoder_weights import load_decoder
+    from rlharvest.models.decoder_weights import load_decoder
 
     out = tmp_path / "out"
     _old_sharded_checkpoint(out, tmp_path / "old")

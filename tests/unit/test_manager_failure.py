@@ -15,7 +15,7 @@ from rlharvest.services.rollout_manager.commands import (
 )
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
-from rlharvest.services.rollout_manager.policy_sim import (
+from rlharvest.sim.manager_policy import (
     Scenario,
     SimWorker,
     long_tail_lengths,

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = [
     "rlharvest.services.rollout_manager.service",
     "rlharvest.services.rollout_manager.main",
-    "rlharvest.services.rollout_manager.policy_sim",
+    "rlharvest.sim.manager_policy",
     "rlharvest.sim.cluster",
     "rlharvest.sim.optimum",
     "rlharvest.sim.baselines",

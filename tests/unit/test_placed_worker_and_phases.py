@@ -323,7 +323,7 @@ async def test_a_migration_granted_while_the_rollout_ends_is_still_counted(monke
 
 # --- the measured warm-up profile (rlharvest/services/trainer/warmup_profile.py) --------------------------
 def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -> None:
-    from rlharvest.common.tiny_model import build_model
+    from rlharvest.models.tiny_model import build_model
     from rlharvest.services.trainer import warmup_profile
 
     policy = build_model(seed=0)
@@ -340,7 +340,7 @@ def test_a_measured_profile_times_the_workers_engine_and_the_policys_forward() -
 
 def test_a_measured_profile_decodes_in_the_dtype_the_workers_serve(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlharvest.common.tiny_model import build_model
+    from rlharvest.models.tiny_model import build_model
     from rlharvest.services.trainer import warmup_profile
 
     built: list[torch.dtype] = []

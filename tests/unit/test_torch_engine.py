@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from rlharvest.common.engine_types import EngineInputError, EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.decoder_forward import DecoderForward

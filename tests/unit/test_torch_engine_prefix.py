@@ -9,7 +9,7 @@ from __future__ import annotations
 from rlharvest.common.engine_types import EngineRequest
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 
 from .test_torch_engine import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
     SHARP_VERSION,

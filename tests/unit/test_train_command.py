@@ -41,7 +41,7 @@ def test_contradictory_data_and_reward_flags_are_refused_naming_both(flags, frag
 
 
 def test_a_prompt_the_models_tokenizer_cannot_encode_is_refused_naming_its_line(tmp_path):
-    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.models.model_tokenizer import load_tokenizer
     from rlharvest.services.trainer.task_setup import build_task_setup
 
     data = tmp_path / "d.jsonl"

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from rlharvest.services.trainer.backend import OptimConfig, TorchBackend
 from rlharvest.services.trainer.checkpoint import (
     TrainerState,

@@ -384,7 +384,7 @@ async def test_a_request_carries_its_kinds_timeout_over_the_pools() -> None:
 
 
 def test_reward_timeouts_apply_per_kind_and_bad_entries_are_refused(tmp_path) -> None:
-    from rlharvest.common.model_tokenizer import load_tokenizer
+    from rlharvest.models.model_tokenizer import load_tokenizer
     from rlharvest.services.trainer.config import TrainerConfig
     from rlharvest.services.trainer.task_setup import build_task_setup
     from rlharvest.services.trainer.tasks import TaskItem

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlharvest.common.tiny_model import build_model
-from rlharvest.common.tokenizer import PAD_ID
+from rlharvest.models.tiny_model import build_model
+from rlharvest.models.tokenizer import PAD_ID
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import (
     LossConfig,

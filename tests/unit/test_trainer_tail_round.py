@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
-from rlharvest.common.tokenizer import PAD_ID
+from rlharvest.models.tokenizer import PAD_ID
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import LossConfig

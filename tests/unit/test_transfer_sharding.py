@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from rlharvest.services.transfer_agent.sharding import (
     Layout,
     ShardingError,

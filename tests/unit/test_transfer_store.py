@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import (
     ManifestError,

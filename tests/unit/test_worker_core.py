@@ -17,7 +17,7 @@ import torch
 from rlharvest.common.engine_types import EngineRequest
 from rlharvest.common.errors import AlreadyExists, ServiceError
 from rlharvest.common.pb import rollout_worker_pb2 as pb
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.tiny_model import build_model
 from rlharvest.common.worker_core.admission import Admission, WorkerView
 from rlharvest.common.worker_core.engine_pump import EnginePump
 from rlharvest.common.worker_core.session_commands import SessionCommands

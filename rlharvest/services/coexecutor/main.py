@@ -24,7 +24,7 @@ from aiohttp import web
 from rlharvest.common.cli import service_app
 from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.engine_types import RequestOutput
-from rlharvest.common.model_tokenizer import load_tokenizer
+from rlharvest.models.model_tokenizer import load_tokenizer
 from rlharvest.common.pb import common_pb2, rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec, StopReason
 from rlharvest.common.worker_core.version_record import VersionRecord

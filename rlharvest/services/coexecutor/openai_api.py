@@ -37,7 +37,7 @@ from aiohttp import web
 from rlharvest.common import tls
 from rlharvest.common.engine_types import SamplingParams
 from rlharvest.common.errors import InvalidArgument
-from rlharvest.common.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
+from rlharvest.models.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
 from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.serving_backend import (
     EngineServingBackend,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rlharvest.common.decoder_weights import DecoderConfig, DecoderWeights, inv_freq
+from rlharvest.models.decoder_weights import DecoderConfig, DecoderWeights, inv_freq
 from rlharvest.services.rollout_worker.kv_cache import KVCache
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from rlharvest.common import start_weights
-from rlharvest.common.decoder_weights import decoder_config, load_decoder
+from rlharvest.models.decoder_weights import decoder_config, load_decoder
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
 from rlharvest.services.rollout_worker.kv_cache import SlotKVCache
 from rlharvest.services.rollout_worker.kv_pages import (

@@ -421,7 +421,7 @@ def _checkpoint_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     from it, since vLLM rebuilds a fused layer whole. It costs the weights' size in host memory
     (16 GB for an 8B model in bf16), which GPU nodes have; RL frameworks keep one as well.
     """
-    from rlharvest.common.decoder_weights import load_decoder
+    from rlharvest.models.decoder_weights import load_decoder
 
     net = load_decoder(str(path), dtype=dtype)
     return {name: tensor.detach() for name, tensor in net.state_dict(keep_vars=True).items()}

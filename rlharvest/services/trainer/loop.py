@@ -44,8 +44,8 @@ from rlharvest.common.aio import wait_event
 from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, trainer_pb2 as tpb
 from rlharvest.common.retry import Backoff, retry
-from rlharvest.common.model_tokenizer import load_tokenizer
-from rlharvest.common.tiny_model import build_model
+from rlharvest.models.model_tokenizer import load_tokenizer
+from rlharvest.models.tiny_model import build_model
 from rlharvest.services.trainer import (
     checkpoint, metrics, rollout_client, tail_reports, warmup_profile)
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, Where, make_backend

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rlharvest.common.model_tokenizer import ModelTokenizer
+from rlharvest.models.model_tokenizer import ModelTokenizer
 from rlharvest.services.trainer.code_task import CodeTask, CodeTaskConfig
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.trainer.datasets import FieldMap, FileTask, Row, load_rows

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from rlharvest.common import rpc
 from rlharvest.common.daemon_thread import run_in_daemon_thread
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
-from rlharvest.common.model_tokenizer import BuiltinTokenizer, ModelTokenizer
+from rlharvest.models.model_tokenizer import BuiltinTokenizer, ModelTokenizer
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup
 from rlharvest.services.trainer.tasks import TaskItem
 from rlharvest.services.trainer.environments.interface import (

@@ -32,7 +32,7 @@ from typing import Any
 
 import typer
 
-from rlharvest.common.model_presets import PRESETS
+from rlharvest.models.model_presets import PRESETS
 
 FAMILIES = ("qwen3", "qwen2", "llama")
 SIZES: dict[str, dict] = PRESETS  # the same shapes as the built-in presets

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, Union
 
-from rlharvest.common.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, CharTokenizer
+from rlharvest.models.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, CharTokenizer
 
 Message = Mapping[str, str]
 Prompt = Union[str, Sequence[Message]]
@@ -172,7 +172,7 @@ def _stop_ids(generation: dict[str, Any], config: dict[str, Any],
 
 def load_tokenizer(model: str) -> ModelTokenizer:
     """The tokenizer of ``model``: a preset name, or a local checkpoint directory."""
-    from rlharvest.common.tiny_model import PRESETS
+    from rlharvest.models.tiny_model import PRESETS
 
     if model in PRESETS:
         return BuiltinTokenizer()

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlharvest.common.model_presets import PRESETS
-from rlharvest.common.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from rlharvest.models.model_presets import PRESETS
+from rlharvest.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # RoPE types whose frequencies are fixed at load time (their attention scaling is 1).

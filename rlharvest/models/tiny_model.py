@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
-from rlharvest.common.decoder_weights import preset_config_dict, preset_state
-from rlharvest.common.model_presets import PRESETS
+from rlharvest.models.decoder_weights import preset_config_dict, preset_state
+from rlharvest.models.model_presets import PRESETS
 
 
 def tiny_config(preset: str = "tiny") -> Qwen3Config:
