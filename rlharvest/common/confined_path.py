@@ -21,31 +21,54 @@ import sys
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from rlharvest.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlharvest.common.errors import FailedPrecondition, InvalidArgument, NotFound, quoted
+
+# The OS's own limits (Linux PATH_MAX and NAME_MAX), checked before any filesystem call: a name
+# beyond them cannot name a file, and resolving a 200 KB name of short components cost seconds
+# (a cost that grows with the square of the components).
+MAX_PATH_BYTES = 4096
+MAX_COMPONENT_BYTES = 255
+
+
+def _bounded(name: str, what: str) -> None:
+    if "\0" in name:
+        raise InvalidArgument(f"{quoted(name)} holds a NUL byte; name a {what} without one")
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > MAX_PATH_BYTES:
+        raise InvalidArgument(f"the {what} name is {size} bytes, over the {MAX_PATH_BYTES} a "
+                              f"path may have: {quoted(name)}")
+    longest = max((len(part.encode("utf-8", "surrogateescape")) for part in name.split("/")),
+                  default=0)
+    if longest > MAX_COMPONENT_BYTES:
+        raise InvalidArgument(f"{quoted(name)} has a component of {longest} bytes, over the "
+                              f"{MAX_COMPONENT_BYTES} a file name may have")
 
 
 def confined_path(root: str | Path, name: str, what: str = "file") -> Path:
     """``name`` resolved under ``root``. Raises FailedPrecondition when no root is configured
-    and InvalidArgument for a name that is empty, absolute, has a ``..`` part, or resolves
-    (symlinks followed) outside the root. Existence is the caller's check."""
+    and InvalidArgument for a name that is empty, over the OS's path limits, absolute, has a
+    ``..`` part, or resolves (symlinks followed) outside the root. Existence is the caller's
+    check. It touches the filesystem: call it off an event loop."""
     if not str(root):
         raise FailedPrecondition(f"this service reads no {what} named by a caller: start it with "
                                  "a directory to read from (weights_dir)")
     if not name:
         raise InvalidArgument(f"name a {what} relative to the service's directory")
+    _bounded(name, what)
     pure = PurePosixPath(name)
     if pure.is_absolute() or Path(name).is_absolute():
-        raise InvalidArgument(f"{name!r} is an absolute path; name a {what} relative to the "
+        raise InvalidArgument(f"{quoted(name)} is an absolute path; name a {what} relative to the "
                               "service's directory")
     if ".." in pure.parts:
-        raise InvalidArgument(f"{name!r} climbs out of the service's directory with '..'")
+        raise InvalidArgument(f"{quoted(name)} climbs out of the service's directory with '..'")
     try:
         base = Path(root).resolve()
         target = (base / name).resolve()
     except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte, a symlink loop
-        raise InvalidArgument(f"{name!r} is not a usable path: {exc}") from None
+        raise InvalidArgument(f"{quoted(name)} is not a usable path: {exc}") from None
     if not _within(base, target):
-        raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink)")
+        raise InvalidArgument(f"{quoted(name)} leads outside the service's directory (a "
+                              "symlink)")
     return target
 
 
@@ -64,15 +87,15 @@ def open_confined(root: str | Path, name: str, what: str = "file") -> BinaryIO:
     try:
         fd = os.open(target, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as exc:
-        raise NotFound(f"no {what} {name!r} in the service's directory: {exc.strerror}") \
-            from None
+        raise NotFound(f"no {what} {quoted(name)} in the service's directory: "
+                       f"{exc.strerror}") from None
     try:
         opened = _opened_path(fd)
         if not _within(base, opened):
-            raise InvalidArgument(f"{name!r} leads outside the service's directory (a symlink "
+            raise InvalidArgument(f"{quoted(name)} leads outside the service's directory (a symlink "
                                   "swapped in after it was checked)")
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotFound(f"{name!r} is no {what} in the service's directory (not a file)")
+            raise NotFound(f"{quoted(name)} is no {what} in the service's directory (not a file)")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

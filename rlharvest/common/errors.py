@@ -15,6 +15,14 @@ from typing import NoReturn
 import grpc
 
 
+def quoted(text: str, limit: int = 64) -> str:
+    """``text`` as a refusal may echo it: its repr, cut to ``limit`` characters with its length
+    said, so a refusal of a 100 KB name is a short message, not one too large for the caller."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 class ServiceError(Exception):
     """A request a service refuses; the message says what was wrong and what to do.
 

@@ -133,7 +133,6 @@ async def test_stop_tokens_end_a_completion_only_after_min_tokens(server):
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
-    ({"model": "gpt-4", "prompt": "1"}, "model", "is not served here"),
     ({"model": MODEL, "prompt": ""}, "prompt", "the prompt is empty"),
     ({"model": MODEL, "prompt": "1", "max_tokens": 0}, "max_tokens", "must be > 0"),
     ({"model": MODEL, "prompt": "1", "max_tokens": "5"}, "max_tokens", "must be an integer"),
@@ -175,6 +174,39 @@ async def test_bad_requests_get_a_400_naming_the_field(server, body, param, mess
         error = (await resp.json())["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     assert re.search(message, error["message"]), error["message"]
+
+
+async def test_an_unknown_model_is_openais_404_model_not_found(server):
+    _, _, url = server
+    with pytest.raises(openai.NotFoundError) as raised:
+        await client(url).completions.create(model="gpt-4", prompt="1")
+    error = raised.value.body
+    assert raised.value.status_code == 404
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "'gpt-4' does not exist here" in error["message"]
+    async with aiohttp.ClientSession() as http:  # a model name 50 KB long is quoted short
+        body = {"model": "m" * 50_000, "messages": [{"role": "user", "content": "1"}]}
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 404
+            assert len((await resp.json())["error"]["message"]) < 300
+
+
+@pytest.mark.parametrize("where", ["messages", "extra"])
+async def test_json_nested_deeper_than_the_bound_is_a_400_not_a_500(server, where):
+    _, _, url = server
+    for depth in (100, 30_000):  # past the bound; past Python's parser's recursion limit
+        nested = "[" * depth + "]" * depth
+        body = (f'{{"model": "{MODEL}", "messages": {nested}}}' if where == "messages" else
+                f'{{"model": "{MODEL}", "prompt": "1", "x": {nested}}}')
+        async with aiohttp.ClientSession() as http, \
+                http.post(url + "/v1/chat/completions" if where == "messages" else
+                          url + "/v1/completions", data=body.encode()) as resp:
+            assert resp.status == 400, await resp.text()
+            assert "nests deeper than 64 levels" in (await resp.json())["error"]["message"]
+    async with aiohttp.ClientSession() as http:  # a sane body still works after them
+        async with http.post(url + "/v1/completions",
+                             json={"model": MODEL, "prompt": "1", "max_tokens": 2}) as resp:
+            assert resp.status == 200
 
 
 async def test_malformed_json_nan_and_an_oversized_body_are_refused(server):

@@ -30,7 +30,9 @@ from rlharvest.services.rollout_manager.status_client import wait_workers
 from rlharvest.services.rollout_worker.vllm_engine import vllm_missing
 
 from .test_manager import run_step, scrape, start_manager, status
-from .worker_client import launch_worker, wait_serving
+from tests.worker_sessions import add
+
+from .worker_client import WorkerSession, launch_worker, wait_serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_stack,
               pytest.mark.skipif(bool(vllm_missing()), reason=vllm_missing() or "vLLM runs")]
@@ -75,6 +77,16 @@ def by_prompt(done: dict[str, mpb.Completion]) -> dict[int, set[tuple[int, ...]]
     return groups
 
 
+async def generate_on(worker, command) -> list[int]:
+    session = WorkerSession(worker.endpoint)
+    try:
+        await session.send(command)
+        rid = command.add.request_id
+        return list((await session.finish([rid])).completions[rid].tokens)
+    finally:
+        await session.close()
+
+
 def children(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -93,6 +105,14 @@ async def test_one_job_mixes_vllm_and_torch_workers_and_survives_a_vllm_sigkill(
     assert all(len(tokens) == 1 for tokens in groups.values()), groups
     served = {w.worker_id: w for w in (await status(manager.endpoint)).workers}
     assert set(served) == {"v0", "v1", "t0"}
+
+    # A request generated on one vLLM worker resumes on another from its tokens, greedy
+    # identical (directly, over each worker's Session stream)
+    whole = await generate_on(workers["v0"], add("whole", PROMPTS[0], max_tokens=24,
+                                                 temperature=0))
+    resumed = await generate_on(workers["v1"], add("resumed", PROMPTS[0], max_tokens=24,
+                                                   temperature=0, generated=whole[:10]))
+    assert len(whole) == 24 and resumed == whole[10:]
 
     victim = workers["v0"].process.process
     vllm_children = children(victim.pid)

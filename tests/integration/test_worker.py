@@ -269,6 +269,13 @@ async def test_weight_load_changes_outputs_and_reported_version(stack, etcd_clie
             await session.stub.LoadWeights(pb.LoadWeightsRequest(path="garbage.safetensors",
                                                                   version=8))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A hostile name (200 KB of short components: it froze the worker for ~9 s when it was
+        # resolved on the event loop) is refused at once, with a refusal the caller can read.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await session.stub.LoadWeights(pb.LoadWeightsRequest(path="a/" * 100_000 + "x",
+                                                                  version=9))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "over the 4096" in err.value.details() and len(err.value.details()) < 300
         assert (await session.stub.GetInfo(pb.GetInfoRequest())).weight_version == 5
     finally:
         await session.close()

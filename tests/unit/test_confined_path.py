@@ -36,6 +36,23 @@ def test_empty_absolute_and_climbing_names_are_refused(root, name, says):
         confined_path(root, name)
 
 
+@pytest.mark.parametrize("name, says", [
+    ("a/" * 100_000 + "x", "over the 4096 a path may have"),  # 200 KB of short components
+    ("v1/" + "y" * 256, "component of 256 bytes"),
+    ("v1/model\0.safetensors", "NUL byte"),
+])
+def test_names_beyond_the_os_limits_are_refused_before_any_filesystem_call(tmp_path, name, says):
+    # the root does not even exist: nothing was resolved or opened to refuse them
+    with pytest.raises(InvalidArgument, match=says) as refused:
+        confined_path(tmp_path / "absent", name)
+    assert len(str(refused.value)) < 200  # the refusal quotes a short prefix, not the name
+
+
+def test_the_longest_names_the_os_allows_still_resolve(root):
+    name = "./" * 1000 + "v1/model.safetensors"  # 2,020 bytes, 1,002 components
+    assert confined_path(root, name) == (root / "v1" / "model.safetensors").resolve()
+
+
 def test_a_symlink_out_of_the_directory_is_refused_and_one_within_it_is_not(root):
     os.symlink(root.parent / "secret", root / "out.safetensors")
     os.symlink(root / "v1" / "model.safetensors", root / "in.safetensors")

@@ -36,7 +36,7 @@ from aiohttp import web
 
 from rlharvest.common import tls
 from rlharvest.common.engine_types import SamplingParams
-from rlharvest.common.errors import InvalidArgument
+from rlharvest.common.errors import InvalidArgument, quoted
 from rlharvest.models.model_tokenizer import ModelTokenizer, TokenizerError, check_messages
 from rlharvest.services.coexecutor import metrics
 from rlharvest.services.coexecutor.serving_backend import (
@@ -62,6 +62,17 @@ class BadRequest(InvalidArgument):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ModelNotFound(BadRequest):
+    """A 404 with OpenAI's (and vLLM's) code ``model_not_found``: the body names a model this
+    server does not serve."""
+
+
+# JSON nesting a request body may have. OpenAI's deepest (a chat message's content parts, a
+# tool's JSON schema) is well under it; Python's parser fails past ~1,000 levels with a
+# RecursionError, which was a 500.
+MAX_JSON_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -98,15 +109,16 @@ def make_app(backend: EngineServingBackend, tokenizer: ModelTokenizer,
     return app
 
 
-def error_body(message: str, param: str | None = None,
-               kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   kind: str = "invalid_request_error") -> web.Response:
+                   kind: str = "invalid_request_error", code: str | None = None) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return web.json_response(error_body(message, param, kind), status=status, headers=headers)
+    return web.json_response(error_body(message, param, kind, code), status=status,
+                             headers=headers)
 
 
 @dataclass(frozen=True)
@@ -119,18 +131,22 @@ class _Failure:
     kind: str = "invalid_request_error"
     param: str | None = None
     outcome: str = "error"
+    code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.param, self.kind)
+        return error_body(self.message, self.param, self.kind, self.code)
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.param, self.kind)
+        return error_response(self.status, self.message, self.param, self.kind, self.code)
 
 
 def _failure(exc: Exception, request: web.Request) -> _Failure:
     """The one mapping of exceptions to answers, for a JSON status (the middleware) and for an
     error event once a stream's status is sent (``_Api._stream``) alike. A bug is logged with
     its traceback."""
+    if isinstance(exc, ModelNotFound):
+        return _Failure(404, str(exc), param=exc.param, outcome="bad_request",
+                        code="model_not_found")
     if isinstance(exc, BadRequest):
         return _Failure(400, str(exc), param=exc.param, outcome="bad_request")
     if isinstance(exc, InvalidArgument):  # the engine refused the request
@@ -240,9 +256,11 @@ class _Api:
                                   "usage": _usage(len(ids), count)})
 
     def _parse(self, body: dict[str, Any], ids: list[int], shape: _Shape) -> _Request:
-        if body.get("model") != self._config.model:
-            raise BadRequest(f"model {body.get('model')!r} is not served here; this server "
-                             f"serves {self._config.model!r} (GET /v1/models)", "model")
+        model = body.get("model")
+        if model != self._config.model:
+            named = quoted(model) if isinstance(model, str) else repr(type(model).__name__)
+            raise ModelNotFound(f"the model {named} does not exist here; this server serves "
+                                f"{self._config.model!r} (GET /v1/models)", "model")
         if not ids:
             raise BadRequest("the prompt is empty", shape.prompt_param)
         max_tokens = self._max_tokens(body, ids, shape)
@@ -445,11 +463,29 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
     try:
         body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+        raise BadRequest(f"the body is not valid JSON: {quoted(str(exc), 200)}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    if _nested_deeper(body, MAX_JSON_DEPTH):
+        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
     return body
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds containers more than ``limit`` levels deep (iterative: a walk
+    of a hostile body must not recurse either)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
 
 
 def _number(body: dict[str, Any], key: str, default: float) -> float:

@@ -4,6 +4,8 @@ send: the session protocol, the step loop and the policy live in their own modul
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import AsyncIterator, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
@@ -81,7 +83,10 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         if request.version < 0:
             await errors.abort(context, errors.InvalidArgument("version must be >= 0"))
         try:  # only files under weights_dir, opened now: an RPC must not read the host's files
-            file = open_confined(self._weights_dir, request.path, "weights file")
+            # (its checks resolve the name on the filesystem: off the event loop, so a hostile
+            # name never stalls the worker's other RPCs and its OpenAI API)
+            file = await asyncio.to_thread(open_confined, self._weights_dir, request.path,
+                                           "weights file")
         except errors.ServiceError as exc:
             await errors.abort(context, exc)
         try:
@@ -91,7 +96,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
             await errors.abort(context, errors.InvalidArgument(str(exc)))
         except Exception as exc:  # e.g. not a safetensors file: the worker keeps its weights
             await errors.abort(context, errors.InvalidArgument(
-                f"could not load {request.path!r}: {exc}"))
+                f"could not load {errors.quoted(request.path)}: {errors.quoted(str(exc), 300)}"))
         return pb.LoadWeightsResponse(weight_version=self._engine.weight_version,
                                       tensors_loaded=count)
 
