@@ -80,8 +80,10 @@ def by_prompt(done: dict[str, mpb.Completion]) -> dict[int, set[tuple[int, ...]]
 async def generate_on(worker, command) -> list[int]:
     session = WorkerSession(worker.endpoint)
     try:
-        await session.send(command)
         rid = command.add.request_id
+        if command.add.generated_token_ids:  # its deltas continue after what it was given
+            session.collected.expect_resume(rid, list(command.add.generated_token_ids))
+        await session.send(command)
         return list((await session.finish([rid])).completions[rid].tokens)
     finally:
         await session.close()
@@ -95,9 +97,16 @@ def children(pid: int) -> set[int]:
     return found
 
 
+async def healthy(manager, count: int) -> None:
+    try:
+        await wait_workers(manager.endpoint, count)
+    except TimeoutError:  # say what the manager saw of each worker
+        raise AssertionError(str(await status(manager.endpoint))) from None
+
+
 async def test_one_job_mixes_vllm_and_torch_workers_and_survives_a_vllm_sigkill(job):
     workers, manager, _ = job
-    await wait_workers(manager.endpoint, 3)
+    await healthy(manager, 3)
     reference = await run_step(manager.endpoint, greedy_step("ref", 16, 32))
     assert len(reference) == 16 and not any(c.failed for c in reference.values())
     groups = by_prompt(reference)
@@ -112,7 +121,7 @@ async def test_one_job_mixes_vllm_and_torch_workers_and_survives_a_vllm_sigkill(
                                                  temperature=0))
     resumed = await generate_on(workers["v1"], add("resumed", PROMPTS[0], max_tokens=24,
                                                    temperature=0, generated=whole[:10]))
-    assert len(whole) == 24 and resumed == whole[10:]
+    assert len(whole) == 24 and resumed == whole  # the 10 it was given, then the same 14
 
     victim = workers["v0"].process.process
     vllm_children = children(victim.pid)
@@ -150,10 +159,7 @@ def _alive(pid: int) -> bool:
 async def test_a_weight_load_into_a_vllm_worker_changes_its_outputs_behind_the_fence(
         job, checkpoint: Path):
     workers, manager, weights_dir = job
-    try:
-        await wait_workers(manager.endpoint, 2)
-    except TimeoutError:
-        raise AssertionError(str(await status(manager.endpoint))) from None
+    await healthy(manager, 2)
     before = await run_step(manager.endpoint, greedy_step("v0ref", 4, 24))
     tensors = load_file(checkpoint / "model.safetensors")
     gen = torch.Generator().manual_seed(1)
