@@ -32,12 +32,12 @@ from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 MODEL = "tiny-serving"
 
 
-async def serve(max_waiting: int = 8, step_delay_s: float = 0.0):
+async def serve(max_waiting: int = 8, step_delay_s: float = 0.0, body_timeout_s: float = 30.0):
     engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
     backend = EngineServingBackend(engine, max_waiting=max_waiting, step_delay_s=step_delay_s)
     backend.start()
-    app = make_app(backend, load_tokenizer("tiny"), ApiConfig(MODEL, context_len=256,
-                                                              max_body_bytes=64 << 10))
+    app = make_app(backend, load_tokenizer("tiny"), ApiConfig(
+        MODEL, context_len=256, max_body_bytes=64 << 10, body_timeout_s=body_timeout_s))
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port, scheme = await serve_api(runner, "127.0.0.1", free_port())
@@ -207,6 +207,28 @@ async def test_json_nested_deeper_than_the_bound_is_a_400_not_a_500(server, wher
         async with http.post(url + "/v1/completions",
                              json={"model": MODEL, "prompt": "1", "max_tokens": 2}) as resp:
             assert resp.status == 200
+
+
+async def test_a_body_that_stalls_is_a_408_and_its_connection_closes():
+    runner, backend, _, url = await serve(body_timeout_s=0.5)
+    try:
+        host, port = url.rsplit("//", 1)[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        # headers promise 100 bytes; 10 come, then nothing (slowloris on the body)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), timeout=30)
+        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert b"did not arrive within 0.5 s" in head and b"request_timeout" in head
+        writer.close()
+        async with aiohttp.ClientSession() as http:  # the server serves on
+            async with http.post(url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": "1", "max_tokens": 2}) as resp:
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+        await backend.close()
 
 
 async def test_malformed_json_nan_and_an_oversized_body_are_refused(server):

@@ -55,6 +55,11 @@ class CoexecutorConfig(EngineDeviceConfig):
                                        "longer than one chunk or one decode); 0 = whole prompts")
     max_waiting: int = Field(256, ge=1, description="serving requests in flight before 503")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest HTTP request body")
+    http_body_timeout_s: float = Field(30.0, gt=0, description="a request body not wholly "
+                                       "arrived this long after its headers is a 408 (a "
+                                       "stalled client holds no connection longer)")
+    http_idle_timeout_s: float = Field(75.0, gt=0, description="an idle keep-alive "
+                                       "connection is closed after this long")
     # ---- memory (ROSE §4.1, App. C)
     total_pages: int = Field(512, ge=1, description="pages in the KV pool both models share")
     page_tokens: int = Field(16, ge=1, description="tokens a page holds (both models here; a "

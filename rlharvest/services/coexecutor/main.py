@@ -145,9 +145,10 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
     backend_box.append(backend)
     backend.start()
     api = ApiConfig(cfg.served_model_name, context_len=cfg.max_len,
-                    max_body_bytes=cfg.max_body_bytes)
+                    max_body_bytes=cfg.max_body_bytes, body_timeout_s=cfg.http_body_timeout_s)
     runner = web.AppRunner(make_app(backend, load_tokenizer(cfg.serving_model), api),
-                           handler_cancellation=True, access_log=None)
+                           handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.http_idle_timeout_s)
     await runner.setup()
     http_port, scheme = await serve_api(runner, cfg.host, cfg.http_port)
     http_endpoint = f"{scheme}://{cfg.advertise_host or cfg.host}:{http_port}"

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _MAX_BODY = web.AppKey("max_body_bytes", int)
+_BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
 # Without max_tokens a completion is 16 tokens and a chat answer may fill the rest of the
 # context, as with OpenAI and vLLM.
 _COMPLETION_MAX_TOKENS = 16
@@ -62,6 +63,10 @@ class BadRequest(InvalidArgument):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class BodyTimeout(BadRequest):
+    """A 408: the body did not arrive in time (a stalled or slowloris client)."""
 
 
 class ModelNotFound(BadRequest):
@@ -80,6 +85,7 @@ class ApiConfig:
     model: str  # the name clients ask for
     context_len: int  # prompt + max_tokens must fit
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a body not wholly arrived by then is a 408
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ def make_app(backend: EngineServingBackend, tokenizer: ModelTokenizer,
     api = _Api(backend, tokenizer, config)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
     app[_MAX_BODY] = config.max_body_bytes
+    app[_BODY_TIMEOUT] = config.body_timeout_s
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_get("/v1/models", api.models)
@@ -144,6 +151,8 @@ def _failure(exc: Exception, request: web.Request) -> _Failure:
     """The one mapping of exceptions to answers, for a JSON status (the middleware) and for an
     error event once a stream's status is sent (``_Api._stream``) alike. A bug is logged with
     its traceback."""
+    if isinstance(exc, BodyTimeout):
+        return _Failure(408, str(exc), outcome="bad_request", code="request_timeout")
     if isinstance(exc, ModelNotFound):
         return _Failure(404, str(exc), param=exc.param, outcome="bad_request",
                         code="model_not_found")
@@ -460,7 +469,11 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    limit = request.app[_BODY_TIMEOUT]
+    try:
+        raw = await asyncio.wait_for(request.read(), limit)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {limit:g} s") from None
     try:
         body = json.loads(raw)
     except RecursionError:
