@@ -20,7 +20,6 @@ import logging
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import TypeVar
 
 import aetcd
 
-from rlharvest.common import keys, registry
+from rlharvest.common import keys, observability, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.chaos_plan import Fault, FaultPlan, applied_lineage, lineage_problems
 from rlharvest.cli.launcher import LocalStack, ServiceProcess
@@ -150,15 +149,12 @@ def scrape_regenerated(soak: Soak) -> None:
     """Each manager's tokens regenerated so far (read often: a killed one's count goes with
     it)."""
     for proc in soak.live("rollout_manager"):
-        port = _flag(proc, "--metrics-port")
         try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read()
+            text = observability.scrape(f"127.0.0.1:{_flag(proc, '--metrics-port')}", timeout=1)
         except OSError:
             continue
-        for line in text.decode().splitlines():
-            if line.startswith("rlh_manager_tokens_regenerated "):
-                value = float(line.split()[1])
-                soak.regenerated[proc.name] = max(value, soak.regenerated.get(proc.name, 0.0))
+        value = observability.sample(text, "rlh_manager_tokens_regenerated")
+        soak.regenerated[proc.name] = max(value, soak.regenerated.get(proc.name, 0.0))
 
 
 def _flag(proc: ServiceProcess, flag: str) -> str:

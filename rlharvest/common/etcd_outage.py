@@ -12,6 +12,7 @@ credentials) are not outages and propagate at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -31,8 +32,9 @@ ETCD_UP = Gauge("rlh_etcd_up", "1 while this process reaches etcd; 0 during an o
 ETCD_UP.set(1)
 BACKOFF = Backoff(first_s=0.2, max_s=2.0)
 
-# OSError covers ConnectionError and (since 3.11) asyncio.TimeoutError.
-_AWAY = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, OSError)
+# OSError covers ConnectionError; asyncio.TimeoutError is an OSError only from Python 3.11 on,
+# and this project runs on 3.10 too.
+_AWAY = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, OSError, asyncio.TimeoutError)
 
 
 def etcd_away(exc: BaseException) -> bool:

@@ -201,6 +201,8 @@ def test_a_refused_load_changes_nothing(engine) -> None:
 
 def test_a_load_resets_the_prefix_cache_and_preempts_running_requests(engine,
                                                                       checkpoint) -> None:
+    context = [(11 * i) % 500 + 3 for i in range(160)]
+    run(engine, EngineRequest("cached", context, SamplingParams(temperature=0.0, max_tokens=2)))
     engine.add(EngineRequest("running", PROMPT, SamplingParams(temperature=1.0, max_tokens=100)))
     engine.step()
     restore(engine, checkpoint)  # same values: only the reset's effects are visible
@@ -209,6 +211,10 @@ def test_a_load_resets_the_prefix_cache_and_preempts_running_requests(engine,
     engine.step()
     assert engine.load().executing == 1
     engine.abort("running")
+    # the context cached before the load is not served after it: the cache was emptied
+    hits = engine.load().prefix_hits
+    run(engine, EngineRequest("again", context, SamplingParams(temperature=0.0, max_tokens=2)))
+    assert engine.load().prefix_hits == hits
 
 
 def test_vllms_prefix_cache_serves_a_repeated_prefix_and_the_load_counts_it(engine) -> None:

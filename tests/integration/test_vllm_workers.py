@@ -180,11 +180,12 @@ async def test_a_weight_load_into_a_vllm_worker_changes_its_outputs_behind_the_f
     # version 0 is still served, by the torch worker alone, as before the load
     again = await run_step(manager.endpoint, greedy_step("v0again", 4, 24))
     assert by_prompt(again) == by_prompt(before)
-    with pytest.raises(grpc.aio.AioRpcError):
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
         async with rpc.channel(workers["v1"].endpoint) as chan:
             await rollout_worker_pb2_grpc.RolloutWorkerStub(chan).LoadWeights(
                 wpb.LoadWeightsRequest(path="../outside.safetensors", version=2, job="default"),
                 timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_make_run_with_the_vllm_engine_learns(tmp_path):

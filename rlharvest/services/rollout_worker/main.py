@@ -22,6 +22,7 @@ from rlharvest.services.rollout_worker.service import WorkerService
 
 if TYPE_CHECKING:
     from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+    from rlharvest.services.rollout_worker.vllm_engine import VllmEngine
 
 log = logging.getLogger("rlharvest.rollout_worker")
 
@@ -38,26 +39,25 @@ def build_engine(cfg: WorkerConfig) -> Engine:
     if cfg.torch_threads:
         torch.set_num_threads(cfg.torch_threads)
     device, dtype = engine_device.resolve(cfg.device, cfg.dtype)
+    engine: TorchEngine | VllmEngine
     if cfg.engine == "vllm":
         from rlharvest.services.rollout_worker.vllm_engine import VllmEngine
 
-        vllm = VllmEngine(cfg.model, max_len=cfg.max_len, max_running=cfg.max_running,
-                          dtype=dtype, device=torch.device(device).type, tp_size=cfg.tp_size,
-                          seed=cfg.model_seed, weight_version=cfg.weight_version,
-                          kv_cache_gib=cfg.kv_cache_gib)
-        if cfg.weights:
-            vllm.load_safetensors(cfg.weights, cfg.weight_version)
-        log.info("engine: %s", vllm.describe())
-        return vllm
-    from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+        engine = VllmEngine(cfg.model, max_len=cfg.max_len, max_running=cfg.max_running,
+                            dtype=dtype, device=torch.device(device).type, tp_size=cfg.tp_size,
+                            seed=cfg.model_seed, weight_version=cfg.weight_version,
+                            kv_cache_gib=cfg.kv_cache_gib)
+        log.info("engine: %s", engine.describe())
+    else:
+        from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 
-    engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
-                         max_len=cfg.max_len, weight_version=cfg.weight_version,
-                         device=device, dtype=dtype,
-                         prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
-                         page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens,
-                         prefix_cache=cfg.prefix_cache,
-                         prefix_lease_s=cfg.prefix_cache_lease_s)
+        engine = TorchEngine(model=cfg.model, seed=cfg.model_seed, max_running=cfg.max_running,
+                             max_len=cfg.max_len, weight_version=cfg.weight_version,
+                             device=device, dtype=dtype,
+                             prefill_chunk=cfg.prefill_chunk, kv_pages=cfg.kv_pages,
+                             page_tokens=cfg.page_tokens, kv_budget_tokens=cfg.kv_budget_tokens,
+                             prefix_cache=cfg.prefix_cache,
+                             prefix_lease_s=cfg.prefix_cache_lease_s)
     if cfg.weights:
         engine.load_safetensors(cfg.weights, cfg.weight_version)
     return engine

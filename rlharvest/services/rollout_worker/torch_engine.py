@@ -405,16 +405,7 @@ class TorchEngine:
         Requests already running keep their KV cache from the old weights; the caller aborts
         them (the on-policy invariant forbids finishing them under a new version).
         """
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise EngineInputError(f"weight version must be an int >= 0, got {version!r}")
-        problems = [p for name, value in tensors.items()
-                    if (p := weight_problem(name, value, self._shape_of(name)))]
-        if problems:
-            shown = "; ".join(problems[:5])
-            if len(problems) > 5:
-                shown += f"; and {len(problems) - 5} more"
-            raise EngineInputError(f"refusing weights for version {version} (nothing was loaded): "
-                                   f"{shown}")
+        check_weights(tensors, version, self._weight_targets)
         with torch.no_grad():
             for name, value in tensors.items():
                 self._weight_targets[name].copy_(value)
@@ -433,14 +424,7 @@ class TorchEngine:
                     for name, t in self._weight_targets.items()}
 
     def load_safetensors(self, path: str | Path, version: int) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(path))
-        except (OSError, SafetensorError) as exc:
-            raise EngineInputError(f"cannot read weights from {str(path)!r}: {exc}") from exc
-        self.load_weights(tensors, version)
+        self.load_weights(read_safetensors(path), version)
 
     # ---- scheduling ------------------------------------------------------------------------
 
@@ -741,20 +725,46 @@ class TorchEngine:
         live.update(self._model.named_buffers(remove_duplicate=False))
         return {name: live[name] for name in self._model.state_dict()}
 
-    def _shape_of(self, name: str) -> torch.Size | None:
-        target = self._weight_targets.get(name)
-        return None if target is None else target.shape
 
 
-def weight_problem(name: str, value: object, expected: torch.Size | None) -> str:
-    """What is wrong with ``value`` as the weight ``name`` whose shape is ``expected`` (None: no
-    such weight); "" when nothing is. Every engine checks a load's tensors with it."""
-    if expected is None:
+# ---- weight loads, every engine's ----------------------------------------------------------
+
+
+def check_weights(tensors: Mapping[str, torch.Tensor], version: int,
+                  targets: Mapping[str, torch.Tensor]) -> None:
+    """Raises EngineInputError naming what is wrong with loading ``tensors`` (any subset of
+    ``targets``, the model's weights by state_dict name) as ``version``; every engine checks a
+    load with it before changing anything."""
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise EngineInputError(f"weight version must be an int >= 0, got {version!r}")
+    problems = [p for name, value in tensors.items()
+                if (p := _weight_problem(name, value, targets.get(name)))]
+    if problems:
+        shown = "; ".join(problems[:5])
+        if len(problems) > 5:
+            shown += f"; and {len(problems) - 5} more"
+        raise EngineInputError(f"refusing weights for version {version} (nothing was loaded): "
+                               f"{shown}")
+
+
+def _weight_problem(name: str, value: object, target: torch.Tensor | None) -> str:
+    if target is None:
         return f"unknown tensor name {name!r} (names follow the model's state_dict)"
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return f"{name}: expected a floating-point tensor, got {type(value).__name__}"
-    if value.shape != expected:
-        return f"{name}: shape {tuple(value.shape)} != expected {tuple(expected)}"
+    if value.shape != target.shape:
+        return f"{name}: shape {tuple(value.shape)} != expected {tuple(target.shape)}"
     if not torch.isfinite(value).all():
         return f"{name}: contains NaN or inf"
     return ""
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; EngineInputError when it cannot be read as one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise EngineInputError(f"cannot read weights from {str(path)!r}: {exc}") from exc

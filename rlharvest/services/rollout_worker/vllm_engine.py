@@ -56,7 +56,11 @@ import torch
 
 from rlharvest.common import start_weights
 from rlharvest.common.engine_types import EngineInputError, EngineLoad, EngineRequest, RequestOutput
-from rlharvest.services.rollout_worker.torch_engine import validate_request, weight_problem
+from rlharvest.services.rollout_worker.torch_engine import (
+    check_weights,
+    read_safetensors,
+    validate_request,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -159,6 +163,9 @@ class VllmEngine:
             int(config.cache_config.block_size)
         self._scheduler = _inproc_scheduler(self._llm)
         self._packed: dict[str, list[str]] = self._llm.apply_model(_packed_modules)[0]
+        # vLLM started on dummy weights (``_build``): the checkpoint, read once into the host
+        # copy, goes in from there rather than from the disk a second time
+        self._reload(self._host)
         self._weight_version = weight_version
         self._live: set[str] = set()
         self._started: set[str] = set()  # live requests that had their first output
@@ -238,7 +245,7 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         running, waiting = self._scheduler.get_request_counts()
-        usage = float(self._scheduler.kv_cache_manager.usage)
+        usage = float(self._scheduler.get_kv_cache_usage())
         stats = self._stats
         return EngineLoad(pending=waiting, executing=running,
                           kv_used_tokens=round(usage * self._kv_capacity),
@@ -250,22 +257,11 @@ class VllmEngine:
     def load_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Validates every tensor, then loads them into vLLM's model in place and resets its
         prefix cache (running requests are preempted there: their KV is the old weights')."""
-        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-            raise EngineInputError(f"weight version must be an int >= 0, got {version!r}")
-        problems = [p for name, value in tensors.items()
-                    if (p := weight_problem(name, value, self._shape_of(name)))]
-        if problems:
-            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more"
-                                               if len(problems) > 5 else "")
-            raise EngineInputError(f"refusing weights for version {version} (nothing was loaded): "
-                                   f"{shown}")
+        check_weights(tensors, version, self._host)
         with torch.no_grad():
             for name, value in tensors.items():
                 self._host[name].copy_(value)
-        names = whole_modules(tensors, self._host, self._packed)
-        self._llm.collective_rpc("reload_weights", kwargs=dict(
-            weights_iterator=[(name, self._host[name]) for name in sorted(names)],
-            is_checkpoint_format=True))
+        self._reload(whole_modules(tensors, self._host, self._packed))
         self._llm.reset_prefix_cache(reset_running_requests=True)
         self._weight_version = version
         self._llm.set_weight_version(str(version))
@@ -273,14 +269,7 @@ class VllmEngine:
             self._start_weights = start_weights.fingerprint(self._host)
 
     def load_safetensors(self, path: str | Path, version: int) -> None:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(path))
-        except (OSError, SafetensorError) as exc:
-            raise EngineInputError(f"cannot read weights from {str(path)!r}: {exc}") from exc
-        self.load_weights(tensors, version)
+        self.load_weights(read_safetensors(path), version)
 
     def describe(self) -> str:
         """One line for the worker's log: which vLLM, on what, with how much KV cache."""
@@ -299,9 +288,12 @@ class VllmEngine:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _shape_of(self, name: str) -> torch.Size | None:
-        held = self._host.get(name)
-        return None if held is None else held.shape
+    def _reload(self, names: Collection[str]) -> None:
+        """The host copy's tensors ``names`` into vLLM's model, in place (its layer-wise
+        ``reload_weights``, which packs each rebuilt layer for its kernels again)."""
+        self._llm.collective_rpc("reload_weights", kwargs=dict(
+            weights_iterator=[(name, self._host[name]) for name in sorted(names)],
+            is_checkpoint_format=True))
 
     def _count_prefix(self, out: Any) -> None:
         # A request's first output says how many of its prompt tokens the prefix cache served;
@@ -394,7 +386,8 @@ def _build(path: Path, *, max_len: int, max_running: int, dtype: torch.dtype, de
         max_num_seqs=max_running, tensor_parallel_size=tp_size, seed=seed,
         kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
         enable_prefix_caching=prefix_cache, enforce_eager=enforce_eager,
-        skip_tokenizer_init=True, logprobs_mode="raw_logprobs", disable_log_stats=False)
+        skip_tokenizer_init=True, logprobs_mode="raw_logprobs", disable_log_stats=False,
+        load_format="dummy")  # the weights come from the engine's host copy (VllmEngine)
     config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     if config.device_config is not None and str(config.device_config.device_type) != device:
         raise EngineInputError(f"--device {device} but this vLLM build runs on "
