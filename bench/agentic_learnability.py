@@ -1,4 +1,4 @@
-"""Does the tiny model learn FrozenLake from multi-turn GRPO on a CPU? (issue 18)
+"""Does the tiny model learn FrozenLake from multi-turn GRPO on a CPU?
 
 In one process: a TorchEngine generates the turns (all trajectories of a step batched, through
 the same ``play`` the trainer runs against the manager), the environment answers, and a

@@ -1,5 +1,5 @@
 """Agentic rollout: turn-wise routing with KV-cache affinity vs pinned vs turnwise (ROSE §4.3,
-Table 3; issue 18), on real processes.
+Table 3), on real processes.
 
 etcd, rollout workers (``small``, one torch thread, paged KV with the prefix cache, 4 running
 each), and one rollout manager started per configuration (``--turn-routing``). Trajectories run
@@ -216,7 +216,7 @@ async def bench(args: argparse.Namespace) -> None:
     print("\n".join(lines))
     if not (args.quick or args.no_write):
         path = RESULTS / ("agentic_routing_coexec.md" if args.coexec else "agentic_routing.md")
-        path.write_text(f"# Agentic routing (issue 18)\n\n`python {' '.join(sys.argv)}`, "
+        path.write_text(f"# Agentic routing\n\n`python {' '.join(sys.argv)}`, "
                         f"{time.strftime('%Y-%m-%d')}\n\n```\n" + "\n".join(lines) + "\n```\n")
 
 

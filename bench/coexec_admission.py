@@ -1,4 +1,4 @@
-"""Dual-SLO admission on a simulated serving device (ROSE Fig. 9 and App. D analogues; issue 12).
+"""Dual-SLO admission on a simulated serving device (ROSE Fig. 9 and App. D analogues).
 
 The co-executor's real scheduler and admission (``rlharvest/services/coexecutor/``) driven by
 ``rlharvest/sim/coexec.py`` with a virtual clock and exact profiles, on a synthetic bursty serving trace
@@ -144,7 +144,7 @@ def main() -> None:
     # --quick (what `make bench` runs) must not overwrite the full results the README cites.
     out = results_path("coexec_admission", args.quick)
     command = " ".join(["python bench/coexec_admission.py", *sys.argv[1:]])
-    out.write_text(f"# Dual-SLO admission, simulated (issue 12)\n\n`{command}`, "
+    out.write_text(f"# Dual-SLO admission, simulated\n\n`{command}`, "
                    f"{time.strftime('%Y-%m-%d')}; simulated time, wall "
                    f"{time.perf_counter() - started:.0f} s\n\n```\n" + "\n".join(lines)
                    + "\n```\n")

@@ -1,4 +1,4 @@
-"""Serving with rollout harvested in its slack, real processes (ROSE Table 2 analogue; issue 12).
+"""Serving with rollout harvested in its slack, real processes (ROSE Table 2 analogue).
 
 One ``rlharvest-coexecutor`` process (serving model ``small``, the job's model ``small`` too,
 as the paper pairs models of one size; one torch thread) behind a real manager and etcd, driven by two loads at once: serving traffic

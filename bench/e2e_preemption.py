@@ -18,7 +18,7 @@ The cases run one after another in each round, rounds repeat, and each preempted
 to the unpreempted rate of its own round is printed as median [spread].
 
 Rollout dominates on purpose (32-token completions, engine steps slowed by ``--step-delay-s`` to
-emulate slower accelerators), so lost work shows. Target (issue 16): preempted >= 0.9 x
+emulate slower accelerators), so lost work shows. Target: preempted >= 0.9 x
 unpreempted.
 
     python bench/e2e_preemption.py [--quick] [--steps N]

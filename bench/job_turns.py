@@ -1,7 +1,7 @@
 """Harness (not a benchmark): compare manager configurations over the same workers, interleaved.
 
 Each configuration is a rollout manager of a job of its own. A worker serves one job's weights at
-a time (issue 49: a version is a job's, and a manager takes only its job's workers), so the
+a time (a version is a job's, and a manager takes only its job's workers), so the
 workers are handed from job to job the way WEAVE's placed workers are: each runs with
 ``--placement-node`` and follows its node's turn, which this harness writes in etcd as the
 placement scheduler would (``keys.placement_node_key``). A switch keeps each job's weights

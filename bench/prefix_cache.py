@@ -1,4 +1,4 @@
-"""The engine's prefix cache on multi-turn trajectories (issue 18), one torch engine in-process.
+"""The engine's prefix cache on multi-turn trajectories, one torch engine in-process.
 
 Agentic rollout sends each trajectory's whole history every turn: the last prompt, the last
 completion and the environment's reply. ROSE (Table 3) measures prefill at 77–86% of such

@@ -16,7 +16,7 @@ engine step — the remote workers' and the seed engine's alike — costs ``--st
 Reported: tokens trained per second of step time (the first step excluded as warm-up), the
 ratio full / configuration (median [spread]), the mean T_seed and the requests handed over.
 
-``--env frozen_lake``: agentic steps instead (issue 18). Each sample is a multi-turn trajectory,
+``--env frozen_lake``: agentic steps instead. Each sample is a multi-turn trajectory,
 one ``Generate`` per turn over the whole history; the trainer holds the step's seeding window
 open on the manager (``HoldSeedWindow``) while the turns play, so the seed engine takes turns
 during [0, T_seed] and its running turns move to the remote workers with their tokens at

@@ -1,6 +1,6 @@
 """Publishing one version from 2 trainer ranks: rank 0 gathers, or every rank sends its shard.
 
-Issue 21. Two ways for a multi-rank trainer to hand a new version to its node's transfer agent
+Two ways for a multi-rank trainer to hand a new version to its node's transfer agent
 (a real agent process, real gRPC over loopback, a real etcd):
 
 - ``gather``: rank 0 takes the whole model (under ZeRO-3 a gather every rank joins) and

@@ -1,6 +1,6 @@
 """Trainer scale-out: tokens trained per second by 2 ranks vs 1 rank, the same RL step.
 
-Issue 21. Every configuration runs the same streamed GRPO steps (``StreamingStep``, the
+Every configuration runs the same streamed GRPO steps (``StreamingStep``, the
 DeepSpeed backend, the ``small`` preset by default) under ``torchrun``; rank 0 leads and times
 whole steps (micro-batches + the one optimizer step), the other rank follows
 (``rlharvest/services/trainer/ranks.py``). The configurations, interleaved (the order rotates each round)

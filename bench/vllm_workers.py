@@ -1,4 +1,4 @@
-"""vLLM workers against torch workers on one checkpoint (issue 43): token delivery over the
+"""vLLM workers against torch workers on one checkpoint: token delivery over the
 worker's Session stream, and whole rollout steps through a manager.
 
 1. **Delivery.** A vLLM worker process (`--engine vllm`) and a torch worker process serve the

@@ -133,7 +133,7 @@ def main() -> None:
         unkept = start_worker(stack, "bench-worker-unkept", "--max-running", str(args.batch),
                               "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags,
                               "--keep-requests-s", "0")
-        # The engine in a process of its own, the gRPC process keeping a proxy (issue 16).
+        # The engine in a process of its own, the gRPC process keeping a proxy.
         split = start_worker(stack, "bench-worker-split", "--max-running", str(args.batch),
                              "--max-len", str(len(PROMPT) + args.tokens + 8), *engine_flags,
                              "--engine-process")

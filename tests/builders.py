@@ -197,7 +197,7 @@ def job_weights(seed: int, factor: float = 10.0) -> dict:
     """A job's own start weights: the tiny preset at ``seed`` with its projections and
     embedding scaled by ``factor``. Unscaled, every tiny seed's greedy tokens are one repeated
     token; scaled, two seeds' greedy completions differ at once, so a token of the other job's
-    weights is seen (issue 49's cases)."""
+    weights is seen."""
     from rlharvest.models.tiny_model import build_model
 
     return {name: (t * factor if "proj" in name or "embed" in name else t).contiguous()

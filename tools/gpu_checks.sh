@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 12's Table 2 analogue at Qwen3-8B shape; the torch engine on CUDA), run
+# The GPU checks (ROSE's Table 2 analogue at Qwen3-8B shape; the torch engine on CUDA), run
 # on a lent GPU machine by the device tool from the repository root, with the Python packages
 # its image lacks as wheels in .whl/ and an etcd binary in .devbin/ (docs/gpu-checks.md says how
 # to fetch both). Output goes to $OUT (the device tool brings it back) and stdout.

@@ -1,5 +1,5 @@
 """Where the trainer's delta encode and the worker's delta apply spend their time on a GPU
-(issue 16; run on a lent machine: ``python3 tools/gpu_delta_profile.py``).
+(run on a lent machine: ``python3 tools/gpu_delta_profile.py``).
 
 The model of ``bench/transfer_delta.py`` (200 MB of bf16 in 16 tensors) on CUDA, one version
 at 99% and one at 99.9% zeros: the encode (``LastPublished.encode_next``) timed on one thread

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's and 18's checks on a lent GPU node (docs/gpu-checks.md): deltas encoded and applied
+# The fast paths' and prefix cache's checks on a lent GPU node (docs/gpu-checks.md): deltas encoded and applied
 # on CUDA (the CUDA-only tests, tools/gpu_delta_profile.py, then bench/transfer_delta.py with the
 # trainer on cuda and the worker's copy on cuda, then on cpu: RLH_DELTA_WORKERS), the
 # torch engine's step costs at Qwen3 shapes (tools/step_costs.py: the agentic simulator's cost

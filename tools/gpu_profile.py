@@ -1,6 +1,6 @@
 """Where a decode step of the torch engine spends its time on a GPU (run on a lent machine:
 ``python3 tools/gpu_profile.py``): per step, the wall time and the GPU's busy time, then
-torch.profiler's top operators by host time and by device time. Issue 16's fast paths start
+torch.profiler's top operators by host time and by device time. The fast paths start
 from this."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Measures the torch engine's step cost and fits the agentic simulator's model to it (issue 18).
+"""Measures the torch engine's step cost and fits the agentic simulator's model to it.
 
 ``rlharvest/sim/agentic.py`` prices an engine step as ``decode_s + per_request_s * batch +
 prefill_token_s * prefill_tokens``. Its defaults are a guess at a GPU; this tool replaces the

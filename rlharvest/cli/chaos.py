@@ -1,5 +1,5 @@
 """`make chaos MINUTES=N` (`python -m rlharvest.cli.chaos`): a seeded chaos soak of the
-local stack while GRPO trains (issue 45).
+local stack while GRPO trains.
 
 The stack: etcd, a transfer agent, the job's leading manager and its standby, three workers and
 a trainer that checkpoints every step. Every 3-7 s (seeded: ``chaos_plan.FaultPlan``) one of

@@ -1,4 +1,4 @@
-"""The chaos soak's pure parts (issue 45): which fault comes when, and what the trained lineage
+"""The chaos soak's pure parts: which fault comes when, and what the trained lineage
 must look like afterwards. No I/O, no clock: ``rlharvest/cli/chaos.py`` runs them."""
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ app = typer.Typer(add_completion=False, help=__doc__)
 console = Console(width=None if sys.stdout.isatty() else 160)
 _POLL_S = 0.05
 _RISE_WINDOW = 3  # steps averaged at each end: one step's reward is too noisy to compare
-_TIME_LIMIT_S = 300.0  # issue 5: a handful of steps within 5 minutes on 2 cores
+_TIME_LIMIT_S = 300.0  # A handful of steps within 5 minutes on 2 cores
 # The co-executor's SLOs: what a serving model this small answers well within on 2 busy cores.
 _SERVING_SLO_S = (1.5, 0.3)
 

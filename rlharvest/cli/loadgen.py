@@ -1,4 +1,4 @@
-"""`rlharvest-loadgen`: replay serving traffic against an OpenAI-compatible endpoint (issue 12).
+"""`rlharvest-loadgen`: replay serving traffic against an OpenAI-compatible endpoint.
 
 Open loop, as serving traffic is: each request is sent at its trace time whether or not earlier
 ones have finished (a closed loop would slow down with the server and hide its queueing). The

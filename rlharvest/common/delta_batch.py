@@ -3,7 +3,7 @@
 One engine step's new tokens for many requests travel as a handful of little-endian arrays, one
 row per request, instead of one message per request: a reader takes each column with one
 ``numpy.frombuffer`` call and the manager's tracker appends a whole batch with array operations
-(issue 16; ``bench/manager_relay.py`` measures it). ``Rows.iter`` gives Python rows to readers
+(``bench/manager_relay.py`` measures it). ``Rows.iter`` gives Python rows to readers
 that want them one by one (the trainer, tests); the hot paths never call it.
 """
 

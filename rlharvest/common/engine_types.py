@@ -59,7 +59,7 @@ class EngineLoad:
     kv_capacity_tokens: int
     weight_version: int
     preemptions: int = 0  # requests preempted for KV memory and recomputed, since start
-    prefix_lookups: int = 0  # prefix cache (issue 18), totals since start: requests looked up,
+    prefix_lookups: int = 0  # prefix cache, totals since start: requests looked up,
     prefix_hits: int = 0  # those that started after a cached prefix,
     prefix_cached_tokens: int = 0  # and the prefill tokens they skipped;
     prefix_cache_pages: int = 0  # pages the cache holds now

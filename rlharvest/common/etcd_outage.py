@@ -1,4 +1,4 @@
-"""One policy for etcd being away (issue 45), in every service.
+"""One policy for etcd being away, in every service.
 
 etcd restarts, fails over and stalls; none of that may stop a service. Every etcd call made from
 a loop or a request path goes through ``with_etcd``: the call is retried with backoff while the

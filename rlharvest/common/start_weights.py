@@ -1,4 +1,4 @@
-"""A job's start weights, named by their content (issue 49).
+"""A job's start weights, named by their content.
 
 Weight versions 1, 2, ... of a job come from its trainer, through the transfer agents, under the
 job's name. Version 0 does not: every worker builds it itself (a model preset and a seed, or a

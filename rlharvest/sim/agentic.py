@@ -1,4 +1,4 @@
-"""Agentic rollout at cluster scale, simulated (ROSE §4.3, Table 3; issue 18).
+"""Agentic rollout at cluster scale, simulated (ROSE §4.3, Table 3).
 
 Drives the manager's real turn router (``rlharvest/services/rollout_manager/turn_routing.py``) and
 Algorithm 2's ``select_instance`` on a virtual clock. Workers run in engine steps. A step decodes

@@ -1,4 +1,4 @@
-"""A serving device with rollout harvested in its slack, simulated (ROSE §4.1; issue 12).
+"""A serving device with rollout harvested in its slack, simulated (ROSE §4.1).
 
 Drives the co-executor's real scheduler (``rlharvest/services/coexecutor/scheduler.py``) and admission
 with a virtual clock: serving requests arrive, prefill (monolithic), then decode one token per

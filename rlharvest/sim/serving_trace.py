@@ -1,4 +1,4 @@
-"""Serving traffic traces (ROSE §2.1, §6; issue 12): what a serving device's users send.
+"""Serving traffic traces (ROSE §2.1, §6): what a serving device's users send.
 
 Two sources, one form (``TraceRequest``: arrival second, prompt and output tokens):
 

@@ -253,7 +253,7 @@ async def test_an_etcd_outage_lapses_the_lending_while_serving_goes_on(tmp_path,
 
 
 async def test_a_trajectorys_later_turns_on_a_coexecutor_take_over_its_parked_history(stack):
-    """--prefix-cache on the co-executor (issue 18 on serving GPUs): the manager sends each
+    """--prefix-cache on the co-executor (on serving GPUs): the manager sends each
     later turn back to the co-executor that served the last one, and there the turn takes over
     the pages its last turn left parked in the shared pool, prefilling only what it adds."""
     from bench.agentic_routing import run_trajectories

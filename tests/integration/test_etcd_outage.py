@@ -1,4 +1,4 @@
-"""etcd killed and restarted under a training job (issue 45): the outage is waited out by every
+"""etcd killed and restarted under a training job: the outage is waited out by every
 service. Found as an operator's chaos soak found it: an etcd restart stopped the trainer (its
 manager and agent lookups) and the standby manager (its election)."""
 
@@ -73,7 +73,7 @@ async def test_an_etcd_sigkilled_mid_training_stops_neither_the_trainer_nor_the_
 
 async def test_a_version_whose_only_agent_died_before_any_pull_is_published_again(
         stack, etcd_client):
-    """Issue 45: a version is never left nowhere. Version 1 goes to the one agent, which is
+    """A version is never left nowhere. Version 1 goes to the one agent, which is
     SIGKILLed before any worker pulled it (the step-1 worker does not pull); its holder record
     goes with its lease. The trainer sees no agent and no worker holding version 1 before the
     next step's rollout (or its retry) and publishes it again, to the agent started since."""

@@ -1,4 +1,4 @@
-"""Issue 49, on real processes: two jobs sharing a cluster, their weights distinct, sit at the same
+"""On real processes: two jobs sharing a cluster, their weights distinct, sit at the same
 version numbers, and every completion each job gets is exactly what a worker holding only that
 job's weights generates (greedy references computed here). A manager admits only its job's
 workers; a worker refuses another job's requests and adopts kept requests only for their own

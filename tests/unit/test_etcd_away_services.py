@@ -1,4 +1,4 @@
-"""Issue 45 in the services' loops and request paths: an etcd that answers its first calls with
+"""In the services' loops and request paths: an etcd that answers its first calls with
 aetcd.ConnectionFailedError (a restart) is waited out — the loop goes on, the call's value
 arrives, the outage is logged once — and a transaction etcd may have applied without answering
 is never half kept by the placement scheduler."""

@@ -41,7 +41,7 @@ class Worker:
         self.weights = {k: v.clone() for k, v in weights.items()}
         self.version = version
         self.log.append(("load", float(self.weights["w"][0]), version))
-        self.loaded_for.append(job)  # whose weights they are now (issue 49)
+        self.loaded_for.append(job)  # whose weights they are now
 
     async def register(self, job: str) -> None:
         self.log.append(("register", job))
@@ -68,7 +68,7 @@ async def test_a_switch_leaves_the_old_job_first_and_a_job_served_before_loads_w
     await follower.switch("A")  # A's version 3 comes back from host memory, not a pull
     assert worker.log == [("register", ""), ("load", 1.0, 3), ("register", "A")]
     # Every load names the job whose weights it loads, before the record names that job: the
-    # start weights go in as B's version 0, A's resident copy as A's (issue 49).
+    # start weights go in as B's version 0, A's resident copy as A's.
     assert worker.loaded_for == ["A", "B", "A"]
     await follower.switch("")  # the node left every group: registered for no job
     assert worker.log[-1] == ("register", "")

@@ -1,7 +1,7 @@
-"""A worker's copy of the pulled weights on its engine's device (``--held-weights device``,
-issue 16): dense results go into the held tensors there, and a failure on the way leaves no
-half-placed version behind. The device here is ``meta`` (placement without data); the CUDA run
-is tests/integration/test_transfer_agent.py on a GPU node."""
+"""A worker's copy of the pulled weights on its engine's device (``--held-weights device``): dense
+results go into the held tensors there, and a failure on the way leaves no
+half-placed version behind. The device here is ``meta`` (placement without data); the CUDA
+run is tests/integration/test_transfer_agent.py on a GPU node."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/step_costs.py (issue 18): it measures the torch engine's steps, fits the agentic
+"""tools/step_costs.py: it measures the torch engine's steps, fits the agentic
 simulator's cost model to them, and prints a simulator command that runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The columnar ledger (issue 16) agrees with a plain per-request model on every batch: the same
+"""The columnar ledger agrees with a plain per-request model on every batch: the same
 rows accepted and refused, the same tokens held, the same ends, the same counts; across region
 moves, compactions, slot reuse and requests named twice in one batch."""
 

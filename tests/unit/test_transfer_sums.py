@@ -1,4 +1,4 @@
-"""Deltas verified in O(changes) (issue 16): linear sums, deltas encoded from known positions,
+"""Deltas verified in O(changes): linear sums, deltas encoded from known positions,
 the checks a sparse decode makes before and after it writes, the trainer's chain of published
 versions, and the agent's store serving a delta publish as it arrived."""
 

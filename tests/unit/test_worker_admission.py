@@ -36,7 +36,7 @@ def test_an_add_for_another_weight_version_is_a_failed_precondition():
 
 
 def test_an_add_of_another_job_at_the_same_version_is_a_failed_precondition():
-    # Issue 49: version 2 of job b is another policy than version 2 of job a.
+    # Version 2 of job b is another policy than version 2 of job a.
     refusal = RolloutAdmission(2, 1).admit(request(), Wanted("b", 2), view(job="a"))
     assert refusal is not None and refusal.code == grpc.StatusCode.FAILED_PRECONDITION
     assert "job 'b'" in str(refusal) and "job 'a'" in str(refusal)

@@ -422,7 +422,7 @@ async def test_an_add_reusing_the_id_of_a_finished_kept_request_runs_as_a_new_re
         assert not core.hub.kept_ids()
 
 
-# ---- the job in every fence (issue 49) ----------------------------------------------------------
+# ---- the job in every fence ----------------------------------------------------------
 
 
 def _scaled_norms(factor: float) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from rlharvest.common.errors import FailedPrecondition, ServiceError
 
 @dataclass(frozen=True)
 class Wanted:
-    """The weights an add asks for. A weight version is a job's (issue 49): two jobs at the same
+    """The weights an add asks for. A weight version is a job's: two jobs at the same
     version number hold different policies, so the job is part of every fence."""
 
     job: str

@@ -1,4 +1,4 @@
-"""An engine in its own process: the worker's gRPC process keeps only a proxy (issue 16).
+"""An engine in its own process: the worker's gRPC process keeps only a proxy.
 
 In one process the engine's Python (scheduling, sampling, the step's bookkeeping) and the event
 loop's gRPC send path take turns holding the GIL, and on a small machine the engine thread waits

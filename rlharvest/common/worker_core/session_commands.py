@@ -7,7 +7,7 @@ that goes away has its requests taken out of the engine, or, with ``keep_s``, ke
 successor manager, whose add continuing one adopts it. A weight swap loads between steps and
 ends the requests the policy says a swap ends. A load names the job whose weights it loads: the
 worker serves that job's requests from then on, and no request kept before it may be adopted
-(issue 49: a version is a job's, never a bare integer). All engine calls go through a
+(a version is a job's, never a bare integer). All engine calls go through a
 ``StepLoop`` — the ``EnginePump``, or a service's own loop that keeps the same promise:
 mutations run between steps.
 """
@@ -200,7 +200,7 @@ class SessionCommands:
 
     def drop_kept(self, reason: str) -> None:
         """The worker's lending or turn changed: what it keeps for a successor manager of the
-        job it served is no one's now (issue 49), finished or running."""
+        job it served is no one's now, finished or running."""
         self._loop.between_steps(partial(self._drop_all_kept, reason))
 
     async def _drop_all_kept(self, outcome: str) -> None:

@@ -13,7 +13,7 @@ What a manager may rely on, whatever the engine or the admission policy:
   successor: a new session's add of one of them, carrying a prefix of its tokens, adopts it and
   gets every token beyond that prefix at once (``adopt``), so a manager's death regenerates
   nothing. Unadopted ones are dropped after ``keep_s``;
-- kept requests belong to the job they were admitted for (issue 49): only a session of that job
+- kept requests belong to the job they were admitted for: only a session of that job
   (``Session.job``, the manager's job) hears of them or adopts them, and a weight load, a job
   switch or a lending change drops them all, finished ones too (``drop_kept``);
 - every step message names the job whose weights produced it (``job``, set at each load).

@@ -5,7 +5,7 @@ freed with it. Its member record says which job it serves (``job``; the job's ma
 in as a worker from that) and how much of its KV pool serving used lately (``serving_kv_recent``,
 what managers choose by).
 
-A version is a job's (issue 49). Lent to job B, the co-executor first drops every request it
+A version is a job's. Lent to job B, the co-executor first drops every request it
 kept for the managers of the job before, then loads its start weights as B's version 0 (the
 weights it was built with; B's manager sends version-0 requests here only if they are B's start
 weights, by fingerprint), and only then names B in its record: until B's weights are in, a

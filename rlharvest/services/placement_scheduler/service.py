@@ -7,7 +7,7 @@ sent only after the change is in etcd: a scheduler killed at any point leaves et
 either the state before the call or after it, and the client's retry (same job, phase and
 iteration) gets the same answer from whichever scheduler leads next.
 
-etcd away (issue 45, etcd_outage.py): a call that changes state waits for etcd a few seconds,
+etcd away (etcd_outage.py): a call that changes state waits for etcd a few seconds,
 then is answered UNAVAILABLE with nothing changed, which the client retries through its failover
 timeout; the background work (a lost job, the fence check) waits until etcd answers.
 """

@@ -126,7 +126,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._start_weights_seen(start_weights.parse_record(found.value if found else None))
 
     async def _watch(self, service: str) -> None:
-        """Join only the members whose record names this job (issue 49: a version is a job's;
+        """Join only the members whose record names this job (a version is a job's;
         another job's worker at the same version number holds another policy): a dedicated,
         spot or seed worker's ``--job``, a co-executor lent to this job, a worker placed on a
         node whose turn is this job's (WEAVE, placement_follower.py) once it holds its weights."""
@@ -636,7 +636,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def _announced(self) -> int | None:
         """The job's announced version, read while a client's SubmitStep waits: etcd away is
-        waited out for up to 30 s (issue 45), then the step is refused UNAVAILABLE, which the
+        waited out for up to 30 s, then the step is refused UNAVAILABLE, which the
         trainer retries, rather than held for as long as the outage lasts."""
         try:
             announced = await with_etcd(

@@ -1,6 +1,6 @@
 """Every tracked request's tokens and logprobs in arrays, appended a whole batch at a time.
 
-The tracker's hot path (issue 16): one worker message carries one engine step's tokens for every
+The tracker's hot path: one worker message carries one engine step's tokens for every
 request on that worker (``delta_batch.Rows``). Checking and appending them one request at a time
 in Python costs microseconds per request; here the checks are array comparisons over the batch and
 the tokens land in an arena with one scatter, so a message costs a few dozen numpy calls whatever

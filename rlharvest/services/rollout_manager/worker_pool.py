@@ -105,7 +105,7 @@ class WorkerPool:
         # the first to have joined; the rest stand by and replace a lost one at once.
         self.instance_cap: int | None = None
         # The job's start weights by fingerprint (its trainer's record; "" for none declared):
-        # a worker at version 0 with other start weights holds another policy (issue 49).
+        # a worker at version 0 with other start weights holds another policy.
         self.start_weights = ""
 
     def join(self, worker_id: str, weight_version: int, capacity: int, kind: str,

@@ -88,13 +88,13 @@ class WorkerConfig(EngineDeviceConfig):
     placement_resident_jobs: int = Field(2, ge=1, description="with --placement-node: jobs "
                                          "whose weights stay in host memory besides the one "
                                          "served, so switching back is a warm load")
-    standby: bool = Field(False, description="a warm standby (issue 16): start, build the "
+    standby: bool = Field(False, description="a warm standby: start, build the "
                           "engine and keep pulling the job's versions, but join the managers "
                           "only on SIGUSR1 — a replacement for a preempted spot worker then "
                           "costs no process start, import or dense pull (needs --agent-pull)")
     engine_process: bool = Field(False, description="run the engine in its own process (vLLM "
                                  "v1's engine-core split): the model's Python and the gRPC "
-                                 "send path stop sharing one GIL (issue 16; not with "
+                                 "send path stop sharing one GIL (not with "
                                  "--placement-node, which reads the engine's weights)")
     tp_rank: int = Field(0, ge=0, description="this worker's tensor-parallel rank")
     tp_size: int = Field(1, ge=1, description="tensor-parallel size of this worker's engine "

@@ -6,7 +6,7 @@ it. When the turn passes from job A to job B it
 
 1. leaves A (its member record says no job: A's manager stops dispatching to it and moves any
    request still open, with its tokens, to A's other workers),
-2. keeps A's weights in host memory and loads B's, as B's (issue 49: the worker takes B's
+2. keeps A's weights in host memory and loads B's, as B's (the worker takes B's
    requests only once B's weights are in, and drops what it kept for A's managers): B's
    resident copy when it has served B before (a warm load, no transfer), else the weights it
    started with as B's version 0 (a cold start: B's manager sends version-0 requests here only
@@ -19,7 +19,7 @@ its permit, and the switch overlaps the gap between the two jobs' phases. At mos
 ``resident_jobs`` jobs' weights stay resident (least recently served dropped first). Jobs that
 share a node share the worker's model architecture: weights of another shape are refused.
 
-etcd away (issue 45, etcd_outage.py): the watch of the node record lists again once etcd is back,
+etcd away (etcd_outage.py): the watch of the node record lists again once etcd is back,
 and a member record write waits for it, so the switch goes on from where it was.
 """
 

@@ -1,4 +1,4 @@
-"""A prefix cache over full KV pages (issue 18; vLLM's automatic prefix caching and SGLang's
+"""A prefix cache over full KV pages (vLLM's automatic prefix caching and SGLang's
 radix cache, at page granularity).
 
 A multi-turn trajectory sends its whole history again every turn: turn t's prompt is turn t-1's

@@ -1,4 +1,4 @@
-"""vLLM v1 as the rollout worker's engine (``--engine vllm``; issue 43).
+"""vLLM v1 as the rollout worker's engine (``--engine vllm``).
 
 The worker core drives a synchronous, step-at-a-time engine (``rlharvest/common/worker_core/engine.py``):
 ``add``/``abort``/``load_weights`` between steps, ``step`` in the engine thread. vLLM's

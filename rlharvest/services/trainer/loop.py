@@ -234,7 +234,7 @@ class TrainerLoop:
         # seconds, and what it changed when it went as deltas).
         self._pending_publish: Callable[[], Awaitable[tuple[float, DeltaStats | None]]] | None \
             = None
-        # Every rank publishes its own shard (issue 21); one rank always publishes whole.
+        # Every rank publishes its own shard; one rank always publishes whole.
         self._shard_publish = cfg.publish_mode == "shards" and isinstance(self._ranks, LeaderRanks)
         self._run_number = time.time_ns() // 1_000_000  # a restart's shards never join ours
         self.status = RunStatus()
@@ -292,7 +292,7 @@ class TrainerLoop:
     async def _declare_start_weights(self) -> None:
         """The job's version 0 is these weights (rlharvest/common/start_weights.py): written before the
         first step, so the job's manager sends version-0 requests only to workers whose start
-        weights are the same, never to another job's at the same version number (issue 49).
+        weights are the same, never to another job's at the same version number.
         The step cannot be on-policy without it, so a failure to write it fails the run."""
         cfg = self._cfg
         fingerprint = await self._run(

@@ -1,4 +1,4 @@
-"""Every trainer rank publishes its own shard of a version (issue 21, ``--publish-mode shards``).
+"""Every trainer rank publishes its own shard of a version (``--publish-mode shards``).
 
 The alternative to rank 0 gathering the model and publishing it whole: each of the N ranks
 copies its flat slice of every tensor (``transfer_agent/flat_shards.py``; under ZeRO-3 the

@@ -3,7 +3,7 @@ what the memory bound evicted, under its lease, gone with it) and the job's forw
 announcement that workers and relays watch; and, when it drops an idle job, that it holds the
 job no more (the holder record deleted).
 
-etcd away (issue 45, etcd_outage.py): an announcement waits for it, without a deadline. The
+etcd away (etcd_outage.py): an announcement waits for it, without a deadline. The
 version is held by then and versions only move forward, so a publish failed here could not be
 sent again: the trainer's publish (or the relay) waits out the outage instead. Deleting a
 dropped job's record is tried once per idle check: the check comes round again, and it must not

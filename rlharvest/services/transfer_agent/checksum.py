@@ -57,7 +57,7 @@ def verify_checksum(what: str, tensor: torch.Tensor, expected: int) -> None:
 # ---- Linear sums: checksums a sparse delta updates in O(changes) ------------------------------
 #
 # A CRC must re-read the whole tensor after a delta is applied; at 99% zeros that pass costs more
-# than the delta itself (issue 16). The linear sum of a tensor's bits v is
+# than the delta itself. The linear sum of a tensor's bits v is
 #     S(v) = sum_i v_i * w_i  (mod 2^64),   w_i = T[i mod 2^16] * U[i div 2^16]
 # with v_i the element's bits read as an unsigned integer and T, U fixed odd pseudo-random
 # weights (splitmix64). A delta changing positions I moves it by sum_{i in I} (new_i - old_i) w_i,

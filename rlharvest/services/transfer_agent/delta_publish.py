@@ -1,4 +1,4 @@
-"""The trainer's side of delta publishing (issue 16): what changed since the last published
+"""The trainer's side of delta publishing: what changed since the last published
 version, encoded once where the change is known, instead of the agent diffing full copies.
 
 ROSE §4.2 ships ΔW_t to workers holding W_{t-1}; in our first design the agent found ΔW_t by

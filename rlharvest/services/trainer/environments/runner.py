@@ -1,4 +1,4 @@
-"""Plays agentic trajectories through the rollout manager, turn by turn (issue 18).
+"""Plays agentic trajectories through the rollout manager, turn by turn.
 
 One trajectory: the environment's first observation is the prompt. Every turn is one ``Generate``
 over the whole history, carrying ``trajectory_id`` and ``turn`` so the manager routes it to the
