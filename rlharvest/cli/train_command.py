@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from rlharvest.common.local_etcd import free_port
-from rlharvest.cli.demo import PreemptionSchedule, Run, drive, step_table, write_report
+from rlharvest.cli.driver import PreemptionSchedule, Run, drive
+from rlharvest.cli.report import step_table, write_report
 from rlharvest.cli.launcher import LocalStack
 from rlharvest.services.trainer.config import TrainerConfig
 

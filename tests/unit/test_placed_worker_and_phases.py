@@ -242,7 +242,7 @@ def test_up_refuses_several_jobs_it_cannot_place(flags, words, tmp_path) -> None
 
 
 def test_up_places_a_worker_on_each_gpu_slot_under_the_schedulers_slot_names() -> None:
-    from rlharvest.cli.main import placed_units
+    from rlharvest.cli.up_command import placed_units
 
     assert placed_units(2, 1) == ("rollout-1", "rollout-2")
     assert placed_units(2, 2) == ("rollout-1.gpu0", "rollout-1.gpu1",

@@ -9,8 +9,8 @@ import typer
 from typer.testing import CliRunner
 
 from rlharvest.common.pb import trainer_pb2 as tpb
-from rlharvest.cli import demo
-from rlharvest.cli.demo import reward_ends, rise_failure
+from rlharvest.cli import demo, report
+from rlharvest.cli.report import reward_ends, rise_failure
 
 
 def test_the_ends_average_up_to_three_steps_and_never_share_one() -> None:
@@ -79,8 +79,8 @@ def test_the_step_table_shows_tail_batching_rounds_only_when_they_ran() -> None:
         tpb.StepSummary(step=1, round="short", prompts_launched=10, prompts_deferred=2,
                         tokens_discarded=77),
         tpb.StepSummary(step=2, round="long", prompts_launched=8)])
-    assert "round" not in [c.header for c in demo.step_table(plain, {}).columns]
-    table = demo.step_table(tail, {})
+    assert "round" not in [c.header for c in report.step_table(plain, {}).columns]
+    table = report.step_table(tail, {})
     cells = {c.header: list(c.cells) for c in table.columns}
     assert cells["round"] == ["short 10", "long 8"]
     assert cells["deferred"] == ["2", "0"] and cells["discarded"] == ["77", "0"]
@@ -91,7 +91,7 @@ def test_the_step_table_shows_each_published_versions_changed_share() -> None:
         tpb.StepSummary(step=1, published_version=2, published_changed=1.0),
         tpb.StepSummary(step=2, published_version=3, published_changed=0.0123),
         tpb.StepSummary(step=3)])  # published nothing
-    cells = {c.header: list(c.cells) for c in demo.step_table(status, {}).columns}
+    cells = {c.header: list(c.cells) for c in report.step_table(status, {}).columns}
     assert cells["Δ changed"] == ["100.0%", "1.2%", "-"]
 
 
@@ -123,13 +123,13 @@ def test_without_matplotlib_the_report_writes_the_steps_and_says_there_is_no_plo
         monkeypatch, tmp_path) -> None:
     """matplotlib is in the dev extra only: `rlharvest train` on a plain install must finish
     with its steps.json, not die at the plot after training."""
-    real = demo.importlib.util.find_spec
-    monkeypatch.setattr(demo.importlib.util, "find_spec",
+    real = report.importlib.util.find_spec
+    monkeypatch.setattr(report.importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
     status = tpb.TrainerStatus(state="done", steps=[tpb.StepSummary(step=1, mean_reward=0.5)])
-    said = demo.write_report(status, {}, tmp_path, "train.png")
+    said = report.write_report(status, {}, tmp_path, "train.png")
     assert "no plot: matplotlib is not installed" in said
     assert (tmp_path / "steps.json").is_file() and not (tmp_path / "train.png").exists()
     monkeypatch.undo()
-    assert demo.write_report(status, {}, tmp_path, "train.png").startswith("plot ")  # with it
+    assert report.write_report(status, {}, tmp_path, "train.png").startswith("plot ")  # with it
     assert (tmp_path / "train.png").is_file()

@@ -7,7 +7,7 @@ import pytest
 
 from rlharvest.common import delta_batch
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
-from rlharvest.cli.demo import Kill, PreemptionSchedule, Replace
+from rlharvest.cli.driver import Kill, PreemptionSchedule, Replace
 from rlharvest.services.trainer.step_plan import (
     GroupAssembler,
     OnPolicyViolation,
