@@ -28,7 +28,10 @@ def run_once(tree: Path, script: str, args: list[str], metric: re.Pattern[str]) 
     # The tree first; what PYTHONPATH already holds (a GPU node's extra packages) after it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)}
-    out = subprocess.run([sys.executable, str(tree / "bench" / script), *args], cwd=tree,
+    # A path names one script for both trees (one the "before" tree lacks); a bare name is
+    # each tree's own bench/<name>.
+    path = Path(script) if Path(script).is_absolute() else tree / "bench" / script
+    out = subprocess.run([sys.executable, str(path), *args], cwd=tree,
                          env=env, capture_output=True, text=True, timeout=1800)
     found = metric.search(out.stdout)
     if out.returncode != 0 or found is None:
@@ -41,7 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--a", type=Path, required=True, help="baseline checkout (before)")
     parser.add_argument("--b", type=Path, required=True, help="checkout under test (after)")
-    parser.add_argument("--script", required=True, help="file name under bench/")
+    parser.add_argument("--script", required=True, help="file name under bench/ (each tree's own), or an "
+                        "absolute path (that one script run in both trees)")
     parser.add_argument("--metric", required=True, help="regex with one group: the figure")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("bench_args", nargs="*", help="arguments for the script (after --)")
