@@ -144,27 +144,8 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
                                    slo=(cfg.ttft_slo_ms / 1000, cfg.tpot_slo_ms / 1000))
     backend_box.append(backend)
     backend.start()
-    api = ApiConfig(cfg.served_model_name, context_len=cfg.max_len,
-                    max_body_bytes=cfg.max_body_bytes, body_timeout_s=cfg.http_body_timeout_s)
-    runner = web.AppRunner(make_app(backend, load_tokenizer(cfg.serving_model), api),
-                           handler_cancellation=True, access_log=None,
-                           keepalive_timeout=cfg.http_idle_timeout_s)
-    await runner.setup()
-    http_port, scheme = await serve_api(runner, cfg.host, cfg.http_port)
-    http_endpoint = f"{scheme}://{cfg.advertise_host or cfg.host}:{http_port}"
-    log.info("co-executor %s serves %s at %s/v1 and %s", cfg.coexec_id, cfg.served_model_name,
-             http_endpoint, f"job {cfg.job}'s rollouts" if cfg.job
-             else "the rollouts of the job that borrows it")
-
-    def puller(job: str) -> Callable[[], Awaitable[None]] | None:
-        if not cfg.agent_pull:
-            return None
-        from rlharvest.services.rollout_worker.puller import Puller
-
-        return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl,
-                      held_device=cfg.held_device).run
-
-    lending = LentRollout(service, lambda: host.membership, puller,
+    runner, http_endpoint = await _serve_openai_api(cfg, backend)
+    lending = LentRollout(service, lambda: host.membership, partial(_puller, host, service),
                           lambda: dual.memory.recent_serving_share, job=cfg.job or None,
                           start=start)
     # The backend runs the loop of the pump it shares: when it ends (shutdown, a crash) the
@@ -194,16 +175,49 @@ async def build(host: Host[CoexecutorConfig]) -> Parts:
         log.info("co-executor %s stopped (steps %s, rollout aborts %s)", cfg.coexec_id,
                  dict(dual.stats.steps), dict(dual.stats.aborts))
 
-    return Parts(member_id=cfg.coexec_id, member_info={
-        "model": cfg.model, "kind": "serving", "capacity": cfg.max_running,
-        "max_len": cfg.max_len, "weight_version": dual.weight_version, "draining": False,
-        "admission": dual.batch_admission, "vocab_size": dual.vocab_size, "job": cfg.job,
-        "start_weights": dual.start_weights,
-        "lendable": not cfg.job, "serving_kv_recent": 0.0, "http_endpoint": http_endpoint, "served_model": cfg.served_model_name},
+    return Parts(member_id=cfg.coexec_id, member_info=_member_info(cfg, dual, http_endpoint),
         servicers=[Servicer(service, rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                             SERVICE_NAME)],
         health=service.health, on_scrape=dual.export_gauges, loops=loops, drain=drain,
         close=[version_record.close, close])
+
+
+async def _serve_openai_api(cfg: CoexecutorConfig,
+                            backend: EngineServingBackend) -> tuple[web.AppRunner, str]:
+    """The OpenAI-compatible API started; returns its runner and the endpoint it advertises."""
+    api = ApiConfig(cfg.served_model_name, context_len=cfg.max_len,
+                    max_body_bytes=cfg.max_body_bytes, body_timeout_s=cfg.http_body_timeout_s)
+    runner = web.AppRunner(make_app(backend, load_tokenizer(cfg.serving_model), api),
+                           handler_cancellation=True, access_log=None,
+                           keepalive_timeout=cfg.http_idle_timeout_s)
+    await runner.setup()
+    http_port, scheme = await serve_api(runner, cfg.host, cfg.http_port)
+    http_endpoint = f"{scheme}://{cfg.advertise_host or cfg.host}:{http_port}"
+    log.info("co-executor %s serves %s at %s/v1 and %s", cfg.coexec_id, cfg.served_model_name,
+             http_endpoint, f"job {cfg.job}'s rollouts" if cfg.job
+             else "the rollouts of the job that borrows it")
+    return runner, http_endpoint
+
+
+def _puller(host: Host[CoexecutorConfig], service: WorkerService,
+            job: str) -> Callable[[], Awaitable[None]] | None:
+    """The weight puller of a job lent the co-executor (None without --agent-pull)."""
+    cfg = host.config
+    if not cfg.agent_pull:
+        return None
+    from rlharvest.services.rollout_worker.puller import Puller
+
+    return Puller(host.etcd, service, cfg.coexec_id, job, lease_ttl=cfg.lease_ttl,
+                  held_device=cfg.held_device).run
+
+
+def _member_info(cfg: CoexecutorConfig, dual: DualEngine, http_endpoint: str) -> dict:
+    return {
+        "model": cfg.model, "kind": "serving", "capacity": cfg.max_running,
+        "max_len": cfg.max_len, "weight_version": dual.weight_version, "draining": False,
+        "admission": dual.batch_admission, "vocab_size": dual.vocab_size, "job": cfg.job,
+        "start_weights": dual.start_weights, "lendable": not cfg.job, "serving_kv_recent": 0.0,
+        "http_endpoint": http_endpoint, "served_model": cfg.served_model_name}
 
 
 def _profile(args: list[str]) -> int:

@@ -108,29 +108,8 @@ async def build(host: Host[WorkerConfig]) -> Parts:
                             keep_s=cfg.keep_requests_s,
                             on_version_change=version_record.changed, step_delay_s=cfg.step_delay_s,
                             weights_dir=cfg.weights_dir, job=cfg.served_job)
-    loops = [Loop("engine", service.run_engine)]  # a broken engine stops the worker
-    def puller(job: str):
-        from rlharvest.services.rollout_worker.puller import Puller
-
-        return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
-                      # vLLM's TP ranks split the weights themselves: it pulls them whole
-                      tp_size=1 if cfg.engine == "vllm" else cfg.tp_size, lease_ttl=cfg.lease_ttl,
-                      held_device=cfg.held_device)
-
-    if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it
-        from rlharvest.services.rollout_worker.torch_engine import TorchEngine
-
-        assert isinstance(engine, TorchEngine)  # what build_engine builds
-        loops.append(Loop("placement node", placed_follower(host, engine, service, puller).run))
-    elif cfg.agent_pull:  # weights arrive from transfer agents; without one the worker keeps its own
-        loops.append(Loop("weight puller", puller(cfg.served_job).run, on_crash="restart"))
-    if cfg.preemption_notice_url:
-        async def spot_notice() -> None:
-            notice = await wait_for_notice(cfg.preemption_notice_url, cfg.preemption_poll_s)
-            log.warning("worker %s got a spot preemption notice; draining", cfg.worker_id)
-            host.stop(f"spot preemption notice: {notice[:200]}")
-
-        loops.append(Loop("spot notice", spot_notice))
+    loops = [Loop("engine", service.run_engine),  # a broken engine stops the worker
+             *_weight_loops(host, engine, service), *_notice_loops(host)]
     outcome = ["not drained"]
 
     async def drain(reason: StopReason) -> None:
@@ -146,7 +125,55 @@ async def build(host: Host[WorkerConfig]) -> Parts:
             close_engine()  # an engine process exits with the worker
         log.info("worker %s stopped (%s)", cfg.worker_id, outcome[0])
 
-    info = {
+    info = _member_info(cfg, engine)
+    return Parts(member_id=cfg.worker_id, member_info=info,
+                 servicers=[Servicer(service,
+                                     rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
+                                     SERVICE_NAME)],
+                 health=service.health, loops=loops, drain=drain,
+                 close=[version_record.close, close],
+                 standby=partial(_standby, cfg, engine, info) if cfg.standby else None)
+
+
+def _weight_loops(host: Host[WorkerConfig], engine: Engine, service: WorkerService) -> list[Loop]:
+    """Where new weights come from: the placement node's turn (WEAVE), a transfer agent's
+    puller, or nowhere (the worker keeps its own)."""
+    cfg = host.config
+
+    def puller(job: str):
+        from rlharvest.services.rollout_worker.puller import Puller
+
+        return Puller(host.etcd, service, cfg.worker_id, job, tp_rank=cfg.tp_rank,
+                      # vLLM's TP ranks split the weights themselves: it pulls them whole
+                      tp_size=1 if cfg.engine == "vllm" else cfg.tp_size, lease_ttl=cfg.lease_ttl,
+                      held_device=cfg.held_device)
+
+    if cfg.placement_node:  # WEAVE: the node's turn decides the job, and its puller with it
+        from rlharvest.services.rollout_worker.torch_engine import TorchEngine
+
+        assert isinstance(engine, TorchEngine)  # what build_engine builds
+        return [Loop("placement node", placed_follower(host, engine, service, puller).run)]
+    if cfg.agent_pull:
+        return [Loop("weight puller", puller(cfg.served_job).run, on_crash="restart")]
+    return []
+
+
+def _notice_loops(host: Host[WorkerConfig]) -> list[Loop]:
+    """A spot instance's preemption notice drains the worker before the cloud kills it."""
+    cfg = host.config
+    if not cfg.preemption_notice_url:
+        return []
+
+    async def spot_notice() -> None:
+        notice = await wait_for_notice(cfg.preemption_notice_url, cfg.preemption_poll_s)
+        log.warning("worker %s got a spot preemption notice; draining", cfg.worker_id)
+        host.stop(f"spot preemption notice: {notice[:200]}")
+
+    return [Loop("spot notice", spot_notice)]
+
+
+def _member_info(cfg: WorkerConfig, engine: Engine) -> dict:
+    return {
         "model": cfg.model, "kind": cfg.kind, "capacity": cfg.max_running, "max_len": cfg.max_len,
         "weight_version": engine.weight_version, "draining": False,
         "admission": engine.batch_admission, "vocab_size": engine.vocab_size,
@@ -156,25 +183,18 @@ async def build(host: Host[WorkerConfig]) -> Parts:
         "job": cfg.served_job,
         **({"placement_node": cfg.placement_node} if cfg.placement_node else {})}
 
-    async def standby() -> None:
-        """Until SIGUSR1: the puller keeps the weights current meanwhile."""
-        activated = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGUSR1, activated.set)
-        try:
-            await activated.wait()
-        finally:
-            loop.remove_signal_handler(signal.SIGUSR1)
-        info["weight_version"] = engine.weight_version  # what it pulled while standing by
-        log.info("worker %s activated at version %d", cfg.worker_id, engine.weight_version)
 
-    return Parts(member_id=cfg.worker_id, member_info=info,
-                 servicers=[Servicer(service,
-                                     rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
-                                     SERVICE_NAME)],
-                 health=service.health, loops=loops, drain=drain,
-                 close=[version_record.close, close],
-                 standby=standby if cfg.standby else None)
+async def _standby(cfg: WorkerConfig, engine: Engine, info: dict) -> None:
+    """Until SIGUSR1: the puller keeps the weights current meanwhile."""
+    activated = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, activated.set)
+    try:
+        await activated.wait()
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR1)
+    info["weight_version"] = engine.weight_version  # what it pulled while standing by
+    log.info("worker %s activated at version %d", cfg.worker_id, engine.weight_version)
 
 
 SPEC = ServiceSpec("rollout_worker", WorkerConfig, build, __doc__)
