@@ -228,97 +228,122 @@ def _replay_with_tails(members: Sequence[Member], phase_nodes: Layout,
                        iterations: int) -> list[list[float]]:
     """Long-tail migration as the permits grant it: a tail keeps its first nodes, the next
     rollout starts on the freed ones and takes the rest as the tail releases them."""
-    train = len(cycle) - 1
-    turn = [0] * (train + 1)
-    busy = [False] * (train + 1)
-    holder = [-1] * (train + 1)
-    phase = [0] * len(members)  # 0: next/running phase is rollout, 1: training
-    running = [False] * len(members)
-    tailing = [False] * len(members)  # a running rollout shrunk onto its tail
-    ended = [False] * len(members)  # time up, but a node of theirs is still a tail's
-    held: list[list[int]] = [[] for _ in members]  # nodes a running phase holds
-    pending: list[list[int]] = [[] for _ in members]  # ... and waits for from a tail
-    done: list[list[float]] = [[] for _ in members]
-    events: list[tuple[float, int, int, bool]] = []  # (time, seq, job, is the tail point)
-    dirty, seq, now, unfinished = set(range(train + 1)), 0, 0.0, len(members)
-    after_tail: set[int] = set()
+    return _TailReplay(members, phase_nodes, durations, cycle, iterations).run()
 
-    def grant(j: int) -> tuple[list[int], list[int]] | None:
+
+class _TailReplay:
+    """The event replay behind ``_replay_with_tails``: each node's turn in ``cycle``, which
+    phase each job runs on which nodes, and a heap of phase ends and tail points."""
+
+    def __init__(self, members: Sequence[Member], phase_nodes: Layout,
+                 durations: list[tuple[float, float]], cycle: list[list[int]],
+                 iterations: int) -> None:
+        self.members, self.phase_nodes, self.durations = members, phase_nodes, durations
+        self.cycle, self.iterations = cycle, iterations
+        nodes, jobs = len(cycle), len(members)
+        self.turn = [0] * nodes
+        self.busy = [False] * nodes
+        self.holder = [-1] * nodes
+        self.phase = [0] * jobs  # 0: next/running phase is rollout, 1: training
+        self.running = [False] * jobs
+        self.tailing = [False] * jobs  # a running rollout shrunk onto its tail
+        self.ended = [False] * jobs  # time up, but a node of theirs is still a tail's
+        self.held: list[list[int]] = [[] for _ in members]  # nodes a running phase holds
+        self.pending: list[list[int]] = [[] for _ in members]  # ... and waits for from a tail
+        self.done: list[list[float]] = [[] for _ in members]
+        self.events: list[tuple[float, int, int, bool]] = []  # (time, seq, job, tail point?)
+        self.dirty, self.seq, self.now, self.unfinished = set(range(nodes)), 0, 0.0, jobs
+        self.after_tail: set[int] = set()
+
+    def run(self) -> list[list[float]]:
+        while True:
+            self._start_granted()
+            if self.unfinished == 0:
+                return self.done
+            self.now, _, j, tail = heapq.heappop(self.events)
+            if tail:
+                self._tail_point(j)
+            elif self.pending[j]:
+                self.ended[j] = True
+            else:
+                self._finish(j)
+
+    def _start_granted(self) -> None:
+        """Whose turn it is on a node that changed; and after a tail point, whose turn follows
+        on the tail's nodes (they may start on their free nodes now, as in _grantable)."""
+        cycle, turn = self.cycle, self.turn
+        for j in sorted({cycle[n][turn[n]] for n in self.dirty if not self.busy[n]}
+                        | self.after_tail):
+            found = None if self.running[j] else self._grant(j)
+            if found is None:
+                continue
+            for n in found[0]:
+                self.busy[n], self.holder[n] = True, j
+            self.running[j], self.held[j], self.pending[j] = True, found[0], found[1]
+            self._push(self.durations[j][self.phase[j]], j, False)
+            if self.phase[j] == 0 and self.members[j].migrates():
+                self._push(self.members[j].tail_s or 0.0, j, True)
+        self.dirty.clear()
+        self.after_tail.clear()
+
+    def _push(self, after: float, j: int, tail: bool) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (self.now + after, self.seq, j, tail))
+
+    def _grant(self, j: int) -> tuple[list[int], list[int]] | None:
         """As ``PhaseQueues._grantable``: free nodes whose turn is j's, and nodes a migrated
         tail holds whose next turn is j's; None unless every node is one or the other."""
         free, wait = [], []
-        for n in phase_nodes[j][phase[j]]:
-            if not busy[n] and cycle[n][turn[n]] == j:
+        for n in self.phase_nodes[j][self.phase[j]]:
+            if not self.busy[n] and self.cycle[n][self.turn[n]] == j:
                 free.append(n)
-            elif busy[n] and holder[n] != j and tailing[holder[n]] and \
-                    cycle[n][(turn[n] + 1) % len(cycle[n])] == j:
+            elif self.busy[n] and self.holder[n] != j and self.tailing[self.holder[n]] and \
+                    self._next_turn(n) == j:
                 wait.append(n)
             else:
                 return None
         return (free, wait) if free else None
 
-    def pass_turn(nodes: Sequence[int]) -> None:
+    def _next_turn(self, n: int) -> int:
+        return self.cycle[n][(self.turn[n] + 1) % len(self.cycle[n])]
+
+    def _tail_point(self, j: int) -> None:
+        """The tail keeps its first nodes; the others pass to the next job's turn."""
+        if self.pending[j]:
+            return
+        keep = set(self.phase_nodes[j][0][:self.members[j].tail_keep])
+        freed = [n for n in self.held[j] if n not in keep]
+        self.held[j], self.tailing[j] = [n for n in self.held[j] if n in keep], True
+        self.after_tail.update(self._next_turn(n) for n in self.held[j])
+        self._pass_turn(freed)
+
+    def _pass_turn(self, nodes: Sequence[int]) -> None:
         """Free ``nodes`` and advance their turn; a partly started rollout waiting for one
         takes it (``PhaseQueues._pass_turn``); one whose time was up finishes then."""
         grown: list[int] = []
         for n in nodes:
-            busy[n], holder[n] = False, -1
-            turn[n] = (turn[n] + 1) % len(cycle[n])
-            dirty.add(n)
-            heir = cycle[n][turn[n]]
-            if n in pending[heir]:
-                busy[n], holder[n] = True, heir
-                pending[heir].remove(n)
-                held[heir].append(n)
+            self.busy[n], self.holder[n] = False, -1
+            self.turn[n] = (self.turn[n] + 1) % len(self.cycle[n])
+            self.dirty.add(n)
+            heir = self.cycle[n][self.turn[n]]
+            if n in self.pending[heir]:
+                self.busy[n], self.holder[n] = True, heir
+                self.pending[heir].remove(n)
+                self.held[heir].append(n)
                 grown.append(heir)
         for j in dict.fromkeys(grown):
-            if not pending[j] and ended[j]:
-                finish(j)
+            if not self.pending[j] and self.ended[j]:
+                self._finish(j)
 
-    def finish(j: int) -> None:
-        nonlocal unfinished
-        nodes, held[j] = held[j], []
-        ended[j] = tailing[j] = running[j] = False
-        if phase[j]:
-            done[j].append(now)
-            unfinished -= len(done[j]) == iterations
-        phase[j] ^= 1
-        dirty.update(phase_nodes[j][phase[j]])
-        pass_turn(nodes)
-
-    while True:
-        # Whose turn it is on a node that changed; and after a tail point, whose turn follows
-        # on the tail's nodes (they may start on their free nodes now, as in _grantable).
-        for j in sorted({cycle[n][turn[n]] for n in dirty if not busy[n]} | after_tail):
-            found = None if running[j] else grant(j)
-            if found is None:
-                continue
-            for n in found[0]:
-                busy[n], holder[n] = True, j
-            running[j], held[j], pending[j] = True, found[0], found[1]
-            seq += 1
-            heapq.heappush(events, (now + durations[j][phase[j]], seq, j, False))
-            if phase[j] == 0 and members[j].migrates():
-                seq += 1
-                heapq.heappush(events, (now + (members[j].tail_s or 0.0), seq, j, True))
-        dirty.clear()
-        after_tail.clear()
-        if unfinished == 0:
-            break
-        now, _, j, tail = heapq.heappop(events)
-        if tail:  # the tail keeps its first nodes; the others pass to the next job's turn
-            if not pending[j]:
-                keep = set(phase_nodes[j][0][:members[j].tail_keep])
-                freed = [n for n in held[j] if n not in keep]
-                held[j], tailing[j] = [n for n in held[j] if n in keep], True
-                after_tail.update(cycle[n][(turn[n] + 1) % len(cycle[n])] for n in held[j])
-                pass_turn(freed)
-            continue
-        if pending[j]:
-            ended[j] = True
-            continue
-        finish(j)
-    return done
+    def _finish(self, j: int) -> None:
+        nodes, self.held[j] = self.held[j], []
+        self.ended[j] = self.tailing[j] = self.running[j] = False
+        if self.phase[j]:
+            self.done[j].append(self.now)
+            self.unfinished -= len(self.done[j]) == self.iterations
+        self.phase[j] ^= 1
+        self.dirty.update(self.phase_nodes[j][self.phase[j]])
+        self._pass_turn(nodes)
 
 
 def co_execution_periods(members: Sequence[Member], iterations: int = DEFAULT_ITERATIONS
