@@ -1,5 +1,7 @@
 """MkDocs hook: a service page's flag table, generated from the service's config model.
 
+Also ``<!-- etcd-keys -->``: the etcd key layout as ``rlharvest/common/keys.py`` documents it.
+
 A page writes ``<!-- flags: rollout_worker -->`` where the table goes; the build imports
 ``rlharvest.services.rollout_worker.config``, takes the ``ServiceConfig`` subclass that module
 defines and replaces the marker with one row per field (``rlharvest.common.cli.flag_rows``, the
@@ -23,6 +25,7 @@ from rlharvest.common.cli import flag_rows  # noqa: E402
 from rlharvest.common.config import ServiceConfig  # noqa: E402
 
 MARKER = re.compile(r"<!--\s*flags:\s*([A-Za-z0-9_]+)\s*-->")
+KEYS_MARKER = "<!-- etcd-keys -->"
 
 
 class UnknownService(Exception):
@@ -73,7 +76,17 @@ def flags_table(service: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def etcd_keys() -> str:
+    """The key layout block of ``rlharvest/common/keys.py``'s docstring, as a code block."""
+    from rlharvest.common import keys
+
+    layout = [line for line in (keys.__doc__ or "").splitlines()[1:] if line.strip()]
+    return "```\n" + "\n".join(layout) + "\n```\n"
+
+
 def expand(markdown: str) -> str:
+    if KEYS_MARKER in markdown:
+        markdown = markdown.replace(KEYS_MARKER, etcd_keys())
     return MARKER.sub(lambda m: flags_table(m.group(1)), markdown)
 
 

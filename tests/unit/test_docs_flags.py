@@ -2,10 +2,10 @@
 drift: every field is a row, every service page carries the marker, an unknown service fails."""
 
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from pydantic import Field, SecretStr
-from typing import Literal
 
 from rlharvest.common.cli import describe_flags, flag_rows
 from rlharvest.common.config import ServiceConfig
@@ -60,3 +60,8 @@ def test_the_marker_becomes_the_table():
 def test_a_marker_naming_no_service_fails_the_build():
     with pytest.raises(docs_flags.UnknownService, match="not_a_service"):
         docs_flags.expand("<!-- flags: not_a_service -->")
+
+
+def test_the_etcd_keys_marker_becomes_the_layout_keys_py_documents():
+    out = docs_flags.expand("<!-- etcd-keys -->")
+    assert out.startswith("```") and "/rlharvest/v1/members/<service>/<member_id>" in out
