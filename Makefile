@@ -6,7 +6,7 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: system-packages install run test test-unit test-integration test-vllm protos bench lint clean chaos
+.PHONY: system-packages install run test test-unit test-integration test-vllm protos bench lint docs clean chaos
 
 # etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
 # checked on every run: a machine that lost one gets it back without touching the stamp.
@@ -59,8 +59,14 @@ bench: install
 
 # ruff over everything; mypy over the rlharvest package as the checkout resolves it ([tool.mypy]).
 lint: install
-	$(PYTHON) -m ruff check rlharvest tests bench tools
+	$(PYTHON) -m ruff check rlharvest tests bench tools docs
 	$(PYTHON) -m mypy
 
+# The docs site (mkdocs.yml, docs/) into site/, strict: a broken link, a page left out of the nav
+# or a flags marker naming no service fails it. Each service's flag table comes from its config
+# model at build time (tools/docs_flags.py).
+docs: install
+	$(PYTHON) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(STAMP) build dist *.egg-info .pytest_cache
+	rm -rf $(STAMP) build dist *.egg-info .pytest_cache site

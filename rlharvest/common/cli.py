@@ -7,14 +7,18 @@ list the known ones.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args, get_origin
 
 import typer
+from pydantic import SecretBytes, SecretStr
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from rlharvest.common import service_host
-from rlharvest.common.config import ConfigError, ServiceConfig, load_config
+from rlharvest.common.config import ENV_PREFIX, ConfigError, ServiceConfig, load_config
 from rlharvest.common.observability import run_service
 from rlharvest.common.service_host import ServiceSpec
 
@@ -50,14 +54,51 @@ def parse_flags(model: type[ServiceConfig], args: list[str]) -> dict[str, Any]:
     return flags
 
 
+@dataclass(frozen=True)
+class FlagRow:
+    """One config field as an operator meets it: the flag, its environment variable, the type
+    of its value, its default and what it does (``--help`` and the docs site's tables)."""
+
+    flag: str
+    env: str
+    type: str
+    default: str
+    description: str
+
+
+def flag_rows(model: type[ServiceConfig]) -> list[FlagRow]:
+    """Every field of ``model`` as a ``FlagRow``, in declaration order."""
+    return [FlagRow(flag="--" + name.replace("_", "-"), env=ENV_PREFIX + name.upper(),
+                    type=_type_text(info.annotation), default=_default_text(info),
+                    description=info.description or "")
+            for name, info in model.model_fields.items()]
+
+
+def _type_text(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return " | ".join(str(arg) for arg in get_args(annotation))
+    if isinstance(annotation, type):
+        return "secret" if issubclass(annotation, (SecretStr, SecretBytes)) else annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _default_text(info: FieldInfo) -> str:
+    if info.default_factory is not None:
+        return "<generated>"  # per process (a host name, a pid): no one value to show
+    if info.default is PydanticUndefined:
+        return "<required>"
+    if isinstance(info.default, (SecretStr, SecretBytes)):  # never shown, even a default
+        return "''" if not info.default.get_secret_value() else "<secret>"
+    return repr(info.default)
+
+
 def describe_flags(model: type[ServiceConfig]) -> str:
     """Help text listing every flag with its default and description."""
     lines = []
-    for name, info in model.model_fields.items():
-        default = "<generated>" if info.default_factory else repr(info.default)
-        text = f"  --{name.replace('_', '-')}  (default {default})"
-        if info.description:
-            text += f"  {info.description}"
+    for row in flag_rows(model):
+        text = f"  {row.flag}  (default {row.default})"
+        if row.description:
+            text += f"  {row.description}"
         lines.append(text)
     return "Flags (also RLH_<NAME> environment variables and --config FILE keys):\n\n" + "\n\n".join(lines)
 
