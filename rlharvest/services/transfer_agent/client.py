@@ -27,21 +27,23 @@ from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_b
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, Encoding, encode_dense
 from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 from rlharvest.services.transfer_agent.http_data import (
-    AGENT_ROLE,
     DEFAULT_READ_TIMEOUT_S,
     DataPathError,
     RangeFetcher,
 )
+from rlharvest.services.transfer_agent.protocol import (
+    AGENT_ROLE,
+    DATA_ENDPOINT_METADATA,
+    SERVICE_NAME,
+)
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TransferAgent"].full_name
 PUBLISH_CHUNK_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 # Plans up to this size come with their buckets (one round trip): a sparse delta of a 1 GB
 # model at 99% zeros is ~20 MB; dense pulls stay on the parallel range streams.
 DEFAULT_INLINE_MAX_BYTES = 16 << 20
-DATA_ENDPOINT_METADATA = "rlh-data-endpoint"  # PlanPull's trailing metadata: the HTTP data path
 
 
 class PublishError(ValueError):
@@ -541,7 +543,3 @@ def sums_fingerprint(sums: Mapping[str, int]) -> int:
     for name in sorted(sums):
         digest = zlib.crc32(f"{name}:{sums[name]:016x};".encode(), digest)
     return digest & 0xFFFFFFFF
-
-
-def manifest_id(manifest_json: str) -> int:
-    return zlib.crc32(manifest_json.encode()) & 0xFFFFFFFF
