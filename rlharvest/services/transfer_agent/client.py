@@ -280,6 +280,23 @@ def pull_request(job: str, version: int = 0, held_version: int | None = None, tp
                           inline_max_bytes=inline_max_bytes)
 
 
+async def plan_pull(channel: grpc.aio.Channel,
+                    request: pb.PullRequest) -> tuple[pb.PullPlan, str]:
+    """The agent's plan for ``request`` and the host:port it serves the plan's bucket bytes on
+    over HTTP ("" when it serves them over gRPC only). Raises grpc.aio.AioRpcError when the
+    agent refuses the pull or cannot be reached."""
+    call = transfer_agent_pb2_grpc.TransferAgentStub(channel).PlanPull(request)
+    plan = await call
+    trailing = await call.trailing_metadata()
+    return plan, (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
+
+
+async def agent_status(endpoint: str) -> pb.AgentStatus:
+    """What the agent at ``endpoint`` holds, per job."""
+    async with agent_channel(endpoint) as chan:
+        return await transfer_agent_pb2_grpc.TransferAgentStub(chan).GetStatus(pb.StatusRequest())
+
+
 async def pull(endpoint: str, job: str, *, version: int = 0,
                held: Mapping[str, torch.Tensor] | None = None, held_version: int | None = None,
                tp_rank: int = 0, tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
@@ -315,10 +332,7 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
     with ThreadPoolExecutor(codec_threads, thread_name_prefix="pull-codec") as pool:
         async with _borrowed(channel) if channel is not None else agent_channel(endpoint) as chan:
             stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
-            call = stub.PlanPull(request)
-            plan = await call
-            trailing = await call.trailing_metadata()
-            data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
+            plan, data_endpoint = await plan_pull(chan, request)
             try:
                 manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
             except ValueError as exc:  # ManifestError, JSONDecodeError: try another holder
