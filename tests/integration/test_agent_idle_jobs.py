@@ -20,7 +20,9 @@ from rlharvest.services.trainer.rollout_client import Publisher
 from rlharvest.services.transfer_agent.client import (
     _pack_dense,
     agent_channel,
+    agent_status,
     holders,
+    plan_pull,
     publish,
     pull,
     weights_fingerprint,
@@ -52,15 +54,14 @@ async def held_by(etcd, job: str, agent_id: str) -> list[int]:
 
 
 async def status_jobs(endpoint: str) -> dict[str, list[int]]:
-    async with agent_channel(endpoint) as chan:
-        reply = await transfer_agent_pb2_grpc.TransferAgentStub(chan).GetStatus(pb.StatusRequest())
+    reply = await agent_status(endpoint)
     return {j.job: list(j.held_versions) for j in reply.jobs}
 
 
 async def plan_code(endpoint: str, job: str) -> grpc.StatusCode:
     async with agent_channel(endpoint) as chan:
         try:
-            await transfer_agent_pb2_grpc.TransferAgentStub(chan).PlanPull(pb.PullRequest(job=job))
+            await plan_pull(chan, pb.PullRequest(job=job))
         except grpc.aio.AioRpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK

@@ -25,12 +25,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlharvest.common import registry, rpc, tls
 from rlharvest.common.local_etcd import free_port
-from rlharvest.common.pb import transfer_agent_pb2_grpc
 from rlharvest.cli.launcher import LocalStack
 from rlharvest.services.rollout_worker.puller import Puller
 from rlharvest.services.transfer_agent import client as agent_client
 from rlharvest.services.transfer_agent.client import (
-    DATA_ENDPOINT_METADATA,
+    plan_pull,
     publish,
     pull,
     pull_request,
@@ -140,9 +139,8 @@ async def test_a_holder_without_an_agent_certificate_gets_no_publish_and_serves_
     # Its HTTP data path (what pulls and scattered relays fetch buckets over): refused too.
     request = pull_request(job, 1)
     async with _unchecked_agent_channel(holders.rogue) as chan:
-        call = transfer_agent_pb2_grpc.TransferAgentStub(chan).PlanPull(request)
-        plan = await call
-        data_endpoint = dict(await call.trailing_metadata())[DATA_ENDPOINT_METADATA]
+        plan, data_endpoint = await plan_pull(chan, request)
+    assert data_endpoint
     buffers = {0: bytearray(16)}
     async with RangeFetcher(data_endpoint, request, plan.plan_id, buffers, 1) as fetcher:
         with pytest.raises(DataPathError) as http_refused:

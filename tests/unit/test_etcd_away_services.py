@@ -161,13 +161,14 @@ async def test_a_dropped_jobs_record_is_deleted_at_a_later_round_when_etcd_was_a
     try:
         key = keys.weights_holder_key("j", "a1").encode()
         etcd._put(key, b"{}")
-        agent._unannounced.add("j")
+        agent.core.job("j")
+        agent.drop_idle(agent.core.clock() + AgentConfig().job_idle_s)
         etcd.down = True
         await agent.forget_dropped()  # no crash (the idle loop would restart for each check)
-        assert "j" in agent._unannounced and key in etcd.data
+        assert agent.core.unannounced() == ["j"] and key in etcd.data
         etcd.down = False
         await agent.forget_dropped()
-        assert not agent._unannounced and key not in etcd.data
+        assert agent.core.unannounced() == [] and key not in etcd.data
     finally:
         agent.close()
 

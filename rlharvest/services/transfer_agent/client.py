@@ -27,21 +27,23 @@ from rlharvest.services.transfer_agent.data_path import BucketAssembler, chunk_b
 from rlharvest.services.transfer_agent.delta_codec import EncodedTensor, Encoding, encode_dense
 from rlharvest.services.transfer_agent.delta_publish import DeltaStats, LastPublished
 from rlharvest.services.transfer_agent.http_data import (
-    AGENT_ROLE,
     DEFAULT_READ_TIMEOUT_S,
     DataPathError,
     RangeFetcher,
 )
+from rlharvest.services.transfer_agent.protocol import (
+    AGENT_ROLE,
+    DATA_ENDPOINT_METADATA,
+    SERVICE_NAME,
+)
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TransferAgent"].full_name
 PUBLISH_CHUNK_BYTES = 16 << 20
 MAX_MESSAGE_BYTES = 64 << 20
 # Plans up to this size come with their buckets (one round trip): a sparse delta of a 1 GB
 # model at 99% zeros is ~20 MB; dense pulls stay on the parallel range streams.
 DEFAULT_INLINE_MAX_BYTES = 16 << 20
-DATA_ENDPOINT_METADATA = "rlh-data-endpoint"  # PlanPull's trailing metadata: the HTTP data path
 
 
 class PublishError(ValueError):
@@ -278,6 +280,23 @@ def pull_request(job: str, version: int = 0, held_version: int | None = None, tp
                           inline_max_bytes=inline_max_bytes)
 
 
+async def plan_pull(channel: grpc.aio.Channel,
+                    request: pb.PullRequest) -> tuple[pb.PullPlan, str]:
+    """The agent's plan for ``request`` and the host:port it serves the plan's bucket bytes on
+    over HTTP ("" when it serves them over gRPC only). Raises grpc.aio.AioRpcError when the
+    agent refuses the pull or cannot be reached."""
+    call = transfer_agent_pb2_grpc.TransferAgentStub(channel).PlanPull(request)
+    plan = await call
+    trailing = await call.trailing_metadata()
+    return plan, (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
+
+
+async def agent_status(endpoint: str) -> pb.AgentStatus:
+    """What the agent at ``endpoint`` holds, per job."""
+    async with agent_channel(endpoint) as chan:
+        return await transfer_agent_pb2_grpc.TransferAgentStub(chan).GetStatus(pb.StatusRequest())
+
+
 async def pull(endpoint: str, job: str, *, version: int = 0,
                held: Mapping[str, torch.Tensor] | None = None, held_version: int | None = None,
                tp_rank: int = 0, tp_size: int = 1, names: Sequence[str] = (), cluster: str = "",
@@ -313,10 +332,7 @@ async def pull(endpoint: str, job: str, *, version: int = 0,
     with ThreadPoolExecutor(codec_threads, thread_name_prefix="pull-codec") as pool:
         async with _borrowed(channel) if channel is not None else agent_channel(endpoint) as chan:
             stub = transfer_agent_pb2_grpc.TransferAgentStub(chan)
-            call = stub.PlanPull(request)
-            plan = await call
-            trailing = await call.trailing_metadata()
-            data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
+            plan, data_endpoint = await plan_pull(chan, request)
             try:
                 manifest = VersionManifest.from_dict(json.loads(plan.manifest_json))
             except ValueError as exc:  # ManifestError, JSONDecodeError: try another holder
@@ -541,7 +557,3 @@ def sums_fingerprint(sums: Mapping[str, int]) -> int:
     for name in sorted(sums):
         digest = zlib.crc32(f"{name}:{sums[name]:016x};".encode(), digest)
     return digest & 0xFFFFFFFF
-
-
-def manifest_id(manifest_json: str) -> int:
-    return zlib.crc32(manifest_json.encode()) & 0xFFFFFFFF

@@ -21,21 +21,21 @@ import base64
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 import grpc
 from aiohttp import web
 
 from rlharvest.common import errors, rpc, tls
-from rlharvest.common.authorization import SERVICE_ROLES, role_name
+from rlharvest.common.authorization import role_name
 from rlharvest.common.observability import serve_app
 from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent import metrics
+from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.data_path import Part, parse_range, split_parts
-
-if TYPE_CHECKING:
-    from rlharvest.services.transfer_agent.service import AgentService
+from rlharvest.services.transfer_agent.protocol import AGENT_ROLE
+from rlharvest.services.transfer_agent.throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ _HTTP_STATUS = {
 }
 _MAX_PULL_HEADER = 64 << 10  # a PullRequest with every tensor name of a large model fits
 DEFAULT_READ_TIMEOUT_S = 30.0
-AGENT_ROLE = SERVICE_ROLES["transfer_agent"]  # what a weight holder's certificate names
 
 
 class DataPathError(RuntimeError):
@@ -61,7 +60,30 @@ class DataPathError(RuntimeError):
 # ---- agent side ------------------------------------------------------------------------------
 
 
-def data_app(service: AgentService) -> web.Application:
+class _Buckets(Protocol):
+    """What a planned pull serves here: its buckets."""
+
+    buckets: list[bytes]
+
+
+class BucketServer(Protocol):
+    """The agent's side of the data path, as this module calls it (the servicer is one); a
+    protocol, so the data path never imports the servicer."""
+
+    async def planned_buckets(self, pull: pb.PullRequest, plan_id: int,
+                              indices: Sequence[int]) -> _Buckets: ...
+
+    def send_path(self, pull: pb.PullRequest) -> tuple[list[TokenBucket], str]: ...
+
+    def damage(self) -> bool: ...
+
+    def note_refusal(self, rpc_name: str, refused: errors.ServiceError) -> None: ...
+
+    @property
+    def cfg(self) -> AgentConfig: ...
+
+
+def data_app(service: BucketServer) -> web.Application:
     async def get_bucket(request: web.Request) -> web.StreamResponse:
         try:
             index, pull, plan_id = _parse(request)
@@ -101,7 +123,7 @@ def data_app(service: AgentService) -> web.Application:
     return app
 
 
-async def start_data_server(service: AgentService, host: str,
+async def start_data_server(service: BucketServer, host: str,
                             port: int) -> tuple[web.AppRunner, int]:
     return await serve_app(data_app(service), host, port)
 
@@ -128,7 +150,7 @@ def _parse(request: web.Request) -> tuple[int, pb.PullRequest, int]:
     return index, pull, plan_id
 
 
-def _refusal(service: AgentService, refused: errors.ServiceError) -> web.Response:
+def _refusal(service: BucketServer, refused: errors.ServiceError) -> web.Response:
     """A refusal over HTTP: the status matching its gRPC code, the code's name in X-RLH-Code."""
     service.note_refusal("HttpBucket", refused)
     return web.Response(status=_HTTP_STATUS.get(refused.code, 400), text=str(refused),

@@ -9,9 +9,9 @@ from rlharvest.common.cli import service_app
 from rlharvest.common.pb import transfer_agent_pb2_grpc
 from rlharvest.common.service_host import Host, Loop, Parts, Servicer, ServiceSpec
 from rlharvest.services.transfer_agent.announce import Announcer
-from rlharvest.services.transfer_agent.client import SERVICE_NAME
 from rlharvest.services.transfer_agent.config import AgentConfig
 from rlharvest.services.transfer_agent.http_data import start_data_server
+from rlharvest.services.transfer_agent.protocol import SERVICE_NAME
 from rlharvest.services.transfer_agent.replicator import Replicator
 from rlharvest.services.transfer_agent.service import AgentService
 

@@ -30,16 +30,16 @@ import grpc
 import torch
 
 from rlharvest.common import rpc
-from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
+from rlharvest.common.pb import transfer_agent_pb2 as pb
 from rlharvest.services.transfer_agent.bucketing import VersionManifest
 from rlharvest.services.transfer_agent.checksum import bytes_checksum
 from rlharvest.services.transfer_agent.client import (
     AGENT_ROLE,
-    DATA_ENDPOINT_METADATA,
     PullDecoder,
     PullError,
     PullResult,
     agent_channel,
+    plan_pull,
     pull_request,
 )
 from rlharvest.services.transfer_agent.data_path import Part, byte_range_parts, cut_parts
@@ -264,15 +264,12 @@ async def plan_everywhere(senders: Sequence[Sender], request: pb.PullRequest) ->
     async def plan_at(sender: Sender) -> Planned | None:
         try:
             async with agent_channel(sender.endpoint) as chan:
-                call = transfer_agent_pb2_grpc.TransferAgentStub(chan).PlanPull(request)
-                plan = await call
-                trailing = await call.trailing_metadata()
+                plan, data_endpoint = await plan_pull(chan, request)
         except grpc.aio.AioRpcError as exc:
             log.info("relay source %s cannot serve version %d of %s: %s %s", sender.agent_id,
                      request.version, request.job, exc.code().name,
                      rpc.error_text(exc, AGENT_ROLE))
             return None
-        data_endpoint = (trailing.get(DATA_ENDPOINT_METADATA) if trailing else None) or ""
         if not data_endpoint:
             log.info("relay source %s serves no HTTP data path; it sends no range",
                      sender.agent_id)
