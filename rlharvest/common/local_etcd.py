@@ -103,12 +103,24 @@ def _server_identity(ca: tls.LocalCA) -> tls.TlsMaterial | None:
     return tls.load(str(cert), str(key), str(ca.ca_path))
 
 
+# The common name only etcd's own peer certificate carries. etcd 3.4 serves its whole v3 API
+# on the peer port too, so a peer port that took any certificate of the CA (a worker's) would
+# let every service write every key past the client port's checks.
+PEER_COMMON_NAME = "etcd-peer"
+
+
+def _peer_identity(ca: tls.LocalCA) -> tuple[str, str]:
+    cert, key = ca.issue(PEER_COMMON_NAME, "etcd")
+    return str(cert), str(key)
+
+
 class LocalEtcd:
     """``ca``: serve clients over TLS with a certificate ``ca`` issues (for 127.0.0.1 and
     localhost) and require theirs to be the CA's too (etcd's ``--client-cert-auth``); the
     endpoint is then ``https://127.0.0.1:PORT``, which ``registry.connect`` dials with the
-    process's certificate. Without it, plaintext on ``127.0.0.1:PORT``. Peers stay plaintext:
-    a single member has none."""
+    process's certificate. The peer port then takes TLS too, and only a certificate named
+    ``etcd-peer`` (``PEER_COMMON_NAME``): a single member has no peers, and etcd answers its
+    whole API there. Without ``ca``, plaintext on ``127.0.0.1:PORT``, peers too."""
 
     def __init__(self, binary: str = "etcd", log_path: Path | None = None,
                  ca: tls.LocalCA | None = None):
@@ -118,6 +130,7 @@ class LocalEtcd:
                 f"{binary!r} is not on PATH; install it (Debian: apt-get install etcd-server)")
         self.binary = path
         self._tls = None if ca is None else _server_identity(ca)
+        self._peer = None if ca is None else _peer_identity(ca)
         self._pick_ports()
         self._log_path = log_path
         self._data_dir: str | None = None
@@ -125,6 +138,7 @@ class LocalEtcd:
 
     def _pick_ports(self) -> None:
         self.client_port, self.peer_port = free_ports(2)
+        self.peer_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self.peer_port}"
         self.client_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self.client_port}"
         # What services take as --etcd: plain host:port without TLS, as always.
         self.endpoint = self.client_url if self._tls else f"127.0.0.1:{self.client_port}"
@@ -161,7 +175,7 @@ class LocalEtcd:
     def _launch(self, timeout: float) -> "LocalEtcd":
         assert self._data_dir is not None  # set by _start_once, kept by restart
         client_url = self.client_url
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = self.peer_url
         log = open(self._log_file(), "ab")
         self._log_offset = log.tell()  # a shared log file keeps earlier attempts' lines
         self.process = subprocess.Popen(
@@ -182,8 +196,12 @@ class LocalEtcd:
         if self._tls is None:
             return []
         cert, key, ca = self._tls.paths
+        assert self._peer is not None  # issued with the server's identity
+        peer_cert, peer_key = self._peer
         return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
-                "--client-cert-auth"]
+                "--client-cert-auth", "--peer-cert-file", peer_cert, "--peer-key-file", peer_key,
+                "--peer-trusted-ca-file", ca, "--peer-client-cert-auth",
+                "--peer-cert-allowed-cn", PEER_COMMON_NAME]
 
     def _wait_healthy(self, client_url: str, timeout: float) -> None:
         process = self.process

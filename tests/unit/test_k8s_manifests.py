@@ -710,3 +710,35 @@ def test_readme_documents_the_overlays():
     for needle in ("overlays/gpu", "overlays/tls", TLS_SECRET, *TLS_ENV, "urn:rlharvest:role:"):
         assert needle in readme, needle
     assert re.search(r"kubectl apply -k", readme)
+
+
+def test_tls_overlay_puts_etcd_under_tls_to_clients_and_peers_and_services_dial_https():
+    """etcd serves its whole API on the peer port: under the TLS overlay it takes certificates
+    there, and of the name etcd-peer only; its clients need one of the CA; services dial it
+    over https."""
+    docs = rendered("tls")
+    args = pod_spec(find(docs, "StatefulSet", "etcd"))["containers"][0]["args"]
+    flags = dict(a.removeprefix("--").partition("=")[::2] for a in args)
+    for url in ("listen-client-urls", "listen-peer-urls", "initial-advertise-peer-urls"):
+        assert flags[url].startswith("https://"), url
+    assert all(m.split("=", 1)[1].startswith("https://")
+               for m in flags["initial-cluster"].split(","))
+    assert {"client-cert-auth", "peer-client-cert-auth"} <= set(flags)
+    assert flags["peer-cert-allowed-cn"] == "etcd-peer"
+    assert flags["peer-trusted-ca-file"] != flags["trusted-ca-file"]  # a CA of the peers' own
+    for workload, container, _ in service_containers(docs):
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        assert env.get("RLH_ETCD") == "https://etcd:2379", workload["metadata"]["name"]
+
+
+def test_only_etcd_members_may_reach_etcds_peer_port():
+    policy = find(rendered("base"), "NetworkPolicy", "etcd-peer")
+    etcd_pods = {"app.kubernetes.io/name": "etcd"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == etcd_pods
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule["ports"]}
+        if 2380 in ports:
+            assert [f["podSelector"]["matchLabels"] for f in rule["from"]] == [etcd_pods]
+        else:
+            assert "from" not in rule and ports <= {2379, 2381}
