@@ -3,17 +3,23 @@ tests all use this, so what the tests exercise is what an operator runs."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
+import aetcd
+
 import rlharvest
+from rlharvest.common import etcd_roles, registry
 from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.fork_server import ForkedProcess, ForkServer
 from rlharvest.common.local_etcd import LocalEtcd
@@ -106,6 +112,11 @@ class LocalStack:
     # Single-rank services are forked from this server (imports done once) when the
     # environment allows it; see fork_server.py. Without one, each is a fresh interpreter.
     fork_server: ForkServer | None = None
+    # With ``ca``: etcd's users and roles (etcd_roles.py), so each service's certificate writes
+    # only its role's keys. This process acts on etcd as ``etcd_admin`` (the common name of the
+    # certificate it configured, tls.configure), which gets etcd's root role.
+    etcd_roles: bool = False
+    etcd_admin: str = "operator"
 
     @contextlib.contextmanager
     def stopped_on_error(self) -> Iterator[LocalStack]:
@@ -120,7 +131,31 @@ class LocalStack:
     def start_etcd(self) -> str:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.etcd = LocalEtcd(log_path=self.log_dir / "etcd.log", ca=self.ca).start()
+        if self.etcd_roles:
+            if self.ca is None:
+                raise ValueError("etcd's roles need TLS: its users are certificates' names")
+            self.as_etcd_admin(partial(etcd_roles.install, admins=(self.etcd_admin,)))
         return self.etcd.endpoint
+
+    def add_etcd_user(self, name: str, role: str) -> None:
+        """A certificate named ``name`` acts in etcd as ``role`` (a service role)."""
+        self.as_etcd_admin(partial(etcd_roles.add_user, name=name, role=role))
+
+    def as_etcd_admin(self, action: Callable[[aetcd.Client], Awaitable[None]]) -> None:
+        """Run ``action`` with an etcd client of this process, whether or not the caller runs
+        an event loop (tests start services from async code): in a thread of its own."""
+        assert self.etcd is not None
+        endpoint = self.etcd.endpoint
+
+        async def run() -> None:
+            client = await registry.connect(endpoint)
+            try:
+                await action(client)
+            finally:
+                await client.close()
+
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(lambda: asyncio.run(run())).result()
 
     def start(self, service: str, name: str, flags: list[str] | None = None,
               env: dict[str, str] | None = None, ranks: int = 1,
@@ -136,6 +171,8 @@ class LocalStack:
             f"--max-restarts={restarts}", "--monitor-interval=0.5"]
         tls_flags = [] if self.ca is None else self.ca.flags(
             name, SERVICE_ROLES[service], _jobs_of(service, flags or []))
+        if self.etcd_roles:  # the certificate's name becomes an etcd user of its role
+            self.add_etcd_user(name, SERVICE_ROLES[service])
         args = ["--etcd", self.etcd.endpoint, *tls_flags, *(flags or [])]
         child_env = child_environment(env)
         proc: subprocess.Popen | ForkedProcess

@@ -89,6 +89,7 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
     operator: list[str] = []  # the flags that give `rlharvest status` this process's identity
     if tls:
         stack.ca = LocalCA(stack.log_dir / "pki")
+        stack.etcd_roles = True  # each service's certificate writes only its role's keys
         operator = _operator_identity(stack.ca)
     endpoint = stack.start_etcd()  # with the CA: https, a client certificate required
     scraper: LocalPrometheus | None = None
