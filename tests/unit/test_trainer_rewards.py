@@ -184,12 +184,58 @@ def test_a_candidate_sees_only_its_directory_and_the_interpreter(tmp_path) -> No
     "os.mkfifo('stdout')",  # opening it with no writer blocked the reward's thread for good
     "os.symlink('/etc/hostname', 'stdout')",  # the trainer would read a host file as output
 ])
-def test_a_candidate_replacing_its_output_file_gets_a_runtime_error_not_the_trainer(
-        replace: str) -> None:
+def test_a_candidate_replacing_its_output_file_changes_only_its_own_copy(replace: str) -> None:
+    """Isolated, the work directory a candidate sees is a tmpfs holding copies: what it does
+    to 'stdout' there touches nothing the trainer reads; what it printed is its output."""
+    code = f"import os\nprint('42', flush=True)\nos.remove('stdout')\n{replace}\n"
+    result = run_case(code, StdioCase("swap", "", "42"), SandboxLimits(wall_s=3, cpu_s=3))
+    assert result.status == "passed", result
+
+
+@pytest.mark.parametrize("replace", ["os.mkfifo('stdout')",
+                                     "os.symlink('/etc/hostname', 'stdout')"])
+def test_unisolated_a_candidate_replacing_its_output_file_gets_a_runtime_error(
+        monkeypatch, replace: str) -> None:
+    monkeypatch.setattr(sandbox, "_isolated", False)
     code = f"import os\nos.remove('stdout')\n{replace}\n"
     result = run_case(code, StdioCase("swap", "", ""), SandboxLimits(wall_s=3, cpu_s=3))
     assert result.status == "runtime_error", result
     assert "replaced its output file" in result.detail
+
+
+def test_the_process_limit_holds_even_when_the_trainer_runs_as_root() -> None:
+    """300 forks of which the limit lets fewer than 16 succeed, whoever runs the trainer (as
+    root the kernel ignores RLIMIT_NPROC: the candidate runs as a uid of its own)."""
+    code = ("import os, time\n"
+            "n = 0\n"
+            "for _ in range(300):\n"
+            "    try:\n"
+            "        pid = os.fork()\n"
+            "    except OSError:\n"
+            "        break\n"
+            "    if pid == 0:\n"
+            "        time.sleep(3)\n"
+            "        os._exit(0)\n"
+            "    n += 1\n"
+            "print(n < 16)")
+    result = run_case(code, StdioCase("forks", "", "True"),
+                      SandboxLimits(wall_s=8, cpu_s=8, processes=16))
+    assert result.status == "passed", result
+
+
+def test_what_a_candidate_writes_is_bounded_in_total_not_only_per_file() -> None:
+    """Files each under the per-file limit, 160 MB in all, against a 32 MB work directory."""
+    code = ("written = 0\n"
+            "try:\n"
+            "    for i in range(20):\n"
+            "        with open(f'f{i}', 'wb') as out:\n"
+            "            out.write(b'x' * (8 << 20))\n"
+            "        written += 8\n"
+            "except OSError as exc:\n"
+            "    print('full', exc.errno == 28, written < 32)")
+    result = run_case(code, StdioCase("disk", "", "full True True"),
+                      SandboxLimits(wall_s=8, cpu_s=8, disk_bytes=32 * 2**20))
+    assert result.status == "passed", result
 
 
 def test_a_candidate_cannot_open_kernel_settings_for_writing_even_as_root() -> None:

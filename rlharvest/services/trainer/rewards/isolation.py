@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 
 _SETUP = r"""
-import os, subprocess, sys
-workdir, prefix, status_fd, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+import os, shutil, subprocess, sys
+workdir, prefix, status_fd, uid, disk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+argv = sys.argv[6:]
 os.environ["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"  # mount, pivot_root, umount
 def run(*args):
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -51,7 +53,18 @@ for path in ["/usr"] + ([] if prefix == "/usr" else [prefix]):
     run("mount", "--rbind", path, root + path)
     run("mount", "-o", "remount,bind,ro", root + path)
 os.makedirs(root + workdir)
-run("mount", "--bind", workdir, root + workdir)
+# The work directory is a tmpfs of its own holding copies of the trainer's files: what the
+# candidate writes there is bounded in total (RLIMIT_FSIZE bounds one file), never reaches the
+# host's disk, and cannot replace the files the trainer reads back (it writes its output
+# through the descriptors it was handed).
+run("mount", "-t", "tmpfs", "-o", f"size={disk},mode=700", "tmpfs", root + workdir)
+for name in os.listdir(workdir):
+    if name != ".root":
+        shutil.copyfile(os.path.join(workdir, name), root + workdir + "/" + name)
+        if uid >= 0:
+            os.chown(root + workdir + "/" + name, uid, uid)
+if uid >= 0:
+    os.chown(root + workdir, uid, uid)
 os.makedirs(root + "/proc")
 # Read-only: procfs lets uid 0 write sysctls (/proc/sys) and /proc/sysrq-trigger by file mode,
 # with no capability, and /proc/sys is the host's outside the net and UTS namespaces. A trainer
@@ -82,8 +95,11 @@ child = os.fork()
 if child == 0:
     if status_fd >= 0:
         os.close(status_fd)
+    # Run by root, the candidate gets a uid of its own: the kernel does not enforce
+    # RLIMIT_NPROC for root, and every process of a uid counts against it.
+    user = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid >= 0 else []
     os.execv("/usr/bin/setpriv", ["setpriv", "--no-new-privs", "--bounding-set=-all",
-                                  "--inh-caps=-all", "--", *argv])
+                                  "--inh-caps=-all", *user, "--", *argv])
 code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 if status_fd >= 0:
     os.write(status_fd, str(code).encode())
@@ -103,17 +119,27 @@ def _python_prefix() -> str:
     return prefix if executable.startswith(prefix + os.sep) else os.path.dirname(executable)
 
 
-def isolated_argv(workdir: str, argv: list[str], status_fd: int = -1) -> list[str]:
+# Run by root, each candidate runs as a uid drawn from here (no account needs to exist): two
+# runs at once share one only by chance, and then only their process limit.
+_UID_BASE, _UID_SPAN = 1 << 20, 1 << 20
+
+
+def isolated_argv(workdir: str, argv: list[str], status_fd: int = -1,
+                  disk_bytes: int = 64 * 2**20) -> list[str]:
     """``argv`` (an absolute interpreter path first) run isolated with ``workdir`` its only
-    writable, and only visible non-interpreter, directory. Its exact exit status (negative: a
-    death by that signal) is written to ``status_fd`` (a pipe's write end the caller passes
-    through, ``reported_status``); the process's own exit code is 1 for a death by signal."""
+    writable, and only visible non-interpreter, directory: a tmpfs of ``disk_bytes`` holding
+    copies of its files. Its exact exit status (negative: a death by that signal) is written to
+    ``status_fd`` (a pipe's write end the caller passes through, ``reported_status``); the
+    process's own exit code is 1 for a death by signal. Run by root, the candidate runs as an
+    unprivileged uid of its own, so its process limit holds."""
+    root = os.geteuid() == 0
     unshare = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--ipc",
-               "--uts", *([] if os.geteuid() == 0 else ["--map-root-user"])]
+               "--uts", *([] if root else ["--map-root-user"])]
+    uid = _UID_BASE + secrets.randbelow(_UID_SPAN) if root else -1
     # The real interpreter, not a virtualenv's link to it (the venv is not mounted inside).
     inner = [os.path.realpath(argv[0]), *argv[1:]]
     return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(),
-            str(status_fd), *inner]
+            str(status_fd), str(uid), str(disk_bytes), *inner]
 
 
 @functools.cache

@@ -87,7 +87,9 @@ class SandboxLimits:
     memory_bytes: int = 512 * 2**20  # address space, interpreter included
     file_bytes: int = 16 * 2**20
     output_bytes: int = 1 * 2**20  # stdout kept for comparison; more than this is a failure
-    processes: int = 64  # RLIMIT_NPROC of the candidate's user (ineffective as root)
+    # RLIMIT_NPROC of the candidate's uid (isolated and run by root: a uid of its own).
+    processes: int = 64
+    disk_bytes: int = 64 * 2**20  # all it writes in its (isolated: tmpfs) work directory
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
                 str(math.ceil(limits.wall_s) + 2), str(limits.processes)]
         status_read, status_write = os.pipe() if _isolated else (-1, -1)
         if _isolated:
-            argv = isolation.isolated_argv(workdir, argv, status_write)
+            argv = isolation.isolated_argv(workdir, argv, status_write, limits.disk_bytes)
         start = clock()
         try:
             with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
