@@ -6,6 +6,7 @@ freeing its request."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import re
 
@@ -32,13 +33,14 @@ from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 MODEL = "tiny-serving"
 
 
-async def serve(max_waiting: int = 8, step_delay_s: float = 0.0, body_timeout_s: float = 30.0):
+async def serve(max_waiting: int = 8, step_delay_s: float = 0.0, body_timeout_s: float = 30.0,
+                idle_timeout_s: float = 75.0):
     engine = TorchEngine("tiny", seed=0, max_running=4, max_len=256)
     backend = EngineServingBackend(engine, max_waiting=max_waiting, step_delay_s=step_delay_s)
     backend.start()
     app = make_app(backend, load_tokenizer("tiny"), ApiConfig(
         MODEL, context_len=256, max_body_bytes=64 << 10, body_timeout_s=body_timeout_s))
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=idle_timeout_s)
     await runner.setup()
     port, scheme = await serve_api(runner, "127.0.0.1", free_port())
     return runner, backend, engine, f"{scheme}://127.0.0.1:{port}"
@@ -226,6 +228,40 @@ async def test_a_body_that_stalls_is_a_408_and_its_connection_closes():
             async with http.post(url + "/v1/completions",
                                  json={"model": MODEL, "prompt": "1", "max_tokens": 2}) as resp:
                 assert resp.status == 200
+    finally:
+        await runner.cleanup()
+        await backend.close()
+
+
+@pytest.mark.parametrize("after_a_request", [False, True])
+async def test_headers_that_trickle_in_close_the_connection_within_the_idle_timeout(
+        after_a_request):
+    """Slowloris on the headers, a line a second, as a connection's first request and after a
+    request answered on it: closed once the idle timeout (1 s here, 75 s by default) passes,
+    however long the trickle would go on."""
+    runner, backend, _, url = await serve(idle_timeout_s=1.0)
+    try:
+        host, port = url.rsplit("//", 1)[1].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        if after_a_request:
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+            await asyncio.wait_for(reader.readuntil(MODEL.encode()), timeout=10)
+        writer.write(b"GET /v1/models HTTP/1.1\r\n")
+        started = time.monotonic()
+        for _ in range(20):
+            writer.write(b"X-Trickle: 1\r\n")
+            try:
+                await writer.drain()
+                if await asyncio.wait_for(reader.read(4096), timeout=0.5) == b"":
+                    break
+            except asyncio.TimeoutError:
+                continue
+            except ConnectionError:
+                break
+        assert time.monotonic() - started < 5, "the trickle held the connection open"
+        writer.close()
     finally:
         await runner.cleanup()
         await backend.close()

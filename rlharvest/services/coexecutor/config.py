@@ -59,7 +59,8 @@ class CoexecutorConfig(EngineDeviceConfig):
                                        "arrived this long after its headers is a 408 (a "
                                        "stalled client holds no connection longer)")
     http_idle_timeout_s: float = Field(75.0, gt=0, description="an idle keep-alive "
-                                       "connection is closed after this long")
+                                       "connection, or one whose request headers trickle "
+                                       "in, is closed after this long")
     # ---- memory (ROSE §4.1, App. C)
     total_pages: int = Field(512, ge=1, description="pages in the KV pool both models share")
     page_tokens: int = Field(16, ge=1, description="tokens a page holds (both models here; a "
