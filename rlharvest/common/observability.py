@@ -96,11 +96,16 @@ async def _client_certificate_required(request: web.Request, handler):
     return await handler(request)
 
 
+# An idle keep-alive connection, or one whose request headers trickle in, closes after this
+# (aiohttp's own default is an hour: open descriptors would be the only bound on slowloris).
+IDLE_TIMEOUT_S = 75.0
+
+
 async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start ``app`` on host:port; returns the runner (to clean up) and the bound port."""
     if tls.active() is not None:
         app.middlewares.append(_client_certificate_required)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()
     # Bind the socket ourselves so port 0 can pick a free port and we can report which.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
