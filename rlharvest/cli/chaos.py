@@ -1,11 +1,13 @@
 """`make chaos MINUTES=N` (`python -m rlharvest.cli.chaos`): a seeded chaos soak of the
 local stack while GRPO trains.
 
-The stack: etcd, a transfer agent, the job's leading manager and its standby, three workers and
-a trainer that checkpoints every step. Every 3-7 s (seeded: ``chaos_plan.FaultPlan``) one of
-them is SIGKILLed at a random instant — a worker (a new one replaces it), the leading manager (a
-new standby starts), the agent (started again), etcd (started again on its data after 2-5 s) or
-the trainer (started again; it resumes from its checkpoint). At the end it checks what the
+The stack: etcd, a transfer agent, the job's leading manager and its standby, three workers, a
+serving co-executor the job borrows and a trainer that checkpoints every step. Every 3-7 s
+(seeded: ``chaos_plan.FaultPlan``) one of them is SIGKILLed at a random instant — a worker (a
+new one replaces it), the leading manager (a new standby starts), the agent (started again),
+etcd (started again on its data after 2-5 s), the co-executor (started again) or the trainer
+(started again; it resumes from its checkpoint) — or the trainer is SIGKILLed the moment its log
+says a step's optimizer step is done, before that step's checkpoint. At the end it checks what the
 project promises: the trained lineage is steps 1..N once each on increasing versions, no token
 was regenerated, no step saw a completion of another version, one manager leads, and no process
 exited by itself. Prints the faults survived per kind; exit status 1 when a check failed.
@@ -31,7 +33,8 @@ import aetcd
 
 from rlharvest.common import keys, observability, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
-from rlharvest.cli.chaos_plan import Fault, FaultPlan, applied_lineage, lineage_problems
+from rlharvest.cli.chaos_plan import (
+    Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
 from rlharvest.cli.launcher import LocalStack, ServiceProcess
 
 log = logging.getLogger("rlharvest.chaos")
@@ -52,6 +55,9 @@ class Soak:
     regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
     serial: int = 0
     etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)  # when, raft, bytes
+    checkpoint_dir: Path = Path()
+    # trainer-before-save kills: step -> whether the kill landed before that step's checkpoint
+    before_save: dict[int, bool] = field(default_factory=dict)
 
     def name(self, prefix: str) -> str:
         self.serial += 1
@@ -69,7 +75,17 @@ def start_manager(soak: Soak) -> ServiceProcess:
     name = soak.name("manager")
     return soak.stack.start("rollout_manager", name, [
         "--manager-id", name, "--port", str(free_port()), "--metrics-port", str(free_port()),
-        "--stall-timeout-s", "5", *COMMON])
+        "--stall-timeout-s", "5", "--max-serving-workers", "1", *COMMON])
+
+
+def start_coexecutor(soak: Soak) -> ServiceProcess:
+    """A serving co-executor the job borrows through etcd (the lending claim), as in the demo;
+    no serving traffic: the soak is about the job's rollouts surviving it."""
+    name = soak.name("coexec")
+    return soak.stack.start("coexecutor", name, [
+        "--coexec-id", name, "--agent-pull", "--http-port", str(free_port()), "--metrics-port",
+        str(free_port()), "--serving-model", "tiny", "--served-model-name", "served",
+        "--torch-threads", "1", *COMMON])
 
 
 def start_worker(soak: Soak) -> ServiceProcess:
@@ -134,7 +150,49 @@ async def inject(soak: Soak, fault: Fault) -> bool:
         for trainer in soak.live("trainer"):
             soak.kill(trainer)
         start_trainer(soak)
+    elif kind == "trainer-before-save":
+        return await kill_trainer_before_save(soak)
+    elif kind == "coexecutor":
+        for coexecutor in soak.live("coexecutor"):
+            soak.kill(coexecutor)
+        start_coexecutor(soak)
     return True
+
+
+async def kill_trainer_before_save(soak: Soak, within_s: float = 30.0) -> bool:
+    """SIGKILL the trainer the moment its log says a step trained (the optimizer step done)
+    that it has not checkpointed yet, then start it again; False when no step ended within
+    ``within_s``. A kill that came after the checkpoint after all is counted apart."""
+    log_path = soak.stack.log_dir / "trainer.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    deadline = time.monotonic() + within_s
+    step = None
+    while step is None:
+        if time.monotonic() > deadline or not soak.live("trainer"):
+            return False
+        await asyncio.sleep(0.005)
+        step = unsaved_step(_messages(log_path, offset))
+    for trainer in soak.live("trainer"):
+        soak.kill(trainer)
+    saved = (soak.checkpoint_dir / f"step-{step}").exists()
+    soak.before_save[step] = not saved
+    start_trainer(soak)
+    return True
+
+
+def _messages(path: Path, offset: int = 0) -> list[str]:
+    """The ``msg`` of each JSON log line of ``path`` from ``offset`` on (a line being written
+    is skipped)."""
+    with open(path, "rb") as log_file:
+        log_file.seek(offset)
+        lines = log_file.read().decode(errors="replace").splitlines()
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line).get("msg", ""))
+        except ValueError:
+            continue
+    return out
 
 
 async def _quietly(aw):
@@ -175,13 +233,28 @@ def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
     (t0, raft0, db0), (t1, raft1, db1) = samples[0], samples[-1]
     rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
     return (f"etcd: {rate:.0f} raft entries a minute; database {db0 / 1024:.0f} KiB -> "
-            f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB)")
+            f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB; at "
+            f"each minute's end: {', '.join(f'{kib:.0f}' for kib in by_minute(samples))} KiB)")
+
+
+def by_minute(samples: list[tuple[float, int, int]]) -> list[float]:
+    """The database size (KiB) last sampled in each minute of the soak: whether it levels off
+    once compaction drops revisions older than the retention."""
+    last: dict[int, float] = {}
+    for when, _, size in samples:
+        last[int((when - samples[0][0]) // 60)] = size / 1024
+    return [last[m] for m in sorted(last)]
+
+
+def per_step_writes(samples: list[tuple[float, int, int]], steps: int) -> str:
+    """etcd writes (raft entries, lease grants and renewals included) per step trained."""
+    if len(samples) < 2 or steps < 1:
+        return "no step to divide by"
+    return f"{(samples[-1][1] - samples[0][1]) / steps:.0f} raft entries per step trained"
 
 
 def trainer_messages(soak: Soak) -> list[str]:
-    path = soak.stack.log_dir / "trainer.log"
-    return [json.loads(line).get("msg", "") for line in path.read_text().splitlines()
-            if line.startswith("{")]
+    return _messages(soak.stack.log_dir / "trainer.log")
 
 
 async def soak(minutes: float, seed: int, workdir: Path) -> int:
@@ -190,7 +263,7 @@ async def soak(minutes: float, seed: int, workdir: Path) -> int:
     trainer_flags = ["--trainer-id", "trainer-0", "--port", str(free_port()), "--backend", "torch",
                      "--torch-threads", "1", "--checkpoint-dir", str(workdir / "checkpoints"),
                      "--checkpoint-every", "1", "--no-exit-when-done", *COMMON]
-    run = Soak(stack, etcd, trainer_flags)
+    run = Soak(stack, etcd, trainer_flags, checkpoint_dir=workdir / "checkpoints")
     plan = FaultPlan(seed)
     try:
         start_agent(run)
@@ -198,6 +271,7 @@ async def soak(minutes: float, seed: int, workdir: Path) -> int:
         start_manager(run)
         for _ in range(WORKERS):
             start_worker(run)
+        start_coexecutor(run)
         start_trainer(run)
         await sample_etcd(run)
         deadline = time.monotonic() + minutes * 60
@@ -239,7 +313,14 @@ def report(run: Soak, roles: list[str] | None) -> int:
     if roles is None or roles.count("leader") != 1:
         problems.append(f"manager roles at the end: {roles}")
     print("faults survived:", ", ".join(f"{k} {n}" for k, n in sorted(run.faults.items())))
-    print(etcd_growth(run.etcd_samples))
+    if run.before_save:
+        landed = sum(run.before_save.values())
+        late = len(run.before_save) - landed
+        print(f"trainer killed before a step's checkpoint: {landed} of {len(run.before_save)} "
+              f"kills (steps {sorted(run.before_save)})"
+              + (f"; {late} came just after the save" if late else ""))
+    print(etcd_growth(run.etcd_samples), end="")
+    print(f"; {per_step_writes(run.etcd_samples, len(lineage))}")
     print(f"steps trained: {len(lineage)} (lineage {lineage[:3]}...{lineage[-2:]}); "
           f"tokens regenerated: {regenerated:.0f}; manager roles: {roles}")
     for problem in problems:

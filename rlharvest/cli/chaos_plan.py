@@ -10,8 +10,11 @@ from dataclasses import dataclass
 
 # What the soak kills: a worker (replaced by a new one), the leading manager (a new standby
 # starts), the transfer agent (started again), etcd (SIGKILLed, started again on its data after
-# a pause) and the trainer (started again: it resumes from its checkpoint).
-KINDS: tuple[str, ...] = ("worker", "leader", "agent", "etcd", "trainer")
+# a pause), the trainer at a random instant and between a step's optimizer step and its
+# checkpoint (started again: it resumes from its checkpoint, redoing that step), and the serving
+# co-executor the job borrows (started again).
+KINDS: tuple[str, ...] = ("worker", "leader", "agent", "etcd", "trainer", "trainer-before-save",
+                          "coexecutor")
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,18 @@ def lineage_problems(lineage: Sequence[tuple[int, int]]) -> list[str]:
     if any(b <= a for a, b in zip(versions, versions[1:])):
         problems.append(f"versions do not increase: {versions}")
     return problems
+
+
+_CHECKPOINT_LINE = re.compile(r"^checkpoint of step (\d+) ")
+
+
+def unsaved_step(messages: Iterable[str]) -> int | None:
+    """The step the trainer's log says it trained (its optimizer step done) but has not yet
+    checkpointed, from its latest messages; None when every trained step is saved."""
+    trained = saved = 0
+    for message in messages:
+        if (found := _STEP_LINE.match(message)) is not None:
+            trained = int(found.group(1))
+        elif (found := _CHECKPOINT_LINE.match(message)) is not None:
+            saved = int(found.group(1))
+    return trained if trained > saved else None

@@ -49,3 +49,14 @@ def test_a_gap_a_repeat_or_a_version_going_back_is_a_problem():
     assert lineage_problems([(1, 0), (3, 2)])  # step 2 missing
     assert lineage_problems([(2, 1), (3, 2)])  # not from step 1
     assert lineage_problems([(1, 0), (2, 1), (3, 1)])  # one version trained twice
+
+
+def test_a_step_trained_but_not_yet_checkpointed_is_the_one_to_kill_the_trainer_in():
+    from rlharvest.cli.chaos_plan import unsaved_step
+
+    saved = ["step 3 on version 2: reward 0.1", "published version 3",
+             "checkpoint of step 3 (version 3) at /c/step-3"]
+    assert unsaved_step(saved) is None
+    assert unsaved_step([*saved, "step 4 on version 3: reward 0.2"]) == 4
+    assert unsaved_step(["step 4 on version 3: reward 0.2"]) == 4  # the log read from a point
+    assert unsaved_step([]) is None
