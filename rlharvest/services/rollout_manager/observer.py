@@ -12,10 +12,7 @@ etcd, and they join as workers.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Protocol
 
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
@@ -24,6 +21,9 @@ from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.outcome import Delivery
 from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.submission import Submission
+
+__all__ = ["ManagerObserver", "Shell", "Submission"]
 
 
 class Shell(Protocol):
@@ -44,26 +44,6 @@ class Shell(Protocol):
 
     def abandon(self, stream: ClientStream) -> None:
         """The step's client is gone for good: the core drops what it still had of it."""
-
-
-@dataclass(frozen=True)
-class Submission:
-    """A step as its client submitted it (SubmitStep, or a Generate: ``profiled`` False)."""
-
-    step_id: str
-    requests: Sequence[mpb.RolloutRequest]
-    weight_version: int
-    profiled: bool
-    acceptance: mpb.Acceptance | None = None
-
-    @cached_property
-    def fingerprint(self) -> bytes:
-        """What a re-submission must repeat to be the same step (reattach.py): the version and
-        every request (ids, prompts, sampling, resume tokens), in order."""
-        sha = hashlib.sha256(str(self.weight_version).encode())
-        for r in self.requests:
-            sha.update(r.SerializeToString(deterministic=True))
-        return sha.digest()
 
 
 class ManagerObserver:

@@ -15,19 +15,16 @@ import grpc
 from rlharvest.common import errors, server_guard
 from rlharvest.common.aio import wait_event
 from rlharvest.common.delta_batch import Rows
-from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.client_stream import ClientStream
-from rlharvest.services.rollout_manager.commands import (
-    Abort, Command, Dispatch, Fail, Forget, Migrate, Release)
+from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.observer import ManagerObserver, Submission
 from rlharvest.services.rollout_manager.outcome import Delivery, Outcome
 from rlharvest.services.rollout_manager.status import Reporter
 from rlharvest.services.rollout_manager.step import Step
-from rlharvest.services.rollout_manager.tracker import NewRequest, ResumePayload
 from rlharvest.services.rollout_manager.workers import Workers
 
 
@@ -89,7 +86,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def _carry_out(self, out: Outcome, worker_id: str = "") -> list[ClientStream]:
         """Returns the streams whose client was already behind (the caller waits for them)."""
         for c in out.commands:
-            self._command(c, out.payloads)
+            self.workers.command(c, out.payloads)
         behind = self._forward(out.rows)
         for delivery in out.deliveries:
             self._deliver(delivery)
@@ -98,23 +95,6 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if out.wake:
             self.wake()
         return behind
-
-    def _command(self, c: Command, payloads: dict[str, ResumePayload]) -> None:
-        if isinstance(c, Dispatch):
-            self.workers.send(c.worker_id, payloads[c.request_id])
-        elif isinstance(c, Migrate):
-            metrics.MIGRATIONS.labels(c.cause).inc()
-            self.workers.abort(c.src, c.request_id)
-            self.workers.send(c.dst, payloads[c.request_id])
-        elif isinstance(c, Release):
-            metrics.MIGRATIONS.labels(c.cause).inc()
-            if c.abort:
-                self.workers.abort(c.worker_id, c.request_id)
-        elif isinstance(c, (Fail, Abort)):  # a Fail's completion is among the deliveries
-            if c.worker_id is not None:
-                self.workers.abort(c.worker_id, c.request_id)
-        elif isinstance(c, Forget):
-            self.workers.forget(c.worker_id)
 
     def _forward(self, rows: list[tuple[int, Rows]]) -> list[ClientStream]:
         # Every step's rows are queued before any wait, in the order the tracker took them
@@ -147,29 +127,21 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def SubmitStep(self, request: mpb.SubmitStepRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
-        submission = Submission(request.step_id, list(request.requests), request.weight_version,
-                                True, request.acceptance if request.HasField("acceptance")
-                                else None)
-        async for event in self._stream_step(submission, request.no_worker_deadline_s, context,
-                                             request.seed_window_s):
+        async for event in self._stream_step(Submission.of_step(request), context):
             yield event
 
     async def Generate(self, request: mpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[mpb.StepEvent]:
-        # One request is not a step of the RL loop: its end never freezes P.
-        submission = Submission(request.request.request_id, [request.request],
-                                request.weight_version, False)
-        async for event in self._stream_step(submission, request.no_worker_deadline_s, context):
+        async for event in self._stream_step(Submission.of_generate(request), context):
             yield event
 
-    async def _stream_step(self, submission: Submission, deadline_s: float,
-                           context: grpc.aio.ServicerContext, seed_window_s: float = 0.0
+    async def _stream_step(self, submission: Submission, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[mpb.StepEvent]:
         await self._admit_client(context)
         claims = (observer.claim(submission) for observer in self._observers)
         stream = next((s for s in claims if s is not None), None)
         if stream is None:
-            stream = await self._start_step(submission, deadline_s, context, seed_window_s)
+            stream = await self._start_step(submission, context)
         self.wake()
         try:
             while (event := await stream.take()) is not None:
@@ -178,21 +150,15 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             if not [o for o in self._observers if o.client_left(stream)]:
                 self.abandon(stream)
 
-    async def _start_step(self, submission: Submission, deadline_s: float,
-                          context: grpc.aio.ServicerContext, seed_window_s: float
+    async def _start_step(self, submission: Submission, context: grpc.aio.ServicerContext
                           ) -> ClientStream:
         version = submission.weight_version
-        new = [NewRequest(r.request_id, r.group_id, tuple(r.prompt_token_ids),
-                          sampling_from_proto(r.sampling), version, deadline_s or None,
-                          tuple(r.resume_token_ids), tuple(r.resume_logprobs),
-                          r.trajectory_id, r.turn, r.last_turn)
-               for r in submission.requests]
         try:
             step = self.control.add_step(
-                submission.step_id, new, version,
+                submission.step_id, submission.new_requests(), version,
                 announced_version=await self.workers.announced_for(version),
                 profiled=submission.profiled, acceptance=submission.acceptance,
-                seed_window_s=seed_window_s)
+                seed_window_s=submission.seed_window_s)
         except errors.ServiceError as exc:
             metrics.STEPS.labels("refused").inc()
             await errors.abort(context, exc)

@@ -18,7 +18,15 @@ from rlharvest.common.etcd_outage import etcd_away, with_etcd
 from rlharvest.common.errors import Unavailable
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 from rlharvest.services.rollout_manager import metrics
-from rlharvest.services.rollout_manager.commands import Command
+from rlharvest.services.rollout_manager.commands import (
+    Abort,
+    Command,
+    Dispatch,
+    Fail,
+    Forget,
+    Migrate,
+    Release,
+)
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.observer import ManagerObserver
 from rlharvest.services.rollout_manager.tracker import ResumePayload
@@ -230,6 +238,25 @@ class Workers:
         metrics.PENDING.remove(worker_id)
 
     # ---- commands down -----------------------------------------------------------------------
+
+    def command(self, c: Command, payloads: dict[str, ResumePayload]) -> None:
+        """Carry out one command of the core (applied already; ``payloads``: what each send
+        carries). A Fail's completion is the shell's to deliver."""
+        if isinstance(c, Dispatch):
+            self.send(c.worker_id, payloads[c.request_id])
+        elif isinstance(c, Migrate):
+            metrics.MIGRATIONS.labels(c.cause).inc()
+            self.abort(c.src, c.request_id)
+            self.send(c.dst, payloads[c.request_id])
+        elif isinstance(c, Release):
+            metrics.MIGRATIONS.labels(c.cause).inc()
+            if c.abort:
+                self.abort(c.worker_id, c.request_id)
+        elif isinstance(c, (Fail, Abort)):
+            if c.worker_id is not None:
+                self.abort(c.worker_id, c.request_id)
+        elif isinstance(c, Forget):
+            self.forget(c.worker_id)
 
     def send(self, worker_id: str, payload: ResumePayload) -> None:
         link = self.links.get(worker_id)
