@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from rlharvest.common import delta_batch
 from rlharvest.common.delta_batch import Rows
-from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
+from rlharvest.common.pb import common_pb2
 from rlharvest.common.pb import rollout_worker_pb2 as wpb
 
 from rlharvest.services.rollout_manager.balancer import (
@@ -48,7 +48,13 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.failure import HOLD_AFTER, FailureConfig, FailurePolicy
-from rlharvest.services.rollout_manager.outcome import Delivery, Outcome
+from rlharvest.services.rollout_manager.outcome import (
+    Delivery,
+    Outcome,
+    client_rows,
+    completion_of,
+    decode,
+)
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings, RemoteTiming
 from rlharvest.services.rollout_manager.step import Step, check_seed_window
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
@@ -409,7 +415,7 @@ class RolloutControl:
         # to the client as arrays; no Python object is built per row or per token.
         if step.batch.job != self.config.job:
             return self._other_job(worker_id, step.batch)
-        rows, malformed = self._decode(step.batch)
+        rows, malformed = decode(step.batch)
         report = self.step_outputs(worker_id, rows)
         out = self._load_event(worker_id, step.load)  # before this event's completions
         self.engine_step(worker_id, step.stats)
@@ -417,7 +423,7 @@ class RolloutControl:
         out.dropped = report.dropped
         if malformed:
             out.dropped = [DroppedDelta("", worker_id, "malformed", len(step.batch.token_ids) // 4)]
-        out.rows = self._client_rows(report)
+        out.rows = client_rows(report)
         out.deliveries = [d for rid in report.finished  # after its last row
                           if (d := self._delivery(rid, "finished")) is not None]
         out.wake = bool(report.finished or report.aborted)
@@ -431,29 +437,10 @@ class RolloutControl:
         out.lost = reason
         return out
 
-    @staticmethod
-    def _decode(batch: common_pb2.DeltaBatch) -> tuple[Rows, str]:
-        try:
-            return delta_batch.decode(batch), ""
-        except delta_batch.MalformedBatch as exc:
-            return delta_batch.empty(), str(exc)
-
     def _load_event(self, worker_id: str, load: common_pb2.Load) -> Outcome:
         self.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens,
                          load.kv_used_tokens)
         return Outcome(preemptions=self.preemptions.report(worker_id, max(load.preemptions, 0)))
-
-    @staticmethod
-    def _client_rows(report: ApplyReport) -> list[tuple[int, Rows]]:
-        """Accepted rows by step key, renamed by their index in the step, in the order the
-        tracker took them."""
-        accepted = report.accepted
-        if not len(accepted):
-            return []
-        if accepted.ends:  # the client must not read "ended" on a request the worker aborted
-            accepted = replace(accepted, ends={r: why for r, why in accepted.ends.items()
-                                               if why != "abort"})
-        return delta_batch.by_key(accepted, report.tags, report.indices)
 
     def settle(self, commands: Sequence[Command], wake: bool = False) -> Outcome:
         """Commands decided anywhere (a tick, a loss, an observer), with what carrying them out
@@ -473,24 +460,12 @@ class RolloutControl:
         step = self.steps.step_of(request_id)
         if step is None or request_id not in self.tracker:
             return None
-        completion = self.completion(request_id, cancelled=outcome == "cancelled")
-        discarded = self.tracker.get(request_id).generated if outcome == "cancelled" else 0
+        req = self.tracker.get(request_id)
+        completion = completion_of(req, cancelled=outcome == "cancelled")
+        discarded = req.generated if outcome == "cancelled" else 0
         ended = self.deliver(request_id, succeeded=outcome == "finished") is not None
         return Delivery(step, completion, outcome, tuple(step.policy.verdicts(step)), ended,
                         discarded)
-
-    def completion(self, request_id: str, cancelled: bool = False) -> mpb.Completion:
-        """The request's completion as its client gets it."""
-        req = self.tracker.get(request_id)
-        if cancelled:  # not needed: its partial tokens are discarded, never trained
-            return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
-                                  weight_version=req.weight_version,
-                                  finish_reason=req.finish_reason, failed=True, cancelled=True,
-                                  migrations=req.migrations)
-        return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
-                              token_ids=req.token_ids, logprobs=req.logprobs,
-                              weight_version=req.weight_version, finish_reason=req.finish_reason,
-                              failed=req.state is RequestState.FAILED, migrations=req.migrations)
 
     def replay(self, step: Step) -> Rows | None:
         """The tokens so far of the step's undelivered requests, named by their index in the

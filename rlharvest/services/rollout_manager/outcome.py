@@ -10,14 +10,21 @@ completion, the policy's verdicts after it, the step's end when it was the last 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rlharvest.common import delta_batch
 from rlharvest.common.delta_batch import Rows
-from rlharvest.common.pb import rollout_manager_pb2 as mpb
+from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
 from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.step_policy import Verdict
-from rlharvest.services.rollout_manager.tracker import DroppedDelta, ResumePayload
+from rlharvest.services.rollout_manager.tracker import (
+    ApplyReport,
+    DroppedDelta,
+    RequestState,
+    ResumePayload,
+    TrackedRequest,
+)
 
 
 @dataclass(frozen=True)
@@ -44,3 +51,36 @@ class Outcome:
     malformed: str = ""  # why the worker's batch was dropped whole
     lost: str = ""  # the worker was lost (why): the shell lets its link go
     wake: bool = False  # the tick should run soon: something was freed or finished
+
+
+def decode(batch: common_pb2.DeltaBatch) -> tuple[Rows, str]:
+    """A worker's batch as rows; a malformed one as none, with why."""
+    try:
+        return delta_batch.decode(batch), ""
+    except delta_batch.MalformedBatch as exc:
+        return delta_batch.empty(), str(exc)
+
+
+def client_rows(report: ApplyReport) -> list[tuple[int, Rows]]:
+    """Accepted rows by step key, renamed by their index in the step, in the order the tracker
+    took them."""
+    accepted = report.accepted
+    if not len(accepted):
+        return []
+    if accepted.ends:  # the client must not read "ended" on a request the worker aborted
+        accepted = replace(accepted, ends={r: why for r, why in accepted.ends.items()
+                                           if why != "abort"})
+    return delta_batch.by_key(accepted, report.tags, report.indices)
+
+
+def completion_of(req: TrackedRequest, cancelled: bool = False) -> mpb.Completion:
+    """The request's completion as its client gets it."""
+    if cancelled:  # not needed: its partial tokens are discarded, never trained on
+        return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
+                              weight_version=req.weight_version,
+                              finish_reason=req.finish_reason, failed=True, cancelled=True,
+                              migrations=req.migrations)
+    return mpb.Completion(request_id=req.request_id, group_id=req.group_id,
+                          token_ids=req.token_ids, logprobs=req.logprobs,
+                          weight_version=req.weight_version, finish_reason=req.finish_reason,
+                          failed=req.state is RequestState.FAILED, migrations=req.migrations)
