@@ -105,13 +105,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     def _deliver(self, d: Delivery) -> None:
         metrics.COMPLETIONS.labels(d.outcome).inc()
-        metrics.TOKENS_DISCARDED.inc(d.discarded_tokens)
+        if d.discarded_tokens:
+            metrics.TOKENS_DISCARDED.inc(d.discarded_tokens)
         stream = self._step_streams.get(d.step.key)
         if stream is not None:
             stream.put_completion(d.completion)
         for observer in self._observers:
             observer.delivered(d)
-        if stream is not None:  # before the step's end, if this was its last
+        if stream is not None and d.verdicts:  # before the step's end, if this was its last
             stream.put_verdicts([mpb.GroupVerdict(group_id=v.group_id, accepted=v.accepted)
                                  for v in d.verdicts])
         if d.ended:  # and froze P if it is a step of the RL loop
