@@ -213,3 +213,29 @@ async def test_a_completion_whose_worker_is_lost_while_waiting_for_a_slow_client
             raise AssertionError(f"no completion after rows {rows_of(events)}") from None
     assert gapless(rows_of(events)) == {0: [5, 6, 7]}
     await client.aclose()
+
+
+class Refused(Exception):
+    pass
+
+
+class RefusingContext(PlainContext):
+    """Records the status an RPC ends with (``context.abort`` raises, as grpc's does)."""
+
+    async def abort(self, code, details: str):
+        raise Refused(code, details)
+
+
+async def test_a_step_with_a_bad_seeding_window_is_refused_before_etcd_is_read():
+    control, service = manager()
+    cast(FlakyEtcd, service.workers._etcd).down = True  # a read would wait it out first
+    request = submit_step(step(1))
+    request.seed_window_s = -1.0
+    try:
+        await asyncio.wait_for(anext(service.SubmitStep(request, RefusingContext())), 1.0)
+    except Refused as refused:
+        code, details = refused.args
+        assert code.name == "INVALID_ARGUMENT" and "seeding window" in details
+    else:
+        raise AssertionError("a negative seeding window was taken")
+    assert not control.steps.live()

@@ -155,6 +155,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                           ) -> ClientStream:
         version = submission.weight_version
         try:
+            submission.check()
             step = self.control.add_step(
                 submission.step_id, submission.new_requests(), version,
                 announced_version=await self.workers.announced_for(version),

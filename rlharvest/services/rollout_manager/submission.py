@@ -10,6 +10,7 @@ from functools import cached_property
 
 from rlharvest.common.engine_types import sampling_from_proto
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
+from rlharvest.services.rollout_manager.step import check_seed_window
 from rlharvest.services.rollout_manager.tracker import NewRequest
 
 
@@ -36,6 +37,10 @@ class Submission:
     def of_generate(cls, request: mpb.GenerateRequest) -> Submission:
         return cls(request.request.request_id, [request.request], request.weight_version, False,
                    deadline_s=request.no_worker_deadline_s)
+
+    def check(self) -> None:
+        """What needs no state, refused before any etcd read (InvalidArgument)."""
+        check_seed_window(self.seed_window_s)
 
     def new_requests(self) -> list[NewRequest]:
         """The requests as the core admits them."""
