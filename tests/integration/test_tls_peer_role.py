@@ -196,7 +196,7 @@ async def test_a_relay_takes_no_version_from_a_holder_without_an_agent_certifica
 
 
 async def test_a_channel_dialing_a_role_takes_only_a_certificate_of_that_role(tmp_path: Path):
-    from rlharvest.services.rollout_manager.worker_link import WorkerLink, session_role
+    from rlharvest.services.rollout_worker.client import WorkerLink, session_role
 
     ca = tls.LocalCA(tmp_path / "pki")
     try:

@@ -20,7 +20,7 @@ from rlharvest.services.placement_scheduler.config import PlacementConfig
 from rlharvest.services.placement_scheduler.service import PlacementService, new_control
 from rlharvest.services.placement_scheduler.store import PlacementStore
 from rlharvest.services.rollout_manager.lender import Lender
-from rlharvest.services.rollout_manager.service import ManagerService
+from rlharvest.services.rollout_manager.workers import Workers
 from rlharvest.services.rollout_worker.placement_follower import NodeFollower
 from rlharvest.services.transfer_agent.announce import Announcer
 from rlharvest.services.transfer_agent.config import AgentConfig
@@ -198,7 +198,7 @@ async def test_the_managers_announced_version_waits_out_an_etcd_restart() -> Non
     etcd = FlakyEtcd(failures=3)
     etcd._put(keys.weights_announced_key("j").encode(), json.dumps({"version": 4}).encode())
     shell = SimpleNamespace(_etcd=etcd, _announced_key=keys.weights_announced_key("j"))
-    assert await ManagerService._announced(shell) == 4  # type: ignore[arg-type]
+    assert await Workers.announced(shell) == 4  # type: ignore[arg-type]
 
 
 async def test_a_placed_worker_names_its_job_once_etcd_is_back() -> None:

@@ -59,3 +59,18 @@ def test_no_service_imports_the_local_tooling_or_a_benchmark():
                  for name in _imports(path)
                  if name.startswith(("rlharvest.cli", "bench"))]
     assert not offenders, offenders
+
+
+# The manager's optional features and its step policies; they plug in behind ManagerObserver
+# (observer.py) and StepPolicy (step_policy.py), and main.py declares which run.
+MANAGER_FEATURES = ("stream_scaler", "stream_scaling", "stream_accounting", "tp_planner",
+                    "tp_publisher", "tp_accounting", "lender", "lending", "seed_window",
+                    "reattach", "tail_batching")
+
+
+def test_the_managers_shell_names_no_optional_feature():
+    shell = ROOT / "rlharvest" / "services" / "rollout_manager"
+    named = [f"{name} in {path}" for path in ("service.py", "workers.py", "status.py")
+             for name in _imports(shell / path)
+             if name.rsplit(".", 1)[-1] in MANAGER_FEATURES]
+    assert not named, named

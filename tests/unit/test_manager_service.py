@@ -1,7 +1,7 @@
 """The manager's service shell in-process: SubmitStep driven as gRPC drives it (its generator,
 closed when the client goes away), the worker side as a worker link's read loop drives it
-(``_on_worker_event``) and the tick loop's commands as it executes them. What a client leaving
-releases, and what a step or a lost worker leaves behind."""
+(``_on_worker_event``) and the tick loop's commands as it carries them out (``execute``). What
+a client leaving releases, and what a step or a lost worker leaves behind."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rlharvest.common.pb import rollout_manager_pb2 as mpb, rollout_worker_pb2 a
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.control_loop import ControlConfig, RolloutControl
 from rlharvest.services.rollout_manager.failure import FailureConfig
+from rlharvest.services.rollout_manager.reattach import Reattach
 from rlharvest.services.rollout_manager.service import ManagerService
 from tests.builders import Clock, FlakyEtcd, step, submit_step
 
@@ -27,11 +28,12 @@ class PlainContext:
 
 def manager(client_queue: int = 8, reattach_grace_s: float = 0.0, clock: Clock | None = None
             ) -> tuple[RolloutControl, ManagerService]:
-    control = RolloutControl(ControlConfig(), clock or Clock())
+    control = RolloutControl(ControlConfig(job="j"), clock or Clock())
     control.worker_joined("w", 0, capacity=8, kind="k")
+    observers = [Reattach(reattach_grace_s)] if reattach_grace_s > 0 else []
     return control, ManagerService(control, FlakyEtcd(), job="j", max_message_bytes=1 << 20,
                                    client_queue=client_queue, tick_interval_s=1.0,
-                                   reattach_grace_s=reattach_grace_s)
+                                   observers=observers)
 
 
 def outputs(control: RolloutControl, request_id: str, position: int, tokens: list[int],
@@ -92,17 +94,17 @@ async def test_a_forgotten_worker_leaves_the_status_and_its_metric_series():
     clock = Clock()
     control, service = manager(clock=clock)
     control.worker_joined("spot-1234", 0, capacity=8, kind="spot")
-    service._endpoints["spot-1234"] = {"endpoint": "10.0.0.7:5000"}
+    service.workers.endpoints["spot-1234"] = {"endpoint": "10.0.0.7:5000"}
     service.refresh_gauges()  # a scrape
     assert {"w", "spot-1234"} <= series(metrics.ASSIGNED) & series(metrics.PENDING)
-    service._lose("spot-1234", "etcd lease expired or worker deregistered")
+    service.workers.lose("spot-1234", "etcd lease expired or worker deregistered")
     clock.advance(FailureConfig().forget_lost_after_s)
-    service._execute(control.tick())  # one round of the service's tick loop
+    service.execute(control.tick())  # one round of the service's tick loop
     service.refresh_gauges()
     status = await service.GetStatus(mpb.GetStatusRequest(), PlainContext())
     assert [w.worker_id for w in status.workers] == ["w"]
     assert "spot-1234" not in series(metrics.ASSIGNED) | series(metrics.PENDING)
-    assert "spot-1234" not in service._endpoints
+    assert "spot-1234" not in service.workers.endpoints
 
 
 def open_step(service: ManagerService, request: mpb.SubmitStepRequest
@@ -179,8 +181,8 @@ async def _worker_lost_while_waiting(end: str = ""):
         "w", outputs(control, "r0", 2, [7], end)))
     await asyncio.sleep(0.05)
     assert not blocked.done()
-    service._lose("w", "no token for 30.0s while it had requests")
-    blocked.cancel()  # what closing its link does to its read loop (worker_link.py)
+    service.workers.lose("w", "no token for 30.0s while it had requests")
+    blocked.cancel()  # what closing its link does to its read loop (rollout_worker/client.py)
     return control, service, client, events
 
 
@@ -211,3 +213,29 @@ async def test_a_completion_whose_worker_is_lost_while_waiting_for_a_slow_client
             raise AssertionError(f"no completion after rows {rows_of(events)}") from None
     assert gapless(rows_of(events)) == {0: [5, 6, 7]}
     await client.aclose()
+
+
+class Refused(Exception):
+    pass
+
+
+class RefusingContext(PlainContext):
+    """Records the status an RPC ends with (``context.abort`` raises, as grpc's does)."""
+
+    async def abort(self, code, details: str):
+        raise Refused(code, details)
+
+
+async def test_a_step_with_a_bad_seeding_window_is_refused_before_etcd_is_read():
+    control, service = manager()
+    cast(FlakyEtcd, service.workers._etcd).down = True  # a read would wait it out first
+    request = submit_step(step(1))
+    request.seed_window_s = -1.0
+    try:
+        await asyncio.wait_for(anext(service.SubmitStep(request, RefusingContext())), 1.0)
+    except Refused as refused:
+        code, details = refused.args
+        assert code.name == "INVALID_ARGUMENT" and "seeding window" in details
+    else:
+        raise AssertionError("a negative seeding window was taken")
+    assert not control.steps.live()

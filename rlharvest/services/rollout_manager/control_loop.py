@@ -4,18 +4,25 @@ The async service (and the policy simulator, which drives this very class) feeds
 a step added or abandoned, a completion delivered, worker joins/losses/drains/version changes,
 loads and refusals, batched step outputs, engine-step stats — and calls ``tick`` whenever
 something may have changed (a completion, a timer). Every command it returns has already been
-applied to the tracker; the caller only carries it out. Refusals it raises (``StepError``,
+applied to the tracker; the caller only carries it out. The service hands over each worker event
+whole (``worker_event``) and gets one ``Outcome`` (outcome.py) back: commands, rows for the
+clients, completions already delivered, the step policies' verdicts and the steps that ended. Refusals it raises (``StepError``,
 ``UnknownVersion``) are ``common.errors`` kinds, so the service answers them with their status.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from rlharvest.common import delta_batch
 from rlharvest.common.delta_batch import Rows
+from rlharvest.common.pb import common_pb2
+from rlharvest.common.pb import rollout_worker_pb2 as wpb
 
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
@@ -41,14 +48,24 @@ from rlharvest.services.rollout_manager.commands import (
     Release,
 )
 from rlharvest.services.rollout_manager.failure import HOLD_AFTER, FailureConfig, FailurePolicy
-from rlharvest.services.rollout_manager.remote_timing import RemoteTiming
-from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.outcome import (
+    Delivery,
+    Outcome,
+    client_rows,
+    completion_of,
+    decode,
+)
+from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings, RemoteTiming
+from rlharvest.services.rollout_manager.step import Step, check_seed_window
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
+from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
+from rlharvest.services.rollout_manager.tp_accounting import PreemptionTally
 from rlharvest.services.rollout_manager.step_book import StepBook, admit_version
 from rlharvest.services.rollout_manager.turn_routing import TurnRouter
 from rlharvest.services.rollout_manager.tracker import (
     ApplyReport,
     DeltaLike,
+    DroppedDelta,
     NewRequest,
     RequestState,
     RequestTracker,
@@ -80,13 +97,26 @@ class ControlConfig:
     # request back every tick (thousands of refusals a run in bench/agentic_routing.py
     # --coexec 1).
     refusal_hold_s: float = 0.25
+    job: str = ""  # step outputs made with another job's weights are refused (worker_event)
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: StepLimits = field(default_factory=StepLimits)
 
 
+class AcceptanceRule(Protocol):
+    """A short round's rule (tail_batching.py): accept ``prompts`` groups of ``responses``."""
+
+    @property
+    def prompts(self) -> int: ...
+    @property
+    def responses(self) -> int: ...
+
+
 class RolloutControl:
     def __init__(self, config: ControlConfig, clock: Callable[[], float],
-                 select: SelectFn = select_instance, router: TurnRouter | None = None) -> None:
+                 select: SelectFn = select_instance, router: TurnRouter | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        """``clock``: monotonic seconds; ``wall_clock``: Unix seconds, only to read a
+        worker's drain deadline, which it states as a Unix time."""
         self.config = config
         # Trajectories' turns (ROSE §4.3). Not ``router or ...``: an empty router is falsy.
         self.router = router if router is not None else TurnRouter(clock=clock)
@@ -96,6 +126,8 @@ class RolloutControl:
         self.steps = StepBook(clock, config.profile_epsilon)
         self.remote = RemoteTiming(clock)  # Algorithm 1's remote-instance timings per step
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.preemptions = PreemptionTally()  # the workers' reported totals (tp_accounting.py)
         self._select = select
         self._outbox: list[Command] = []  # decided outside tick (protocol errors), sent by tick
         self._router_expired_at = clock()
@@ -109,19 +141,27 @@ class RolloutControl:
 
     def add_step(self, step_id: str, requests: Sequence[NewRequest], weight_version: int, *,
                  announced_version: int | None = None, policy: StepPolicy | None = None,
-                 profiled: bool = True) -> Step:
+                 profiled: bool = True, acceptance: AcceptanceRule | None = None,
+                 seed_window_s: float = 0.0) -> Step:
         """Admit a step whose every request runs on ``weight_version``, which a worker must hold
         or the job must have announced (``announced_version``: the newest announced, None for
-        none). Nothing is added when the step is refused (StepError, UnknownVersion). The step
-        runs under ``policy`` (plain by default); ``profiled=False`` for a request that is not
-        a step of the RL loop (a single Generate): its end never freezes P."""
+        none). Nothing is added when the step is refused (StepError, UnknownVersion, an
+        acceptance rule the step cannot meet, a bad window). The step runs under ``policy``, or
+        tail batching's under ``acceptance``, else plain; ``profiled=False`` for a request that
+        is not a step of the RL loop (a single Generate): its end never freezes P.
+        ``seed_window_s``: the step's seeding window (seed_window.py)."""
+        check_seed_window(seed_window_s)
+        if acceptance is not None:
+            policy = TailBatchingStep({r.request_id: r.group_id for r in requests},
+                                      acceptance.prompts, acceptance.responses)
         admit_version(weight_version, self._held_versions(), announced_version)
         for r in requests:
             if r.weight_version != weight_version:
                 raise StepError(f"request {r.request_id!r} has weight_version "
                                 f"{r.weight_version}; a step runs on one version, {weight_version}")
         ids = self.tracker.add_step(requests)
-        step = self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled)
+        step = self.steps.open(step_id, weight_version, ids, policy or PlainStep(), profiled,
+                               seed_window_s)
         self.tracker.label(ids, step.key)
         self.remote.step_opened(step.key)
         return step
@@ -141,6 +181,8 @@ class RolloutControl:
         if req.trajectory_id:  # the history's KV is where the turn finished
             self.router.finished(req.trajectory_id, req.finished_on if succeeded else None,
                                  req.last_turn)
+        if succeeded and (of := self.steps.step_of(request_id)) is not None:
+            of.finished_lengths.append(req.generated)
         self.tracker.forget(request_id)
         step = self.steps.delivered(request_id, succeeded)
         if step is not None:
@@ -204,6 +246,7 @@ class RolloutControl:
         under a new id, so they would pile up); a later join of its id starts afresh."""
         self.pool.forget(worker_id)
         self.tracker.forget_worker(worker_id)
+        self.preemptions.forget(worker_id)
         return Forget(worker_id)
 
     def worker_keeps(self, worker_id: str, request_ids: Sequence[str]) -> list[Command]:
@@ -341,6 +384,106 @@ class RolloutControl:
         if code in HOLD_AFTER:
             self.pool.note_refusal(worker_id)
         return self._apply([decided]) if decided is not None else []
+
+    # ---- one worker event, one outcome -------------------------------------------------------
+
+    def worker_event(self, worker_id: str, event: wpb.WorkerEvent) -> Outcome:
+        """One event of the worker's Session stream, whole: everything the shell must do about
+        it (outcome.py). Events of a worker the core does not know are ignored."""
+        if worker_id not in self.pool:
+            return Outcome()
+        which = event.WhichOneof("event")
+        if which == "step":
+            return self._step_event(worker_id, event.step)
+        if which == "load":
+            return self._load_event(worker_id, event.load)
+        if which == "error":
+            e = event.error
+            return self.settle(self.command_refused(worker_id, e.request_id, e.code, e.message,
+                                                    e.handle), wake=True)
+        if which == "kept":
+            return self.settle(self.worker_keeps(worker_id, list(event.kept.request_ids)),
+                               wake=True)
+        if which == "draining":
+            # The worker states its deadline in Unix time; the core keeps monotonic ones.
+            left = max(event.draining.deadline_unix - self._wall_clock(), 0)
+            return self.settle(self.worker_draining(worker_id, self._clock() + left), wake=True)
+        return Outcome()
+
+    def _step_event(self, worker_id: str, step: wpb.StepOutputs) -> Outcome:
+        # The hot path (bench/manager_relay.py): the batch's columns go to the tracker and on
+        # to the client as arrays; no Python object is built per row or per token.
+        if step.batch.job != self.config.job:
+            return self._other_job(worker_id, step.batch)
+        rows, malformed = decode(step.batch)
+        report = self.step_outputs(worker_id, rows)
+        out = self._load_event(worker_id, step.load)  # before this event's completions
+        self.engine_step(worker_id, step.stats)
+        out.malformed, out.accepted_tokens = malformed, report.accepted_tokens
+        out.dropped = report.dropped
+        if malformed:
+            out.dropped = [DroppedDelta("", worker_id, "malformed", len(step.batch.token_ids) // 4)]
+        out.rows = client_rows(report)
+        out.deliveries = [d for rid in report.finished  # after its last row
+                          if (d := self._delivery(rid, "finished")) is not None]
+        out.wake = bool(report.finished or report.aborted)
+        return out
+
+    def _other_job(self, worker_id: str, batch: common_pb2.DeltaBatch) -> Outcome:
+        """The worker holds another job's weights now: none of its tokens are this job's."""
+        reason = f"sent tokens of job {batch.job!r}'s weights"
+        out = self.settle(self.worker_lost(worker_id, reason), wake=True)
+        out.dropped = [DroppedDelta("", worker_id, "other_job", len(batch.token_ids) // 4)]
+        out.lost = reason
+        return out
+
+    def _load_event(self, worker_id: str, load: common_pb2.Load) -> Outcome:
+        self.worker_load(worker_id, load.pending, load.executing, load.kv_capacity_tokens,
+                         load.kv_used_tokens)
+        return Outcome(preemptions=self.preemptions.report(worker_id, max(load.preemptions, 0)))
+
+    def settle(self, commands: Sequence[Command], wake: bool = False) -> Outcome:
+        """Commands decided anywhere (a tick, a loss, an observer), with what carrying them out
+        takes: the payload of each send, and the failed requests' completions, delivered."""
+        out = Outcome(commands=list(commands), wake=wake)
+        for c in commands:  # before the deliveries: a delivered request is forgotten
+            if isinstance(c, (Dispatch, Migrate)) and c.request_id in self.tracker:
+                out.payloads[c.request_id] = self.tracker.resume_payload(c.request_id)
+        for c in commands:
+            if isinstance(c, Fail) and (d := self._delivery(
+                    c.request_id, "cancelled" if c.cancelled else "failed")) is not None:
+                out.deliveries.append(d)
+        return out
+
+    def _delivery(self, request_id: str, outcome: str) -> Delivery | None:
+        """The request's completion, delivered (``deliver``); None when its step is gone."""
+        step = self.steps.step_of(request_id)
+        if step is None or request_id not in self.tracker:
+            return None
+        req = self.tracker.get(request_id)
+        completion = completion_of(req, cancelled=outcome == "cancelled")
+        discarded = req.generated if outcome == "cancelled" else 0
+        ended = self.deliver(request_id, succeeded=outcome == "finished") is not None
+        return Delivery(step, completion, outcome, tuple(step.policy.verdicts(step)), ended,
+                        discarded)
+
+    def replay(self, step: Step) -> Rows | None:
+        """The tokens so far of the step's undelivered requests, named by their index in the
+        step: a re-attached client's first rows (None: there are none)."""
+        rows = delta_batch.RowsBuilder(step.weight_version)
+        for index, rid in enumerate(step.request_ids):
+            if rid in step.outstanding and (req := self.tracker.get(rid)).generated:
+                rows.add(index, 0, req.token_ids, req.logprobs)
+        return rows.build() if len(rows) else None
+
+    def open_scope(self, key: Hashable, window_s: float) -> None:
+        """An agentic step's scope (HoldSeedWindow) with its seeding window: its remote
+        timings run from now (remote_timing.py)."""
+        check_seed_window(window_s)
+        self.remote.scope_opened(key)
+
+    def close_scope(self, key: Hashable) -> RemoteStepTimings | None:
+        return self.remote.scope_closed(key)
 
     # ---- the loop -----------------------------------------------------------------------------
 

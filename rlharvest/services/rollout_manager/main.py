@@ -22,9 +22,16 @@ from rlharvest.services.rollout_manager.control_loop import ControlConfig, Rollo
 from rlharvest.services.rollout_manager.failure import FailureConfig
 from rlharvest.services.rollout_manager import metrics
 from rlharvest.services.rollout_manager.lender import Lender
+from rlharvest.services.rollout_manager.observer import ManagerObserver
+from rlharvest.services.rollout_manager.reattach import Reattach
+from rlharvest.services.rollout_manager.seed_window import SeedWindowObserver
 from rlharvest.services.rollout_manager.service import ManagerService
-from rlharvest.services.rollout_manager.stream_scaler import ScalePublisher, StreamScaler
-from rlharvest.services.rollout_manager.tp_publisher import TpPublisher
+from rlharvest.services.rollout_manager.stream_scaler import (
+    ScalePublisher,
+    ScalingObserver,
+    StreamScaler,
+)
+from rlharvest.services.rollout_manager.tp_publisher import TpPlanning, TpPublisher
 from rlharvest.services.rollout_manager.tracker import StepLimits
 
 log = logging.getLogger("rlharvest.rollout_manager")
@@ -39,7 +46,7 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
     return RolloutControl(ControlConfig(
         theta=_NEVER_HOLD if baseline else cfg.theta, continuous_lb=not baseline,
         recompute_on_loss=cfg.recompute_on_loss, max_moves_per_tick=cfg.max_moves_per_round,
-        refusal_hold_s=cfg.refusal_hold_s,
+        refusal_hold_s=cfg.refusal_hold_s, job=cfg.job,
         failure=FailureConfig(stall_timeout_s=cfg.stall_timeout_s,
                               no_worker_timeout_s=cfg.no_worker_timeout_s,
                               forget_lost_after_s=cfg.forget_lost_after_s),
@@ -58,20 +65,28 @@ async def build(host: Host[ManagerConfig]) -> Parts:
                                 manager_id=cfg.manager_id)
         await publisher.load()  # before the first step: a restarted manager resumes
     control = build_control(cfg)
-    scaler = scale_publisher = None
+    # The shell calls them in this order at a step's end: the plan and the lent workers back
+    # before the seed workers, the journal last (it keeps what the client got).
+    observers: list[ManagerObserver] = []
+    if publisher is not None:
+        observers.append(TpPlanning(publisher))
+    scale_publisher = None
     if cfg.stream_scaling:  # a trainer with --borrow-lent-threads takes the lent capacity
         scale_publisher = ScalePublisher(host.etcd, job=cfg.job)
-        scaler = StreamScaler(control, scale_publisher, job=cfg.job, manager_id=cfg.manager_id,
-                              quantile=cfg.stream_scaling_quantile,
-                              headroom=cfg.stream_scaling_headroom)
+        observers.append(ScalingObserver(StreamScaler(
+            control, scale_publisher, job=cfg.job, manager_id=cfg.manager_id,
+            quantile=cfg.stream_scaling_quantile, headroom=cfg.stream_scaling_headroom)))
+    observers.append(SeedWindowObserver())  # RLBoost's seeding window: always on
+    if cfg.reattach_grace_s > 0:  # steps whose client left run on this long
+        observers.append(Reattach(cfg.reattach_grace_s))
     service = ManagerService(control, host.etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
-                             tick_interval_s=cfg.rebalance_interval_s, tp_publisher=publisher,
-                             stream_scaler=scaler, reattach_grace_s=cfg.reattach_grace_s)
-    loops = [Loop("watch workers", service.watch_workers),
-             Loop("watch co-executors", service.watch_coexecutors),
-             Loop("watch instance cap", service.watch_instance_cap),
-             Loop("watch start weights", service.watch_start_weights),
+                             tick_interval_s=cfg.rebalance_interval_s, observers=observers)
+    workers = service.workers
+    loops = [Loop("watch workers", workers.watch_workers),
+             Loop("watch co-executors", workers.watch_coexecutors),
+             Loop("watch instance cap", workers.watch_instance_cap),
+             Loop("watch start weights", workers.watch_start_weights),
              Loop("ticks", service.run_ticks)]
     if cfg.max_serving_workers:
         lender = Lender(host.etcd, lambda: host.membership.lease if host.membership else None,
@@ -108,7 +123,7 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
         metrics.LEADER.set(1)
         for loop in loops:
             host.start_loop(loop)
-        missing = await service.greet_workers(cfg.greeting_timeout_s)
+        missing = await service.workers.greet(cfg.greeting_timeout_s)
         if missing:
             log.warning("leading without a greeting from %d workers (%s) after %.1fs: requests "
                         "they kept may be generated again", len(missing), ", ".join(missing),

@@ -5,29 +5,35 @@ completions delivered so far and the tokens of the rest — instead of generatin
 A ``Journal`` keeps what a step delivered. While its client streams, it only records; when the
 client goes away it is *detached* until the grace runs out. A submission with the same step id
 and the same requests (``fingerprint``) claims it back. A step that ended stays claimable for the
-grace too (a trainer that died while training on it). Pure: an injected clock, no I/O; the
-service (service.py) moves the messages. Not journaled: steps with an acceptance rule (tail
+grace too (a trainer that died while training on it). ``Journals`` is pure (an injected clock,
+no I/O); ``Reattach`` plugs it into the shell as a ``ManagerObserver`` (observer.py), with the
+event loop's timer for the grace. Not journaled: steps with an acceptance rule (tail
 batching's short rounds: their verdicts would need replaying), and a step with a failed
 completion is never re-attached (its client retries it whole, and would fail again).
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
+from rlharvest.services.rollout_manager import metrics
+from rlharvest.services.rollout_manager.client_stream import ClientStream
+from rlharvest.services.rollout_manager.observer import ManagerObserver, Shell, Submission
+from rlharvest.services.rollout_manager.outcome import Delivery
+from rlharvest.services.rollout_manager.step import Step, StepOutcome
+
+log = logging.getLogger(__name__)
 
 
 def fingerprint(weight_version: int, requests: Sequence[mpb.RolloutRequest]) -> bytes:
-    """What a re-submission must repeat to claim a journal: the version and every request
-    (ids, prompts, sampling, resume tokens), in order."""
-    sha = hashlib.sha256(str(weight_version).encode())
-    for r in requests:
-        sha.update(r.SerializeToString(deterministic=True))
-    return sha.digest()
+    """What a re-submission must repeat to claim a journal (``Submission.fingerprint``)."""
+    return Submission("", requests, weight_version, True).fingerprint
 
 
 @dataclass
@@ -122,3 +128,88 @@ class Journals:
         for journal in gone:
             del self._by_key[journal.step_key]
         return gone
+
+
+class Reattach(ManagerObserver):
+    """Journals the steps of the RL loop without an acceptance rule; a step whose client went
+    away runs on for ``grace_s`` and a re-submission of it gets it back."""
+
+    def __init__(self, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.journals = Journals(grace_s, clock)
+        self._shell: Shell | None = None
+
+    def bind(self, shell: Shell) -> None:
+        self._shell = shell
+
+    @property
+    def shell(self) -> Shell:
+        assert self._shell is not None, "bind() comes first"
+        return self._shell
+
+    @staticmethod
+    def _journaled(submission: Submission) -> bool:
+        return submission.profiled and submission.acceptance is None
+
+    def claim(self, submission: Submission) -> ClientStream | None:
+        """A new stream for the same step that first replays every completion delivered so
+        far and the tokens of the other requests; a detached step of that id with other
+        requests is abandoned."""
+        if not self._journaled(submission):
+            return None
+        journal, stale = self.journals.claim(submission.step_id, submission.fingerprint)
+        for old in stale:
+            if not old.ended:
+                self.shell.abandon(old.stream)
+        return None if journal is None else self._replay(journal)
+
+    def _replay(self, journal: Journal) -> ClientStream:
+        step: Step = journal.stream.step
+        running = len(step.outstanding)
+        stream = self.shell.open_stream(step)
+        for completion in journal.completions:
+            stream.put_completion(completion)
+        if (rows := self.shell.control.replay(step)) is not None:
+            stream.replay(rows)
+        if journal.ended:
+            stream.end(journal.remote)
+        journal.stream = stream
+        metrics.STEP_REATTACHES.inc()
+        log.info("step %s re-attached: %d completions and the tokens of %d requests replayed",
+                 journal.step_id, len(journal.completions), running)
+        return stream
+
+    def step_started(self, step: Step, stream: ClientStream, submission: Submission) -> None:
+        if self._journaled(submission):
+            self.journals.open(step.step_id, step.key, submission.fingerprint, stream)
+
+    def delivered(self, delivery: Delivery) -> None:
+        self.journals.record(delivery.step.key, delivery.completion)
+
+    def step_ended(self, step: Step, remote: mpb.RemoteTimings | None) -> None:
+        if step.outcome is StepOutcome.FINISHED:
+            self.journals.ended(step.key, remote)
+
+    def client_left(self, stream: ClientStream) -> bool:
+        """A journaled step runs on, detached, for the grace (its end's cleanup already ran
+        if it ended); not journaled, or a stream a re-attach replaced: the shell abandons it."""
+        journal = self.journals.get(stream.step.key)
+        if journal is None or journal.stream is not stream:
+            return False
+        if self.journals.detach(stream.step.key) is None:
+            return False  # a completion failed: retried whole, never re-attached
+        if not journal.ended:
+            stream.detach()
+            log.info("step %s: its client went away; kept running for %.0fs for it to "
+                     "re-attach", journal.step_id, self.journals.grace_s)
+        asyncio.get_running_loop().call_later(self.journals.grace_s + 0.01, self._expire)
+        return True
+
+    def _expire(self) -> None:
+        for journal in self.journals.expired():
+            if not journal.ended:
+                log.info("step %s: not re-attached within %.0fs; abandoned", journal.step_id,
+                         self.journals.grace_s)
+                self.shell.abandon(journal.stream)
+
+    def refresh_gauges(self) -> None:
+        metrics.STEPS_DETACHED.set(self.journals.detached())

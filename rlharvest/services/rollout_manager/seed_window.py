@@ -22,22 +22,25 @@ holds the seeds (a trainer restarted while its detached step still runs) gets no
 step's close or end never acts on another's window. A seed worker that joins (or comes back
 under its id) while a closed window's step runs is lent at once: that step is past its window.
 
-The timer is the event loop's; the decisions are the control loop's: this class only keeps
-which seed workers each step holds and when to hand them over.
+The timer is the event loop's; the decisions are the control loop's: ``SeedWindows`` only keeps
+which seed workers each step holds and when to hand them over, and ``SeedWindowObserver`` plugs
+it into the shell (observer.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from rlharvest.common import errors
+from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.rollout_manager import metrics
+from rlharvest.services.rollout_manager.client_stream import ClientStream
 from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
+from rlharvest.services.rollout_manager.observer import ManagerObserver, Shell, Submission
+from rlharvest.services.rollout_manager.step import Step
 from rlharvest.services.rollout_manager.worker_pool import WorkerState
 
 log = logging.getLogger(__name__)
@@ -60,13 +63,6 @@ class SeedWindows:
         self._execute = execute
         self._wake = wake
         self._steps: dict[object, _Window] = {}
-
-    @staticmethod
-    def check(window_s: float) -> None:
-        """A window a client asked for (SubmitStep's ``seed_window_s``, HoldSeedWindow's)."""
-        if not math.isfinite(window_s) or window_s < 0:
-            raise errors.InvalidArgument(f"a seeding window must be a finite number of seconds "
-                                         f">= 0, got {window_s}")
 
     def step_started(self, key: object, window_s: float, version: int | None = None) -> list[str]:
         """A step of the RL loop began (on weight ``version``); its seed workers roll out for
@@ -156,3 +152,41 @@ class SeedWindows:
             window.timer.cancel()
         if self._control.return_from_training(window.seeds):
             self._wake()
+
+
+class SeedWindowObserver(ManagerObserver):
+    """The seeding window of every step of the RL loop and of every agentic step's scope."""
+
+    def __init__(self) -> None:
+        self._windows: SeedWindows | None = None
+
+    def bind(self, shell: Shell) -> None:
+        self._windows = SeedWindows(shell.control, shell.execute, shell.wake)
+
+    @property
+    def windows(self) -> SeedWindows:
+        assert self._windows is not None, "bind() comes first"
+        return self._windows
+
+    def step_started(self, step: Step, stream: ClientStream, submission: Submission) -> None:
+        if step.profiled:
+            self.windows.step_started(step.key, step.seed_window_s, step.weight_version)
+
+    def step_ended(self, step: Step, remote: mpb.RemoteTimings | None) -> None:
+        self.windows.step_ended(step.key)
+
+    def worker_joined(self, worker_id: str, kind: str) -> None:
+        if kind == SEED_KIND:
+            self.windows.seed_joined(worker_id)
+
+    def worker_lost(self, worker_id: str) -> None:
+        self.windows.recheck()
+
+    def after_tick(self) -> None:
+        self.windows.recheck()  # a remote worker the tick found gone or drained
+
+    def scope_opened(self, key: Hashable, window_s: float) -> list[str]:
+        return self.windows.step_started(key, window_s)
+
+    def scope_closed(self, key: Hashable) -> None:
+        self.windows.step_ended(key)

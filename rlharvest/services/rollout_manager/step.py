@@ -8,9 +8,11 @@ last completion is delivered, abandoned when the client goes away first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence, Set
 from enum import Enum
 
+from rlharvest.common.errors import InvalidArgument
 from rlharvest.services.rollout_manager.batching_profile import ProfileSamples
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
 from rlharvest.services.rollout_manager.step_policy import StepPolicy
@@ -21,12 +23,20 @@ class StepOutcome(str, Enum):
     ABANDONED = "abandoned"  # the client went away before
 
 
+def check_seed_window(window_s: float) -> None:
+    """A seeding window a client asked for (SubmitStep's ``seed_window_s``, HoldSeedWindow's)."""
+    if not math.isfinite(window_s) or window_s < 0:
+        raise InvalidArgument(f"a seeding window must be a finite number of seconds >= 0, got "
+                              f"{window_s}")
+
+
 class Step:
     """One step as the core holds it. ``profiled``: its engine-step samples become the batching
     profile P when it finishes (step_book.py); a single-request Generate is not profiled."""
 
     def __init__(self, key: int, step_id: str, weight_version: int, request_ids: Sequence[str],
-                 policy: StepPolicy, profiled: bool, started_at: float) -> None:
+                 policy: StepPolicy, profiled: bool, started_at: float,
+                 seed_window_s: float = 0.0) -> None:
         if not request_ids:
             raise ValueError(f"step {step_id!r} has no requests; a step holds at least one")
         self.key = key  # unique per manager; clients may reuse step ids
@@ -36,12 +46,16 @@ class Step:
         self.policy = policy
         self.profiled = profiled
         self.started_at = started_at
+        self.seed_window_s = seed_window_s  # RLBoost's T_seed (seed_window.py); 0: none
         # Worker kind -> engine-step samples taken while this step was in flight.
         self.samples: dict[str, ProfileSamples] = {}
         self.outcome: StepOutcome | None = None
         self.remote: RemoteStepTimings | None = None  # set when it finishes (remote_timing.py)
         self._outstanding = set(self.request_ids)
         self._succeeded: dict[str, int] = {}  # finished (not failed), in delivery order
+        # Generated lengths of the finished ones, in delivery order: the TP planner's and the
+        # stream scaler's history.
+        self.finished_lengths: list[int] = []
         self._deliveries = 0
 
     @property

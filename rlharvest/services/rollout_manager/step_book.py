@@ -55,10 +55,10 @@ class StepBook:
         self._next_key = 0
 
     def open(self, step_id: str, weight_version: int, request_ids: Sequence[str],
-             policy: StepPolicy, profiled: bool) -> Step:
+             policy: StepPolicy, profiled: bool, seed_window_s: float = 0.0) -> Step:
         """Start a step over requests the tracker has just admitted."""
         step = Step(self._next_key, step_id, weight_version, request_ids, policy, profiled,
-                    self._clock())
+                    self._clock(), seed_window_s)
         self._next_key += 1
         self._live[step.key] = step
         for request_id in step.request_ids:

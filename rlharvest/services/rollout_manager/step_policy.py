@@ -6,7 +6,8 @@ and defer the long tail) and RLBoost's seeding window (Algorithm 1: roll out on 
 cluster for T_seed, then hand the rest to remote workers).
 
 What a policy may rely on: the core asks it, at every tick, which of a step's outstanding
-requests the step no longer needs (``cut``). Those fail with a reason that names the policy, are
+requests the step no longer needs (``cut``), and after every delivered completion which verdicts
+on the step's groups its client gets now (``verdicts``). Those fail with a reason that names the policy, are
 aborted where they run, and reach the client as failed completions like any other; the step ends
 when its last completion is delivered. A policy reads the step through ``StepProgress`` and never
 changes it itself.
@@ -14,8 +15,17 @@ changes it itself.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Set
+from collections.abc import Collection, Mapping, Sequence, Set
+from dataclasses import dataclass
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A policy's word on one group of a step, sent to the client with the step's events."""
+
+    group_id: str
+    accepted: bool  # False: deferred
 
 
 class StepProgress(Protocol):
@@ -41,9 +51,19 @@ class StepPolicy(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def round_kind(self) -> str:
+        """RollPacker's round kind of its steps, as the TP planner counts them: "short" under
+        an acceptance rule, "long" for every other step (a long round cannot be told apart)."""
+        ...
+
     def cut(self, step: StepProgress, now: float) -> Collection[str]:
         """Outstanding requests of ``step`` it no longer needs, decided at ``now`` (the core's
         clock). Only ids of ``step.outstanding``; empty to let every request run on."""
+        ...
+
+    def verdicts(self, step: StepProgress) -> Sequence[Verdict]:
+        """Verdicts not handed out yet, asked after each delivered completion of ``step``."""
         ...
 
 
@@ -51,6 +71,10 @@ class PlainStep:
     """Every request runs until it finishes or fails: RLBoost's step as §4.2 describes it."""
 
     name = "plain"
+    round_kind = "long"
 
     def cut(self, step: StepProgress, now: float) -> Collection[str]:
+        return ()
+
+    def verdicts(self, step: StepProgress) -> Sequence[Verdict]:
         return ()

@@ -40,10 +40,14 @@ from dataclasses import dataclass, field
 
 from rlharvest.common import keys
 from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
+from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.rollout_manager import metrics
+from rlharvest.services.rollout_manager.client_stream import ClientStream
 from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
-from rlharvest.services.rollout_manager.step import Step
+from rlharvest.services.rollout_manager.observer import ManagerObserver, Shell, Submission
+from rlharvest.services.rollout_manager.outcome import Delivery
+from rlharvest.services.rollout_manager.step import Step, StepOutcome
 from rlharvest.services.rollout_manager.stream_accounting import (
     KvView,
     RecordState,
@@ -119,8 +123,8 @@ class _StepScaling:
 
 
 class StreamScaler:
-    """Per-step stream-trainer scaling on a ``RolloutControl``. Synchronous: the service calls
-    it from its event handlers and its tick and carries out the commands it returns."""
+    """Per-step stream-trainer scaling on a ``RolloutControl``. Synchronous: ``ScalingObserver``
+    calls it from the shell's events and its tick; the shell carries out the commands."""
 
     def __init__(self, control: RolloutControl, publisher: ScalePublisher | None = None, *,
                  job: str = "default", manager_id: str = "manager-0",
@@ -250,3 +254,47 @@ class StreamScaler:
             state=state, completed=s.completed, total=len(s.request_ids),
             quantile=self.quantile, headroom=self.headroom, decided_unix=s.decided_unix,
             returned_unix=returned_unix, updated_unix=self._clock()))
+
+
+class ScalingObserver(ManagerObserver):
+    """``StreamScaler`` on the shell's steps (observer.py). Advisory: a failure in it is logged
+    and never stops a step's stream or the tick loop."""
+
+    def __init__(self, scaler: StreamScaler) -> None:
+        self.scaler = scaler
+        self._shell: Shell | None = None
+
+    def bind(self, shell: Shell) -> None:
+        self._shell = shell
+
+    def _wake(self) -> None:
+        assert self._shell is not None, "bind() comes first"
+        self._shell.wake()
+
+    def step_started(self, step: Step, stream: ClientStream, submission: Submission) -> None:
+        if step.profiled:
+            self.scaler.step_started(step)
+
+    def delivered(self, delivery: Delivery) -> None:
+        if not delivery.ended and self.scaler.progressed(delivery.step):
+            self._wake()  # a milestone: the next tick observes it (before_tick)
+
+    def before_tick(self) -> list[Command]:
+        """Observe the steps that reached a milestone; lend workers to training on a decision
+        (before the core's tick: it dispatches what lending released)."""
+        try:
+            return self.scaler.run_due()
+        except Exception:  # it must never stop the tick loop
+            log.exception("stream scaling: observation failed")
+            return []
+
+    def step_ended(self, step: Step, remote: mpb.RemoteTimings | None) -> None:
+        """A finished step's response lengths are the next step's history; an abandoned one
+        leaves it. Workers it lent are healthy again (before the step's end reaches its
+        client: they are back by then)."""
+        finished = step.outcome is StepOutcome.FINISHED and step.profiled
+        try:
+            if self.scaler.step_ended(step, step.finished_lengths if finished else None):
+                self._wake()  # the returned workers take waiting work at the next tick
+        except Exception:
+            log.exception("stream scaling: step %s not closed", step.step_id)

@@ -17,24 +17,20 @@ not accepted by then deferred. Pure: the step's progress in, request ids to canc
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from rlharvest.common.errors import InvalidArgument
-from rlharvest.services.rollout_manager.step_policy import StepProgress
+from rlharvest.services.rollout_manager.step_policy import StepProgress, Verdict
+
+__all__ = ["AcceptanceError", "TailBatchingStep", "Verdict"]
 
 
 class AcceptanceError(InvalidArgument):
     """The rule cannot be met by the step as submitted."""
 
 
-@dataclass(frozen=True)
-class Verdict:
-    group_id: str
-    accepted: bool  # False: deferred
-
-
 class TailBatchingStep:
     name = "tail_batching"
+    round_kind = "short"
 
     def __init__(self, groups: Mapping[str, str], prompts: int, responses: int) -> None:
         """``groups``: request id -> group id, in the step's order; accept ``prompts`` (P0)

@@ -4,8 +4,9 @@ Opt-in (``--tp-planner``) and advisory: the torch engine cannot change its TP si
 only published, in etcd under ``keys.tp_plan_key(job)`` (format: ``tp_accounting.plan_record``),
 for an operator, an autoscaler or a vLLM deployment to apply, and as ``rlh_manager_tp_plan``.
 
-``step_ended`` runs in the step's stream (the service calls it when the step's last completion is
-delivered): it feeds the planner, which is synchronous and cheap, and hands the record to ``run``,
+``step_ended`` runs in the step's stream (``TpPlanning``, the shell's observer, calls it when the
+step's last completion is delivered, with the preemptions the workers reported while it ran,
+``tp_accounting.PreemptionTally``, and its finished response lengths): it feeds the planner, which is synchronous and cheap, and hands the record to ``run``,
 a background loop that writes it. The stream never waits for etcd. A failed write (etcd down) is
 logged and the record stays pending: the next step's record replaces it and is written then.
 
@@ -24,8 +25,13 @@ from collections.abc import Callable, Iterable
 
 from rlharvest.common import keys
 from rlharvest.common.etcd_outage import etcd_answered, etcd_failed
+from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.services.rollout_manager import metrics
+from rlharvest.services.rollout_manager.client_stream import ClientStream
+from rlharvest.services.rollout_manager.observer import ManagerObserver, Shell, Submission
+from rlharvest.services.rollout_manager.step import Step, StepOutcome
 from rlharvest.services.rollout_manager.tp_accounting import (
+    PreemptionTally,
     StepReport,
     parse_plan_record,
     plan_record,
@@ -117,3 +123,37 @@ class TpPublisher:
     def _gauges(self) -> None:
         for kind in ROUND_KINDS:
             metrics.TP_PLAN.labels(kind).set(self.planner.plan(kind))
+
+
+class TpPlanning(ManagerObserver):
+    """Each step of the RL loop, observed by the planner when it finishes: the preemptions
+    seen while it ran and its finished response lengths; its policy says its round kind."""
+
+    def __init__(self, publisher: TpPublisher) -> None:
+        self.publisher = publisher
+        self._tally: PreemptionTally | None = None
+
+    def bind(self, shell: Shell) -> None:
+        self._tally = shell.control.preemptions
+
+    @property
+    def tally(self) -> PreemptionTally:
+        assert self._tally is not None, "bind() comes first"
+        return self._tally
+
+    def step_started(self, step: Step, stream: ClientStream, submission: Submission) -> None:
+        if step.profiled:  # a step of the RL loop, not a single Generate
+            self.tally.open(step.key)
+
+    def step_ended(self, step: Step, remote: mpb.RemoteTimings | None) -> None:
+        if step.outcome is not StepOutcome.FINISHED:
+            self.tally.drop(step.key)
+            return
+        preemptions = self.tally.close(step.key)
+        if preemptions is None:
+            return
+        try:
+            self.publisher.step_ended(step.step_id, step.policy.round_kind, preemptions,
+                                      step.finished_lengths)
+        except Exception:  # advisory: the planner must never break a step's stream
+            log.exception("TP planner: step %s not observed", step.step_id)

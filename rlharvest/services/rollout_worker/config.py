@@ -155,8 +155,8 @@ class WorkerConfig(EngineDeviceConfig):
 
     @model_validator(mode="after")
     def _seed_kind_without_tls(self) -> WorkerConfig:
-        # Under TLS a manager dials a seed worker as the trainer (worker_link.session_role):
-        # the seed engine is the trainer's own (its --seed-role), under its certificate. A
+        # Under TLS a manager dials a seed worker as the trainer (client.session_role): the
+        # seed engine is the trainer's own (its --seed-role), under its certificate. A
         # standalone worker of kind seed holds a worker's certificate and would be refused at
         # every session, so it is refused here, saying why.
         if self.kind == "seed" and self.tls_cert:

@@ -1,4 +1,5 @@
-"""One Session stream from the manager to one rollout worker: commands down, events up.
+"""The rollout worker's client: the manager's Session stream to one worker, commands down,
+events up.
 
 Writes go through a queue drained by one writer task (grpc.aio allows one write at a time) so
 callers never block on a slow worker; commands keep their order, which is what makes an abort
@@ -11,13 +12,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from rlharvest.common import rpc
-from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
-from rlharvest.services.rollout_manager.tracker import ResumePayload
 from rlharvest.common.engine_types import SESSION_JOB_METADATA, sampling_to_proto
+from rlharvest.common.pb import rollout_worker_pb2 as pb, rollout_worker_pb2_grpc
+
+if TYPE_CHECKING:  # the manager's type; the worker package does not import the manager
+    from rlharvest.services.rollout_manager.tracker import ResumePayload
 
 log = logging.getLogger(__name__)
 
