@@ -24,7 +24,7 @@ from rlharvest.common.tls import LocalCA
 from rlharvest.cli import status_view
 from rlharvest.cli.prometheus_stack import LocalPrometheus, TlsFiles
 from rlharvest.cli.launcher import LocalStack
-from rlharvest.services.rollout_manager.status_client import manager_status
+from rlharvest.services.rollout_manager.client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.cli.spot_replay import SpotReplay, load_trace
 from rlharvest.services.placement_scheduler.config import PlacementConfig

@@ -59,7 +59,7 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                     log.info("job %s placed by the scheduler: group %s, rollout nodes %s, "
                              "training nodes %s", cfg.job, placed.group_id,
                              list(placed.rollout_node_ids), list(placed.train_node_ids))
-                    loop.placed = PlacedPhases(job)
+                    loop.place(PlacedPhases(job))
                     await loop.run()
             else:
                 await loop.run()
