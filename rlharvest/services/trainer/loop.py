@@ -1,6 +1,6 @@
 """The trainer's RL loop: one GRPO step after another, streaming (RLBoost §4.1, RollPacker §4.4).
 
-One step, as in the papers' pseudo-code (``TrainerLoop._train_step``)::
+One step, as in the papers' pseudo-code (step.py)::
 
     prompts   <- next P0 items of the task                            # step_prompts.py
     stream    <- manager.SubmitStep(prompts x R0, version v)        # rollout on workers of v
@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -38,7 +38,7 @@ from rlharvest.models.model_tokenizer import load_tokenizer
 from rlharvest.models.tiny_model import build_model
 from rlharvest.services.placement_scheduler.model import JobProfile
 from rlharvest.services.rollout_manager.client import (
-    ManagerAt, RolloutStreamError, find_manager, locate_manager, wait_workers)
+    RolloutStreamError, find_manager, wait_workers)
 from rlharvest.services.trainer import checkpoint, metrics, warmup_profile
 from rlharvest.services.trainer.agentic_source import AgenticSource
 from rlharvest.services.trainer.backend import OptimConfig, TrainBackend, make_backend
@@ -50,20 +50,20 @@ from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.trainer.grpo_source import GrpoSource
 from rlharvest.services.trainer.instance_cap import InstanceCap
 from rlharvest.services.trainer.load_model import LengthModel, delay_rewards, delayed
-from rlharvest.services.trainer.permits import NoPermits, PermitGate, PlacedPermits
+from rlharvest.services.trainer.permits import PlacedPermits
 from rlharvest.services.trainer.placed_phases import PlacedPhases
 from rlharvest.services.trainer.publishing import Publishing
 from rlharvest.services.trainer.ranks import LeaderRanks, RankFailed, check_world, join
 from rlharvest.services.trainer.rewards.pool import RewardPool
 from rlharvest.services.trainer.rewards.sandbox import configure_isolation
-from rlharvest.services.trainer.rollout_source import (
-    RolloutOutcome, RolloutSource, SeedWindow, StepRun, Trainee)
+from rlharvest.services.trainer.rollout_source import RolloutSource, SeedWindow
 from rlharvest.services.trainer.seed_role import SeedRole
-from rlharvest.services.trainer.status import Progress, RunStatus, record_step
+from rlharvest.services.trainer.status import RunStatus, record_step
 from rlharvest.services.trainer.step_plan import (
     OnPolicyViolation, RolloutFailed, StepSpec, StreamIncomplete, resume_version)
+from rlharvest.services.trainer.step import Applied, TrainerStep
 from rlharvest.services.trainer.step_prompts import StepPrompts
-from rlharvest.services.trainer.stream_trainer import StepStats, StreamingStep
+from rlharvest.services.trainer.stream_trainer import StreamingStep
 from rlharvest.services.trainer.task_setup import build_task_setup
 from rlharvest.services.trainer.tasks import Task
 
@@ -112,13 +112,12 @@ class TrainerLoop:
         self._publishing = Publishing(cfg, etcd, self._ranks, self._compute, self._model,
                                       self._backend.weights_are_sharded, seed, clock)
         self.status = RunStatus()
-        # --placement-scheduler: the job's phases run under WEAVE's permits (``place``).
-        self._permits: PermitGate = NoPermits()
-        self._source = self._rollout_source()
-        self._manager = cfg.manager
-        self._version = 0
-        self._step = 0  # steps applied
-        self._applying = False  # an optimizer step is under way (its failure may leave it half)
+        self._applied = Applied()
+        self._one_step = TrainerStep(cfg, etcd, applied=self._applied, status=self.status,
+                                     source=self._rollout_source(), prompts=self._prompts,
+                                     publishing=self._publishing, compute=self._compute,
+                                     instance_cap=self._instance_cap,
+                                     update=self._streaming_step, clock=clock)
 
     def _rollout_source(self) -> RolloutSource:
         cfg = self._cfg
@@ -134,9 +133,9 @@ class TrainerLoop:
 
     def place(self, phases: PlacedPhases) -> None:
         """Run each step's phases under the placement scheduler's permits."""
-        self._permits = PlacedPermits(phases, self._etcd,
-                                      no_worker_deadline_s=self._cfg.no_worker_deadline_s,
-                                      progress_s=self._cfg.placement_progress_s)
+        self._one_step.permits = PlacedPermits(
+            phases, self._etcd, no_worker_deadline_s=self._cfg.no_worker_deadline_s,
+            progress_s=self._cfg.placement_progress_s)
 
     # ---- the run -------------------------------------------------------------------------------
 
@@ -150,32 +149,35 @@ class TrainerLoop:
         self._sync_status()
 
     async def _resume(self, state: checkpoint.TrainerState) -> None:
-        self._step = state.step
+        applied = self._applied
+        applied.step = state.step
         self._prompts.restore(state.data_position, state.extra)
         announced = await self._publishing.announced()
-        self._version, publish = resume_version(state.weight_version, announced)
+        applied.version, publish = resume_version(state.weight_version, announced)
         self.status.resumed_from_step = state.step
         log.info("resumed from checkpoint of step %d (version %d, announced %s): continuing as "
-                 "version %d", state.step, state.weight_version, announced, self._version)
+                 "version %d", state.step, state.weight_version, announced, applied.version)
         if publish and self._publishing.enabled:
-            await self._publishing.start(self._version)
-        if self._seed is not None and self._seed.weight_version != self._version:
+            await self._publishing.start(applied.version)
+        if self._seed is not None and self._seed.weight_version != applied.version:
             served = await self._compute.run(self._served_weights)
-            await self._seed.load(served, self._version)
+            await self._seed.load(served, applied.version)
 
     async def run(self) -> None:
         """Steps until ``cfg.steps`` are applied (forever when 0). Cancel to stop: the step in
         progress is abandoned, nothing of it applied."""
         self.status.state = "training"
         try:
-            if not self._step and self._version == 0:
+            applied = self._applied
+            if not applied.step and applied.version == 0:
                 await self._declare_start_weights()
-            if self._cfg.min_workers and not self._step:
+            if self._cfg.min_workers and not applied.step:
                 await self._await_workers()
-            while (not self._cfg.steps or self._step < self._cfg.steps) and \
+            while (not self._cfg.steps or applied.step < self._cfg.steps) and \
                     not self._prompts.done:
-                await self._step_with_retries(self._prompts.next(self._step + 1, self._version))
-            await self._await_publish()
+                await self._step_with_retries(self._prompts.next(applied.step + 1,
+                                                                 applied.version))
+            await self._one_step.await_publish()
             self.status.state = "done"
             self.status.current.phase = "done"
         except asyncio.CancelledError:
@@ -197,7 +199,7 @@ class TrainerLoop:
         log.info("job %s starts from weights %s (%s seed %d)", cfg.job, fingerprint, cfg.model,
                  cfg.model_seed)
 
-    def _served_weights(self) -> Any:
+    def _served_weights(self) -> Mapping[str, torch.Tensor]:
         """On the training thread: the weights as the workers serve them."""
         return self._publishing.as_served(self._ranks.weights())
 
@@ -208,7 +210,7 @@ class TrainerLoop:
         """``--min-workers``: the job's manager sees that many healthy workers."""
         cfg = self._cfg
         self.status.current.phase = "waiting_workers"
-        manager = self._manager or await find_manager(self._etcd, cfg.job)
+        manager = cfg.manager or await find_manager(self._etcd, cfg.job)
         log.info("waiting for %d healthy workers at the manager %s before the first step",
                  cfg.min_workers, manager)
         joined = await wait_workers(manager, cfg.min_workers, timeout=cfg.min_workers_timeout_s)
@@ -227,7 +229,7 @@ class TrainerLoop:
                                "that the job's rollout manager and workers run (rlharvest "
                                "status)") from exc
         record_step(self.status, summary, self._curves, self._cfg.keep_step_summaries)
-        if self._cfg.checkpoint_dir and self._step % self._cfg.checkpoint_every == 0:
+        if self._cfg.checkpoint_dir and self._applied.step % self._cfg.checkpoint_every == 0:
             await self.save_checkpoint()
         self._sync_status()
 
@@ -243,55 +245,11 @@ class TrainerLoop:
             await asyncio.shield(self._compute.run(self._ranks.discard))
             raise
 
-    # ---- one step: generate -> reward -> train -> publish --------------------------------------
+    # ---- one step ---------------------------------------------------------------------------
 
     async def train_step(self, spec: StepSpec) -> tpb.StepSummary:
-        try:
-            return await self._train_step(spec)
-        finally:
-            self._compute.step_id = None  # a lent record of this step no longer lends anything
-
-    async def _train_step(self, spec: StepSpec) -> tpb.StepSummary:
-        started = self._clock()
-        progress = self.status.current = Progress(step=spec.step, weight_version=spec.weight_version,
-                                                  samples=spec.samples, phase="waiting_version")
-        await self._version_out()  # the step's version must be out before workers can hold it
-        manager = await self._rollout_manager(progress)
-        update = self._streaming_step(spec)
-        # Generate and reward; every group trains as soon as the source hands it over.
-        rollout = await self._source.roll_out(
-            StepRun(spec, manager, progress, started, self._permits),
-            Trainee(update, self._compute, progress))
-        progress.phase = "optimizer"
-        stats = await self._apply(spec, update, rollout)
-        n_prem = await self._tune_instance_cap(stats, rollout)
-        elapsed = self._clock() - started
-        if self._publishing.enabled:
-            await self._publishing.start(self._version)
-        await self._permits.done()
-        return self._summary(spec, stats, rollout, elapsed, n_prem)
-
-    async def _version_out(self) -> None:
-        """The last version's publish ended, and its version is held somewhere: one published
-        to an agent that died before any worker pulled it is published again from the trainer's
-        own weights, which are still exactly that version (the next optimizer step has not run).
-        A step retried because no worker got the version comes here again."""
-        await self._await_publish()
-        if not await self._publishing.lost(self._version):
-            return
-        log.warning("version %d is held by no agent and no worker (its agent died before the "
-                    "workers pulled it): publishing it again", self._version)
-        metrics.REPUBLISHED.inc()
-        await self._publishing.start(self._version)
-        await self._await_publish()
-
-    async def _rollout_manager(self, progress: Progress) -> ManagerAt:
-        """The job's manager, under the rollout permit; discovered through etcd unless
-        configured (its incarnation tells its successor from it)."""
-        await self._permits.rollout(progress)
-        manager = await locate_manager(self._etcd, self._cfg.job, self._manager)
-        await self._permits.worker_joined(manager.endpoint, progress)
-        return manager
+        """One step: generate -> reward -> train -> publish (step.py)."""
+        return await self._one_step.run(spec)
 
     def _streaming_step(self, spec: StepSpec) -> StreamingStep:
         """The step's GRPO update, fed group by group (micro-batches of m_b ready groups)."""
@@ -302,77 +260,18 @@ class TrainerLoop:
                              loss=self._loss, pad_id=self._tok.pad_id,
                              ref_model=self._ref_model, ranks=self._ranks, clock=self._clock)
 
-    async def _apply(self, spec: StepSpec, update: StreamingStep,
-                     rollout: RolloutOutcome) -> StepStats:
-        """The one optimizer step of this RL step. Once the optimizer runs it finishes even if
-        the step is cancelled (SIGTERM), and the bookkeeping with it: a goodbye checkpoint then
-        holds the updated weights with their step, queue and version, never the old ones."""
-        task = asyncio.ensure_future(self._optimizer_step(spec, update, rollout))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await asyncio.wait([task])
-            raise
-
-    async def _optimizer_step(self, spec: StepSpec, update: StreamingStep,
-                              rollout: RolloutOutcome) -> StepStats:
-        """The update, and with it the step count, the round and the weights' version."""
-        self._applying = True  # until the optimizer step returns: a failure leaves it half
-        stats = await self._compute.run(update.finish)
-        self._applying = False
-        if self._cfg.bench_train_delay_s:  # a benchmark's slower training node
-            await asyncio.sleep(self._cfg.bench_train_delay_s)
-        self._step = spec.step
-        # With the step: a retried one never commits its prompts.
-        self._prompts.commit(spec, rollout.accepted, rollout.deferred)
-        if self._publishing.enabled:
-            self._version += 1
-        return stats
-
-    async def _tune_instance_cap(self, stats: StepStats, rollout: RolloutOutcome) -> int:
-        """RLBoost's Algorithm 1 on the step's timings: the next N_prem (0 without the cap)."""
-        if self._instance_cap is None:
-            return 0
-        self._instance_cap.rollout_measured(rollout.rollout_s)
-        return await self._instance_cap.after_step(stats.compute_s, rollout.waited_s,
-                                                   rollout.remote) or 0
-
-    def _summary(self, spec: StepSpec, stats: StepStats, rollout: RolloutOutcome,
-                 elapsed: float, n_prem: int) -> tpb.StepSummary:
-        return tpb.StepSummary(
-            step=spec.step, weight_version=spec.weight_version, mean_reward=stats.mean_reward,
-            step_time_s=elapsed, tokens=stats.num_tokens,
-            tokens_per_second=stats.num_tokens / max(elapsed, 1e-9),
-            migrations=rollout.migrations, micro_batches=stats.micro_batches,
-            micro_batch_wait_s=rollout.waited_s, loss=stats.loss, grad_norm=stats.grad_norm,
-            train_compute_s=stats.compute_s, n_prem=n_prem,
-            t_seed_s=self._instance_cap.window.schedule.t_seed if self._instance_cap else 0.0,
-            published_version=self._version if self._publishing.enabled else 0,
-            round=spec.round, prompts_launched=len(spec.items),
-            prompts_deferred=len(rollout.deferred), tokens_discarded=rollout.tokens_discarded,
-            rollout_s=rollout.rollout_s, rewards_s=rollout.rewards_s,
-            rollout_digest=rollout.digest)
-
     async def _task_reward(self, prompt: str, completion: str, reference: str) -> float:
         # Looked up per call: a resume replaces the dataset, and with it the task's state.
         return await self._prompts.task.score(prompt, completion, reference)
 
-    # ---- after the step: publish and checkpoint ---------------------------------------------
-
-    async def _await_publish(self) -> None:
-        if not self._publishing.pending:
-            return
-        self.status.current.phase = "publish"
-        published = await self._publishing.wait()
-        if published is not None:
-            self.status.published(self._version, *published)
+    # ---- checkpoints -------------------------------------------------------------------------
 
     def can_save_after(self, failure: BaseException) -> bool:
         """Whether the weights still are exactly the steps applied after ``failure`` ended
         training, so a checkpoint may keep them: not when an optimizer step failed halfway,
         nor when a rank (or the ranks' collectives) failed, where ranks may disagree or a save
         would wait on a dead one."""
-        if self._applying or not self._cfg.checkpoint_dir:
+        if self._applied.applying or not self._cfg.checkpoint_dir:
             return False
         cause: BaseException | None = failure
         while cause is not None:
@@ -384,29 +283,30 @@ class TrainerLoop:
     async def save_checkpoint(self) -> None:
         self.status.current.phase = "checkpoint"
         started = self._clock()
-        state = checkpoint.TrainerState(step=self._step, weight_version=self._version,
+        applied = self._applied
+        state = checkpoint.TrainerState(step=applied.step, weight_version=applied.version,
                                         data_position=self._prompts.position(),
                                         extra=self._prompts.checkpoint_state())
         path = await self._compute.run(checkpoint.save_checkpoint, self._cfg.checkpoint_dir,
                                        state, self._ranks.save, self._cfg.keep_checkpoints)
         metrics.CHECKPOINT_SECONDS.observe(self._clock() - started)
-        log.info("checkpoint of step %d (version %d) at %s", self._step, self._version, path)
+        log.info("checkpoint of step %d (version %d) at %s", applied.step, applied.version, path)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _sync_status(self) -> None:
-        self.status.steps_done = self._step
-        self.status.weight_version = self._version
-        metrics.STEP.set(self._step)
-        metrics.WEIGHT_VERSION.set(self._version)
+        self.status.steps_done = self._applied.step
+        self.status.weight_version = self._applied.version
+        metrics.STEP.set(self._applied.step)
+        metrics.WEIGHT_VERSION.set(self._applied.version)
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._applied.version
 
     @property
     def steps_done(self) -> int:
-        return self._step
+        return self._applied.step
 
     @property
     def task(self) -> Task:
