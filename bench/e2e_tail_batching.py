@@ -10,8 +10,8 @@ there) under three configurations:
   rewarded (``--pipeline stream``, the default);
 - RollPacker: the same plus tail batching (``--tail-batching``, eta_P = eta_R = 1.25).
 
-Responses run the long-tailed lengths of the trainer's benchmark length model
-(``rlharvest/services/trainer/bench_harness.py``: per-prompt difficulty x per-response noise, max/median
+Responses run the long-tailed lengths of the trainer's length model
+(``trainer/load_model.py``: per-prompt difficulty x per-response noise, max/median
 near 20x), engine steps cost a flat ``--step-delay-s`` (GPU-like: decode time barely depends on
 the batch), and each reward takes ``--reward-delay-s`` (a verifier's latency) in a pool of
 ``--reward-concurrency``. Reported per

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 
 from rlharvest.common import keys, registry
-from rlharvest.services.rollout_manager import status_client
+from rlharvest.services.rollout_manager import client as manager_client
 
 
 def placed_flags(node: str, jobs: int) -> list[str]:
@@ -33,7 +33,7 @@ async def give_turn(etcd_endpoint: str, nodes: Sequence[str], job: str, manager:
             await etcd.put(keys.placement_node_key(node).encode(), record)
     finally:
         await etcd.close()
-    await status_client.wait_workers(manager, len(nodes), timeout=timeout)
+    await manager_client.wait_workers(manager, len(nodes), timeout=timeout)
 
 
 def turn(etcd_endpoint: str, nodes: Sequence[str], job: str, manager: str) -> None:

@@ -33,7 +33,7 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: 
 from rlharvest.common.pb import rollout_manager_pb2_grpc  # noqa: E402
 from rlharvest.models.tokenizer import CharTokenizer  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
-from rlharvest.services.rollout_manager import status_client  # noqa: E402
+from rlharvest.services.rollout_manager import client as manager_client  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, start_worker, wait_serving  # noqa: E402
 
 from bench.job_turns import placed_flags, turn  # noqa: E402
@@ -54,14 +54,14 @@ def step_request(prefix: str, lengths: list[int], seed: int = 7) -> mpb.SubmitSt
 
 
 async def manager_status(endpoint: str) -> mpb.ManagerStatus:
-    status = await status_client.manager_status(endpoint, timeout=10)
+    status = await manager_client.manager_status(endpoint, timeout=10)
     if status is None:
         raise RuntimeError(f"the manager at {endpoint} did not answer GetStatus")
     return status
 
 
 async def wait_healthy(endpoint: str, count: int, timeout: float = 120) -> None:
-    await status_client.wait_workers(endpoint, count, timeout=timeout)
+    await manager_client.wait_workers(endpoint, count, timeout=timeout)
 
 
 async def run_step(endpoint: str, request: mpb.SubmitStepRequest, kill_at: int | None,

@@ -35,7 +35,7 @@ from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: 
 from rlharvest.common.pb import rollout_manager_pb2_grpc, rollout_worker_pb2 as wpb  # noqa: E402
 from rlharvest.common.pb import rollout_worker_pb2_grpc  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
-from rlharvest.services.rollout_manager.status_client import wait_workers  # noqa: E402
+from rlharvest.services.rollout_manager.client import wait_workers  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, wait_serving  # noqa: E402
 
 HARNESS = Path(__file__).resolve().parent / "manager_relay_worker.py"

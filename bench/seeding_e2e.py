@@ -10,8 +10,8 @@ processes) trains the same steps under three configurations, interleaved and rep
 - co-located only: the seed role and no remote worker (the veRL analogue: the training
   cluster rolls out everything itself).
 
-Responses run the trainer's benchmark length model (long-tailed, ``bench_harness.py``); every
-engine step — the remote workers' and the seed engine's alike — costs ``--step-delay-s`` more
+Responses run the trainer's length model (long-tailed, ``trainer/load_model.py``); every engine
+step — the remote workers' and the seed engine's alike — costs ``--step-delay-s`` more
 (GPU-like: one engine is one GPU's worth of rollout, whoever owns it).
 Reported: tokens trained per second of step time (the first step excluded as warm-up), the
 ratio full / configuration (median [spread]), the mean T_seed and the requests handed over.

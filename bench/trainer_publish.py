@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from rlharvest.services.trainer import ranks
     from rlharvest.services.trainer.backend import OptimConfig, make_backend
-    from rlharvest.services.trainer.rollout_client import Publisher
+    from rlharvest.services.trainer.publish import Publisher
     from rlharvest.services.trainer.shard_publish import ShardTarget
     from rlharvest.services.transfer_agent import client
 

@@ -16,7 +16,7 @@ from rlharvest.common.pb import rollout_worker_pb2, rollout_worker_pb2_grpc
 from rlharvest.models.hf_checkpoint import build_checkpoint_command
 from rlharvest.common.config import ConfigError
 from rlharvest.cli import status_view
-from rlharvest.services.rollout_manager.status_client import manager_status
+from rlharvest.services.rollout_manager.client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.cli.train_command import train
 from rlharvest.cli.up_command import configure_tls, up

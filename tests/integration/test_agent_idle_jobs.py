@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlharvest.common.pb import transfer_agent_pb2 as pb, transfer_agent_pb2_grpc
-from rlharvest.services.trainer.rollout_client import Publisher
+from rlharvest.services.trainer.publish import Publisher
 from rlharvest.services.transfer_agent.client import (
     _pack_dense,
     agent_channel,

@@ -10,7 +10,7 @@ import pytest
 from bench.agentic_routing import run_trajectories
 from tests.integration.test_manager import scrape, start_manager
 from tests.integration.worker_client import start_workers
-from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.rollout_manager.client import wait_workers
 
 pytestmark = pytest.mark.integration
 

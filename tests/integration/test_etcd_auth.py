@@ -15,7 +15,7 @@ import pytest
 from rlharvest.common import keys, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.launcher import LocalStack
-from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.rollout_manager.client import wait_workers
 
 pytestmark = pytest.mark.integration
 PASSWORD = "s3cret-for-tests"

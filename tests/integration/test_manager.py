@@ -17,7 +17,7 @@ from rlharvest.common import delta_batch, keys, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_manager_pb2_grpc
 from rlharvest.models.tokenizer import CharTokenizer
-from rlharvest.services.rollout_manager.status_client import manager_status, wait_workers
+from rlharvest.services.rollout_manager.client import manager_status, wait_workers
 
 from tests.fuzz_messages import fuzz_service, garbage_status
 

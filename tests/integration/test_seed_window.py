@@ -12,7 +12,7 @@ import torch
 
 from rlharvest.models.tiny_model import build_model
 from rlharvest.models.tokenizer import PAD_ID
-from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.rollout_manager.client import wait_workers
 from rlharvest.services.trainer.backend import OptimConfig, make_backend
 from rlharvest.services.trainer.grpo import LossConfig
 from rlharvest.services.trainer.stream_trainer import Completion, RewardedGroup, StreamingStep

@@ -20,8 +20,8 @@ from rlharvest.common import keys, registry, rpc
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
 from rlharvest.services.trainer import checkpoint
-from rlharvest.services.trainer.bench_harness import LengthModel
-from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.trainer.load_model import LengthModel
+from rlharvest.services.rollout_manager.client import wait_workers
 from rlharvest.services.trainer.step_plan import resume_version
 
 from .test_manager import status as manager_status

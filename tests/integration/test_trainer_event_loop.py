@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rlharvest.services.trainer.config import TrainerConfig
-from rlharvest.services.trainer import rollout_client
+from rlharvest.services.trainer import publish
 from rlharvest.services.trainer.loop import TrainerLoop
 
 from .test_trainer import start_job
@@ -36,13 +36,13 @@ async def test_copying_a_version_for_its_publish_leaves_the_event_loop_free(
         return copy(*args, **kwargs)
 
     loop._ranks.weights = slow_copy  # type: ignore[method-assign]
-    cast = rollout_client.as_served
+    cast = publish.as_served
 
     def slow_cast(*args, **kwargs):  # the casts to the serving dtype: a copy of the model each
         time.sleep(COPY_S)
         return cast(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_client, "as_served", slow_cast)
+    monkeypatch.setattr(publish, "as_served", slow_cast)
     longest_gap = 0.0
 
     async def tick() -> None:

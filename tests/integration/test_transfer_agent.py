@@ -29,7 +29,7 @@ from rlharvest.cli.launcher import LocalStack
 from rlharvest.common.engine_types import EngineRequest, SamplingParams
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.trainer import metrics as trainer_metrics
-from rlharvest.services.trainer.rollout_client import Publisher
+from rlharvest.services.trainer.publish import Publisher
 from rlharvest.services.transfer_agent import flat_shards, sharding
 from rlharvest.services.transfer_agent.apply import apply_pull
 from rlharvest.services.transfer_agent.bucketing import VersionManifest

@@ -26,7 +26,7 @@ from rlharvest.common import rpc
 from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb, rollout_worker_pb2 as wpb
 from rlharvest.common.pb import rollout_worker_pb2_grpc
-from rlharvest.services.rollout_manager.status_client import wait_workers
+from rlharvest.services.rollout_manager.client import wait_workers
 from rlharvest.services.rollout_worker.vllm_engine import vllm_missing
 
 from .test_manager import run_step, scrape, start_manager, status

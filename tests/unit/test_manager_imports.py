@@ -11,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_PLANE = [
     "rlharvest.services.rollout_manager.service",
+    "rlharvest.services.rollout_manager.client",
     "rlharvest.services.rollout_manager.main",
     "rlharvest.sim.manager_policy",
     "rlharvest.sim.cluster",
@@ -74,3 +75,18 @@ def test_the_managers_shell_names_no_optional_feature():
              for name in _imports(shell / path)
              if name.rsplit(".", 1)[-1] in MANAGER_FEATURES]
     assert not named, named
+
+
+def test_nothing_in_production_imports_or_holds_a_benchmark():
+    # bench/ may import production, never the reverse: no module of the package imports bench/
+    # or a module named for a benchmark, and none is named so (what production needs of a
+    # benchmark's tools lives in a production module named for what it does).
+    production = [path for path in sorted((ROOT / "rlharvest").rglob("*.py"))
+                  if "pb" not in path.parts]
+    named = [str(path.relative_to(ROOT)) for path in production
+             if path.stem.startswith("bench") or path.stem.endswith("_harness")]
+    imports = [f"{path.relative_to(ROOT)} imports {name}" for path in production
+               for name in _imports(path)
+               if any(part == "bench" or part.startswith("bench_") or part.endswith("_harness")
+                      for part in name.split("."))]
+    assert not named and not imports, named + imports

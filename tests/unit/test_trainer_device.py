@@ -99,11 +99,11 @@ def test_a_publish_snapshot_takes_the_serving_dtype_and_is_a_copy() -> None:
 
 
 def test_the_seed_engine_gets_the_weights_as_the_workers_serve_them() -> None:
-    from rlharvest.services.trainer.loop import TrainerLoop
+    from rlharvest.services.trainer.publishing import Publishing
 
     weights = {"w": torch.tensor([1.0 + 2**-12, 3.0]), "ids": torch.arange(3)}
-    served = TrainerLoop._as_served(SimpleNamespace(_publish_dtype=torch.bfloat16), weights)
+    served = Publishing.as_served(SimpleNamespace(_dtype=torch.bfloat16), weights)
     assert served["w"].dtype == torch.bfloat16 and served["w"].tolist() == [1.0, 3.0]
     assert served["ids"] is weights["ids"]
-    as_is = TrainerLoop._as_served(SimpleNamespace(_publish_dtype=None), weights)
+    as_is = Publishing.as_served(SimpleNamespace(_dtype=None), weights)
     assert as_is is weights  # --publish-dtype model: the trainer's own bits

@@ -95,7 +95,7 @@ def test_preemption_schedule_kills_only_a_worker_that_holds_requests_then_replac
 
 
 def test_the_benchmark_length_model_is_long_tailed_capped_and_keeps_a_prompts_difficulty():
-    from rlharvest.services.trainer.bench_harness import LengthModel
+    from rlharvest.services.trainer.load_model import LengthModel
 
     model = LengthModel(median=20, cap=400, seed=1)
     lengths = [model.tokens(p, 1, r) for p in range(64) for r in range(4)]
@@ -109,7 +109,7 @@ def test_the_benchmark_length_model_is_long_tailed_capped_and_keeps_a_prompts_di
 
 
 def test_with_a_length_model_each_request_runs_its_modelled_length_without_stop_tokens():
-    from rlharvest.services.trainer.bench_harness import LengthModel
+    from rlharvest.services.trainer.load_model import LengthModel
 
     s = step_spec()
     model = LengthModel(median=6, cap=30, seed=2)

@@ -97,7 +97,7 @@ class TrainerConfig(ServiceConfig):
         "stream", description="stream: rewards as completions arrive, micro-batches as groups "
         "are rewarded; sync: the veRL-like baseline (rewards after the rollout, training after "
         "the rewards)")
-    # Benchmark harness (bench_harness.py): never set in production.
+    # Modelled load for benchmarks (load_model.py): never set in production.
     bench_length_median: float = Field(0.0, ge=0, description="benchmark harness: responses "
                                        "run a modelled long-tailed length around this median "
                                        "(no stop tokens); 0 = off")

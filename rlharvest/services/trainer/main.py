@@ -34,51 +34,79 @@ async def build(host: Host[TrainerConfig]) -> Parts:
     loop = TrainerLoop(cfg, host.etcd, seed=seed)
     service = TrainerService(loop.status, trainer_id=cfg.trainer_id, job=cfg.job,
                              target_steps=cfg.steps)
+    run = _Run(host, loop)
+    return Parts(member_id=cfg.trainer_id,
+                 member_info={"job": cfg.job, "step": 0, "weight_version": 0, "state": "starting"},
+                 servicers=[Servicer(service, trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                     SERVICE_NAME), *([seed.servicer] if seed else [])],
+                 health=service.health,
+                 loops=[Loop("training", run.train), Loop("advertise", run.advertise,
+                                                          on_crash="restart"),
+                        *([Loop("seed worker", seed.run)] if seed else []),
+                        *([Loop("lent workers", loop.watch_lent_workers, on_crash="restart")]
+                          if cfg.borrow_lent_threads else [])],
+                 close=[loop.close, *([seed.close] if seed else [])])
 
-    async def save_unsaved_steps() -> None:
-        if cfg.checkpoint_dir and loop.steps_done % cfg.checkpoint_every:
-            await loop.save_checkpoint()  # the steps since the last one are not lost to the K grid
 
-    async def train() -> None:
+class _Run:
+    """The service's two loops over its trainer: the training, and its member record."""
+
+    def __init__(self, host: Host[TrainerConfig], loop: TrainerLoop) -> None:
+        self._host = host
+        self._cfg = host.config
+        self._loop = loop
+
+    async def train(self) -> None:
         """Restore, train ``cfg.steps`` steps, checkpoint. Cancelled (SIGTERM) mid-step: the step
         in progress is abandoned (nothing of it was applied) and the steps applied since the
         last checkpoint are saved, so a restart loses none. The same when training fails (its
         manager stayed unreachable, say), unless the failure may have left the weights half
         updated or the ranks apart (``can_save_after``)."""
+        loop = self._loop
         try:
             await loop.restore()
-            if cfg.placement_scheduler:
-                profile = None if cfg.placement_t_roll_s else \
-                    await asyncio.to_thread(loop.measure_profile)
-                async with PlacementJob(placement_spec(cfg, profile), cfg.etcd,
-                                        lease_ttl=cfg.lease_ttl,
-                                        start_iteration=loop.steps_done,
-                                        endpoint=cfg.placement_endpoint or None) as job:
-                    placed = job.placement
-                    assert placed is not None  # entering the context submitted the job
-                    log.info("job %s placed by the scheduler: group %s, rollout nodes %s, "
-                             "training nodes %s", cfg.job, placed.group_id,
-                             list(placed.rollout_node_ids), list(placed.train_node_ids))
-                    loop.placed = PlacedPhases(job)
-                    await loop.run()
+            if self._cfg.placement_scheduler:
+                await self._train_placed()
             else:
                 await loop.run()
         except asyncio.CancelledError:
-            await save_unsaved_steps()
+            await self._save_unsaved_steps()
             raise
         except Exception as exc:
             if loop.can_save_after(exc):
                 log.error("training failed at step %d (%s); saving the steps applied since the "
                           "last checkpoint first", loop.steps_done + 1, exc)
-                await save_unsaved_steps()
+                await self._save_unsaved_steps()
             raise
         log.info("trained %d steps; weights at version %d", loop.steps_done, loop.weight_version)
-        await save_unsaved_steps()
-        if cfg.exit_when_done:
-            host.stop(f"trained {loop.steps_done} steps")
+        await self._save_unsaved_steps()
+        if self._cfg.exit_when_done:
+            self._host.stop(f"trained {loop.steps_done} steps")
 
-    async def advertise() -> None:
+    async def _train_placed(self) -> None:
+        """The run as a job of the placement scheduler: each step's phases under its permits."""
+        cfg, loop = self._cfg, self._loop
+        profile = None if cfg.placement_t_roll_s else \
+            await asyncio.to_thread(loop.measure_profile)
+        async with PlacementJob(placement_spec(cfg, profile), cfg.etcd, lease_ttl=cfg.lease_ttl,
+                                start_iteration=loop.steps_done,
+                                endpoint=cfg.placement_endpoint or None) as job:
+            placed = job.placement
+            assert placed is not None  # entering the context submitted the job
+            log.info("job %s placed by the scheduler: group %s, rollout nodes %s, training "
+                     "nodes %s", cfg.job, placed.group_id, list(placed.rollout_node_ids),
+                     list(placed.train_node_ids))
+            loop.place(PlacedPhases(job))
+            await loop.run()
+
+    async def _save_unsaved_steps(self) -> None:
+        # The steps since the last checkpoint are not lost to the K grid.
+        if self._cfg.checkpoint_dir and self._loop.steps_done % self._cfg.checkpoint_every:
+            await self._loop.save_checkpoint()
+
+    async def advertise(self) -> None:
         """Keep the member record's step and version current (rlharvest status shows them)."""
+        host, loop = self._host, self._loop
         assert host.membership is not None  # registered before loops start
         shown = (-1, -1)
         while True:
@@ -88,17 +116,6 @@ async def build(host: Host[TrainerConfig]) -> Parts:
                                              state=loop.status.state)
                 shown = now
             await asyncio.sleep(_MEMBER_REFRESH_S)
-
-    return Parts(member_id=cfg.trainer_id,
-                 member_info={"job": cfg.job, "step": 0, "weight_version": 0, "state": "starting"},
-                 servicers=[Servicer(service, trainer_pb2_grpc.add_TrainerServicer_to_server,
-                                     SERVICE_NAME), *([seed.servicer] if seed else [])],
-                 health=service.health,
-                 loops=[Loop("training", train), Loop("advertise", advertise, on_crash="restart"),
-                        *([Loop("seed worker", seed.run)] if seed else []),
-                        *([Loop("lent workers", loop.watch_lent_workers, on_crash="restart")]
-                          if cfg.borrow_lent_threads else [])],
-                 close=[loop.close, *([seed.close] if seed else [])])
 
 
 def placement_spec(cfg: TrainerConfig, profile: JobProfile | None = None) -> JobSpec:

@@ -7,7 +7,7 @@ import grpc
 
 from rlharvest.common import errors
 from rlharvest.common.pb import trainer_pb2 as tpb, trainer_pb2_grpc
-from rlharvest.services.trainer.loop import RunStatus
+from rlharvest.services.trainer.status import RunStatus
 
 
 class TrainerService(trainer_pb2_grpc.TrainerServicer):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlharvest.common.retry import retry
-from rlharvest.services.trainer.rollout_client import PUBLISH_BACKOFF, PUBLISH_RETRYABLE
+from rlharvest.services.trainer.publish import PUBLISH_BACKOFF, PUBLISH_RETRYABLE
 
 if TYPE_CHECKING:  # the transfer agent's client is imported where a rank first publishes
     from rlharvest.services.transfer_agent.client import DeltaPublisher

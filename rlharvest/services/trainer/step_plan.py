@@ -16,7 +16,7 @@ from rlharvest.common import delta_batch
 from rlharvest.common.delta_batch import Row
 from rlharvest.common.engine_types import natural_end
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb
-from rlharvest.services.trainer.bench_harness import LengthModel
+from rlharvest.services.trainer.load_model import LengthModel
 from rlharvest.services.trainer.tasks import TaskItem
 
 

@@ -31,7 +31,7 @@ from rlharvest.common.etcd_outage import etcd_away, with_etcd
 from rlharvest.common.pb import placement_scheduler_pb2 as pb
 from rlharvest.services.placement_scheduler.client import PhaseRun
 from rlharvest.services.placement_scheduler.model import Pool
-from rlharvest.services.rollout_manager.status_client import manager_status
+from rlharvest.services.rollout_manager.client import manager_status
 
 log = logging.getLogger(__name__)
 

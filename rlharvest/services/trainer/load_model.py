@@ -1,11 +1,13 @@
-"""Benchmark harness of the trainer: response lengths from a model instead of from the policy.
+"""Modelled load a run can be told to add (the ``--bench-*`` flags): response lengths from a
+model instead of from the policy, and slower rewards. Benchmarks set them; a production run
+leaves them off, and then nothing here changes what it does.
 
 A tiny policy on a CPU stops when it samples EOS, which neither has the long tail RL workloads
 have (RollPacker §2: max/median response length ~20x) nor stays put while it learns. With
 ``--bench-length-median`` each request runs exactly a modelled number of tokens (no stop
 tokens): a per-prompt difficulty that persists across the prompt's attempts (log-normal around
 the median) times per-response noise (log-normal), capped at ``max_new_tokens`` — the model of
-``bench/tail_batching.py``. Only benchmarks set it; the tokens trained are real.
+``bench/tail_batching.py``. The tokens trained are real.
 ``--bench-reward-delay-s`` makes each reward take that much longer (``delayed``).
 """
 
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from rlharvest.services.trainer.rewards.pool import RewardFn
 
-if TYPE_CHECKING:  # the harness stays as light as the step plan that imports it
+if TYPE_CHECKING:  # stays as light as the step plan that imports it
     from rlharvest.services.trainer.task_setup import TaskSetup
 
 
