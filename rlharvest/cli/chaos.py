@@ -34,7 +34,7 @@ import aetcd
 from rlharvest.common import keys, observability, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.chaos_plan import (
-    Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
+    KINDS, Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
 from rlharvest.cli.launcher import LocalStack, ServiceProcess
 
 log = logging.getLogger("rlharvest.chaos")
@@ -257,14 +257,14 @@ def trainer_messages(soak: Soak) -> list[str]:
     return _messages(soak.stack.log_dir / "trainer.log")
 
 
-async def soak(minutes: float, seed: int, workdir: Path) -> int:
+async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] = KINDS) -> int:
     etcd = await asyncio.to_thread(LocalEtcd(log_path=workdir / "etcd.log").start)
     stack = LocalStack(workdir / "logs", etcd=etcd)
     trainer_flags = ["--trainer-id", "trainer-0", "--port", str(free_port()), "--backend", "torch",
                      "--torch-threads", "1", "--checkpoint-dir", str(workdir / "checkpoints"),
                      "--checkpoint-every", "1", "--no-exit-when-done", *COMMON]
     run = Soak(stack, etcd, trainer_flags, checkpoint_dir=workdir / "checkpoints")
-    plan = FaultPlan(seed)
+    plan = FaultPlan(seed, kinds=kinds)
     try:
         start_agent(run)
         start_manager(run)
@@ -335,14 +335,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default="", help="logs and checkpoints (default: a new "
                                                       "temporary directory)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"the faults to inject, comma-separated, among {','.join(KINDS)} "
+                             "(without etcd: its periodic compaction needs it up for the "
+                             "retention, which a soak's etcd restarts never leave it)")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds {args.kinds!r}: give some of {','.join(KINDS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlh-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos soak: {args.minutes:g} min, seed {args.seed}, logs in {workdir}")
-    return asyncio.run(soak(args.minutes, args.seed, workdir))
+    return asyncio.run(soak(args.minutes, args.seed, workdir, kinds))
 
 
 if __name__ == "__main__":

@@ -263,8 +263,13 @@ class Host(Generic[C]):
             return
         info = {**parts.member_info, "endpoint": self.endpoint,
                 "metrics": f"{advertise}:{metrics_port}", "incarnation": INCARNATION}
-        self.membership = await registry.register(self.etcd, self.spec.name, parts.member_id,
-                                                  info, ttl=cfg.lease_ttl)
+        # etcd may go away between the connection and this (a restart): wait for it here too.
+        register = asyncio.ensure_future(with_etcd(
+            partial(registry.register, self.etcd, self.spec.name, parts.member_id, info,
+                    ttl=cfg.lease_ttl), "registering", deadline_s=_ETCD_START_WAIT_S))
+        if not await self._until_stopped(register):
+            return
+        self.membership = register.result()
         if parts.standby is None:
             for loop in parts.loops:
                 self.start_loop(loop)

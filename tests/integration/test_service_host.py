@@ -317,3 +317,41 @@ async def test_a_sigterm_during_a_build_that_holds_the_event_loop_never_serves_o
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_etcd_going_away_between_connecting_and_registering_is_waited_out(tmp_path):
+    """etcd SIGKILLed while the service builds (it connected before), back 1.5 s later: the
+    registration waits for it instead of failing the start (a chaos soak's co-executor exited
+    so)."""
+    from rlharvest.common.local_etcd import LocalEtcd
+
+    with LocalEtcd(log_path=tmp_path / "etcd.log") as etcd:
+        restarted: list[asyncio.Future] = []
+
+        async def build(host: Host[DemoConfig]) -> Parts:
+            restarted.append(asyncio.ensure_future(
+                asyncio.to_thread(etcd.restart, crash=True, down_s=1.5)))
+            await asyncio.sleep(0.3)  # killed by now; registering comes next
+            return Parts(member_id="demo-0", member_info={"role": "demo"},
+                         servicers=[Servicer(DemoService(),
+                                             trainer_pb2_grpc.add_TrainerServicer_to_server,
+                                             NAME)],
+                         health=lambda: {"status": "ok"})
+
+        running = Running(ServiceSpec("demo", DemoConfig, build), etcd.endpoint)
+        try:
+            await asyncio.wait_for(asyncio.shield(_first(restarted)), 30)
+            client = await registry.connect(etcd.endpoint)
+            try:
+                assert (await running.member(client, timeout=30))["role"] == "demo"
+            finally:
+                await client.close()
+        finally:
+            running.signal()
+            assert await running.exit_code() == 0
+
+
+async def _first(futures: list[asyncio.Future]) -> None:
+    while not futures:
+        await asyncio.sleep(0.01)
+    await futures[0]

@@ -168,6 +168,9 @@ class TrainerConfig(ServiceConfig):
                                             "agent; off, every step runs on version 0 (only the "
                                             "first is on-policy)")
     agent: str = Field("", description="transfer agent host:port; empty = find it in etcd")
+    publish_wait_s: float = Field(120.0, gt=0, description="how long a publish waits for a "
+                                  "transfer agent to answer (one restarting, none registered "
+                                  "yet) before the step fails")
     bucket_bytes: int = Field(64 << 20, ge=1 << 16, description="publish bucket size")
     publish_dtype: Literal["model", "bfloat16", "float16"] = Field(
         "model", description="dtype of the published weights: the model's own, or the serving "

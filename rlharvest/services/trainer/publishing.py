@@ -111,7 +111,10 @@ class Publishing:
         assert self._publisher is not None
         started = self._clock()
         try:
-            await retry(partial(self._publisher.publish, version, tensors), attempts=5,
+            # An agent restarting is an outage to wait out, as etcd's is: a supervisor brings
+            # it back, and a trainer that gave up after a few seconds stopped the whole job.
+            await retry(partial(self._publisher.publish, version, tensors), attempts=None,
+                        deadline_s=self._cfg.publish_wait_s,
                         retry_if=lambda exc: isinstance(exc, publish.PUBLISH_RETRYABLE),
                         backoff=publish.PUBLISH_BACKOFF, what=f"publishing version {version}")
         except publish.PUBLISH_RETRYABLE as exc:
@@ -136,7 +139,8 @@ class Publishing:
 
     async def _send_shards(self, version: int) -> None:
         assert self._publisher is not None and isinstance(self._ranks, LeaderRanks)
-        endpoint = await retry(self._publisher.endpoint, attempts=5,
+        endpoint = await retry(self._publisher.endpoint, attempts=None,
+                               deadline_s=self._cfg.publish_wait_s,
                                backoff=publish.PUBLISH_BACKOFF,
                                retry_if=lambda exc: isinstance(exc, LookupError),
                                what="finding a transfer agent")
