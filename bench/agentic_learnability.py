@@ -31,7 +31,7 @@ from rlharvest.models.tiny_model import build_model  # noqa: E402
 from rlharvest.models.tokenizer import PAD_ID  # noqa: E402
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine  # noqa: E402
 from rlharvest.services.trainer.backend import OptimConfig, make_backend  # noqa: E402
-from rlharvest.services.trainer.environments.interface import load_environment  # noqa: E402
+from rlharvest.services.trainer.environments.catalog import load_environment  # noqa: E402
 from rlharvest.services.trainer.environments.runner import (  # noqa: E402
     PlayConfig,
     play_group,

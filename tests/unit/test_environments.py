@@ -16,8 +16,8 @@ from rlharvest.services.trainer.environments.interface import (
     EnvironmentError_,
     EnvStep,
     checked_step,
-    load_environment,
 )
+from rlharvest.services.trainer.environments.catalog import load_environment
 
 TOK = CharTokenizer()
 

@@ -23,7 +23,8 @@ from rlharvest.models.model_tokenizer import ModelTokenizer
 from rlharvest.services.rollout_manager.client import StepScope, hold_agentic_step
 from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.config import TrainerConfig
-from rlharvest.services.trainer.environments.interface import load_environment, takes_task
+from rlharvest.services.trainer.environments.catalog import load_environment
+from rlharvest.services.trainer.environments.interface import takes_task
 from rlharvest.services.trainer.environments.runner import (
     Generate,
     PlayConfig,

@@ -273,8 +273,8 @@ class TrainerConfig(ServiceConfig):
             raise ValueError(f"--seed-max-len {self.seed_max_len} is shorter than --env-context "
                              f"{self.env_context}: the seed engine could not take a trajectory's "
                              "later turns; raise --seed-max-len or lower --env-context")
-        from rlharvest.services.trainer.environments.interface import (
-            load_environment, takes_task)
+        from rlharvest.services.trainer.environments.catalog import load_environment
+        from rlharvest.services.trainer.environments.interface import takes_task
 
         env = load_environment(self.env)  # a bad name fails here, naming the key
         if self.data and not takes_task(env):

@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from rlharvest.common.plugin import load_object
 
 
 class EnvironmentError_(Exception):
@@ -77,19 +76,3 @@ def checked_step(value: object) -> EnvStep:
     if not isinstance(value.done, bool):
         raise EnvironmentError_(f"step returned done={value.done!r}; a bool is needed")
     return EnvStep(value.observation, float(reward), value.done)
-
-
-def load_environment(spec: str) -> type:
-    """The environment class named by ``package.module:Class`` or a built-in name."""
-    from rlharvest.services.trainer.environments.frozen_lake import FrozenLake, ShapedFrozenLake
-
-    from rlharvest.services.trainer.environments.calculator import Calculator
-
-    builtin = {"frozen_lake": FrozenLake, "frozen_lake_shaped": ShapedFrozenLake,
-               "calculator": Calculator}
-    if spec in builtin:
-        return builtin[spec]
-    env = load_object(spec, "environment", "Class")
-    if not isinstance(env, type):
-        raise ValueError(f"{spec!r} is not a class; --env names an environment class")
-    return env
