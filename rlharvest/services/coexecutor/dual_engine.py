@@ -93,7 +93,7 @@ class DualEngine:
         self._serving_queue: deque[str] = deque()  # waiting for pages, in the serving engine not yet
         self._rollout: dict[str, _Held] = {}
         self._last_prefill = 0
-        self._pending_aborts: list[RequestOutput] = []
+        self._queued_aborts: list[RequestOutput] = []
         # Finished rollout requests' tables parked for the next turn to adopt (the rollout
         # engine's pages must be the pool's: PoolPages(prefix_reuse=True)).
         self._parked = ParkedPrefixes(self.rollout_tpp) if prefix_reuse else None
@@ -136,7 +136,7 @@ class DualEngine:
             self.pool.allocate(rid, Owner.ROLLOUT, pages_for(len(ids), self.rollout_tpp) - held,
                                now)
         except PoolExhausted:  # admission saw room; a step since took it
-            self._pending_aborts.append(self._abort_active(rid, "budget"))
+            self._queued_aborts.append(self._abort_active(rid, "budget"))
 
     def _adopt_prefix(self, rid: str, ids: list[int], now: float) -> int:
         """With prefix reuse: ``rid`` takes over the pages of the parked table holding the
@@ -195,7 +195,7 @@ class DualEngine:
 
     def step(self) -> list[RequestOutput]:
         now = self._clock()
-        reclaimed, self._pending_aborts = self._pending_aborts, []
+        reclaimed, self._queued_aborts = self._queued_aborts, []
         reclaimed += self._expire(now) + self._stalled(now)
         if self.memory.on_serving_use(now, self.pool.serving_pages):
             metrics.PRESSURE_EVENTS.inc()
@@ -434,7 +434,7 @@ class _ServingSide:
         if not dual._serving_queue:  # first come, first served: none may pass a waiting one
             granted, reclaimed = dual._grant_serving(rid, len(request.prompt_token_ids), now)
             # Rollout requests reclaimed for this prompt reach the manager with the next step.
-            dual._pending_aborts += reclaimed
+            dual._queued_aborts += reclaimed
         if not granted:
             dual.serving.abort(rid)  # nothing ran yet: it waits outside the engine
             dual._serving_queue.append(rid)

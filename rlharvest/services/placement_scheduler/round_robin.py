@@ -249,7 +249,7 @@ class _TailReplay:
         self.tailing = [False] * jobs  # a running rollout shrunk onto its tail
         self.ended = [False] * jobs  # time up, but a node of theirs is still a tail's
         self.held: list[list[int]] = [[] for _ in members]  # nodes a running phase holds
-        self.pending: list[list[int]] = [[] for _ in members]  # ... and waits for from a tail
+        self.owed: list[list[int]] = [[] for _ in members]  # ... and waits for from a tail
         self.done: list[list[float]] = [[] for _ in members]
         self.events: list[tuple[float, int, int, bool]] = []  # (time, seq, job, tail point?)
         self.dirty, self.seq, self.now, self.unfinished = set(range(nodes)), 0, 0.0, jobs
@@ -263,7 +263,7 @@ class _TailReplay:
             self.now, _, j, tail = heapq.heappop(self.events)
             if tail:
                 self._tail_point(j)
-            elif self.pending[j]:
+            elif self.owed[j]:
                 self.ended[j] = True
             else:
                 self._finish(j)
@@ -279,7 +279,7 @@ class _TailReplay:
                 continue
             for n in found[0]:
                 self.busy[n], self.holder[n] = True, j
-            self.running[j], self.held[j], self.pending[j] = True, found[0], found[1]
+            self.running[j], self.held[j], self.owed[j] = True, found[0], found[1]
             self._push(self.durations[j][self.phase[j]], j, False)
             if self.phase[j] == 0 and self.members[j].migrates():
                 self._push(self.members[j].tail_s or 0.0, j, True)
@@ -309,7 +309,7 @@ class _TailReplay:
 
     def _tail_point(self, j: int) -> None:
         """The tail keeps its first nodes; the others pass to the next job's turn."""
-        if self.pending[j]:
+        if self.owed[j]:
             return
         keep = set(self.phase_nodes[j][0][:self.members[j].tail_keep])
         freed = [n for n in self.held[j] if n not in keep]
@@ -326,13 +326,13 @@ class _TailReplay:
             self.turn[n] = (self.turn[n] + 1) % len(self.cycle[n])
             self.dirty.add(n)
             heir = self.cycle[n][self.turn[n]]
-            if n in self.pending[heir]:
+            if n in self.owed[heir]:
                 self.busy[n], self.holder[n] = True, heir
-                self.pending[heir].remove(n)
+                self.owed[heir].remove(n)
                 self.held[heir].append(n)
                 grown.append(heir)
         for j in dict.fromkeys(grown):
-            if not self.pending[j] and self.ended[j]:
+            if not self.owed[j] and self.ended[j]:
                 self._finish(j)
 
     def _finish(self, j: int) -> None:

@@ -18,7 +18,7 @@ _MAX_EVENT_TOKENS = 1 << 16
 
 
 @dataclass
-class _Pending:
+class _Undelivered:
     """An event not yet taken: its rows as batches (joined once, when taken) and the rest."""
 
     event: mpb.StepEvent = field(default_factory=mpb.StepEvent)
@@ -43,7 +43,7 @@ class ClientStream:
 
     def __init__(self, step: Step, max_events: int) -> None:
         self.step = step  # the core's step whose events this stream carries
-        self._events: deque[_Pending] = deque()
+        self._events: deque[_Undelivered] = deque()
         self._max_events = max_events
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
@@ -51,16 +51,16 @@ class ClientStream:
         self._ended = False
         self._detached = False  # its client went away; the step runs on (reattach.py)
 
-    def _tail(self, tokens: int) -> _Pending:
+    def _tail(self, tokens: int) -> _Undelivered:
         # A completion after rows in the same event: the client reads rows first (trainer).
         if not self._events or self._events[-1].tokens + tokens > _MAX_EVENT_TOKENS:
-            self._events.append(_Pending())
+            self._events.append(_Undelivered())
             if len(self._events) >= self._max_events:
                 self._room.clear()
-        pending = self._events[-1]
-        pending.tokens += tokens
+        undelivered = self._events[-1]
+        undelivered.tokens += tokens
         self._ready.set()
-        return pending
+        return undelivered
 
     def put_rows(self, rows: Rows) -> bool:
         """Queue accepted rows (requests named by their index in the step), now; True when the
@@ -117,7 +117,7 @@ class ClientStream:
                 return None
             self._ready.clear()
             await self._ready.wait()
-        pending = self._events.popleft()
+        undelivered = self._events.popleft()
         if len(self._events) < self._max_events:
             self._room.set()
-        return pending.finish()
+        return undelivered.finish()

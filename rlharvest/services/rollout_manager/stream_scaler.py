@@ -76,13 +76,13 @@ class ScalePublisher:
         self.key = keys.stream_scale_key(job)
         self._write_timeout_s = write_timeout_s
         self._retry_s = retry_s
-        self._pending: bytes | None = None
+        self._unwritten: bytes | None = None
         self._wake = asyncio.Event()
         self.written = 0  # records written (tests, logs)
 
     def publish(self, record: bytes) -> None:
         """Queue ``record``; it replaces any record not written yet."""
-        self._pending = record
+        self._unwritten = record
         self._wake.set()
 
     async def run(self) -> None:
@@ -93,8 +93,8 @@ class ScalePublisher:
                 await asyncio.sleep(self._retry_s)
 
     async def flush(self) -> bool:
-        """Write the pending record, if any; False when the write failed (it stays pending)."""
-        record = self._pending
+        """Write the unwritten record, if any; False when the write failed (it stays unwritten)."""
+        record = self._unwritten
         if record is None:
             return True
         try:
@@ -104,8 +104,8 @@ class ScalePublisher:
             etcd_failed(exc, f"stream scaling: writing {self.key}")  # an outage: logged once
             return False
         etcd_answered()
-        if self._pending is record:  # no newer one queued meanwhile
-            self._pending = None
+        if self._unwritten is record:  # no newer one queued meanwhile
+            self._unwritten = None
         self.written += 1
         return True
 

@@ -8,7 +8,7 @@ for an operator, an autoscaler or a vLLM deployment to apply, and as ``rlh_manag
 step's last completion is delivered, with the preemptions the workers reported while it ran,
 ``tp_accounting.PreemptionTally``, and its finished response lengths): it feeds the planner, which is synchronous and cheap, and hands the record to ``run``,
 a background loop that writes it. The stream never waits for etcd. A failed write (etcd down) is
-logged and the record stays pending: the next step's record replaces it and is written then.
+logged and the record stays unwritten: the next step's record replaces it and is written then.
 
 The record carries the planner's ``state_dict()``: ``load`` (at start, before the first step)
 resumes it, so a restarted manager keeps its TP sizes and baselines. A record that does not fit
@@ -52,7 +52,7 @@ class TpPublisher:
         self._key = keys.tp_plan_key(job)
         self._write_timeout_s = write_timeout_s
         self._clock = clock
-        self._pending: bytes | None = None
+        self._unwritten: bytes | None = None
         self._wake = asyncio.Event()
         self.steps = 0
         self.written = 0  # records written (tests, logs)
@@ -90,22 +90,22 @@ class TpPublisher:
         if decision.changed:
             log.info("TP plan: %s (step %s)", decision.reason, step_id)
         report = StepReport(step_id, kind, preemptions, len(lengths), decision)
-        self._pending = plan_record(self.planner, job=self._job, manager_id=self._manager_id,
+        self._unwritten = plan_record(self.planner, job=self._job, manager_id=self._manager_id,
                                     steps=self.steps, last_step=report,
                                     updated_unix=self._clock())
         self._wake.set()
         return decision
 
     async def run(self) -> None:
-        """Write the latest pending record whenever there is one."""
+        """Write the latest unwritten record whenever there is one."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             await self.flush()
 
     async def flush(self) -> bool:
-        """Write the pending record, if any; False when the write failed (it stays pending)."""
-        record = self._pending
+        """Write the unwritten record, if any; False when the write failed (it stays unwritten)."""
+        record = self._unwritten
         if record is None:
             return True
         try:
@@ -115,8 +115,8 @@ class TpPublisher:
             etcd_failed(exc, f"TP planner: writing {self._key}")  # an outage: logged once
             return False
         etcd_answered()
-        if self._pending is record:  # no newer one queued meanwhile
-            self._pending = None
+        if self._unwritten is record:  # no newer one queued meanwhile
+            self._unwritten = None
         self.written += 1
         return True
 

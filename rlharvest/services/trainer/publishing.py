@@ -66,7 +66,7 @@ class Publishing:
         self._shards = cfg.publish_mode == "shards" and isinstance(ranks, LeaderRanks)
         self._run_number = time.time_ns() // 1_000_000  # a restart's shards never join ours
         # What the next step awaits before its rollout: the last version's publish.
-        self._pending: Callable[[], Awaitable[Published]] | None = None
+        self._in_flight: Callable[[], Awaitable[Published]] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -102,7 +102,7 @@ class Publishing:
             await self._seed.load(tensors, version)
         task = asyncio.get_running_loop().create_task(self._publish(version, tensors),
                                                       name=f"publish v{version}")
-        self._pending = partial(_result, task)
+        self._in_flight = partial(_result, task)
 
     def _served_snapshot(self) -> Mapping[str, torch.Tensor]:
         return self.as_served(self._ranks.weights(where=self._where))
@@ -135,7 +135,7 @@ class Publishing:
         is simply published again."""
         started = self._clock()
         await self._send_shards(version)
-        self._pending = partial(self._finish_shards, version, started)
+        self._in_flight = partial(self._finish_shards, version, started)
 
     async def _send_shards(self, version: int) -> None:
         assert self._publisher is not None and isinstance(self._ranks, LeaderRanks)
@@ -176,13 +176,13 @@ class Publishing:
         return elapsed, stats
 
     @property
-    def pending(self) -> bool:
-        return self._pending is not None
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
 
     async def wait(self) -> Published | None:
         """The last version's publish, once it ended (None: none was under way)."""
-        pending, self._pending = self._pending, None
-        return None if pending is None else await pending()
+        in_flight, self._in_flight = self._in_flight, None
+        return None if in_flight is None else await in_flight()
 
     async def lost(self, version: int) -> bool:
         """Whether ``version`` is nowhere: published to an agent that died before any worker

@@ -82,7 +82,7 @@ class RankPublisher:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="publish-shard")
-        self._pending: tuple[int, Future[ShardPublished]] | None = None
+        self._in_flight: tuple[int, Future[ShardPublished]] | None = None
         # The shard this rank last published and to which agent: the next delta's base. Only
         # the pool's one thread touches it, one publish at a time.
         self._deltas: DeltaPublisher | None = None
@@ -92,17 +92,17 @@ class RankPublisher:
               target: ShardTarget) -> None:
         """Send ``shard`` (this rank's copied slices) in the background; a newer ``start``
         supersedes an unfinished one only after it ended (one publish per rank at a time)."""
-        if self._pending is not None:
-            self._pending[1].exception()  # wait; its outcome no longer matters
+        if self._in_flight is not None:
+            self._in_flight[1].exception()  # wait; its outcome no longer matters
         future = self._pool.submit(self._publish_blocking, version, dict(shard),
                                    dict(full_shapes), rank, size, target)
-        self._pending = (version, future)
+        self._in_flight = (version, future)
 
     def wait(self, version: int) -> ShardPublished:
         """How this rank's shard of ``version`` ended. Raises what the publish raised."""
-        if self._pending is None or self._pending[0] != version:
+        if self._in_flight is None or self._in_flight[0] != version:
             raise RuntimeError(f"this rank was never asked to publish version {version}")
-        return self._pending[1].result()
+        return self._in_flight[1].result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

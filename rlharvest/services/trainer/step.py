@@ -103,7 +103,7 @@ class TrainerStep:
 
     async def await_publish(self) -> None:
         """The last version's publish, once it ended; its step's summary says how it went."""
-        if not self._publishing.pending:
+        if not self._publishing.in_flight:
             return
         self._status.current.phase = "publish"
         published = await self._publishing.wait()
