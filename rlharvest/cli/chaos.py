@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import aetcd
+import aetcd.rpc
 
 from rlharvest.common import keys, observability, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
@@ -54,7 +55,8 @@ class Soak:
     faults: Counter = field(default_factory=Counter)
     regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
     serial: int = 0
-    etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)  # when, raft, bytes
+    # when, raft index, database bytes in use
+    etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)
     checkpoint_dir: Path = Path()
     # trainer-before-save kills: step -> whether the kill landed before that step's checkpoint
     before_save: dict[int, bool] = field(default_factory=dict)
@@ -221,10 +223,14 @@ def _flag(proc: ServiceProcess, flag: str) -> str:
 
 
 async def sample_etcd(soak: Soak) -> None:
-    """etcd's raft index (its writes and lease grants) and database size, for the report."""
-    status = await _quietly(_ask_etcd(soak, lambda client: client.status()))
+    """etcd's raft index (its writes and lease grants) and the database's bytes in use (what
+    compaction frees; the file itself keeps its size), for the report."""
+    async def ask(client: aetcd.Client) -> aetcd.rpc.StatusResponse:
+        return await client.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=5)
+
+    status = await _quietly(_ask_etcd(soak, ask))
     if status is not None:
-        soak.etcd_samples.append((time.monotonic(), status.raft_index, status.db_size))
+        soak.etcd_samples.append((time.monotonic(), status.raftIndex, status.dbSizeInUse))
 
 
 def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
@@ -232,7 +238,7 @@ def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
         return "etcd: not sampled"
     (t0, raft0, db0), (t1, raft1, db1) = samples[0], samples[-1]
     rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
-    return (f"etcd: {rate:.0f} raft entries a minute; database {db0 / 1024:.0f} KiB -> "
+    return (f"etcd: {rate:.0f} raft entries a minute; database in use {db0 / 1024:.0f} KiB -> "
             f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB; at "
             f"each minute's end: {', '.join(f'{kib:.0f}' for kib in by_minute(samples))} KiB)")
 
