@@ -263,8 +263,10 @@ def trainer_messages(soak: Soak) -> list[str]:
     return _messages(soak.stack.log_dir / "trainer.log")
 
 
-async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] = KINDS) -> int:
-    etcd = await asyncio.to_thread(LocalEtcd(log_path=workdir / "etcd.log").start)
+async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] = KINDS,
+               compaction: str = "5m") -> int:
+    etcd = await asyncio.to_thread(LocalEtcd(log_path=workdir / "etcd.log",
+                                             compaction_retention=compaction).start)
     stack = LocalStack(workdir / "logs", etcd=etcd)
     trainer_flags = ["--trainer-id", "trainer-0", "--port", str(free_port()), "--backend", "torch",
                      "--torch-threads", "1", "--checkpoint-dir", str(workdir / "checkpoints"),
@@ -345,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the faults to inject, comma-separated, among {','.join(KINDS)} "
                              "(without etcd: its periodic compaction needs it up for the "
                              "retention, which a soak's etcd restarts never leave it)")
+    parser.add_argument("--compaction", default="5m",
+                        help="etcd's compaction retention (the local stack's: 5m); the database "
+                             "in use levels off at one to two of them")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlh-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos soak: {args.minutes:g} min, seed {args.seed}, logs in {workdir}")
-    return asyncio.run(soak(args.minutes, args.seed, workdir, kinds))
+    return asyncio.run(soak(args.minutes, args.seed, workdir, kinds, args.compaction))
 
 
 if __name__ == "__main__":

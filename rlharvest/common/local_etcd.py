@@ -123,12 +123,15 @@ class LocalEtcd:
     whole API there. Without ``ca``, plaintext on ``127.0.0.1:PORT``, peers too."""
 
     def __init__(self, binary: str = "etcd", log_path: Path | None = None,
-                 ca: tls.LocalCA | None = None):
+                 ca: tls.LocalCA | None = None, compaction_retention: str = "5m"):
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(
                 f"{binary!r} is not on PATH; install it (Debian: apt-get install etcd-server)")
         self.binary = path
+        # etcd compacts every retention period to the revision of one period before: the
+        # history in use levels off at one to two periods of writes.
+        self._retention = compaction_retention
         self._tls = None if ca is None else _server_identity(ca)
         self._peer = None if ca is None else _peer_identity(ca)
         self._pick_ports()
@@ -185,7 +188,8 @@ class LocalEtcd:
              "--initial-cluster", f"rlh-local={peer_url}", "--log-level", "warn",
              # The services write a few hundred revisions a minute: old ones are compacted
              # away (5 minutes kept), so the database levels off instead of reaching the quota.
-             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
+             "--auto-compaction-mode", "periodic", "--auto-compaction-retention",
+             self._retention,
              *self._tls_flags()],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
