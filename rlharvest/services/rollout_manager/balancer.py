@@ -17,14 +17,14 @@ m_pending and m_exec (line 5, lines 16-17) depend on how a worker admits request
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
 from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
 
-__all__ = ["InstanceLoad", "SelectFn", "ThroughputProfile", "select_instance",
-           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance"]
+__all__ = ["InstanceLoad", "MoveCosts", "SelectFn", "ThroughputProfile", "select_instance",
+           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance", "move_gain"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ class InstanceLoad:
     # A co-executor's KV room for rollout, in tokens (its last load report's capacity less use,
     # less the context of the requests sent to it since); None: not known or not limited.
     room_tokens: int | None = None
+    # The cost-aware migration rule's view (MoveCosts; migration_cost.py): its decode pace in
+    # tokens/s per request, measured at a batch of ``pace_batch`` requests, and its prefill rate
+    # in tokens/s; None: not measured yet.
+    pace: float | None = None
+    pace_batch: float = 1.0
+    prefill_rate: float | None = None
 
     @property
     def holds_ours(self) -> bool:
@@ -165,7 +171,60 @@ def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLo
     return replace(load, queued=load.queued + (request_id,), room_tokens=room)
 
 
-def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
+@dataclass(frozen=True)
+class MoveCosts:
+    """What the cost-aware rule weighs a move of a running request by (None in ``rebalance``:
+    the paper's rule). Requests are named by id; the control loop answers from its tracker.
+
+    * ``remaining``: the request's expected remaining tokens (migration_cost.LengthModel).
+    * ``context``: its context length, prompt and tokens so far: what the destination prefills
+      to resume it (a queued request pays that prefill wherever it runs, so only a running
+      one's move costs it).
+    * ``left``: the workers it was moved away from within its step: it never goes back to
+      one of them (the paper's rule moves the excess over B to any idle worker, so at a step's
+      tail requests bounce between workers as each runs dry).
+    * ``prefill_tokens_per_s``: the destination's prefill rate until it has measured its own.
+    * ``min_gain``: a move must save this share of the request's remaining time at the source
+      beyond its prefill. The paces are moving averages of noisy engine steps: on equal workers
+      they differ by noise alone, and a move on noise is a prefill for nothing.
+    """
+
+    remaining: Callable[[str], float]
+    context: Callable[[str], int]
+    left: Callable[[str], Collection[str]]
+    prefill_tokens_per_s: float = 10_000.0
+    min_gain: float = 0.1
+
+
+def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
+    """The instance's per-request pace once it decodes ``batch`` requests. Not credited for a
+    batch smaller than the one it was measured at (a memory-bound GPU decodes one request
+    about as fast as a few), debited in proportion for a larger one (as if compute-bound):
+    pessimistic both ways, so a move is never made on a speed-up the destination may not have.
+    The paper's P would give the curve per kind, but it is frozen a step late and is the
+    same for every worker of a kind, which is what a slow worker is not."""
+    if load.pace is None or load.pace <= 0:
+        return None
+    return load.pace * min(1.0, load.pace_batch / max(batch, 1))
+
+
+def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: InstanceLoad,
+              dst_batch: int) -> float | None:
+    """Seconds a move of the running ``request_id`` from ``src`` to ``dst`` is predicted to
+    save beyond its cost: its expected remaining tokens at the source's pace, less the same at
+    the destination's (decoding ``dst_batch`` requests), less its context's prefill there, less
+    ``min_gain`` of its time at the source. None: a pace is unknown, nothing can be predicted."""
+    src_pace, dst_pace = predicted_pace(src, max(src.executing, 1)), predicted_pace(dst, dst_batch)
+    if src_pace is None or dst_pace is None:
+        return None
+    remaining = costs.remaining(request_id)
+    at_src = remaining / src_pace
+    prefill = costs.context(request_id) / (dst.prefill_rate or costs.prefill_tokens_per_s)
+    return at_src - remaining / dst_pace - prefill - costs.min_gain * at_src
+
+
+def continuous_lb(instances: Sequence[InstanceLoad],
+                  costs: MoveCosts | None = None) -> list[Migrate]:
     """One iteration of CONTINUOUSLB (lines 14-27).
 
     Pending case: move one request from the instance with the most pending to one with none.
@@ -177,17 +236,23 @@ def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     Executing case (nothing pending anywhere, some instance idle): move max(m_exec_j - B, 0)
     requests from the busiest instance j, where B is j's batching plateau, capped by the idle
     instance's capacity. Without a profile (first step) B is unknown and nothing moves.
+
+    With ``costs`` (the cost-aware rule) the executing case is ``_migrate_paying`` instead, and
+    the pending case moves a running request (a source with none queued) only where it did not
+    come from within its step.
     """
     if len(instances) < 2:
         return []
     overloaded = [i for i in instances if i.pending > 0]
     if overloaded:
-        return _migrate_pending(instances, overloaded)
-    return _migrate_executing(instances)
+        return _migrate_pending(instances, overloaded, costs)
+    if costs is None:
+        return _migrate_executing(instances)
+    return _migrate_paying(instances, costs)
 
 
-def _migrate_pending(instances: Sequence[InstanceLoad],
-                     overloaded: Sequence[InstanceLoad]) -> list[Migrate]:
+def _migrate_pending(instances: Sequence[InstanceLoad], overloaded: Sequence[InstanceLoad],
+                     costs: MoveCosts | None = None) -> list[Migrate]:
     receivers = [i for i in instances if i.pending == 0 and i.free_slots > 0]
     # With no source left nothing moves, which also ends rebalance's loop instead of picking
     # the same worker again.
@@ -199,6 +264,8 @@ def _migrate_pending(instances: Sequence[InstanceLoad],
     # The newest queued request is last in the source's FIFO queue; a source whose capacity we
     # underestimate may have no queued one, and then its newest running request goes.
     request_id = (src.queued or src.running)[-1]
+    if costs is not None and not src.queued and dst.worker_id in costs.left(request_id):
+        return []  # back where it came from: the bounce the cost-aware rule rules out
     return [Migrate(request_id, src.worker_id, dst.worker_id, "pending")]
 
 
@@ -218,8 +285,53 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     return [Migrate(r, src.worker_id, dst.worker_id, "executing") for r in movable[:count]]
 
 
-def rebalance(instances: Sequence[InstanceLoad], max_moves: int) -> list[Migrate]:
-    """Run CONTINUOUSLB until it is satisfied or ``max_moves`` requests moved.
+def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list[Migrate]:
+    """The executing case under the cost-aware rule: when nothing is pending and an instance is
+    idle, move to it the running requests whose move pays (``move_gain`` > 0), best first,
+    while each still pays with the destination's batch grown by the ones before.
+
+    Deviation from the paper: any instance's running requests may go, not only the excess over
+    B of the busiest. The plateau argument (a batch above B decodes no faster in total) says
+    nothing about where a request finishes first, which is what the step's makespan is made of:
+    a slow or throttled worker's requests gain from a faster idle one however small its batch,
+    and on equal workers no move pays, whatever the batch. The destination is the fastest idle
+    instance: if no move pays there, none pays anywhere (up to prefill rates).
+    """
+    idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
+            predicted_pace(i, 1) is not None]
+    if not idle:
+        return []
+    dst = max(idle, key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id))
+    fastest = predicted_pace(dst, 1) or 0.0
+    # A move pays only if the source is slower than the destination by more than min_gain
+    # (saved / time at source <= 1 - source pace / destination pace): filter sources first, so
+    # a tick looks at the requests of the few slow workers, not at every request in flight.
+    ceiling = fastest * (1.0 - costs.min_gain)
+    candidates: list[tuple[float, str, InstanceLoad]] = []
+    for src in instances:
+        pace = predicted_pace(src, max(src.executing, 1))
+        if src is dst or not src.running or pace is None or pace >= ceiling:
+            continue
+        for request_id in src.running:
+            if dst.worker_id in costs.left(request_id):
+                continue
+            gain = move_gain(costs, request_id, src, dst, 1)
+            if gain is not None and gain > 0:
+                candidates.append((gain, request_id, src))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    moves: list[Migrate] = []
+    for _, request_id, src in candidates[:dst.free_slots]:
+        gain = move_gain(costs, request_id, src, dst, len(moves) + 1)
+        if gain is None or gain <= 0:
+            continue  # not with the destination's batch grown by the moves before it
+        moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
+    return moves
+
+
+def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
+              costs: MoveCosts | None = None) -> list[Migrate]:
+    """Run CONTINUOUSLB until it is satisfied or ``max_moves`` requests moved (``costs``: the
+    cost-aware rule, None: the paper's).
 
     The pending case moves one request per iteration "until the receiver is saturated" (§4.2.1);
     each iteration sees the snapshot updated with the previous moves.
@@ -227,7 +339,7 @@ def rebalance(instances: Sequence[InstanceLoad], max_moves: int) -> list[Migrate
     by_id = {i.worker_id: i for i in instances}
     moves: list[Migrate] = []
     while len(moves) < max_moves:
-        step = continuous_lb(list(by_id.values()))
+        step = continuous_lb(list(by_id.values()), costs)
         if not step:
             break
         for m in step[: max_moves - len(moves)]:
