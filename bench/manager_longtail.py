@@ -4,7 +4,9 @@ the paper's rule vs JSQ without migration vs round-robin (RLBoost §4.2.1, §6.4
 Six real rollout workers (torch engine, tiny model, --max-running 4), slowed by sleeping after
 each engine step (emulated GPU-like step cost, or slower hardware). `--case unequal` (the
 default): two sleep `--step-delay-s`, two a third as much, two not at all. `--case equal`: all
-sleep `--step-delay-s`. `--case slow`: all sleep `--step-delay-s`, one four times as much.
+sleep `--step-delay-s`. `--case slow`: all sleep `--step-delay-s`, one four times as much. `--case trainer`: what `rlharvest up --trainer`
+runs by default, three workers of `--max-running 64` without delays, 64 requests of a few tokens
+(median 4, cap 16): the setting where the paper's rule moved two requests per completion.
 Response lengths are long-tailed: each request's max_tokens is drawn from a seeded log-normal and
 no stop token is set, so every request generates exactly that many tokens. Three real managers,
 one per `--balancer`, run the same steps in turn on the same workers; each first runs a warm-up
@@ -49,6 +51,8 @@ CONFIGS = {
 
 
 def delays_of(case: str, delay: float) -> list[float]:
+    if case == "trainer":
+        return [0.0] * 3
     if case == "equal":
         return [delay] * 6
     if case == "slow":
@@ -75,7 +79,8 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=200)
     parser.add_argument("--step-delay-s", type=float, default=0.03)
     parser.add_argument("--repeats", type=int, default=3, help="rounds, a seed of lengths each")
-    parser.add_argument("--case", choices=("unequal", "equal", "slow"), default="unequal")
+    parser.add_argument("--case", choices=("unequal", "equal", "slow", "trainer"),
+                        default="unequal")
     parser.add_argument("--configs", default="paper,cost-aware,jsq,round_robin",
                         help=f"comma-separated, of {', '.join(CONFIGS)}; the first is the base")
     args = parser.parse_args()
@@ -84,6 +89,9 @@ def main() -> None:
         # only the tail is left to rebalance.
         args.requests, args.median, args.cap = 24, 16, 96
         args.repeats = 1 if "--repeats" not in sys.argv else args.repeats
+    max_running = "4"
+    if args.case == "trainer":
+        args.requests, args.median, args.cap, max_running = 64, 4, 16, "64"
     configs = {c: CONFIGS[c] for c in args.configs.split(",")}
     base = next(iter(configs))
     delays = delays_of(args.case, args.step_delay_s)
@@ -96,7 +104,7 @@ def main() -> None:
     migrations: dict[str, list[int]] = {b: [] for b in configs}
     try:
         for i, delay in enumerate(delays):  # handed from config to config (job_turns.py)
-            start_worker(stack, f"w{i}", "--max-running", "4", "--log-level", "warning",
+            start_worker(stack, f"w{i}", "--max-running", max_running, "--log-level", "warning",
                          "--max-len", "320", "--step-delay-s", str(delay),
                          *placed_flags(nodes[i], len(configs)))
         managers = {}
@@ -127,7 +135,8 @@ def main() -> None:
         stack.stop()
 
     lengths0 = lognormal_lengths(args.requests, 0, args.median, args.sigma, args.cap)
-    lines = [f"case {args.case}: 6 real workers (tiny model, CPU, --max-running 4), step delays "
+    lines = [f"case {args.case}: {len(delays)} real workers (tiny model, CPU, --max-running "
+             f"{max_running}), step delays "
              f"{delays} s; {args.requests} requests/step, max_tokens log-normal (median "
              f"{args.median}, sigma {args.sigma}, cap {args.cap}; step 0: max {max(lengths0)}, "
              f"total {sum(lengths0)} tokens), {args.repeats} round(s) after a warm-up step",

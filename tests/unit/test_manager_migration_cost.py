@@ -15,9 +15,11 @@ from rlharvest.services.rollout_manager.balancer import (
     _apply_move,
     MoveCosts,
     continuous_lb,
+    dispatch_waiting,
     move_gain,
     predicted_pace,
     rebalance,
+    select_instance,
 )
 from rlharvest.services.rollout_manager.batching_profile import StepStats
 from rlharvest.services.rollout_manager.commands import Migrate
@@ -168,19 +170,21 @@ def test_every_cost_aware_move_pays_and_none_goes_back(paces, running, remaining
     c = costs(remaining=remaining, context=context, left=left)
     moves = rebalance(loads, 64, c)
     assert len({m.request_id for m in moves}) == len(moves)  # none moved twice in a round
-    # Replayed on the snapshot as the round updates it: each batch of moves goes to an idle
-    # worker (maybe one emptied by an earlier batch), and each pays at its batch there.
+    # Replayed as rebalance runs it, CONTINUOUSLB call by call on the updated snapshot: each
+    # move goes to an idle worker and pays there at the batch the call's moves make it.
     by_id = {i.worker_id: i for i in loads}
-    taken: dict[str, int] = {}
-    at_batch = dict(by_id)  # the snapshot as its destination's batch of moves began
-    for m in moves:
-        assert m.cause == "executing" and m.dst not in left.get(m.request_id, ())
-        if m.dst not in taken:
+    replayed: list[Migrate] = []
+    while batch := continuous_lb(list(by_id.values()), c):
+        taken: dict[str, int] = {}
+        for m in batch:
+            assert m.cause == "executing" and m.dst not in left.get(m.request_id, ())
             assert by_id[m.dst].executing == 0
-            at_batch = dict(by_id)
-        taken[m.dst] = taken.get(m.dst, 0) + 1
-        assert move_gain(c, m.request_id, at_batch[m.src], at_batch[m.dst], taken[m.dst]) > 0
-        _apply_move(by_id, m)
+            taken[m.dst] = taken.get(m.dst, 0) + 1
+            assert move_gain(c, m.request_id, by_id[m.src], by_id[m.dst], taken[m.dst]) > 0
+        for m in batch:
+            _apply_move(by_id, m)
+        replayed += batch
+    assert replayed[:64] == moves
 
 
 # ---- its inputs -------------------------------------------------------------------------------
@@ -299,3 +303,19 @@ def test_with_a_slow_worker_cost_aware_beats_jsq_and_the_papers_rule():
     assert cost.contiguous and cost.finished == 96 and cost.tokens_regenerated == 0
     assert cost.makespan_s < 0.8 * jsq.makespan_s
     assert cost.makespan_s < 0.8 * paper.makespan_s
+
+
+# ---- SELECTINSTANCE's burst path --------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 6), st.integers(0, 3),
+                                st.booleans(), st.integers(0, 2)), min_size=1, max_size=8),
+       waiting=st.integers(0, 40), theta=st.integers(1, 3))
+def test_a_dispatch_burst_through_the_heap_picks_what_select_instance_picks_one_by_one(
+        shape, waiting, theta):
+    loads = [InstanceLoad(f"w{k}", cap, tuple(f"w{k}-q{i}" for i in range(q)),
+                          tuple(f"w{k}-r{i}" for i in range(r)), unmanaged=u, refusing=refusing)
+             for k, (cap, r, q, refusing, u) in enumerate(shape)]
+    ids = [f"n{i}" for i in range(waiting)]
+    one_by_one = dispatch_waiting(ids, loads, theta, select=lambda i, t: select_instance(i, t))
+    assert dispatch_waiting(ids, loads, theta) == one_by_one

@@ -17,6 +17,7 @@ m_pending and m_exec (line 5, lines 16-17) depend on how a worker admits request
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -148,10 +149,12 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
     """SELECTINSTANCE for each waiting request in order, until one has to be held. With
     ``need_of`` (a request's KV tokens), an instance whose reported room cannot hold a request
     is no candidate for it: it would only refuse it."""
-    by_id = {i.worker_id: i for i in instances}
     # Sizes matter only where some instance reports its room (need 0 fits everywhere).
     if not any(i.room_tokens is not None for i in instances):
         need_of = None
+    if select is select_instance and need_of is None:
+        return _dispatch_jsq(request_ids, instances, theta)
+    by_id = {i.worker_id: i for i in instances}
     out: list[Dispatch] = []
     for request_id in request_ids:
         need = need_of(request_id) if need_of is not None else 0
@@ -161,6 +164,35 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
             break  # every instance has Θ pending: the rest wait for a completion (line 12)
         by_id[target] = queue_on(by_id[target], request_id, need)
         out.append(Dispatch(request_id, target))
+    return out
+
+
+def _jsq_key(assigned: int, capacity: int, worker_id: str) -> tuple[int, int, str]:
+    """select_instance's order, (pending, -free slots, id), of an instance that is not
+    refusing with ``assigned`` requests on it."""
+    return max(0, assigned - capacity), -max(0, capacity - assigned), worker_id
+
+
+def _dispatch_jsq(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
+                  theta: int) -> list[Dispatch]:
+    """``dispatch_waiting`` with ``select_instance`` and no sizes, in O((requests + instances)
+    log instances) instead of a scan of every instance per request: a step's first tick at
+    1,024 workers dispatches ~32k requests (bench/manager_scale_sim.py). A dispatch changes
+    only its target's key, so a heap of the candidates picks what select_instance picks."""
+    if theta < 1:
+        select_instance(instances, theta)  # its ValueError
+    heap = [(_jsq_key(i.assigned, i.capacity, i.worker_id), i.assigned, i.capacity)
+            for i in instances if i.pending < theta and not i.refusing]
+    heapq.heapify(heap)
+    out: list[Dispatch] = []
+    for request_id in request_ids:
+        if not heap:
+            break  # every instance has Θ pending: the rest wait for a completion (line 12)
+        (_, _, worker_id), assigned, capacity = heapq.heappop(heap)
+        out.append(Dispatch(request_id, worker_id))
+        assigned += 1
+        if assigned - capacity < theta:
+            heapq.heappush(heap, (_jsq_key(assigned, capacity, worker_id), assigned, capacity))
     return out
 
 
@@ -286,45 +318,66 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
 
 
 def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list[Migrate]:
-    """The executing case under the cost-aware rule: when nothing is pending and an instance is
-    idle, move to it the running requests whose move pays (``move_gain`` > 0), best first,
-    while each still pays with the destination's batch grown by the ones before.
+    """The executing case under the cost-aware rule: when nothing is pending and instances are
+    idle, move to each, fastest first, the running requests whose move pays (``move_gain`` >
+    0), best first, while each still pays with the destination's batch grown by the ones before.
 
     Deviation from the paper: any instance's running requests may go, not only the excess over
     B of the busiest. The plateau argument (a batch above B decodes no faster in total) says
     nothing about where a request finishes first, which is what the step's makespan is made of:
     a slow or throttled worker's requests gain from a faster idle one however small its batch,
-    and on equal workers no move pays, whatever the batch. The destination is the fastest idle
-    instance: if no move pays there, none pays anywhere (up to prefill rates).
+    and on equal workers no move pays, whatever the batch. One call serves every idle
+    instance (the paper's loop serves one per iteration) so that a tick at thousands of workers
+    ranks the candidates once.
     """
     idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
             predicted_pace(i, 1) is not None]
     if not idle:
         return []
-    dst = max(idle, key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id))
-    fastest = predicted_pace(dst, 1) or 0.0
+    idle.sort(key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id), reverse=True)
+    fastest = idle[0]
     # A move pays only if the source is slower than the destination by more than min_gain
     # (saved / time at source <= 1 - source pace / destination pace): filter sources first, so
     # a tick looks at the requests of the few slow workers, not at every request in flight.
-    ceiling = fastest * (1.0 - costs.min_gain)
+    ceiling = (predicted_pace(fastest, 1) or 0.0) * (1.0 - costs.min_gain)
+    # move_gain against the fastest at batch 1, unrolled: the one loop over requests in a tick.
+    per_token = 1.0 / (predicted_pace(fastest, 1) or 1.0)
+    prefill_rate = fastest.prefill_rate or costs.prefill_tokens_per_s
     candidates: list[tuple[float, str, InstanceLoad]] = []
     for src in instances:
-        pace = predicted_pace(src, max(src.executing, 1))
-        if src is dst or not src.running or pace is None or pace >= ceiling:
+        if not src.running:
             continue
+        pace = predicted_pace(src, src.executing or 1)
+        if pace is None or pace >= ceiling:
+            continue
+        factor = (1.0 - costs.min_gain) / pace - per_token
         for request_id in src.running:
-            if dst.worker_id in costs.left(request_id):
-                continue
-            gain = move_gain(costs, request_id, src, dst, 1)
-            if gain is not None and gain > 0:
+            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
+            if gain > 0:
                 candidates.append((gain, request_id, src))
     candidates.sort(key=lambda c: (-c[0], c[1]))
     moves: list[Migrate] = []
-    for _, request_id, src in candidates[:dst.free_slots]:
-        gain = move_gain(costs, request_id, src, dst, len(moves) + 1)
-        if gain is None or gain <= 0:
-            continue  # not with the destination's batch grown by the moves before it
-        moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
+    taken: set[str] = set()
+    for dst in idle:
+        batch, looked = 0, 0
+        for _, request_id, src in candidates:
+            # A bounded look per destination: the list is ranked for the fastest one, and a
+            # request low in it rarely pays where a better one did not.
+            if batch >= dst.free_slots or looked >= 4 * dst.free_slots:
+                break
+            if request_id in taken:
+                continue
+            looked += 1
+            if dst.worker_id in costs.left(request_id):
+                continue
+            gain = move_gain(costs, request_id, src, dst, batch + 1)
+            if gain is None or gain <= 0:
+                continue  # not with the destination's batch grown by the moves before it
+            batch += 1
+            taken.add(request_id)
+            moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
+        if not batch:
+            break  # the next ones are slower: what did not pay here pays nowhere else
     return moves
 
 

@@ -719,10 +719,12 @@ class RolloutControl:
         owed = self._owed(w.worker_id)
         queued = tuple(r.request_id for r in requests
                        if r.state is RequestState.PENDING and r.request_id not in owed)
-        # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
-        # the likeliest to run longest, and they gain most from the idle worker's small batch.
-        running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
-                         key=lambda r: -r.generated)
+        running = [r for r in requests if r.state is RequestState.EXECUTING]
+        if self._costs is None:
+            # Executing requests leave longest-so-far first: with heavy-tailed lengths those
+            # are the likeliest to run longest, and they gain most from the idle worker's small
+            # batch. (The cost-aware rule ranks them by what their move saves instead.)
+            running.sort(key=lambda r: -r.generated)
         context = self.tracker.mean_context(w.worker_id)
         plateau = None if context is None else self.profiles[w.kind].plateau(context)
         capacity, unmanaged = w.capacity, 0
