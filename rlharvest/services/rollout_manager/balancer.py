@@ -18,6 +18,7 @@ m_pending and m_exec (line 5, lines 16-17) depend on how a worker admits request
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -356,26 +357,25 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list
             if gain > 0:
                 candidates.append((gain, request_id, src))
     candidates.sort(key=lambda c: (-c[0], c[1]))
+    queue = deque(candidates)
     moves: list[Migrate] = []
-    taken: set[str] = set()
     for dst in idle:
-        batch, looked = 0, 0
-        for _, request_id, src in candidates:
-            # A bounded look per destination: the list is ranked for the fastest one, and a
-            # request low in it rarely pays where a better one did not.
-            if batch >= dst.free_slots or looked >= 4 * dst.free_slots:
-                break
-            if request_id in taken:
-                continue
+        free, batch, looked = dst.free_slots, 0, 0
+        passed: list[tuple[float, str, InstanceLoad]] = []  # back to the queue's head after
+        # A bounded look per destination: the queue is ranked for the fastest one, and a
+        # request low in it rarely pays where a better one did not.
+        while queue and batch < free and looked < 4 * free:
+            candidate = queue.popleft()
             looked += 1
-            if dst.worker_id in costs.left(request_id):
-                continue
-            gain = move_gain(costs, request_id, src, dst, batch + 1)
+            _, request_id, src = candidate
+            gain = (None if dst.worker_id in costs.left(request_id) else
+                    move_gain(costs, request_id, src, dst, batch + 1))
             if gain is None or gain <= 0:
-                continue  # not with the destination's batch grown by the moves before it
+                passed.append(candidate)  # not with the destination's batch grown so far
+                continue
             batch += 1
-            taken.add(request_id)
             moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
+        queue.extendleft(reversed(passed))
         if not batch:
             break  # the next ones are slower: what did not pay here pays nowhere else
     return moves
