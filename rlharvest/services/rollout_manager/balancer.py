@@ -368,9 +368,9 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list
             candidate = queue.popleft()
             looked += 1
             _, request_id, src = candidate
-            gain = (None if dst.worker_id in costs.left(request_id) else
-                    move_gain(costs, request_id, src, dst, batch + 1))
-            if gain is None or gain <= 0:
+            saved = (None if dst.worker_id in costs.left(request_id) else
+                     move_gain(costs, request_id, src, dst, batch + 1))
+            if saved is None or saved <= 0:
                 passed.append(candidate)  # not with the destination's batch grown so far
                 continue
             batch += 1
