@@ -319,3 +319,18 @@ def test_a_dispatch_burst_through_the_heap_picks_what_select_instance_picks_one_
     ids = [f"n{i}" for i in range(waiting)]
     one_by_one = dispatch_waiting(ids, loads, theta, select=lambda i, t: select_instance(i, t))
     assert dispatch_waiting(ids, loads, theta) == one_by_one
+
+
+@pytest.mark.parametrize("rule", ["paper", "cost-aware"])
+def test_a_tick_with_every_worker_busy_within_its_slots_builds_no_load(rule, monkeypatch):
+    """CONTINUOUSLB needs a pending request or an idle worker: with neither, told from counts,
+    the tick skips it (at thousands of workers, most of a step's ticks)."""
+    control, _ = _control(rule)
+    control.add_step("s", step(4, max_tokens=8), 0)  # 2 workers x 2 slots: all run, none wait
+    control.tick()
+    built = []
+    monkeypatch.setattr(control, "_loads", lambda v: built.append(v) or [])
+    assert control.tick() == [] and built == []
+    control.add_step("t", step(1, max_tokens=8, prefix="x"), 0)  # one waits: loads are built
+    control.tick()
+    assert built

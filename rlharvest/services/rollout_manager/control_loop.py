@@ -557,11 +557,25 @@ class RolloutControl:
             out += self._drop_stale_kept()
         if self.config.continuous_lb:
             for version in self._busy_versions():
+                if self._settled(version):
+                    continue
                 out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick,
                                              self._costs))
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _settled(self, version: int) -> bool:
+        """Every eligible worker runs requests within its slots: nothing pending, none idle, so
+        CONTINUOUSLB has nothing to do under either rule (its pending case needs a pending
+        request, its executing case an idle worker). Told from counts, without building a
+        load per worker: most ticks of a step at thousands of workers end here. A kv_memory
+        worker's counts are its reports', so with one the loads are built."""
+        for w in self.pool.eligible(version):
+            assigned = self.tracker.assigned_count(w.worker_id)
+            if w.admission != "slots" or not 0 < assigned <= w.capacity:
+                return False
+        return True
 
     def _drop_stale_kept(self) -> list[Abort]:
         """Kept copies of requests that run elsewhere or ended meanwhile (their keeper was not
