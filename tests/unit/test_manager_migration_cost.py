@@ -58,6 +58,18 @@ def test_the_paper_moves_the_excess_over_b_between_equal_workers_and_cost_aware_
     assert continuous_lb(loads, costs()) == []
 
 
+def test_the_papers_rule_bounces_requests_back_as_each_worker_runs_dry():
+    """The issue's tail: B = 1 on equal workers. a's excess goes to idle b; once a runs dry,
+    b's excess comes back to a: two prefills of each moved request's context for nothing."""
+    first = rebalance([load("a", running=4, plateau=1), load("b", plateau=1)], 64)
+    assert [(m.src, m.dst) for m in first] == [("a", "b")] * 3
+    moved = tuple(m.request_id for m in first)
+    back = rebalance([load("a", plateau=1), InstanceLoad("b", 4, (), moved, 1, pace=10.0,
+                                                         pace_batch=4.0)], 64)
+    assert [(m.src, m.dst) for m in back] == [("b", "a")] * 2
+    assert {m.request_id for m in back} < set(moved)
+
+
 def test_a_slow_workers_long_request_moves_to_a_fast_idle_worker():
     loads = [load("slow", running=1, pace=2.0), load("fast", pace=10.0)]
     assert continuous_lb(loads, costs()) == [Migrate("slow-r0", "slow", "fast", "executing")]
