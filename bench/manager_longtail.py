@@ -38,7 +38,7 @@ from tests.integration.worker_client import WorkerHandle, start_worker, wait_ser
 from bench.job_turns import placed_flags, turn  # noqa: E402
 from bench.manager_preemption import manager_status, run_step, step_request  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "manager_longtail.md"
+RESULTS = Path(__file__).resolve().parent / "results"  # manager_longtail_<case>.md
 # configuration -> (label, manager flags)
 CONFIGS = {
     "paper": ("Algorithm 2, the paper's migration rule",
@@ -150,10 +150,10 @@ def main() -> None:
     lines += ["", f"wall time of the benchmark: {time.perf_counter() - wall0:.0f} s"]
     print("\n".join(lines))
     if not args.quick:
-        out = RESULTS.with_name(f"manager_longtail_{args.case}.md")
+        out = RESULTS / f"manager_longtail_{args.case}.md"
         out.write_text(f"# Long-tail step makespan with real workers ({args.case})\n\n"
                        f"`python bench/manager_longtail.py --case {args.case} --repeats "
-                       f"{args.repeats}`\n\n" + "\n".join(lines) + "\n")
+                       f"{args.repeats} --configs {args.configs}`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

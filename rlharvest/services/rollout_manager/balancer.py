@@ -233,7 +233,8 @@ def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
     """The instance's per-request pace once it decodes ``batch`` requests. Not credited for a
     batch smaller than the one it was measured at (a memory-bound GPU decodes one request
     about as fast as a few), debited in proportion for a larger one (as if compute-bound):
-    pessimistic both ways, so a move is never made on a speed-up the destination may not have.
+    pessimistic both ways for a destination, so a move is never made on a speed-up it may not
+    have. (At ``batch`` 1 it is the measured pace, what a source is taken at.)
     The paper's P would give the curve per kind, but it is frozen a step late and is the
     same for every worker of a kind, which is what a slow worker is not."""
     if load.pace is None or load.pace <= 0:
@@ -247,7 +248,8 @@ def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: Instanc
     save beyond its cost: its expected remaining tokens at the source's pace, less the same at
     the destination's (decoding ``dst_batch`` requests), less its context's prefill there, less
     ``min_gain`` of its time at the source. None: a pace is unknown, nothing can be predicted."""
-    src_pace, dst_pace = predicted_pace(src, max(src.executing, 1)), predicted_pace(dst, dst_batch)
+    # The source's pace is its measured one: it is decoding now, at about the batch measured.
+    src_pace, dst_pace = predicted_pace(src, 1), predicted_pace(dst, dst_batch)
     if src_pace is None or dst_pace is None:
         return None
     remaining = costs.remaining(request_id)
@@ -348,7 +350,7 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list
     for src in instances:
         if not src.running:
             continue
-        pace = predicted_pace(src, src.executing or 1)
+        pace = predicted_pace(src, 1)  # its measured pace, as in move_gain
         if pace is None or pace >= ceiling:
             continue
         factor = (1.0 - costs.min_gain) / pace - per_token
