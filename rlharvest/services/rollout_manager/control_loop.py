@@ -737,7 +737,8 @@ class RolloutControl:
         if self._costs is None:
             # Executing requests leave longest-so-far first: with heavy-tailed lengths those
             # are the likeliest to run longest, and they gain most from the idle worker's small
-            # batch. (The cost-aware rule ranks them by what their move saves instead.)
+            # batch. (The cost-aware rule ranks them by what their move saves instead; in its
+            # pending case a source with none queued gives up its newest assignment.)
             running.sort(key=lambda r: -r.generated)
         context = self.tracker.mean_context(w.worker_id)
         plateau = None if context is None else self.profiles[w.kind].plateau(context)
