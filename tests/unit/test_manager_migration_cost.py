@@ -59,7 +59,7 @@ def test_the_paper_moves_the_excess_over_b_between_equal_workers_and_cost_aware_
 
 
 def test_the_papers_rule_bounces_requests_back_as_each_worker_runs_dry():
-    """The issue's tail: B = 1 on equal workers. a's excess goes to idle b; once a runs dry,
+    """A step's tail with B = 1 on equal workers: a's excess goes to idle b; once a runs dry,
     b's excess comes back to a: two prefills of each moved request's context for nothing."""
     first = rebalance([load("a", running=4, plateau=1), load("b", plateau=1)], 64)
     assert [(m.src, m.dst) for m in first] == [("a", "b")] * 3
