@@ -1,14 +1,21 @@
-"""Long-tail step makespan with real workers of unequal speed: RLBoost Algorithm 2 vs JSQ without
-migration vs round-robin (§4.2.1, §6.4.3).
+"""Long-tail step makespan with real workers: Algorithm 2 with the cost-aware migration rule vs
+the paper's rule vs JSQ without migration vs round-robin (RLBoost §4.2.1, §6.4.3).
 
-Six real rollout workers (torch engine, tiny model, --max-running 4); two are slowed by sleeping
-`--step-delay-s` after each engine step (emulated slower hardware), two by a third as much.
+Six real rollout workers (torch engine, tiny model, --max-running 4), slowed by sleeping after
+each engine step (emulated GPU-like step cost, or slower hardware). `--case unequal` (the
+default): two sleep `--step-delay-s`, two a third as much, two not at all. `--case equal`: all
+sleep `--step-delay-s`. `--case slow`: all sleep `--step-delay-s`, one four times as much. `--case trainer`: what `rlharvest up --trainer`
+runs by default, three workers of `--max-running 64` without delays, 64 requests of a few tokens
+(median 4, cap 16): the setting where the paper's rule moved two requests per completion.
 Response lengths are long-tailed: each request's max_tokens is drawn from a seeded log-normal and
 no stop token is set, so every request generates exactly that many tokens. Three real managers,
 one per `--balancer`, run the same steps in turn on the same workers; each first runs a warm-up
-step (it captures the batching profile P that Algorithm 2's executing-request migration uses).
+step (it captures the batching profile P that Algorithm 2's executing-request migration uses,
+and the lengths the cost-aware rule expects). Each configuration is a job of its own; steps run
+interleaved, one configuration after the other on the same lengths (a seed per round).
+Reported: makespan ratios per round (median [spread]) and migrations per completion.
 
-    python bench/manager_longtail.py [--quick] [--repeats 2]
+    python bench/manager_longtail.py [--quick] [--case equal|slow|unequal] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -31,10 +38,31 @@ from tests.integration.worker_client import WorkerHandle, start_worker, wait_ser
 from bench.job_turns import placed_flags, turn  # noqa: E402
 from bench.manager_preemption import manager_status, run_step, step_request  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "manager_longtail.md"
-BALANCERS = {"algorithm2": "Algorithm 2 (SELECTINSTANCE Θ + CONTINUOUSLB)",
-             "jsq": "JSQ, immediate dispatch, no migration",
-             "round_robin": "round-robin, no migration"}
+RESULTS = Path(__file__).resolve().parent / "results"  # manager_longtail_<case>.md
+# configuration -> (label, manager flags)
+CONFIGS = {
+    "paper": ("Algorithm 2, the paper's migration rule",
+              ["--balancer", "algorithm2", "--migration-rule", "paper"]),
+    "cost-aware": ("Algorithm 2, cost-aware migration",
+                   ["--balancer", "algorithm2", "--migration-rule", "cost-aware"]),
+    "jsq": ("JSQ, immediate dispatch, no migration", ["--balancer", "jsq"]),
+    "round_robin": ("round-robin, no migration", ["--balancer", "round_robin"]),
+}
+
+
+def delays_of(case: str, delay: float) -> list[float]:
+    if case == "trainer":
+        return [0.0] * 3
+    if case == "equal":
+        return [delay] * 6
+    if case == "slow":
+        return [delay] * 5 + [4 * delay]
+    return [0.0, 0.0, delay / 3, delay / 3, delay, delay]
+
+
+def spread(values: list[float], bases: list[float]) -> str:
+    r = sorted(v / b for v, b in zip(values, bases) if b > 0)
+    return f"{statistics.median(r):.2f}x [{r[0]:.2f}–{r[-1]:.2f}]" if r else "n/a"
 
 
 def lognormal_lengths(n: int, seed: int, median: int, sigma: float, cap: int) -> list[int]:
@@ -50,45 +78,54 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.9)
     parser.add_argument("--cap", type=int, default=200)
     parser.add_argument("--step-delay-s", type=float, default=0.03)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds, a seed of lengths each")
+    parser.add_argument("--case", choices=("unequal", "equal", "slow", "trainer"),
+                        default="unequal")
+    parser.add_argument("--configs", default="paper,cost-aware,jsq,round_robin",
+                        help=f"comma-separated, of {', '.join(CONFIGS)}; the first is the base")
     args = parser.parse_args()
     if args.quick:
         # A smaller workload: 24 requests fill the 24 slots at once, so nothing queues and
-        # only the tail on the slow workers is left to rebalance (expect ratios near 1).
-        args.requests, args.median, args.cap, args.repeats = 24, 16, 96, 1
-    delays = [0.0, 0.0, args.step_delay_s / 3, args.step_delay_s / 3, args.step_delay_s,
-              args.step_delay_s]
+        # only the tail is left to rebalance.
+        args.requests, args.median, args.cap = 24, 16, 96
+        args.repeats = 1 if "--repeats" not in sys.argv else args.repeats
+    max_running = "4"
+    if args.case == "trainer":
+        args.requests, args.median, args.cap, max_running = 64, 4, 16, "64"
+    configs = {c: CONFIGS[c] for c in args.configs.split(",")}
+    base = next(iter(configs))
+    delays = delays_of(args.case, args.step_delay_s)
     wall0 = time.perf_counter()
 
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-longtail-")))
     etcd = stack.start_etcd()
     nodes = [f"node-{i}" for i in range(len(delays))]
-    makespans: dict[str, list[float]] = {b: [] for b in BALANCERS}
-    migrations: dict[str, list[int]] = {b: [] for b in BALANCERS}
+    makespans: dict[str, list[float]] = {b: [] for b in configs}
+    migrations: dict[str, list[int]] = {b: [] for b in configs}
     try:
-        for i, delay in enumerate(delays):  # handed from balancer to balancer (job_turns.py)
-            start_worker(stack, f"w{i}", "--max-running", "4", "--log-level", "warning",
+        for i, delay in enumerate(delays):  # handed from config to config (job_turns.py)
+            start_worker(stack, f"w{i}", "--max-running", max_running, "--log-level", "warning",
                          "--max-len", "320", "--step-delay-s", str(delay),
-                         *placed_flags(nodes[i], len(BALANCERS)))
+                         *placed_flags(nodes[i], len(configs)))
         managers = {}
-        for balancer in BALANCERS:
+        for balancer, (_, flags) in configs.items():
             port = free_port()
-            proc = stack.start("rollout_manager", balancer, [
+            job = balancer.replace("-", "_")
+            proc = stack.start("rollout_manager", job, [
                 # A job each: managers of one job elect one leader (the others stand by).
-                "--manager-id", balancer, "--job", balancer, "--port", str(port),
-                "--balancer", balancer,
+                "--manager-id", job, "--job", job, "--port", str(port), *flags,
                 "--log-level", "warning", "--theta", "2"])
             managers[balancer] = f"127.0.0.1:{port}"
             wait_serving(WorkerHandle(proc, managers[balancer], 0), 60)
         warm = lognormal_lengths(args.requests, 99, args.median, args.sigma, args.cap)
         for balancer, endpoint in managers.items():
-            turn(etcd, nodes, balancer, endpoint)
+            turn(etcd, nodes, balancer.replace("-", "_"), endpoint)
             warm_step = step_request(f"warm-{balancer}-", warm, seed=11)
             asyncio.run(run_step(endpoint, warm_step, None, None))
         for k in range(args.repeats):
             lengths = lognormal_lengths(args.requests, k, args.median, args.sigma, args.cap)
             for balancer, endpoint in managers.items():  # interleaved: noise hits all alike
-                turn(etcd, nodes, balancer, endpoint)  # the workers are this balancer's job's
+                turn(etcd, nodes, balancer.replace("-", "_"), endpoint)  # its job's workers
                 before = asyncio.run(manager_status(endpoint)).migrations
                 makespans[balancer].append(asyncio.run(run_step(
                     endpoint, step_request(f"s{k}-{balancer}-", lengths, seed=11), None, None)))
@@ -98,27 +135,25 @@ def main() -> None:
         stack.stop()
 
     lengths0 = lognormal_lengths(args.requests, 0, args.median, args.sigma, args.cap)
-    lines = [f"6 real workers (tiny model, CPU, --max-running 4), step delays {delays} s; "
-             f"{args.requests} requests/step, max_tokens log-normal (median {args.median}, "
-             f"sigma {args.sigma}, cap {args.cap}; step 0: max {max(lengths0)}, total "
-             f"{sum(lengths0)} tokens), {args.repeats} step(s) per balancer after a warm-up step",
-             "", "| balancer | mean step makespan (s) | vs Algorithm 2, per step: median "
-             "[spread] | migrations/step |", "| --- | --- | --- | --- |"]
-    ratios = {}
-    for balancer, label in BALANCERS.items():
-        mean = statistics.mean(makespans[balancer])
-        per_step = sorted(m / a for m, a in zip(makespans[balancer], makespans["algorithm2"]))
-        ratios[balancer] = f"{statistics.median(per_step):.2f}x [{per_step[0]:.2f}–{per_step[-1]:.2f}]"
-        lines.append(f"| {label} | {mean:.2f} | {ratios[balancer]} | "
-                     f"{statistics.mean(migrations[balancer]):.1f} |")
-    lines += ["", f"ratio (median [spread] over {args.repeats} interleaved steps): round-robin / "
-                  f"Algorithm 2 = {ratios['round_robin']}, JSQ / Algorithm 2 = {ratios['jsq']}",
-              f"wall time of the benchmark: {time.perf_counter() - wall0:.0f} s"]
+    lines = [f"case {args.case}: {len(delays)} real workers (tiny model, CPU, --max-running "
+             f"{max_running}), step delays "
+             f"{delays} s; {args.requests} requests/step, max_tokens log-normal (median "
+             f"{args.median}, sigma {args.sigma}, cap {args.cap}; step 0: max {max(lengths0)}, "
+             f"total {sum(lengths0)} tokens), {args.repeats} round(s) after a warm-up step",
+             "", f"| configuration | makespan vs {base}, per round: median [spread] | "
+             "makespan vs jsq | migrations per completion |", "| --- | --- | --- | --- |"]
+    for balancer, (label, _) in configs.items():
+        vs_jsq = spread(makespans[balancer], makespans["jsq"]) if "jsq" in configs else "n/a"
+        per_completion = statistics.mean(migrations[balancer]) / args.requests
+        lines.append(f"| {label} | {spread(makespans[balancer], makespans[base])} | {vs_jsq} | "
+                     f"{per_completion:.2f} |")
+    lines += ["", f"wall time of the benchmark: {time.perf_counter() - wall0:.0f} s"]
     print("\n".join(lines))
     if not args.quick:
-        RESULTS.write_text("# Long-tail step makespan with real workers of unequal speed\n\n"
-                           f"`python bench/manager_longtail.py --repeats {args.repeats}`\n\n"
-                           + "\n".join(lines) + "\n")
+        out = RESULTS / f"manager_longtail_{args.case}.md"
+        out.write_text(f"# Long-tail step makespan with real workers ({args.case})\n\n"
+                       f"`python bench/manager_longtail.py --case {args.case} --repeats "
+                       f"{args.repeats} --configs {args.configs}`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

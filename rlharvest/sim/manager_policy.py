@@ -311,14 +311,18 @@ class StepSimulation:
             contiguous=contiguous)
 
 
-# rlboost: Algorithm 2 in full. jsq_delayed: SELECTINSTANCE (with Θ) but no CONTINUOUSLB.
-# jsq: classic JSQ, every request dispatched at once, no migration. round_robin: likewise.
-Strategy = Literal["rlboost", "jsq_delayed", "jsq", "round_robin"]
+# rlboost: Algorithm 2 in full, as the paper writes it. cost_aware: Algorithm 2 with the
+# cost-aware migration rule (balancer.MoveCosts). jsq_delayed: SELECTINSTANCE (with Θ) but no
+# CONTINUOUSLB. jsq: classic JSQ, every request dispatched at once, no migration. round_robin:
+# likewise.
+Strategy = Literal["rlboost", "cost_aware", "jsq_delayed", "jsq", "round_robin"]
 
 
 def make_control(strategy: Strategy, clock: SimClock, theta: int = 2) -> RolloutControl:
     if strategy == "rlboost":
-        return RolloutControl(ControlConfig(theta=theta), clock)
+        return RolloutControl(ControlConfig(theta=theta, migration_rule="paper"), clock)
+    if strategy == "cost_aware":
+        return RolloutControl(ControlConfig(theta=theta, migration_rule="cost-aware"), clock)
     if strategy == "jsq_delayed":
         return RolloutControl(ControlConfig(theta=theta, continuous_lb=False), clock)
     never_hold = 1_000_000_000  # the classic baselines dispatch at once

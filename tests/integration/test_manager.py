@@ -99,7 +99,10 @@ def cluster(stack):
     workers = [launch_worker(stack, f"w{i}", "--max-running", "4",
                              *(("--step-delay-s", "0.05") if i == 0 else ()))
                for i in range(3)]
-    manager = start_manager(stack)  # starts while the workers import torch
+    # The paper's migration rule: it moves no request of a worker at or under its plateau, so
+    # w0 keeps its own to the end. The cost-aware default would move them to the fast idle
+    # workers as the others run dry (what it is for), leaving a late kill nothing to recover.
+    manager = start_manager(stack, "--migration-rule", "paper")  # starts while workers import
     for worker in workers:
         wait_serving(worker, 120)
     return workers, manager

@@ -17,14 +17,16 @@ m_pending and m_exec (line 5, lines 16-17) depend on how a worker admits request
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
 from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
 
-__all__ = ["InstanceLoad", "SelectFn", "ThroughputProfile", "select_instance",
-           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance"]
+__all__ = ["InstanceLoad", "MoveCosts", "SelectFn", "ThroughputProfile", "select_instance",
+           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance", "move_gain"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,12 @@ class InstanceLoad:
     # A co-executor's KV room for rollout, in tokens (its last load report's capacity less use,
     # less the context of the requests sent to it since); None: not known or not limited.
     room_tokens: int | None = None
+    # The cost-aware migration rule's view (MoveCosts; migration_cost.py): its decode pace in
+    # tokens/s per request, measured at a batch of ``pace_batch`` requests, and its prefill rate
+    # in tokens/s; None: not measured yet.
+    pace: float | None = None
+    pace_batch: float = 1.0
+    prefill_rate: float | None = None
 
     @property
     def holds_ours(self) -> bool:
@@ -142,10 +150,12 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
     """SELECTINSTANCE for each waiting request in order, until one has to be held. With
     ``need_of`` (a request's KV tokens), an instance whose reported room cannot hold a request
     is no candidate for it: it would only refuse it."""
-    by_id = {i.worker_id: i for i in instances}
     # Sizes matter only where some instance reports its room (need 0 fits everywhere).
     if not any(i.room_tokens is not None for i in instances):
         need_of = None
+    if select is select_instance and need_of is None:
+        return _dispatch_jsq(request_ids, instances, theta)
+    by_id = {i.worker_id: i for i in instances}
     out: list[Dispatch] = []
     for request_id in request_ids:
         need = need_of(request_id) if need_of is not None else 0
@@ -158,6 +168,35 @@ def dispatch_waiting(request_ids: Sequence[str], instances: Sequence[InstanceLoa
     return out
 
 
+def _jsq_key(assigned: int, capacity: int, worker_id: str) -> tuple[int, int, str]:
+    """select_instance's order, (pending, -free slots, id), of an instance that is not
+    refusing with ``assigned`` requests on it."""
+    return max(0, assigned - capacity), -max(0, capacity - assigned), worker_id
+
+
+def _dispatch_jsq(request_ids: Sequence[str], instances: Sequence[InstanceLoad],
+                  theta: int) -> list[Dispatch]:
+    """``dispatch_waiting`` with ``select_instance`` and no sizes, in O((requests + instances)
+    log instances) instead of a scan of every instance per request: a step's first tick at
+    1,024 workers dispatches ~32k requests (bench/manager_scale_sim.py). A dispatch changes
+    only its target's key, so a heap of the candidates picks what select_instance picks."""
+    if theta < 1:
+        select_instance(instances, theta)  # its ValueError
+    heap = [(_jsq_key(i.assigned, i.capacity, i.worker_id), i.assigned, i.capacity)
+            for i in instances if i.pending < theta and not i.refusing]
+    heapq.heapify(heap)
+    out: list[Dispatch] = []
+    for request_id in request_ids:
+        if not heap:
+            break  # every instance has Θ pending: the rest wait for a completion (line 12)
+        (_, _, worker_id), assigned, capacity = heapq.heappop(heap)
+        out.append(Dispatch(request_id, worker_id))
+        assigned += 1
+        if assigned - capacity < theta:
+            heapq.heappush(heap, (_jsq_key(assigned, capacity, worker_id), assigned, capacity))
+    return out
+
+
 def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLoad:
     """``load`` once ``request_id`` (of ``tokens`` of KV) is dispatched to it (the tail of its
     queue)."""
@@ -165,7 +204,62 @@ def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLo
     return replace(load, queued=load.queued + (request_id,), room_tokens=room)
 
 
-def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
+@dataclass(frozen=True)
+class MoveCosts:
+    """What the cost-aware rule weighs a move of a running request by (None in ``rebalance``:
+    the paper's rule). Requests are named by id; the control loop answers from its tracker.
+
+    * ``remaining``: the request's expected remaining tokens (migration_cost.LengthModel).
+    * ``context``: its context length, prompt and tokens so far: what the destination prefills
+      to resume it (a queued request pays that prefill wherever it runs, so only a running
+      one's move costs it).
+    * ``left``: the workers it was moved away from within its step: it never goes back to
+      one of them (the paper's rule moves the excess over B to any idle worker, so at a step's
+      tail requests bounce between workers as each runs dry).
+    * ``prefill_tokens_per_s``: the destination's prefill rate until it has measured its own.
+    * ``min_gain``: a move must save this share of the request's remaining time at the source
+      beyond its prefill. The paces are moving averages of noisy engine steps: on equal workers
+      they differ by noise alone, and a move on noise is a prefill for nothing.
+    """
+
+    remaining: Callable[[str], float]
+    context: Callable[[str], int]
+    left: Callable[[str], Collection[str]]
+    prefill_tokens_per_s: float = 10_000.0
+    min_gain: float = 0.1
+
+
+def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
+    """The instance's per-request pace once it decodes ``batch`` requests. Not credited for a
+    batch smaller than the one it was measured at (a memory-bound GPU decodes one request
+    about as fast as a few), debited in proportion for a larger one (as if compute-bound):
+    pessimistic both ways for a destination, so a move is never made on a speed-up it may not
+    have. (At ``batch`` 1 it is the measured pace, what a source is taken at.)
+    The paper's P would give the curve per kind, but it is frozen a step late and is the
+    same for every worker of a kind, which is what a slow worker is not."""
+    if load.pace is None or load.pace <= 0:
+        return None
+    return load.pace * min(1.0, load.pace_batch / max(batch, 1))
+
+
+def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: InstanceLoad,
+              dst_batch: int) -> float | None:
+    """Seconds a move of the running ``request_id`` from ``src`` to ``dst`` is predicted to
+    save beyond its cost: its expected remaining tokens at the source's pace, less the same at
+    the destination's (decoding ``dst_batch`` requests), less its context's prefill there, less
+    ``min_gain`` of its time at the source. None: a pace is unknown, nothing can be predicted."""
+    # The source's pace is its measured one: it is decoding now, at about the batch measured.
+    src_pace, dst_pace = predicted_pace(src, 1), predicted_pace(dst, dst_batch)
+    if src_pace is None or dst_pace is None:
+        return None
+    remaining = costs.remaining(request_id)
+    at_src = remaining / src_pace
+    prefill = costs.context(request_id) / (dst.prefill_rate or costs.prefill_tokens_per_s)
+    return at_src - remaining / dst_pace - prefill - costs.min_gain * at_src
+
+
+def continuous_lb(instances: Sequence[InstanceLoad],
+                  costs: MoveCosts | None = None) -> list[Migrate]:
     """One iteration of CONTINUOUSLB (lines 14-27).
 
     Pending case: move one request from the instance with the most pending to one with none.
@@ -177,17 +271,23 @@ def continuous_lb(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     Executing case (nothing pending anywhere, some instance idle): move max(m_exec_j - B, 0)
     requests from the busiest instance j, where B is j's batching plateau, capped by the idle
     instance's capacity. Without a profile (first step) B is unknown and nothing moves.
+
+    With ``costs`` (the cost-aware rule) the executing case is ``_migrate_paying`` instead, and
+    the pending case moves a running request (a source with none queued) only where it did not
+    come from within its step.
     """
     if len(instances) < 2:
         return []
     overloaded = [i for i in instances if i.pending > 0]
     if overloaded:
-        return _migrate_pending(instances, overloaded)
-    return _migrate_executing(instances)
+        return _migrate_pending(instances, overloaded, costs)
+    if costs is None:
+        return _migrate_executing(instances)
+    return _migrate_paying(instances, costs)
 
 
-def _migrate_pending(instances: Sequence[InstanceLoad],
-                     overloaded: Sequence[InstanceLoad]) -> list[Migrate]:
+def _migrate_pending(instances: Sequence[InstanceLoad], overloaded: Sequence[InstanceLoad],
+                     costs: MoveCosts | None = None) -> list[Migrate]:
     receivers = [i for i in instances if i.pending == 0 and i.free_slots > 0]
     # With no source left nothing moves, which also ends rebalance's loop instead of picking
     # the same worker again.
@@ -199,6 +299,8 @@ def _migrate_pending(instances: Sequence[InstanceLoad],
     # The newest queued request is last in the source's FIFO queue; a source whose capacity we
     # underestimate may have no queued one, and then its newest running request goes.
     request_id = (src.queued or src.running)[-1]
+    if costs is not None and not src.queued and dst.worker_id in costs.left(request_id):
+        return []  # back where it came from: the bounce the cost-aware rule rules out
     return [Migrate(request_id, src.worker_id, dst.worker_id, "pending")]
 
 
@@ -218,8 +320,73 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     return [Migrate(r, src.worker_id, dst.worker_id, "executing") for r in movable[:count]]
 
 
-def rebalance(instances: Sequence[InstanceLoad], max_moves: int) -> list[Migrate]:
-    """Run CONTINUOUSLB until it is satisfied or ``max_moves`` requests moved.
+def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list[Migrate]:
+    """The executing case under the cost-aware rule: when nothing is pending and instances are
+    idle, move to each, fastest first, the running requests whose move pays (``move_gain`` >
+    0), best first, while each still pays with the destination's batch grown by the ones before.
+
+    Deviation from the paper: any instance's running requests may go, not only the excess over
+    B of the busiest. The plateau argument (a batch above B decodes no faster in total) says
+    nothing about where a request finishes first, which is what the step's makespan is made of:
+    a slow or throttled worker's requests gain from a faster idle one however small its batch,
+    and on equal workers no move pays, whatever the batch. One call serves every idle
+    instance (the paper's loop serves one per iteration) so that a tick at thousands of workers
+    ranks the candidates once.
+    """
+    idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
+            predicted_pace(i, 1) is not None]
+    if not idle:
+        return []
+    idle.sort(key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id), reverse=True)
+    fastest = idle[0]
+    # A move pays only if the source is slower than the destination by more than min_gain
+    # (saved / time at source <= 1 - source pace / destination pace): filter sources first, so
+    # a tick looks at the requests of the few slow workers, not at every request in flight.
+    ceiling = (predicted_pace(fastest, 1) or 0.0) * (1.0 - costs.min_gain)
+    # move_gain against the fastest at batch 1, unrolled: the one loop over requests in a tick.
+    per_token = 1.0 / (predicted_pace(fastest, 1) or 1.0)
+    prefill_rate = fastest.prefill_rate or costs.prefill_tokens_per_s
+    candidates: list[tuple[float, str, InstanceLoad]] = []
+    for src in instances:
+        if not src.running:
+            continue
+        pace = predicted_pace(src, 1)  # its measured pace, as in move_gain
+        if pace is None or pace >= ceiling:
+            continue
+        factor = (1.0 - costs.min_gain) / pace - per_token
+        for request_id in src.running:
+            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
+            if gain > 0:
+                candidates.append((gain, request_id, src))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    queue = deque(candidates)
+    moves: list[Migrate] = []
+    for dst in idle:
+        free, batch, looked = dst.free_slots, 0, 0
+        passed: list[tuple[float, str, InstanceLoad]] = []  # back to the queue's head after
+        # A bounded look per destination: the queue is ranked for the fastest one, and a
+        # request low in it rarely pays where a better one did not.
+        while queue and batch < free and looked < 4 * free:
+            candidate = queue.popleft()
+            looked += 1
+            _, request_id, src = candidate
+            saved = (None if dst.worker_id in costs.left(request_id) else
+                     move_gain(costs, request_id, src, dst, batch + 1))
+            if saved is None or saved <= 0:
+                passed.append(candidate)  # not with the destination's batch grown so far
+                continue
+            batch += 1
+            moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
+        queue.extendleft(reversed(passed))
+        if not batch:
+            break  # the next ones are slower: what did not pay here pays nowhere else
+    return moves
+
+
+def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
+              costs: MoveCosts | None = None) -> list[Migrate]:
+    """Run CONTINUOUSLB until it is satisfied or ``max_moves`` requests moved (``costs``: the
+    cost-aware rule, None: the paper's).
 
     The pending case moves one request per iteration "until the receiver is saturated" (§4.2.1);
     each iteration sees the snapshot updated with the previous moves.
@@ -227,7 +394,7 @@ def rebalance(instances: Sequence[InstanceLoad], max_moves: int) -> list[Migrate
     by_id = {i.worker_id: i for i in instances}
     moves: list[Migrate] = []
     while len(moves) < max_moves:
-        step = continuous_lb(list(by_id.values()))
+        step = continuous_lb(list(by_id.values()), costs)
         if not step:
             break
         for m in step[: max_moves - len(moves)]:

@@ -131,6 +131,7 @@ class ThroughputProfile:
         self._epsilon = epsilon
         self._min_samples = min_samples  # a batch size seen once or twice is noise, not a point
         self._previous: FrozenProfile | None = None
+        self._x_star = 0.0  # the previous profile's plateau in KV tokens, found once per freeze
 
     def freeze(self, samples: ProfileSamples) -> bool:
         """Make a finished step's samples P for the next step. Batch sizes seen fewer than
@@ -142,6 +143,8 @@ class ThroughputProfile:
             throughput={b: k.tokens_per_s / k.samples for b, k in kept.items()},
             context={b: k.context / k.samples for b, k in kept.items()},
             normalized={b: k.normalized / k.samples for b, k in kept.items()})
+        # Read for every worker on every tick (control_loop._load): found once here.
+        self._x_star = self._previous.plateau_kv_tokens(self._epsilon)
         return True
 
     @property
@@ -154,4 +157,4 @@ class ThroughputProfile:
             return None
         if mean_context <= 0:
             return self._previous.raw_plateau(self._epsilon)
-        return max(1, math.ceil(self._previous.plateau_kv_tokens(self._epsilon) / mean_context))
+        return max(1, math.ceil(self._x_star / mean_context))

@@ -36,6 +36,20 @@ class ManagerConfig(ServiceConfig):
     balancer: Literal["algorithm2", "jsq", "round_robin"] = Field(
         "algorithm2", description="algorithm2: RLBoost's SELECTINSTANCE + CONTINUOUSLB; jsq and "
                                   "round_robin: baselines that dispatch at once and never migrate")
+    migration_rule: Literal["cost-aware", "paper"] = Field(
+        "cost-aware", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
+        "paper, Algorithm 2's executing case as written (a worker's excess over its batching "
+        "plateau B to any idle worker); cost-aware, only a request whose predicted time saved "
+        "(its expected remaining tokens at the source's pace vs the destination's) beats its "
+        "context's prefill on the destination, and never back to a worker it left within the "
+        "step")
+    prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="cost-aware migration: a "
+                                        "resume's prefill rate until the destination has "
+                                        "measured its own from its engine steps")
+    migration_min_gain: float = Field(0.1, ge=0, lt=1, description="cost-aware migration: a "
+                                      "move must also save this share of the request's "
+                                      "remaining time at its source (paces are noisy averages: "
+                                      "on equal workers they differ by noise alone)")
     recompute_on_loss: bool = Field(
         False, description="baseline only: a lost worker's requests restart from the prompt "
                            "(the client sees their deltas start again at position 0) instead of "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from rlharvest.common.pb import rollout_worker_pb2 as wpb
 
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
+    MoveCosts,
     SelectFn,
     dispatch_waiting,
     kv_memory_load,
@@ -55,6 +56,7 @@ from rlharvest.services.rollout_manager.outcome import (
     completion_of,
     decode,
 )
+from rlharvest.services.rollout_manager.migration_cost import LengthModel, WorkerPace
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings, RemoteTiming
 from rlharvest.services.rollout_manager.step import Step, check_seed_window
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
@@ -81,10 +83,21 @@ from rlharvest.services.rollout_manager.worker_pool import (
 )
 
 
+MigrationRule = Literal["paper", "cost-aware"]
+
+
 @dataclass(frozen=True)
 class ControlConfig:
     theta: int = 2  # Θ: most pending requests per worker before dispatch is delayed
     continuous_lb: bool = True  # False only for the "no migration" baselines
+    # Which moves of running requests CONTINUOUSLB makes (balancer.py): "paper", Algorithm 2's
+    # executing case as written (the excess over B to any idle worker); "cost-aware", only a
+    # move whose predicted time saved beats its resume prefill, never back within a step
+    # (MoveCosts). The pending case is the paper's under both.
+    migration_rule: MigrationRule = "cost-aware"
+    # The resume cost's prefill rate (tokens/s) until a worker has measured its own.
+    prefill_tokens_per_s: float = 10_000.0
+    migration_min_gain: float = 0.1  # MoveCosts.min_gain
     max_moves_per_tick: int = 64  # bounds one tick's work; the next tick continues
     profile_epsilon: float = 0.1  # B reaches (1 - ε) of the best throughput
     # The recompute baseline of RLBoost §6.4.3 (Fig. 14) only: a request released by a lost
@@ -100,6 +113,9 @@ class ControlConfig:
     job: str = ""  # step outputs made with another job's weights are refused (worker_event)
     failure: FailureConfig = field(default_factory=FailureConfig)
     limits: StepLimits = field(default_factory=StepLimits)
+
+
+_NONE_LEFT: set[str] = set()
 
 
 class AcceptanceRule(Protocol):
@@ -131,6 +147,14 @@ class RolloutControl:
         self._select = select
         self._outbox: list[Command] = []  # decided outside tick (protocol errors), sent by tick
         self._router_expired_at = clock()
+        # The cost-aware rule's inputs (migration_cost.py): each worker's pace, the last
+        # finished step's lengths, and the workers each request left within its step.
+        self._pace: dict[str, WorkerPace] = {}
+        self._lengths = LengthModel()
+        self._left: dict[str, set[str]] = {}
+        self._costs = None if config.migration_rule == "paper" else MoveCosts(
+            self._expected_remaining, self._context_of, self._left_by,
+            config.prefill_tokens_per_s, config.migration_min_gain)
 
     @property
     def profiles(self) -> dict[str, ThroughputProfile]:
@@ -184,9 +208,12 @@ class RolloutControl:
         if succeeded and (of := self.steps.step_of(request_id)) is not None:
             of.finished_lengths.append(req.generated)
         self.tracker.forget(request_id)
+        self._left.pop(request_id, None)
         step = self.steps.delivered(request_id, succeeded)
         if step is not None:
             step.remote = self.remote.step_closed(step.key)
+            if step.profiled and step.finished_lengths:
+                self._lengths = LengthModel(step.finished_lengths)
         return step
 
     def abandon_step(self, step: Step) -> list[Command]:
@@ -202,6 +229,7 @@ class RolloutControl:
                 out.append(Abort(request_id, worker_id))
             self.tracker.fail(request_id, "client cancelled the step")
             self.tracker.forget(request_id)
+            self._left.pop(request_id, None)
         return out
 
     # ---- workers ------------------------------------------------------------------------------
@@ -245,6 +273,7 @@ class RolloutControl:
         """A lost worker that holds nothing leaves every record (a spot worker comes back
         under a new id, so they would pile up); a later join of its id starts afresh."""
         self.pool.forget(worker_id)
+        self._pace.pop(worker_id, None)
         self.tracker.forget_worker(worker_id)
         self.preemptions.forget(worker_id)
         return Forget(worker_id)
@@ -332,7 +361,10 @@ class RolloutControl:
     def engine_step(self, worker_id: str, stats: StepStatsLike) -> None:
         """One engine step of the worker (its batch size, duration and tokens): a sample of P
         at the mean context of the worker's requests, for every profiled step in flight. Steps
-        that say nothing about decode batching are left out (``decode_sample``)."""
+        that say nothing about decode batching are left out (``decode_sample``). Every step
+        is also the worker's pace for the cost-aware migration rule (migration_cost.py)."""
+        if self._costs is not None and worker_id in self.pool:
+            self._pace.setdefault(worker_id, WorkerPace()).record(stats)
         if not self.steps.capturing:
             return
         sample = decode_sample(stats)
@@ -525,10 +557,25 @@ class RolloutControl:
             out += self._drop_stale_kept()
         if self.config.continuous_lb:
             for version in self._busy_versions():
-                out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick))
+                if self._settled(version):
+                    continue
+                out += self._apply(rebalance(self._loads(version), self.config.max_moves_per_tick,
+                                             self._costs))
         starved = self.failure.starved(self._waiting_by_version(),
                                        lambda v: bool(self.pool.eligible(v)), self._wait_limit)
         return out + self._apply(starved)
+
+    def _settled(self, version: int) -> bool:
+        """Every eligible worker runs requests within its slots: nothing pending, none idle, so
+        CONTINUOUSLB has nothing to do under either rule (its pending case needs a pending
+        request, its executing case an idle worker). Told from counts, without building a
+        load per worker: most ticks of a step at thousands of workers end here. A kv_memory
+        worker's counts are its reports', so with one the loads are built."""
+        for w in self.pool.eligible(version):
+            assigned = self.tracker.assigned_count(w.worker_id)
+            if w.admission != "slots" or not 0 < assigned <= w.capacity:
+                return False
+        return True
 
     def _drop_stale_kept(self) -> list[Abort]:
         """Kept copies of requests that run elsewhere or ended meanwhile (their keeper was not
@@ -615,6 +662,8 @@ class RolloutControl:
                 self.tracker.assign(c.request_id, c.worker_id)
                 self.pool.note_sent(c.worker_id, self._kv_need(c.request_id))
             elif isinstance(c, Migrate):
+                if self._costs is not None:
+                    self._left.setdefault(c.request_id, set()).add(c.src)
                 self._note_busy(c.dst)
                 self.tracker.move(c.request_id, c.dst)
                 self.pool.note_sent(c.dst, self._kv_need(c.request_id))
@@ -667,6 +716,16 @@ class RolloutControl:
         """Algorithm 2's view of the workers eligible for ``weight_version``."""
         return [self._load(w) for w in self.pool.eligible(weight_version)]
 
+    def _expected_remaining(self, request_id: str) -> float:
+        req = self.tracker.get(request_id)
+        return self._lengths.expected_remaining(req.generated, req.sampling.max_tokens)
+
+    def _context_of(self, request_id: str) -> int:
+        return self.tracker.get(request_id).context_length
+
+    def _left_by(self, request_id: str) -> set[str]:
+        return self._left.get(request_id, _NONE_LEFT)
+
     def _load(self, w: WorkerView) -> InstanceLoad:
         requests = self.tracker.on_worker(w.worker_id)
         # A request given back to its keeper stays until its catch-up rows are in (``_owed``):
@@ -674,17 +733,24 @@ class RolloutControl:
         owed = self._owed(w.worker_id)
         queued = tuple(r.request_id for r in requests
                        if r.state is RequestState.PENDING and r.request_id not in owed)
-        # Executing requests leave longest-so-far first: with heavy-tailed lengths those are
-        # the likeliest to run longest, and they gain most from the idle worker's small batch.
-        running = sorted((r for r in requests if r.state is RequestState.EXECUTING),
-                         key=lambda r: -r.generated)
+        running = [r for r in requests if r.state is RequestState.EXECUTING]
+        if self._costs is None:
+            # Executing requests leave longest-so-far first: with heavy-tailed lengths those
+            # are the likeliest to run longest, and they gain most from the idle worker's small
+            # batch. (The cost-aware rule ranks them by what their move saves instead; in its
+            # pending case a source with none queued gives up its newest assignment.)
+            running.sort(key=lambda r: -r.generated)
         context = self.tracker.mean_context(w.worker_id)
         plateau = None if context is None else self.profiles[w.kind].plateau(context)
         capacity, unmanaged = w.capacity, 0
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
                                                  w.reported_executing, w.assigned_at_report)
+        pace = self._pace.get(w.worker_id)
         return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
                             plateau, unmanaged + len(owed), serving=w.kind == SERVING_KIND,
                             refusing=w.refusing(self._clock(), self.config.refusal_hold_s),
-                            room_tokens=w.rollout_room_tokens)
+                            room_tokens=w.rollout_room_tokens,
+                            pace=None if pace is None else pace.per_request,
+                            pace_batch=1.0 if pace is None else pace.batch,
+                            prefill_rate=None if pace is None else pace.prefill)

@@ -46,7 +46,8 @@ def build_control(cfg: ManagerConfig) -> RolloutControl:
     return RolloutControl(ControlConfig(
         theta=_NEVER_HOLD if baseline else cfg.theta, continuous_lb=not baseline,
         recompute_on_loss=cfg.recompute_on_loss, max_moves_per_tick=cfg.max_moves_per_round,
-        refusal_hold_s=cfg.refusal_hold_s, job=cfg.job,
+        refusal_hold_s=cfg.refusal_hold_s, job=cfg.job, migration_rule=cfg.migration_rule,
+        prefill_tokens_per_s=cfg.prefill_tokens_per_s, migration_min_gain=cfg.migration_min_gain,
         failure=FailureConfig(stall_timeout_s=cfg.stall_timeout_s,
                               no_worker_timeout_s=cfg.no_worker_timeout_s,
                               forget_lost_after_s=cfg.forget_lost_after_s),
