@@ -21,6 +21,13 @@ import tempfile
 from pathlib import Path
 
 
+def _demo_module() -> str:
+    """The demo's module in the checkout this runs in (before the package took its local
+    tooling into rlharvest/cli, the demo lived among the services)."""
+    return "rlharvest.cli.demo" if (Path.cwd() / "rlharvest" / "cli" / "demo.py").exists() \
+        else "rlharvest.services.demo"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -29,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="demo-steps-") as tmp:
         out = Path(tmp)
         # --min-rise -1: the step time is the figure here, not whether 8 steps learned.
-        run = subprocess.run([sys.executable, "-m", "rlharvest.cli.demo", "--steps",
+        run = subprocess.run([sys.executable, "-m", _demo_module(), "--steps",
                               str(args.steps), "--out", str(out / "out"), "--log-dir",
                               str(out / "logs"), "--min-rise", "-1", *args.demo_args],
                              capture_output=True, text=True, timeout=900)
