@@ -6,7 +6,7 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: system-packages install run test test-unit test-integration test-vllm protos proto-check bench lint docs clean chaos
+.PHONY: system-packages install run test test-unit test-integration test-vllm protos proto-check image test-containers bench lint docs clean chaos
 
 # etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
 # checked on every run: a machine that lost one gets it back without touching the stamp.
@@ -75,6 +75,20 @@ proto-check: $(BUF)
 	  $(BUF) breaking protos --against ".git#ref=$$(git rev-parse '$(PROTO_AGAINST)'),subdir=protos" \
 	    && echo "proto-check: buf lint and buf breaking (against $(PROTO_AGAINST)) passed"; \
 	fi
+
+# The container path where no image registry is reachable (tools/containers.sh): a Debian base
+# bootstrapped with debootstrap, etcd and Prometheus images from Debian's packages, rlharvest:latest
+# from a wheelhouse made here with `pip wheel`; a Docker engine is started if none runs.
+image: install
+	tools/containers.sh images
+
+# The container stage (CI runs it after `make test`; under 15 minutes on 2 cores): the images, the
+# wheel installed in a fresh venv (up, the demo), then the compose stack with Compose v2 — a job
+# trains, a worker container is killed mid-step, the OpenAI API and Prometheus answer the host,
+# `down` leaves nothing. Skipped, with the reason, where no container engine can start.
+test-containers: install
+	$(PIP) install -q build
+	PYTHON=$(PYTHON) tools/containers.sh stage
 
 # Every script that takes --quick is a benchmark; the others are harness modules they import.
 bench: install
