@@ -86,8 +86,10 @@ def test_rlharvest_up_from_the_wheel_starts_the_stack_and_stops_on_ctrl_c(venv: 
 
 
 def test_the_demo_from_the_wheel_trains(venv: Path):
-    demo = subprocess.run([str(venv / "bin" / "python"), "-m", "rlharvest.cli.demo", "--steps",
-                           "3"], cwd=venv.parent, env=_env(venv), capture_output=True, text=True,
+    """`make run`'s demo as it ships (20 steps, a spot worker killed mid-step): it exits 0 only
+    if the reward rose."""
+    demo = subprocess.run([str(venv / "bin" / "python"), "-m", "rlharvest.cli.demo"],
+                          cwd=venv.parent, env=_env(venv), capture_output=True, text=True,
                           timeout=600)
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
-    assert (venv.parent / "demo-out" / "demo.png").is_file()
+    assert (venv.parent / "demo-out" / "steps.json").is_file()
