@@ -131,8 +131,9 @@ wheelhouse() {  # the wheel of every dependency, made here (the image's build re
 
 build() {  # tag dockerfile context [docker build flags]
   local tag=$1 file=$2 context=$3; shift 3
-  nice -n 10 docker build -q -f "$file" -t "$tag" "$@" "$context" >"$OUT/build-${tag%%:*}.log" 2>&1 \
-    || { tail -n 30 "$OUT/build-${tag%%:*}.log"; return 1; }
+  local log="$OUT/build-${tag/:/-}.log"
+  nice -n 10 docker build -q -f "$file" -t "$tag" "$@" "$context" >"$log" 2>&1 \
+    || { tail -n 30 "$log"; return 1; }
 }
 
 images() {
@@ -142,14 +143,20 @@ images() {
   # the build's own network is not: dockerd runs without iptables).
   timed build rlharvest-etcd:"$SUITE" deploy/images/etcd.Dockerfile deploy/images \
     --network=host --build-arg BASE="$BASE_IMAGE"
+  # Each multi-stage build's first stage is tagged too (…:build): an untagged stage would be
+  # pruned below, and with it the cache of its layers (the image's dependencies, ~1 GB).
+  local args=(--network=host --build-arg BASE="$BASE_IMAGE")
+  timed build rlharvest-prometheus:build deploy/images/prometheus.Dockerfile deploy/images \
+    --target package "${args[@]}"
   timed build rlharvest-prometheus:"$SUITE" deploy/images/prometheus.Dockerfile deploy/images \
-    --network=host --build-arg BASE="$BASE_IMAGE"
+    "${args[@]}"
   [ -n "${WHEELHOUSE_MADE:-}" ] || timed wheelhouse
-  timed build rlharvest:latest deploy/Dockerfile . \
-    --build-arg BASE="$BASE_IMAGE" --build-arg WHEELHOUSE="$WHEELHOUSE"
-  docker image prune -f >/dev/null  # the build stages left untagged
+  args=(--build-arg BASE="$BASE_IMAGE" --build-arg WHEELHOUSE="$WHEELHOUSE")
+  timed build rlharvest:build deploy/Dockerfile . --target build "${args[@]}"
+  timed build rlharvest:latest deploy/Dockerfile . "${args[@]}"
+  docker image prune -f >/dev/null  # earlier builds' images, now untagged
   docker images --format '{{.Repository}}:{{.Tag}} {{.Size}}' \
-    | grep -E "^rlharvest(-etcd|-prometheus|-debian)?:" >&2
+    | grep -E "^rlharvest(-etcd|-prometheus|-debian)?:" | grep -v ":build " >&2
 }
 
 case "${1:-}" in
