@@ -31,7 +31,7 @@ SERVICES = ["etcd", "prometheus", "transfer-agent-0", "rollout-manager", "rollou
             "placement-scheduler", "rollout-worker-0", "rollout-worker-1", "rollout-worker-spot",
             "coexecutor-0", "trainer"]
 MANAGERS = ["127.0.0.1:50200", "127.0.0.1:50201"]  # manager-0 and its standby (ci.yml)
-STEPS = 6  # RLH_STEPS in ci.yml
+STEPS = 8  # RLH_STEPS in ci.yml
 KILLED = "rollout-worker-spot"
 
 pytestmark = pytest.mark.skipif(
