@@ -6,13 +6,15 @@ STAMP := .install.stamp
 # apt-get needs root: a non-root user with sudo gets it, root runs it directly.
 SUDO := $(shell [ "$$(id -u)" != 0 ] && command -v sudo >/dev/null && echo sudo)
 
-.PHONY: system-packages install run test test-unit test-integration test-vllm protos bench lint docs clean chaos
+.PHONY: system-packages install run test test-unit test-integration test-vllm protos proto-check image test-containers bench lint docs clean chaos
 
 # etcd and Prometheus (for `rlharvest up --prometheus` and its test) are Debian packages,
 # checked on every run: a machine that lost one gets it back without touching the stamp.
 system-packages:
 	@command -v etcd >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq etcd-server; }
 	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq prometheus; }
+	@# systemd-analyze verifies deploy/systemd's units (tests/unit/test_deploy.py)
+	@command -v systemd-analyze >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq systemd; }
 
 $(STAMP): pyproject.toml
 	# torch first, pinned: 2.13.0 is the local CPU build; an unpinned torch pulls a CUDA build.
@@ -52,6 +54,41 @@ chaos: install
 
 protos:
 	$(PYTHON) tools/gen_protos.py
+
+# The gRPC API as a product: `buf lint` over protos/ (protos/buf.yaml says which rules are excepted
+# and why), then `buf breaking` against PROTO_AGAINST (the previous commit; or a tag:
+# `make proto-check PROTO_AGAINST=v0.3.0`). buf comes from the npm registry (@bufbuild/buf).
+BUF_VERSION := 1.75.0
+BUF := .devbin/npm/node_modules/.bin/buf
+PROTO_AGAINST ?= HEAD~1
+$(BUF):
+	@command -v npm >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq npm; }
+	npm install --silent --no-audit --no-fund --prefix .devbin/npm @bufbuild/buf@$(BUF_VERSION)
+
+proto-check: $(BUF)
+	$(BUF) lint protos
+	@if ! git rev-parse -q --verify '$(PROTO_AGAINST)^{commit}' >/dev/null; then \
+	  echo "proto-check: buf breaking skipped: $(PROTO_AGAINST) is not in this clone (shallow or first commit)"; \
+	elif [ -z "$$(git ls-tree '$(PROTO_AGAINST)' protos)" ]; then \
+	  echo "proto-check: buf breaking skipped: $(PROTO_AGAINST) has no protos/"; \
+	else \
+	  $(BUF) breaking protos --against ".git#ref=$$(git rev-parse '$(PROTO_AGAINST)'),subdir=protos" \
+	    && echo "proto-check: buf lint and buf breaking (against $(PROTO_AGAINST)) passed"; \
+	fi
+
+# The container path where no image registry is reachable (tools/containers.sh): a Debian base
+# bootstrapped with debootstrap, etcd and Prometheus images from Debian's packages, rlharvest:latest
+# from a wheelhouse made here with `pip wheel`; a Docker engine is started if none runs.
+image: install
+	tools/containers.sh images
+
+# The container stage (CI runs it after `make test`; under 15 minutes on 2 cores): the images, the
+# wheel installed in a fresh venv (up, the demo), then the compose stack with Compose v2 — a job
+# trains, a worker container is killed mid-step, the OpenAI API and Prometheus answer the host,
+# `down` leaves nothing. Skipped, with the reason, where no container engine can start.
+test-containers: install
+	$(PIP) install -q build
+	PYTHON=$(PYTHON) tools/containers.sh stage
 
 # Every script that takes --quick is a benchmark; the others are harness modules they import.
 bench: install

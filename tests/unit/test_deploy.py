@@ -4,7 +4,10 @@ Docker engine or systemd runs on the test machines, so this is what keeps them c
 from __future__ import annotations
 
 import configparser
+import os
 import shlex
+import shutil
+import subprocess
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -160,3 +163,59 @@ def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
     config_file = _check_command(argv)
     example = ROOT / "deploy" / Path(config_file).name.replace(".toml", ".example.toml")
     assert load_config(TrainerConfig, example).backend == "deepspeed"
+
+
+UNITS = sorted((ROOT / "deploy" / "systemd").glob("*.service"))
+SYSTEM_UNITS = Path("/usr/lib/systemd/system")
+
+
+def _verify_root(tmp_path: Path, executables) -> Path:
+    """A bare-metal node as the units expect it: the units (and the trainer's drop-in) in
+    /etc/systemd/system, this host's own system units (the targets a service's default
+    dependencies name), and ``executables`` in /usr/local/bin, where ``pip install`` as root puts
+    the package's console scripts."""
+    root = tmp_path / "node"
+    shutil.copytree(ROOT / "deploy" / "systemd", root / "etc" / "systemd" / "system")
+    shutil.copytree(SYSTEM_UNITS, root / "usr" / "lib" / "systemd" / "system", symlinks=True)
+    bin_dir = root / "usr" / "local" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in executables:
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    return root
+
+
+def _systemd_analyze_verify(root: Path, unit: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemd-analyze", "verify", f"--root={root}", unit],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
+
+
+needs_systemd_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None or not SYSTEM_UNITS.is_dir(),
+    reason="systemd-analyze (Debian's systemd package) or /usr/lib/systemd/system is absent")
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_analyze_verify_passes_on_the_unit_and_its_drop_ins(unit: Path, tmp_path: Path):
+    """systemd's own verifier, on a node where the package is installed: every key is known, the
+    dependencies resolve, ExecStart (the drop-in's too, for the trainer) names an executable.
+    Nothing printed counts as passing: verify exits 0 on an unknown key, but says so."""
+    root = _verify_root(tmp_path, [*SCRIPTS, "torchrun"])
+    result = _systemd_analyze_verify(root, unit.name)
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), (
+        f"systemd-analyze verify {unit.name}:\n{result.stdout}{result.stderr}")
+
+
+@needs_systemd_analyze
+def test_systemd_analyze_verify_catches_a_bad_key_and_a_missing_executable(tmp_path: Path):
+    """The check above is not vacuous: on the same node, a misspelled key and the drop-in's
+    torchrun left uninstalled are both reported."""
+    root = _verify_root(tmp_path, [s for s in SCRIPTS])  # no torchrun
+    result = _systemd_analyze_verify(root, "rlharvest-trainer.service")
+    assert result.returncode != 0 and "torchrun" in result.stderr
+    unit = root / "etc" / "systemd" / "system" / "rlharvest-rollout-worker.service"
+    unit.write_text(unit.read_text().replace("TimeoutStopSec=", "TimeoutStopSecs="))
+    result = _systemd_analyze_verify(root, unit.name)
+    assert "Unknown key 'TimeoutStopSecs'" in result.stdout + result.stderr
