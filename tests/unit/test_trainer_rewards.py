@@ -537,3 +537,28 @@ async def test_the_code_reward_starts_no_test_case_once_the_pool_gave_up_on_it(
     await asyncio.sleep(2.0)  # the four cases left would start within it
     assert 1 <= len(started) <= 3
     assert not [t for t in started if t > gave_up]
+
+
+def test_memory_is_bounded_for_all_of_a_cases_processes_together() -> None:
+    """Four processes touching 96 MB each, every one under the per-process limit, against
+    256 MB for the case: where the trainer may make a cgroup (root), they cannot all finish."""
+    probe = sandbox.isolation.case_cgroup(1 << 30, 64)
+    if probe is None:
+        pytest.skip("no cgroup can be made here (not root, or no writable hierarchy): the "
+                    "limits per process remain")
+    probe.remove()
+    code = ("import os\n"
+            "kids = []\n"
+            "for _ in range(4):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        block = bytearray(96 << 20)\n"
+            "        for i in range(0, len(block), 4096):\n"
+            "            block[i] = 1\n"
+            "        os._exit(0)\n"
+            "    kids.append(pid)\n"
+            "codes = [os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) for k in kids]\n"
+            "print(all(c == 0 for c in codes))")
+    result = run_case(code, StdioCase("memory", "", "False"),
+                      SandboxLimits(wall_s=10, cpu_s=10, total_memory_bytes=256 << 20))
+    assert result.status in ("passed", "memory_limit"), result  # some child was killed

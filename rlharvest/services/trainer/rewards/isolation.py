@@ -24,6 +24,7 @@ the code task without it unless ``--allow-unisolated-sandbox``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -31,11 +32,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 _SETUP = r"""
 import os, shutil, subprocess, sys
 workdir, prefix, status_fd, uid, disk = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-argv = sys.argv[6:]
+cgroups, argv = [p for p in sys.argv[6].split(",") if p], sys.argv[7:]
+for procs in cgroups:  # into the case's cgroups first: everything after is counted there
+    with open(procs, "w") as f:
+        f.write("0")
 os.environ["PATH"] = "/usr/sbin:/usr/bin:/sbin:/bin"  # mount, pivot_root, umount
 def run(*args):
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -125,13 +132,14 @@ _UID_BASE, _UID_SPAN = 1 << 20, 1 << 20
 
 
 def isolated_argv(workdir: str, argv: list[str], status_fd: int = -1,
-                  disk_bytes: int = 64 * 2**20) -> list[str]:
+                  disk_bytes: int = 64 * 2**20, cgroup: CaseCgroup | None = None) -> list[str]:
     """``argv`` (an absolute interpreter path first) run isolated with ``workdir`` its only
     writable, and only visible non-interpreter, directory: a tmpfs of ``disk_bytes`` holding
     copies of its files. Its exact exit status (negative: a death by that signal) is written to
     ``status_fd`` (a pipe's write end the caller passes through, ``reported_status``); the
     process's own exit code is 1 for a death by signal. Run by root, the candidate runs as an
-    unprivileged uid of its own, so its process limit holds."""
+    unprivileged uid of its own, so its process limit holds; with ``cgroup`` it runs in that
+    cgroup, which bounds its processes' memory together."""
     root = os.geteuid() == 0
     unshare = ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--ipc",
                "--uts", *([] if root else ["--map-root-user"])]
@@ -139,7 +147,83 @@ def isolated_argv(workdir: str, argv: list[str], status_fd: int = -1,
     # The real interpreter, not a virtualenv's link to it (the venv is not mounted inside).
     inner = [os.path.realpath(argv[0]), *argv[1:]]
     return [*unshare, sys.executable, "-I", "-c", _SETUP, workdir, _python_prefix(),
-            str(status_fd), str(uid), str(disk_bytes), *inner]
+            str(status_fd), str(uid), str(disk_bytes),
+            ",".join(cgroup.procs() if cgroup is not None else []), *inner]
+
+
+_CGROUPS = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CaseCgroup:
+    """A cgroup of one sandboxed case: all its processes together get at most ``memory_bytes``
+    of memory and ``processes`` processes (RLIMIT_AS bounds one process, RLIMIT_NPROC a uid).
+    cgroup v1's memory and pids hierarchies, or one v2 cgroup under the hierarchy's root."""
+
+    paths: tuple[Path, ...]
+
+    def procs(self) -> list[str]:
+        return [str(path / "cgroup.procs") for path in self.paths]
+
+    def out_of_memory(self) -> bool:
+        """Whether the memory limit killed one of its processes (read before ``remove``)."""
+        for path in self.paths:
+            v1 = _read(path / "memory.oom_control")
+            if "oom_kill " in v1 and not v1.split("oom_kill ")[1].startswith("0"):
+                return True
+            events = _read(path / "memory.events")
+            if "oom_kill " in events and not events.split("oom_kill ")[1].startswith("0"):
+                return True
+            if _read(path / "memory.failcnt").strip() not in ("", "0"):
+                return True
+        return False
+
+    def remove(self) -> None:
+        """Gone once its processes are (the PID namespace's end kills them); a cgroup whose
+        last process is still exiting refuses removal for a moment."""
+        for path in self.paths:
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+def case_cgroup(memory_bytes: int, processes: int) -> CaseCgroup | None:
+    """A new cgroup for one case, or None where this process may not make one (not root, no
+    writable cgroup hierarchy): the limits per process remain."""
+    if os.geteuid() != 0:
+        return None
+    name = f"rlharvest-sandbox/case-{secrets.token_hex(6)}"
+    v1 = {"memory": {"memory.limit_in_bytes": memory_bytes}, "pids": {"pids.max": processes}}
+    paths = [p for controller, limits in v1.items()
+             if (p := _make(_CGROUPS / controller / name, limits)) is not None]
+    if not paths and "memory" in _read(_CGROUPS / "cgroup.subtree_control"):  # v2
+        limits = {"memory.max": memory_bytes, "memory.swap.max": 0, "pids.max": processes}
+        paths = [p for p in [_make(_CGROUPS / name, limits)] if p is not None]
+    return CaseCgroup(tuple(paths)) if paths else None
+
+
+def _make(path: Path, limits: dict[str, int]) -> Path | None:
+    try:
+        path.mkdir(parents=True)
+        for name, value in limits.items():
+            (path / name).write_text(str(value))
+        return path
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        return None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 @functools.cache

@@ -90,6 +90,8 @@ class SandboxLimits:
     # RLIMIT_NPROC of the candidate's uid (isolated and run by root: a uid of its own).
     processes: int = 64
     disk_bytes: int = 64 * 2**20  # all it writes in its (isolated: tmpfs) work directory
+    # All its processes' memory together, where the trainer may make a cgroup (root).
+    total_memory_bytes: int = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,11 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
                 str(limits.memory_bytes), str(limits.file_bytes), path,
                 str(math.ceil(limits.wall_s) + 2), str(limits.processes)]
         status_read, status_write = os.pipe() if _isolated else (-1, -1)
+        cgroup = isolation.case_cgroup(limits.total_memory_bytes, limits.processes) \
+            if _isolated else None
         if _isolated:
-            argv = isolation.isolated_argv(workdir, argv, status_write, limits.disk_bytes)
+            argv = isolation.isolated_argv(workdir, argv, status_write, limits.disk_bytes,
+                                           cgroup)
         start = clock()
         try:
             with open(files["stdin"], "rb") as stdin, open(files["stdout"], "wb") as stdout, \
@@ -150,6 +155,8 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         except BaseException:
             if _isolated:
                 os.close(status_read)
+            if cgroup is not None:
+                cgroup.remove()
             raise
         finally:
             if _isolated:
@@ -157,6 +164,9 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         finished = _wait_unreaped(proc.pid, limits.wall_s)
         _kill_group(proc)  # the leader is not reaped yet: its group id cannot have been reused
         proc.wait()
+        out_of_memory = cgroup is not None and cgroup.out_of_memory()
+        if cgroup is not None:
+            cgroup.remove()
         elapsed = clock() - start
         returncode = proc.returncode
         if _isolated:
@@ -175,6 +185,9 @@ def run_case(code: str, case: StdioCase, limits: SandboxLimits,
         return CaseResult(case.case_id, "runtime_error", elapsed,
                           f"printed more than {limits.output_bytes} bytes")
     status, detail = _classify(returncode, out, err, case.expected_stdout)
+    if out_of_memory and status != "passed":  # a SIGKILL from the cgroup, not the CPU limit
+        status, detail = "memory_limit", (f"its processes together passed the "
+                                          f"{limits.total_memory_bytes} bytes of the case")
     return CaseResult(case.case_id, status, elapsed, detail)
 
 
