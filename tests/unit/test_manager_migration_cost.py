@@ -278,13 +278,13 @@ def test_a_finished_step_s_lengths_become_the_expected_remaining_tokens_of_the_n
     assert control._expected_remaining("x0") == 20.0  # the mean of 10 and 30
 
 
-def test_the_manager_flag_picks_the_rule_and_cost_aware_is_the_default():
-    assert ManagerConfig().migration_rule == "cost-aware"
-    assert build_control(ManagerConfig()).config.migration_rule == "cost-aware"
-    paper = build_control(ManagerConfig(migration_rule="paper", prefill_tokens_per_s=5.0,
-                                        migration_min_gain=0.2))
-    assert (paper.config.migration_rule, paper.config.prefill_tokens_per_s,
-            paper.config.migration_min_gain) == ("paper", 5.0, 0.2)
+def test_the_manager_flag_picks_the_rule_and_the_papers_is_the_default():
+    assert ManagerConfig().migration_rule == "paper"
+    assert build_control(ManagerConfig()).config.migration_rule == "paper"
+    costed = build_control(ManagerConfig(migration_rule="cost-aware", prefill_tokens_per_s=5.0,
+                                         migration_min_gain=0.2))
+    assert (costed.config.migration_rule, costed.config.prefill_tokens_per_s,
+            costed.config.migration_min_gain) == ("cost-aware", 5.0, 0.2)
 
 
 # ---- end to end on the simulator --------------------------------------------------------------

@@ -36,8 +36,11 @@ class ManagerConfig(ServiceConfig):
     balancer: Literal["algorithm2", "jsq", "round_robin"] = Field(
         "algorithm2", description="algorithm2: RLBoost's SELECTINSTANCE + CONTINUOUSLB; jsq and "
                                   "round_robin: baselines that dispatch at once and never migrate")
+    # The paper's rule stays the default: the cost-aware one also moves a seed worker's or a
+    # lent co-executor's requests away before its window closes or it is taken back, which the
+    # seeding window's and the lending's hand-overs are built around (their tests showed it).
     migration_rule: Literal["cost-aware", "paper"] = Field(
-        "cost-aware", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
+        "paper", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
         "paper, Algorithm 2's executing case as written (a worker's excess over its batching "
         "plateau B to any idle worker); cost-aware, only a request whose predicted time saved "
         "(its expected remaining tokens at the source's pace vs the destination's) beats its "

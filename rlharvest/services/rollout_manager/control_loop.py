@@ -94,7 +94,7 @@ class ControlConfig:
     # executing case as written (the excess over B to any idle worker); "cost-aware", only a
     # move whose predicted time saved beats its resume prefill, never back within a step
     # (MoveCosts). The pending case is the paper's under both.
-    migration_rule: MigrationRule = "cost-aware"
+    migration_rule: MigrationRule = "paper"
     # The resume cost's prefill rate (tokens/s) until a worker has measured its own.
     prefill_tokens_per_s: float = 10_000.0
     migration_min_gain: float = 0.1  # MoveCosts.min_gain
