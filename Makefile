@@ -34,8 +34,9 @@ run: install
 test: install
 	$(PYTHON) -m pytest -q -ra --durations=20 -m "not vllm_stack"
 
-# vLLM workers as service processes under a manager, and the demo on them: a stage of its own
-# (CI runs it after `make test`), since each vLLM worker takes ~20 s to start on 2 cores.
+# vLLM's engine against the torch engine, vLLM workers as service processes under a manager, and
+# the demo on them: a stage of its own (CI runs it after `make test`), since each vLLM engine
+# takes 15-20 s to start on 2 cores.
 test-vllm: install
 	$(PYTHON) -m pytest -q -ra --durations=10 -m vllm_stack
 

@@ -35,7 +35,7 @@ import aetcd.rpc
 from rlharvest.common import keys, observability, registry
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.chaos_plan import (
-    KINDS, Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
+    KINDS, STEP_LINE, Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
 from rlharvest.cli.launcher import LocalStack, ServiceProcess
 
 log = logging.getLogger("rlharvest.chaos")
@@ -259,6 +259,20 @@ def per_step_writes(samples: list[tuple[float, int, int]], steps: int) -> str:
     return f"{(samples[-1][1] - samples[0][1]) / steps:.0f} raft entries per step trained"
 
 
+async def recovered(soak: Soak, within_s: float) -> None:
+    """Until the trainer logs a step trained after the last fault (and 2 s more, for the
+    managers' and workers' records to settle), at most ``within_s``."""
+    log_path = soak.stack.log_dir / "trainer.log"
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if any(STEP_LINE.match(m) for m in _messages(log_path, offset)):
+            await asyncio.sleep(2.0)
+            return
+        scrape_regenerated(soak)
+        await asyncio.sleep(0.5)
+
+
 def trainer_messages(soak: Soak) -> list[str]:
     return _messages(soak.stack.log_dir / "trainer.log")
 
@@ -295,7 +309,7 @@ async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] 
             hit = await inject(run, fault)
             run.faults[fault.kind if hit else f"{fault.kind} (skipped)"] += 1
             log.info("fault: %s%s", fault.kind, "" if hit else " (no target)")
-        await asyncio.sleep(20)  # the last fault's recovery, a step or two on top
+        await recovered(run, within_s=20.0)  # the last fault's recovery: a step trained since
         scrape_regenerated(run)
         await sample_etcd(run)
         roles = await _quietly(manager_roles(run))

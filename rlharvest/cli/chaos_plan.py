@@ -50,7 +50,7 @@ class FaultPlan:
         return Fault(self._rng.uniform(*self._every), kind, down, self._rng.random())
 
 
-_STEP_LINE = re.compile(r"^step (\d+) on version (\d+):")
+STEP_LINE = re.compile(r"^step (\d+) on version (\d+):")
 
 
 def applied_lineage(messages: Iterable[str]) -> list[tuple[int, int]]:
@@ -59,7 +59,7 @@ def applied_lineage(messages: Iterable[str]) -> list[tuple[int, int]]:
     an earlier checkpoint) replaces the one before, and so do all steps after it."""
     lineage: list[tuple[int, int]] = []
     for message in messages:
-        found = _STEP_LINE.match(message)
+        found = STEP_LINE.match(message)
         if found is None:
             continue
         step, version = int(found.group(1)), int(found.group(2))
@@ -90,7 +90,7 @@ def unsaved_step(messages: Iterable[str]) -> int | None:
     checkpointed, from its latest messages; None when every trained step is saved."""
     trained = saved = 0
     for message in messages:
-        if (found := _STEP_LINE.match(message)) is not None:
+        if (found := STEP_LINE.match(message)) is not None:
             trained = int(found.group(1))
         elif (found := _CHECKPOINT_LINE.match(message)) is not None:
             saved = int(found.group(1))

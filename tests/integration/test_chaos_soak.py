@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_short_chaos_soak_keeps_every_promise(tmp_path) -> None:
-    run = subprocess.run([sys.executable, "-m", "rlharvest.cli.chaos", "--minutes", "0.4",
+    run = subprocess.run([sys.executable, "-m", "rlharvest.cli.chaos", "--minutes", "0.35",
                           "--seed", "5", "--workdir", str(tmp_path)],
                          capture_output=True, text=True, timeout=400)
     out = run.stdout

@@ -17,7 +17,10 @@ from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.services.rollout_worker.torch_engine import TorchEngine
 from rlharvest.services.rollout_worker.vllm_engine import VllmEngine, vllm_missing, whole_modules
 
-pytestmark = pytest.mark.skipif(bool(vllm_missing()), reason=vllm_missing() or "vLLM runs")
+# The vLLM stage (make test-vllm, CI's stage after make test): vLLM's engine takes ~15 s to start
+# on 2 cores, which make test's 15-minute budget cannot spare.
+pytestmark = [pytest.mark.vllm_stack,
+              pytest.mark.skipif(bool(vllm_missing()), reason=vllm_missing() or "vLLM runs")]
 
 PROMPT = [1, 17, 99, 250, 33, 7, 400, 12, 88, 301]
 
