@@ -6,7 +6,6 @@ freeing its request."""
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import re
 
@@ -17,6 +16,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from tests.slow_headers import trickle_until_closed
 from rlharvest.common import tls
 from rlharvest.models.hf_checkpoint import build_checkpoint
 from rlharvest.common.local_etcd import free_port
@@ -249,18 +249,8 @@ async def test_headers_that_trickle_in_close_the_connection_within_the_idle_time
             assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
             await asyncio.wait_for(reader.readuntil(MODEL.encode()), timeout=10)
         writer.write(b"GET /v1/models HTTP/1.1\r\n")
-        started = time.monotonic()
-        for _ in range(20):
-            writer.write(b"X-Trickle: 1\r\n")
-            try:
-                await writer.drain()
-                if await asyncio.wait_for(reader.read(4096), timeout=0.5) == b"":
-                    break
-            except asyncio.TimeoutError:
-                continue
-            except ConnectionError:
-                break
-        assert time.monotonic() - started < 5, "the trickle held the connection open"
+        held = await trickle_until_closed(reader, writer, seconds=10, every=0.5)
+        assert held < 5, "the trickle held the connection open"
         writer.close()
     finally:
         await runner.cleanup()
