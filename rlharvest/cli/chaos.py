@@ -33,6 +33,7 @@ import aetcd
 import aetcd.rpc
 
 from rlharvest.common import keys, observability, registry
+from rlharvest.common.etcd_maintenance import MaintenanceConfig
 from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.chaos_plan import (
     KINDS, STEP_LINE, Fault, FaultPlan, applied_lineage, lineage_problems, unsaved_step)
@@ -55,8 +56,8 @@ class Soak:
     faults: Counter = field(default_factory=Counter)
     regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
     serial: int = 0
-    # when, raft index, database bytes in use
-    etcd_samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # when, raft index, database bytes in use, database file bytes
+    etcd_samples: list[tuple[float, int, int, int]] = field(default_factory=list)
     checkpoint_dir: Path = Path()
     # trainer-before-save kills: step -> whether the kill landed before that step's checkpoint
     before_save: dict[int, bool] = field(default_factory=dict)
@@ -223,36 +224,42 @@ def _flag(proc: ServiceProcess, flag: str) -> str:
 
 
 async def sample_etcd(soak: Soak) -> None:
-    """etcd's raft index (its writes and lease grants) and the database's bytes in use (what
-    compaction frees; the file itself keeps its size), for the report."""
+    """etcd's raft index (its writes and lease grants), the database's bytes in use (what
+    compaction frees) and its file size (what a defrag shrinks), for the report."""
     async def ask(client: aetcd.Client) -> aetcd.rpc.StatusResponse:
         return await client.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=5)
 
     status = await _quietly(_ask_etcd(soak, ask))
     if status is not None:
-        soak.etcd_samples.append((time.monotonic(), status.raftIndex, status.dbSizeInUse))
+        soak.etcd_samples.append((time.monotonic(), status.raftIndex, status.dbSizeInUse,
+                                  status.dbSize))
 
 
-def etcd_growth(samples: list[tuple[float, int, int]]) -> str:
+def etcd_growth(samples: list[tuple[float, int, int, int]]) -> str:
     if len(samples) < 2:
         return "etcd: not sampled"
-    (t0, raft0, db0), (t1, raft1, db1) = samples[0], samples[-1]
+    (t0, raft0, *_), (t1, raft1, *_) = samples[0], samples[-1]
     rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
-    return (f"etcd: {rate:.0f} raft entries a minute; database in use {db0 / 1024:.0f} KiB -> "
-            f"{db1 / 1024:.0f} KiB (largest {max(s[2] for s in samples) / 1024:.0f} KiB; at "
-            f"each minute's end: {', '.join(f'{kib:.0f}' for kib in by_minute(samples))} KiB)")
+    return (f"etcd: {rate:.0f} raft entries a minute; at each minute's end, database in use "
+            f"{_kib(by_minute(samples, 2))} KiB, file {_kib(by_minute(samples, 3))} KiB "
+            f"(largest in use {max(s[2] for s in samples) / 1024:.0f} KiB, "
+            f"file {max(s[3] for s in samples) / 1024:.0f} KiB)")
 
 
-def by_minute(samples: list[tuple[float, int, int]]) -> list[float]:
-    """The database size (KiB) last sampled in each minute of the soak: whether it levels off
-    once compaction drops revisions older than the retention."""
+def _kib(values: list[float]) -> str:
+    return ", ".join(f"{kib:.0f}" for kib in values)
+
+
+def by_minute(samples: list[tuple[float, int, int, int]], column: int = 2) -> list[float]:
+    """A size column (KiB) last sampled in each minute of the soak: whether it levels off
+    once compaction drops revisions older than the retention (and a defrag the free pages)."""
     last: dict[int, float] = {}
-    for when, _, size in samples:
-        last[int((when - samples[0][0]) // 60)] = size / 1024
+    for sample in samples:
+        last[int((sample[0] - samples[0][0]) // 60)] = sample[column] / 1024
     return [last[m] for m in sorted(last)]
 
 
-def per_step_writes(samples: list[tuple[float, int, int]], steps: int) -> str:
+def per_step_writes(samples: list[tuple[float, int, int, int]], steps: int) -> str:
     """etcd writes (raft entries, lease grants and renewals included) per step trained."""
     if len(samples) < 2 or steps < 1:
         return "no step to divide by"
@@ -278,10 +285,15 @@ def trainer_messages(soak: Soak) -> list[str]:
 
 
 async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] = KINDS,
-               compaction: str = "5m") -> int:
+               compaction: str = "5m", maintenance: MaintenanceConfig | None = None,
+               workers: int = WORKERS) -> int:
+    """``maintenance``: the launcher compacts and defragments etcd so (None: etcd's own
+    periodic compaction only)."""
     etcd = await asyncio.to_thread(LocalEtcd(log_path=workdir / "etcd.log",
                                              compaction_retention=compaction).start)
     stack = LocalStack(workdir / "logs", etcd=etcd)
+    if maintenance is not None:
+        stack.start_etcd_maintenance(maintenance, period_s=5.0)
     trainer_flags = ["--trainer-id", "trainer-0", "--port", str(free_port()), "--backend", "torch",
                      "--torch-threads", "1", "--checkpoint-dir", str(workdir / "checkpoints"),
                      "--checkpoint-every", "1", "--no-exit-when-done", *COMMON]
@@ -291,7 +303,7 @@ async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] 
         start_agent(run)
         start_manager(run)
         start_manager(run)
-        for _ in range(WORKERS):
+        for _ in range(workers):
             start_worker(run)
         start_coexecutor(run)
         start_trainer(run)
@@ -313,6 +325,10 @@ async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] 
         scrape_regenerated(run)
         await sample_etcd(run)
         roles = await _quietly(manager_roles(run))
+        if stack.maintenance is not None:
+            kept = stack.maintenance.maintainer
+            print(f"etcd maintenance: {kept.compactions} compactions (last to revision "
+                  f"{kept.policy.compacted}), {kept.defrags} defrags")
         return report(run, None if roles is None else sorted(roles.values()))
     finally:
         stack.stop()
@@ -358,12 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default="", help="logs and checkpoints (default: a new "
                                                       "temporary directory)")
     parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"the faults to inject, comma-separated, among {','.join(KINDS)} "
-                             "(without etcd: its periodic compaction needs it up for the "
-                             "retention, which a soak's etcd restarts never leave it)")
+                        help=f"the faults to inject, comma-separated, among {','.join(KINDS)}")
     parser.add_argument("--compaction", default="5m",
                         help="etcd's compaction retention (the local stack's: 5m); the database "
                              "in use levels off at one to two of them")
+    parser.add_argument("--keep-s", type=float, default=120.0,
+                        help="the launcher's own compaction keeps this much history (0: off, "
+                             "etcd's periodic compaction only); it compacts at most every "
+                             "quarter of it and defragments (at most once a minute) a file "
+                             "more than half free by --defrag-min-free-kib")
+    parser.add_argument("--defrag-min-free-kib", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=WORKERS)
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error("--minutes must be > 0")
@@ -374,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rlh-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"chaos soak: {args.minutes:g} min, seed {args.seed}, logs in {workdir}")
-    return asyncio.run(soak(args.minutes, args.seed, workdir, kinds, args.compaction))
+    maintenance = None if args.keep_s <= 0 else MaintenanceConfig(
+        retention_s=args.keep_s, compact_every_s=min(60.0, args.keep_s / 4),
+        defrag_min_free_bytes=args.defrag_min_free_kib * 1024, defrag_every_s=60.0)
+    return asyncio.run(soak(args.minutes, args.seed, workdir, kinds, args.compaction,
+                            maintenance, args.workers))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import aetcd
 
 import rlharvest
 from rlharvest.common import etcd_roles, registry
+from rlharvest.common.etcd_maintenance import EtcdMaintainer, MaintenanceConfig
 from rlharvest.common.authorization import SERVICE_ROLES
 from rlharvest.common.fork_server import ForkedProcess, ForkServer
 from rlharvest.common.local_etcd import LocalEtcd
@@ -117,6 +119,9 @@ class LocalStack:
     # certificate it configured, tls.configure), which gets etcd's root role.
     etcd_roles: bool = False
     etcd_admin: str = "operator"
+    # Compaction and defragmentation of the stack's etcd, from this process (it holds the
+    # admin's certificate a defrag needs): start_etcd_maintenance.
+    maintenance: MaintenanceThread | None = None
 
     @contextlib.contextmanager
     def stopped_on_error(self) -> Iterator[LocalStack]:
@@ -136,6 +141,16 @@ class LocalStack:
                 raise ValueError("etcd's roles need TLS: its users are certificates' names")
             self.as_etcd_admin(partial(etcd_roles.install, admins=(self.etcd_admin,)))
         return self.etcd.endpoint
+
+    def start_etcd_maintenance(self, config: MaintenanceConfig = MaintenanceConfig(),
+                               period_s: float = 10.0) -> EtcdMaintainer:
+        """Keep this stack's etcd small (etcd_maintenance.py) until ``stop``: from this
+        process, which outlives etcd's restarts and holds the root role under auth."""
+        assert self.etcd is not None, "start etcd first"
+        endpoint = self.etcd.endpoint
+        maintainer = EtcdMaintainer(partial(registry.connect, endpoint), config, period_s)
+        self.maintenance = MaintenanceThread(maintainer)
+        return maintainer
 
     def add_etcd_user(self, name: str, role: str) -> None:
         """A certificate named ``name`` acts in etcd as ``role`` (a service role)."""
@@ -198,9 +213,34 @@ class LocalStack:
                 proc.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if self.maintenance is not None:
+            self.maintenance.stop()
+            self.maintenance = None
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+
+
+class MaintenanceThread:
+    """``maintainer.run()`` on an event loop of its own in a daemon thread, so a synchronous
+    launcher (or one whose loop is busy) keeps maintaining etcd; ``stop`` cancels it."""
+
+    def __init__(self, maintainer: EtcdMaintainer):
+        self.maintainer = maintainer
+        self._loop = asyncio.new_event_loop()
+        self._task = self._loop.create_task(maintainer.run())  # before the thread: stop sees it
+        self._thread = threading.Thread(target=self._main, name="etcd-maintenance", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self._task)
+        self._loop.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(RuntimeError):  # its loop already closed: nothing to cancel
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(timeout)
 
 
 # What the fork server imports: the libraries that make a service's start slow (torch and
