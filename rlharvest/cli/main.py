@@ -20,6 +20,7 @@ from rlharvest.services.rollout_manager.client import manager_status
 from rlharvest.services.rollout_manager.tp_accounting import parse_plan_record
 from rlharvest.cli.train_command import train
 from rlharvest.cli.up_command import configure_tls, up
+from rlharvest.cli.etcd_maintain_command import etcd_maintain_command
 from rlharvest.cli.etcd_roles_command import etcd_roles_command
 from rlharvest.services.trainer.gsm8k import make_dataset
 
@@ -27,6 +28,7 @@ app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True)
 console = Console()
 app.command("up")(up)
 app.command("etcd-roles")(etcd_roles_command)
+app.command("etcd-maintain")(etcd_maintain_command)
 app.command("train")(train)
 app.command("build-checkpoint")(build_checkpoint_command)
 app.command("make-dataset")(make_dataset)

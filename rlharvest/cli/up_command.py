@@ -92,6 +92,7 @@ def up(workers: int = typer.Option(3, min=0, help="dedicated rollout workers"),
         stack.etcd_roles = True  # each service's certificate writes only its role's keys
         operator = _operator_identity(stack.ca)
     endpoint = stack.start_etcd()  # with the CA: https, a client certificate required
+    stack.start_etcd_maintenance()  # this process holds the admin role a defrag needs
     scraper: LocalPrometheus | None = None
     try:
         if prometheus:
