@@ -1,7 +1,8 @@
 """`rlharvest etcd-maintain`: keep a cluster's etcd small until SIGTERM — compact it to the
 revision of ``--keep-s`` ago and defragment it when its file is mostly free space
 (``rlharvest/common/etcd_maintenance.py``). One per etcd cluster (two are harmless); with auth on
-it needs an admin's certificate (etcd's root role: a service role may not defragment).
+it needs an admin's certificate (etcd's root role: a service role may not defragment). The
+endpoint and the TLS files also come from ``RLH_ETCD`` and ``RLH_TLS_*``, as the services'.
 
     rlharvest etcd-maintain --etcd https://etcd:2379 --tls-cert op.pem --tls-key op.key \\
         --tls-ca ca.pem --metrics-port 9400
@@ -21,11 +22,11 @@ from rlharvest.cli.up_command import configure_tls
 
 
 def etcd_maintain_command(
-        etcd: str = typer.Option("127.0.0.1:2379", help="etcd endpoint (https://host:port: "
+        etcd: str = typer.Option("127.0.0.1:2379", envvar="RLH_ETCD", help="etcd endpoint (https://host:port: "
                                  "over TLS with --tls-*)"),
-        tls_cert: str = typer.Option("", help="an admin's certificate (etcd's root role)"),
-        tls_key: str = typer.Option("", help="its private key"),
-        tls_ca: str = typer.Option("", help="the CA of etcd's certificate"),
+        tls_cert: str = typer.Option("", envvar="RLH_TLS_CERT", help="an admin's certificate (etcd's root role)"),
+        tls_key: str = typer.Option("", envvar="RLH_TLS_KEY", help="its private key"),
+        tls_ca: str = typer.Option("", envvar="RLH_TLS_CA", help="the CA of etcd's certificate"),
         keep_s: float = typer.Option(300.0, help="history kept: compact to the revision of "
                                      "this many seconds ago"),
         compact_every_s: float = typer.Option(60.0, help="at most one compaction per this"),

@@ -15,10 +15,12 @@ except ImportError:  # Python 3.10
 from pathlib import Path
 
 import pytest
+import typer
 import yaml
 
 from torch.distributed.run import get_args_parser as torchrun_parser
 
+from rlharvest.cli import main as cli_main
 from rlharvest.common.cli import parse_flags
 from rlharvest.common.config import load_config
 from rlharvest.services.coexecutor.config import CoexecutorConfig
@@ -121,8 +123,12 @@ def test_every_console_script_has_a_compose_service_and_a_systemd_unit():
         assert script in units, f"{script} has no deploy/systemd unit"
 
 
-@pytest.mark.parametrize("unit", sorted((ROOT / "deploy" / "systemd").glob("*.service")),
-                         ids=lambda p: p.name)
+# Units that run a tool's subcommand (`rlharvest etcd-maintain`), not a service with a config.
+TOOL_UNITS = {"rlharvest-etcd-maintenance": ["etcd-maintain"]}
+
+
+@pytest.mark.parametrize("unit", sorted(p for p in (ROOT / "deploy" / "systemd").glob("*.service")
+                                        if p.stem not in TOOL_UNITS), ids=lambda p: p.name)
 def test_systemd_unit_is_well_formed(unit: Path):
     parser = configparser.ConfigParser(strict=True, interpolation=None)
     parser.optionxform = str
@@ -144,6 +150,21 @@ def test_systemd_unit_is_well_formed(unit: Path):
     for name, value in cfg.model_dump().items():
         if name.endswith("_dir") and isinstance(value, str) and value.startswith("/var/lib/"):
             assert value in states, f"{unit.name}: {name} {value} has no StateDirectory="
+
+
+@pytest.mark.parametrize("stem", sorted(TOOL_UNITS))
+def test_a_tool_unit_runs_its_subcommand_with_flags_it_takes(stem: str):
+    parser = configparser.ConfigParser(strict=True, interpolation=None)
+    parser.optionxform = str
+    parser.read(ROOT / "deploy" / "systemd" / f"{stem}.service")
+    service = parser["Service"]
+    assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) > 0
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0] == "/usr/local/bin/rlharvest" and argv[1:2] == TOOL_UNITS[stem]
+    command = typer.main.get_command(cli_main.app)
+    with command.make_context("rlharvest", argv[1:], resilient_parsing=False) as ctx:
+        sub = command.get_command(ctx, argv[1])  # type: ignore[attr-defined]
+        sub.make_context(argv[1], argv[2:])  # raises on an unknown flag or a bad value
 
 
 def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
