@@ -123,6 +123,13 @@ def test_every_console_script_has_a_compose_service_and_a_systemd_unit():
         assert script in units, f"{script} has no deploy/systemd unit"
 
 
+def _read_unit(unit: Path) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=True, interpolation=None)
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys keep their case
+    parser.read(unit)
+    return parser
+
+
 # Units that run a tool's subcommand (`rlharvest etcd-maintain`), not a service with a config.
 TOOL_UNITS = {"rlharvest-etcd-maintenance": ["etcd-maintain"]}
 
@@ -130,9 +137,7 @@ TOOL_UNITS = {"rlharvest-etcd-maintenance": ["etcd-maintain"]}
 @pytest.mark.parametrize("unit", sorted(p for p in (ROOT / "deploy" / "systemd").glob("*.service")
                                         if p.stem not in TOOL_UNITS), ids=lambda p: p.name)
 def test_systemd_unit_is_well_formed(unit: Path):
-    parser = configparser.ConfigParser(strict=True, interpolation=None)
-    parser.optionxform = str
-    parser.read(unit)
+    parser = _read_unit(unit)
     assert set(parser.sections()) == {"Unit", "Service", "Install"}
     service = parser["Service"]
     assert service["KillSignal"] == "SIGTERM"
@@ -154,10 +159,7 @@ def test_systemd_unit_is_well_formed(unit: Path):
 
 @pytest.mark.parametrize("stem", sorted(TOOL_UNITS))
 def test_a_tool_unit_runs_its_subcommand_with_flags_it_takes(stem: str):
-    parser = configparser.ConfigParser(strict=True, interpolation=None)
-    parser.optionxform = str
-    parser.read(ROOT / "deploy" / "systemd" / f"{stem}.service")
-    service = parser["Service"]
+    service = _read_unit(ROOT / "deploy" / "systemd" / f"{stem}.service")["Service"]
     assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) > 0
     argv = shlex.split(service["ExecStart"])
     assert argv[0] == "/usr/local/bin/rlharvest" and argv[1:2] == TOOL_UNITS[stem]
