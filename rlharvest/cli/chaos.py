@@ -56,8 +56,8 @@ class Soak:
     faults: Counter = field(default_factory=Counter)
     regenerated: dict[str, float] = field(default_factory=dict)  # manager -> highest seen
     serial: int = 0
-    # when, raft index, database bytes in use, database file bytes
-    etcd_samples: list[tuple[float, int, int, int]] = field(default_factory=list)
+    # when, raft index, database bytes in use, database file bytes, revision
+    etcd_samples: list[tuple[float, int, int, int, int]] = field(default_factory=list)
     checkpoint_dir: Path = Path()
     # trainer-before-save kills: step -> whether the kill landed before that step's checkpoint
     before_save: dict[int, bool] = field(default_factory=dict)
@@ -232,15 +232,18 @@ async def sample_etcd(soak: Soak) -> None:
     status = await _quietly(_ask_etcd(soak, ask))
     if status is not None:
         soak.etcd_samples.append((time.monotonic(), status.raftIndex, status.dbSizeInUse,
-                                  status.dbSize))
+                                  status.dbSize, status.header.revision))
 
 
-def etcd_growth(samples: list[tuple[float, int, int, int]]) -> str:
+def etcd_growth(samples: list[tuple[float, int, int, int, int]]) -> str:
     if len(samples) < 2:
         return "etcd: not sampled"
     (t0, raft0, *_), (t1, raft1, *_) = samples[0], samples[-1]
     rate = (raft1 - raft0) / max(t1 - t0, 1e-9) * 60
-    return (f"etcd: {rate:.0f} raft entries a minute; at each minute's end, database in use "
+    revisions = by_minute(samples, 4, unit=1)
+    written = [b - a for a, b in zip([samples[0][4], *revisions], revisions)]
+    return (f"etcd: {rate:.0f} raft entries a minute; revisions written each minute "
+            f"{', '.join(f'{n:.0f}' for n in written)}; at each minute's end, database in use "
             f"{_kib(by_minute(samples, 2))} KiB, file {_kib(by_minute(samples, 3))} KiB "
             f"(largest in use {max(s[2] for s in samples) / 1024:.0f} KiB, "
             f"file {max(s[3] for s in samples) / 1024:.0f} KiB)")
@@ -250,16 +253,17 @@ def _kib(values: list[float]) -> str:
     return ", ".join(f"{kib:.0f}" for kib in values)
 
 
-def by_minute(samples: list[tuple[float, int, int, int]], column: int = 2) -> list[float]:
-    """A size column (KiB) last sampled in each minute of the soak: whether it levels off
-    once compaction drops revisions older than the retention (and a defrag the free pages)."""
+def by_minute(samples: list[tuple[float, int, int, int, int]], column: int = 2,
+              unit: int = 1024) -> list[float]:
+    """A column (sizes in KiB) last sampled in each minute of the soak: whether the sizes level
+    off once compaction drops revisions older than the retention (and a defrag free pages)."""
     last: dict[int, float] = {}
     for sample in samples:
-        last[int((sample[0] - samples[0][0]) // 60)] = sample[column] / 1024
+        last[int((sample[0] - samples[0][0]) // 60)] = sample[column] / unit
     return [last[m] for m in sorted(last)]
 
 
-def per_step_writes(samples: list[tuple[float, int, int, int]], steps: int) -> str:
+def per_step_writes(samples: list[tuple[float, int, int, int, int]], steps: int) -> str:
     """etcd writes (raft entries, lease grants and renewals included) per step trained."""
     if len(samples) < 2 or steps < 1:
         return "no step to divide by"
