@@ -42,6 +42,7 @@ def etcd_maintain_command(
     if tls_cert or tls_key or tls_ca:
         configure_tls(tls_cert, tls_key, tls_ca)
     try:
+        registry.check_endpoint(etcd)  # a typo or missing TLS files: said now, not retried
         config = MaintenanceConfig(keep_s, compact_every_s, defrag_free_share,
                                    int(defrag_min_free_mib * MiB), defrag_every_s)
     except ValueError as exc:
@@ -57,9 +58,13 @@ async def _serve(maintainer: EtcdMaintainer, metrics_port: int, stop: asyncio.Ev
         runner, _ = await observability.start_http(
             "0.0.0.0", metrics_port, lambda: {"status": "ok"})
     task = asyncio.create_task(maintainer.run())
+    stopped = asyncio.create_task(stop.wait())
     try:
-        await stop.wait()
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # run() ends only by an error etcd being away does not explain
     finally:
+        stopped.cancel()
         task.cancel()
         if runner is not None:
             await runner.cleanup()

@@ -1,11 +1,16 @@
 """etcd maintenance on a real etcd (``etcd_maintenance.EtcdMaintainer``, its clock injected):
 old revisions are compacted away, a mostly free file is defragmented to its size in use, two
-maintainers of one etcd do no harm, compaction goes on across SIGKILLs of etcd, and a service's
-etcd role may compact but not defragment (why the maintainer runs as an admin)."""
+maintainers of one etcd do no harm, compaction goes on across SIGKILLs of etcd, a service's
+etcd role may compact but not defragment (why the maintainer runs as an admin), and
+``rlharvest etcd-maintain`` does it as a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
 from functools import partial
 
 import aetcd
@@ -13,10 +18,10 @@ import aetcd.rpc
 import grpc
 import pytest
 
-from rlharvest.common import registry, tls
+from rlharvest.common import observability, registry, tls
 from rlharvest.common.etcd_maintenance import (
     EtcdMaintainer, MaintenanceConfig, etcd_status, already_compacted)
-from rlharvest.common.local_etcd import LocalEtcd
+from rlharvest.common.local_etcd import LocalEtcd, free_port
 from rlharvest.cli.launcher import LocalStack
 
 pytestmark = pytest.mark.integration
@@ -135,3 +140,29 @@ async def test_a_service_role_may_compact_but_only_the_root_role_defragment(tmp_
     finally:
         stack.stop()
         tls.configure("", "", "")
+
+
+async def test_rlharvest_etcd_maintain_compacts_serves_its_metrics_and_stops_on_sigterm(
+        etcd) -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rlharvest.cli.main", "etcd-maintain", "--etcd", etcd.endpoint,
+         "--keep-s", "1", "--compact-every-s", "1", "--period-s", "0.2", "--metrics-port",
+         str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = await registry.connect(etcd.endpoint)
+    try:
+        compactions = 0.0
+        while compactions < 2:
+            assert process.poll() is None, process.communicate()[0]
+            await _write(client, 2, size=10)
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(OSError):
+                text = await asyncio.to_thread(observability.scrape, f"127.0.0.1:{port}", 1)
+                compactions = observability.sample(text, "rlh_etcd_compactions_total")
+                assert observability.sample(text, "rlh_etcd_db_bytes") > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0, process.communicate()[0]
+    finally:
+        await client.close()
+        if process.poll() is None:
+            process.kill()
