@@ -263,6 +263,45 @@ def by_minute(samples: list[tuple[float, int, int, int, int]], column: int = 2,
     return [last[m] for m in sorted(last)]
 
 
+def key_class(key: str) -> str:
+    """Who writes ``key``: its first component under ``keys.ROOT``, two for members/ (the
+    service) — e.g. members/rollout_worker, pairing, jobs, weights."""
+    parts = key.removeprefix(keys.ROOT + "/").split("/")
+    return "/".join(parts[:2] if parts[0] == "members" else parts[:1])
+
+
+async def write_mix(soak: Soak, since: int) -> tuple[Counter, int]:
+    """The revisions from ``since`` to now by key class (a watch replays the history etcd still
+    keeps: the maintainer's compaction leaves ``--keep-s`` of it), and the last revision."""
+    async def replay(client: aetcd.Client) -> tuple[Counter, int]:
+        now = (await client.get_range(keys.ROOT.encode(), keys.ROOT.encode() + b"\xff")
+               ).header.revision
+        mix: Counter = Counter()
+        if now <= since:
+            return mix, now
+        watch = await client.watch(b"\0", range_end=b"\0", start_revision=since + 1)
+        try:
+            async for event in watch:
+                mix[key_class(event.kv.key.decode(errors="replace"))] += 1
+                if event.kv.mod_revision >= now:
+                    break
+        finally:
+            await watch.cancel()
+        return mix, now
+
+    return await asyncio.wait_for(_ask_etcd(soak, replay), 30)
+
+
+def mix_report(mix: Counter, minutes: float, workers: int, steps: int) -> str:
+    total = sum(mix.values())
+    parts = ", ".join(f"{k} {n / minutes:.0f}" for k, n in mix.most_common())
+    worker_keys = mix["members/rollout_worker"] + mix["pairing"]
+    return (f"etcd writes by key over the last {minutes:.1f} min (a minute): {parts}; "
+            f"{total / minutes:.0f} in all, {worker_keys / minutes / workers:.1f} per worker "
+            f"(members/rollout_worker, pairing), {total / max(steps, 1):.1f} per step trained "
+            f"({steps} steps)")
+
+
 def per_step_writes(samples: list[tuple[float, int, int, int, int]], steps: int) -> str:
     """etcd writes (raft entries, lease grants and renewals included) per step trained."""
     if len(samples) < 2 or steps < 1:
@@ -329,6 +368,7 @@ async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] 
         scrape_regenerated(run)
         await sample_etcd(run)
         roles = await _quietly(manager_roles(run))
+        await report_write_mix(run, workers)
         if stack.maintenance is not None:
             kept = stack.maintenance.maintainer
             print(f"etcd maintenance: {kept.compactions} compactions (last to revision "
@@ -336,6 +376,39 @@ async def soak(minutes: float, seed: int, workdir: Path, kinds: tuple[str, ...] 
         return report(run, None if roles is None else sorted(roles.values()))
     finally:
         stack.stop()
+
+
+async def report_write_mix(run: Soak, workers: int) -> None:
+    """Writes per key class over the history etcd kept (the last --keep-s and more): per worker
+    and per step trained in that window."""
+    if run.stack.maintenance is None or len(run.etcd_samples) < 2:
+        return
+    since = run.stack.maintenance.maintainer.policy.compacted
+    start = next((s for s in run.etcd_samples if s[4] >= since), None)
+    if since == 0 or start is None:
+        return
+    try:
+        mix, _ = await write_mix(run, since)
+    except Exception as exc:  # noqa: BLE001 - a figure of the report, not a check
+        print(f"etcd writes by key: not replayed ({exc!r})")
+        return
+    minutes = (run.etcd_samples[-1][0] - start[0]) / 60
+    steps = sum(1 for m in trainer_messages_since(run, start[0]) if STEP_LINE.match(m))
+    print(mix_report(mix, minutes, workers, steps))
+
+
+def trainer_messages_since(run: Soak, since: float) -> list[str]:
+    """The trainer's log lines written after monotonic time ``since`` (their JSON ``ts``)."""
+    wall = time.time() - (time.monotonic() - since)
+    out = []
+    for line in (run.stack.log_dir / "trainer.log").read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if float(record.get("ts", 0)) >= wall:
+            out.append(record.get("msg", ""))
+    return out
 
 
 def report(run: Soak, roles: list[str] | None) -> int:
