@@ -298,8 +298,9 @@ def mix_report(mix: Counter, minutes: float, workers: int, steps: int) -> str:
     worker_keys = mix["members/rollout_worker"] + mix["pairing"]
     return (f"etcd writes by key over the last {minutes:.1f} min (a minute): {parts}; "
             f"{total / minutes:.0f} in all, {worker_keys / minutes / workers:.1f} per worker "
-            f"(members/rollout_worker, pairing), {total / max(steps, 1):.1f} per step trained "
-            f"({steps} steps)")
+            f"(members/rollout_worker, pairing), "
+            + (f"{total / steps:.1f} per step trained ({steps} steps)" if steps else
+               "no step trained"))
 
 
 def per_step_writes(samples: list[tuple[float, int, int, int, int]], steps: int) -> str:
