@@ -65,8 +65,9 @@ class _Request:
 class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def __init__(self, spec: SessionSpec):
         self.spec = spec
-        self.adds = 0  # AddRequests taken over all sessions
-        self.resumed = 0  # of which carried generated tokens (a migration or a lost worker's)
+        # Wall times of the AddRequests that carried generated tokens (a migration, a lost
+        # worker's request), by request id: when a request ran again here.
+        self.resumed_at: dict[str, list[float]] = {}
 
     async def Session(self, commands, context):
         spec = self.spec
@@ -84,8 +85,8 @@ class SyntheticWorker(rollout_worker_pb2_grpc.RolloutWorkerServicer):
                 if command.HasField("add"):
                     last_add[0] = time.perf_counter()
                     add = command.add
-                    self.adds += 1
-                    self.resumed += bool(add.generated_token_ids)
+                    if add.generated_token_ids:
+                        self.resumed_at.setdefault(add.request_id, []).append(time.time())
                     cap = spec.length(add.request_id, add.sampling.max_tokens)
                     queued[add.request_id] = _Request(add.request_id, len(add.generated_token_ids),
                                                       cap, add.handle)

@@ -25,9 +25,9 @@ import asyncio
 import os
 import pstats
 import signal
-import statistics
 import subprocess
 import sys
+import json
 import tempfile
 import time
 import urllib.request
@@ -76,35 +76,57 @@ class Fleet:
     procs: list[subprocess.Popen] = field(default_factory=list)
 
 
+def dilation(n: int, args: argparse.Namespace) -> float:
+    """How much slower than the step-time model the workers run: this box (2 shared cores
+    running the workers, the manager, etcd and the client) sustains about
+    ``--box-tokens-per-s``, far below N GPUs' rate; the manager's CPU per token does not depend
+    on the pace, and its demand at the real pace is that cost times the real rate."""
+    return max(1.0, real_rate(n, args) / args.box_tokens_per_s)
+
+
+def real_rate(n: int, args: argparse.Namespace) -> float:
+    """Tokens per second N workers emit at the model's pace, every worker's batch full."""
+    batch = args.requests_per_worker
+    return n * batch / (args.step_a_s + args.step_b_s * batch)
+
+
 def start_host(stack: LocalStack, index: int, workers: int, args: argparse.Namespace,
-               direct_port: int = 0) -> subprocess.Popen:
+               slower: float, direct_port: int = 0) -> subprocess.Popen:
     log = open(stack.log_dir / f"host{index}.log", "ab")
     return subprocess.Popen(
         [sys.executable, str(HOST), "--etcd", stack.etcd.endpoint, "--host-index", str(index),
          "--workers", str(workers), "--capacity", str(args.capacity),
-         "--step-a-s", str(args.step_a_s), "--step-b-s", str(args.step_b_s),
+         "--step-a-s", str(args.step_a_s * slower), "--step-b-s", str(args.step_b_s * slower),
+         "--resumes-out", str(stack.log_dir / f"resumes{index}.json"),
          "--median-tokens", str(args.median_tokens), "--sigma", str(args.sigma),
-         "--time-base", repr(TIME_BASE), "--direct-port", str(direct_port)],
+         "--time-base", repr(TIME_BASE), "--direct-port", str(direct_port),
+         "--lease-ttl", str(args.lease_ttl)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_fleet(n: int, args: argparse.Namespace, profile: bool) -> Fleet:
+    """etcd, the manager, then the worker processes one at a time, each once the manager has
+    every worker of the one before: a manager joining hundreds of workers at once on this loaded
+    box times some first connects out (no SETTINGS frame in time), and a worker whose session
+    broke stays lost until it registers again."""
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="rlh-scale-")))
     stack.start_etcd()
-    per_host = min(64, n // 4)  # at N=64: four processes of 16, so one can die
-    direct_port = free_port()
-    hosts = [start_host(stack, i, per_host, args, direct_port if i == n // per_host - 1 else 0)
-             for i in range(n // per_host)]
-    metrics_port = free_port()
+    metrics_port, direct_port = free_port(), free_port()
     profile_to = stack.log_dir / "manager.prof" if profile else None
     manager, endpoint = start_manager(stack, profile_to, (
         "--metrics-port", str(metrics_port), "--balancer", args.balancer,
         "--greeting-timeout-s", "0"))
-    fleet = Fleet(stack, hosts, manager, endpoint, f"127.0.0.1:{metrics_port}",
-                  f"127.0.0.1:{direct_port}", [*hosts, manager])
+    fleet = Fleet(stack, [], manager, endpoint, f"127.0.0.1:{metrics_port}",
+                  f"127.0.0.1:{direct_port}", [manager])
+    per_host = min(64, n // 4)  # at N=64: four processes of 16, so one can die
     try:
         wait_serving(WorkerHandle(_Alive(manager), endpoint, 0), 60)
-        asyncio.run(wait_workers(endpoint, n, timeout=60 + n / 4))
+        for i in range(n // per_host):
+            last = i == n // per_host - 1
+            fleet.hosts.append(start_host(stack, i, per_host, args, dilation(n, args),
+                                          direct_port if last else 0))
+            fleet.procs.append(fleet.hosts[-1])
+            asyncio.run(wait_workers(endpoint, (i + 1) * per_host, timeout=60))
     except BaseException:
         status = asyncio.run(manager_status(endpoint))
         print("not healthy:", [(w.worker_id, w.state) for w in status.workers
@@ -297,37 +319,58 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
     fleet = start_fleet(n, args, profile)
     try:
         asyncio.run(run_step(fleet, step_request("warm-", n, 8)))
-        rss0, before = rss_bytes(fleet.manager.pid), Snapshot.take(fleet)
+        rss0, before, client0 = rss_bytes(fleet.manager.pid), Snapshot.take(fleet), \
+            time.process_time()
         watch, peak, direct = asyncio.run(measured_step(fleet, n, args))
-        after = Snapshot.take(fleet)
+        after, client = Snapshot.take(fleet), time.process_time() - client0
         killed, _ = asyncio.run(run_step(fleet, step_request("k-", n * args.requests_per_worker,
-                                                             args.max_tokens), kill=0))
+                                                             args.max_tokens), kill=0,
+                                         kill_after_s=args.kill_after_s))
     finally:
         profile_path = stop_fleet(fleet)
     wall, requests = after.at - before.at, n * args.requests_per_worker
-    through = watch.all_latencies()
     ticks = (buckets(before.manager, "rlh_manager_tick_seconds"),
              buckets(after.manager, "rlh_manager_tick_seconds"))
-    tick_count = metric_sum(after.manager, "rlh_manager_tick_seconds_count") - \
-        metric_sum(before.manager, "rlh_manager_tick_seconds_count")
-    recovery, victims, missing = killed.recovery_s()
+    delta = {name: metric_sum(after.etcd, name) - metric_sum(before.etcd, name)
+             for name in ("grpc_server_msg_received_total",
+                          "etcd_server_proposals_committed_total")}
     return {
         "n": n, "requests": requests, "completed": int(watch.done.sum()),
         "failed": watch.failed + killed.failed, "tokens": watch.tokens, "wall": wall,
-        "cpu": after.cpu - before.cpu,
-        "through_p50": pct(through, 50), "through_p99": pct(through, 99),
-        "direct_p50": pct(direct, 50), "direct_p99": pct(direct, 99),
+        "cpu": after.cpu - before.cpu, "client_cpu": client,
+        "slower": dilation(n, args), "real_rate": real_rate(n, args),
+        **latencies(watch.all_latencies(), direct),
         "tick_p50": histogram_quantile(*ticks, 0.5) * 1000,
-        "tick_p99": histogram_quantile(*ticks, 0.99) * 1000, "ticks": tick_count,
+        "tick_p99": histogram_quantile(*ticks, 0.99) * 1000,
+        "ticks": metric_sum(after.manager, "rlh_manager_tick_seconds_count") -
+        metric_sum(before.manager, "rlh_manager_tick_seconds_count"),
         "rss_per_request": (peak - rss0) / requests, "rss0": rss0,
-        "etcd_msgs": (metric_sum(after.etcd, "grpc_server_msg_received_total") -
-                      metric_sum(before.etcd, "grpc_server_msg_received_total")) / wall,
-        "etcd_proposals": (metric_sum(after.etcd, "etcd_server_proposals_committed_total") -
-                           metric_sum(before.etcd, "etcd_server_proposals_committed_total")) / wall,
-        "recovery": recovery, "victims": victims, "never_back": missing,
-        "kill_completed": int(killed.done.sum()), "regenerated": killed.regenerated,
-        "profile": profile_path,
+        "etcd_msgs": delta["grpc_server_msg_received_total"] / wall,
+        "etcd_proposals": delta["etcd_server_proposals_committed_total"] / wall,
+        **kill_recovery(killed, fleet), "profile": profile_path,
     }
+
+
+def latencies(through: np.ndarray, direct: np.ndarray) -> dict:
+    return {"through_p50": pct(through, 50), "through_p99": pct(through, 99),
+            "direct_p50": pct(direct, 50), "direct_p99": pct(direct, 99)}
+
+
+def kill_recovery(watch: StepWatch, fleet: Fleet) -> dict:
+    """Kill to every victim running again: as the surviving workers saw it (their resumed
+    AddRequests, written at exit) and as the client saw it (their tokens from elsewhere)."""
+    resumed: dict[str, list[float]] = {}
+    for path in fleet.stack.log_dir.glob("resumes*.json"):
+        for request_id, times in json.loads(path.read_text()).items():
+            resumed.setdefault(request_id, []).extend(times)
+    ids = [request_id for request_id, i in watch.index.items() if watch.victims[i]]
+    again = [min((t for t in resumed.get(r, ()) if t > watch.killed_at), default=np.inf)
+             for r in ids]
+    tokens_back, victims, never = watch.recovery_s()
+    return {"victims": victims, "never_back": never, "tokens_back": tokens_back,
+            "running_again": max(again) - watch.killed_at if ids else float("nan"),
+            "never_resumed": int(np.isinf(again).sum()),
+            "kill_completed": int(watch.done.sum()), "regenerated": watch.regenerated}
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -337,30 +380,42 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     def line(label: str, fmt) -> str:
         return f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |"
 
+    def full_step(r: dict) -> float:
+        return (args.step_a_s + args.step_b_s * args.requests_per_worker) * r["slower"] * 1000
+
+    def per_token(r: dict) -> float:
+        return r["cpu"] / r["tokens"]
+
     return [
         "| N workers | " + " | ".join(str(r["n"]) for r in rows) + " |",
         "| --- |" + " --- |" * len(rows),
-        line("requests per step (completed, measured step)",
-             lambda r: f"{r['requests']:,} ({r['completed']:,})"),
-        line("tokens relayed (measured step)", lambda r: f"{r['tokens']:,}"),
-        line("step wall time", lambda r: f"{r['wall']:.1f} s"),
-        line("manager CPU per relayed token", lambda r: f"{r['cpu'] / r['tokens'] * 1e6:.1f} µs"),
-        line("manager CPU share", lambda r: f"{r['cpu'] / r['wall']:.2f} cores"),
+        line("requests per step (completed)", lambda r: f"{r['requests']:,} ({r['completed']:,})"),
+        line("tokens relayed; step wall time",
+             lambda r: f"{r['tokens']:,}; {r['wall']:.1f} s"),
+        line("model's rate (full batches); run slower by", lambda r: f"{r['real_rate']:,.0f} "
+             f"tok/s; x{r['slower']:.1f} (step {full_step(r):.0f} ms)"),
+        line("manager CPU per relayed token", lambda r: f"**{per_token(r) * 1e6:.1f} µs**"),
+        line("manager CPU share at the run's pace; client's", lambda r: f"{r['cpu'] / r['wall']:.2f}"
+             f"; {r['client_cpu'] / r['wall']:.2f} cores"),
+        line("manager cores needed at the model's rate",
+             lambda r: f"**{r['real_rate'] * per_token(r):.1f}**"),
         line("delivery p50 / p99, direct read", lambda r: f"{r['direct_p50']:.1f} / "
                                                            f"{r['direct_p99']:.1f} ms"),
         line("delivery p50 / p99, through the manager", lambda r: f"{r['through_p50']:.1f} / "
                                                                    f"{r['through_p99']:.1f} ms"),
-        line("added p99", lambda r: f"{r['through_p99'] - r['direct_p99']:.1f} ms"),
-        line("tick p50 / p99 (ticks)", lambda r: f"{r['tick_p50']:.2f} / {r['tick_p99']:.1f} ms "
-                                                 f"({r['ticks']:,.0f})"),
+        line("added p99", lambda r: f"**{r['through_p99'] - r['direct_p99']:.1f} ms**"),
+        line("tick p50 / p99 (ticks)", lambda r: f"{r['tick_p50']:.2f} / **{r['tick_p99']:.1f}** "
+                                                 f"ms ({r['ticks']:,.0f})"),
         line("manager RSS idle; per request in flight",
              lambda r: f"{r['rss0'] / 2**20:.0f} MiB; {r['rss_per_request'] / 1024:.1f} KiB"),
         line("etcd gRPC messages/s (proposals/s)",
              lambda r: f"{r['etcd_msgs']:.0f} ({r['etcd_proposals']:.1f})"),
-        line("SIGKILL of one worker process: victims", lambda r: f"{r['victims']:,}"),
-        line("kill to every victim's tokens from elsewhere",
-             lambda r: f"**{r['recovery']:.2f} s**" + (f" ({r['never_back']} never)"
-                                                       if r["never_back"] else "")),
+        line("SIGKILL of one worker process: its requests in flight", lambda r: f"{r['victims']:,}"),
+        line("kill -> every one resumed on a survivor", lambda r: f"**{r['running_again']:.2f} s**"
+             + (f" ({r['never_resumed']} never)" if r["never_resumed"] else "")),
+        line("kill -> every one's tokens at the client",
+             lambda r: f"{r['tokens_back']:.2f} s" + (f" ({r['never_back']} never)"
+                                                     if r["never_back"] else "")),
         line("kill step: completed, failed, tokens regenerated",
              lambda r: f"{r['kill_completed']:,}, {r['failed']}, {r['regenerated']}"),
     ]
@@ -371,24 +426,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="N=64, 8 requests each")
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--requests-per-worker", type=int, default=16)
+    parser.add_argument("--box-tokens-per-s", type=float, default=2000, help="the pace this "
+                        "machine sustains: workers run slower than the model to offer this")
     parser.add_argument("--capacity", type=int, default=64, help="each worker's slots")
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--median-tokens", type=float, default=48)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--median-tokens", type=float, default=8)
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--step-a-s", type=float, default=0.02, help="engine step a + b * batch")
     parser.add_argument("--step-b-s", type=float, default=0.00025)
     parser.add_argument("--balancer", default="algorithm2")
+    parser.add_argument("--lease-ttl", type=int, default=5, help="each worker's etcd lease "
+                        "(a real worker's default: 5 s)")
+    parser.add_argument("--kill-after-s", type=float, default=1.0,
+                        help="the kill step: SIGKILL one worker process this far into it")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     sizes = [64] if args.quick else [int(s) for s in args.sizes.split(",")]
     if args.quick:
-        args.requests_per_worker, args.max_tokens = 8, 128
-    rows = [measure(n, args, args.profile and n == max(sizes)) for n in sizes]
+        args.requests_per_worker = 8
+    rows = []
+    for n in sizes:  # each N's figures as they come: a later N may take minutes
+        rows.append(measure(n, args, args.profile and n == max(sizes)))
+        print("\n".join(table(rows[-1:], args)) + "\n", flush=True)
     load = os.getloadavg()[0]
     header = (f"requests per worker {args.requests_per_worker} (log-normal lengths, median "
               f"{args.median_tokens:g}, sigma {args.sigma:g}, cap {args.max_tokens}); engine step "
-              f"{args.step_a_s * 1000:g} ms + {args.step_b_s * 1000:g} ms x batch; balancer "
+              f"{args.step_a_s * 1000:g} ms + {args.step_b_s * 1000:g} ms x batch (the model; each N runs it "
+              f"slower, to offer this box about {args.box_tokens_per_s:,.0f} tokens/s); balancer "
               f"{args.balancer}; machine: {os.cpu_count()} cores shared by the manager, the "
               f"worker processes, etcd, the client and other jobs (load {load:.1f} at the end)")
     lines = [header, "", *table(rows, args)]

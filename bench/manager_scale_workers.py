@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import sys
@@ -53,12 +54,13 @@ def spec_of(args: argparse.Namespace, worker_id: str) -> SessionSpec:
 
 async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
     etcd = await registry.connect(args.etcd)
-    servers, members = [], []
+    servers, members, workers = [], [], []
     for i in range(args.workers):
         worker_id = f"h{args.host_index}w{i}"
         spec = spec_of(args, worker_id)
-        _, server = await start_worker(spec)
+        worker, server = await start_worker(spec)
         servers.append(server)
+        workers.append(worker)
         members.append(await registry.register(
             etcd, "rollout_worker", worker_id, member_record(f"127.0.0.1:{server.port}", spec),
             ttl=args.lease_ttl))
@@ -70,6 +72,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event) -> None:
           flush=True)
     await stop.wait()
     await asyncio.gather(*(server.stop(0) for server in servers))
+    if args.resumes_out:  # for the kill-recovery figure: when each request ran again here
+        resumed: dict[str, list[float]] = {}
+        for worker in workers:
+            for request_id, times in worker.resumed_at.items():
+                resumed.setdefault(request_id, []).extend(times)
+        Path(args.resumes_out).write_text(json.dumps(resumed))
     await asyncio.gather(*(member.close() for member in members))
     await etcd.close()
 
@@ -88,6 +96,8 @@ def main() -> None:
     parser.add_argument("--time-base", type=float, default=0.0)
     parser.add_argument("--lease-ttl", type=int, default=5)
     parser.add_argument("--direct-port", type=int, default=0)
+    parser.add_argument("--resumes-out", default="", help="write, at exit, the wall times of "
+                        "the resumed AddRequests each request id got (JSON)")
     args = parser.parse_args()
     run_service(lambda stop: serve(args, stop))
 
