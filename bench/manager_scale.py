@@ -74,6 +74,7 @@ class Fleet:
     metrics: str  # the manager's metrics host:port
     direct: str  # the unregistered worker of the direct-read baseline
     procs: list[subprocess.Popen] = field(default_factory=list)
+    host_index: list[int] = field(default_factory=list)  # of each of hosts: its tokens' id - 1
 
 
 def dilation(n: int, args: argparse.Namespace) -> float:
@@ -122,11 +123,8 @@ def start_fleet(n: int, args: argparse.Namespace, profile: bool) -> Fleet:
     try:
         wait_serving(WorkerHandle(_Alive(manager), endpoint, 0), 60)
         for i in range(n // per_host):
-            last = i == n // per_host - 1
-            fleet.hosts.append(start_host(stack, i, per_host, args, dilation(n, args),
-                                          direct_port if last else 0))
-            fleet.procs.append(fleet.hosts[-1])
-            asyncio.run(wait_workers(endpoint, (i + 1) * per_host, timeout=60))
+            start_workers(fleet, i, per_host, args, dilation(n, args),
+                          direct_port if i == n // per_host - 1 else 0)
     except BaseException:
         status = asyncio.run(manager_status(endpoint))
         print("not healthy:", [(w.worker_id, w.state) for w in status.workers
@@ -135,6 +133,30 @@ def start_fleet(n: int, args: argparse.Namespace, profile: bool) -> Fleet:
         stop_fleet(fleet)
         raise
     return fleet
+
+
+def start_workers(fleet: Fleet, index: int, per_host: int, args: argparse.Namespace,
+                  slower: float, direct_port: int, tries: int = 3) -> None:
+    """One worker process, started again under new worker ids (SIGKILL first) while the
+    manager lost some of its workers at their first connect: a lost worker stays lost until it
+    registers anew."""
+    for attempt in range(tries):
+        host_index = index + 64 * attempt  # also its tokens' id: below the tiny vocabulary
+        host = start_host(fleet.stack, host_index, per_host, args, slower, direct_port)
+        fleet.procs.append(host)
+        try:
+            asyncio.run(wait_workers(fleet.endpoint, names=[f"h{host_index}w{i}"
+                                                            for i in range(per_host)], timeout=60))
+            fleet.hosts.append(host)
+            fleet.host_index.append(host_index)
+            return
+        except TimeoutError:
+            if attempt == tries - 1:
+                raise
+            print(f"worker process {index}: some sessions never started; starting it again",
+                  file=sys.stderr, flush=True)
+            host.kill()
+            host.wait()
 
 
 def stop_fleet(fleet: Fleet) -> Path | None:
@@ -167,6 +189,7 @@ class StepWatch:
         self.last_host = np.full(count, -1, np.int64)
         self.next_position = np.zeros(count, np.int64)
         self.done = np.zeros(count, bool)
+        self.ended = np.zeros(count, bool)  # its last row came (its completion may not yet)
         self.tokens = self.failed = self.regenerated = 0
         self.killed_host, self.killed_at = -1, 0.0
         self.victims = np.zeros(count, bool)
@@ -179,6 +202,9 @@ class StepWatch:
             self.failed += c.failed
             self.tokens += len(c.token_ids)
         rows = delta_batch.decode(event.batch)
+        last = [row for row, why in rows.ends.items() if why != "abort"]  # abort: it moves
+        if last:
+            self.ended[rows.requests[last]] = True
         grew = rows.counts > 0
         if not grew.any():
             return
@@ -200,13 +226,14 @@ class StepWatch:
         host.send_signal(signal.SIGKILL)
         self.killed_at = time.time()
         self.killed_host = index
-        self.victims = (self.last_host == index) & ~self.done
+        self.victims = (self.last_host == index) & ~self.ended
 
     def recovery_s(self) -> tuple[float, int, int]:
         """Kill to the last victim's first tokens from elsewhere; victims, those never back."""
         back = self.recovered_at[self.victims]
         missing = int(np.isinf(back).sum())
-        worst = float(back[~np.isinf(back)].max() - self.killed_at) if len(back) else float("nan")
+        worst = float(back[~np.isinf(back)].max() - self.killed_at) if missing < len(back) \
+            else float("nan")
         return worst, int(self.victims.sum()), missing
 
     def all_latencies(self) -> np.ndarray:
@@ -242,7 +269,7 @@ async def run_step(fleet: Fleet, request: mpb.SubmitStepRequest, kill: int = -1,
             peak, last_sample = max(peak, rss_bytes(fleet.manager.pid)), now
         if kill >= 0 and watch.killed_host < 0 and now - begun > kill_after_s \
                 and watch.started() > 0.95:
-            watch.kill(fleet.hosts[kill], kill)
+            watch.kill(fleet.hosts[kill], fleet.host_index[kill])
     return watch, peak
 
 
@@ -319,6 +346,7 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
     fleet = start_fleet(n, args, profile)
     try:
         asyncio.run(run_step(fleet, step_request("warm-", n, 8)))
+        idle = idle_cpu_rate(fleet.manager.pid, 3.0)
         rss0, before, client0 = rss_bytes(fleet.manager.pid), Snapshot.take(fleet), \
             time.process_time()
         watch, peak, direct = asyncio.run(measured_step(fleet, n, args))
@@ -337,7 +365,7 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
     return {
         "n": n, "requests": requests, "completed": int(watch.done.sum()),
         "failed": watch.failed + killed.failed, "tokens": watch.tokens, "wall": wall,
-        "cpu": after.cpu - before.cpu, "client_cpu": client,
+        "cpu": after.cpu - before.cpu, "idle": idle, "client_cpu": client,
         "slower": dilation(n, args), "real_rate": real_rate(n, args),
         **latencies(watch.all_latencies(), direct),
         "tick_p50": histogram_quantile(*ticks, 0.5) * 1000,
@@ -349,6 +377,14 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
         "etcd_proposals": delta["etcd_server_proposals_committed_total"] / wall,
         **kill_recovery(killed, fleet), "profile": profile_path,
     }
+
+
+def idle_cpu_rate(pid: int, seconds: float) -> float:
+    """The manager's CPU share with every worker connected and no step: its timers (ticks,
+    watches, leases), a cost per second rather than per token."""
+    cpu0 = cpu_seconds(pid)
+    time.sleep(seconds)
+    return (cpu_seconds(pid) - cpu0) / seconds
 
 
 def latencies(through: np.ndarray, direct: np.ndarray) -> dict:
@@ -364,11 +400,12 @@ def kill_recovery(watch: StepWatch, fleet: Fleet) -> dict:
         for request_id, times in json.loads(path.read_text()).items():
             resumed.setdefault(request_id, []).extend(times)
     ids = [request_id for request_id, i in watch.index.items() if watch.victims[i]]
-    again = [min((t for t in resumed.get(r, ()) if t > watch.killed_at), default=np.inf)
-             for r in ids]
+    again = np.array([min((t for t in resumed.get(r, ()) if t > watch.killed_at), default=np.inf)
+                      for r in ids])
+    finite = again[~np.isinf(again)]
     tokens_back, victims, never = watch.recovery_s()
     return {"victims": victims, "never_back": never, "tokens_back": tokens_back,
-            "running_again": max(again) - watch.killed_at if ids else float("nan"),
+            "running_again": finite.max() - watch.killed_at if len(finite) else float("nan"),
             "never_resumed": int(np.isinf(again).sum()),
             "kill_completed": int(watch.done.sum()), "regenerated": watch.regenerated}
 
@@ -383,8 +420,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     def full_step(r: dict) -> float:
         return (args.step_a_s + args.step_b_s * args.requests_per_worker) * r["slower"] * 1000
 
-    def per_token(r: dict) -> float:
-        return r["cpu"] / r["tokens"]
+    def per_token(r: dict) -> float:  # less what it spends per second whatever the load
+        return (r["cpu"] - r["idle"] * r["wall"]) / r["tokens"]
 
     return [
         "| N workers | " + " | ".join(str(r["n"]) for r in rows) + " |",
@@ -394,7 +431,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
              lambda r: f"{r['tokens']:,}; {r['wall']:.1f} s"),
         line("model's rate (full batches); run slower by", lambda r: f"{r['real_rate']:,.0f} "
              f"tok/s; x{r['slower']:.1f} (step {full_step(r):.0f} ms)"),
-        line("manager CPU per relayed token", lambda r: f"**{per_token(r) * 1e6:.1f} µs**"),
+        line("manager CPU share idle (N workers, no step)", lambda r: f"{r['idle']:.3f} cores"),
+        line("manager CPU per relayed token, less idle", lambda r: f"**{per_token(r) * 1e6:.1f} µs**"),
         line("manager CPU share at the run's pace; client's", lambda r: f"{r['cpu'] / r['wall']:.2f}"
              f"; {r['client_cpu'] / r['wall']:.2f} cores"),
         line("manager cores needed at the model's rate",
