@@ -53,6 +53,7 @@ def cpu_seconds(pid: int) -> float:
 def start_harness(stack: LocalStack, worker_id: str, version: int, args,
                   interval: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    assert stack.etcd is not None, "start the stack's etcd first"
     log = open(stack.log_dir / f"{worker_id}.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, str(HARNESS), "--etcd", stack.etcd.endpoint, "--worker-id", worker_id,
@@ -71,6 +72,7 @@ RELAY_FLAGS = ("--balancer", "jsq")
 def start_manager(stack: LocalStack, profile_to: Path | None,
                   extra: Sequence[str] = RELAY_FLAGS) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    assert stack.etcd is not None, "start the stack's etcd first"
     flags = ["--etcd", stack.etcd.endpoint, "--port", str(port), "--log-level", "warning",
              "--max-new-tokens", "1000000", "--stall-timeout-s", "60", *extra]
     module = ["-m", "rlharvest.services.rollout_manager.main"]

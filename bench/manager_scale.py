@@ -40,14 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.manager_relay import (  # noqa: E402
     TIME_BASE,
-    _Alive,
     cpu_seconds,
     direct_latency,
     start_manager,
 )
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common import delta_batch  # noqa: E402
-from rlharvest.common.local_etcd import free_port  # noqa: E402
+from rlharvest.common.local_etcd import LocalEtcd, free_port  # noqa: E402
 from rlharvest.common.observability import scrape  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.services.rollout_manager.client import (  # noqa: E402
@@ -55,7 +54,6 @@ from rlharvest.services.rollout_manager.client import (  # noqa: E402
     stream_step,
     wait_workers,
 )  # noqa: E402
-from tests.integration.worker_client import WorkerHandle, wait_serving  # noqa: E402
 
 HOST = Path(__file__).resolve().parent / "manager_scale_workers.py"
 RESULTS = Path(__file__).resolve().parent / "results" / "manager_scale.md"
@@ -91,11 +89,16 @@ def real_rate(n: int, args: argparse.Namespace) -> float:
     return n * batch / (args.step_a_s + args.step_b_s * batch)
 
 
+def etcd_of(stack: LocalStack) -> LocalEtcd:
+    assert stack.etcd is not None, "start the stack's etcd first"
+    return stack.etcd
+
+
 def start_host(stack: LocalStack, index: int, workers: int, args: argparse.Namespace,
                slower: float, direct_port: int = 0) -> subprocess.Popen:
     log = open(stack.log_dir / f"host{index}.log", "ab")
     return subprocess.Popen(
-        [sys.executable, str(HOST), "--etcd", stack.etcd.endpoint, "--host-index", str(index),
+        [sys.executable, str(HOST), "--etcd", etcd_of(stack).endpoint, "--host-index", str(index),
          "--workers", str(workers), "--capacity", str(args.capacity),
          "--step-a-s", str(args.step_a_s * slower), "--step-b-s", str(args.step_b_s * slower),
          "--resumes-out", str(stack.log_dir / f"resumes{index}.json"),
@@ -121,7 +124,7 @@ def start_fleet(n: int, args: argparse.Namespace, profile: bool) -> Fleet:
                   f"127.0.0.1:{direct_port}", [manager])
     per_host = min(64, n // 4)  # at N=64: four processes of 16, so one can die
     try:
-        wait_serving(WorkerHandle(_Alive(manager), endpoint, 0), 60)
+        asyncio.run(wait_workers(endpoint, 0, timeout=60))  # its status answers
         for i in range(n // per_host):
             start_workers(fleet, i, per_host, args, dilation(n, args),
                           direct_port if i == n // per_host - 1 else 0)
@@ -310,7 +313,7 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 
 
 def etcd_metrics(fleet: Fleet) -> str:
-    url = f"http://{fleet.stack.etcd.endpoint}/metrics"
+    url = f"http://{etcd_of(fleet.stack).endpoint}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
         return reply.read().decode()
 
@@ -372,6 +375,8 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
         "tick_p99": histogram_quantile(*ticks, 0.99) * 1000,
         "ticks": metric_sum(after.manager, "rlh_manager_tick_seconds_count") -
         metric_sum(before.manager, "rlh_manager_tick_seconds_count"),
+        "tick_s": metric_sum(after.manager, "rlh_manager_tick_seconds_sum") -
+        metric_sum(before.manager, "rlh_manager_tick_seconds_sum"),
         "rss_per_request": (peak - rss0) / requests, "rss0": rss0,
         "etcd_msgs": delta["grpc_server_msg_received_total"] / wall,
         "etcd_proposals": delta["etcd_server_proposals_committed_total"] / wall,
@@ -420,8 +425,11 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     def full_step(r: dict) -> float:
         return (args.step_a_s + args.step_b_s * args.requests_per_worker) * r["slower"] * 1000
 
-    def per_token(r: dict) -> float:  # less what it spends per second whatever the load
-        return (r["cpu"] - r["idle"] * r["wall"]) / r["tokens"]
+    def per_token(r: dict) -> float:
+        """The relay's cost: less the idle timers' and the ticks' (a cost per second that grows
+        with the requests in flight, not with the token rate; the run's pace is slowed, so
+        counting it per token would inflate the per-token cost by the slowdown)."""
+        return max(0.0, r["cpu"] - r["idle"] * r["wall"] - r["tick_s"]) / r["tokens"]
 
     return [
         "| N workers | " + " | ".join(str(r["n"]) for r in rows) + " |",
@@ -432,11 +440,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         line("model's rate (full batches); run slower by", lambda r: f"{r['real_rate']:,.0f} "
              f"tok/s; x{r['slower']:.1f} (step {full_step(r):.0f} ms)"),
         line("manager CPU share idle (N workers, no step)", lambda r: f"{r['idle']:.3f} cores"),
-        line("manager CPU per relayed token, less idle", lambda r: f"**{per_token(r) * 1e6:.1f} µs**"),
+        line("manager time in ticks (share of the step's wall time)",
+             lambda r: f"{r['tick_s']:.1f} s ({r['tick_s'] / r['wall']:.2f})"),
+        line("manager CPU per relayed token, less idle and ticks", lambda r: f"**{per_token(r) * 1e6:.1f} µs**"),
         line("manager CPU share at the run's pace; client's", lambda r: f"{r['cpu'] / r['wall']:.2f}"
              f"; {r['client_cpu'] / r['wall']:.2f} cores"),
-        line("manager cores needed at the model's rate",
-             lambda r: f"**{r['real_rate'] * per_token(r):.1f}**"),
+        line("manager cores needed at the model's rate: relay + ticks",
+             lambda r: f"**{r['real_rate'] * per_token(r) + r['tick_s'] / r['wall']:.1f}**"),
         line("delivery p50 / p99, direct read", lambda r: f"{r['direct_p50']:.1f} / "
                                                            f"{r['direct_p99']:.1f} ms"),
         line("delivery p50 / p99, through the manager", lambda r: f"{r['through_p50']:.1f} / "
