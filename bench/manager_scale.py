@@ -44,6 +44,7 @@ from bench.manager_relay import (  # noqa: E402
     direct_latency,
     start_manager,
 )
+from bench.manager_scale_workers import LongTail  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common import delta_batch  # noqa: E402
 from rlharvest.common.local_etcd import LocalEtcd, free_port  # noqa: E402
@@ -185,8 +186,11 @@ class StepWatch:
     which worker process (token id - 1) delivered its latest tokens, so a kill's victims and
     their recovery elsewhere are seen from the client, where they count."""
 
-    def __init__(self, request: mpb.SubmitStepRequest):
+    def __init__(self, request: mpb.SubmitStepRequest, lengths: np.ndarray | None = None):
         count = len(request.requests)
+        # Where each request ends (the workers draw it from its id): one whose last tokens came
+        # before a kill is no victim, even while its completion is still on the way.
+        self.lengths = np.full(count, np.iinfo(np.int64).max) if lengths is None else lengths
         self.index = {r.request_id: i for i, r in enumerate(request.requests)}
         self.latencies: list[np.ndarray] = []
         self.last_host = np.full(count, -1, np.int64)
@@ -229,7 +233,8 @@ class StepWatch:
         host.send_signal(signal.SIGKILL)
         self.killed_at = time.time()
         self.killed_host = index
-        self.victims = (self.last_host == index) & ~self.ended
+        self.victims = (self.last_host == index) & ~self.ended & \
+            (self.next_position < self.lengths)
 
     def recovery_s(self) -> tuple[float, int, int]:
         """Kill to the last victim's first tokens from elsewhere; victims, those never back."""
@@ -259,11 +264,12 @@ def rss_bytes(pid: int) -> int:
 
 
 async def run_step(fleet: Fleet, request: mpb.SubmitStepRequest, kill: int = -1,
-                   kill_after_s: float = 1.0) -> tuple[StepWatch, int]:
+                   kill_after_s: float = 1.0, lengths: np.ndarray | None = None
+                   ) -> tuple[StepWatch, int]:
     """Streams the step to its end; with ``kill`` >= 0, SIGKILLs that worker process once nearly
     every request has started and ``kill_after_s`` passed. Returns the watch and the manager's
     peak RSS seen meanwhile."""
-    watch, peak = StepWatch(request), rss_bytes(fleet.manager.pid)
+    watch, peak = StepWatch(request, lengths), rss_bytes(fleet.manager.pid)
     begun, last_sample = time.monotonic(), 0.0
     async for event in stream_step(fleet.endpoint, request, MAX_MESSAGE):
         watch.take(event)
@@ -354,9 +360,11 @@ def measure(n: int, args: argparse.Namespace, profile: bool) -> dict:
             time.process_time()
         watch, peak, direct = asyncio.run(measured_step(fleet, n, args))
         after, client = Snapshot.take(fleet), time.process_time() - client0
-        killed, _ = asyncio.run(run_step(fleet, step_request("k-", n * args.requests_per_worker,
-                                                             args.max_tokens), kill=0,
-                                         kill_after_s=args.kill_after_s))
+        doomed = step_request("k-", n * args.requests_per_worker, args.max_tokens)
+        length = LongTail(args.median_tokens, args.sigma)
+        lengths = np.array([length(r.request_id, args.max_tokens) for r in doomed.requests])
+        killed, _ = asyncio.run(run_step(fleet, doomed, kill=0, kill_after_s=args.kill_after_s,
+                                         lengths=lengths))
     finally:
         profile_path = stop_fleet(fleet)
     wall, requests = after.at - before.at, n * args.requests_per_worker
