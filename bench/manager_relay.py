@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +53,7 @@ def cpu_seconds(pid: int) -> float:
 def start_harness(stack: LocalStack, worker_id: str, version: int, args,
                   interval: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    assert stack.etcd is not None, "start the stack's etcd first"
     log = open(stack.log_dir / f"{worker_id}.log", "ab")
     proc = subprocess.Popen(
         [sys.executable, str(HARNESS), "--etcd", stack.etcd.endpoint, "--worker-id", worker_id,
@@ -62,13 +64,17 @@ def start_harness(stack: LocalStack, worker_id: str, version: int, args,
     return proc, f"127.0.0.1:{port}"
 
 
-def start_manager(stack: LocalStack, profile_to: Path | None) -> tuple[subprocess.Popen, str]:
+# Every request on a worker at once: full engine batches, the relay's case (Algorithm 2 would cap
+# a synthetic worker, whose steps cost per row, at a few requests).
+RELAY_FLAGS = ("--balancer", "jsq")
+
+
+def start_manager(stack: LocalStack, profile_to: Path | None,
+                  extra: Sequence[str] = RELAY_FLAGS) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    assert stack.etcd is not None, "start the stack's etcd first"
     flags = ["--etcd", stack.etcd.endpoint, "--port", str(port), "--log-level", "warning",
-             "--max-new-tokens", "1000000", "--stall-timeout-s", "60",
-             # Every request on a worker at once: full engine batches, the relay's case (Algorithm
-             # 2 would cap a synthetic worker, whose steps cost per row, at a few requests).
-             "--balancer", "jsq"]
+             "--max-new-tokens", "1000000", "--stall-timeout-s", "60", *extra]
     module = ["-m", "rlharvest.services.rollout_manager.main"]
     prefix = ["-m", "cProfile", "-o", str(profile_to)] if profile_to else []
     log = open(stack.log_dir / "manager.log", "ab")

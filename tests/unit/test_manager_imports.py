@@ -21,6 +21,8 @@ CONTROL_PLANE = [
     "bench.manager_policy",
     "bench.manager_relay",
     "bench.manager_relay_worker",
+    "bench.manager_scale",
+    "bench.manager_scale_workers",
     "bench.manager_preemption",
     "bench.manager_longtail",
 ]

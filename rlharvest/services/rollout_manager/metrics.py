@@ -1,6 +1,6 @@
 """Prometheus metrics of a rollout manager."""
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings
 
@@ -11,6 +11,10 @@ PENDING = Gauge("rlh_manager_pending_requests", "Pending (queued) requests per w
 INSTANCE_CAP = Gauge("rlh_manager_instance_cap", "N_prem: spot workers that may take work "
                      "(-1: no cap); the rest stand by")
 MIGRATIONS = Counter("rlh_manager_migrations_total", "Requests moved between workers", ["cause"])
+TICK_SECONDS = Histogram("rlh_manager_tick_seconds", "One tick of the core (Algorithm 2's "
+                         "dispatch and rebalance) and carrying out its commands: the event loop "
+                         "serves no worker meanwhile", buckets=(.0005, .001, .002, .005, .01, .02,
+                                                                .05, .1, .2, .5, 1, 2, 5))
 TOKENS = Counter("rlh_manager_tokens_total", "Tokens accepted from workers")
 TURNS_ROUTED = Gauge("rlh_manager_turns_routed", "Trajectory turns routed since start, by "
                      "outcome: affinity (to the worker holding the history), moved (that worker "

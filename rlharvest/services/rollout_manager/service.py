@@ -63,7 +63,8 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._wake.clear()
             for observer in self._observers:  # before the tick: it dispatches what they freed
                 self.execute(observer.before_tick())
-            self.execute(self.control.tick())
+            with metrics.TICK_SECONDS.time():
+                self.execute(self.control.tick())
             for observer in self._observers:
                 observer.after_tick()
             self.report.update_rate()
