@@ -34,6 +34,14 @@ from rlharvest.services.rollout_worker.client import WorkerLink, session_role
 
 log = logging.getLogger(__name__)
 
+# A worker lost while its record stays in etcd (its stream broke, or the first connection timed
+# out while hundreds joined at once) is tried again, at first after REJOIN_FIRST_S and, while the
+# tries fail, at doubling intervals up to REJOIN_MAX_S: without this it stayed out until its
+# record changed, a capacity loss nothing would ever undo.
+REJOIN_FIRST_S = 1.0
+REJOIN_MAX_S = 30.0
+PROBE_TIMEOUT_S = 2.0
+
 
 class Workers:
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
@@ -52,6 +60,9 @@ class Workers:
         self._observers = observers
         self.links: dict[str, WorkerLink] = {}
         self.endpoints: dict[str, dict] = {}  # worker id -> its member record
+        self._records: dict[str, dict] = {}  # members serving here, as etcd shows them now
+        self._rejoins: dict[str, asyncio.Task] = {}
+        self._rejoin_delay: dict[str, float] = {}
 
     # ---- etcd ------------------------------------------------------------------------------------
 
@@ -69,6 +80,8 @@ class Workers:
         spot or seed worker's ``--job``, a co-executor lent to this job, a worker placed on a
         node whose turn is this job's (WEAVE, placement_follower.py) once it holds its weights."""
         async for event in registry.watch_members(self._etcd, service):
+            self._note_record(event.member_id, None if event.kind == "leave" or
+                              not self._serves_here(event.info) else event.info)
             if event.kind != "leave" and not self._serves_here(event.info):
                 if event.member_id in self.links:  # lent to (or its node's turn is) another job
                     self.lose(event.member_id,
@@ -84,6 +97,47 @@ class Workers:
 
     def _serves_here(self, info: dict) -> bool:
         return info.get("job") == self._job
+
+    def _note_record(self, worker_id: str, info: dict | None) -> None:
+        """The member's record now (None: gone, or serving elsewhere). A pending rejoin ends
+        with it: the watch's own join (or leave) supersedes it."""
+        if info is None:
+            self._records.pop(worker_id, None)
+            self._rejoin_delay.pop(worker_id, None)
+        else:
+            self._records[worker_id] = info
+        task = self._rejoins.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+
+    def _rejoin_later(self, worker_id: str, greeted: bool) -> None:
+        if worker_id not in self._records or worker_id in self._rejoins:
+            return
+        delay = REJOIN_FIRST_S if greeted else min(
+            2 * self._rejoin_delay.get(worker_id, REJOIN_FIRST_S / 2), REJOIN_MAX_S)
+        self._rejoin_delay[worker_id] = delay
+        self._rejoins[worker_id] = asyncio.get_running_loop().create_task(
+            self._rejoin(worker_id, delay), name=f"rejoin {worker_id}")
+
+    async def _rejoin(self, worker_id: str, delay: float) -> None:
+        """Join the worker again once its endpoint takes a connection (a dead one is not put
+        back in the core, where dispatches would go to it and move again)."""
+        try:
+            while True:
+                await asyncio.sleep(delay)
+                info = self._records.get(worker_id)
+                if info is None or worker_id in self.links:
+                    return
+                if await _answers(str(info["endpoint"])):
+                    break
+                delay = min(2 * delay, REJOIN_MAX_S)
+                self._rejoin_delay[worker_id] = delay
+        finally:
+            if self._rejoins.get(worker_id) is asyncio.current_task():
+                del self._rejoins[worker_id]
+        log.info("worker %s: its record stands and it answers again; joining it", worker_id)
+        await self._join(worker_id, info)
+        self._wake()
 
     async def greet(self, timeout: float) -> list[str]:
         """Leadership begins (the watch loops run): wait up to ``timeout`` until every worker
@@ -228,6 +282,7 @@ class Workers:
         link = self.links.pop(worker_id, None)
         if link is not None:
             asyncio.get_running_loop().create_task(link.close())
+            self._rejoin_later(worker_id, link.greeted)
 
     def forget(self, worker_id: str) -> None:
         """Drop what the shell keeps about a worker the core forgot (its link went at the
@@ -269,3 +324,15 @@ class Workers:
         link = self.links.get(worker_id)
         if link is not None:
             link.abort([request_id])
+
+
+async def _answers(endpoint: str) -> bool:
+    """Whether ``host:port`` takes a TCP connection within PROBE_TIMEOUT_S."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host.strip("[]"), int(port)), PROBE_TIMEOUT_S)
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
