@@ -232,6 +232,31 @@ class RolloutControl:
             self._left.pop(request_id, None)
         return out
 
+    def withdraw(self, request_ids: Sequence[str], limit: int = 0) -> tuple[list[str], list[Step]]:
+        """Of ``request_ids``, up to ``limit`` (0: all) that wait on no worker and never went
+        to one here leave their steps, in the given order: a sharded job's client moves them to
+        another shard (sharding.py). Nothing is sent for them. Returns those withdrawn and
+        the steps this left with no request (they ended, as at their last completion)."""
+        taken: list[str] = []
+        ended: list[Step] = []
+        # A request a worker kept from a dead leader runs there still: it waits here only
+        # until that worker adopts it (worker_keeps), so it stays.
+        kept = {rid for w in self.pool.all() for rid in w.kept}
+        for request_id in request_ids:
+            if limit and len(taken) >= limit:
+                break
+            req = self.tracker.get(request_id) if request_id in self.tracker else None
+            if req is None or req.state is not RequestState.WAITING or request_id in kept or \
+                    req.handle != req.added_as or self.steps.step_of(request_id) is None:
+                continue
+            self.tracker.withdraw(request_id)
+            self._left.pop(request_id, None)
+            taken.append(request_id)
+            if (step := self.steps.withdrawn(request_id)) is not None:
+                step.remote = self.remote.step_closed(step.key)
+                ended.append(step)
+        return taken, ended
+
     # ---- workers ------------------------------------------------------------------------------
 
     def worker_joined(self, worker_id: str, weight_version: int, capacity: int,

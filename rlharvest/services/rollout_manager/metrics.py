@@ -11,6 +11,8 @@ PENDING = Gauge("rlh_manager_pending_requests", "Pending (queued) requests per w
 INSTANCE_CAP = Gauge("rlh_manager_instance_cap", "N_prem: spot workers that may take work "
                      "(-1: no cap); the rest stand by")
 MIGRATIONS = Counter("rlh_manager_migrations_total", "Requests moved between workers", ["cause"])
+WITHDRAWN = Counter("rlh_manager_withdrawn_total", "Queued requests a sharded job's client moved "
+                    "to another shard (Withdraw)")
 TOKENS = Counter("rlh_manager_tokens_total", "Tokens accepted from workers")
 TURNS_ROUTED = Gauge("rlh_manager_turns_routed", "Trajectory turns routed since start, by "
                      "outcome: affinity (to the worker holding the history), moved (that worker "

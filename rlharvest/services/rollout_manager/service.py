@@ -31,7 +31,8 @@ from rlharvest.services.rollout_manager.workers import Workers
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  client_queue: int, tick_interval_s: float,
-                 observers: Sequence[ManagerObserver] = ()) -> None:
+                 observers: Sequence[ManagerObserver] = (),
+                 shard: tuple[int, int] = (0, 1)) -> None:
         if control.config.job != job:
             raise ValueError(f"the core fences job {control.config.job!r}, the service serves "
                              f"{job!r}; build the core with ControlConfig(job={job!r})")
@@ -43,7 +44,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._wake = asyncio.Event()
         self.workers = Workers(control, etcd, job=job, max_message_bytes=max_message_bytes,
                                on_event=self._on_worker_event, execute=self.execute,
-                               wake=self.wake, observers=self._observers)
+                               wake=self.wake, observers=self._observers, shard=shard)
         self.report = Reporter(control)
         self.accepting = True
         self.leading = True  # False while a standby (main.py's election)
@@ -116,13 +117,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             stream.put_verdicts([mpb.GroupVerdict(group_id=v.group_id, accepted=v.accepted)
                                  for v in d.verdicts])
         if d.ended:  # and froze P if it is a step of the RL loop
-            remote = self.report.remote(d.step.remote) \
-                if d.step.remote is not None and d.step.profiled else None
-            self._step_streams.pop(d.step.key, None)
-            for observer in self._observers:
-                observer.step_ended(d.step, remote)
-            if stream is not None:
-                stream.end(remote)
+            self._end_stream(d.step)
+
+    def _end_stream(self, step: Step) -> None:
+        remote = self.report.remote(step.remote) \
+            if step.remote is not None and step.profiled else None
+        stream = self._step_streams.pop(step.key, None)
+        for observer in self._observers:
+            observer.step_ended(step, remote)
+        if stream is not None:
+            stream.end(remote)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -237,6 +241,21 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 observer.scope_closed(key)
         if ended and timings is not None:
             yield mpb.SeedWindowEvent(remote=self.report.remote(timings))
+
+    async def Withdraw(self, request: mpb.WithdrawRequest,
+                       context: grpc.aio.ServicerContext) -> mpb.WithdrawReply:
+        """A sharded job's client takes queued requests to another shard (sharding.py). No
+        await between the core's choice and the reply: no tick dispatches one meanwhile."""
+        await self._admit_client(context)
+        if request.max_requests < 0:
+            await errors.abort(context, errors.InvalidArgument(
+                f"max_requests {request.max_requests} must be 0 (no limit) or more"))
+        taken, ended = self.control.withdraw(list(request.request_ids), request.max_requests)
+        for step in ended:
+            self._end_stream(step)
+        if taken:
+            metrics.WITHDRAWN.inc(len(taken))
+        return mpb.WithdrawReply(request_ids=taken)
 
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         return self.report.status(self.workers.endpoints)

@@ -434,6 +434,20 @@ class RequestTracker:
         req.finished_at = self._clock()
         self.counters.failed += 1
 
+    def withdraw(self, request_id: str) -> None:
+        """Drop a request that waits and never went to a worker here: its client moves it
+        to another of the job's manager shards (sharding.py), which resumes it from the tokens
+        the client sent. Not counted as a failure: it completes there."""
+        req = self.get(request_id)
+        if req.state is not RequestState.WAITING or req.handle != req.added_as:
+            raise ValueError(f"request {request_id!r} is {req.state.value} or was dispatched "
+                             "here; only a request that never left the queue is withdrawn")
+        self._waiting_released.pop(request_id, None)
+        self._waiting_new.pop(request_id, None)
+        del self._requests[request_id]
+        del self._by_slot[req.slot]
+        self.ledger.remove(req.handle)
+
     def forget(self, request_id: str) -> None:
         """Drop a finished or failed request once its completion was delivered, so a long-running
         manager holds only the requests in flight. Later deltas for it are dropped as unknown."""

@@ -29,6 +29,7 @@ from rlharvest.services.rollout_manager.commands import (
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.observer import ManagerObserver
+from rlharvest.services.rollout_manager.sharding import shard_of
 from rlharvest.services.rollout_manager.tracker import ResumePayload
 from rlharvest.services.rollout_worker.client import WorkerLink, session_role
 
@@ -39,7 +40,7 @@ class Workers:
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  on_event: Callable[[str, wpb.WorkerEvent], Awaitable[None]],
                  execute: Callable[[Sequence[Command]], None], wake: Callable[[], None],
-                 observers: Sequence[ManagerObserver]) -> None:
+                 observers: Sequence[ManagerObserver], shard: tuple[int, int] = (0, 1)) -> None:
         self._control = control
         self._etcd = etcd
         self._job = job
@@ -50,6 +51,7 @@ class Workers:
         self._execute = execute
         self._wake = wake
         self._observers = observers
+        self._shard, self._shards = shard  # this manager's shard of the job (sharding.py)
         self.links: dict[str, WorkerLink] = {}
         self.endpoints: dict[str, dict] = {}  # worker id -> its member record
 
@@ -69,7 +71,7 @@ class Workers:
         spot or seed worker's ``--job``, a co-executor lent to this job, a worker placed on a
         node whose turn is this job's (WEAVE, placement_follower.py) once it holds its weights."""
         async for event in registry.watch_members(self._etcd, service):
-            if event.kind != "leave" and not self._serves_here(event.info):
+            if event.kind != "leave" and not self._serves_here(event.info, event.member_id):
                 if event.member_id in self.links:  # lent to (or its node's turn is) another job
                     self.lose(event.member_id,
                               f"serves job {event.info.get('job') or 'none'!r} now")
@@ -82,8 +84,11 @@ class Workers:
                 self._update(event.member_id, event.info)
             self._wake()
 
-    def _serves_here(self, info: dict) -> bool:
-        return info.get("job") == self._job
+    def _serves_here(self, info: dict, member_id: str) -> bool:
+        """This job's member, of this manager's shard (every manager of a shard, its standby
+        too, computes the same set from etcd alone: sharding.py)."""
+        return info.get("job") == self._job and (
+            self._shards == 1 or shard_of(member_id, self._shards) == self._shard)
 
     async def greet(self, timeout: float) -> list[str]:
         """Leadership begins (the watch loops run): wait up to ``timeout`` until every worker
@@ -92,8 +97,9 @@ class Workers:
         expected = set()
         for service in ("rollout_worker", "coexecutor"):
             for key, info in (await registry.list_members(self._etcd, service)).items():
-                if self._serves_here(info) and not info.get("draining"):
-                    expected.add(keys.parse_member_key(key)[1])
+                member_id = keys.parse_member_key(key)[1]
+                if self._serves_here(info, member_id) and not info.get("draining"):
+                    expected.add(member_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
