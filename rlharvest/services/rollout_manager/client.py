@@ -197,8 +197,10 @@ class StepStream:
     generated, instead of being retried whole."""
 
     def __init__(self, etcd: Any, job: str, manager: ManagerAt, *, max_message_bytes: int,
-                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic,
+                 fan_out: bool = True) -> None:
         self._etcd = etcd
+        self._fan_out = fan_out  # False: this stream is one shard's part of a step
         self._job = job
         self.manager = manager  # the one streaming now
         self._max_message_bytes = max_message_bytes
@@ -216,7 +218,7 @@ class StepStream:
         manager fails the step. A sharded job's step fans out over its shards
         (shard_client.py); a short round's acceptance counts one step's groups, so it runs
         whole on the one shard found."""
-        if self.manager.shards > 1 and not request.HasField("acceptance"):
+        if self._fan_out and self.manager.shards > 1 and not request.HasField("acceptance"):
             from rlharvest.services.rollout_manager.shard_client import ShardedStep
             await ShardedStep(self._etcd, self._job, self.manager.shards,
                               max_message_bytes=self._max_message_bytes,

@@ -193,7 +193,8 @@ class ShardedStep:
         sub.requests.extend(requests)
         stream = StepStream(self._etcd, self._job, self.leaders[shard],
                             max_message_bytes=self._max_message_bytes,
-                            resume_wait_s=self._resume_wait_s, clock=self._clock)
+                            resume_wait_s=self._resume_wait_s, clock=self._clock,
+                            fan_out=False)
         part = _Part(shard, sub, stream)
         self.parts.append(part)
         if self._on_shard is not None:
