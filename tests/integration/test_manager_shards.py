@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 
 import pytest
 
@@ -179,3 +180,96 @@ async def test_queued_requests_cross_to_a_shard_whose_workers_are_idle(stack, et
     assert scrape(managers[0].metrics_port)["rlh_manager_withdrawn_total"] == step.moved
     members = await registry.list_members(etcd_client, "rollout_worker")
     assert sampled_by_workers(members) == record.tokens()  # none ran on both shards
+
+
+# ---- the manager's worker-fault tests, on one manager and on two shards ------------------------
+
+@pytest.fixture(params=[1, 2], ids=["shards=1", "shards=2"])
+def job(request, etcd_client, stack):
+    """Workers w0 (slowed: still holding requests late in a step), w1 and, on two shards, w4
+    of shard 1 (w0 and w1 are shard 0's); the job's one manager or a manager per shard."""
+    # etcd_client first: it empties the keyspace, which would take the member records.
+    shards = request.param
+    names = ["w0", "w1"] + (worker_ids(1, 1) if shards > 1 else ["w2"])
+    workers = {name: launch_worker(stack, name, "--max-running", "4", "--shutdown-grace", "1",
+                                   *(("--step-delay-s", "0.05") if name == "w0" else ()))
+               for name in names}
+    flags = ("--migration-rule", "paper")  # as test_manager.py's cluster: w0 keeps its own
+    managers = [start_shard_manager(stack, s, f"manager-{s}", *flags) for s in range(shards)] \
+        if shards > 1 else [start_plain_manager(stack, *flags)]
+    for handle in (*managers, *workers.values()):
+        wait_serving(handle, 120)
+    return shards, workers, managers
+
+
+def start_plain_manager(stack, *extra: str) -> WorkerHandle:
+    port, metrics_port = free_port(), free_port()
+    proc = stack.start("rollout_manager", "manager", [
+        "--port", str(port), "--metrics-port", str(metrics_port), "--stall-timeout-s", "5",
+        "--lease-ttl", "2", "--reattach-grace-s", "0", *extra])
+    return WorkerHandle(proc, f"127.0.0.1:{port}", metrics_port)
+
+
+async def client_step(etcd_client, request: mpb.SubmitStepRequest, on_tokens=None
+                      ) -> Record:
+    """The step through the trainer's client (fanned out when the job has shards);
+    ``on_tokens(record)`` runs while it streams."""
+    record = Record(request)
+    stream = StepStream(etcd_client, "default", await locate_manager(etcd_client, "default"),
+                        max_message_bytes=64 << 20, resume_wait_s=30.0)
+    run = asyncio.create_task(stream.run(request, record))
+    while on_tokens is not None and not run.done():
+        await on_tokens(record)
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(run, 180)
+    assert set(record.completions) == {r.request_id for r in request.requests}
+    return record
+
+
+async def wait_job_workers(job) -> None:
+    shards, workers, managers = job
+    for manager in managers:
+        await wait_workers(manager.endpoint, len(workers) if shards == 1 else 1)
+
+
+async def test_a_sigkilled_worker_loses_no_token_on_one_manager_or_two_shards(job, etcd_client):
+    shards, workers, managers = job
+    await wait_job_workers(job)
+    reference = await client_step(etcd_client, step_request(12, 48, prefix="ref"))
+
+    async def kill_midway(record: Record) -> None:
+        if workers["w0"].process.alive() and record.tokens() >= 200:
+            workers["w0"].process.kill()  # SIGKILL mid-step
+
+    killed = await client_step(etcd_client, step_request(12, 48, prefix="k"), kill_midway)
+    assert not workers["w0"].process.alive()
+    for i in range(12):  # seeded sampling keyed by (seed, position): the same tokens
+        assert list(killed.completions[f"k{i}"].token_ids) == \
+            list(reference.completions[f"ref{i}"].token_ids), i
+    for manager in managers:
+        assert (await status(manager.endpoint)).tokens_regenerated == 0
+    assert scrape(managers[0].metrics_port).get(
+        'rlh_manager_migrations_total{cause="lost"}', 0) >= 1  # the kill moved requests
+
+
+async def test_a_drained_worker_hands_its_requests_on_on_one_manager_or_two_shards(
+        job, etcd_client):
+    shards, workers, managers = job
+    await wait_job_workers(job)
+
+    async def drain_midway(record: Record) -> None:
+        if workers["w0"].process.alive() and record.tokens() >= 60 and \
+                workers["w0"].process.process.returncode is None and not drained:
+            workers["w0"].process.process.send_signal(signal.SIGTERM)
+            drained.append(True)
+
+    drained: list[bool] = []
+    await client_step(etcd_client, step_request(12, 60), drain_midway)
+    assert drained
+    code = await asyncio.to_thread(workers["w0"].process.process.wait, 30)
+    assert code == 0, workers["w0"].process.log_tail()
+    samples = scrape(managers[0].metrics_port)
+    assert samples['rlh_manager_migrations_total{cause="drain"}'] >= 1
+    assert samples.get('rlh_manager_migrations_total{cause="lost"}', 0) == 0
+    for manager in managers:
+        assert (await status(manager.endpoint)).tokens_regenerated == 0
