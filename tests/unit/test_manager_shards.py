@@ -74,14 +74,15 @@ def test_queued_requests_move_to_the_idlest_shard_without_a_queue_of_its_own():
     assert plan_moves({0: ShardLoad(0, 4), 1: ShardLoad(0, 4)}) == []
 
 
-def test_a_shards_load_and_capacity_come_from_its_healthy_workers():
+def test_a_shards_load_and_capacity_come_from_its_healthy_workers_on_the_steps_version():
     status = mpb.ManagerStatus(waiting=3, workers=[
         mpb.WorkerStatus(worker_id="a", state="healthy", capacity=4, assigned=1),
         mpb.WorkerStatus(worker_id="b", state="healthy", capacity=4, assigned=6),
-        mpb.WorkerStatus(worker_id="c", state="lost", capacity=4, assigned=0)])
-    assert shard_load(status) == ShardLoad(queued=3, idle_slots=3)
-    assert capacity(status) == 8
-    assert shard_load(None) == ShardLoad(0, 0) and capacity(None) == 0
+        mpb.WorkerStatus(worker_id="c", state="lost", capacity=4, assigned=0),
+        mpb.WorkerStatus(worker_id="d", state="healthy", capacity=4, weight_version=1)])
+    assert shard_load(status, 0) == ShardLoad(queued=3, idle_slots=3)
+    assert capacity(status, 0) == 8 and capacity(status, 1) == 4
+    assert shard_load(None, 0) == ShardLoad(0, 0) and capacity(None, 0) == 0
 
 
 # ---- Withdraw in the core ------------------------------------------------------------------------

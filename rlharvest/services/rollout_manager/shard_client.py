@@ -42,18 +42,22 @@ async def find_shard_leaders(etcd: Any, job: str, shards: int,
     return dict(enumerate(found))
 
 
-def shard_load(status: mpb.ManagerStatus | None) -> ShardLoad:
-    """A shard's queue and its healthy workers' idle slots; nothing for one not answering."""
-    if status is None:
-        return ShardLoad(0, 0)
-    idle = sum(max(0, w.capacity - w.assigned) for w in status.workers if w.state == "healthy")
-    return ShardLoad(status.waiting, idle)
+def _serving(status: mpb.ManagerStatus | None, version: int) -> list[mpb.WorkerStatus]:
+    """A shard's workers that can run a step of ``version`` now."""
+    return [] if status is None else [w for w in status.workers
+                                      if w.state == "healthy" and w.weight_version == version]
 
 
-def capacity(status: mpb.ManagerStatus | None) -> int:
-    """Slots of a shard's healthy workers: its share of a step."""
-    return 0 if status is None else sum(w.capacity for w in status.workers
-                                        if w.state == "healthy")
+def shard_load(status: mpb.ManagerStatus | None, version: int) -> ShardLoad:
+    """A shard's queue and the idle slots of its workers on ``version``; nothing for one not
+    answering."""
+    idle = sum(max(0, w.capacity - w.assigned) for w in _serving(status, version))
+    return ShardLoad(0 if status is None else status.waiting, idle)
+
+
+def capacity(status: mpb.ManagerStatus | None, version: int) -> int:
+    """Slots of a shard's workers on ``version``: its share of a step of that version."""
+    return sum(w.capacity for w in _serving(status, version))
 
 
 async def withdraw(endpoint: str, request_ids: Sequence[str], limit: int) -> list[str]:
@@ -150,8 +154,8 @@ class ShardedStep:
         self.leaders = await find_shard_leaders(self._etcd, self._job, self._shards)
         statuses = await self._statuses()
         shards = sorted(self.leaders)
-        shares = split_by_capacity(len(request.requests), [capacity(statuses[s])
-                                                           for s in shards])
+        shares = split_by_capacity(len(request.requests), [
+            capacity(statuses[s], request.weight_version) for s in shards])
         first = 0
         for shard, share in zip(shards, shares):
             if share:
@@ -216,7 +220,8 @@ class ShardedStep:
         idle, on each shard's status every ``poll_s``."""
         while True:
             await asyncio.sleep(self._poll_s)
-            loads = {s: shard_load(st) for s, st in (await self._statuses()).items()}
+            loads = {s: shard_load(st, request.weight_version)
+                     for s, st in (await self._statuses()).items()}
             for move in plan_moves(loads):
                 async with self._moving:
                     await self._move(request, reader, may_fail_over, move.src, move.dst,
