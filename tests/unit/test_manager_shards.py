@@ -23,7 +23,8 @@ from rlharvest.services.rollout_manager.sharding import (
     split_by_capacity,
 )
 from rlharvest.services.rollout_manager.step import StepOutcome
-from rlharvest.services.rollout_manager.tracker import RequestState
+from rlharvest.services.rollout_manager.commands import Abort
+from rlharvest.services.rollout_manager.tracker import RequestState, TokenDelta
 from tests.builders import Clock, step
 
 
@@ -80,7 +81,7 @@ def test_a_shards_load_and_capacity_come_from_its_healthy_workers_on_the_steps_v
         mpb.WorkerStatus(worker_id="b", state="healthy", capacity=4, assigned=6),
         mpb.WorkerStatus(worker_id="c", state="lost", capacity=4, assigned=0),
         mpb.WorkerStatus(worker_id="d", state="healthy", capacity=4, weight_version=1)])
-    assert shard_load(status, 0) == ShardLoad(queued=3, idle_slots=3)
+    assert shard_load(status, 0) == ShardLoad(queued=3 + 2, idle_slots=3)  # b: 2 beyond slots
     assert capacity(status, 0) == 8 and capacity(status, 1) == 4
     assert shard_load(None, 0) == ShardLoad(0, 0) and capacity(None, 0) == 0
 
@@ -98,11 +99,12 @@ def test_only_requests_that_never_reached_a_worker_are_withdrawn_and_none_fails(
     s = control.add_step("s", step(4), 0)
     control.tick()  # r0 in the slot, r1 pending on w, r2 and r3 wait in the manager
     assert [r.request_id for r in control.tracker.waiting()] == ["r2", "r3"]
-    taken, ended = control.withdraw(["r3", "r2", "r1", "r0", "unknown"], limit=0)
-    assert taken == ["r3", "r2"] and ended == []
+    out = control.withdraw(["r3", "r2", "r1", "r0", "unknown"], limit=0)
+    assert out.taken == ["r3", "r2"] and out.tokens == [0, 0] and not out.ended
+    assert not out.commands
     assert s.outstanding == {"r0", "r1"} and "r2" not in control.tracker
     assert control.tracker.counters.failed == 0 and not control.tracker.waiting()
-    assert control.withdraw(["r1"]) == ([], [])  # on a worker: it stays
+    assert control.withdraw(["r1"]).taken == []  # on a worker: it stays
 
 
 def test_withdrawing_a_steps_last_queued_requests_ends_it_and_the_limit_holds():
@@ -110,16 +112,33 @@ def test_withdrawing_a_steps_last_queued_requests_ends_it_and_the_limit_holds():
     control.add_step("first", step(2, prefix="a"), 0)
     control.tick()
     later = control.add_step("later", step(3, prefix="b"), 0)  # all wait: w is full
-    assert control.withdraw(["b0", "b1", "b2"], limit=2)[0] == ["b0", "b1"]
-    taken, ended = control.withdraw(["b2"])
-    assert taken == ["b2"] and ended == [later] and later.outcome is StepOutcome.FINISHED
+    assert control.withdraw(["b0", "b1", "b2"], limit=2).taken == ["b0", "b1"]
+    out = control.withdraw(["b2"])
+    assert out.taken == ["b2"] and out.ended == [later]
+    assert later.outcome is StepOutcome.FINISHED
 
 
-def test_a_released_request_or_one_a_worker_kept_is_not_withdrawn():
+def test_a_released_request_or_one_a_worker_kept_is_not_withdrawn_without_running():
     control = make()
     control.add_step("s", step(3), 0)
     control.tick()
     control.tracker.release("r1")  # back in the manager with its tokens: it ran here
     assert control.tracker.get("r1").state is RequestState.WAITING
     control.pool.get("w").kept.add("r2")  # a worker runs it still, for this successor
-    assert control.withdraw(["r1", "r2"]) == ([], [])
+    assert control.withdraw(["r1", "r2"]).taken == []
+    assert control.withdraw(["r2"], running=True).taken == []
+
+
+def test_running_requests_leave_with_their_token_counts_queued_ones_first_and_are_aborted():
+    control = make()
+    control.worker_joined("v", 0, capacity=1, kind="gpu")
+    control.add_step("s", step(4), 0)
+    control.tick()  # r0, r2 on v; r1, r3 on w
+    control.step_deltas("v", [TokenDelta("r0", 0, (5, 6), (0.0, 0.0), 0, False, "")])
+    control.step_deltas("w", [TokenDelta("r1", 0, (5,), (0.0,), 0, False, "")])
+    assert control.tracker.get("r0").state is RequestState.EXECUTING
+    out = control.withdraw(["r0", "r1", "r2", "r3"], limit=3, running=True)
+    assert out.taken == ["r2", "r3", "r1"] and out.tokens == [0, 0, 1]  # queued, then fewest
+    assert out.commands == [Abort("r2", "v"), Abort("r3", "w"), Abort("r1", "w")]
+    assert control.tracker.counters.failed == 0
+    assert [r.request_id for r in control.tracker.on_worker("v")] == ["r0"]

@@ -144,18 +144,22 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WithdrawRequest(_message.Message):
-    __slots__ = ("request_ids", "max_requests")
+    __slots__ = ("request_ids", "max_requests", "running")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     max_requests: int
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., max_requests: _Optional[int] = ...) -> None: ...
+    running: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., max_requests: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
 
 class WithdrawReply(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "endpoint", "kind", "weight_version", "state", "assigned", "load", "capacity")

@@ -97,10 +97,12 @@ class RolloutManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Withdraw(self, request, context):
-        """A sharded job's client moves a step's queued requests to another shard: the named
-        requests that wait in this manager on no worker leave their step here, at once and
-        together (no completion of theirs is sent; a step left with none ends). The reply names
-        those withdrawn; the client submits them to the other shard, so none runs twice.
+        """A sharded job's client moves a step's requests to another shard: the named requests that
+        wait in this manager on no worker (with `running`, also those on a worker, aborted there)
+        leave their step here, at once and together (no completion of theirs is sent; a step left
+        with none ends). The reply names those withdrawn and the tokens this manager has of each
+        (all streamed to the client before the reply); the client resubmits them with those
+        tokens to the other shard, so none runs twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

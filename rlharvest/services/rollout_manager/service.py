@@ -250,12 +250,14 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if request.max_requests < 0:
             await errors.abort(context, errors.InvalidArgument(
                 f"max_requests {request.max_requests} must be 0 (no limit) or more"))
-        taken, ended = self.control.withdraw(list(request.request_ids), request.max_requests)
-        for step in ended:
+        out = self.control.withdraw(list(request.request_ids), request.max_requests,
+                                    request.running)
+        self.execute(out.commands)
+        for step in out.ended:
             self._end_stream(step)
-        if taken:
-            metrics.WITHDRAWN.inc(len(taken))
-        return mpb.WithdrawReply(request_ids=taken)
+        if out.taken:
+            metrics.WITHDRAWN.inc(len(out.taken))
+        return mpb.WithdrawReply(request_ids=out.taken, tokens=out.tokens)
 
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         return self.report.status(self.workers.endpoints)

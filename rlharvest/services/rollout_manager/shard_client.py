@@ -31,6 +31,8 @@ from rlharvest.services.rollout_manager.client import (
 from rlharvest.services.rollout_manager.sharding import ShardLoad, plan_moves, split_by_capacity
 
 log = logging.getLogger(__name__)
+# How long a move waits for the rows its source streamed before it answered.
+TOKENS_WAIT_S = 10.0
 
 
 async def find_shard_leaders(etcd: Any, job: str, shards: int,
@@ -49,10 +51,12 @@ def _serving(status: mpb.ManagerStatus | None, version: int) -> list[mpb.WorkerS
 
 
 def shard_load(status: mpb.ManagerStatus | None, version: int) -> ShardLoad:
-    """A shard's queue and the idle slots of its workers on ``version``; nothing for one not
-    answering."""
-    idle = sum(max(0, w.capacity - w.assigned) for w in _serving(status, version))
-    return ShardLoad(0 if status is None else status.waiting, idle)
+    """A shard's queue (waiting in its manager, and queued on its workers beyond their slots)
+    and the idle slots of its workers on ``version``; nothing for one not answering."""
+    serving = _serving(status, version)
+    idle = sum(max(0, w.capacity - w.assigned) for w in serving)
+    queued_on_workers = sum(max(0, w.assigned - w.capacity) for w in serving)
+    return ShardLoad((0 if status is None else status.waiting) + queued_on_workers, idle)
 
 
 def capacity(status: mpb.ManagerStatus | None, version: int) -> int:
@@ -60,17 +64,20 @@ def capacity(status: mpb.ManagerStatus | None, version: int) -> int:
     return sum(w.capacity for w in _serving(status, version))
 
 
-async def withdraw(endpoint: str, request_ids: Sequence[str], limit: int) -> list[str]:
-    """Those of ``request_ids`` the shard at ``endpoint`` gave up (none when it did not
-    answer: then it keeps them all, and a successor of it resumes them)."""
+async def withdraw(endpoint: str, request_ids: Sequence[str], limit: int
+                   ) -> dict[str, int]:
+    """Those of ``request_ids`` the shard at ``endpoint`` gave up, queued ones first, then
+    running ones (aborted there), with the tokens it had of each; none when it did not answer
+    (then it keeps them all, and a successor of it resumes them)."""
     async with rpc.channel(endpoint, peer_role="manager") as chan:
         try:
             reply = await rollout_manager_pb2_grpc.RolloutManagerStub(chan).Withdraw(
-                mpb.WithdrawRequest(request_ids=request_ids, max_requests=limit), timeout=5.0)
+                mpb.WithdrawRequest(request_ids=request_ids, max_requests=limit, running=True),
+                timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             log.info("withdrawing from %s: %s", endpoint, exc.details())
-            return []
-    return list(reply.request_ids)
+            return {}
+    return dict(zip(reply.request_ids, reply.tokens))
 
 
 class _Part:
@@ -223,30 +230,53 @@ class ShardedStep:
             loads = {s: shard_load(st, request.weight_version)
                      for s, st in (await self._statuses()).items()}
             for move in plan_moves(loads):
-                async with self._moving:
-                    await self._move(request, reader, may_fail_over, move.src, move.dst,
-                                     move.count)
+                await self.move(request, reader, may_fail_over, move.src, move.dst,
+                                move.count)
 
-    async def _move(self, request: mpb.SubmitStepRequest, reader: StepReader,
-                    may_fail_over: bool, src: int, dst: int, count: int) -> None:
-        for part in [p for p in self.parts if p.shard == src and not p.task.done()]:
-            if count <= 0:
-                return
-            submitted = part.request
-            taken = await withdraw(part.stream.manager.endpoint, part.candidates(), count)
-            if part.request is not submitted:
-                # The part failed over while the call was under way: its resume named them,
-                # so the successor runs them; the dead leader's release is moot.
-                log.warning("%s: shard %d failed over during a withdrawal; %d requests stay",
-                            request.step_id, src, len(taken))
-                continue
-            if not taken:
-                continue
-            moved = part.remove(taken)
-            count -= len(moved)
-            self.moved += len(moved)
-            log.info("%s: %d queued requests move from shard %d to idle shard %d",
-                     request.step_id, len(moved), src, dst)
-            # A part of its own there (its step id differs: a re-attach tells them apart).
-            self._start(dst, request, moved, f"{request.step_id}~{next(self._serial)}",
-                        reader, may_fail_over)
+    async def move(self, request: mpb.SubmitStepRequest, reader: StepReader,
+                   may_fail_over: bool, src: int, dst: int, count: int) -> None:
+        """Up to ``count`` of the step's requests on shard ``src`` go to shard ``dst``: those
+        queued first, then running ones with every token (the rebalancer asks for no more
+        than are queued; a caller may ask for more)."""
+        async with self._moving:
+            for part in [p for p in self.parts if p.shard == src and not p.task.done()]:
+                if count > 0:
+                    count -= await self._move_from(part, request, reader, may_fail_over, dst,
+                                                   count)
+
+    async def _move_from(self, part: _Part, request: mpb.SubmitStepRequest,
+                         reader: StepReader, may_fail_over: bool, dst: int, count: int) -> int:
+        submitted = part.request
+        taken = await withdraw(part.stream.manager.endpoint, part.candidates(), count)
+        if part.request is not submitted:
+            # The part failed over while the call was under way: its resume named them, so
+            # the successor runs them; the dead leader's release is moot.
+            log.warning("%s: shard %d failed over during a withdrawal; %d requests stay",
+                        request.step_id, part.shard, len(taken))
+            return 0
+        if not taken:
+            return 0
+        moved = mpb.SubmitStepRequest(requests=part.remove(list(taken)))
+        resumed = await self._with_tokens(moved, taken, reader)
+        self.moved += len(taken)
+        log.info("%s: %d requests (%d tokens) move from shard %d to idle shard %d",
+                 request.step_id, len(taken), sum(taken.values()), part.shard, dst)
+        # A part of its own there (its step id differs: a re-attach tells them apart).
+        self._start(dst, request, resumed.requests, f"{request.step_id}~{next(self._serial)}",
+                    reader, may_fail_over)
+        return len(taken)
+
+    async def _with_tokens(self, moved: mpb.SubmitStepRequest, tokens: dict[str, int],
+                           reader: StepReader) -> mpb.SubmitStepRequest:
+        """The moved requests with every token their source had as resume payloads. The
+        source queued those rows on its stream before it answered, so they come; a source
+        that died meanwhile may take the last ones with it (then the destination generates
+        them again, from the same seeds)."""
+        deadline = self._clock() + TOKENS_WAIT_S
+        while True:
+            resumed = reader.resume(moved)
+            have = {r.request_id: len(r.resume_token_ids) for r in resumed.requests}
+            if all(have.get(rid, 0) >= n for rid, n in tokens.items()) or \
+                    self._clock() >= deadline:
+                return resumed
+            await asyncio.sleep(0.005)

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlharvest.services.rollout_manager.commands import Command
+    from rlharvest.services.rollout_manager.step import Step
 
 
 def shard_of(worker_id: str, shards: int) -> int:
@@ -73,3 +78,14 @@ def plan_moves(loads: Mapping[int, ShardLoad]) -> list[Move]:
         count = min(loads[src].queued, free.pop(dst))
         moves.append(Move(src, dst, count))
     return moves
+
+
+@dataclass
+class Withdrawal:
+    """What a shard gave up (``RolloutControl.withdraw``): the requests, the tokens it had of
+    each, the steps this left with none (ended) and the aborts for those on a worker."""
+
+    taken: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    ended: list[Step] = field(default_factory=list)
+    commands: list[Command] = field(default_factory=list)
