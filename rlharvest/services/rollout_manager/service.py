@@ -244,8 +244,10 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     async def Withdraw(self, request: mpb.WithdrawRequest,
                        context: grpc.aio.ServicerContext) -> mpb.WithdrawReply:
-        """A sharded job's client takes queued requests to another shard (sharding.py). No
-        await between the core's choice and the reply: no tick dispatches one meanwhile."""
+        """A sharded job's client takes requests to another shard (sharding.py): queued ones,
+        and with ``running`` those on a worker too. No await between the core's choice and
+        the reply: no tick dispatches or finishes one meanwhile, and every row the tracker took
+        of them is on the client's stream before the reply."""
         await self._admit_client(context)
         if request.max_requests < 0:
             await errors.abort(context, errors.InvalidArgument(
