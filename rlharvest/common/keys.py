@@ -125,9 +125,13 @@ def placement_prefix() -> str:
 PLACEMENT_ELECTION = "placement_scheduler"
 
 
-def manager_election(job: str) -> str:
-    """The election of ``job``'s rollout managers: the oldest candidate leads, the rest stand by."""
-    return f"rollout_manager.{_segment(job, 'job')}"
+def manager_election(job: str, shard: int = 0, shards: int = 1) -> str:
+    """The election of ``job``'s rollout managers (of one ``shard`` of ``shards`` when the job's
+    manager is split, rollout_manager/sharding.py): the oldest candidate leads, the rest stand
+    by. One shard keeps the job's name, so a single manager's key is unchanged; ':' is no
+    job-name character, so no job's name collides with another job's shard."""
+    name = f"rollout_manager.{_segment(job, 'job')}"
+    return name if shards == 1 else f"{name}:shard-{shard}-of-{shards}"
 
 
 def placement_state_prefix() -> str:

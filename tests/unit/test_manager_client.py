@@ -28,7 +28,7 @@ class Reader:
     def take(self, event: mpb.StepEvent, request_ids: list[str]) -> None:
         self.events.append((event.completions[0].request_id, request_ids))
 
-    def resume(self) -> mpb.SubmitStepRequest:
+    def resume(self, of: mpb.SubmitStepRequest | None = None) -> mpb.SubmitStepRequest:
         return self.left
 
     def failed_over(self, successor: ManagerAt) -> None:

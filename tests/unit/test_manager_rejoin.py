@@ -22,7 +22,7 @@ def free_port() -> int:
 def shell() -> tuple[Workers, RolloutControl]:
     control = RolloutControl(ControlConfig(job="j"), Clock())
 
-    async def on_event(worker_id, event):  # type: ignore[no-untyped-def]
+    async def on_event(worker_id, event):
         return None
 
     workers = Workers(control, None, job="j", max_message_bytes=1 << 20, on_event=on_event,
@@ -34,7 +34,7 @@ def record(port: int) -> dict:
     return {"job": "j", "endpoint": f"127.0.0.1:{port}", "weight_version": 0, "capacity": 4}
 
 
-async def until(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+async def until(predicate, timeout: float) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         if asyncio.get_running_loop().time() >= deadline:

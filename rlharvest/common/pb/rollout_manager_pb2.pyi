@@ -143,8 +143,26 @@ class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WithdrawRequest(_message.Message):
+    __slots__ = ("request_ids", "max_requests", "running")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_requests: int
+    running: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., max_requests: _Optional[int] = ..., running: _Optional[bool] = ...) -> None: ...
+
+class WithdrawReply(_message.Message):
+    __slots__ = ("request_ids", "tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "kind", "weight_version", "state", "assigned", "load")
+    __slots__ = ("worker_id", "endpoint", "kind", "weight_version", "state", "assigned", "load", "capacity")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +170,7 @@ class WorkerStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     kind: str
@@ -159,7 +178,8 @@ class WorkerStatus(_message.Message):
     state: str
     assigned: int
     load: _common_pb2.Load
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[str] = ..., assigned: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ...) -> None: ...
+    capacity: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., weight_version: _Optional[int] = ..., state: _Optional[str] = ..., assigned: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.Load, _Mapping]] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class ManagerStatus(_message.Message):
     __slots__ = ("workers", "in_flight", "waiting", "tokens_generated", "tokens_regenerated", "migrations", "completions", "failures", "last_step_remote")

@@ -54,6 +54,11 @@ class RolloutManagerStub:
                 request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.ManagerStatus.FromString,
                 _registered_method=True)
+        self.Withdraw = channel.unary_unary(
+                '/rlharvest.v1.RolloutManager/Withdraw',
+                request_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawRequest.SerializeToString,
+                response_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawReply.FromString,
+                _registered_method=True)
 
 
 class RolloutManagerServicer:
@@ -91,6 +96,18 @@ class RolloutManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Withdraw(self, request, context):
+        """A sharded job's client moves a step's requests to another shard: the named requests that
+        wait in this manager on no worker (with `running`, also those on a worker, aborted there)
+        leave their step here, at once and together (no completion of theirs is sent; a step left
+        with none ends). The reply names those withdrawn and the tokens this manager has of each
+        (all streamed to the client before the reply); the client resubmits them with those
+        tokens to the other shard, so none runs twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +130,11 @@ def add_RolloutManagerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.GetStatusRequest.FromString,
                     response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.ManagerStatus.SerializeToString,
+            ),
+            'Withdraw': grpc.unary_unary_rpc_method_handler(
+                    servicer.Withdraw,
+                    request_deserializer=rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawRequest.FromString,
+                    response_serializer=rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +245,33 @@ class RolloutManager:
             '/rlharvest.v1.RolloutManager/GetStatus',
             rlharvest_dot_v1_dot_rollout__manager__pb2.GetStatusRequest.SerializeToString,
             rlharvest_dot_v1_dot_rollout__manager__pb2.ManagerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Withdraw(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlharvest.v1.RolloutManager/Withdraw',
+            rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawRequest.SerializeToString,
+            rlharvest_dot_v1_dot_rollout__manager__pb2.WithdrawReply.FromString,
             options,
             channel_credentials,
             insecure,

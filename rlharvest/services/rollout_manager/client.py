@@ -34,18 +34,26 @@ class RolloutStreamError(RuntimeError):
 @dataclass(frozen=True)
 class ManagerAt:
     """Where a job's manager answers. ``incarnation`` tells a successor from it; None when the
-    endpoint was configured (--manager), which is never failed over."""
+    endpoint was configured (--manager), which is never failed over. A job whose manager is
+    split (``shards`` > 1, sharding.py): this is the leader of ``shard``; a step fans out over
+    every shard (shard_client.py)."""
 
     endpoint: str
     incarnation: str | None = None
+    shard: int = 0
+    shards: int = 1
+
+    @classmethod
+    def of_member(cls, info: dict) -> ManagerAt:
+        return cls(info["endpoint"], info.get("incarnation"), int(info.get("shard", 0)),
+                   int(info.get("shards", 1)))
 
 
 async def locate_manager(etcd: Any, job: str, configured: str = "") -> ManagerAt:
     """The configured manager, else the one registered for ``job`` (waits for it)."""
     if configured:
         return ManagerAt(configured)
-    member = await find_manager_member(etcd, job)
-    return ManagerAt(member["endpoint"], member.get("incarnation"))
+    return ManagerAt.of_member(await find_manager_member(etcd, job))
 
 
 async def find_manager(etcd: Any, job: str, timeout: float = 60.0) -> str:
@@ -54,11 +62,12 @@ async def find_manager(etcd: Any, job: str, timeout: float = 60.0) -> str:
 
 
 async def find_manager_member(etcd: Any, job: str, timeout: float = 60.0,
-                              unlike: str | None = None) -> dict:
+                              unlike: str | None = None, shard: int | None = None) -> dict:
     """The member record of ``job``'s leading rollout manager (endpoint, incarnation; a standby
-    is passed over); waits for one to appear, and with ``unlike`` for one of another
-    incarnation (a dead manager's successor). etcd away is waited out (etcd_outage.py), except
-    by a single look (``timeout`` 0), which raises the outage error for its caller to judge."""
+    is passed over), of ``shard`` when given; waits for one to appear, and with ``unlike`` for
+    one of another incarnation (a dead manager's successor). etcd away is waited out
+    (etcd_outage.py), except by a single look (``timeout`` 0), which raises the outage error
+    for its caller to judge."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -67,7 +76,8 @@ async def find_manager_member(etcd: Any, job: str, timeout: float = 60.0,
                                   deadline_s=None if timeout > 0 else 0)
         for info in sorted(members.values(), key=lambda i: i.get("endpoint", "")):
             if info.get("job") == job and info.get("role") != "standby" and \
-                    (unlike is None or info.get("incarnation") != unlike):
+                    (unlike is None or info.get("incarnation") != unlike) and \
+                    (shard is None or int(info.get("shard", 0)) == shard):
                 return info
         if loop.time() >= deadline:
             raise TimeoutError(f"no rollout manager for job {job!r} registered in etcd within "
@@ -87,9 +97,10 @@ async def find_successor(etcd: Any, job: str, gone: ManagerAt, broke: Exception,
     deadline = clock() + wait_s
     while clock() < deadline:
         try:
-            member = await find_manager_member(  # one look, no wait
-                etcd, job, timeout=0, unlike=gone.incarnation)
-            return ManagerAt(member["endpoint"], member.get("incarnation"))
+            member = await find_manager_member(  # one look, no wait; the same shard's
+                etcd, job, timeout=0, unlike=gone.incarnation,
+                shard=gone.shard if gone.shards > 1 else None)
+            return ManagerAt.of_member(member)
         except TimeoutError:
             pass
         except Exception as exc:  # etcd down or refusing a stale token: ask again
@@ -171,9 +182,10 @@ class StepReader(Protocol):
     def take(self, event: mpb.StepEvent, request_ids: list[str]) -> None:
         """One event; ``request_ids`` are the submission's, which its rows index."""
 
-    def resume(self) -> mpb.SubmitStepRequest:
-        """After the stream broke: what is left of the step, with the tokens each unfinished
-        request already has (no requests: every request's end had streamed)."""
+    def resume(self, of: mpb.SubmitStepRequest | None = None) -> mpb.SubmitStepRequest:
+        """After the stream broke: what is left of the step (of ``of``, one shard's part of it,
+        when given), with the tokens each unfinished request already has (no requests: every
+        request's end had streamed)."""
 
     def failed_over(self, successor: ManagerAt) -> None:
         """The rest of the step goes to ``successor`` now."""
@@ -185,19 +197,34 @@ class StepStream:
     generated, instead of being retried whole."""
 
     def __init__(self, etcd: Any, job: str, manager: ManagerAt, *, max_message_bytes: int,
-                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic,
+                 fan_out: bool = True) -> None:
         self._etcd = etcd
+        self._fan_out = fan_out  # False: this stream is one shard's part of a step
         self._job = job
         self.manager = manager  # the one streaming now
         self._max_message_bytes = max_message_bytes
         self._resume_wait_s = resume_wait_s
         self._clock = clock
 
+    def _on_shard(self, manager: ManagerAt) -> None:
+        # ``manager`` names one shard streaming now (the trainer's tail reports read it).
+        self.manager = manager
+
     async def run(self, request: mpb.SubmitStepRequest, reader: StepReader,
                   may_fail_over: bool = True) -> None:
         """Every event of the step into ``reader``, until every request ended. Without
         ``may_fail_over`` (a short round: its acceptance state died with the manager) a dead
-        manager fails the step."""
+        manager fails the step. A sharded job's step fans out over its shards
+        (shard_client.py); a short round's acceptance counts one step's groups, so it runs
+        whole on the one shard found."""
+        if self._fan_out and self.manager.shards > 1 and not request.HasField("acceptance"):
+            from rlharvest.services.rollout_manager.shard_client import ShardedStep
+            await ShardedStep(self._etcd, self._job, self.manager.shards,
+                              max_message_bytes=self._max_message_bytes,
+                              resume_wait_s=self._resume_wait_s, clock=self._clock,
+                              on_shard=self._on_shard).run(request, reader, may_fail_over)
+            return
         submit = request
         while submit.requests:
             try:

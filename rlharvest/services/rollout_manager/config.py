@@ -21,6 +21,12 @@ class ManagerConfig(ServiceConfig):
     advertise_host: str = Field("", description="host others dial; defaults to host")
     metrics_port: int = Field(0, ge=0, lt=65536)
     etcd: str = Field("127.0.0.1:2379", description="etcd host:port")
+    shards: int = Field(1, ge=1, le=1024, description="manager processes that split the job's "
+                        "workers between them (each a shard with its own leader and standby; "
+                        "a worker belongs to shard crc32(worker id) mod shards); the trainer's "
+                        "client fans each step out over them. 1: one manager, as before")
+    shard_index: int = Field(0, ge=0, description="which shard this manager serves, below "
+                             "--shards")
     lease_ttl: int = Field(5, ge=1, le=300, description="etcd lease of its record and its "
                            "election key: a SIGKILLed leader's standby takes over within it")
     reattach_grace_s: float = Field(60.0, ge=0, description="a step whose trainer went away "
@@ -131,6 +137,18 @@ class ManagerConfig(ServiceConfig):
     # The profile, read and checked once by the validator (a planner changes as it observes,
     # so each tp_planner_of() builds a fresh one from it).
     _profiled: ProfiledStart | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _shard_fits(self) -> ManagerConfig:
+        if self.shard_index >= self.shards:
+            raise ValueError(f"shard_index {self.shard_index} must be below shards "
+                             f"{self.shards}; the shards of a job are 0..{self.shards - 1}")
+        # Both write one job-wide record in etcd (jobs/<job>/...): shards would overwrite
+        # each other's plan or lent set.
+        if self.shards > 1 and (self.tp_planner or self.stream_scaling):
+            raise ValueError("tp_planner and stream_scaling write one record per job; run them "
+                             "with shards 1")
+        return self
 
     @model_validator(mode="after")
     def _tp_planner_fits(self) -> ManagerConfig:

@@ -58,6 +58,7 @@ from rlharvest.services.rollout_manager.outcome import (
 )
 from rlharvest.services.rollout_manager.migration_cost import LengthModel, WorkerPace
 from rlharvest.services.rollout_manager.remote_timing import RemoteStepTimings, RemoteTiming
+from rlharvest.services.rollout_manager.sharding import Withdrawal
 from rlharvest.services.rollout_manager.step import Step, check_seed_window
 from rlharvest.services.rollout_manager.step_policy import PlainStep, StepPolicy
 from rlharvest.services.rollout_manager.tail_batching import TailBatchingStep
@@ -231,6 +232,42 @@ class RolloutControl:
             self.tracker.forget(request_id)
             self._left.pop(request_id, None)
         return out
+
+    def withdraw(self, request_ids: Sequence[str], limit: int = 0,
+                 running: bool = False) -> Withdrawal:
+        """Of ``request_ids``, up to ``limit`` (0: all) leave their steps: a sharded job's
+        client moves them to another shard (sharding.py). Those waiting here that never went
+        to a worker go first; with ``running`` then the rest waiting here, those queued on a
+        worker and those running, fewest tokens first (aborted there: the client has every
+        token this manager took of them). Never one a worker kept from a dead leader or owes
+        the rows of (its tokens are not all here yet). No completion is sent for them."""
+        out = Withdrawal()
+        for request_id in self._withdrawable(request_ids, running)[:limit or None]:
+            worker_id = self.tracker.get(request_id).worker_id
+            if worker_id is not None:
+                out.commands.append(Abort(request_id, worker_id))
+            out.tokens.append(self.tracker.withdraw(request_id))
+            out.taken.append(request_id)
+            self._left.pop(request_id, None)
+            if (step := self.steps.withdrawn(request_id)) is not None:
+                step.remote = self.remote.step_closed(step.key)
+                out.ended.append(step)
+        return out
+
+    def _withdrawable(self, request_ids: Sequence[str], running: bool) -> list[str]:
+        held = {rid for w in self.pool.all() for rid in (*w.kept, *w.adopted)}
+        ranked = []
+        for request_id in request_ids:
+            req = self.tracker.get(request_id) if request_id in self.tracker else None
+            if req is None or req.done or request_id in held or \
+                    self.steps.step_of(request_id) is None:
+                continue
+            fresh = req.worker_id is None and req.handle == req.added_as
+            if fresh or running:
+                rank = 0 if fresh else 1 if req.worker_id is None else \
+                    2 if req.state is RequestState.PENDING else 3
+                ranked.append((rank, req.generated if rank == 3 else 0, request_id))
+        return [rid for *_, rid in sorted(ranked, key=lambda r: (r[0], r[1]))]
 
     # ---- workers ------------------------------------------------------------------------------
 

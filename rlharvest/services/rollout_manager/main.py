@@ -82,7 +82,8 @@ async def build(host: Host[ManagerConfig]) -> Parts:
         observers.append(Reattach(cfg.reattach_grace_s))
     service = ManagerService(control, host.etcd, job=cfg.job,
                              max_message_bytes=cfg.max_message_bytes, client_queue=cfg.client_queue,
-                             tick_interval_s=cfg.rebalance_interval_s, observers=observers)
+                             tick_interval_s=cfg.rebalance_interval_s, observers=observers,
+                             shard=(cfg.shard_index, cfg.shards))
     workers = service.workers
     loops = [Loop("watch workers", workers.watch_workers),
              Loop("watch co-executors", workers.watch_coexecutors),
@@ -99,7 +100,10 @@ async def build(host: Host[ManagerConfig]) -> Parts:
     if scale_publisher is not None:
         loops.append(Loop("publish stream scaling", scale_publisher.run, on_crash="restart"))
     service.leading = False  # until elected (lead)
-    return Parts(member_id=cfg.manager_id, member_info={"job": cfg.job, "role": "standby"},
+    info: dict[str, object] = {"job": cfg.job, "role": "standby"}
+    if cfg.shards > 1:  # the trainer's client finds each shard's leader by these
+        info.update(shard=cfg.shard_index, shards=cfg.shards)
+    return Parts(member_id=cfg.manager_id, member_info=info,
                  servicers=[Servicer(service, rollout_manager_pb2_grpc
                                      .add_RolloutManagerServicer_to_server, SERVICE_NAME)],
                  health=service.health, on_scrape=service.refresh_gauges,
@@ -116,8 +120,8 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
     whose key expires in a long etcd outage keeps leading the steps it streams; a standby
     that took over meanwhile leads the steps submitted to it (each step has one manager)."""
     cfg = host.config
-    election = registry.Election(host.etcd, keys.manager_election(cfg.job), host.endpoint,
-                                 ttl=cfg.lease_ttl)
+    election = registry.Election(host.etcd, keys.manager_election(
+        cfg.job, cfg.shard_index, cfg.shards), host.endpoint, ttl=cfg.lease_ttl)
     try:
         log.info("manager %s for job %s standing by for leadership", cfg.manager_id, cfg.job)
         await election.campaign()
@@ -134,7 +138,8 @@ async def lead(host: Host[ManagerConfig], service: ManagerService, loops: list[L
         assert host.membership is not None  # registered before loops start
         await with_etcd(partial(host.membership.update, role="leader"),
                         "saying so in the member record")
-        log.info("manager %s leads job %s on %s", cfg.manager_id, cfg.job, host.endpoint)
+        log.info("manager %s leads job %s (shard %d of %d) on %s", cfg.manager_id, cfg.job,
+                 cfg.shard_index, cfg.shards, host.endpoint)
         await asyncio.Event().wait()  # lead until the service stops
     finally:
         metrics.LEADER.set(0)

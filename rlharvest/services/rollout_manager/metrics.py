@@ -15,6 +15,8 @@ TICK_SECONDS = Histogram("rlh_manager_tick_seconds", "One tick of the core (Algo
                          "dispatch and rebalance) and carrying out its commands: the event loop "
                          "serves no worker meanwhile", buckets=(.0005, .001, .002, .005, .01, .02,
                                                                 .05, .1, .2, .5, 1, 2, 5))
+WITHDRAWN = Counter("rlh_manager_withdrawn_total", "Queued requests a sharded job's client moved "
+                    "to another shard (Withdraw)")
 TOKENS = Counter("rlh_manager_tokens_total", "Tokens accepted from workers")
 TURNS_ROUTED = Gauge("rlh_manager_turns_routed", "Trajectory turns routed since start, by "
                      "outcome: affinity (to the worker holding the history), moved (that worker "

@@ -31,7 +31,8 @@ from rlharvest.services.rollout_manager.workers import Workers
 class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  client_queue: int, tick_interval_s: float,
-                 observers: Sequence[ManagerObserver] = ()) -> None:
+                 observers: Sequence[ManagerObserver] = (),
+                 shard: tuple[int, int] = (0, 1)) -> None:
         if control.config.job != job:
             raise ValueError(f"the core fences job {control.config.job!r}, the service serves "
                              f"{job!r}; build the core with ControlConfig(job={job!r})")
@@ -43,7 +44,7 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._wake = asyncio.Event()
         self.workers = Workers(control, etcd, job=job, max_message_bytes=max_message_bytes,
                                on_event=self._on_worker_event, execute=self.execute,
-                               wake=self.wake, observers=self._observers)
+                               wake=self.wake, observers=self._observers, shard=shard)
         self.report = Reporter(control)
         self.accepting = True
         self.leading = True  # False while a standby (main.py's election)
@@ -117,13 +118,16 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             stream.put_verdicts([mpb.GroupVerdict(group_id=v.group_id, accepted=v.accepted)
                                  for v in d.verdicts])
         if d.ended:  # and froze P if it is a step of the RL loop
-            remote = self.report.remote(d.step.remote) \
-                if d.step.remote is not None and d.step.profiled else None
-            self._step_streams.pop(d.step.key, None)
-            for observer in self._observers:
-                observer.step_ended(d.step, remote)
-            if stream is not None:
-                stream.end(remote)
+            self._end_stream(d.step)
+
+    def _end_stream(self, step: Step) -> None:
+        remote = self.report.remote(step.remote) \
+            if step.remote is not None and step.profiled else None
+        stream = self._step_streams.pop(step.key, None)
+        for observer in self._observers:
+            observer.step_ended(step, remote)
+        if stream is not None:
+            stream.end(remote)
 
     # ---- client RPCs ---------------------------------------------------------------------------
 
@@ -238,6 +242,25 @@ class ManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 observer.scope_closed(key)
         if ended and timings is not None:
             yield mpb.SeedWindowEvent(remote=self.report.remote(timings))
+
+    async def Withdraw(self, request: mpb.WithdrawRequest,
+                       context: grpc.aio.ServicerContext) -> mpb.WithdrawReply:
+        """A sharded job's client takes requests to another shard (sharding.py): queued ones,
+        and with ``running`` those on a worker too. No await between the core's choice and
+        the reply: no tick dispatches or finishes one meanwhile, and every row the tracker took
+        of them is on the client's stream before the reply."""
+        await self._admit_client(context)
+        if request.max_requests < 0:
+            await errors.abort(context, errors.InvalidArgument(
+                f"max_requests {request.max_requests} must be 0 (no limit) or more"))
+        out = self.control.withdraw(list(request.request_ids), request.max_requests,
+                                    request.running)
+        self.execute(out.commands)
+        for step in out.ended:
+            self._end_stream(step)
+        if out.taken:
+            metrics.WITHDRAWN.inc(len(out.taken))
+        return mpb.WithdrawReply(request_ids=out.taken, tokens=out.tokens)
 
     async def GetStatus(self, request: mpb.GetStatusRequest, context) -> mpb.ManagerStatus:
         return self.report.status(self.workers.endpoints)

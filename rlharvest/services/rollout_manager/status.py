@@ -52,7 +52,7 @@ class Reporter:
             worker_id=view.worker_id, endpoint=endpoints.get(view.worker_id, {}).get("endpoint", ""),
             kind=view.kind, weight_version=view.weight_version,
             state="standby" if view.worker_id in standby else view.state.value,
-            assigned=control.tracker.assigned_count(view.worker_id))
+            assigned=control.tracker.assigned_count(view.worker_id), capacity=view.capacity)
             for view in control.pool.all()]
         return mpb.ManagerStatus(
             workers=workers, in_flight=control.tracker.unfinished(),

@@ -83,6 +83,14 @@ class Step:
             self._succeeded[request_id] = self._deliveries
         return not self._outstanding
 
+    def withdrawn(self, request_id: str) -> bool:
+        """The request left the step (moved to another shard: no completion comes here); True
+        when it was the last outstanding one (the step should end)."""
+        if self.outcome is not None:
+            raise ValueError(f"step {self.step_id!r} already {self.outcome.value}")
+        self._outstanding.remove(request_id)
+        return not self._outstanding
+
     def end(self, outcome: StepOutcome) -> None:
         """End the step; a step ends once, and a step with outstanding requests only abandoned."""
         if self.outcome is not None:

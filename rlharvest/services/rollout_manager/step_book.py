@@ -86,6 +86,14 @@ class StepBook:
         self._end(step, StepOutcome.FINISHED)
         return step
 
+    def withdrawn(self, request_id: str) -> Step | None:
+        """The request left its step for another shard; returns its step when that ended it."""
+        step = self._step_of.pop(request_id, None)
+        if step is None or not step.withdrawn(request_id):
+            return None
+        self._end(step, StepOutcome.FINISHED)
+        return step
+
     def abandon(self, step: Step) -> list[str]:
         """The client went away: end the step and return its outstanding requests (the caller
         drops them). A step that already ended gives nothing: it ends once."""

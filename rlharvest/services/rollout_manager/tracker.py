@@ -434,6 +434,26 @@ class RequestTracker:
         req.finished_at = self._clock()
         self.counters.failed += 1
 
+    def withdraw(self, request_id: str) -> int:
+        """Drop an unfinished request (taken off its worker, if on one): its client moves it
+        to another of the job's manager shards (sharding.py), which resumes it from the tokens
+        the client has. Returns how many it has here. Not counted as a failure: it completes
+        there; a move off a worker counts as a migration."""
+        req = self.get(request_id)
+        if req.done:
+            raise ValueError(f"request {request_id!r} is {req.state.value}; only an unfinished "
+                             "request is withdrawn")
+        tokens = req.generated
+        if req.worker_id is not None:
+            self._detach(req)
+            self._count_migration(req)
+        self._waiting_released.pop(request_id, None)
+        self._waiting_new.pop(request_id, None)
+        del self._requests[request_id]
+        del self._by_slot[req.slot]
+        self.ledger.remove(req.handle)
+        return tokens
+
     def forget(self, request_id: str) -> None:
         """Drop a finished or failed request once its completion was delivered, so a long-running
         manager holds only the requests in flight. Later deltas for it are dropped as unknown."""

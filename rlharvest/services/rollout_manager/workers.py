@@ -29,6 +29,7 @@ from rlharvest.services.rollout_manager.commands import (
 )
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.observer import ManagerObserver
+from rlharvest.services.rollout_manager.sharding import shard_of
 from rlharvest.services.rollout_manager.tracker import ResumePayload
 from rlharvest.services.rollout_worker.client import WorkerLink, session_role
 
@@ -47,7 +48,7 @@ class Workers:
     def __init__(self, control: RolloutControl, etcd, *, job: str, max_message_bytes: int,
                  on_event: Callable[[str, wpb.WorkerEvent], Awaitable[None]],
                  execute: Callable[[Sequence[Command]], None], wake: Callable[[], None],
-                 observers: Sequence[ManagerObserver]) -> None:
+                 observers: Sequence[ManagerObserver], shard: tuple[int, int] = (0, 1)) -> None:
         self._control = control
         self._etcd = etcd
         self._job = job
@@ -58,6 +59,7 @@ class Workers:
         self._execute = execute
         self._wake = wake
         self._observers = observers
+        self._shard, self._shards = shard  # this manager's shard of the job (sharding.py)
         self.links: dict[str, WorkerLink] = {}
         self.endpoints: dict[str, dict] = {}  # worker id -> its member record
         self._records: dict[str, dict] = {}  # members serving here, as etcd shows them now
@@ -81,8 +83,8 @@ class Workers:
         node whose turn is this job's (WEAVE, placement_follower.py) once it holds its weights."""
         async for event in registry.watch_members(self._etcd, service):
             self._note_record(event.member_id, None if event.kind == "leave" or
-                              not self._serves_here(event.info) else event.info)
-            if event.kind != "leave" and not self._serves_here(event.info):
+                              not self._serves_here(event.info, event.member_id) else event.info)
+            if event.kind != "leave" and not self._serves_here(event.info, event.member_id):
                 if event.member_id in self.links:  # lent to (or its node's turn is) another job
                     self.lose(event.member_id,
                               f"serves job {event.info.get('job') or 'none'!r} now")
@@ -95,8 +97,11 @@ class Workers:
                 self._update(event.member_id, event.info)
             self._wake()
 
-    def _serves_here(self, info: dict) -> bool:
-        return info.get("job") == self._job
+    def _serves_here(self, info: dict, member_id: str) -> bool:
+        """This job's member, of this manager's shard (every manager of a shard, its standby
+        too, computes the same set from etcd alone: sharding.py)."""
+        return info.get("job") == self._job and (
+            self._shards == 1 or shard_of(member_id, self._shards) == self._shard)
 
     def _note_record(self, worker_id: str, info: dict | None) -> None:
         """The member's record now (None: gone, or serving elsewhere). A pending rejoin ends
@@ -146,8 +151,9 @@ class Workers:
         expected = set()
         for service in ("rollout_worker", "coexecutor"):
             for key, info in (await registry.list_members(self._etcd, service)).items():
-                if self._serves_here(info) and not info.get("draining"):
-                    expected.add(keys.parse_member_key(key)[1])
+                member_id = keys.parse_member_key(key)[1]
+                if self._serves_here(info, member_id) and not info.get("draining"):
+                    expected.add(member_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

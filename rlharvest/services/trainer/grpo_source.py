@@ -134,8 +134,8 @@ class _GrpoStep:
         self.run.progress.completions = self.assembler.completions
         self.run.progress.tokens_generated = self.assembler.tokens_generated
 
-    def resume(self) -> mpb.SubmitStepRequest:
-        submit, finished = self.assembler.resume(self.request)
+    def resume(self, of: mpb.SubmitStepRequest | None = None) -> mpb.SubmitStepRequest:
+        submit, finished = self.assembler.resume(self.request if of is None else of)
         for completion in finished:
             self.complete(completion)
         return submit
