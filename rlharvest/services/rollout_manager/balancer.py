@@ -76,8 +76,8 @@ class LazyIds(Sequence[str]):
     def __len__(self) -> int:
         return self._count
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def]
-        return self._all()[index]
+    def __getitem__(self, index):
+        return self._all()[index]  # an int or a slice, as a tuple takes them
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._all())
