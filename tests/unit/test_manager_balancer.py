@@ -81,7 +81,7 @@ def test_dispatch_never_exceeds_theta_pending_and_always_joins_a_shortest_queue(
         assert chosen.pending < theta
         assert chosen.pending == min(i.pending for i in loads.values())
         loads[d.worker_id] = InstanceLoad(chosen.worker_id, chosen.capacity,
-                                          chosen.queued + (d.request_id,), chosen.running)
+                                          (*chosen.queued, d.request_id), chosen.running)
     if len(dispatches) < waiting:
         assert all(i.pending >= theta for i in loads.values())
 
