@@ -19,10 +19,13 @@ import gc
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlharvest.common.engine_types import SamplingParams  # noqa: E402
+from rlharvest.services.rollout_manager.tracker import NewRequest  # noqa: E402
 from rlharvest.sim.manager_policy import (  # noqa: E402
     Scenario,
     SimClock,
@@ -75,6 +78,29 @@ def run(workers: int, per_worker: int, seed: int, strategy: str,
             "p99_ms": 1e3 * ticks[min(len(ticks) - 1, int(0.99 * len(ticks)))],
             "burst_ms": 1e3 * burst,
             "migrations_per_completion": (control.tracker.counters.migrations - migrations0) / n}
+
+
+def memory_per_request(workers: int, per_worker: int) -> float:
+    """Bytes the manager's core holds per request in flight: traced allocations of adding a
+    step of ``workers x per_worker`` requests (64-token prompts, the caller's) and of the tick
+    that dispatches it, less the growth of the ledger's token arena (the tokens' own storage)."""
+    control = make_control("cost_aware", SimClock())
+    for i in range(workers):
+        control.worker_joined(f"w{i:05d}", 0, per_worker, "gpu")
+    n = workers * per_worker
+    sampling = SamplingParams(max_tokens=256)
+    requests = [NewRequest(f"r{i}", f"r{i}", (5,) * 64, sampling, 0) for i in range(n)]
+    ledger = control.tracker.ledger
+    gc.collect()
+    tracemalloc.start()
+    before, arena = tracemalloc.get_traced_memory()[0], ledger.token_bytes
+    control.add_step("memory", requests, 0)
+    dispatched = len(control.tick())  # its commands are the caller's: not kept
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - before - (ledger.token_bytes - arena)
+    tracemalloc.stop()
+    assert dispatched == n
+    return held / n
 
 
 def spread(values: list[float], bases: list[float]) -> str:
@@ -134,6 +160,10 @@ def main() -> None:
                          f"{STRATEGIES.get(s, s)} | {vs_jsq} | {vs_paper} | {mpc:.2f} | "
                          f"{ticks:.0f} | {p50:.1f} / {p99:.1f} | {p99 / workers * 1024:.1f} | "
                          f"{burst:.0f} |")
+    lines += ["", "The core's memory per request in flight (tracemalloc around adding a step and the "
+              "tick that dispatches it, the ledger's token arena excluded): " + "; ".join(
+                  f"{w:,} x {p}: {memory_per_request(w, p) / 1024:.2f} KB" for w, p in (
+                      (int(x) for x in size.split("x")) for size in args.sizes.split(",")))]
     lines += ["", f"wall time of the benchmark: {time.perf_counter() - wall0:.0f} s"]
     print("\n".join(lines))
     if not args.quick:

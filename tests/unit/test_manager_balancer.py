@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from rlharvest.common import delta_batch
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
+    LazyIds,
     continuous_lb,
     dispatch_waiting,
+    queue_on,
     rebalance,
     select_instance,
 )
@@ -79,7 +81,7 @@ def test_dispatch_never_exceeds_theta_pending_and_always_joins_a_shortest_queue(
         assert chosen.pending < theta
         assert chosen.pending == min(i.pending for i in loads.values())
         loads[d.worker_id] = InstanceLoad(chosen.worker_id, chosen.capacity,
-                                          chosen.queued + (d.request_id,), chosen.running)
+                                          (*chosen.queued, d.request_id), chosen.running)
     if len(dispatches) < waiting:
         assert all(i.pending >= theta for i in loads.values())
 
@@ -459,3 +461,17 @@ def test_every_request_finishes_once_on_its_version_with_contiguous_tokens(
         assert r.state is RequestState.FINISHED
         assert r.token_ids == [token_at(rid, p, step_version) for p in range(length)]
     assert control.tracker.counters.tokens_regenerated == 0
+
+
+def test_lazy_ids_count_at_once_and_read_out_once_where_used():
+    reads: list[str] = []
+
+    def fill(worker_id: str) -> tuple[str, ...]:
+        reads.append(worker_id)
+        return ("r0", "r1")
+
+    load = InstanceLoad("w", 4, queued=LazyIds(2, fill, "w"))
+    assert (load.assigned, load.pending, load.free_slots, reads) == (2, 0, 2, [])
+    assert (load.queued[-1], list(load.queued), "r0" in load.queued) == ("r1", ["r0", "r1"], True)
+    assert reads == ["w"] and load.queued == ("r0", "r1")
+    assert queue_on(load, "r2").queued == ("r0", "r1", "r2")

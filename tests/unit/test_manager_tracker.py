@@ -108,6 +108,23 @@ def test_a_late_message_from_a_migrated_away_worker_is_dropped_never_appended():
     assert t.get("a").migrations == 1
 
 
+def test_a_workers_executing_count_follows_its_requests_states():
+    t = tracker()
+    t.add_step([req("a"), req("b"), req("c")])
+    for rid in "abc":
+        t.assign(rid, "w1")
+    t.apply_deltas("w1", [delta("a", 0, [7]), delta("b", 0, [7])])
+    t.apply_deltas("w1", [delta("a", 1, [8])])  # already executing: counted once
+    assert (t.assigned_count("w1"), t.executing_count("w1")) == (3, 2)
+    t.move("a", "w2")  # pending on w2 until its first token there
+    t.apply_deltas("w1", [delta("b", 1, [8], finished=True)])
+    assert (t.executing_count("w1"), t.executing_count("w2")) == (0, 0)
+    t.apply_deltas("w2", [delta("a", 2, [9])])
+    t.release("a")
+    t.fail("c", "cut")
+    assert (t.assigned_count("w1"), t.executing_count("w1"), t.executing_count("w2")) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("position, reason", [(1, "position"), (3, "position")])
 def test_a_delta_that_would_leave_a_gap_or_a_duplicate_is_dropped(position, reason):
     t = tracker()

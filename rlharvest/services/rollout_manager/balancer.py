@@ -19,14 +19,80 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
 from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
 
-__all__ = ["InstanceLoad", "MoveCosts", "SelectFn", "ThroughputProfile", "select_instance",
+__all__ = ["InstanceLoad", "LazyIds", "MoveCosts", "SelectFn", "ThroughputProfile", "select_instance",
            "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance", "move_gain"]
+
+
+T = TypeVar("T")
+
+
+class _once(Generic[T]):
+    """A property computed on first read and kept: ``functools.cached_property`` without the
+    lock Python 3.11's takes on each first read (it doubled a rebalance at 1,024 workers)."""
+
+    def __init__(self, compute: Callable[[Any], T]) -> None:
+        self._compute = compute
+        self._name = compute.__name__
+
+    def __get__(self, instance: Any, owner: Any = None) -> T:
+        value = instance.__dict__[self._name] = self._compute(instance)
+        return value
+
+
+class LazyIds(Sequence[str]):
+    """Request ids whose number is known at once and whose order is read out on first use.
+
+    Algorithm 2 reads every instance's counts each tick but the ids and their order only of
+    the one or few instances it moves requests from: at 1,024 workers x 32 requests, reading out
+    (and, under the paper's rule, sorting) every worker's ids was most of a tick
+    (bench/manager_scale_sim.py). ``fill(key)`` must return ``count`` ids; it is called at most
+    once, so a load built from live state is to be read before that state changes (the control
+    loop builds loads, decides, then applies the decisions).
+    """
+
+    __slots__ = ("_count", "_fill", "_key", "_ids")
+
+    def __init__(self, count: int, fill: Callable[[str], tuple[str, ...]], key: str) -> None:
+        self._count = count
+        self._fill = fill
+        self._key = key
+        self._ids: tuple[str, ...] | None = None
+
+    def _all(self) -> tuple[str, ...]:
+        if self._ids is None:
+            self._ids = self._fill(self._key)
+            if len(self._ids) != self._count:
+                raise AssertionError(f"{self._key!r}: {len(self._ids)} ids read out where "
+                                     f"{self._count} were counted; the counts are stale")
+        return self._ids
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        return self._all()[index]  # an int or a slice, as a tuple takes them
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._all()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self._all()) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
 
 
 @dataclass(frozen=True)
@@ -36,10 +102,11 @@ class InstanceLoad:
     worker_id: str
     capacity: int
     # Assigned requests that have produced no token on this worker yet, oldest first. The newest
-    # ones are the tail of its FIFO queue: the ones to move when it is overloaded.
-    queued: tuple[str, ...] = ()
+    # ones are the tail of its FIFO queue: the ones to move when it is overloaded. (Any
+    # sequence; the control loop's are LazyIds.)
+    queued: Sequence[str] = ()
     # Requests producing tokens, in the order to move them when it runs above the plateau.
-    running: tuple[str, ...] = ()
+    running: Sequence[str] = ()
     plateau: int | None = None  # B for this instance's kind at the current context; None: no P
     # Requests on the instance that this manager did not send (another manager's, serving
     # traffic): only a kv_memory worker's load report shows them (kv_memory_load).
@@ -61,26 +128,29 @@ class InstanceLoad:
     pace_batch: float = 1.0
     prefill_rate: float | None = None
 
-    @property
+    # The counts below are read for every instance, several times a tick (each of rebalance's
+    # iterations scans them all): cached on first read, which a frozen load allows (``replace``
+    # makes a new one).
+    @_once
     def holds_ours(self) -> bool:
         """It holds requests of this manager (a kv_memory worker's load may be all others'):
         only such an instance is a migration source, there being nothing else to move."""
         return bool(self.queued or self.running)
 
-    @property
+    @_once
     def assigned(self) -> int:
         """Every request on the instance, running or queued."""
         return len(self.queued) + len(self.running) + self.unmanaged
 
-    @property
+    @_once
     def pending(self) -> int:
         return max(0, self.assigned - self.capacity)
 
-    @property
+    @_once
     def executing(self) -> int:
         return min(self.assigned, self.capacity)
 
-    @property
+    @_once
     def free_slots(self) -> int:
         return 0 if self.pending or self.refusing else max(0, self.capacity - self.executing)
 
@@ -201,7 +271,7 @@ def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLo
     """``load`` once ``request_id`` (of ``tokens`` of KV) is dispatched to it (the tail of its
     queue)."""
     room = None if load.room_tokens is None else load.room_tokens - tokens
-    return replace(load, queued=load.queued + (request_id,), room_tokens=room)
+    return replace(load, queued=(*load.queued, request_id), room_tokens=room)
 
 
 @dataclass(frozen=True)
@@ -258,8 +328,8 @@ def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: Instanc
     return at_src - remaining / dst_pace - prefill - costs.min_gain * at_src
 
 
-def continuous_lb(instances: Sequence[InstanceLoad],
-                  costs: MoveCosts | None = None) -> list[Migrate]:
+def continuous_lb(instances: Sequence[InstanceLoad], costs: MoveCosts | None = None,
+                  limit: int | None = None) -> list[Migrate]:
     """One iteration of CONTINUOUSLB (lines 14-27).
 
     Pending case: move one request from the instance with the most pending to one with none.
@@ -274,7 +344,8 @@ def continuous_lb(instances: Sequence[InstanceLoad],
 
     With ``costs`` (the cost-aware rule) the executing case is ``_migrate_paying`` instead, and
     the pending case moves a running request (a source with none queued) only where it did not
-    come from within its step.
+    come from within its step. ``limit``: the most moves wanted (the first ones are the same
+    whatever it is); None for all.
     """
     if len(instances) < 2:
         return []
@@ -283,7 +354,7 @@ def continuous_lb(instances: Sequence[InstanceLoad],
         return _migrate_pending(instances, overloaded, costs)
     if costs is None:
         return _migrate_executing(instances)
-    return _migrate_paying(instances, costs)
+    return _migrate_paying(instances, costs, limit)
 
 
 def _migrate_pending(instances: Sequence[InstanceLoad], overloaded: Sequence[InstanceLoad],
@@ -316,11 +387,12 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
     if src.plateau is None or src is dst:
         return []
     count = min(max(src.executing - src.plateau, 0), dst.capacity)
-    movable = src.running + src.queued
+    movable = (*src.running, *src.queued)
     return [Migrate(r, src.worker_id, dst.worker_id, "executing") for r in movable[:count]]
 
 
-def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list[Migrate]:
+def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts,
+                    limit: int | None = None) -> list[Migrate]:
     """The executing case under the cost-aware rule: when nothing is pending and instances are
     idle, move to each, fastest first, the running requests whose move pays (``move_gain`` >
     0), best first, while each still pays with the destination's batch grown by the ones before.
@@ -331,7 +403,9 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list
     a slow or throttled worker's requests gain from a faster idle one however small its batch,
     and on equal workers no move pays, whatever the batch. One call serves every idle
     instance (the paper's loop serves one per iteration) so that a tick at thousands of workers
-    ranks the candidates once.
+    ranks the candidates once. Destinations are served in turn, so it stops at ``limit`` moves
+    (rebalance's bound) without changing those: at a step's tail it would otherwise plan
+    hundreds of moves for the 64 a tick makes.
     """
     idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
             predicted_pace(i, 1) is not None]
@@ -362,6 +436,8 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts) -> list
     queue = deque(candidates)
     moves: list[Migrate] = []
     for dst in idle:
+        if limit is not None and len(moves) >= limit:
+            break
         free, batch, looked = dst.free_slots, 0, 0
         passed: list[tuple[float, str, InstanceLoad]] = []  # back to the queue's head after
         # A bounded look per destination: the queue is ranked for the fastest one, and a
@@ -394,7 +470,7 @@ def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
     by_id = {i.worker_id: i for i in instances}
     moves: list[Migrate] = []
     while len(moves) < max_moves:
-        step = continuous_lb(list(by_id.values()), costs)
+        step = continuous_lb(list(by_id.values()), costs, max_moves - len(moves))
         if not step:
             break
         for m in step[: max_moves - len(moves)]:

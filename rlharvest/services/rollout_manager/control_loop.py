@@ -26,6 +26,7 @@ from rlharvest.common.pb import rollout_worker_pb2 as wpb
 
 from rlharvest.services.rollout_manager.balancer import (
     InstanceLoad,
+    LazyIds,
     MoveCosts,
     SelectFn,
     dispatch_waiting,
@@ -751,7 +752,8 @@ class RolloutControl:
 
     def _loads(self, weight_version: int) -> list[InstanceLoad]:
         """Algorithm 2's view of the workers eligible for ``weight_version``."""
-        return [self._load(w) for w in self.pool.eligible(weight_version)]
+        now = self._clock()
+        return [self._load(w, now) for w in self.pool.eligible(weight_version)]
 
     def _expected_remaining(self, request_id: str) -> float:
         req = self.tracker.get(request_id)
@@ -763,31 +765,45 @@ class RolloutControl:
     def _left_by(self, request_id: str) -> set[str]:
         return self._left.get(request_id, _NONE_LEFT)
 
-    def _load(self, w: WorkerView) -> InstanceLoad:
-        requests = self.tracker.on_worker(w.worker_id)
+    def _load(self, w: WorkerView, now: float) -> InstanceLoad:
+        """Built from counts the tracker keeps as requests come and go (constant time per
+        worker); the ids are read out only where Algorithm 2 moves some (``LazyIds``)."""
+        worker_id = w.worker_id
         # A request given back to its keeper stays until its catch-up rows are in (``_owed``):
         # load like any, but not Algorithm 2's to move, so it is counted as not ours.
-        owed = self._owed(w.worker_id)
-        queued = tuple(r.request_id for r in requests
-                       if r.state is RequestState.PENDING and r.request_id not in owed)
-        running = [r for r in requests if r.state is RequestState.EXECUTING]
+        owed = self._owed(worker_id)
+        executing = self.tracker.executing_count(worker_id)
+        pending = self.tracker.assigned_count(worker_id) - executing - len(owed)
+        context = self.tracker.mean_context(worker_id)
+        plateau = None if context is None else self.profiles[w.kind].plateau(context)
+        capacity, unmanaged = w.capacity, 0
+        if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
+            capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
+                                                 w.reported_executing, w.assigned_at_report)
+        pace = self._pace.get(worker_id)
+        return InstanceLoad(worker_id, capacity, LazyIds(pending, self._queued_ids, worker_id),
+                            LazyIds(executing, self._running_ids, worker_id),
+                            plateau, unmanaged + len(owed), serving=w.kind == SERVING_KIND,
+                            refusing=w.refusing(now, self.config.refusal_hold_s),
+                            room_tokens=w.rollout_room_tokens,
+                            pace=None if pace is None else pace.per_request,
+                            pace_batch=1.0 if pace is None else pace.batch,
+                            prefill_rate=None if pace is None else pace.prefill)
+
+    def _queued_ids(self, worker_id: str) -> tuple[str, ...]:
+        """The worker's PENDING requests but those owed to it, oldest assignment first."""
+        owed = self.pool.get(worker_id).adopted  # as _owed left it when the load was built
+        return tuple(r.request_id for r in self.tracker.on_worker(worker_id)
+                     if r.state is RequestState.PENDING and r.request_id not in owed)
+
+    def _running_ids(self, worker_id: str) -> tuple[str, ...]:
+        """The worker's EXECUTING requests in the order to move them."""
+        running = [r for r in self.tracker.on_worker(worker_id)
+                   if r.state is RequestState.EXECUTING]
         if self._costs is None:
             # Executing requests leave longest-so-far first: with heavy-tailed lengths those
             # are the likeliest to run longest, and they gain most from the idle worker's small
             # batch. (The cost-aware rule ranks them by what their move saves instead; in its
             # pending case a source with none queued gives up its newest assignment.)
             running.sort(key=lambda r: -r.generated)
-        context = self.tracker.mean_context(w.worker_id)
-        plateau = None if context is None else self.profiles[w.kind].plateau(context)
-        capacity, unmanaged = w.capacity, 0
-        if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
-            capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,
-                                                 w.reported_executing, w.assigned_at_report)
-        pace = self._pace.get(w.worker_id)
-        return InstanceLoad(w.worker_id, capacity, queued, tuple(r.request_id for r in running),
-                            plateau, unmanaged + len(owed), serving=w.kind == SERVING_KIND,
-                            refusing=w.refusing(self._clock(), self.config.refusal_hold_s),
-                            room_tokens=w.rollout_room_tokens,
-                            pace=None if pace is None else pace.per_request,
-                            pace_batch=1.0 if pace is None else pace.batch,
-                            prefill_rate=None if pace is None else pace.prefill)
+        return tuple(r.request_id for r in running)

@@ -19,11 +19,16 @@ through SELECTINSTANCE and continue from their last token).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
-from rlharvest.services.rollout_manager.balancer import InstanceLoad, SelectFn, select_instance
+from rlharvest.services.rollout_manager.balancer import (
+    InstanceLoad,
+    SelectFn,
+    queue_on,
+    select_instance,
+)
 from rlharvest.services.rollout_manager.commands import Fail, MigrationCause, Migrate, Release
 from rlharvest.services.rollout_manager.worker_pool import WorkerState, WorkerView
 
@@ -135,8 +140,7 @@ class FailurePolicy:
                 if not keep_without_room:
                     out.append(Release(request_id, src, cause))
                 continue
-            load = by_id[target]
-            by_id[target] = replace(load, queued=load.queued + (request_id,))
+            by_id[target] = queue_on(by_id[target], request_id)
             out.append(Migrate(request_id, src, target, cause))
         return out
 

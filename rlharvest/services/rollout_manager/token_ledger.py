@@ -121,6 +121,12 @@ class TokenLedger:
         row[HIGH] = max(row[HIGH], row[LENGTH])
         row[LENGTH] = 0
 
+    @property
+    def token_bytes(self) -> int:
+        """The arena's size: the storage of the tokens and logprobs themselves (what a
+        request's bookkeeping is measured without, bench/manager_scale_sim.py)."""
+        return self._tokens.nbytes + self._logprobs.nbytes
+
     def length(self, slot: int) -> int:
         return int(self.table[slot, LENGTH])
 

@@ -238,6 +238,9 @@ class RequestTracker:
         # Sum of context_length over each worker's requests, kept as they change so that the
         # mean context (for P, on the relay's hot path) needs no walk over the requests.
         self._context: dict[str, int] = {}
+        # How many of each worker's requests are EXECUTING, kept as states change, so that a
+        # worker's load (Algorithm 2's counts) needs no walk over its requests.
+        self._executing: dict[str, int] = {}
         self.counters = TrackerCounters()
         self.ledger = TokenLedger()
         self._by_slot: dict[int, TrackedRequest] = {}
@@ -357,6 +360,11 @@ class RequestTracker:
 
     def assigned_count(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))
+
+    def executing_count(self, worker_id: str) -> int:
+        """How many requests on ``worker_id`` have produced tokens there (EXECUTING); the
+        rest of ``assigned_count`` are PENDING. Constant time."""
+        return self._executing.get(worker_id, 0)
 
     def mean_context(self, worker_id: str) -> float | None:
         """Mean context length (prompt + tokens so far) of the requests on ``worker_id``; None
@@ -482,6 +490,8 @@ class RequestTracker:
         # Never deleted: apply_outputs adds a batch's tokens after detaching the requests that
         # finished in it, so the sum may pass through a negative value within one batch.
         self._context[req.worker_id] -= req.context_length
+        if req.state is RequestState.EXECUTING:
+            self._executing[req.worker_id] -= 1
         req.worker_id = None
         self.ledger.unassign(req.slot)
 
@@ -505,7 +515,10 @@ class RequestTracker:
                              indices=applied.indices)
         by_slot = self._by_slot
         for slot in applied.started:
-            by_slot[slot].state = RequestState.EXECUTING
+            started = by_slot[slot]
+            if started.state is not RequestState.EXECUTING:
+                started.state = RequestState.EXECUTING
+                self._executing[worker_id] = self._executing.get(worker_id, 0) + 1
         for row, reason in applied.ended:  # after all the batch's tokens are in
             req = by_slot[int(rows.requests[row]) & MASK]
             if reason == "abort":  # the worker gave it up on its own: it keeps its tokens
@@ -549,6 +562,7 @@ class RequestTracker:
                              "requests; release them before forgetting it")
         self._worker_index.pop(worker_id, None)
         self._context.pop(worker_id, None)
+        self._executing.pop(worker_id, None)
 
     @staticmethod
     def _refusal(req: TrackedRequest | None, worker_id: str, rows: Rows, row: int) -> str:
