@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from rlharvest.common import observability, registry, tls
+from rlharvest.common.etcd_outage import with_etcd
 from rlharvest.common.etcd_maintenance import (
     EtcdMaintainer, MaintenanceConfig, etcd_status, already_compacted)
 from rlharvest.common.local_etcd import LocalEtcd, free_port
@@ -101,7 +102,9 @@ async def test_compaction_goes_on_while_etcd_is_sigkilled_between_rounds(etcd) -
     task = asyncio.create_task(maintainer.run())
     try:
         for _ in range(4):
-            client = await registry.connect(etcd.endpoint)
+            # A restarted etcd may refuse a moment more under load: waited out, as services do.
+            client = await with_etcd(partial(registry.connect, etcd.endpoint), "connecting",
+                                     deadline_s=30)
             await _write(client, 5)
             await client.close()
             await asyncio.to_thread(etcd.restart, crash=True, down_s=1.0)
