@@ -40,7 +40,7 @@ class ManagerConfig(ServiceConfig):
     # lent co-executor's requests away before its window closes or it is taken back, which the
     # seeding window's and the lending's hand-overs are built around (their tests showed it).
     migration_rule: Literal["cost-aware", "paper"] = Field(
-        "paper", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
+        "cost-aware", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
         "paper, Algorithm 2's executing case as written (a worker's excess over its batching "
         "plateau B to any idle worker); cost-aware, only a request whose predicted time saved "
         "(its expected remaining tokens at the source's pace vs the destination's) beats its "
