@@ -91,10 +91,11 @@ MigrationRule = Literal["paper", "cost-aware"]
 class ControlConfig:
     theta: int = 2  # Θ: most pending requests per worker before dispatch is delayed
     continuous_lb: bool = True  # False only for the "no migration" baselines
-    # Which moves of running requests CONTINUOUSLB makes (balancer.py): "paper", Algorithm 2's
-    # executing case as written (the excess over B to any idle worker); "cost-aware", only a
-    # move whose predicted time saved beats its resume prefill, never back within a step
-    # (MoveCosts). The pending case is the paper's under both.
+    # Which moves CONTINUOUSLB makes (balancer.py): "cost-aware" (the default), only a move
+    # whose predicted time saved beats its resume prefill, once a step, never back, none of a
+    # seed worker's or a lent co-executor's (MoveCosts); "paper", Algorithm 2's executing case as
+    # written (the excess over B to any idle worker), the baseline. The pending case is the
+    # paper's under both.
     migration_rule: MigrationRule = "cost-aware"
     # The resume cost's prefill rate (tokens/s) until a worker has measured its own.
     prefill_tokens_per_s: float = 10_000.0
