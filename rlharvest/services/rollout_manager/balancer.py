@@ -211,13 +211,13 @@ def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLo
 
 @dataclass(frozen=True)
 class MoveCosts:
-    """What the cost-aware rule weighs a move of a running request by (None in ``rebalance``:
+    """What the cost-aware rule weighs a move of a request by (None in ``rebalance``:
     the paper's rule). Requests are named by id; the control loop answers from its tracker.
 
     * ``remaining``: the request's expected remaining tokens (migration_cost.LengthModel).
     * ``context``: its context length, prompt and tokens so far: what the destination prefills
-      to resume it (a queued request pays that prefill wherever it runs, so only a running
-      one's move costs it).
+      to resume it (in the pending case a queued request pays that prefill wherever it runs,
+      so there only a running one's move costs it).
     * ``left``: the workers it was moved away from within its step: it never goes back to
       one of them (the paper's rule moves the excess over B to any idle worker, so at a step's
       tail requests bounce between workers as each runs dry).
@@ -270,17 +270,17 @@ def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: Instanc
     """Seconds a move of ``request_id`` from ``src`` to ``dst`` is predicted to save beyond
     its cost: its expected remaining tokens at the source's pace (decoding ``src_batch``
     requests, itself included; default: all it runs now) less the same at the destination's
-    (decoding ``dst_batch``), less its context's prefill there (none for a queued request: it
-    prefills wherever it runs), less ``min_gain`` of its time at the source. None: a pace is
-    unknown, nothing can be predicted."""
+    (decoding ``dst_batch``), less its context's prefill there, less ``min_gain`` of its time
+    at the source. None: a pace is unknown, nothing can be predicted. A queued request pays
+    the prefill too: the source may have begun it, or hold a turn's history in its prefix
+    cache (turn_routing.py), where the destination prefills the whole context."""
     src_pace = source_pace(src, src.executing if src_batch is None else src_batch)
     dst_pace = predicted_pace(dst, dst_batch)
     if src_pace is None or dst_pace is None:
         return None
     remaining = costs.remaining(request_id)
     at_src = remaining / src_pace
-    resume = 0 if request_id in src.queued else costs.context(request_id)
-    prefill = resume / (dst.prefill_rate or costs.prefill_tokens_per_s)
+    prefill = costs.context(request_id) / (dst.prefill_rate or costs.prefill_tokens_per_s)
     return at_src - remaining / dst_pace - prefill - costs.min_gain * at_src
 
 
@@ -416,14 +416,12 @@ def _paying_candidates(instances: Sequence[InstanceLoad], fastest: InstanceLoad,
         if pace is None or pace >= ceiling:
             continue
         factor = (1.0 - costs.min_gain) / pace - per_token
-        for resume, ids in ((False, src.queued), (True, src.running)):
-            for request_id in ids:
-                if costs.relocated(request_id):
-                    continue  # moved once within its step
-                gain = costs.remaining(request_id) * factor - \
-                    (costs.context(request_id) / prefill_rate if resume else 0.0)
-                if gain > 0:
-                    candidates.append((gain, request_id, src))
+        for request_id in src.queued + src.running:
+            if costs.relocated(request_id):
+                continue  # moved once within its step
+            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
+            if gain > 0:
+                candidates.append((gain, request_id, src))
     candidates.sort(key=lambda c: (-c[0], c[1]))
     return candidates
 
