@@ -6,7 +6,9 @@ each engine step (emulated GPU-like step cost, or slower hardware). `--case uneq
 default): two sleep `--step-delay-s`, two a third as much, two not at all. `--case equal`: all
 sleep `--step-delay-s`. `--case slow`: all sleep `--step-delay-s`, one four times as much. `--case trainer`: what `rlharvest up --trainer`
 runs by default, three workers of `--max-running 64` without delays, 64 requests of a few tokens
-(median 4, cap 16): the setting where the paper's rule moved two requests per completion.
+(median 4, cap 16). It does not show the paper's rule's two moves per completion under `rlharvest up
+--trainer`: those came at each step's head, from new weights reaching one worker first
+(bench/up_migrations.py runs the real command).
 Response lengths are long-tailed: each request's max_tokens is drawn from a seeded log-normal and
 no stop token is set, so every request generates exactly that many tokens. Three real managers,
 one per `--balancer`, run the same steps in turn on the same workers; each first runs a warm-up

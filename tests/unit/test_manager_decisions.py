@@ -56,6 +56,8 @@ def test_the_cost_aware_rule_makes_the_pinned_moves() -> None:
     makespan, moves = run("cost_aware")
     assert moves == PENDING + [
         ("step/46", "w4", "w2", "executing"), ("step/23", "w5", "w2", "executing"),
-        ("step/5", "w5", "w1", "executing"), ("step/46", "w2", "w0", "executing"),
-        ("step/5", "w1", "w0", "executing"), ("step/47", "w3", "w0", "executing")]
-    assert makespan == pytest.approx(4.56264, abs=1e-9)
+        ("step/5", "w5", "w1", "executing"), ("step/47", "w3", "w0", "executing")]
+    # Each request moves once a step under this rule (step/46 and step/5 moved twice before it
+    # said so); the pinned moves are those of the rule's own branch before the tick's
+    # bookkeeping met it, checked equal.
+    assert makespan == pytest.approx(4.626376, abs=1e-9)

@@ -1,10 +1,13 @@
-"""The cost-aware migration rule (balancer.MoveCosts, migration_cost.py): a running request moves
-only when its predicted time saved beats its resume prefill, and never back within its step; the
-paper's rule stays the baseline."""
+"""The cost-aware migration rule (balancer.MoveCosts, migration_cost.py), the manager's default: a
+request moves only when its predicted time saved beats its resume prefill, once a step, never
+back, and a seed worker's or a lent co-executor's requests wait for their hand-over; the paper's
+rule stays the baseline."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +22,7 @@ from rlharvest.services.rollout_manager.balancer import (
     move_gain,
     predicted_pace,
     rebalance,
+    source_pace,
     select_instance,
 )
 from rlharvest.services.rollout_manager.batching_profile import StepStats
@@ -42,12 +46,12 @@ def load(wid: str, running: int = 0, queued: int = 0, *, capacity: int = 4,
 
 def costs(remaining: float | Mapping[str, float] = 200.0, context: int = 100,
           left: Mapping[str, Collection[str]] | None = None, prefill: float = 10_000.0,
-          min_gain: float = 0.1) -> MoveCosts:
+          min_gain: float = 0.1, relocated: Collection[str] = ()) -> MoveCosts:
     gone = left or {}
     return MoveCosts(
         remaining=lambda r: remaining[r] if isinstance(remaining, Mapping) else remaining,
         context=lambda r: context, left=lambda r: gone.get(r, ()),
-        prefill_tokens_per_s=prefill, min_gain=min_gain)
+        prefill_tokens_per_s=prefill, min_gain=min_gain, relocated=lambda r: r in relocated)
 
 
 # ---- the rule on Algorithm 2's snapshot -------------------------------------------------------
@@ -68,6 +72,86 @@ def test_the_papers_rule_bounces_requests_back_as_each_worker_runs_dry():
                                                          pace_batch=4.0)], 64)
     assert [(m.src, m.dst) for m in back] == [("b", "a")] * 2
     assert {m.request_id for m in back} < set(moved)
+
+
+def _step_head(costs_of: Callable[[set[str]], MoveCosts | None]) -> tuple[int, int, Counter]:
+    """A step's head as `rlharvest up --trainer` runs it: the first worker to hold the new
+    weights takes all 64 requests (B = 2 on its CPU engine), the two others join idle one at a
+    time, each with the pace of its last step's batch of 21. Returns the moves of each tick
+    and how often each request moved."""
+    def worker(wid: str, held: Sequence[str], pace: float, batch: float) -> InstanceLoad:
+        return InstanceLoad(wid, 64, (), tuple(held), 2, pace=pace, pace_batch=batch)
+
+    moved: Counter = Counter()
+    costs = costs_of(set())
+    everything = [f"r{i}" for i in range(64)]
+    first = rebalance([worker("a", everything, 1.0, 64), worker("b", (), 3.0, 21)], 64, costs)
+    moved.update(m.request_id for m in first)
+    on_a = [r for r in everything if r not in moved]
+    on_b = [m.request_id for m in first]
+    costs = costs_of(set(moved))
+    # A tick later, each measured at its new batch (about 63 tokens/s in all), c joins.
+    second = rebalance([worker("a", on_a, 63 / len(on_a), len(on_a)),
+                        worker("b", on_b, 63 / len(on_b), len(on_b)),
+                        worker("c", (), 3.0, 21)], 64, costs)
+    moved.update(m.request_id for m in second)
+    return len(first), len(second), moved
+
+
+def test_at_a_steps_head_the_papers_rule_moves_most_requests_twice_and_cost_aware_once():
+    """What made `rlharvest up --trainer` move two requests per completion: the first worker
+    on the new version holds the step; the paper's rule gives an idle one all but B, which is
+    then the busiest for the next idle one. The cost-aware rule stops where the source's
+    shrinking batch is as fast as the destination's growing one, and never moves a request
+    twice in its step."""
+    first, second, moved = _step_head(lambda relocated: None)
+    assert (first, second) == (62, 60) and sum(moved.values()) > 1.8 * 64
+    first, second, moved = _step_head(
+        lambda relocated: costs(remaining=20.0, context=30, relocated=relocated))
+    assert max(moved.values()) == 1
+    assert 20 <= first <= 32 and 0 < second <= 20  # about a half, then about a third
+    assert sum(moved.values()) <= 2 * 64 / 3
+
+
+def test_a_source_is_credited_for_the_pace_its_kept_batch_gains_down_to_its_plateau():
+    w = load("w", running=8, pace=1.0, pace_batch=8.0, plateau=2)
+    assert (source_pace(w, 8), source_pace(w, 4), source_pace(w, 1)) == (1.0, 2.0, 4.0)
+    assert source_pace(replace(w, plateau=None), 4) == 1.0  # without P: flat up to its batch
+    assert source_pace(w, 16) == 0.5
+
+
+def test_a_seed_workers_or_lent_coexecutors_requests_wait_for_their_hand_over():
+    """The seeding window's close and serving's take-back hand their requests on; before
+    then the cost-aware rule neither takes from nor gives to them (the paper's rule does)."""
+    slow, fast = load("slow", running=1, pace=2.0), load("fast", pace=10.0)
+    assert continuous_lb([replace(slow, handed_over=True), fast], costs()) == []
+    assert continuous_lb([slow, replace(fast, handed_over=True)], costs()) == []
+    held = [replace(load("a", running=4, plateau=1), handed_over=True), load("b")]
+    assert len(continuous_lb(held)) == 3
+
+
+@pytest.mark.parametrize("kind,handed_over", [("seed", True), ("serving", True),
+                                              ("dedicated", False), ("spot", False)])
+def test_the_control_marks_seed_workers_and_coexecutors_as_handed_over(kind, handed_over):
+    control = RolloutControl(ControlConfig(), Clock())
+    control.worker_joined("w", 0, 2, kind)
+    assert [i.handed_over for i in control._loads(0)] == [handed_over]
+
+
+def test_a_request_the_executing_case_moved_is_relocated_until_it_is_delivered():
+    control, _ = _control("cost-aware")
+    control.add_step("s", step(2, max_tokens=4), 0)
+    control.tick()
+    src = control.tracker.get("r0").worker_id
+    dst = "b" if src == "a" else "a"
+    control._apply([Migrate("r0", src, dst, "executing")])
+    control._apply([Migrate("r1", control.tracker.get("r1").worker_id, src, "pending")])
+    assert control._costs is not None
+    assert control._costs.relocated("r0") and not control._costs.relocated("r1")
+    control.step_deltas(dst, [TokenDelta("r0", 0, (5, 5, 5, 5), (0.0,) * 4, 0, finished=True,
+                                         finish_reason="length")])
+    control.deliver("r0")
+    assert not control._costs.relocated("r0")
 
 
 def test_a_slow_workers_long_request_moves_to_a_fast_idle_worker():
@@ -184,15 +268,21 @@ def test_every_cost_aware_move_pays_and_none_goes_back(paces, running, remaining
     assert len({m.request_id for m in moves}) == len(moves)  # none moved twice in a round
     # Replayed as rebalance runs it, CONTINUOUSLB call by call on the updated snapshot: each
     # move goes to an idle worker and pays there at the batch the call's moves make it.
+    # A request a call moved is relocated for the next calls: it moves once.
     by_id = {i.worker_id: i for i in loads}
     replayed: list[Migrate] = []
+    c = replace(c, relocated=lambda r: any(m.request_id == r for m in replayed))
     while batch := continuous_lb(list(by_id.values()), c):
         taken: dict[str, int] = {}
+        given: dict[str, int] = {}
         for m in batch:
             assert m.cause == "executing" and m.dst not in left.get(m.request_id, ())
             assert by_id[m.dst].executing == 0
             taken[m.dst] = taken.get(m.dst, 0) + 1
-            assert move_gain(c, m.request_id, by_id[m.src], by_id[m.dst], taken[m.dst]) > 0
+            kept = by_id[m.src].executing - given.get(m.src, 0)  # its batch were it to stay
+            given[m.src] = given.get(m.src, 0) + 1
+            assert move_gain(c, m.request_id, by_id[m.src], by_id[m.dst], taken[m.dst],
+                             kept) > 0
         for m in batch:
             _apply_move(by_id, m)
         replayed += batch
@@ -278,9 +368,10 @@ def test_a_finished_step_s_lengths_become_the_expected_remaining_tokens_of_the_n
     assert control._expected_remaining("x0") == 20.0  # the mean of 10 and 30
 
 
-def test_the_manager_flag_picks_the_rule_and_the_papers_is_the_default():
-    assert ManagerConfig().migration_rule == "paper"
-    assert build_control(ManagerConfig()).config.migration_rule == "paper"
+def test_the_manager_flag_picks_the_rule_and_cost_aware_is_the_default():
+    assert ManagerConfig().migration_rule == "cost-aware"
+    assert build_control(ManagerConfig()).config.migration_rule == "cost-aware"
+    assert build_control(ManagerConfig(migration_rule="paper")).config.migration_rule == "paper"
     costed = build_control(ManagerConfig(migration_rule="cost-aware", prefill_tokens_per_s=5.0,
                                          migration_min_gain=0.2))
     assert (costed.config.migration_rule, costed.config.prefill_tokens_per_s,

@@ -26,8 +26,9 @@ from typing import Any, Generic, TypeVar
 from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
 from rlharvest.services.rollout_manager.commands import Dispatch, Migrate
 
-__all__ = ["InstanceLoad", "LazyIds", "MoveCosts", "SelectFn", "ThroughputProfile", "select_instance",
-           "RoundRobinSelect", "dispatch_waiting", "continuous_lb", "rebalance", "move_gain"]
+__all__ = ["InstanceLoad", "LazyIds", "MoveCosts", "SelectFn", "ThroughputProfile",
+           "select_instance", "RoundRobinSelect", "dispatch_waiting", "continuous_lb",
+           "rebalance", "move_gain", "source_pace"]
 
 
 T = TypeVar("T")
@@ -127,6 +128,10 @@ class InstanceLoad:
     pace: float | None = None
     pace_batch: float = 1.0
     prefill_rate: float | None = None
+    # The manager hands its requests over at a set moment: a seed worker at its seeding window's
+    # close, a lent co-executor when serving takes it back. The cost-aware rule neither takes
+    # requests from it nor gives it any before then: that hand-over is what it is there for.
+    handed_over: bool = False
 
     # The counts below are read for every instance, several times a tick (each of rebalance's
     # iterations scans them all): cached on first read, which a frozen load allows (``replace``
@@ -276,16 +281,18 @@ def queue_on(load: InstanceLoad, request_id: str, tokens: int = 0) -> InstanceLo
 
 @dataclass(frozen=True)
 class MoveCosts:
-    """What the cost-aware rule weighs a move of a running request by (None in ``rebalance``:
+    """What the cost-aware rule weighs a move of a request by (None in ``rebalance``:
     the paper's rule). Requests are named by id; the control loop answers from its tracker.
 
     * ``remaining``: the request's expected remaining tokens (migration_cost.LengthModel).
     * ``context``: its context length, prompt and tokens so far: what the destination prefills
-      to resume it (a queued request pays that prefill wherever it runs, so only a running
-      one's move costs it).
+      to resume it (in the pending case a queued request pays that prefill wherever it runs,
+      so there only a running one's move costs it).
     * ``left``: the workers it was moved away from within its step: it never goes back to
       one of them (the paper's rule moves the excess over B to any idle worker, so at a step's
       tail requests bounce between workers as each runs dry).
+    * ``relocated``: whether this case (the executing one) moved it within its step: it does
+      not move again (a worker's evacuation or the pending case does not count).
     * ``prefill_tokens_per_s``: the destination's prefill rate until it has measured its own.
     * ``min_gain``: a move must save this share of the request's remaining time at the source
       beyond its prefill. The paces are moving averages of noisy engine steps: on equal workers
@@ -297,6 +304,7 @@ class MoveCosts:
     left: Callable[[str], Collection[str]]
     prefill_tokens_per_s: float = 10_000.0
     min_gain: float = 0.1
+    relocated: Callable[[str], bool] = lambda request_id: False
 
 
 def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
@@ -304,7 +312,7 @@ def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
     batch smaller than the one it was measured at (a memory-bound GPU decodes one request
     about as fast as a few), debited in proportion for a larger one (as if compute-bound):
     pessimistic both ways for a destination, so a move is never made on a speed-up it may not
-    have. (At ``batch`` 1 it is the measured pace, what a source is taken at.)
+    have. (At ``batch`` 1 it is the measured pace.)
     The paper's P would give the curve per kind, but it is frozen a step late and is the
     same for every worker of a kind, which is what a slow worker is not."""
     if load.pace is None or load.pace <= 0:
@@ -312,14 +320,32 @@ def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
     return load.pace * min(1.0, load.pace_batch / max(batch, 1))
 
 
+def source_pace(load: InstanceLoad, batch: int) -> float | None:
+    """A source's per-request pace while it decodes ``batch`` requests (the ones it keeps):
+    flat up to its plateau B (the paper's P: up to B, a batch decodes each request about as
+    fast as a smaller one), then inversely to the batch (past B its throughput stays). Without
+    P, flat up to the batch it was measured at. So a source that sheds requests is credited
+    for the pace its kept batch gains, which ``predicted_pace`` never credits a destination
+    with: pessimistic for a move at both ends. Without that credit a worker holding a whole
+    step (the first to hold a new weight version takes every request) gave an idle one all but
+    a few, which then was the busiest for the next idle worker: each request moved twice."""
+    if load.pace is None or load.pace <= 0:
+        return None
+    knee = load.plateau if load.plateau is not None else load.pace_batch
+    return load.pace * max(load.pace_batch, knee) / max(batch, knee, 1)
+
+
 def move_gain(costs: MoveCosts, request_id: str, src: InstanceLoad, dst: InstanceLoad,
-              dst_batch: int) -> float | None:
-    """Seconds a move of the running ``request_id`` from ``src`` to ``dst`` is predicted to
-    save beyond its cost: its expected remaining tokens at the source's pace, less the same at
-    the destination's (decoding ``dst_batch`` requests), less its context's prefill there, less
-    ``min_gain`` of its time at the source. None: a pace is unknown, nothing can be predicted."""
-    # The source's pace is its measured one: it is decoding now, at about the batch measured.
-    src_pace, dst_pace = predicted_pace(src, 1), predicted_pace(dst, dst_batch)
+              dst_batch: int, src_batch: int | None = None) -> float | None:
+    """Seconds a move of ``request_id`` from ``src`` to ``dst`` is predicted to save beyond
+    its cost: its expected remaining tokens at the source's pace (decoding ``src_batch``
+    requests, itself included; default: all it runs now) less the same at the destination's
+    (decoding ``dst_batch``), less its context's prefill there, less ``min_gain`` of its time
+    at the source. None: a pace is unknown, nothing can be predicted. A queued request pays
+    the prefill too: the source may have begun it, or hold a turn's history in its prefix
+    cache (turn_routing.py), where the destination prefills the whole context."""
+    src_pace = source_pace(src, src.executing if src_batch is None else src_batch)
+    dst_pace = predicted_pace(dst, dst_batch)
     if src_pace is None or dst_pace is None:
         return None
     remaining = costs.remaining(request_id)
@@ -394,46 +420,31 @@ def _migrate_executing(instances: Sequence[InstanceLoad]) -> list[Migrate]:
 def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts,
                     limit: int | None = None) -> list[Migrate]:
     """The executing case under the cost-aware rule: when nothing is pending and instances are
-    idle, move to each, fastest first, the running requests whose move pays (``move_gain`` >
-    0), best first, while each still pays with the destination's batch grown by the ones before.
+    idle, move to each, fastest first, the requests whose move pays (``move_gain`` > 0), best
+    first, while each still pays with the destination's batch grown by the ones before and
+    its source's shrunk by the ones it gave.
 
-    Deviation from the paper: any instance's running requests may go, not only the excess over
-    B of the busiest. The plateau argument (a batch above B decodes no faster in total) says
-    nothing about where a request finishes first, which is what the step's makespan is made of:
-    a slow or throttled worker's requests gain from a faster idle one however small its batch,
-    and on equal workers no move pays, whatever the batch. One call serves every idle
-    instance (the paper's loop serves one per iteration) so that a tick at thousands of workers
-    ranks the candidates once. Destinations are served in turn, so it stops at ``limit`` moves
-    (rebalance's bound) without changing those: at a step's tail it would otherwise plan
-    hundreds of moves for the 64 a tick makes.
+    Deviation from the paper: any instance's requests may go, not only the excess over B of
+    the busiest. The plateau argument (a batch above B decodes no faster in total) says
+    nothing about where a request finishes first, which is what the step's makespan is made
+    of: a slow or throttled worker's requests gain from a faster idle one however small its
+    batch, and on equal workers no move pays, whatever the batch. A request moves once a step
+    by this case (``MoveCosts.relocated``): its destination was predicted the better place, and a
+    second move is a second prefill on a prediction that moved on noise. Instances whose
+    requests are handed over at a set moment (``handed_over``) take no part. One call serves
+    every idle instance (the paper's loop serves one per iteration) so that a tick at
+    thousands of workers ranks the candidates once. Destinations are served in turn, so it
+    stops at ``limit`` moves (rebalance's bound) without changing those: at a step's tail it
+    would otherwise plan hundreds of moves for the 64 a tick makes.
     """
     idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
-            predicted_pace(i, 1) is not None]
+            not i.handed_over and predicted_pace(i, 1) is not None]
     if not idle:
         return []
     idle.sort(key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id), reverse=True)
-    fastest = idle[0]
-    # A move pays only if the source is slower than the destination by more than min_gain
-    # (saved / time at source <= 1 - source pace / destination pace): filter sources first, so
-    # a tick looks at the requests of the few slow workers, not at every request in flight.
-    ceiling = (predicted_pace(fastest, 1) or 0.0) * (1.0 - costs.min_gain)
-    # move_gain against the fastest at batch 1, unrolled: the one loop over requests in a tick.
-    per_token = 1.0 / (predicted_pace(fastest, 1) or 1.0)
-    prefill_rate = fastest.prefill_rate or costs.prefill_tokens_per_s
-    candidates: list[tuple[float, str, InstanceLoad]] = []
-    for src in instances:
-        if not src.running:
-            continue
-        pace = predicted_pace(src, 1)  # its measured pace, as in move_gain
-        if pace is None or pace >= ceiling:
-            continue
-        factor = (1.0 - costs.min_gain) / pace - per_token
-        for request_id in src.running:
-            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
-            if gain > 0:
-                candidates.append((gain, request_id, src))
-    candidates.sort(key=lambda c: (-c[0], c[1]))
+    candidates = _paying_candidates(instances, idle[0], costs)
     queue = deque(candidates)
+    shed: dict[str, int] = {}  # requests each source gave in this call
     moves: list[Migrate] = []
     for dst in idle:
         if limit is not None and len(moves) >= limit:
@@ -446,17 +457,49 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts,
             candidate = queue.popleft()
             looked += 1
             _, request_id, src = candidate
+            kept = src.executing - shed.get(src.worker_id, 0)
             saved = (None if dst.worker_id in costs.left(request_id) else
-                     move_gain(costs, request_id, src, dst, batch + 1))
+                     move_gain(costs, request_id, src, dst, batch + 1, kept))
             if saved is None or saved <= 0:
-                passed.append(candidate)  # not with the destination's batch grown so far
+                passed.append(candidate)  # not with the batches moved so far
                 continue
             batch += 1
+            shed[src.worker_id] = shed.get(src.worker_id, 0) + 1
             moves.append(Migrate(request_id, src.worker_id, dst.worker_id, "executing"))
         queue.extendleft(reversed(passed))
         if not batch:
             break  # the next ones are slower: what did not pay here pays nowhere else
     return moves
+
+
+def _paying_candidates(instances: Sequence[InstanceLoad], fastest: InstanceLoad,
+                       costs: MoveCosts) -> list[tuple[float, str, InstanceLoad]]:
+    """(gain at ``fastest`` at batch 1, request, source) of every request whose move there
+    pays, best first: the queued and running requests of the instances that may give any (not
+    handed over), not moved by this case within their step."""
+    # A move pays only if the source is slower than the destination by more than min_gain
+    # (saved / time at source <= 1 - source pace / destination pace): filter sources first, so
+    # a tick looks at the requests of the few slow workers, not at every request in flight.
+    ceiling = (predicted_pace(fastest, 1) or 0.0) * (1.0 - costs.min_gain)
+    # move_gain against the fastest at batch 1, unrolled: the one loop over requests in a tick.
+    per_token = 1.0 / (predicted_pace(fastest, 1) or 1.0)
+    prefill_rate = fastest.prefill_rate or costs.prefill_tokens_per_s
+    candidates: list[tuple[float, str, InstanceLoad]] = []
+    for src in instances:
+        if not src.holds_ours or src.handed_over:
+            continue
+        pace = source_pace(src, src.executing)  # its pace now; shedding only raises it
+        if pace is None or pace >= ceiling:
+            continue
+        factor = (1.0 - costs.min_gain) / pace - per_token
+        for request_id in (*src.queued, *src.running):
+            if costs.relocated(request_id):
+                continue  # moved once within its step
+            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
+            if gain > 0:
+                candidates.append((gain, request_id, src))
+    candidates.sort(key=lambda c: (-c[0], c[1]))
+    return candidates
 
 
 def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
@@ -469,6 +512,10 @@ def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
     """
     by_id = {i.worker_id: i for i in instances}
     moves: list[Migrate] = []
+    if costs is not None:  # a request this round moved counts as relocated already
+        moved: set[str] = set()
+        relocated = costs.relocated
+        costs = replace(costs, relocated=lambda r: r in moved or relocated(r))
     while len(moves) < max_moves:
         step = continuous_lb(list(by_id.values()), costs, max_moves - len(moves))
         if not step:
@@ -476,6 +523,8 @@ def rebalance(instances: Sequence[InstanceLoad], max_moves: int,
         for m in step[: max_moves - len(moves)]:
             _apply_move(by_id, m)
             moves.append(m)
+            if costs is not None and m.cause == "executing":
+                moved.add(m.request_id)
     return moves
 
 

@@ -42,16 +42,16 @@ class ManagerConfig(ServiceConfig):
     balancer: Literal["algorithm2", "jsq", "round_robin"] = Field(
         "algorithm2", description="algorithm2: RLBoost's SELECTINSTANCE + CONTINUOUSLB; jsq and "
                                   "round_robin: baselines that dispatch at once and never migrate")
-    # The paper's rule stays the default: the cost-aware one also moves a seed worker's or a
-    # lent co-executor's requests away before its window closes or it is taken back, which the
-    # seeding window's and the lending's hand-overs are built around (their tests showed it).
+    # Cost-aware is the default: under `rlharvest up --trainer` the paper's rule moved about two
+    # requests per completion (bench/up_migrations.py); the paper's stays as the baseline.
     migration_rule: Literal["cost-aware", "paper"] = Field(
-        "paper", description="which running requests CONTINUOUSLB moves (algorithm2 only): "
-        "paper, Algorithm 2's executing case as written (a worker's excess over its batching "
-        "plateau B to any idle worker); cost-aware, only a request whose predicted time saved "
-        "(its expected remaining tokens at the source's pace vs the destination's) beats its "
-        "context's prefill on the destination, and never back to a worker it left within the "
-        "step")
+        "cost-aware", description="which requests CONTINUOUSLB moves (algorithm2 only): "
+        "cost-aware, only a request whose predicted time saved (its expected remaining tokens "
+        "at the source's pace vs the destination's) beats its context's prefill on the "
+        "destination, once a step, never back to a worker it left, and none of a seed "
+        "worker's or a lent co-executor's before its hand-over; paper, Algorithm 2's executing "
+        "case as written (a worker's excess over its batching plateau B to any idle worker), "
+        "the baseline")
     prefill_tokens_per_s: float = Field(10_000.0, gt=0, description="cost-aware migration: a "
                                         "resume's prefill rate until the destination has "
                                         "measured its own from its engine steps")

@@ -78,6 +78,7 @@ from rlharvest.services.rollout_manager.tracker import (
 )
 from rlharvest.services.rollout_manager.worker_pool import (
     CAPPED_KINDS,
+    HANDED_OVER_KINDS,
     SERVING_KIND,
     WorkerPool,
     WorkerState,
@@ -92,11 +93,12 @@ MigrationRule = Literal["paper", "cost-aware"]
 class ControlConfig:
     theta: int = 2  # Θ: most pending requests per worker before dispatch is delayed
     continuous_lb: bool = True  # False only for the "no migration" baselines
-    # Which moves of running requests CONTINUOUSLB makes (balancer.py): "paper", Algorithm 2's
-    # executing case as written (the excess over B to any idle worker); "cost-aware", only a
-    # move whose predicted time saved beats its resume prefill, never back within a step
-    # (MoveCosts). The pending case is the paper's under both.
-    migration_rule: MigrationRule = "paper"
+    # Which moves CONTINUOUSLB makes (balancer.py): "cost-aware" (the default), only a move
+    # whose predicted time saved beats its resume prefill, once a step, never back, none of a
+    # seed worker's or a lent co-executor's (MoveCosts); "paper", Algorithm 2's executing case as
+    # written (the excess over B to any idle worker), the baseline. The pending case is the
+    # paper's under both.
+    migration_rule: MigrationRule = "cost-aware"
     # The resume cost's prefill rate (tokens/s) until a worker has measured its own.
     prefill_tokens_per_s: float = 10_000.0
     migration_min_gain: float = 0.1  # MoveCosts.min_gain
@@ -154,9 +156,11 @@ class RolloutControl:
         self._pace: dict[str, WorkerPace] = {}
         self._lengths = LengthModel()
         self._left: dict[str, set[str]] = {}
+        self._relocated: set[str] = set()  # moved by the executing case within their step
         self._costs = None if config.migration_rule == "paper" else MoveCosts(
             self._expected_remaining, self._context_of, self._left_by,
-            config.prefill_tokens_per_s, config.migration_min_gain)
+            config.prefill_tokens_per_s, config.migration_min_gain,
+            self._relocated.__contains__)
 
     @property
     def profiles(self) -> dict[str, ThroughputProfile]:
@@ -211,6 +215,7 @@ class RolloutControl:
             of.finished_lengths.append(req.generated)
         self.tracker.forget(request_id)
         self._left.pop(request_id, None)
+        self._relocated.discard(request_id)
         step = self.steps.delivered(request_id, succeeded)
         if step is not None:
             step.remote = self.remote.step_closed(step.key)
@@ -232,6 +237,7 @@ class RolloutControl:
             self.tracker.fail(request_id, "client cancelled the step")
             self.tracker.forget(request_id)
             self._left.pop(request_id, None)
+            self._relocated.discard(request_id)
         return out
 
     def withdraw(self, request_ids: Sequence[str], limit: int = 0,
@@ -702,6 +708,8 @@ class RolloutControl:
             elif isinstance(c, Migrate):
                 if self._costs is not None:
                     self._left.setdefault(c.request_id, set()).add(c.src)
+                    if c.cause == "executing":
+                        self._relocated.add(c.request_id)
                 self._note_busy(c.dst)
                 self.tracker.move(c.request_id, c.dst)
                 self.pool.note_sent(c.dst, self._kv_need(c.request_id))
@@ -788,7 +796,8 @@ class RolloutControl:
                             room_tokens=w.rollout_room_tokens,
                             pace=None if pace is None else pace.per_request,
                             pace_batch=1.0 if pace is None else pace.batch,
-                            prefill_rate=None if pace is None else pace.prefill)
+                            prefill_rate=None if pace is None else pace.prefill,
+                            handed_over=w.kind in HANDED_OVER_KINDS)
 
     def _queued_ids(self, worker_id: str) -> tuple[str, ...]:
         """The worker's PENDING requests but those owed to it, oldest assignment first."""

@@ -41,11 +41,11 @@ from rlharvest.services.rollout_manager.commands import Command
 from rlharvest.services.rollout_manager.control_loop import RolloutControl
 from rlharvest.services.rollout_manager.observer import ManagerObserver, Shell, Submission
 from rlharvest.services.rollout_manager.step import Step
-from rlharvest.services.rollout_manager.worker_pool import WorkerState
+from rlharvest.services.rollout_manager.worker_pool import SEED_KIND, WorkerState
 
 log = logging.getLogger(__name__)
 
-SEED_KIND = "seed"
+__all__ = ["SEED_KIND", "SeedWindows", "SeedWindowObserver"]
 
 
 @dataclass

@@ -95,6 +95,12 @@ class WorkerView:
 CAPPED_KINDS = frozenset({"spot"})
 # A serving GPU's co-executor lent to the job (ROSE §4.1): the turn router ranks it last.
 SERVING_KIND = "serving"
+# The trainer's own engine during a step's seeding window (seed_window.py).
+SEED_KIND = "seed"
+# Kinds whose requests the manager hands over at a set moment (a seed worker's at its window's
+# close, a co-executor's when serving takes it back): the cost-aware migration rule leaves them
+# alone until then (balancer.InstanceLoad.handed_over).
+HANDED_OVER_KINDS = frozenset({SERVING_KIND, SEED_KIND})
 
 
 class WorkerPool:
