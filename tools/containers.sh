@@ -167,11 +167,18 @@ debian_images() {  # etcd and Prometheus: apt inside the build, over the host's 
 rlharvest_image() {  # from the wheelhouse, once it is made, served over HTTP to the build
   until [ -s "$WHEELHOUSE_DONE" ]; do sleep 1; done
   [ "$(cat "$WHEELHOUSE_DONE")" = ok ] || { say "no wheelhouse: rlharvest:latest not built"; return 1; }
-  local port server status=0
-  port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # A fixed port: the URL is a build argument, and the builder keys the layers' cache on it.
+  local port=${RLH_WHEEL_PORT:-38471} server status=0
   "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELHOUSE" "$port" \
     >"$OUT/wheel-server.log" 2>&1 &
   server=$!
+  for _ in $(seq 30); do
+    "$PYTHON" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/deps.txt')" \
+      2>/dev/null && break
+    kill -0 "$server" 2>/dev/null \
+      || { say "the wheelhouse's server did not start (port $port taken? set RLH_WHEEL_PORT)"; return 1; }
+    sleep 1
+  done
   # The build context is an empty folder: the Dockerfile copies nothing in.
   mkdir -p "$OUT/empty"
   timed build rlharvest:latest deploy/images/rlharvest.Dockerfile "$OUT/empty" --network=host \
