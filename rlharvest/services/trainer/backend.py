@@ -253,9 +253,9 @@ class DeepSpeedBackend:
         pin_deepspeed_accelerator(device)  # else on a GPU node it moves a CPU model to a GPU
         import deepspeed  # late: importing it probes accelerators and costs ~1 s
 
-        if device.type == "cpu" and skip_uncompilable_shm_op():
-            log.info("DeepSpeed's shared-memory all-reduce op is not built and cannot be "
-                     "compiled here (no C++ compiler or ninja): DeepSpeed reduces through gloo")
+        if device.type == "cpu" and skip_uncompilable_shm_op(int(os.environ["WORLD_SIZE"])):
+            log.info("DeepSpeed's shared-memory all-reduce op is not built, and a lone trainer "
+                     "or a machine without a compiler does without it: DeepSpeed uses gloo")
         if not torch.distributed.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             if not _init_restarted_group(backend):
