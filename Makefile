@@ -83,10 +83,11 @@ proto-check: $(BUF)
 image: install
 	tools/containers.sh images
 
-# The container stage (CI runs it after `make test`; under 15 minutes on 2 cores): the images, the
-# wheel installed in a fresh venv (up, the demo), then the compose stack with Compose v2 — a job
-# trains, a worker container is killed mid-step, the OpenAI API and Prometheus answer the host,
-# `down` leaves nothing. Skipped, with the reason, where no container engine can start.
+# The container stage (CI runs it after `make test`): the images, built in the background while the
+# wheel is tested in a fresh venv (up, the demo), then the compose stack with Compose v2 — a job
+# trains, the spot worker's container is killed while it executes requests, the OpenAI API and
+# Prometheus answer the host, `down` leaves nothing. Skipped, with the reason, where no container
+# engine can start (tests/unit/test_container_stage_skip.py).
 test-containers: install
 	$(PIP) install -q build
 	PYTHON=$(PYTHON) tools/containers.sh stage

@@ -31,8 +31,10 @@ SERVICES = ["etcd", "prometheus", "transfer-agent-0", "rollout-manager", "rollou
             "placement-scheduler", "rollout-worker-0", "rollout-worker-1", "rollout-worker-spot",
             "coexecutor-0", "trainer"]
 MANAGERS = ["127.0.0.1:50200", "127.0.0.1:50201"]  # manager-0 and its standby (ci.yml)
+MANAGER_METRICS = {"127.0.0.1:50200": 9200, "127.0.0.1:50201": 9201}  # their metrics (ci.yml)
 STEPS = 8  # RLH_STEPS in ci.yml
-KILLED = "rollout-worker-spot"
+KILLED = "rollout-worker-spot"  # the service; SPOT, its worker id
+SPOT = "worker-spot"
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("RLH_CONTAINER_STAGE") != "1" or not COMPOSE,
@@ -105,29 +107,36 @@ def stack():
         print(f"\ncontainer stage: {json.dumps(RESULTS)}")
 
 
-def test_a_job_trains_and_a_worker_killed_mid_step_costs_no_regenerated_token(stack):
+def test_a_job_trains_and_a_worker_killed_holding_generated_tokens_regenerates_none(stack):
     started = time.monotonic()
     # The first step applied: every member joined, loaded version 0 and served a whole step.
     _wait("the trainer's first step", lambda: (_metric(9400, "rlh_trainer_step") or 0) >= 1, 480)
     RESULTS["first_step_s"] = round(time.monotonic() - started, 1)
 
-    def spot_holds_requests():
-        leader = _leader()
+    container = compose("ps", "--quiet", KILLED).stdout.strip()  # looked up before the wait
+
+    def spot_executes_requests():
+        # Executing on the manager: the spot worker produced tokens of them on this assignment
+        # (pending ones have none yet), so the kill lands while it holds generated tokens.
         step = _metric(9400, "rlh_trainer_step") or 0
         if step >= STEPS - 1:
-            pytest.fail(f"the spot worker held no request in steps 2..{STEPS - 1}")
+            pytest.fail(f"the spot worker executed no request in steps 2..{STEPS - 1}")
+        leader = _leader()
         if leader is None:
             return None
-        spot = [w for w in leader[1].workers if w.worker_id == "worker-spot"]
-        return (step, leader[1]) if spot and spot[0].assigned > 0 else None
+        metrics_port = MANAGER_METRICS[leader[0]]
+        assigned = _metric(metrics_port, "rlh_manager_assigned_requests", f'worker="{SPOT}"')
+        pending = _metric(metrics_port, "rlh_manager_pending_requests", f'worker="{SPOT}"')
+        executing = int((assigned or 0) - (pending or 0))
+        return (step, leader[1], executing) if executing > 0 else None
 
-    killed_at, before = _wait("the spot worker holding a step's requests", spot_holds_requests,
-                              240, every=0.2)
-    container = compose("ps", "--quiet", KILLED).stdout.strip()
+    killed_at, before, executing = _wait("the spot worker executing a step's requests",
+                                         spot_executes_requests, 240, every=0.2)
     subprocess.run(["docker", "kill", container], check=True, capture_output=True, timeout=30)
     RESULTS["killed_in_step"] = int(killed_at) + 1
+    RESULTS["spot_executing_at_kill"] = executing
     RESULTS["spot_requests_at_kill"] = [w.assigned for w in before.workers
-                                        if w.worker_id == "worker-spot"][0]
+                                        if w.worker_id == SPOT][0]
     _wait(f"step {STEPS}", lambda: (_metric(9400, "rlh_trainer_step") or 0) >= STEPS, 480)
     RESULTS["steps_s"] = round(time.monotonic() - started, 1)
 
@@ -172,7 +181,7 @@ def test_prometheus_scrapes_every_member(stack):
     ever = _wait("every member scraped", lambda: (lambda r: r if set(r) == members and
                  all(v == 1 for v in r.values()) else None)(
                      query('max_over_time(up{job="rlharvest"}[15m])')), 60, every=2)
-    alive = members - {"worker-spot"}
+    alive = members - {SPOT}
     _wait("the killed worker's scrapes failing, the others' not", lambda: {
         m for m, v in query('up{job="rlharvest"}').items() if v == 1} == alive, 60, every=2)
     # What the members export arrives: the trainer's steps and the leader's tokens.

@@ -107,3 +107,38 @@ def test_the_seed_engine_gets_the_weights_as_the_workers_serve_them() -> None:
     assert served["ids"] is weights["ids"]
     as_is = Publishing.as_served(SimpleNamespace(_dtype=None), weights)
     assert as_is is weights  # --publish-dtype model: the trainer's own bits
+
+
+_NO_COMPILER_STEP = """
+import deepspeed.comm.comm, torch
+from deepspeed.git_version_info import installed_ops
+from rlharvest.services.trainer.backend import OptimConfig, make_backend
+
+model = torch.nn.Linear(4, 2)
+before = model.weight.detach().clone()
+backend = make_backend("deepspeed", model, OptimConfig(optimizer="sgd", lr=0.1))
+backend.backward(backend.module(torch.ones(3, 4)).sum())
+backend.step()
+print(installed_ops["deepspeed_shm_comm"], deepspeed.comm.comm.cdb.shm_comm_op is None,
+      type(backend.module).__name__, not torch.equal(before, backend.model.weight))
+"""
+
+
+def test_deepspeed_trains_where_its_cpu_op_is_not_built_and_no_compiler_is_found() -> None:
+    # The container image's case: a wheel without DeepSpeed's prebuilt shared-memory op and no
+    # C++ compiler. In a process of its own: DeepSpeed keeps its op probes per process.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CXX": "/nonexistent/c++", "PYTHONPATH": str(root)}
+    env.pop("DS_ACCELERATOR", None)
+    run = subprocess.run([sys.executable, "-c", _NO_COMPILER_STEP], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    built, skipped, engine, updated = run.stdout.split()[-4:]
+    if built == "True":
+        pytest.skip("this DeepSpeed carries its shared-memory op built")
+    assert (skipped, engine, updated) == ("True", "DeepSpeedEngine", "True")

@@ -17,6 +17,7 @@ for plain torch, a DeepSpeed checkpoint (every rank's ZeRO partition) for DeepSp
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 import socket
@@ -26,8 +27,14 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from rlharvest.services.trainer.device import module_device, pin_deepspeed_accelerator
+from rlharvest.services.trainer.device import (
+    module_device,
+    pin_deepspeed_accelerator,
+    skip_uncompilable_shm_op,
+)
 from rlharvest.services.transfer_agent.flat_shards import flat_shard, flat_shards
+
+log = logging.getLogger(__name__)
 
 BackendName = Literal["torch", "deepspeed"]
 _TORCH_FILE = "weights.pt"
@@ -246,6 +253,9 @@ class DeepSpeedBackend:
         pin_deepspeed_accelerator(device)  # else on a GPU node it moves a CPU model to a GPU
         import deepspeed  # late: importing it probes accelerators and costs ~1 s
 
+        if device.type == "cpu" and skip_uncompilable_shm_op(int(os.environ["WORLD_SIZE"])):
+            log.info("DeepSpeed's shared-memory all-reduce op is not built, and a lone trainer "
+                     "or a machine without a compiler does without it: DeepSpeed uses gloo")
         if not torch.distributed.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             if not _init_restarted_group(backend):

@@ -11,6 +11,7 @@ follow this setting instead, before DeepSpeed is first imported.
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 
@@ -74,3 +75,29 @@ def pin_deepspeed_accelerator(device: torch.device) -> None:
                            f"the trainer trains on {device} (--device): start it in a process "
                            "of its own")
 
+
+
+def skip_uncompilable_shm_op(world_size: int) -> bool:
+    """On the CPU, DeepSpeed's communication backend loads its shared-memory all-reduce op
+    (``deepspeed_shm_comm``) when ``deepspeed.initialize`` starts, compiling it there and then
+    unless the installed wheel carries it built. A lone trainer (``world_size`` 1) reduces
+    nothing, and compiling costs minutes; where it cannot be compiled (no C++ compiler or no
+    ninja: the container image carries neither) it would stop the trainer. In both cases mark the
+    op unavailable, and DeepSpeed all-reduces through torch.distributed (gloo), as it does on a
+    platform without the op. Call before the first ``deepspeed.initialize``; True when the op
+    was marked unavailable."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import is_ninja_available
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or installed_ops.get(builder.NAME, False):
+        return False
+    compilable = shutil.which(os.environ.get("CXX", "c++")) and is_ninja_available()
+    if world_size > 1 and compilable:
+        return False
+    # DeepSpeed keeps this probe's result in one dict per process and asks it before loading
+    # the op (deepspeed/comm/torch.py, build_shm_op): False there is its "not on this platform".
+    deepspeed.ops.__compatible_ops__[builder.NAME] = False
+    return True
