@@ -13,6 +13,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -22,7 +23,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 from rlharvest.cli import main as cli_main
 from rlharvest.common.cli import parse_flags
-from rlharvest.common.config import load_config
+from rlharvest.common.config import ServiceConfig, load_config
 from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.placement_scheduler.config import PlacementConfig
@@ -32,8 +33,9 @@ from rlharvest.services.transfer_agent.config import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-CONFIGS = {"rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": WorkerConfig,
-           "rlharvest-rollout-manager": ManagerConfig}
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    "rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": WorkerConfig,
+    "rlharvest-rollout-manager": ManagerConfig}
 CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
 CONFIGS["rlharvest-trainer"] = TrainerConfig
 CONFIGS["rlharvest-coexecutor"] = CoexecutorConfig
@@ -154,6 +156,7 @@ def test_systemd_unit_is_well_formed(unit: Path):
     assert argv[0].startswith("/"), "systemd needs an absolute ExecStart path"
     assert Path(argv[0]).name == unit.stem
     config_file = _check_command(argv)
+    assert config_file is not None, f"{unit.name} runs without --config"
     example = ROOT / "deploy" / (Path(config_file).name.replace(".toml", ".example.toml"))
     assert example.is_file(), f"no example for {config_file}"
     cfg = load_config(CONFIGS[unit.stem], example)  # the example config itself must load
@@ -174,7 +177,7 @@ def test_a_tool_unit_runs_its_subcommand_with_flags_it_takes(stem: str):
     check_tool_command(argv)
 
 
-def check_tool_command(argv: list[str]) -> dict[str, object]:
+def check_tool_command(argv: list[str]) -> dict[str, Any]:
     """``rlharvest <subcommand> <flags>`` as its parser takes it (an unknown subcommand or flag,
     or a bad value, raises); returns the parsed parameters. Compose and Kubernetes use it too."""
     assert Path(argv[0]).name == "rlharvest", argv
@@ -225,6 +228,7 @@ def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
     argv = shlex.split(exec_starts[1])
     assert argv[0].startswith("/") and Path(argv[0]).name == "torchrun"
     config_file = _check_command(argv)
+    assert config_file is not None, "the ranks drop-in runs without --config"
     example = ROOT / "deploy" / Path(config_file).name.replace(".toml", ".example.toml")
     assert load_config(TrainerConfig, example).backend == "deepspeed"
 
