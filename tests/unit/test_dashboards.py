@@ -380,12 +380,18 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboards():
     assert (DASHBOARD_DIR / home_path.relative_to(provider["options"]["path"])).is_file()
 
 
-def _metrics_endpoint(name: str, argv: list[str]) -> tuple[str, dict[str, str]] | None:
+def _metrics_endpoint(name: str, argv: list[str],
+                      env: dict[str, str]) -> tuple[str, dict[str, str]] | None:
     """A compose service's scrape target and the labels `rlharvest up --prometheus` would give
-    it (service: the etcd member kind, member: its id), or None without a metrics port."""
+    it (service: the etcd member kind, member: its id), or None without a metrics port. The
+    etcd maintainer is no member: labelled by the etcd host it keeps small (--etcd, RLH_ETCD)."""
     if "--metrics-port" not in argv:
         return None
     port = argv[argv.index("--metrics-port") + 1]
+    if argv[:2] == ["rlharvest", "etcd-maintain"]:
+        etcd = argv[argv.index("--etcd") + 1] if "--etcd" in argv else env["RLH_ETCD"]
+        host = etcd.split("://")[-1].rsplit(":", 1)[0]
+        return f"{name}:{port}", {"service": "etcd_maintenance", "member": host}
     if "-m" in argv:  # torchrun -m rlharvest.services.<kind>.main
         kind = argv[argv.index("-m") + 1].split(".")[-2]
     else:
@@ -402,7 +408,8 @@ def test_prometheus_scrapes_every_compose_service_with_a_metrics_port():
                 scraped[target] = group.get("labels", {})
     expected = {}
     for name, svc in _yaml(COMPOSE)["services"].items():
-        endpoint = _metrics_endpoint(name, [str(a) for a in svc.get("command", [])])
+        endpoint = _metrics_endpoint(name, [str(a) for a in svc.get("command", [])],
+                                     {k: str(v) for k, v in (svc.get("environment") or {}).items()})
         if endpoint is not None:
             expected[endpoint[0]] = endpoint[1]
     assert len(expected) >= 8

@@ -13,6 +13,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -22,7 +23,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 from rlharvest.cli import main as cli_main
 from rlharvest.common.cli import parse_flags
-from rlharvest.common.config import load_config
+from rlharvest.common.config import ServiceConfig, load_config
 from rlharvest.services.coexecutor.config import CoexecutorConfig
 from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.placement_scheduler.config import PlacementConfig
@@ -32,8 +33,9 @@ from rlharvest.services.transfer_agent.config import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-CONFIGS = {"rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": WorkerConfig,
-           "rlharvest-rollout-manager": ManagerConfig}
+CONFIGS: dict[str, type[ServiceConfig]] = {
+    "rlharvest-transfer-agent": AgentConfig, "rlharvest-rollout-worker": WorkerConfig,
+    "rlharvest-rollout-manager": ManagerConfig}
 CONFIGS["rlharvest-placement-scheduler"] = PlacementConfig
 CONFIGS["rlharvest-trainer"] = TrainerConfig
 CONFIGS["rlharvest-coexecutor"] = CoexecutorConfig
@@ -67,7 +69,8 @@ def test_compose_stack_is_one_job_whose_workers_follow_the_trainer():
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     by_program: dict[str, list] = {}
     for name, svc in services.items():
-        if name != "etcd" and not svc.get("profiles"):  # a profile is an alternative
+        # a profile is an alternative; a tool (the etcd maintainer) is no member of the job
+        if name != "etcd" and not svc.get("profiles") and svc["command"][0] not in TOOLS:
             by_program.setdefault(svc["command"][0], []).append(_config_of(svc["command"]))
     [trainer] = by_program["rlharvest-trainer"]
     managers = by_program["rlharvest-rollout-manager"]
@@ -107,7 +110,10 @@ def test_compose_services_run_real_commands_with_valid_flags():
         assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
         env = svc["environment"]
         assert env["RLH_ETCD"] == "etcd:2379", name
-        _check_command(svc["command"])
+        if svc["command"][0] in TOOLS:
+            check_tool_command(svc["command"])
+        else:
+            _check_command(svc["command"])
         assert (ROOT / svc["build"]["dockerfile"]).is_file()
 
 
@@ -130,6 +136,10 @@ def _read_unit(unit: Path) -> configparser.ConfigParser:
     return parser
 
 
+# What the CLI parser raises on a bad flag or value (typer's vendored click has no public name).
+USAGE_ERROR = typer.BadParameter.__mro__[1]
+assert USAGE_ERROR.__name__ == "UsageError"
+
 # Units that run a tool's subcommand (`rlharvest etcd-maintain`), not a service with a config.
 TOOL_UNITS = {"rlharvest-etcd-maintenance": ["etcd-maintain"]}
 
@@ -146,6 +156,7 @@ def test_systemd_unit_is_well_formed(unit: Path):
     assert argv[0].startswith("/"), "systemd needs an absolute ExecStart path"
     assert Path(argv[0]).name == unit.stem
     config_file = _check_command(argv)
+    assert config_file is not None, f"{unit.name} runs without --config"
     example = ROOT / "deploy" / (Path(config_file).name.replace(".toml", ".example.toml"))
     assert example.is_file(), f"no example for {config_file}"
     cfg = load_config(CONFIGS[unit.stem], example)  # the example config itself must load
@@ -163,10 +174,43 @@ def test_a_tool_unit_runs_its_subcommand_with_flags_it_takes(stem: str):
     assert service["KillSignal"] == "SIGTERM" and int(service["TimeoutStopSec"]) > 0
     argv = shlex.split(service["ExecStart"])
     assert argv[0] == "/usr/local/bin/rlharvest" and argv[1:2] == TOOL_UNITS[stem]
+    check_tool_command(argv)
+
+
+def check_tool_command(argv: list[str]) -> dict[str, Any]:
+    """``rlharvest <subcommand> <flags>`` as its parser takes it (an unknown subcommand or flag,
+    or a bad value, raises); returns the parsed parameters. Compose and Kubernetes use it too."""
+    assert Path(argv[0]).name == "rlharvest", argv
     command = typer.main.get_command(cli_main.app)
     with command.make_context("rlharvest", argv[1:], resilient_parsing=False) as ctx:
         sub = command.get_command(ctx, argv[1])  # type: ignore[attr-defined]
-        sub.make_context(argv[1], argv[2:])  # raises on an unknown flag or a bad value
+        assert sub is not None, f"rlharvest has no subcommand {argv[1]!r}"
+        with sub.make_context(argv[1], argv[2:]) as sub_ctx:
+            return dict(sub_ctx.params)
+
+
+def test_the_tool_check_refuses_a_wrong_subcommand_or_flag():
+    check_tool_command(["rlharvest", "etcd-maintain", "--metrics-port", "9400"])
+    for argv in (["rlharvest", "etcd-maintenance", "--metrics-port", "9400"],
+                 ["rlharvest", "etcd-maintain", "--metric-port", "9400"],
+                 ["rlharvest", "etcd-maintain", "--keep-s", "an hour"]):
+        with pytest.raises((AssertionError, USAGE_ERROR)):
+            check_tool_command(argv)
+
+
+def test_compose_runs_one_etcd_maintainer_per_etcd_member():
+    """compose's one etcd member gets one maintainer, dialing it by the stack's endpoint."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    maintainers = {name: svc for name, svc in services.items()
+                   if svc.get("command", [])[:2] == ["rlharvest", "etcd-maintain"]}
+    assert list(maintainers) == ["etcd-maintenance"]
+    svc = maintainers["etcd-maintenance"]
+    with pytest.MonkeyPatch.context() as mp:  # the endpoint comes from RLH_ETCD, as typer reads it
+        for name in [n for n in os.environ if n.startswith("RLH_")]:
+            mp.delenv(name)
+        mp.setenv("RLH_ETCD", svc["environment"]["RLH_ETCD"])
+        params = check_tool_command(svc["command"])
+    assert params["etcd"] == "etcd:2379" and params["metrics_port"] > 0
 
 
 def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
@@ -184,6 +228,7 @@ def test_the_multi_rank_trainer_entries_launch_the_trainer_under_torchrun():
     argv = shlex.split(exec_starts[1])
     assert argv[0].startswith("/") and Path(argv[0]).name == "torchrun"
     config_file = _check_command(argv)
+    assert config_file is not None, "the ranks drop-in runs without --config"
     example = ROOT / "deploy" / Path(config_file).name.replace(".toml", ".example.toml")
     assert load_config(TrainerConfig, example).backend == "deepspeed"
 

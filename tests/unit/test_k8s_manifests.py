@@ -41,6 +41,7 @@ from rlharvest.services.rollout_manager.config import ManagerConfig
 from rlharvest.services.rollout_worker.config import WorkerConfig
 from rlharvest.services.trainer.config import TrainerConfig
 from rlharvest.services.transfer_agent.config import AgentConfig
+from tests.unit.test_deploy import check_tool_command
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -69,7 +70,12 @@ COUNTERPARTS = {
     "transfer-agent-0": ("base", "DaemonSet", "transfer-agent"),
     "trainer": ("base", "StatefulSet", "trainer"),
     "trainer-ranks": ("gpu", "StatefulSet", "trainer"),  # the compose profile "ranks"
+    "etcd-maintenance": ("base", "Deployment", "etcd-maintenance-0"),  # one per etcd member
 }
+# Tools' subcommands deployed as workloads (`rlharvest etcd-maintain`): no service config.
+TOOL = "rlharvest"
+# The TLS overlay's etcd maintainers hold an admin's certificate (etcd's root role), not a service's.
+ADMIN_SECRET, ADMIN_DIR = "rlharvest-etcd-admin-tls", "/etc/rlharvest-etcd-admin-tls"
 # Settings each pod sets for itself (downward API), where compose names each container.
 PER_POD_KEYS = {"advertise_host", "worker_id", "coexec_id", "scheduler_id", "agent_id", "node",
                 "trainer_id", "manager_id"}
@@ -466,6 +472,12 @@ def test_counterpart_runs_the_same_program_with_the_same_settings(service: str, 
         return
     argv = container_argv(container)
     assert Path(argv[0]).name == Path(svc["command"][0]).name, "launched another way"
+    if argv[0] == TOOL:  # the same subcommand; its endpoint is per member, its keep per etcd
+        assert argv[1] == svc["command"][1]
+        expected_params = check_tool_command(svc["command"])
+        params = check_tool_command(expanded_argv(container))
+        assert params["metrics_port"] == expected_params["metrics_port"]
+        return
     program = Path(service_argv(argv)[0]).name
     assert program == Path(service_argv(svc["command"])[0]).name
     assert program in SCRIPTS
@@ -616,6 +628,78 @@ def test_etcd_members_and_the_services_agree():
         host, _, port = tomllib.loads(text)["etcd"].partition(":")
         assert host == client["metadata"]["name"]
         assert int(port) in {p["port"] for p in client["spec"]["ports"]}
+
+
+def expanded_argv(container: dict) -> list[str]:
+    """The argv as Kubernetes runs it: $(VAR) replaced by the container's own env values."""
+    env = {v["name"]: v["value"] for v in container.get("env", []) if "value" in v}
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)
+            for a in container_argv(container)]
+
+
+def retention_s(etcd_args: list[str]) -> float:
+    """etcd's own periodic compaction retention (--auto-compaction-retention=5m, 1h), seconds."""
+    [value] = [a.split("=", 1)[1] for a in etcd_args
+               if a.startswith("--auto-compaction-retention=")]
+    return float(value[:-1]) * {"s": 1, "m": 60, "h": 3600}[value[-1]]
+
+
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_one_etcd_maintainer_per_etcd_member(tree: str):
+    """A defrag acts on the member it reaches: each member gets a maintainer of its own (one
+    replica), with a command the CLI takes, probes on its metrics port, and history kept as long
+    as etcd's own compactor keeps it."""
+    docs = rendered(tree)
+    etcd = find(docs, "StatefulSet", "etcd")
+    scheme = "https" if tree == "tls" else "http"
+    members = {f"{scheme}://etcd-{i}.{etcd['spec']['serviceName']}:2379"
+               for i in range(etcd["spec"]["replicas"])}
+    reached = []
+    for workload in workloads(docs):
+        [container, *_] = pod_spec(workload)["containers"]
+        if container_argv(container)[:2] != [TOOL, "etcd-maintain"]:
+            continue
+        name = workload["metadata"]["name"]
+        assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1, name
+        params = check_tool_command(expanded_argv(container))
+        reached.append(params["etcd"])
+        assert params["keep_s"] == retention_s(pod_spec(etcd)["containers"][0]["args"]), name
+        ports = declared_ports(container)
+        for probe in ("startupProbe", "livenessProbe"):
+            get = container[probe]["httpGet"]
+            assert get["path"] == "/healthz" and ports[get["port"]] == params["metrics_port"]
+            assert get.get("scheme", "HTTP") == scheme.upper(), f"{name}: {probe}"
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(params["metrics_port"])
+        assert "rlharvest.io/service" not in workload["metadata"].get("labels", {}), (
+            f"{name}: a service label would give it the services' certificate (tls.yaml)")
+    assert sorted(reached) == sorted(members)
+
+
+def test_compose_etcd_maintainer_keeps_what_compose_etcd_keeps():
+    services = compose_services()
+    params = check_tool_command(services["etcd-maintenance"]["command"])
+    assert params["keep_s"] == retention_s(services["etcd"]["command"])
+
+
+def test_tls_overlay_gives_etcd_maintainers_an_admin_certificate():
+    """Once etcd's auth is on, etcd refuses a service role's defrag: the maintainers hold the
+    admin's Secret, never the services' one."""
+    docs = rendered("tls")
+    maintainers = [w for w in workloads(docs)
+                   if w["metadata"]["labels"]["app.kubernetes.io/name"] == "etcd-maintenance"]
+    assert maintainers
+    for workload in maintainers:
+        [container] = pod_spec(workload)["containers"]
+        volumes = {v["name"]: v for v in pod_spec(workload)["volumes"]}
+        assert {v["secret"]["secretName"] for v in volumes.values()} == {ADMIN_SECRET}
+        [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == ADMIN_DIR]
+        assert mount.get("readOnly") is True
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        for var, file in TLS_ENV.items():
+            assert env.get(var) == f"{ADMIN_DIR}/{file}", workload["metadata"]["name"]
+    readme = (K8S / "README.md").read_text()
+    assert ADMIN_SECRET in readme and "etcd-maintenance" in readme
 
 
 # ---- overlays --------------------------------------------------------------------------------
