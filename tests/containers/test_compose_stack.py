@@ -29,7 +29,7 @@ FILES = ["-f", "docker-compose.yml", "-f", "deploy/compose/ci.yml"]
 # Everything but Grafana (no Debian package) and the `ranks` profile's trainer.
 SERVICES = ["etcd", "prometheus", "transfer-agent-0", "rollout-manager", "rollout-manager-standby",
             "placement-scheduler", "rollout-worker-0", "rollout-worker-1", "rollout-worker-spot",
-            "coexecutor-0", "trainer"]
+            "coexecutor-0", "trainer", "etcd-maintenance"]
 MANAGERS = ["127.0.0.1:50200", "127.0.0.1:50201"]  # manager-0 and its standby (ci.yml)
 MANAGER_METRICS = {"127.0.0.1:50200": 9200, "127.0.0.1:50201": 9201}  # their metrics (ci.yml)
 STEPS = 8  # RLH_STEPS in ci.yml
@@ -177,7 +177,7 @@ def test_prometheus_scrapes_every_member(stack):
     members = {t["labels"]["member"] for t in
                json.loads(_get("http://127.0.0.1:9090/api/v1/targets"))["data"]["activeTargets"]
                if t["labels"]["job"] == "rlharvest"}
-    assert len(members) == 9
+    assert len(members) == 10  # the nine services' and the etcd maintainer's
     ever = _wait("every member scraped", lambda: (lambda r: r if set(r) == members and
                  all(v == 1 for v in r.values()) else None)(
                      query('max_over_time(up{job="rlharvest"}[15m])')), 60, every=2)
