@@ -653,6 +653,8 @@ class RolloutControl:
         it made while no manager held them) have not come: moved now, those rows would be
         dropped as stale and the tokens generated again elsewhere."""
         view = self.pool.get(worker_id)
+        if not view.adopted:  # nearly every worker, every tick: no set to rebuild
+            return view.adopted
         view.adopted = {rid for rid in view.adopted if rid in self.tracker
                         and self.tracker.get(rid).worker_id == worker_id
                         and self.tracker.get(rid).state is RequestState.PENDING}
