@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from rlharvest.services.rollout_manager.batching_profile import ThroughputProfile
@@ -279,6 +279,14 @@ class MoveCosts:
     left: Callable[[str], Collection[str]]
     prefill_tokens_per_s: float = 10_000.0
     min_gain: float = 0.1
+    # (remaining, context) of each of the ids at once, as the two above answer them: the
+    # rule's one loop over requests asks it of every running request on each slow worker.
+    figures: Callable[[Sequence[str]], Iterable[tuple[float, int]]] | None = None
+
+    def both(self, request_ids: Sequence[str]) -> Iterable[tuple[float, int]]:
+        if self.figures is not None:
+            return self.figures(request_ids)
+        return ((self.remaining(r), self.context(r)) for r in request_ids)
 
 
 def predicted_pace(load: InstanceLoad, batch: int) -> float | None:
@@ -390,7 +398,7 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts,
     hundreds of moves for the 64 a tick makes.
     """
     idle = [i for i in instances if i.executing == 0 and i.free_slots > 0 and
-            predicted_pace(i, 1) is not None]
+            i.pace is not None and i.pace > 0]  # predicted_pace(i, 1) is not None
     if not idle:
         return []
     idle.sort(key=lambda i: (predicted_pace(i, 1) or 0.0, i.capacity, i.worker_id), reverse=True)
@@ -404,14 +412,15 @@ def _migrate_paying(instances: Sequence[InstanceLoad], costs: MoveCosts,
     prefill_rate = fastest.prefill_rate or costs.prefill_tokens_per_s
     candidates: list[tuple[float, str, InstanceLoad]] = []
     for src in instances:
-        if not src.running:
+        if not src.running or src.pace is None or src.pace <= 0:
             continue
         pace = predicted_pace(src, 1)  # its measured pace, as in move_gain
         if pace is None or pace >= ceiling:
             continue
         factor = (1.0 - costs.min_gain) / pace - per_token
-        for request_id in src.running:
-            gain = costs.remaining(request_id) * factor - costs.context(request_id) / prefill_rate
+        running = src.running
+        for request_id, (remaining, context) in zip(running, costs.both(running)):
+            gain = remaining * factor - context / prefill_rate
             if gain > 0:
                 candidates.append((gain, request_id, src))
     candidates.sort(key=lambda c: (-c[0], c[1]))
