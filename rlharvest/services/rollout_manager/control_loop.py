@@ -765,14 +765,13 @@ class RolloutControl:
 
     def _figures(self, request_ids: Sequence[str]) -> list[tuple[float, int]]:
         """(``_expected_remaining``, ``_context_of``) of each, one tracker read per request."""
-        get, expected = self.tracker.get, self._lengths.expected_remaining
-        out = []
-        for request_id in request_ids:
-            req = get(request_id)
-            generated = req.generated
-            out.append((expected(generated, req.sampling.max_tokens),
-                        len(req.prompt_token_ids) + generated))
-        return out
+        get = self.tracker.get
+        requests = [get(request_id) for request_id in request_ids]
+        generated = self.tracker.generated_of(requests)
+        remaining = self._lengths.expected_remaining_many(
+            [(g, r.sampling.max_tokens) for g, r in zip(generated, requests)])
+        return [(left, len(r.prompt_token_ids) + g)
+                for left, g, r in zip(remaining, generated, requests)]
 
     def _context_of(self, request_id: str) -> int:
         return self.tracker.get(request_id).context_length

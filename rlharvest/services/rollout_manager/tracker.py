@@ -366,6 +366,12 @@ class RequestTracker:
         rest of ``assigned_count`` are PENDING. Constant time."""
         return self._executing.get(worker_id, 0)
 
+    def generated_of(self, requests: Sequence[TrackedRequest]) -> list[int]:
+        """``generated`` of each request, the ledger's read once for all."""
+        if any(r.forgotten is not None for r in requests):
+            return [r.generated for r in requests]
+        return self.ledger.lengths([r.handle for r in requests])
+
     def busy(self, worker_id: str) -> bool:
         """Some request is assigned to ``worker_id``."""
         return bool(self._by_worker.get(worker_id))
