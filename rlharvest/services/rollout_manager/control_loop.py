@@ -160,7 +160,7 @@ class RolloutControl:
         self._costs = None if config.migration_rule == "paper" else MoveCosts(
             self._expected_remaining, self._context_of, self._left_by,
             config.prefill_tokens_per_s, config.migration_min_gain,
-            self._relocated.__contains__)
+            self._relocated.__contains__, self._figures)
 
     @property
     def profiles(self) -> dict[str, ThroughputProfile]:
@@ -569,9 +569,10 @@ class RolloutControl:
             self.router.expire()  # abandoned trajectories' entries, at most once a second
             self._router_expired_at = self._clock()
         out, self._outbox = self._outbox, []
-        for loss in self.failure.detect_losses(self.pool.all(), self._busy):
+        busy = self.tracker.busy
+        for loss in self.failure.detect_losses(self.pool.all(), busy):
             out += self.worker_lost(loss.worker_id, loss.reason)
-        for worker_id in self.failure.to_forget(self.pool.all(), self._busy):
+        for worker_id in self.failure.to_forget(self.pool.all(), busy):
             out.append(self._forget(worker_id))
         for w in list(self.pool.all()):
             if w.state is WorkerState.DRAINING and self._busy(w.worker_id):
@@ -659,6 +660,8 @@ class RolloutControl:
         it made while no manager held them) have not come: moved now, those rows would be
         dropped as stale and the tokens generated again elsewhere."""
         view = self.pool.get(worker_id)
+        if not view.adopted:  # nearly every worker, every tick: no set to rebuild
+            return view.adopted
         view.adopted = {rid for rid in view.adopted if rid in self.tracker
                         and self.tracker.get(rid).worker_id == worker_id
                         and self.tracker.get(rid).state is RequestState.PENDING}
@@ -738,7 +741,7 @@ class RolloutControl:
             self.pool.note_progress(worker_id)
 
     def _busy(self, worker_id: str) -> bool:
-        return self.tracker.assigned_count(worker_id) > 0
+        return self.tracker.busy(worker_id)
 
     def _waiting_by_version(self) -> dict[int, list[str]]:
         by_version: dict[int, list[str]] = {}
@@ -747,8 +750,9 @@ class RolloutControl:
         return by_version
 
     def _busy_versions(self) -> set[int]:
+        busy = self.tracker.busy
         return {w.weight_version for w in self.pool.all()
-                if w.state is WorkerState.HEALTHY and self._busy(w.worker_id)}
+                if w.state is WorkerState.HEALTHY and busy(w.worker_id)}
 
     def _held_versions(self) -> set[int]:
         return self.pool.held_versions()
@@ -760,12 +764,22 @@ class RolloutControl:
 
     def _loads(self, weight_version: int) -> list[InstanceLoad]:
         """Algorithm 2's view of the workers eligible for ``weight_version``."""
-        now = self._clock()
-        return [self._load(w, now) for w in self.pool.eligible(weight_version)]
+        now, profiles = self._clock(), self.profiles
+        return [self._load(w, now, profiles) for w in self.pool.eligible(weight_version)]
 
     def _expected_remaining(self, request_id: str) -> float:
         req = self.tracker.get(request_id)
         return self._lengths.expected_remaining(req.generated, req.sampling.max_tokens)
+
+    def _figures(self, request_ids: Sequence[str]) -> list[tuple[float, int]]:
+        """(``_expected_remaining``, ``_context_of``) of each, one tracker read per request."""
+        get = self.tracker.get
+        requests = [get(request_id) for request_id in request_ids]
+        generated = self.tracker.generated_of(requests)
+        remaining = self._lengths.expected_remaining_many(
+            [(g, r.sampling.max_tokens) for g, r in zip(generated, requests)])
+        return [(left, len(r.prompt_token_ids) + g)
+                for left, g, r in zip(remaining, generated, requests)]
 
     def _context_of(self, request_id: str) -> int:
         return self.tracker.get(request_id).context_length
@@ -773,17 +787,17 @@ class RolloutControl:
     def _left_by(self, request_id: str) -> set[str]:
         return self._left.get(request_id, _NONE_LEFT)
 
-    def _load(self, w: WorkerView, now: float) -> InstanceLoad:
+    def _load(self, w: WorkerView, now: float,
+              profiles: dict[str, ThroughputProfile]) -> InstanceLoad:
         """Built from counts the tracker keeps as requests come and go (constant time per
         worker); the ids are read out only where Algorithm 2 moves some (``LazyIds``)."""
         worker_id = w.worker_id
         # A request given back to its keeper stays until its catch-up rows are in (``_owed``):
         # load like any, but not Algorithm 2's to move, so it is counted as not ours.
         owed = self._owed(worker_id)
-        executing = self.tracker.executing_count(worker_id)
-        pending = self.tracker.assigned_count(worker_id) - executing - len(owed)
-        context = self.tracker.mean_context(worker_id)
-        plateau = None if context is None else self.profiles[w.kind].plateau(context)
+        assigned, executing, context = self.tracker.load_counts(worker_id)
+        pending = assigned - executing - len(owed)
+        plateau = None if context is None else profiles[w.kind].plateau(context)
         capacity, unmanaged = w.capacity, 0
         if w.admission == "kv_memory":  # only the worker knows what its KV memory admits
             capacity, unmanaged = kv_memory_load(w.capacity, w.reported_pending,

@@ -38,6 +38,18 @@ class LengthModel:
     def __len__(self) -> int:
         return len(self._sorted)
 
+    def expected_remaining_many(self, pairs: Iterable[tuple[int, int]]) -> list[float]:
+        """``expected_remaining`` of each (generated, max_tokens): many running requests share
+        a pair (same max_tokens, same count so far), each pair is computed once."""
+        memo: dict[tuple[int, int], float] = {}
+        out = []
+        for pair in pairs:
+            value = memo.get(pair)
+            if value is None:
+                value = memo[pair] = self.expected_remaining(*pair)
+            out.append(value)
+        return out
+
     def expected_remaining(self, generated: int, max_tokens: int) -> float:
         """Tokens the request is expected to generate still (0 once at max_tokens)."""
         bound = max(0, max_tokens - generated)

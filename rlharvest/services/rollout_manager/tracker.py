@@ -366,6 +366,25 @@ class RequestTracker:
         rest of ``assigned_count`` are PENDING. Constant time."""
         return self._executing.get(worker_id, 0)
 
+    def generated_of(self, requests: Sequence[TrackedRequest]) -> list[int]:
+        """``generated`` of each request, the ledger's read once for all."""
+        if any(r.forgotten is not None for r in requests):
+            return [r.generated for r in requests]
+        return self.ledger.lengths([r.handle for r in requests])
+
+    def busy(self, worker_id: str) -> bool:
+        """Some request is assigned to ``worker_id``."""
+        return bool(self._by_worker.get(worker_id))
+
+    def load_counts(self, worker_id: str) -> tuple[int, int, float | None]:
+        """``assigned_count``, ``executing_count`` and ``mean_context`` in one call: the
+        control loop reads all three of every eligible worker each tick."""
+        assigned = self._by_worker.get(worker_id)
+        if not assigned:
+            return 0, self._executing.get(worker_id, 0), None
+        return (len(assigned), self._executing.get(worker_id, 0),
+                self._context[worker_id] / len(assigned))
+
     def mean_context(self, worker_id: str) -> float | None:
         """Mean context length (prompt + tokens so far) of the requests on ``worker_id``; None
         when it has none. Constant time: the sum is kept as requests move and grow."""
