@@ -14,7 +14,7 @@ every token and streams them to one SubmitStep client. Reported:
            [--managers 1,2] # the manager split into shards (sharding.py): each count a job of
                             # its own (own etcd, the same workers), rounds interleaved
 
-With ``--managers``, each step goes through the trainer's client (StepStream; fanned out over
+With ``--managers``, each step goes through the trainer's client (JobStepStream; fanned out over
 the shards), and the table compares the counts by round: tokens per wall second, tokens per
 manager CPU-second summed over the processes, the client's CPU per token, and the added p99.
 """
@@ -44,7 +44,8 @@ from rlharvest.common.pb import rollout_worker_pb2_grpc  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common import registry  # noqa: E402
 from rlharvest.services.rollout_manager.client import (  # noqa: E402
-    RolloutStreamError, StepStream, healthy_workers, locate_manager, wait_workers)
+    RolloutStreamError, healthy_workers, locate_manager, wait_workers)
+from rlharvest.services.rollout_manager.shard_client import JobStepStream  # noqa: E402
 from rlharvest.services.rollout_manager.sharding import shard_of  # noqa: E402
 from tests.integration.worker_client import WorkerHandle, wait_serving  # noqa: E402
 
@@ -313,8 +314,8 @@ class Deployment:
         assert self.stack.etcd is not None  # started in __init__
         etcd = await registry.connect(self.stack.etcd.endpoint)
         try:
-            stream = StepStream(etcd, "default", await locate_manager(etcd, "default"),
-                                max_message_bytes=1 << 30, resume_wait_s=0.0)
+            stream = JobStepStream(etcd, "default", await locate_manager(etcd, "default"),
+                                   max_message_bytes=1 << 30, resume_wait_s=0.0)
             await stream.run(request, tally)
         finally:
             await etcd.close()

@@ -107,7 +107,12 @@ class AuthenticatingClient(aetcd.Client):
         self._renewer: asyncio.Task | None = None
 
     def _open_channel(self) -> grpc.aio.Channel:
-        target, options = f"{self._host}:{self._port}", list(self._options.items())
+        # Its own subchannels: grpc shares a process's subchannels to one address across
+        # channels, so a client made just after etcd came back inherited another client's
+        # reconnect backoff, grown during the outage, and failed at once with the outage's
+        # "connection refused" although etcd answered (seen right after etcd restarts).
+        target = f"{self._host}:{self._port}"
+        options = [*self._options.items(), ("grpc.use_local_subchannel_pool", 1)]
         if self._channel_credentials is None:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, self._channel_credentials, options=options)

@@ -171,7 +171,9 @@ async def test_graceful_drain_moves_requests_before_exit(stack):
                launch_worker(stack, "d1", "--max-running", "4", "--step-delay-s", "0.02",
                              "--shutdown-grace", "1"),
                launch_worker(stack, "d2", "--max-running", "4")]
-    manager = start_manager(stack)
+    # The paper's migration rule: the cost-aware one (the default) moves a slow worker's
+    # requests to the idle ones as they run dry, so the drain could find none left to move.
+    manager = start_manager(stack, "--migration-rule", "paper")
     for worker in workers:
         wait_serving(worker, 120)
     await wait_workers(manager.endpoint, 3)

@@ -14,8 +14,8 @@ import pytest
 from rlharvest.common import delta_batch, registry
 from rlharvest.common.local_etcd import free_port
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
-from rlharvest.services.rollout_manager.client import ManagerAt, StepStream, locate_manager
-from rlharvest.services.rollout_manager.shard_client import ShardedStep
+from rlharvest.services.rollout_manager.client import ManagerAt, locate_manager
+from rlharvest.services.rollout_manager.shard_client import JobStepStream, ShardedStep
 from rlharvest.services.rollout_manager.sharding import shard_of
 
 from .test_manager import scrape, status, step_request, wait_workers
@@ -111,8 +111,8 @@ async def test_a_two_shard_step_fans_out_by_capacity_and_completes_every_request
     assert located.shards == SHARDS
     request = step_request(16, 12)
     record = Record(request)
-    stream = StepStream(etcd_client, "default", located, max_message_bytes=64 << 20,
-                        resume_wait_s=30.0)
+    stream = JobStepStream(etcd_client, "default", located, max_message_bytes=64 << 20,
+                           resume_wait_s=30.0)
     await asyncio.wait_for(stream.run(request, record), 180)  # the trainer's entry point
     assert set(record.completions) == {r.request_id for r in request.requests}
     statuses = [await status(m.endpoint) for m in managers]
@@ -215,8 +215,9 @@ async def client_step(etcd_client, request: mpb.SubmitStepRequest, on_tokens=Non
     """The step through the trainer's client (fanned out when the job has shards);
     ``on_tokens(record)`` runs while it streams."""
     record = Record(request)
-    stream = StepStream(etcd_client, "default", await locate_manager(etcd_client, "default"),
-                        max_message_bytes=64 << 20, resume_wait_s=30.0)
+    stream = JobStepStream(etcd_client, "default",
+                           await locate_manager(etcd_client, "default"),
+                           max_message_bytes=64 << 20, resume_wait_s=30.0)
     run = asyncio.create_task(stream.run(request, record))
     while on_tokens is not None and not run.done():
         await on_tokens(record)

@@ -533,7 +533,10 @@ async def test_the_code_reward_starts_no_test_case_once_the_pool_gave_up_on_it(
     pool = RewardPool(builtin.code_reward, max_concurrency=1, timeout_s=0.6)
     outcome = await pool.score(RewardRequest("s", "", program, reference))
     gave_up = time.monotonic()
-    assert not outcome.ok and pool.abandoned_calls == 1
+    # Either the pool's timeout fired first (the call abandoned, counted) or, on a loaded box
+    # whose loop ran late, the call saw the deadline between two cases and ended itself.
+    assert not outcome.ok and (pool.abandoned_calls == 1 or
+                               outcome.error.startswith("abandoned by its caller")), outcome
     await asyncio.sleep(2.0)  # the four cases left would start within it
     assert 1 <= len(started) <= 3
     assert not [t for t in started if t > gave_up]

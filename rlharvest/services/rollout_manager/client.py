@@ -192,39 +192,25 @@ class StepReader(Protocol):
 
 
 class StepStream:
-    """One step's SubmitStep on the job's manager. When the manager dies mid-step the step is
-    resumed at its successor (found in etcd within ``resume_wait_s``) with every token already
-    generated, instead of being retried whole."""
+    """One step's SubmitStep on one manager (a sharded job's: on one shard,
+    ``shard_client.JobStepStream`` fans a step out). When the manager dies mid-step the step
+    is resumed at its successor (found in etcd within ``resume_wait_s``) with every token
+    already generated, instead of being retried whole."""
 
     def __init__(self, etcd: Any, job: str, manager: ManagerAt, *, max_message_bytes: int,
-                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic,
-                 fan_out: bool = True) -> None:
+                 resume_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._etcd = etcd
-        self._fan_out = fan_out  # False: this stream is one shard's part of a step
         self._job = job
         self.manager = manager  # the one streaming now
         self._max_message_bytes = max_message_bytes
         self._resume_wait_s = resume_wait_s
         self._clock = clock
 
-    def _on_shard(self, manager: ManagerAt) -> None:
-        # ``manager`` names one shard streaming now (the trainer's tail reports read it).
-        self.manager = manager
-
     async def run(self, request: mpb.SubmitStepRequest, reader: StepReader,
                   may_fail_over: bool = True) -> None:
         """Every event of the step into ``reader``, until every request ended. Without
         ``may_fail_over`` (a short round: its acceptance state died with the manager) a dead
-        manager fails the step. A sharded job's step fans out over its shards
-        (shard_client.py); a short round's acceptance counts one step's groups, so it runs
-        whole on the one shard found."""
-        if self._fan_out and self.manager.shards > 1 and not request.HasField("acceptance"):
-            from rlharvest.services.rollout_manager.shard_client import ShardedStep
-            await ShardedStep(self._etcd, self._job, self.manager.shards,
-                              max_message_bytes=self._max_message_bytes,
-                              resume_wait_s=self._resume_wait_s, clock=self._clock,
-                              on_shard=self._on_shard).run(request, reader, may_fail_over)
-            return
+        manager fails the step."""
         submit = request
         while submit.requests:
             try:

@@ -204,8 +204,7 @@ class ShardedStep:
         sub.requests.extend(requests)
         stream = StepStream(self._etcd, self._job, self.leaders[shard],
                             max_message_bytes=self._max_message_bytes,
-                            resume_wait_s=self._resume_wait_s, clock=self._clock,
-                            fan_out=False)
+                            resume_wait_s=self._resume_wait_s, clock=self._clock)
         part = _Part(shard, sub, stream)
         self.parts.append(part)
         if self._on_shard is not None:
@@ -280,3 +279,25 @@ class ShardedStep:
                     self._clock() >= deadline:
                 return resumed
             await asyncio.sleep(0.005)
+
+
+class JobStepStream(StepStream):
+    """The trainer's stream of a step on its job's manager: on a sharded job (the manager it
+    found says ``shards`` > 1) the step fans out over every shard (``ShardedStep``), each part
+    a ``StepStream`` of its own; else, and for a short round (its acceptance counts one
+    step's groups, so it runs whole on the one shard found), one ``StepStream``. Here rather
+    than in client.py, so that the part streams' module does not import this one."""
+
+    async def run(self, request: mpb.SubmitStepRequest, reader: StepReader,
+                  may_fail_over: bool = True) -> None:
+        if self.manager.shards <= 1 or request.HasField("acceptance"):
+            await super().run(request, reader, may_fail_over)
+            return
+        await ShardedStep(self._etcd, self._job, self.manager.shards,
+                          max_message_bytes=self._max_message_bytes,
+                          resume_wait_s=self._resume_wait_s, clock=self._clock,
+                          on_shard=self._on_shard).run(request, reader, may_fail_over)
+
+    def _on_shard(self, manager: ManagerAt) -> None:
+        # ``manager`` names one shard streaming now (the trainer's tail reports read it).
+        self.manager = manager

@@ -16,7 +16,8 @@ from typing import Any
 from rlharvest.common.aio import wait_event
 from rlharvest.common.pb import rollout_manager_pb2 as mpb
 from rlharvest.models.model_tokenizer import ModelTokenizer
-from rlharvest.services.rollout_manager.client import ManagerAt, StepStream
+from rlharvest.services.rollout_manager.client import ManagerAt
+from rlharvest.services.rollout_manager.shard_client import JobStepStream
 from rlharvest.services.trainer import metrics
 from rlharvest.services.trainer.compute import ComputeThread
 from rlharvest.services.trainer.config import TrainerConfig
@@ -97,7 +98,7 @@ class _GrpoStep:
         self.remote: mpb.RemoteTimings | None = None  # the manager's half of Algorithm 1's inputs
         self.rollout_done = asyncio.Event()
         self.measured = RolloutOutcome()
-        self.stream = StepStream(source.etcd, self.cfg.job, run.manager,
+        self.stream = JobStepStream(source.etcd, self.cfg.job, run.manager,
                                  max_message_bytes=self.cfg.max_message_bytes,
                                  resume_wait_s=self.cfg.resume_wait_s, clock=self.clock)
 
