@@ -53,7 +53,9 @@ def job(module_stack, checkpoint: Path, tmp_path_factory):
     workers = {name: launch_worker(module_stack, name, *common, *flags) for name, flags in (
         # v0 is slowed (an emulated slower GPU) so it still holds requests when it is killed
         ("v0", [*vllm, "--step-delay-s", "0.05"]), ("v1", vllm), ("t0", []))}
-    manager = start_manager(module_stack)
+    # The paper's migration rule: the cost-aware one (the default) may move every request off
+    # a slower worker before the kill, leaving it none to lose.
+    manager = start_manager(module_stack, "--migration-rule", "paper")
     for handle in workers.values():
         wait_serving(handle, 240)
     return workers, manager, weights_dir
