@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import os
 import pstats
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlharvest.common import delta_batch, rpc  # noqa: E402
-from rlharvest.common.local_etcd import free_port  # noqa: E402
+from rlharvest.common.local_etcd import free_port, stop_processes  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.common.pb import rollout_manager_pb2_grpc, rollout_worker_pb2 as wpb  # noqa: E402
 from rlharvest.common.pb import rollout_worker_pb2_grpc  # noqa: E402
@@ -213,14 +212,7 @@ def main() -> None:
             direct += alone
             added.append(pct(through, 99) - pct(alone, 99))
     finally:
-        for proc in procs:  # SIGTERM: the profiled manager writes its profile on a clean exit
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)  # SIGTERM: the profiled manager writes its profile on exit
         stack.stop()
 
     rates = sorted(r["tokens"] / r["cpu"] for r in runs)
@@ -321,14 +313,7 @@ class Deployment:
             await etcd.close()
 
     def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs)
         self.stack.stop()
 
 

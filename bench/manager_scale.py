@@ -47,7 +47,7 @@ from bench.manager_relay import (  # noqa: E402
 from bench.manager_scale_workers import LongTail  # noqa: E402
 from rlharvest.cli.launcher import LocalStack  # noqa: E402
 from rlharvest.common import delta_batch  # noqa: E402
-from rlharvest.common.local_etcd import LocalEtcd, free_port  # noqa: E402
+from rlharvest.common.local_etcd import LocalEtcd, free_port, stop_processes  # noqa: E402
 from rlharvest.common.observability import scrape  # noqa: E402
 from rlharvest.common.pb import common_pb2, rollout_manager_pb2 as mpb  # noqa: E402
 from rlharvest.services.rollout_manager.client import (  # noqa: E402
@@ -165,14 +165,7 @@ def start_workers(fleet: Fleet, index: int, per_host: int, args: argparse.Namesp
 
 def stop_fleet(fleet: Fleet) -> Path | None:
     """Stops everything; returns the manager's profile if it wrote one (SIGTERM: a clean exit)."""
-    for proc in fleet.procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in fleet.procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    stop_processes(fleet.procs, timeout=60)
     fleet.stack.stop()
     prof = fleet.stack.log_dir / "manager.prof"
     return prof if prof.exists() else None

@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 import urllib.request
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
         process.kill()
         process.wait()
 
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], timeout: float = 30.0) -> None:
+    """``stop_process`` for many at once: all are sent SIGTERM first, so their shutdowns
+    overlap, then each gets up to ``timeout`` before SIGKILL."""
+    alive = [p for p in processes if p.poll() is None]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 def _server_identity(ca: tls.LocalCA) -> tls.TlsMaterial | None:
     """etcd's certificate, issued by ``ca``; it also checks etcd's health as a client
