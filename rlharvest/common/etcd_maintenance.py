@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import aetcd
 import aetcd.rpc
-import grpc
 from prometheus_client import Counter, Gauge
 
 from rlharvest.common.etcd_outage import with_etcd
@@ -157,18 +156,12 @@ def already_compacted(exc: BaseException) -> bool:
     return isinstance(exc, aetcd.ClientError) and "compacted" in str(exc)
 
 
+@aetcd.client._handle_errors  # aetcd's own error mapping, as its calls (and registry's) use
 async def etcd_status(client: aetcd.Client, now: float, timeout_s: float = 5.0) -> EtcdStatus:
     """etcd's Status with the bytes in use, which ``aetcd.Client.status`` leaves out; an
     unreachable etcd raises aetcd's connection errors, as its own calls do."""
-    try:
-        reply = await client.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=timeout_s,
-                                                    metadata=client.metadata)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            raise aetcd.ConnectionFailedError(exc.details()) from exc
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise aetcd.ConnectionTimeoutError(exc.details()) from exc
-        raise aetcd.ClientError(exc.details()) from exc
+    reply = await client.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=timeout_s,
+                                                metadata=client.metadata)
     return EtcdStatus(now, reply.header.revision, reply.dbSize, reply.dbSizeInUse)
 
 
